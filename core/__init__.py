@@ -1,0 +1,1 @@
+"""Engine logic with no torch import: requests, block pool, scheduler, detokenizer, engine loop."""

@@ -1,0 +1,40 @@
+"""EngineConfig: every engine setting, filled from the CLI (server/cli.py) or by tests."""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class EngineConfig(msgspec.Struct, kw_only=True):
+    model: str | None = None  # None: the built-in tiny model
+    served_model_name: list[str] = []
+    revision: str | None = None
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory: int = 1 << 30  # bytes of KV cache on CPU
+    gpu_memory_utilization: float = 0.9
+    attention_backend: str = "auto"
+    seed: int = 0
+    chat_template: str | None = None  # a file path or the template itself
+    check_integrity: bool = False  # assert the block pool invariant after every step (tests)
+
+    def validate(self) -> None:
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"--dtype must be auto, float32, bfloat16 or float16, not {self.dtype}")
+        if self.block_size < 1 or self.block_size > 1024:
+            raise ValueError("--block-size must be between 1 and 1024")
+        if self.max_num_seqs < 1:
+            raise ValueError("--max-num-seqs must be positive")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("--max-num-batched-tokens must be positive")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError("--num-kv-blocks must be positive")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError("--gpu-memory-utilization must be in (0, 1]")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError("--max-model-len must be at least 2")

@@ -1,0 +1,159 @@
+"""EngineCore: one engine step (schedule, run the model, sample, stop, detokenize), no threads.
+
+The engine thread drives it (engine.py); tests and offline use can drive it directly.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from tokenizers import Tokenizer
+
+from core.detokenizer import Detokenizer
+from core.kv_cache_manager import KVCacheManager
+from core.request import EngineRequest, Request, RequestOutput
+from core.sampling import InvalidParam
+from core.scheduler import Scheduler, SchedulerOutput
+
+
+class ModelRunner(Protocol):
+    """What the engine needs from gpu/: run one scheduled step, return one sampled id per seq
+    whose `sample` flag is set, in order."""
+
+    vocab_size: int
+
+    def execute(self, out: SchedulerOutput) -> list[int]: ...
+
+
+class EngineCore:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        tokenizer: Tokenizer | None,
+        *,
+        num_blocks: int,
+        block_size: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        eos_token_ids: set[int] | frozenset[int] = frozenset(),
+        check_integrity: bool = False,
+    ) -> None:
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.max_model_len = min(max_model_len, num_blocks * block_size)
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.kv = KVCacheManager(num_blocks, block_size)
+        self.scheduler = Scheduler(self.kv, max_num_seqs, max_num_batched_tokens)
+        self.requests: dict[str, Request] = {}
+        self.check_integrity = check_integrity
+        self.num_steps = 0
+        self.num_partial_prefills = 0
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    def check(self, req: EngineRequest) -> int:
+        """Validate a request against the model; return its resolved max_tokens.
+
+        Reads only settings fixed at start-up, so the Trio thread may call it.
+        """
+        n = len(req.prompt_token_ids)
+        if n == 0:
+            raise InvalidParam("prompt", "the prompt is empty")
+        vocab = self.runner.vocab_size
+        for t in req.prompt_token_ids:
+            if not 0 <= t < vocab:
+                raise InvalidParam("prompt", f"token id {t} is outside the vocabulary (0..{vocab - 1})")
+        room = self.max_model_len - n
+        if room < 1:
+            raise InvalidParam(
+                "messages",
+                f"This model's maximum context length is {self.max_model_len} tokens, "
+                f"but the prompt has {n} tokens, leaving no room for output.",
+            )
+        max_tokens = req.sampling_params.max_tokens
+        if max_tokens is None:
+            return room
+        if max_tokens > room:
+            raise InvalidParam(
+                "max_tokens",
+                f"This model's maximum context length is {self.max_model_len} tokens. "
+                f"However, you requested {n + max_tokens} tokens ({n} in the prompt, "
+                f"{max_tokens} for the completion). Please reduce the prompt or max_tokens.",
+            )
+        return max_tokens
+
+    def add(self, req: EngineRequest) -> None:
+        if req.request_id in self.requests:
+            raise InvalidParam("request_id", f"request id {req.request_id!r} is already running")
+        max_tokens = self.check(req)
+        detok = None
+        if self.tokenizer is not None:
+            detok = Detokenizer(
+                self.tokenizer, req.prompt_token_ids, req.sampling_params.skip_special_tokens
+            )
+        request = Request(req, max_tokens, detok)
+        self.requests[request.request_id] = request
+        self.scheduler.add(request)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        self.scheduler.remove(request)
+        return self._output(request, [], "", "abort")
+
+    def _output(
+        self, request: Request, new_ids: list[int], text: str, finish_reason: str | None
+    ) -> RequestOutput:
+        return RequestOutput(
+            request_id=request.request_id,
+            new_token_ids=new_ids,
+            new_text=text,
+            finished=finish_reason is not None,
+            finish_reason=finish_reason,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=request.num_output_tokens,
+        )
+
+    def _stop_reason(self, request: Request, token_id: int) -> str | None:
+        params = request.sampling_params
+        if not params.ignore_eos and token_id in self.eos_token_ids:
+            return "stop"
+        if token_id in params.stop_token_ids:
+            return "stop"
+        if request.num_output_tokens >= request.max_tokens:
+            return "length"
+        if request.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        if not out.seqs:
+            return []
+        sampled = self.runner.execute(out)
+        self.scheduler.commit(out)
+        self.num_steps += 1
+        outputs: list[RequestOutput] = []
+        it = iter(sampled)
+        for seq in out.seqs:
+            if not seq.sample:
+                self.num_partial_prefills += 1
+                continue
+            token_id = next(it)
+            request = seq.request
+            request.append_output(token_id)
+            text = request.detokenizer.step(token_id) if request.detokenizer else ""
+            reason = self._stop_reason(request, token_id)
+            if reason is not None:
+                if request.detokenizer:
+                    text += request.detokenizer.flush()
+                self.scheduler.remove(request)
+                del self.requests[request.request_id]
+            outputs.append(self._output(request, [token_id], text, reason))
+        if self.check_integrity:
+            self.kv.check_integrity()
+        return outputs

@@ -1,0 +1,50 @@
+"""RequestChannel: a one-slot mailbox per request that merges deltas while its reader is behind."""
+
+from __future__ import annotations
+
+import trio
+
+from core.request import RequestOutput
+
+
+def merge(old: RequestOutput, new: RequestOutput) -> RequestOutput:
+    """Fold `new` into `old`: text concatenated, token ids appended, latest counts and finish kept."""
+    return RequestOutput(
+        request_id=old.request_id,
+        new_token_ids=old.new_token_ids + new.new_token_ids,
+        new_text=old.new_text + new.new_text,
+        finished=new.finished,
+        finish_reason=new.finish_reason,
+        num_prompt_tokens=new.num_prompt_tokens,
+        num_output_tokens=new.num_output_tokens,
+        error=new.error,
+    )
+
+
+class RequestChannel:
+    """Written by the engine's dispatch callback and read by the handler, both on the Trio thread.
+
+    One handler may read several engine requests through one channel (a batch of prompts): it
+    holds at most one pending output per request id, merging deltas while the reader is behind.
+    The engine never waits on it; a slow reader costs memory in proportion to its unsent text and
+    loses nothing.
+    """
+
+    __slots__ = ("_pending", "_event")
+
+    def __init__(self) -> None:
+        self._pending: dict[str, RequestOutput] = {}
+        self._event = trio.Event()
+
+    def put(self, out: RequestOutput) -> None:
+        old = self._pending.get(out.request_id)
+        self._pending[out.request_id] = out if old is None else merge(old, out)
+        self._event.set()
+
+    async def get(self) -> list[RequestOutput]:
+        """Everything pending, oldest request first; waits while there is nothing."""
+        await self._event.wait()
+        outs = list(self._pending.values())
+        self._pending.clear()
+        self._event = trio.Event()
+        return outs

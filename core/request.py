@@ -1,0 +1,95 @@
+"""Engine-side request state, plus the structs that carry a request in and its output out."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+import msgspec
+
+from core.sampling import SamplingParams
+
+
+class EngineRequest(msgspec.Struct, gc=False):
+    """What a handler hands to `Engine.add`: already tokenized and validated."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float = 0.0
+
+
+class RequestOutput(msgspec.Struct, omit_defaults=True, gc=False):
+    """One step's news for one request. Deltas of the same request can be merged (see outputs.py)."""
+
+    request_id: str
+    new_token_ids: list[int] = []
+    new_text: str = ""
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    error: str | None = None
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+class Request:
+    """A request as the engine thread sees it. Only the engine thread touches it."""
+
+    __slots__ = (
+        "request_id",
+        "prompt_token_ids",
+        "output_token_ids",
+        "all_token_ids",
+        "sampling_params",
+        "max_tokens",
+        "num_computed_tokens",
+        "status",
+        "finish_reason",
+        "arrival_time",
+        "detokenizer",
+        "num_preemptions",
+    )
+
+    def __init__(self, req: EngineRequest, max_tokens: int, detokenizer: object = None) -> None:
+        self.request_id = req.request_id
+        self.prompt_token_ids = list(req.prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        # Prompt then outputs, appended in place: the runner slices new tokens out of it.
+        self.all_token_ids: list[int] = list(req.prompt_token_ids)
+        self.sampling_params = req.sampling_params
+        self.max_tokens = max_tokens
+        self.num_computed_tokens = 0
+        self.status = Status.WAITING
+        self.finish_reason: str | None = None
+        self.arrival_time = req.arrival_time or time.monotonic()
+        self.detokenizer = detokenizer
+        self.num_preemptions = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def append_output(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.value}, "
+            f"computed={self.num_computed_tokens}/{self.num_tokens})"
+        )

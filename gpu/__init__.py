@@ -1,0 +1,1 @@
+"""Everything that touches tensors: models, weight loading, KV cache, attention, sampling."""

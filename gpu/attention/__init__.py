@@ -1,0 +1,1 @@
+"""Attention backends over the paged KV cache, behind one small interface (see backend.py)."""

@@ -1,0 +1,69 @@
+"""Reference paged attention in plain torch: the CPU path and the yardstick for the GPU kernels."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from gpu.attention.backend import AttentionMetadata
+
+
+def _gather(cache: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tensor:
+    """[num_blocks, bs, H, D] cache, one block table -> [H, length, D] contiguous context."""
+    block_size = cache.shape[1]
+    n = -(-length // block_size)
+    ctx = cache[table[:n]].flatten(0, 1)[:length]
+    return ctx.transpose(0, 1)
+
+
+class TorchAttention:
+    name = "torch"
+
+    def write_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
+        valid = slot_mapping >= 0
+        if not bool(valid.all()):
+            key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
+        k_cache.view(-1, *k_cache.shape[2:])[slot_mapping] = key.to(k_cache.dtype)
+        v_cache.view(-1, *v_cache.shape[2:])[slot_mapping] = value.to(v_cache.dtype)
+
+    def forward(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+        out = torch.empty_like(query)
+        gqa = query.shape[1] != k_cache.shape[2]
+        starts = meta.query_start_loc.tolist()
+        decodes = [i for i, q in enumerate(meta.query_lens_cpu) if q == 1]
+        prefills = [i for i, q in enumerate(meta.query_lens_cpu) if q != 1]
+
+        if decodes:
+            # All single-token rows at once: pad contexts to the longest and mask the rest.
+            idx = torch.tensor(decodes, device=query.device)
+            lens = meta.seq_lens[idx].long()
+            max_len = max(meta.seq_lens_cpu[i] for i in decodes)
+            block_size = k_cache.shape[1]
+            nb = -(-max_len // block_size)
+            tables = meta.block_tables[idx, :nb].long()
+            k = k_cache[tables].flatten(1, 2)[:, :max_len].transpose(1, 2)  # [B, Hkv, L, D]
+            v = v_cache[tables].flatten(1, 2)[:, :max_len].transpose(1, 2)
+            rows = torch.tensor([starts[i] for i in decodes], device=query.device)
+            q = query[rows].unsqueeze(2)  # [B, H, 1, D]
+            mask = torch.arange(max_len, device=query.device)[None, :] < lens[:, None]
+            o = F.scaled_dot_product_attention(
+                q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask[:, None, None, :], scale=scale,
+                enable_gqa=gqa,
+            )
+            out[rows] = o.squeeze(2)
+
+        for i in prefills:
+            s, e = starts[i], starts[i + 1]
+            q_len, seq_len = e - s, meta.seq_lens_cpu[i]
+            k = _gather(k_cache, meta.block_tables[i], seq_len).unsqueeze(0)
+            v = _gather(v_cache, meta.block_tables[i], seq_len).unsqueeze(0)
+            q = query[s:e].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
+            # Query row j sits at position seq_len - q_len + j and sees keys up to there.
+            qpos = torch.arange(seq_len - q_len, seq_len, device=query.device)
+            mask = torch.arange(seq_len, device=query.device)[None, :] <= qpos[:, None]
+            o = F.scaled_dot_product_attention(
+                q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask[None, None], scale=scale,
+                enable_gqa=gqa,
+            )
+            out[s:e] = o[0].transpose(0, 1)
+        return out

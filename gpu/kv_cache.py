@@ -1,0 +1,55 @@
+"""The paged KV cache: sizing it from the flags and allocating one K and one V tensor per layer."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from gpu.models.spec import ModelSpec
+
+log = logging.getLogger("weir.kv_cache")
+
+
+def bytes_per_block(spec: ModelSpec, block_size: int, dtype: torch.dtype) -> int:
+    elem = torch.tensor([], dtype=dtype).element_size()
+    return 2 * spec.num_layers * block_size * spec.num_kv_heads * spec.head_dim * elem
+
+
+def num_blocks_for(
+    spec: ModelSpec,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    *,
+    num_kv_blocks: int | None,
+    kv_cache_memory: int,
+    gpu_memory_utilization: float,
+) -> int:
+    if num_kv_blocks is not None:
+        return num_kv_blocks
+    per_block = bytes_per_block(spec, block_size, dtype)
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        # What the utilization target leaves after everything already resident (weights included),
+        # keeping a tenth back for activations of the forward pass.
+        budget = int((gpu_memory_utilization * total - (total - free)) * 0.9)
+    else:
+        budget = kv_cache_memory
+    n = budget // per_block
+    if n < 1:
+        raise ValueError(
+            f"no room for the KV cache: one block needs {per_block} bytes, the budget is {budget}"
+        )
+    return n
+
+
+def allocate(
+    spec: ModelSpec, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+    # Zeroed, not empty: padded reads of unused slots must never meet NaN garbage.
+    return [
+        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        for _ in range(spec.num_layers)
+    ]

@@ -1,0 +1,91 @@
+"""Build an EngineCore from an EngineConfig: find and load the model, size the KV cache."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from core.config import EngineConfig
+from core.engine_core import EngineCore
+from gpu import kv_cache
+from gpu.attention.backend import get_backend
+from gpu.loader import eos_token_ids, load_config, load_model, resolve_dtype, resolve_model_path
+from gpu.runner import ModelRunner
+
+log = logging.getLogger("weir.launch")
+
+
+@dataclass
+class Loaded:
+    core: EngineCore
+    tokenizer: Any  # transformers PreTrainedTokenizerFast (chat templates, encode)
+    model_path: Path
+    served_names: list[str]
+    max_model_len: int
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def load(config: EngineConfig) -> Loaded:
+    from transformers import AutoTokenizer
+
+    config.validate()
+    if config.model is None:
+        from gpu.tiny_model import TINY_NAME, ensure_tiny_model
+
+        path = ensure_tiny_model()
+        default_name = TINY_NAME
+    else:
+        path = resolve_model_path(config.model, config.revision)
+        default_name = config.model
+    device = resolve_device(config.device)
+    torch.manual_seed(config.seed)
+    hf_config = load_config(path)
+    dtype = resolve_dtype(config.dtype, hf_config, device)
+    model = load_model(path, hf_config, dtype, device)
+    spec = model.spec
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    num_blocks = kv_cache.num_blocks_for(
+        spec, config.block_size, dtype, device,
+        num_kv_blocks=config.num_kv_blocks,
+        kv_cache_memory=config.kv_cache_memory,
+        gpu_memory_utilization=config.gpu_memory_utilization,
+    )
+    capacity = num_blocks * config.block_size
+    max_model_len = config.max_model_len or spec.max_position_embeddings
+    if max_model_len > capacity:
+        log.warning("max_model_len %d exceeds the KV cache (%d tokens); using %d",
+                    max_model_len, capacity, capacity)
+        max_model_len = capacity
+    caches = kv_cache.allocate(spec, num_blocks, config.block_size, dtype, device)
+    runner = ModelRunner(
+        model, caches, config.block_size, get_backend(config.attention_backend, device), device,
+        seed=config.seed,
+    )
+    eos = eos_token_ids(path, hf_config)
+    if tokenizer.eos_token_id is not None:
+        eos.add(tokenizer.eos_token_id)
+    core = EngineCore(
+        runner,
+        tokenizer.backend_tokenizer,
+        num_blocks=num_blocks,
+        block_size=config.block_size,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        max_model_len=max_model_len,
+        eos_token_ids=eos,
+        check_integrity=config.check_integrity,
+    )
+    log.info("loaded %s on %s (%s): %d KV blocks of %d tokens, max_model_len %d",
+             path, device, str(dtype).removeprefix("torch."), num_blocks, config.block_size,
+             max_model_len)
+    return Loaded(core, tokenizer, path, config.served_model_name or [default_name], max_model_len)

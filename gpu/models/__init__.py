@@ -1,0 +1,1 @@
+"""Decoder-only transformer models in plain torch: Llama (and Mistral), Qwen2, Qwen3."""

@@ -1,0 +1,120 @@
+"""One decoder-only transformer that covers Llama, Mistral, Qwen2 and Qwen3.
+
+Module names follow the Hugging Face checkpoints, so weights load by name without a mapping.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gpu.attention.backend import AttentionBackend, AttentionMetadata
+from gpu.models.rope import Rope, apply_rope
+from gpu.models.spec import ModelSpec
+
+_ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        h, d = spec.hidden_size, spec.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, d
+        self.q_proj = nn.Linear(h, spec.num_heads * d, bias=spec.qkv_bias)
+        self.k_proj = nn.Linear(h, spec.num_kv_heads * d, bias=spec.qkv_bias)
+        self.v_proj = nn.Linear(h, spec.num_kv_heads * d, bias=spec.qkv_bias)
+        self.o_proj = nn.Linear(spec.num_heads * d, h, bias=False)
+        if spec.qk_norm:
+            self.q_norm = RMSNorm(d, spec.rms_norm_eps)
+            self.k_norm = RMSNorm(d, spec.rms_norm_eps)
+        self.qk_norm = spec.qk_norm
+        self.scale = d**-0.5
+
+    def forward(self, x, cos, sin, kv: tuple[torch.Tensor, torch.Tensor], meta, backend):
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        k_cache, v_cache = kv
+        backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        o = backend.forward(q, k_cache, v_cache, meta, self.scale)
+        return self.o_proj(o.reshape(t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        h, m = spec.hidden_size, spec.intermediate_size
+        self.gate_proj = nn.Linear(h, m, bias=spec.mlp_bias)
+        self.up_proj = nn.Linear(h, m, bias=spec.mlp_bias)
+        self.down_proj = nn.Linear(m, h, bias=spec.mlp_bias)
+        self.act = _ACTIVATIONS[spec.hidden_act]
+
+    def forward(self, x):
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.self_attn = Attention(spec)
+        self.mlp = MLP(spec)
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+    def forward(self, x, cos, sin, kv, meta, backend):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, meta, backend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+
+class DecoderForCausalLM(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        self.model = DecoderModel(spec)
+        if not spec.tie_word_embeddings:
+            self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.rope: Rope | None = None  # set after weights are on their device (see loader)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.rope.cos_sin(positions, x.dtype)
+        for layer, kv in zip(self.model.layers, kv_caches):
+            x = layer(x, cos, sin, kv, meta, backend)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.spec.tie_word_embeddings else self.lm_head.weight
+        return F.linear(hidden, weight).float()

@@ -1,0 +1,52 @@
+"""Rotary position embeddings, with the scaling the config asks for (linear, llama3, yarn, ...)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def rope_parameters(config: Any) -> dict[str, Any]:
+    """The config's rope settings in one shape: newer configs carry `rope_parameters`, older
+    ones `rope_theta` plus an optional `rope_scaling`."""
+    params = getattr(config, "rope_parameters", None)
+    if params and "rope_theta" in params and "full_attention" not in params:
+        return dict(params)
+    scaling = dict(getattr(config, "rope_scaling", None) or {})
+    scaling.setdefault("rope_type", scaling.pop("type", "default"))
+    scaling["rope_theta"] = getattr(config, "rope_theta", 10000.0)
+    return scaling
+
+
+class Rope:
+    def __init__(self, config: Any, head_dim: int, device: torch.device) -> None:
+        params = rope_parameters(config)
+        rope_type = params.get("rope_type", "default")
+        if rope_type == "default":
+            dim = head_dim
+            arange = torch.arange(0, dim, 2, dtype=torch.int64).to(device=device, dtype=torch.float)
+            inv_freq = 1.0 / (params["rope_theta"] ** (arange / dim))
+            scaling = 1.0
+        else:
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+            if rope_type not in ROPE_INIT_FUNCTIONS:
+                raise ValueError(f"unsupported rope_type {rope_type!r}")
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, device)
+        self.inv_freq = inv_freq.float().to(device)
+        self.scaling = float(scaling)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):
+        # Same arithmetic as transformers (float32 angles, then cast) so logits match closely.
+        freqs = positions[:, None].float() * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [num_tokens, heads, head_dim]; cos/sin: [num_tokens, head_dim]."""
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin

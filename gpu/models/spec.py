@@ -1,0 +1,63 @@
+"""ModelSpec: the few numbers and switches a decoder needs, read from a Hugging Face config."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+# Architecture -> how it differs from plain Llama. Mistral is Llama with its own config defaults.
+ARCHITECTURES: dict[str, dict[str, Any]] = {
+    "LlamaForCausalLM": {"qk_norm": False},
+    "MistralForCausalLM": {"qk_norm": False},
+    "Qwen2ForCausalLM": {"qk_norm": False, "qkv_bias": True},
+    "Qwen3ForCausalLM": {"qk_norm": True},
+}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    hidden_act: str
+    max_position_embeddings: int
+
+    @classmethod
+    def from_hf_config(cls, config: Any) -> ModelSpec:
+        archs = getattr(config, "architectures", None) or []
+        arch = next((a for a in archs if a in ARCHITECTURES), None)
+        if arch is None:
+            raise ValueError(
+                f"unsupported architecture {archs or config.model_type!r}; "
+                f"weir serves {', '.join(ARCHITECTURES)}"
+            )
+        extra = ARCHITECTURES[arch]
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        return cls(
+            architecture=arch,
+            vocab_size=config.vocab_size,
+            hidden_size=config.hidden_size,
+            num_layers=config.num_hidden_layers,
+            num_heads=heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+            head_dim=head_dim,
+            intermediate_size=config.intermediate_size,
+            rms_norm_eps=config.rms_norm_eps,
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            qkv_bias=extra.get("qkv_bias", bool(getattr(config, "attention_bias", False))),
+            mlp_bias=bool(getattr(config, "mlp_bias", False)),
+            qk_norm=extra["qk_norm"],
+            hidden_act=getattr(config, "hidden_act", "silu"),
+            max_position_embeddings=getattr(config, "max_position_embeddings", 4096),
+        )

@@ -1,0 +1,167 @@
+"""The built-in tiny model: random weights plus a byte-level BPE tokenizer trained on made-up text.
+
+Written once as a normal Hugging Face directory (config.json, model.safetensors, tokenizer files
+with a ChatML template) and then loaded like any checkpoint. Tests build their own with
+`build_tiny_model`. Its answers are noise: it exists to exercise the whole serving path offline.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import tempfile
+from pathlib import Path
+
+TINY_NAME = "weir-tiny"
+TINY_VERSION = 1
+
+CHATML = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+_WORDS = (
+    "the a an of to and in is it you that he was for on are with as his they be at one have this "
+    "from or had by hot word but what some we can out other were all there when up use your how "
+    "said each she which do their time if will way about many then them write would like so these "
+    "her long make thing see him two has look more day could go come did number sound no most "
+    "people my over know water than call first who may down side been now find any new work part "
+    "take get place made live where after back little only round man year came show every good me "
+    "give our under name very through just form sentence great think say help low line differ turn "
+    "cause much mean before move right boy old too same tell does set three want air well also play "
+    "server token model stream engine cache block batch request hello world weir river flow "
+    "café naïve résumé über straße façade jalapeño crème brûlée "
+    "你好 世界 模型 缓存 请求 数据 こんにちは ありがとう 東京 안녕하세요 감사합니다 "
+    "Привет мир данные γειά σου κόσμε مرحبا שלום "
+    "😀 🎉 🚀 👍🏽 🇫🇷 ❤️ 🤖 🌊"
+).split()
+
+
+def corpus(n_lines: int = 4000, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(n_lines):
+        words = [rng.choice(_WORDS) for _ in range(rng.randint(3, 16))]
+        line = " ".join(words)
+        if rng.random() < 0.3:
+            line = line.capitalize() + rng.choice([".", "!", "?", ",", ":"])
+        if rng.random() < 0.1:
+            line += f" {rng.randint(0, 10000)}"
+        lines.append(line)
+    return lines
+
+
+def train_tokenizer(vocab_size: int = 1024, seed: int = 0):
+    """A byte-level BPE tokenizer (every byte has a token, so any text encodes)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus(seed=seed), trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        chat_template=CHATML,
+    )
+
+
+def build_tiny_model(
+    path: str | Path,
+    arch: str = "qwen3",
+    *,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 128,
+    vocab_size: int = 1024,
+    max_position_embeddings: int = 4096,
+    tie_word_embeddings: bool | None = None,
+    seed: int = 0,
+    rope_scaling: dict | None = None,
+    initializer_range: float = 0.2,
+    shard_bytes: str | int | None = None,
+) -> Path:
+    """Write a random-weight model of the given shape with a trained tokenizer to `path`."""
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, Qwen2Config, Qwen3Config
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = train_tokenizer(vocab_size, seed)
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    common = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings,
+        eos_token_id=eos,
+        bos_token_id=None,
+        pad_token_id=tokenizer.pad_token_id,
+        initializer_range=initializer_range,
+    )
+    if rope_scaling is not None:
+        common["rope_parameters"] = {"rope_theta": 10000.0, **rope_scaling}
+    if arch == "llama":
+        config = LlamaConfig(**common, tie_word_embeddings=bool(tie_word_embeddings))
+    elif arch == "qwen2":
+        config = Qwen2Config(**common, tie_word_embeddings=tie_word_embeddings is not False)
+    elif arch == "qwen3":
+        config = Qwen3Config(
+            **common, head_dim=hidden_size // num_heads,
+            tie_word_embeddings=tie_word_embeddings is not False,
+        )
+    else:
+        raise ValueError(f"unknown tiny architecture {arch!r}")
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    kwargs = {"max_shard_size": shard_bytes} if shard_bytes is not None else {}
+    model.save_pretrained(path, **kwargs)
+    GenerationConfig(eos_token_id=[eos], bos_token_id=None).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("WEIR_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "weir"
+    )
+    return Path(root)
+
+
+def ensure_tiny_model() -> Path:
+    """The built-in model's directory, built on first use (atomically: a crash leaves nothing)."""
+    final = cache_dir() / f"{TINY_NAME}-v{TINY_VERSION}"
+    if (final / "config.json").exists():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=final.parent))
+    try:
+        build_tiny_model(
+            tmp, "qwen3", hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
+            intermediate_size=384, vocab_size=2048, max_position_embeddings=4096,
+        )
+        try:
+            tmp.rename(final)
+        except OSError:  # another process won the race; use theirs
+            if not (final / "config.json").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final

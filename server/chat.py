@@ -1,0 +1,74 @@
+"""Chat messages -> prompt token ids, through the model's chat template (or --chat-template)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from server.errors import APIError
+from server.protocol import ChatMessage
+
+
+def load_template(value: str | None) -> str | None:
+    """--chat-template takes a file path or the template text itself."""
+    if value is None:
+        return None
+    path = Path(value).expanduser()
+    if path.is_file():
+        return path.read_text()
+    if "{" not in value:
+        raise ValueError(f"--chat-template {value!r} is neither a file nor a template")
+    return value
+
+
+def _content(message: ChatMessage, index: int) -> str:
+    content = message.content
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    texts = []
+    for part in content:
+        if part.type != "text" or part.text is None:
+            raise APIError(
+                400, f"messages[{index}]: content part of type {part.type!r} is not supported; "
+                "this model takes text only", "messages",
+            )
+        texts.append(part.text)
+    return "\n".join(texts)
+
+
+def to_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    out = []
+    for i, m in enumerate(messages):
+        d: dict[str, Any] = {"role": m.role, "content": _content(m, i)}
+        if m.name is not None:
+            d["name"] = m.name
+        if m.tool_calls is not None:
+            d["tool_calls"] = m.tool_calls
+        if m.tool_call_id is not None:
+            d["tool_call_id"] = m.tool_call_id
+        out.append(d)
+    return out
+
+
+def render(tokenizer: Any, template: str | None, messages: list[ChatMessage],
+           add_generation_prompt: bool = True) -> list[int]:
+    template = template or getattr(tokenizer, "chat_template", None)
+    if not template:
+        raise APIError(
+            400, "This model has no chat template; use /v1/completions or start the server "
+            "with --chat-template", "messages", "no_chat_template",
+        )
+    try:
+        text = tokenizer.apply_chat_template(
+            to_dicts(messages), chat_template=template, tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+        )
+    except APIError:
+        raise
+    except Exception as e:  # noqa: BLE001 - template errors (raise_exception, bad roles) are the client's
+        raise APIError(400, f"The chat template could not render these messages: {e}",
+                       "messages") from e
+    # The template already wrote any BOS it wants; don't let the tokenizer add another.
+    return tokenizer.encode(text, add_special_tokens=False)

@@ -1,0 +1,81 @@
+"""The `weir` command: `weir serve [MODEL] --host --port ...` (also `python -m server serve`)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+import trio
+
+from core.config import EngineConfig
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="weir", description="OpenAI-compatible LLM server")
+    sub = parser.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("serve", help="serve a model over the OpenAI API")
+    s.add_argument("model", nargs="?", default=None,
+                   help="local Hugging Face directory or hub id (default: the built-in tiny model)")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--served-model-name", nargs="+", default=[],
+                   help="name(s) clients use for the model (default: the MODEL argument)")
+    s.add_argument("--revision", default=None, help="hub revision")
+    s.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    s.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    s.add_argument("--max-model-len", type=int, default=None)
+    s.add_argument("--max-num-seqs", type=int, default=256)
+    s.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    s.add_argument("--block-size", type=int, default=16)
+    s.add_argument("--num-kv-blocks", type=int, default=None,
+                   help="KV cache blocks (default: from --kv-cache-memory or memory utilization)")
+    s.add_argument("--kv-cache-memory", type=int, default=1 << 30,
+                   help="bytes of KV cache on CPU (default 1 GiB)")
+    s.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    s.add_argument("--attention-backend", default="auto", choices=["auto", "torch"])
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--chat-template", default=None, help="a Jinja template file or text")
+    s.add_argument("--log-level", default="info")
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=args.model,
+        served_model_name=args.served_model_name,
+        revision=args.revision,
+        dtype=args.dtype,
+        device=args.device,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks,
+        kv_cache_memory=args.kv_cache_memory,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        attention_backend=args.attention_backend,
+        seed=args.seed,
+        chat_template=args.chat_template,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = config_from_args(args)
+    try:
+        config.validate()
+    except ValueError as e:
+        print(f"weir: {e}", file=sys.stderr)
+        return 2
+    from server.app import create_app, serve
+
+    app = create_app(config)
+    logging.getLogger("weir.server").info("listening on http://%s:%d/v1", args.host, args.port)
+    return trio.run(serve, app, args.host, args.port)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,49 @@
+"""ServerState: what the routes share (engine, tokenizer, names), and whether it is ready."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from core.config import EngineConfig
+from core.engine import Engine
+from server.errors import APIError
+
+
+@dataclass
+class ServerState:
+    config: EngineConfig
+    status: str = "loading"  # loading | ready | failed | stopping
+    reason: str = "loading the model"
+    engine: Engine | None = None
+    tokenizer: Any = None
+    chat_template: str | None = None
+    served_names: list[str] = field(default_factory=list)
+    max_model_len: int = 0
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def healthy(self) -> tuple[bool, str]:
+        if self.status != "ready":
+            return False, self.reason
+        if self.engine is None or not self.engine.alive:
+            return False, (self.engine.error if self.engine else None) or "the engine is not running"
+        return True, "ok"
+
+    def ready_engine(self) -> Engine:
+        ok, reason = self.healthy
+        if not ok:
+            raise APIError(503, f"The server is not ready: {reason}", None, "service_unavailable")
+        assert self.engine is not None
+        return self.engine
+
+    def model_name(self, requested: str | None) -> str:
+        if requested is None or requested == "":
+            return self.served_names[0]
+        if requested not in self.served_names:
+            raise APIError(
+                404, f"The model `{requested}` does not exist. Served models: "
+                f"{', '.join(self.served_names)}", "model", "model_not_found",
+            )
+        return requested
