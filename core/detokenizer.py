@@ -18,12 +18,22 @@ class Detokenizer:
     ) -> None:
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
-        context = list(prompt_token_ids[-PRIME_TOKENS:])
+        context = self._clean_context(prompt_token_ids[-PRIME_TOKENS:])
         self._stream = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
         # Tokens the stream is holding back (an incomplete UTF-8 sequence), and a little context
         # before them: enough to decode them by hand if the request ends mid-character.
         self._pending: list[int] = []
         self._recent: deque[int] = deque(context[-4:], maxlen=4)
+
+    def _clean_context(self, ids: list[int]) -> list[int]:
+        """Drop context that does not decode cleanly: a cut through a multi-byte character at
+        its start, or a prompt that itself ends mid-character (its bytes are not ours to finish)."""
+        ids = list(ids)
+        while ids and self._tokenizer.decode(ids, skip_special_tokens=self._skip).startswith("\ufffd"):
+            ids.pop(0)
+        if ids and self._tokenizer.decode(ids, skip_special_tokens=self._skip).endswith("\ufffd"):
+            return []
+        return ids
 
     def step(self, token_id: int) -> str:
         text = self._stream.step(self._tokenizer, token_id)

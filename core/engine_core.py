@@ -49,6 +49,7 @@ class EngineCore:
         self.check_integrity = check_integrity
         self.num_steps = 0
         self.num_partial_prefills = 0
+        self.num_aborted = 0
 
     @property
     def has_work(self) -> bool:
@@ -103,6 +104,7 @@ class EngineCore:
         if request is None:
             return None
         self.scheduler.remove(request)
+        self.num_aborted += 1
         return self._output(request, [], "", "abort")
 
     def _output(

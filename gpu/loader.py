@@ -33,6 +33,8 @@ def resolve_model_path(model: str, revision: str | None = None) -> Path:
         return path
     if path.exists():
         raise ValueError(f"model path {model!r} is not a directory")
+    if model.startswith(("/", "./", "../", "~")) or model.count("/") > 1:
+        raise ValueError(f"model directory {model!r} does not exist")
     from huggingface_hub import snapshot_download
 
     try:

@@ -99,9 +99,10 @@ async def serve(app: QuartTrio, host: str, port: int, *, task_status=trio.TASK_S
     shutdown = trio.Event()
     app.weir_shutdown = shutdown
     app.weir_failed = None
+    signal_scope = trio.CancelScope()
 
     async def watch_signals() -> None:
-        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        with signal_scope, trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             async for _ in signals:
                 log.info("shutting down")
                 shutdown.set()
@@ -117,5 +118,7 @@ async def serve(app: QuartTrio, host: str, port: int, *, task_status=trio.TASK_S
         )
         task_status.started()
         await shutdown.wait()
+        signal_scope.cancel()
+        # Hypercorn finishes in-flight responses within its graceful timeout; this is the backstop.
         nursery.cancel_scope.deadline = trio.current_time() + 35
     return 1 if app.weir_failed else 0

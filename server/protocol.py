@@ -101,7 +101,7 @@ class ChunkChoice(msgspec.Struct):
     logprobs: None = None
 
 
-class ChatCompletionChunk(msgspec.Struct, omit_defaults=True):
+class ChatCompletionChunk(msgspec.Struct):
     id: str
     created: int
     model: str
@@ -117,7 +117,7 @@ class CompletionChoice(msgspec.Struct):
     logprobs: None = None
 
 
-class CompletionResponse(msgspec.Struct, omit_defaults=True):
+class CompletionResponse(msgspec.Struct):
     id: str
     created: int
     model: str

@@ -1,0 +1,112 @@
+"""Shared fixtures: tiny random-weight models built once per session, and a live server."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import trio
+
+from core.config import EngineConfig
+
+ARCHS = ("llama", "qwen2", "qwen3")
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory):
+    """model_dir(arch) -> a Hugging Face directory with random weights and a trained tokenizer."""
+    from gpu.tiny_model import build_tiny_model
+
+    built: dict[tuple, Path] = {}
+
+    def get(arch: str = "qwen3", **kwargs) -> Path:
+        key = (arch, repr(sorted(kwargs.items())))
+        if key not in built:
+            path = tmp_path_factory.mktemp(f"tiny-{arch}")
+            built[key] = build_tiny_model(path, arch, **kwargs)
+        return built[key]
+
+    return get
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LiveServer:
+    """The real app and Hypercorn on a Trio loop in a background thread, on a free port."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        from server.app import create_app
+
+        self.app = create_app(config)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._token: trio.lowlevel.TrioToken | None = None
+        self._started = threading.Event()
+        self.exit_code: int | None = None
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        from server.app import serve
+
+        async def main() -> int:
+            self._token = trio.lowlevel.current_trio_token()
+            self._started.set()
+            return await serve(self.app, "127.0.0.1", self.port, handle_signals=False)
+
+        self.exit_code = trio.run(main)
+
+    @property
+    def state(self):
+        return self.app.weir_state
+
+    @property
+    def engine(self):
+        return self.app.weir_state.engine
+
+    def start(self, timeout: float = 120.0) -> LiveServer:
+        self._thread.start()
+        self._started.wait(timeout)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            if self.state.status == "failed":
+                raise RuntimeError(self.state.reason)
+            time.sleep(0.05)
+        raise TimeoutError("server did not become healthy")
+
+    def stop(self) -> None:
+        if self._token is not None and self._thread.is_alive():
+            self._token.run_sync_soon(self.app.weir_shutdown.set)
+        self._thread.join(60)
+
+
+def wait_for(predicate, timeout: float = 30.0, interval: float = 0.01) -> bool:
+    """Poll until predicate() is true or the deadline passes."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()
+
+
+@pytest.fixture(scope="module")
+def live_server(model_dir):
+    server = LiveServer(EngineConfig(
+        model=str(model_dir("qwen3")), served_model_name=["tiny", "tiny-alias"],
+        max_model_len=512, num_kv_blocks=256, block_size=16, check_integrity=True,
+    )).start()
+    yield server
+    server.stop()

@@ -1,0 +1,91 @@
+"""Model loading: sharded checkpoints, dtypes, tied and untied heads, rope scaling, bad paths."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from core.config import EngineConfig
+from core.request import EngineRequest
+from core.sampling import SamplingParams
+from gpu.launch import load
+from gpu.loader import eos_token_ids, load_config, resolve_model_path, weight_files
+
+
+def greedy(loaded, ids, n=8):
+    core = loaded.core
+    core.add(EngineRequest("r", ids, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)))
+    out = []
+    while core.has_work:
+        for o in core.step():
+            out += o.new_token_ids
+    return out
+
+
+def hf_greedy(path, ids, n=8):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    g = hf.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None,
+                    pad_token_id=0)
+    return g[0, len(ids):].tolist()
+
+
+def test_sharded_checkpoint_loads_and_matches(model_dir):
+    path = model_dir("llama", shard_bytes="40KB")
+    assert (path / "model.safetensors.index.json").exists()
+    assert len(weight_files(path)) > 1
+    loaded = load(EngineConfig(model=str(path), num_kv_blocks=32))
+    ids = loaded.tokenizer.encode("the river flows over the stone")
+    assert greedy(loaded, ids) == hf_greedy(path, ids)
+
+
+def test_untied_head_and_llama3_rope_scaling(model_dir):
+    path = model_dir("llama", tie_word_embeddings=False, rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64})
+    assert not load_config(path).tie_word_embeddings
+    loaded = load(EngineConfig(model=str(path), num_kv_blocks=32))
+    assert hasattr(loaded.core.runner.model, "lm_head")
+    ids = loaded.tokenizer.encode("token " * 30)  # long enough for the scaled band to matter
+    assert greedy(loaded, ids) == hf_greedy(path, ids)
+
+
+def test_older_rope_theta_config_is_read(model_dir, tmp_path):
+    import shutil
+
+    src = model_dir("qwen2")
+    dst = tmp_path / "old"
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg.pop("rope_parameters", None)
+    cfg["rope_theta"] = 10000.0
+    (dst / "config.json").write_text(json.dumps(cfg))
+    loaded = load(EngineConfig(model=str(dst), num_kv_blocks=32))
+    ids = loaded.tokenizer.encode("hello world")
+    assert greedy(loaded, ids) == hf_greedy(src, ids)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_low_precision_dtypes_run(model_dir, dtype):
+    loaded = load(EngineConfig(model=str(model_dir("qwen3")), dtype=dtype, num_kv_blocks=32))
+    model = loaded.core.runner.model
+    assert model.model.embed_tokens.weight.dtype == getattr(torch, dtype)
+    assert loaded.core.runner.kv_caches[0][0].dtype == model.model.embed_tokens.weight.dtype
+    out = greedy(loaded, loaded.tokenizer.encode("hello world"))
+    assert len(out) == 8 and all(0 <= t < loaded.core.runner.vocab_size for t in out)
+
+
+def test_eos_ids_come_from_config_and_generation_config(model_dir, tmp_path):
+    path = model_dir("qwen3")
+    im_end = json.loads((path / "config.json").read_text())["eos_token_id"]
+    assert eos_token_ids(path, load_config(path)) == {im_end}
+
+
+def test_missing_model_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        resolve_model_path(str(tmp_path / "nope"))
+    with pytest.raises(ValueError, match="could not find model"):
+        resolve_model_path("no-such-org-weir/no-such-model")

@@ -1,0 +1,187 @@
+"""Against a live server on a free port, with the official openai SDK and raw HTTP."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from core.config import EngineConfig
+from tests.conftest import LiveServer, wait_for
+
+MESSAGES = [{"role": "system", "content": "You are terse."},
+            {"role": "user", "content": "Say hello to the river café 🌊"}]
+
+
+@pytest.fixture(scope="module")
+def client(live_server):
+    c = openai.OpenAI(base_url=live_server.url + "/v1", api_key="unused", max_retries=0)
+    yield c
+    c.close()  # Hypercorn's shutdown waits on idle keep-alive connections
+
+
+def test_models_list(client):
+    ids = [m.id for m in client.models.list().data]
+    assert ids == ["tiny", "tiny-alias"]
+
+
+def test_chat_non_stream(client):
+    r = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=12,
+                                       temperature=0)
+    choice = r.choices[0]
+    assert r.object == "chat.completion" and r.model == "tiny"
+    assert choice.message.role == "assistant"
+    assert choice.finish_reason in ("stop", "length")
+    assert r.usage.completion_tokens <= 12 and r.usage.prompt_tokens > 10
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+
+def test_chat_stream_shape_and_equals_non_stream(client):
+    kwargs = dict(model="tiny-alias", messages=MESSAGES, max_tokens=20, temperature=0)
+    full = client.chat.completions.create(**kwargs)
+    chunks = list(client.chat.completions.create(
+        **kwargs, stream=True, stream_options={"include_usage": True}))
+    with_choices = [c for c in chunks if c.choices]
+    assert with_choices[0].choices[0].delta.role == "assistant"
+    assert all(c.choices[0].delta.role is None for c in with_choices[1:])
+    finishes = [c.choices[0].finish_reason for c in with_choices if c.choices[0].finish_reason]
+    assert finishes == [full.choices[0].finish_reason]  # exactly once
+    assert with_choices[-1].choices[0].finish_reason is not None
+    text = "".join(c.choices[0].delta.content or "" for c in with_choices)
+    assert text == full.choices[0].message.content
+    assert len({c.id for c in chunks}) == 1
+    usage = chunks[-1].usage
+    assert chunks[-1].choices == [] and usage.completion_tokens == full.usage.completion_tokens
+
+
+def test_stream_ends_with_done(live_server):
+    body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 5, "stream": True}
+    with httpx.stream("POST", live_server.url + "/v1/chat/completions", json=body) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    assert all(line.startswith("data: ") for line in lines)
+
+
+def test_completions_text_and_token_prompts(client):
+    r = client.completions.create(model="tiny", prompt="the river flows", max_tokens=8,
+                                  temperature=0)
+    assert r.object == "text_completion" and len(r.choices) == 1
+    assert r.usage.completion_tokens == 8 and r.choices[0].finish_reason == "length"
+    batch = client.completions.create(model="tiny", prompt=["the river flows", "hello"],
+                                      max_tokens=8, temperature=0)
+    assert [c.index for c in batch.choices] == [0, 1]
+    assert batch.choices[0].text == r.choices[0].text
+    tokens = client.completions.create(model="tiny", prompt=[11, 12, 13, 14], max_tokens=4,
+                                       temperature=0)
+    assert tokens.usage.prompt_tokens == 4
+    stream = list(client.completions.create(model="tiny", prompt="the river flows",
+                                            max_tokens=8, temperature=0, stream=True))
+    assert "".join(c.choices[0].text for c in stream) == r.choices[0].text
+    assert stream[-1].choices[0].finish_reason == r.choices[0].finish_reason
+
+
+def test_sampling_with_temperature_runs(client):
+    r = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=16,
+                                       temperature=0.8, top_p=0.9, extra_body={"top_k": 20})
+    assert r.usage.completion_tokens >= 1
+
+
+def test_disconnect_aborts_and_frees_blocks(live_server):
+    engine = live_server.engine
+    total = engine.core.kv.num_blocks
+    aborted_before = engine.core.num_aborted
+    body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 400, "stream": True,
+            "ignore_eos": True}
+    with httpx.stream("POST", live_server.url + "/v1/chat/completions", json=body) as r:
+        seen = 0
+        for line in r.iter_lines():
+            if line.startswith("data: ") and '"content"' in line:
+                seen += 1
+            if seen >= 3:
+                break
+        assert engine.stats["num_free_blocks"] < total  # it holds blocks while streaming
+    # Closing the connection cancels the handler; the engine aborts before its next step.
+    assert wait_for(lambda: engine.core.num_aborted > aborted_before)
+    assert wait_for(lambda: engine.stats["num_free_blocks"] == total)
+    assert not engine.core.requests
+
+
+BAD = [
+    ({"model": "tiny"}, 400, "messages"),
+    ({"model": "tiny", "messages": "hi"}, 400, "messages"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": 5}]}, 400, "messages"),
+    ({"model": "tiny", "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages"),
+    ({"model": "tiny", "messages": MESSAGES, "max_tokens": 0}, 400, "max_tokens"),
+    ({"model": "tiny", "messages": MESSAGES, "max_tokens": "ten"}, 400, "max_tokens"),
+    ({"model": "tiny", "messages": MESSAGES, "temperature": -1}, 400, "temperature"),
+    ({"model": "tiny", "messages": MESSAGES, "max_tokens": 100000}, 400, "max_tokens"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "word " * 600}]}, 400, "messages"),
+    ({"model": "nope", "messages": MESSAGES}, 404, "model"),
+]
+
+
+@pytest.mark.parametrize("body,status,param", BAD)
+def test_bad_input_gets_error_object(live_server, body, status, param):
+    r = httpx.post(live_server.url + "/v1/chat/completions", json=body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["param"] == param and err["message"]
+
+
+def test_bad_completion_inputs_and_bodies(live_server):
+    url = live_server.url
+    for body, param in [({"model": "tiny"}, "prompt"), ({"model": "tiny", "prompt": []}, "prompt"),
+                        ({"model": "tiny", "prompt": [1, "a"]}, "prompt"),
+                        ({"model": "tiny", "prompt": [10**9]}, "prompt")]:
+        r = httpx.post(url + "/v1/completions", json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    r = httpx.post(url + "/v1/chat/completions", content=b"{not json",
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+    r = httpx.post(url + "/v1/chat/completions", content=b"")
+    assert r.status_code == 400
+    assert httpx.get(url + "/v1/nothing-here").status_code == 404
+    assert httpx.get(url + "/v1/chat/completions").status_code == 405
+
+
+def test_server_keeps_serving_after_bad_inputs(client, live_server):
+    httpx.post(live_server.url + "/v1/chat/completions", json={"messages": 1})
+    r = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=3)
+    assert r.choices[0].message.content is not None
+    assert httpx.get(live_server.url + "/health").status_code == 200
+
+
+def test_unknown_fields_are_ignored(live_server):
+    r = httpx.post(live_server.url + "/v1/chat/completions",
+                   json={"model": "tiny", "messages": MESSAGES, "max_tokens": 2,
+                         "some_future_field": {"x": 1}})
+    assert r.status_code == 200
+
+
+def test_engine_death_fails_requests_and_health(model_dir):
+    server = LiveServer(EngineConfig(model=str(model_dir("qwen3")), num_kv_blocks=64)).start()
+    try:
+        engine = server.engine
+        calls = {"n": 0}
+        real = engine.core.runner.execute
+
+        def flaky(out):
+            calls["n"] += 1
+            if calls["n"] > 3:
+                raise RuntimeError("simulated device failure")
+            return real(out)
+
+        engine.core.runner.execute = flaky
+        body = {"messages": MESSAGES, "max_tokens": 50, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", server.url + "/v1/chat/completions", json=body) as r:
+            lines = [line for line in r.iter_lines() if line]
+        assert lines[-1] == "data: [DONE]"
+        assert "simulated device failure" in lines[-2] and '"error"' in lines[-2]
+        health = httpx.get(server.url + "/health")
+        assert health.status_code == 503 and "engine died" in health.json()["error"]["message"]
+        r = httpx.post(server.url + "/v1/chat/completions", json={"messages": MESSAGES})
+        assert r.status_code == 503 and r.json()["error"]["message"]
+    finally:
+        server.stop()
