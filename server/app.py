@@ -90,6 +90,7 @@ def hypercorn_config(host: str, port: int) -> HypercornConfig:
     hc.keep_alive_timeout = 75  # above common load-balancer idle timeouts
     hc.graceful_timeout = 30  # hypercorn's 3 s default cuts streams on shutdown
     hc.accesslog = None
+    hc.errorlog = logging.getLogger("hypercorn.error")  # through our logging config, printed once
     return hc
 
 

@@ -185,3 +185,42 @@ def test_engine_death_fails_requests_and_health(model_dir):
         assert r.status_code == 503 and r.json()["error"]["message"]
     finally:
         server.stop()
+
+
+def test_many_concurrent_streams_under_preemption_all_complete(model_dir):
+    """A pool far too small for the load: requests get chunked and preempted, none is lost, and
+    greedy text is the same as when each runs alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    server = LiveServer(EngineConfig(
+        model=str(model_dir("qwen3")), num_kv_blocks=40, block_size=4,
+        max_num_batched_tokens=32, check_integrity=True,
+    )).start()
+    try:
+        def ask(i: int, stream: bool) -> tuple[str, str]:
+            body = {"prompt": f"request number {i} " * (1 + i % 4), "max_tokens": 24,
+                    "temperature": 0, "ignore_eos": True, "stream": stream}
+            if not stream:
+                r = httpx.post(server.url + "/v1/completions", json=body, timeout=120)
+                c = r.json()["choices"][0]
+                return c["text"], c["finish_reason"]
+            text, finish = [], None
+            with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        c = httpx.Response(200, content=line[6:]).json()["choices"][0]
+                        text.append(c["text"])
+                        finish = c["finish_reason"] or finish
+            return "".join(text), finish
+
+        alone = [ask(i, False) for i in range(16)]  # one at a time: no batching, no preemption
+        assert server.engine.core.scheduler.num_preemptions == 0
+        with ThreadPoolExecutor(16) as pool:
+            results = list(pool.map(lambda i: ask(i, True), range(16)))
+        assert all(finish == "length" for _, finish in results)
+        assert results == alone
+        core = server.engine.core
+        assert core.scheduler.num_preemptions > 0
+        assert wait_for(lambda: server.engine.stats["num_free_blocks"] == core.kv.num_blocks)
+    finally:
+        server.stop()
