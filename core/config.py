@@ -19,6 +19,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     kv_cache_memory: int = 1 << 30  # bytes of KV cache on CPU
     gpu_memory_utilization: float = 0.9
     attention_backend: str = "auto"
+    enable_prefix_caching: bool = True
+    scheduling_policy: str = "fcfs"  # fcfs | priority
     seed: int = 0
     chat_template: str | None = None  # a file path or the template itself
     check_integrity: bool = False  # assert the block pool invariant after every step (tests)
@@ -36,5 +38,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise ValueError("--num-kv-blocks must be positive")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("--gpu-memory-utilization must be in (0, 1]")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError("--scheduling-policy must be fcfs or priority")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("--max-model-len must be at least 2")

@@ -38,18 +38,23 @@ class EngineCore:
         max_model_len: int,
         eos_token_ids: set[int] | frozenset[int] = frozenset(),
         check_integrity: bool = False,
+        enable_prefix_caching: bool = True,
+        scheduling_policy: str = "fcfs",
     ) -> None:
         self.runner = runner
         self.tokenizer = tokenizer
         self.max_model_len = min(max_model_len, num_blocks * block_size)
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.kv = KVCacheManager(num_blocks, block_size)
-        self.scheduler = Scheduler(self.kv, max_num_seqs, max_num_batched_tokens)
+        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, max_num_seqs, max_num_batched_tokens,
+                                   scheduling_policy)
         self.requests: dict[str, Request] = {}
         self.check_integrity = check_integrity
         self.num_steps = 0
         self.num_partial_prefills = 0
         self.num_aborted = 0
+        self.num_computed_prompt_tokens = 0  # prompt positions run through the model
+        self._seq_no = 0
 
     @property
     def has_work(self) -> bool:
@@ -95,7 +100,9 @@ class EngineCore:
             detok = Detokenizer(
                 self.tokenizer, req.prompt_token_ids, req.sampling_params.skip_special_tokens
             )
-        request = Request(req, max_tokens, detok)
+        self._seq_no += 1
+        leader = self.requests.get(req.leader_id) if req.leader_id is not None else None
+        request = Request(req, max_tokens, detok, self._seq_no, leader)
         self.requests[request.request_id] = request
         self.scheduler.add(request)
 
@@ -118,6 +125,7 @@ class EngineCore:
             finish_reason=finish_reason,
             num_prompt_tokens=request.num_prompt_tokens,
             num_output_tokens=request.num_output_tokens,
+            num_cached_tokens=request.num_cached_tokens,
         )
 
     def _stop_reason(self, request: Request, token_id: int) -> str | None:
@@ -142,6 +150,10 @@ class EngineCore:
         outputs: list[RequestOutput] = []
         it = iter(sampled)
         for seq in out.seqs:
+            prompt_end = seq.request.num_prompt_tokens
+            if seq.start < prompt_end:
+                self.num_computed_prompt_tokens += min(seq.start + seq.num_new_tokens,
+                                                       prompt_end) - seq.start
             if not seq.sample:
                 self.num_partial_prefills += 1
                 continue

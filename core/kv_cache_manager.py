@@ -1,16 +1,28 @@
-"""KVCacheManager: per-request block tables over the block pool, with check-then-act allocation."""
+"""KVCacheManager: per-request block tables over the block pool, check-then-act allocation, and
+automatic prefix caching (a full block's hash chains its parent's hash with its own token ids)."""
 
 from __future__ import annotations
 
-from core.block_pool import BlockPool
+from core.block_pool import Block, BlockPool
 from core.request import Request
 
 
+def block_hash(parent: int | None, token_ids: tuple[int, ...], salt: str | None) -> int:
+    # The salt goes into the first block only; every later hash inherits it through the chain.
+    return hash((parent, token_ids) if parent is not None else (salt, token_ids))
+
+
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
         self.block_size = block_size
+        self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks)
-        self.block_tables: dict[str, list[int]] = {}
+        self.tables: dict[str, list[Block]] = {}
+        self.block_tables: dict[str, list[int]] = {}  # the same tables as ids, for the runner
+        self._num_registered: dict[str, int] = {}  # leading blocks of a table already cached
+        # Counted per prompt lookup, for metrics and tests.
+        self.num_queried_tokens = 0
+        self.num_hit_tokens = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -24,35 +36,121 @@ class KVCacheManager:
     def usage(self) -> float:
         return self.pool.num_in_use / self.pool.num_blocks
 
-    def blocks_needed(self, request: Request, num_new_tokens: int) -> int:
-        """Blocks to add so that computed + new tokens all have a slot."""
-        total = request.num_computed_tokens + num_new_tokens
-        have = len(self.block_tables.get(request.request_id, ()))
+    # ---- prefix cache ----
+    def _hashes(self, request: Request, num_blocks: int) -> list[int]:
+        """The request's chained block hashes up to `num_blocks` full blocks, computed once."""
+        hashes = request.block_hashes
+        bs = self.block_size
+        tokens = request.all_token_ids
+        while len(hashes) < num_blocks:
+            i = len(hashes)
+            parent = hashes[-1] if hashes else None
+            hashes.append(block_hash(parent, tuple(tokens[i * bs : (i + 1) * bs]),
+                                     request.cache_salt))
+        return hashes
+
+    def find_cached(self, request: Request) -> list[Block]:
+        """The longest run of cached full blocks from the request's start, never covering its
+        last token (that one must be computed so there are logits to sample)."""
+        if not self.enable_caching:
+            return []
+        n = (request.num_tokens - 1) // self.block_size
+        hashes = self._hashes(request, n)
+        bs = self.block_size
+        tokens = request.all_token_ids
+        hits: list[Block] = []
+        parent = None
+        for i in range(n):
+            block = self.pool.lookup(hashes[i], parent, tuple(tokens[i * bs : (i + 1) * bs]))
+            if block is None:
+                break
+            hits.append(block)
+            parent = hashes[i]
+        return hits
+
+    def count_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Record one admitted request's prefix-cache query (retries are not counted)."""
+        if self.enable_caching:
+            self.num_queried_tokens += num_tokens
+            self.num_hit_tokens += num_hit_tokens
+
+    def cache_computed(self, request: Request) -> None:
+        """Register the request's full blocks whose KV has now been written."""
+        if not self.enable_caching:
+            return
+        rid = request.request_id
+        table = self.tables.get(rid)
+        if not table:
+            return
+        full = min(request.num_computed_tokens // self.block_size, len(table))
+        start = self._num_registered.get(rid, 0)
+        if full <= start:
+            return
+        hashes = self._hashes(request, full)
+        bs = self.block_size
+        tokens = request.all_token_ids
+        for i in range(start, full):
+            self.pool.register(table[i], hashes[i], hashes[i - 1] if i else None,
+                               tuple(tokens[i * bs : (i + 1) * bs]))
+        self._num_registered[rid] = full
+
+    # ---- allocation ----
+    def blocks_needed(self, request: Request, num_new_tokens: int, cached: int = 0) -> int:
+        """New blocks to take so that computed (or `cached` hit blocks) + new tokens all fit."""
+        have = len(self.tables.get(request.request_id, ())) + cached
+        total = max(request.num_computed_tokens, cached * self.block_size) + num_new_tokens
         return max(0, -(-total // self.block_size) - have)
 
-    def can_allocate(self, request: Request, num_new_tokens: int) -> bool:
-        return self.blocks_needed(request, num_new_tokens) <= self.pool.num_free
+    def can_allocate(self, request: Request, num_new_tokens: int,
+                     hits: list[Block] | None = None) -> bool:
+        hits = hits or []
+        # Hit blocks nobody owns are on the free list: sharing them takes them off it.
+        idle_hits = sum(1 for b in hits if b.ref_cnt == 0)
+        need = self.blocks_needed(request, num_new_tokens, len(hits))
+        return need <= self.pool.num_free - idle_hits
 
-    def allocate(self, request: Request, num_new_tokens: int) -> list[int]:
-        """Grow the request's block table to hold its new tokens; returns the whole table."""
-        table = self.block_tables.setdefault(request.request_id, [])
-        n = self.blocks_needed(request, num_new_tokens)
-        if n:
-            table.extend(self.pool.take(n))
-        return table
+    def allocate(self, request: Request, num_new_tokens: int,
+                 hits: list[Block] | None = None) -> list[int]:
+        """Grow the request's table (shared hit blocks first) to hold its new tokens; returns the
+        table as block ids."""
+        rid = request.request_id
+        table = self.tables.setdefault(rid, [])
+        ids = self.block_tables.setdefault(rid, [])
+        if hits:
+            need = self.blocks_needed(request, num_new_tokens, len(hits))
+            self.pool.touch(hits)
+            table.extend(hits)
+            ids.extend(b.block_id for b in hits)
+            self._num_registered[rid] = len(hits)
+        else:
+            need = self.blocks_needed(request, num_new_tokens)
+        if need:
+            new = self.pool.take(need)
+            table.extend(new)
+            ids.extend(b.block_id for b in new)
+        return ids
 
     def free(self, request: Request) -> None:
-        table = self.block_tables.pop(request.request_id, None)
+        rid = request.request_id
+        table = self.tables.pop(rid, None)
+        self.block_tables.pop(rid, None)
+        self._num_registered.pop(rid, None)
         if table:
-            # Reverse order: the tail of a sequence goes back first (matters once blocks are cached).
-            self.pool.give_back(table[::-1])
+            self.pool.give_back(table[::-1])  # tail first: the end of a chain is evicted first
 
     def check_integrity(self) -> None:
         self.pool.check_integrity()
-        owned = [b for t in self.block_tables.values() for b in t]
-        if len(owned) != len(set(owned)):
-            raise AssertionError("a block is owned by two requests")
-        if len(owned) != self.pool.num_in_use:
-            raise AssertionError(
-                f"{len(owned)} blocks in tables but {self.pool.num_in_use} marked in use"
-            )
+        refs: dict[int, int] = {}
+        for table in self.tables.values():
+            if len(table) != len({b.block_id for b in table}):
+                raise AssertionError("a block appears twice in one table")
+            for b in table:
+                refs[b.block_id] = refs.get(b.block_id, 0) + 1
+        for b in self.pool.blocks:
+            if refs.get(b.block_id, 0) != b.ref_cnt:
+                raise AssertionError(
+                    f"block {b.block_id} has ref_cnt {b.ref_cnt} but {refs.get(b.block_id, 0)} owners"
+                )
+        for rid, table in self.tables.items():
+            if [b.block_id for b in table] != self.block_tables[rid]:
+                raise AssertionError(f"block ids of {rid} drifted from its table")

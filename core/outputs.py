@@ -17,6 +17,7 @@ def merge(old: RequestOutput, new: RequestOutput) -> RequestOutput:
         finish_reason=new.finish_reason,
         num_prompt_tokens=new.num_prompt_tokens,
         num_output_tokens=new.num_output_tokens,
+        num_cached_tokens=new.num_cached_tokens,
         error=new.error,
     )
 

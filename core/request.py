@@ -17,6 +17,10 @@ class EngineRequest(msgspec.Struct, gc=False):
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     arrival_time: float = 0.0
+    priority: int = 0  # lower runs first under --scheduling-policy priority
+    cache_salt: str | None = None  # requests share cached prefixes only with the same salt
+    # Another sample of the same prompt (n > 1): wait until that request's prompt is cached.
+    leader_id: str | None = None
 
 
 class RequestOutput(msgspec.Struct, omit_defaults=True, gc=False):
@@ -29,6 +33,7 @@ class RequestOutput(msgspec.Struct, omit_defaults=True, gc=False):
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: str | None = None
 
 
@@ -55,9 +60,17 @@ class Request:
         "arrival_time",
         "detokenizer",
         "num_preemptions",
+        "priority",
+        "cache_salt",
+        "block_hashes",
+        "num_cached_tokens",
+        "leader",
+        "seq_no",
+        "sampler_state",
     )
 
-    def __init__(self, req: EngineRequest, max_tokens: int, detokenizer: object = None) -> None:
+    def __init__(self, req: EngineRequest, max_tokens: int, detokenizer: object = None,
+                 seq_no: int = 0, leader: Request | None = None) -> None:
         self.request_id = req.request_id
         self.prompt_token_ids = list(req.prompt_token_ids)
         self.output_token_ids: list[int] = []
@@ -71,6 +84,13 @@ class Request:
         self.arrival_time = req.arrival_time or time.monotonic()
         self.detokenizer = detokenizer
         self.num_preemptions = 0
+        self.priority = req.priority
+        self.cache_salt = req.cache_salt
+        self.block_hashes: list[int] = []  # chained hashes of full blocks, filled lazily
+        self.num_cached_tokens = 0
+        self.leader = leader
+        self.seq_no = seq_no  # arrival order, for FCFS ties
+        self.sampler_state: object = None  # owned by the model runner (e.g. a seeded generator)
 
     @property
     def num_tokens(self) -> int:

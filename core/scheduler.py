@@ -1,15 +1,16 @@
 """Scheduler: one rule, each request's computed tokens catch up with its known tokens.
 
 Every step has a token budget (`max_num_batched_tokens`) and a cap on running requests
-(`max_num_seqs`). Running requests are served first, then waiting ones in arrival order. A prompt
-longer than what is left of the budget is chunked across steps. When the pool runs out of blocks the
-newest running request is preempted: its blocks are freed and it is recomputed later; a step that
-preempted admits nothing new.
+(`max_num_seqs`). Running requests are served first, then waiting ones in policy order (arrival,
+or priority then arrival). A waiting request starts after the longest run of its blocks already in
+the prefix cache. A prompt longer than what is left of the budget is chunked across steps. When the
+pool runs out of blocks the newest (or lowest-priority) running request is preempted: its blocks
+are freed and it is recomputed later; a step that preempted admits nothing new.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import bisect
 
 import msgspec
 
@@ -40,18 +41,28 @@ class SchedulerOutput(msgspec.Struct, gc=False):
         return sum(s.num_new_tokens for s in self.seqs)
 
 
+POLICIES = ("fcfs", "priority")
+
+
 class Scheduler:
-    def __init__(
-        self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int
-    ) -> None:
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 policy: str = "fcfs") -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+        if policy not in POLICIES:
+            raise ValueError(f"scheduling policy must be one of {POLICIES}, not {policy!r}")
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.waiting: deque[Request] = deque()
+        self.policy = policy
+        self.waiting: list[Request] = []  # kept sorted by _key
         self.running: list[Request] = []
         self.num_preemptions = 0
+
+    def _key(self, request: Request) -> tuple[int, ...]:
+        if self.policy == "priority":
+            return (request.priority, request.seq_no)
+        return (request.seq_no,)
 
     @property
     def has_work(self) -> bool:
@@ -59,13 +70,13 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         request.status = Status.WAITING
-        self.waiting.append(request)
+        bisect.insort(self.waiting, request, key=self._key)
 
     def remove(self, request: Request) -> None:
         """Take a finished or aborted request out of the queues and free its blocks."""
         if request.status is Status.RUNNING:
             self.running.remove(request)
-        elif request in self.waiting:
+        elif request.status in (Status.WAITING, Status.PREEMPTED):
             self.waiting.remove(request)
         self.kv.free(request)
         request.status = Status.FINISHED
@@ -77,58 +88,79 @@ class Scheduler:
         request.status = Status.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        bisect.insort(self.waiting, request, key=self._key)  # back in its place, ahead of later ones
 
-    def _schedule_one(self, request: Request, num_new: int) -> ScheduledSeq:
-        table = self.kv.allocate(request, num_new)
+    def _held(self, request: Request) -> bool:
+        """A further sample of a prompt waits until the first one's prompt is in the cache."""
+        leader = request.leader
+        if leader is None or not self.kv.enable_caching:
+            return False
+        if leader.status in (Status.FINISHED, Status.PREEMPTED) or \
+                leader.num_computed_tokens >= leader.num_prompt_tokens:
+            request.leader = None
+            return False
+        return True
+
+    def _seq(self, request: Request, num_new: int, table: list[int]) -> ScheduledSeq:
         start = request.num_computed_tokens
-        return ScheduledSeq(
-            request=request,
-            start=start,
-            num_new_tokens=num_new,
-            block_table=table,
-            sample=start + num_new == request.num_tokens,
-        )
+        return ScheduledSeq(request=request, start=start, num_new_tokens=num_new,
+                            block_table=table, sample=start + num_new == request.num_tokens)
 
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
-        seqs: list[ScheduledSeq] = []
+        scheduled: dict[str, ScheduledSeq] = {}
         preempted: list[str] = []
 
-        i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
+        for request in list(self.running):
+            if budget <= 0:
+                break
+            if request.status is not Status.RUNNING:
+                continue  # preempted earlier in this step
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if num_new <= 0:
-                i += 1
                 continue
             while not self.kv.can_allocate(request, num_new):
-                victim = self.running[-1]
+                victim = max(self.running, key=self._key)
                 self._preempt(victim)
                 preempted.append(victim.request_id)
+                undone = scheduled.pop(victim.request_id, None)
+                if undone is not None:
+                    budget += undone.num_new_tokens
                 if victim is request:
                     break
             if request.status is not Status.RUNNING:
-                break  # it preempted itself: everything after it is gone too
-            seqs.append(self._schedule_one(request, num_new))
+                continue
+            table = self.kv.allocate(request, num_new)
+            scheduled[request.request_id] = self._seq(request, num_new, table)
             budget -= num_new
-            i += 1
 
         if not preempted:
-            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-                request = self.waiting[0]
-                num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-                if not self.kv.can_allocate(request, num_new):
+            i = 0
+            while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+                request = self.waiting[i]
+                if self._held(request):
+                    i += 1
+                    continue
+                hits = self.kv.find_cached(request)
+                cached = len(hits) * self.kv.block_size
+                num_new = min(request.num_tokens - cached, budget)
+                if not self.kv.can_allocate(request, num_new, hits):
                     break
-                self.waiting.popleft()
+                del self.waiting[i]
+                table = self.kv.allocate(request, num_new, hits)
+                request.num_computed_tokens = cached
+                self.kv.count_lookup(request.num_tokens, cached)
+                if request.num_preemptions == 0:
+                    request.num_cached_tokens = cached
                 request.status = Status.RUNNING
                 self.running.append(request)
-                seqs.append(self._schedule_one(request, num_new))
+                scheduled[request.request_id] = self._seq(request, num_new, table)
                 budget -= num_new
 
-        return SchedulerOutput(seqs=seqs, preempted=preempted)
+        return SchedulerOutput(seqs=list(scheduled.values()), preempted=preempted)
 
     def commit(self, out: SchedulerOutput) -> None:
         """After the forward pass: the scheduled tokens now have KV in the cache."""
         for s in out.seqs:
             s.request.num_computed_tokens += s.num_new_tokens
+            self.kv.cache_computed(s.request)

@@ -84,6 +84,8 @@ def load(config: EngineConfig) -> Loaded:
         max_model_len=max_model_len,
         eos_token_ids=eos,
         check_integrity=config.check_integrity,
+        enable_prefix_caching=config.enable_prefix_caching,
+        scheduling_policy=config.scheduling_policy,
     )
     log.info("loaded %s on %s (%s): %d KV blocks of %d tokens, max_model_len %d",
              path, device, str(dtype).removeprefix("torch."), num_blocks, config.block_size,
