@@ -74,8 +74,17 @@ class ModelRunner:
             self._tensor(logits_rows, torch.int64),
         )
 
+    def _generator(self, request) -> torch.Generator:
+        """A request's own generator, made from its seed on first use and kept on the request."""
+        if request.sampler_state is None:
+            g = torch.Generator(device=self.device)
+            g.manual_seed(request.sampling_params.seed)
+            request.sampler_state = g
+        return request.sampler_state
+
     def prepare_sampling(self, out: SchedulerOutput):
-        params = [s.request.sampling_params for s in out.seqs if s.sample]
+        requests = [s.request for s in out.seqs if s.sample]
+        params = [r.sampling_params for r in requests]
         temps = [p.temperature for p in params]
         top_ks = [p.top_k if p.top_k > 0 else 0 for p in params]
         top_ps = [p.top_p for p in params]
@@ -86,6 +95,8 @@ class ModelRunner:
             all_greedy=all(p.greedy for p in params),
             need_top_k=any(k > 0 for k in top_ks),
             need_top_p=any(p < 1.0 for p in top_ps),
+            seeded=[(i, self._generator(r)) for i, r in enumerate(requests)
+                    if r.sampling_params.seed is not None and not r.sampling_params.greedy],
         )
 
     @torch.inference_mode()

@@ -19,7 +19,10 @@ class Sampler:
         all_greedy: bool,
         need_top_k: bool,
         need_top_p: bool,
+        seeded: list[tuple[int, torch.Generator]] = (),
     ) -> torch.Tensor:
+        """`seeded` lists (row, generator) for requests with their own seed: their noise comes
+        from their generator alone, so the same seed gives the same tokens whatever the batch."""
         greedy_ids = logits.argmax(dim=-1)
         if all_greedy:
             return greedy_ids
@@ -30,6 +33,8 @@ class Sampler:
         probs = logits.softmax(dim=-1)
         # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p without a CPU sync.
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        for row, generator in seeded:
+            noise[row].exponential_(generator=generator)
         sampled = (probs / noise).argmax(dim=-1)
         return torch.where(greedy, greedy_ids, sampled)
 

@@ -34,6 +34,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bytes of KV cache on CPU (default 1 GiB)")
     s.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     s.add_argument("--attention-backend", default="auto", choices=["auto", "torch"])
+    s.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV of shared prompt prefixes (on by default)")
+    s.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
+                   help="priority: lower request `priority` runs first and is preempted last")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--chat-template", default=None, help="a Jinja template file or text")
     s.add_argument("--log-level", default="info")
@@ -55,6 +59,8 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         kv_cache_memory=args.kv_cache_memory,
         gpu_memory_utilization=args.gpu_memory_utilization,
         attention_backend=args.attention_backend,
+        enable_prefix_caching=args.enable_prefix_caching,
+        scheduling_policy=args.scheduling_policy,
         seed=args.seed,
         chat_template=args.chat_template,
     )

@@ -11,7 +11,7 @@ from msgspec import Meta
 PositiveInt = Annotated[int, Meta(ge=1)]
 Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
 TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
-MAX_N = 1  # parallel samples arrive with prefix sharing; until then one choice per prompt
+MAX_N = 64  # parallel samples per prompt
 
 
 class StreamOptions(msgspec.Struct):
@@ -46,6 +46,8 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     user: str | None = None
+    priority: int = 0  # lower first; needs --scheduling-policy priority
+    cache_salt: str | None = None  # share cached prefixes only with requests of the same salt
 
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
@@ -62,10 +64,15 @@ class CompletionRequest(_SamplingFields, kw_only=True):
 
 
 # ---- responses ----
+class PromptTokensDetails(msgspec.Struct):
+    cached_tokens: int = 0
+
+
 class Usage(msgspec.Struct):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class ResponseMessage(msgspec.Struct):

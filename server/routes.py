@@ -28,6 +28,7 @@ from server.protocol import (
     Delta,
     ModelCard,
     ModelList,
+    PromptTokensDetails,
     ResponseMessage,
     Usage,
     _SamplingFields,
@@ -75,46 +76,84 @@ def sampling_params(req: _SamplingFields, max_tokens: int | None) -> SamplingPar
     return params
 
 
-def submit(engine: Engine, prompts: list[list[int]], params: SamplingParams, prefix: str
-           ) -> tuple[RequestChannel, list[str]]:
-    """Queue one engine request per prompt, all read through one channel."""
-    channel = RequestChannel()
-    ids: list[str] = []
-    base = f"{prefix}-{uuid.uuid4().hex}"
-    try:
-        for i, prompt in enumerate(prompts):
-            rid = base if len(prompts) == 1 else f"{base}-{i}"
-            engine.add(EngineRequest(rid, prompt, params, time.monotonic()), channel)
-            ids.append(rid)
-    except InvalidParam as e:
-        for rid in ids:
-            engine.abort(rid)
-        raise APIError(400, e.message, e.param, "invalid_value") from None
-    except EngineDeadError as e:
-        for rid in ids:
-            engine.abort(rid)
-        raise APIError(503, str(e), None, "engine_dead") from None
-    return channel, ids
+class Submitted:
+    """The engine requests behind one HTTP request: n samples of each prompt, read through one
+    channel. Choice index = prompt index * n + sample index, as the OpenAI API numbers them."""
+
+    def __init__(self, engine: Engine, prefix: str, n: int) -> None:
+        self.engine = engine
+        self.base = f"{prefix}-{uuid.uuid4().hex}"
+        self.n = n
+        self.channel = RequestChannel()
+        self.ids: list[str] = []
+        self.index: dict[str, int] = {}
+
+    def add(self, prompts: list[list[int]], params: SamplingParams, priority: int,
+            cache_salt: str | None) -> None:
+        single = len(prompts) == 1 and self.n == 1
+        try:
+            for p, prompt in enumerate(prompts):
+                leader = None
+                for j in range(self.n):
+                    rid = self.base if single else f"{self.base}-{p * self.n + j}"
+                    # Each sample gets its own reproducible stream: seed, seed + 1, ...
+                    sample_params = params if params.seed is None or j == 0 else \
+                        msgspec.structs.replace(params, seed=params.seed + j)
+                    self.engine.add(EngineRequest(
+                        rid, prompt, sample_params, time.monotonic(), priority=priority,
+                        cache_salt=cache_salt, leader_id=leader), self.channel)
+                    leader = leader or rid
+                    self.index[rid] = len(self.ids)
+                    self.ids.append(rid)
+        except InvalidParam as e:
+            self.abort()
+            raise APIError(400, e.message, e.param, "invalid_value") from None
+        except EngineDeadError as e:
+            self.abort()
+            raise APIError(503, str(e), None, "engine_dead") from None
+
+    def abort(self) -> None:
+        """Synchronous: safe in the `finally` of a cancelled handler. Finished ones are no-ops."""
+        for rid in self.ids:
+            self.engine.abort(rid)
+
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(choice index, output) until every request has finished; an engine error raises."""
+        left = len(self.ids)
+        while left:
+            for out in await self.channel.get():
+                if out.error is not None:
+                    raise APIError(500, f"The engine failed: {out.error}", None, "engine_error")
+                if out.finished:
+                    left -= 1
+                yield self.index[out.request_id], out
 
 
-async def outputs(channel: RequestChannel, ids: list[str]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """(choice index, output) until every request has finished; an engine error raises."""
-    index = {rid: i for i, rid in enumerate(ids)}
-    left = len(ids)
-    while left:
-        for out in await channel.get():
-            if out.error is not None:
-                raise APIError(500, f"The engine failed: {out.error}", None, "engine_error")
-            if out.finished:
-                left -= 1
-            yield index[out.request_id], out
+class UsageCounter:
+    """Prompt tokens count once per prompt (not per sample); completion tokens add up."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.prompt = self.completion = self.cached = 0
+
+    def finished(self, index: int, out: RequestOutput) -> None:
+        self.completion += out.num_output_tokens
+        if index % self.n == 0:
+            self.prompt += out.num_prompt_tokens
+            self.cached += out.num_cached_tokens
+
+    def usage(self) -> Usage:
+        return Usage(self.prompt, self.completion, self.prompt + self.completion,
+                     PromptTokensDetails(cached_tokens=self.cached))
 
 
-def usage_of(prompt_tokens: int, completion_tokens: int) -> Usage:
-    return Usage(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens)
+def check_priority(st: ServerState, req: _SamplingFields) -> None:
+    if req.priority != 0 and st.config.scheduling_policy != "priority":
+        raise APIError(400, f"priority {req.priority} needs the server to run with "
+                       "--scheduling-policy priority", "priority", "invalid_value")
 
 
-def stream_response(events: AsyncIterator[bytes], engine: Engine, ids: list[str]) -> Response:
+def stream_response(events: AsyncIterator[bytes], sub: Submitted) -> Response:
     async def body() -> AsyncIterator[bytes]:
         try:
             async for chunk in events:
@@ -129,13 +168,27 @@ def stream_response(events: AsyncIterator[bytes], engine: Engine, ids: list[str]
             yield sse.DONE
         finally:
             # Synchronous, so it also runs when the client went away and we were cancelled.
-            for rid in ids:
-                engine.abort(rid)
+            sub.abort()
 
     response = Response(body(), content_type="text/event-stream",
                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     response.timeout = None
     return response
+
+
+async def collect(sub: Submitted, usage: UsageCounter) -> tuple[list[str], list[str | None]]:
+    """Run a non-streaming request to the end: each choice's text and finish reason."""
+    texts: list[list[str]] = [[] for _ in sub.ids]
+    finish: list[str | None] = [None] * len(sub.ids)
+    try:
+        async for i, out in sub.outputs():
+            texts[i].append(out.new_text)
+            if out.finished:
+                finish[i] = out.finish_reason
+                usage.finished(i, out)
+    finally:
+        sub.abort()
+    return ["".join(t) for t in texts], finish
 
 
 # ---------------------------------------------------------------- chat
@@ -145,48 +198,44 @@ async def chat_completions() -> Response:
     req = await decode(ChatCompletionRequest)
     engine = st.ready_engine()
     model = st.model_name(req.model)
+    check_priority(st, req)
     prompt = chat.render(st.tokenizer, st.chat_template, req.messages, req.add_generation_prompt)
     params = sampling_params(req, req.max_completion_tokens or req.max_tokens)
-    channel, ids = submit(engine, [prompt], params, "chatcmpl")
+    sub = Submitted(engine, "chatcmpl", req.n)
+    sub.add([prompt], params, req.priority, req.cache_salt)
     created = int(time.time())
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    usage = UsageCounter(req.n)
 
     if req.stream:
-        def chunk(delta: Delta, finish: str | None = None) -> bytes:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+        def chunk(index: int, delta: Delta, finish: str | None = None) -> bytes:
             return sse.event(ChatCompletionChunk(
-                id=ids[0], created=created, model=model,
-                choices=[ChunkChoice(index=0, delta=delta, finish_reason=finish)]))
+                id=sub.base, created=created, model=model,
+                choices=[ChunkChoice(index=index, delta=delta, finish_reason=finish)]))
 
         async def events() -> AsyncIterator[bytes]:
-            yield chunk(Delta(role="assistant", content=""))
-            async for _, out in outputs(channel, ids):
+            for i in range(len(sub.ids)):
+                yield chunk(i, Delta(role="assistant", content=""))
+            async for i, out in sub.outputs():
                 if out.finished:
-                    yield chunk(Delta(content=out.new_text or None), out.finish_reason)
-                    if include_usage:
-                        yield sse.event(ChatCompletionChunk(
-                            id=ids[0], created=created, model=model, choices=[],
-                            usage=usage_of(out.num_prompt_tokens, out.num_output_tokens)))
+                    usage.finished(i, out)
+                    yield chunk(i, Delta(content=out.new_text or None), out.finish_reason)
                 elif out.new_text:
-                    yield chunk(Delta(content=out.new_text))
+                    yield chunk(i, Delta(content=out.new_text))
+            if include_usage:
+                yield sse.event(ChatCompletionChunk(id=sub.base, created=created, model=model,
+                                                    choices=[], usage=usage.usage()))
             yield sse.DONE
 
-        return stream_response(events(), engine, ids)
+        return stream_response(events(), sub)
 
-    try:
-        text: list[str] = []
-        last: RequestOutput | None = None
-        async for _, out in outputs(channel, ids):
-            text.append(out.new_text)
-            last = out
-    finally:
-        for rid in ids:
-            engine.abort(rid)
-    assert last is not None
+    texts, finish = await collect(sub, usage)
     return json_response(ChatCompletionResponse(
-        id=ids[0], created=created, model=model,
-        choices=[ChatChoice(index=0, message=ResponseMessage("assistant", "".join(text)),
-                            finish_reason=last.finish_reason)],
-        usage=usage_of(last.num_prompt_tokens, last.num_output_tokens),
+        id=sub.base, created=created, model=model,
+        choices=[ChatChoice(index=i, message=ResponseMessage("assistant", t), finish_reason=f)
+                 for i, (t, f) in enumerate(zip(texts, finish))],
+        usage=usage.usage(),
     ))
 
 
@@ -220,47 +269,37 @@ async def completions() -> Response:
     req = await decode(CompletionRequest)
     engine = st.ready_engine()
     model = st.model_name(req.model)
+    check_priority(st, req)
     prompts = completion_prompts(st, req.prompt)
     params = sampling_params(req, req.max_tokens)
-    channel, ids = submit(engine, prompts, params, "cmpl")
+    sub = Submitted(engine, "cmpl", req.n)
+    sub.add(prompts, params, req.priority, req.cache_salt)
     created = int(time.time())
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    usage = UsageCounter(req.n)
 
     if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
         async def events() -> AsyncIterator[bytes]:
-            prompt_tokens = completion_tokens = 0
-            async for i, out in outputs(channel, ids):
+            async for i, out in sub.outputs():
+                if out.finished:
+                    usage.finished(i, out)
                 if out.new_text or out.finished:
                     yield sse.event(CompletionResponse(
-                        id=ids[0], created=created, model=model,
+                        id=sub.base, created=created, model=model,
                         choices=[CompletionChoice(i, out.new_text, out.finish_reason)]))
-                if out.finished:
-                    prompt_tokens += out.num_prompt_tokens
-                    completion_tokens += out.num_output_tokens
             if include_usage:
-                yield sse.event(CompletionResponse(
-                    id=ids[0], created=created, model=model, choices=[],
-                    usage=usage_of(prompt_tokens, completion_tokens)))
+                yield sse.event(CompletionResponse(id=sub.base, created=created, model=model,
+                                                   choices=[], usage=usage.usage()))
             yield sse.DONE
 
-        return stream_response(events(), engine, ids)
+        return stream_response(events(), sub)
 
-    texts = [[] for _ in ids]
-    finals: list[RequestOutput | None] = [None] * len(ids)
-    try:
-        async for i, out in outputs(channel, ids):
-            texts[i].append(out.new_text)
-            if out.finished:
-                finals[i] = out
-    finally:
-        for rid in ids:
-            engine.abort(rid)
-    choices = [CompletionChoice(i, "".join(t), f.finish_reason if f else None)
-               for i, (t, f) in enumerate(zip(texts, finals))]
+    texts, finish = await collect(sub, usage)
     return json_response(CompletionResponse(
-        id=ids[0], created=created, model=model, choices=choices,
-        usage=usage_of(sum(f.num_prompt_tokens for f in finals if f),
-                       sum(f.num_output_tokens for f in finals if f)),
+        id=sub.base, created=created, model=model,
+        choices=[CompletionChoice(i, t, f) for i, (t, f) in enumerate(zip(texts, finish))],
+        usage=usage.usage(),
     ))
 
 

@@ -25,6 +25,10 @@ def test_flags_map_to_engine_config():
     assert config.model == "some/model" and config.served_model_name == ["a", "b"]
     assert (config.max_num_seqs, config.max_num_batched_tokens, config.num_kv_blocks) == (4, 128, 99)
     assert config.dtype == "bfloat16"
+    assert config.enable_prefix_caching and config.scheduling_policy == "fcfs"
+    off = config_from_args(build_parser().parse_args(
+        ["serve", "--no-enable-prefix-caching", "--scheduling-policy", "priority"]))
+    assert not off.enable_prefix_caching and off.scheduling_policy == "priority"
     assert config_from_args(build_parser().parse_args(["serve"])).model is None
 
 

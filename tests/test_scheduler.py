@@ -196,3 +196,49 @@ def test_check_rejects_what_cannot_be_served():
         core.check(EngineRequest("x", [11] * 10, SamplingParams(max_tokens=7)))
     assert e.value.param == "max_tokens" and "17" in e.value.message
     assert core.check(EngineRequest("x", [11] * 10, SamplingParams(max_tokens=None))) == 6
+
+
+def make_priority_core(**kw):
+    runner = FakeRunner()
+    core = EngineCore(runner, None, block_size=4, max_model_len=512, check_integrity=True,
+                      scheduling_policy="priority", **kw)
+    return core, runner
+
+
+def test_priority_orders_the_waiting_queue():
+    core, runner = make_priority_core(num_blocks=64, max_num_seqs=1, max_num_batched_tokens=64)
+    for rid, prio in [("low", 10), ("mid", 5), ("high", 0), ("mid2", 5)]:
+        core.add(EngineRequest(rid, [11, 12, 13], SamplingParams(max_tokens=2, temperature=0),
+                               priority=prio))
+    run(core)
+    order = []
+    for step in runner.steps:
+        for rid, *_ in step:
+            if rid not in order:
+                order.append(rid)
+    assert order == ["high", "mid", "mid2", "low"]
+
+
+def test_priority_preempts_the_lowest_priority_running_request():
+    core, runner = make_priority_core(num_blocks=12, max_num_seqs=4, max_num_batched_tokens=64)
+    # The older request has the lower priority (larger value): under FCFS the newer one would go.
+    core.add(EngineRequest("old-low", [11] * 8, SamplingParams(max_tokens=20, temperature=0),
+                           priority=9))
+    core.add(EngineRequest("new-high", [12] * 8, SamplingParams(max_tokens=20, temperature=0),
+                           priority=1))
+    victims = []
+    while core.has_work:
+        out = core.scheduler.schedule()
+        victims += out.preempted
+        if out.seqs:
+            sampled = iter(core.runner.execute(out))
+            core.scheduler.commit(out)
+            for s in out.seqs:
+                if s.sample:
+                    r = s.request
+                    r.append_output(next(sampled))
+                    if r.num_output_tokens >= r.max_tokens:
+                        core.scheduler.remove(r)
+                        del core.requests[r.request_id]
+        core.kv.check_integrity()
+    assert victims and set(victims) == {"old-low"}

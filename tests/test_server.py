@@ -224,3 +224,62 @@ def test_many_concurrent_streams_under_preemption_all_complete(model_dir):
         assert wait_for(lambda: server.engine.stats["num_free_blocks"] == core.kv.num_blocks)
     finally:
         server.stop()
+
+
+def test_usage_reports_cached_prompt_tokens(client, live_server):
+    system = {"role": "system", "content": "You are a helpful river guide. " * 30}
+    first = client.chat.completions.create(
+        model="tiny", messages=[system, {"role": "user", "content": "hi"}], max_tokens=2)
+    second = client.chat.completions.create(
+        model="tiny", messages=[system, {"role": "user", "content": "where is the café?"}],
+        max_tokens=2, stream=True, stream_options={"include_usage": True})
+    usage = list(second)[-1].usage
+    bs = live_server.state.config.block_size
+    assert first.usage.prompt_tokens > 150
+    assert usage.prompt_tokens_details.cached_tokens >= (first.usage.prompt_tokens - 10) // bs * bs
+    # A different salt shares nothing.
+    salted = client.chat.completions.create(
+        model="tiny", messages=[system, {"role": "user", "content": "hi"}], max_tokens=2,
+        extra_body={"cache_salt": "tenant-b"})
+    assert salted.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_n_samples_seeded_and_greedy(client, live_server):
+    messages = [{"role": "user", "content": "Tell me about the river " * 10}]
+    core = live_server.engine.core
+    before = core.num_computed_prompt_tokens
+    r = client.chat.completions.create(model="tiny", messages=messages, n=3, temperature=1.0,
+                                       seed=123, max_tokens=12, extra_body={"ignore_eos": True,
+                                                                            "cache_salt": "n3"})
+    computed = core.num_computed_prompt_tokens - before
+    prompt = r.usage.prompt_tokens
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    texts = [c.message.content for c in r.choices]
+    assert len(set(texts)) == 3
+    assert computed < 2 * prompt  # the prompt is computed once; the others hit the cache
+    assert r.usage.completion_tokens == 36
+    again = client.chat.completions.create(model="tiny", messages=messages, n=3, temperature=1.0,
+                                           seed=123, max_tokens=12,
+                                           extra_body={"ignore_eos": True})
+    assert [c.message.content for c in again.choices] == texts
+
+    greedy = client.chat.completions.create(model="tiny", messages=messages, n=3, temperature=0,
+                                            max_tokens=12)
+    assert len({c.message.content for c in greedy.choices}) == 1
+
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, n=3, seed=123,
+                                                 temperature=1.0, max_tokens=12, stream=True,
+                                                 extra_body={"ignore_eos": True}))
+    streamed = ["", "", ""]
+    finishes = [0, 0, 0]
+    for c in chunks:
+        for choice in c.choices:
+            streamed[choice.index] += choice.delta.content or ""
+            finishes[choice.index] += choice.finish_reason is not None
+    assert streamed == texts and finishes == [1, 1, 1]
+
+
+def test_priority_needs_priority_scheduling(live_server):
+    r = httpx.post(live_server.url + "/v1/completions",
+                   json={"prompt": "hi", "max_tokens": 2, "priority": 5})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "priority"
