@@ -41,7 +41,6 @@ class ModelRunner:
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        query_start = [0]
         seq_lens: list[int] = []
         query_lens: list[int] = []
         logits_rows: list[int] = []
@@ -53,20 +52,12 @@ class ModelRunner:
             pos = range(start, start + n)
             positions.extend(pos)
             slots.extend(table[p // bs] * bs + p % bs for p in pos)
-            query_start.append(query_start[-1] + n)
             query_lens.append(n)
             seq_lens.append(start + n)
             tables.append(table + [0] * (max_blocks - len(table)))
             if s.sample:
-                logits_rows.append(query_start[-1] - 1)
-        meta = AttentionMetadata(
-            slot_mapping=self._tensor(slots, torch.int64),
-            block_tables=self._tensor(tables, torch.int32),
-            query_start_loc=self._tensor(query_start, torch.int32),
-            seq_lens=self._tensor(seq_lens, torch.int32),
-            query_lens_cpu=query_lens,
-            seq_lens_cpu=seq_lens,
-        )
+                logits_rows.append(len(input_ids) - 1)
+        meta = AttentionMetadata.build(slots, tables, query_lens, seq_lens, self._tensor)
         return (
             self._tensor(input_ids, torch.int64),
             self._tensor(positions, torch.int64),

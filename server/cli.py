@@ -33,7 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--kv-cache-memory", type=int, default=1 << 30,
                    help="bytes of KV cache on CPU (default 1 GiB)")
     s.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    s.add_argument("--attention-backend", default="auto", choices=["auto", "torch"])
+    s.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
+                   help="auto: triton on CUDA, torch on CPU (triton on CPU needs TRITON_INTERPRET=1)")
     s.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV of shared prompt prefixes (on by default)")
     s.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],

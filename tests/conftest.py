@@ -2,6 +2,16 @@
 
 from __future__ import annotations
 
+import os
+
+# Without a GPU the Triton kernels run in Triton's interpreter on CPU tensors. It is read when a
+# kernel is decorated, so it must be set before anything imports gpu.kernels.
+if "TRITON_INTERPRET" not in os.environ:
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+
 import socket
 import threading
 import time

@@ -106,3 +106,16 @@ def test_logits_match_transformers(arch, model_dir):
         theirs = hf(torch.tensor([ids + outputs[:-1]])).logits[0, len(ids) - 1:]
     # First row: logits after the prefill; the rest after each decode step through the cache.
     torch.testing.assert_close(torch.stack(ours), theirs, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_matches_transformers_with_triton_backend(arch, model_dir):
+    """The same check through the Triton kernels (compiled on CUDA, interpreted on CPU)."""
+    path = model_dir(arch)
+    loaded = load(EngineConfig(model=str(path), dtype="float32", check_integrity=True,
+                               attention_backend="triton", **POOLS["tight"]))
+    assert loaded.core.runner.backend.name == "triton"
+    prompts = [loaded.tokenizer.encode(p) for p in PROMPTS]
+    got, _ = run_all(loaded.core, prompts)
+    assert got == reference(arch, path, prompts)
+    assert loaded.core.num_partial_prefills > 0 and loaded.core.scheduler.num_preemptions > 0

@@ -283,3 +283,18 @@ def test_priority_needs_priority_scheduling(live_server):
     r = httpx.post(live_server.url + "/v1/completions",
                    json={"prompt": "hi", "max_tokens": 2, "priority": 5})
     assert r.status_code == 400 and r.json()["error"]["param"] == "priority"
+
+
+def test_server_runs_on_the_triton_backend(model_dir):
+    server = LiveServer(EngineConfig(model=str(model_dir("qwen3")), num_kv_blocks=64,
+                                     attention_backend="triton")).start()
+    try:
+        assert server.engine.core.runner.backend.name == "triton"
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+        chunks = list(client.chat.completions.create(
+            model=server.state.served_names[0], messages=MESSAGES, max_tokens=6, temperature=0,
+            stream=True))
+        assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+        client.close()
+    finally:
+        server.stop()

@@ -23,10 +23,41 @@ class AttentionMetadata:
     # The same on the host, for backends that loop in Python.
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
+    # Sequences split by kind: one new token (decode) or several (prefill chunk).
+    decode_seq_ids: torch.Tensor  # [num_decodes] int32
+    prefill_seq_ids: torch.Tensor  # [num_prefills] int32
+    decode_seq_ids_cpu: list[int]
+    prefill_seq_ids_cpu: list[int]
+    max_decode_seq_len: int
+    max_prefill_query_len: int
 
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens_cpu)
+
+    @classmethod
+    def build(cls, slot_mapping: list[int], block_tables: list[list[int]], query_lens: list[int],
+              seq_lens: list[int], to_device) -> AttentionMetadata:
+        """From host lists; `to_device(data, dtype)` makes a tensor on the model's device."""
+        query_start = [0]
+        for q in query_lens:
+            query_start.append(query_start[-1] + q)
+        decodes = [i for i, q in enumerate(query_lens) if q == 1]
+        prefills = [i for i, q in enumerate(query_lens) if q != 1]
+        return cls(
+            slot_mapping=to_device(slot_mapping, torch.int64),
+            block_tables=to_device(block_tables, torch.int32),
+            query_start_loc=to_device(query_start, torch.int32),
+            seq_lens=to_device(seq_lens, torch.int32),
+            query_lens_cpu=query_lens,
+            seq_lens_cpu=seq_lens,
+            decode_seq_ids=to_device(decodes, torch.int32),
+            prefill_seq_ids=to_device(prefills, torch.int32),
+            decode_seq_ids_cpu=decodes,
+            prefill_seq_ids_cpu=prefills,
+            max_decode_seq_len=max((seq_lens[i] for i in decodes), default=0),
+            max_prefill_query_len=max((query_lens[i] for i in prefills), default=0),
+        )
 
 
 class AttentionBackend(Protocol):
@@ -48,12 +79,35 @@ class AttentionBackend(Protocol):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        sliding_window: int = 0,  # 0: none; else a query sees only its last `sliding_window` keys
     ) -> torch.Tensor: ...  # [num_tokens, num_heads, head_dim]
 
 
-def get_backend(name: str, device: torch.device) -> AttentionBackend:
-    from gpu.attention.torch_ref import TorchAttention
+BACKENDS = ("auto", "torch", "triton")
 
-    if name in ("auto", "torch"):
+
+def triton_usable(device: torch.device) -> bool:
+    """Triton runs compiled on CUDA, or anywhere under its interpreter (TRITON_INTERPRET=1)."""
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return True
+    return device.type == "cuda"
+
+
+def get_backend(name: str, device: torch.device) -> AttentionBackend:
+    """auto: Triton on CUDA, the torch reference on CPU."""
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "torch":
+        from gpu.attention.torch_ref import TorchAttention
+
         return TorchAttention()
-    raise ValueError(f"unknown attention backend {name!r} (choose auto or torch)")
+    if name == "triton":
+        if not triton_usable(device):
+            raise ValueError("--attention-backend triton needs a CUDA device (or TRITON_INTERPRET=1 "
+                             "to run the kernels in Triton's interpreter on CPU)")
+        from gpu.attention.triton_backend import TritonAttention
+
+        return TritonAttention()
+    raise ValueError(f"unknown attention backend {name!r} (choose one of {', '.join(BACKENDS)})")

@@ -26,12 +26,14 @@ class TorchAttention:
         k_cache.view(-1, *k_cache.shape[2:])[slot_mapping] = key.to(k_cache.dtype)
         v_cache.view(-1, *v_cache.shape[2:])[slot_mapping] = value.to(v_cache.dtype)
 
-    def forward(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+    def forward(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                sliding_window: int = 0):
         out = torch.empty_like(query)
         gqa = query.shape[1] != k_cache.shape[2]
-        starts = meta.query_start_loc.tolist()
-        decodes = [i for i, q in enumerate(meta.query_lens_cpu) if q == 1]
-        prefills = [i for i, q in enumerate(meta.query_lens_cpu) if q != 1]
+        starts = [0]
+        for q in meta.query_lens_cpu:
+            starts.append(starts[-1] + q)
+        decodes, prefills = meta.decode_seq_ids_cpu, meta.prefill_seq_ids_cpu
 
         if decodes:
             # All single-token rows at once: pad contexts to the longest and mask the rest.
@@ -45,7 +47,10 @@ class TorchAttention:
             v = v_cache[tables].flatten(1, 2)[:, :max_len].transpose(1, 2)
             rows = torch.tensor([starts[i] for i in decodes], device=query.device)
             q = query[rows].unsqueeze(2)  # [B, H, 1, D]
-            mask = torch.arange(max_len, device=query.device)[None, :] < lens[:, None]
+            pos = torch.arange(max_len, device=query.device)[None, :]
+            mask = pos < lens[:, None]
+            if sliding_window > 0:
+                mask &= pos >= lens[:, None] - sliding_window
             o = F.scaled_dot_product_attention(
                 q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask[:, None, None, :], scale=scale,
                 enable_gqa=gqa,
@@ -60,7 +65,10 @@ class TorchAttention:
             q = query[s:e].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
             # Query row j sits at position seq_len - q_len + j and sees keys up to there.
             qpos = torch.arange(seq_len - q_len, seq_len, device=query.device)
-            mask = torch.arange(seq_len, device=query.device)[None, :] <= qpos[:, None]
+            pos = torch.arange(seq_len, device=query.device)[None, :]
+            mask = pos <= qpos[:, None]
+            if sliding_window > 0:
+                mask &= pos > qpos[:, None] - sliding_window
             o = F.scaled_dot_product_attention(
                 q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask[None, None], scale=scale,
                 enable_gqa=gqa,

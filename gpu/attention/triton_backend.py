@@ -1,0 +1,30 @@
+"""The Triton attention backend: the kernels in gpu/kernels/ behind the backend interface."""
+
+from __future__ import annotations
+
+import torch
+
+from gpu.attention.backend import AttentionMetadata
+from gpu.kernels.paged_attention import decode_attention, prefill_attention
+from gpu.kernels.store_kv import store_kv
+
+
+class TritonAttention:
+    name = "triton"
+
+    def write_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
+        store_kv(key.contiguous(), value.contiguous(), k_cache, v_cache, slot_mapping)
+
+    def forward(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                sliding_window: int = 0) -> torch.Tensor:
+        query = query.contiguous()
+        out = torch.empty_like(query)
+        if meta.decode_seq_ids_cpu:
+            decode_attention(out, query, k_cache, v_cache, meta.block_tables,
+                             meta.query_start_loc, meta.seq_lens, meta.decode_seq_ids,
+                             meta.max_decode_seq_len, scale, sliding_window)
+        if meta.prefill_seq_ids_cpu:
+            prefill_attention(out, query, k_cache, v_cache, meta.block_tables,
+                              meta.query_start_loc, meta.seq_lens, meta.prefill_seq_ids,
+                              meta.max_prefill_query_len, scale, sliding_window)
+        return out

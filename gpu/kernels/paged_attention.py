@@ -1,0 +1,292 @@
+"""Paged attention over the block-table KV cache.
+
+Two kernels and a reduction:
+- `_prefill_kernel`: sequences with several new query tokens (a prefill chunk). One program per
+  (sequence, query head, tile of BLOCK_M queries) walks the sequence's keys through its block table
+  with an online softmax, causally: query j of a chunk sits at position seq_len - q_len + j.
+- `_decode_kernel`: sequences with one new token. One program per (sequence, KV head, KV split)
+  handles every query head of the KV group at once, so each K/V row is read once per group; long
+  contexts are split across programs (flash-decoding) and `_reduce_kernel` merges the splits by
+  their log-sum-exp.
+Both read K/V straight from the paged cache, so the batch can mix any number of each.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """a @ b with fp32 accumulation. UPCAST: compute in fp32 (Triton's CPU interpreter has no
+    bfloat16 matmul)."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b.to(a.dtype), input_precision=PRECISION)
+
+
+@triton.jit
+def _prefill_kernel(
+    out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_ptr, seq_lens_ptr,
+    seq_ids_ptr, scale,
+    q_stride_t, q_stride_h, o_stride_t, o_stride_h, bt_stride,
+    cache_stride_block, cache_stride_slot, cache_stride_head,
+    block_size, queries_per_kv, sliding_window,
+    HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):
+    seq = tl.load(seq_ids_ptr + tl.program_id(0))
+    head = tl.program_id(1)
+    tile = tl.program_id(2)
+    q_start = tl.load(query_start_ptr + seq)
+    q_len = tl.load(query_start_ptr + seq + 1) - q_start
+    if tile * BLOCK_M < q_len:
+        seq_len = tl.load(seq_lens_ptr + seq)
+        context = seq_len - q_len
+        kv_head = head // queries_per_kv
+        offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, HEAD_PAD)
+        m_mask = offs_m < q_len
+        d_mask = offs_d < HEAD_DIM
+        rows = (q_start + offs_m).to(tl.int64)
+        q = tl.load(q_ptr + rows[:, None] * q_stride_t + head * q_stride_h + offs_d[None, :],
+                    mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+        q_pos = context + offs_m
+
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
+        kv_end = tl.minimum(seq_len, context + (tile + 1) * BLOCK_M)
+        kv_start = 0
+        if sliding_window > 0:
+            kv_start = tl.maximum(context + tile * BLOCK_M - sliding_window + 1, 0)
+            kv_start = (kv_start // BLOCK_N) * BLOCK_N
+        for start in range(kv_start, kv_end, BLOCK_N):
+            offs_n = start + tl.arange(0, BLOCK_N)
+            n_mask = offs_n < kv_end
+            block = tl.load(block_tables_ptr + seq * bt_stride + offs_n // block_size,
+                            mask=n_mask, other=0).to(tl.int64)
+            kv_off = block * cache_stride_block + (offs_n % block_size) * cache_stride_slot \
+                + kv_head * cache_stride_head
+            kv_mask = n_mask[:, None] & d_mask[None, :]
+            k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+            s = _dot(q, tl.trans(k), PRECISION, UPCAST) * scale
+            visible = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
+            if sliding_window > 0:
+                visible = visible & (offs_n[None, :] > q_pos[:, None] - sliding_window)
+            s = tl.where(visible, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp(s - m_safe[:, None])
+            alpha = tl.exp(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+            acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION, UPCAST)
+            m_i = m_new
+        acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(out_ptr + rows[:, None] * o_stride_t + head * o_stride_h + offs_d[None, :],
+                 acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
+
+
+@triton.jit
+def _decode_kernel(
+    out_ptr, part_out_ptr, part_lse_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr,
+    query_start_ptr, seq_lens_ptr, seq_ids_ptr, scale,
+    q_stride_t, q_stride_h, o_stride_t, o_stride_h, bt_stride,
+    cache_stride_block, cache_stride_slot, cache_stride_head,
+    block_size, queries_per_kv, sliding_window, num_heads,
+    HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, GROUP_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    i = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq = tl.load(seq_ids_ptr + i)
+    row = tl.load(query_start_ptr + seq).to(tl.int64)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    first = 0
+    if sliding_window > 0:
+        first = tl.maximum(seq_len - sliding_window, 0)
+    per_split = tl.cdiv(tl.cdiv(seq_len - first, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start_pos = first + split * per_split
+    end_pos = tl.minimum(seq_len, start_pos + per_split)
+
+    offs_g = tl.arange(0, GROUP_PAD)
+    offs_d = tl.arange(0, HEAD_PAD)
+    g_mask = offs_g < queries_per_kv
+    d_mask = offs_d < HEAD_DIM
+    heads = kv_head * queries_per_kv + offs_g
+    q = tl.load(q_ptr + row * q_stride_t + heads[:, None] * q_stride_h + offs_d[None, :],
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+
+    m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_PAD], dtype=tl.float32)
+    for start in range(start_pos, end_pos, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < end_pos
+        block = tl.load(block_tables_ptr + seq * bt_stride + offs_n // block_size,
+                        mask=n_mask, other=0).to(tl.int64)
+        kv_off = block * cache_stride_block + (offs_n % block_size) * cache_stride_slot \
+            + kv_head * cache_stride_head
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        s = _dot(q, tl.trans(k), PRECISION, UPCAST) * scale
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION, UPCAST)
+        m_i = m_new
+
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    mask = g_mask[:, None] & d_mask[None, :]
+    if NUM_SPLITS == 1:
+        tl.store(out_ptr + row * o_stride_t + heads[:, None] * o_stride_h + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        # Partial result of this split and its log-sum-exp (-inf when the split is empty).
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log(tl.where(l_i == 0.0, 1.0, l_i)))
+        base = (i * num_heads + heads) * NUM_SPLITS + split
+        tl.store(part_out_ptr + base[:, None] * HEAD_PAD + offs_d[None, :], out, mask=mask)
+        tl.store(part_lse_ptr + base, lse, mask=g_mask)
+
+
+@triton.jit
+def _reduce_kernel(
+    out_ptr, part_out_ptr, part_lse_ptr, query_start_ptr, seq_ids_ptr,
+    o_stride_t, o_stride_h, num_heads,
+    HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+):
+    i = tl.program_id(0)
+    head = tl.program_id(1)
+    seq = tl.load(seq_ids_ptr + i)
+    row = tl.load(query_start_ptr + seq).to(tl.int64)
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, HEAD_PAD)
+    s_mask = offs_s < NUM_SPLITS
+    base = (i * num_heads + head) * NUM_SPLITS
+    lse = tl.load(part_lse_ptr + base + offs_s, mask=s_mask, other=float("-inf"))
+    m = tl.max(lse, axis=0)
+    w = tl.exp(lse - m)
+    w = tl.where(s_mask, w, 0.0)
+    parts = tl.load(part_out_ptr + (base + offs_s)[:, None] * HEAD_PAD + offs_d[None, :],
+                    mask=s_mask[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    out = tl.sum(parts * w[:, None], axis=0) / tl.sum(w, axis=0)
+    tl.store(out_ptr + row * o_stride_t + head * o_stride_h + offs_d, out.to(out_ptr.dtype.element_ty),
+             mask=offs_d < HEAD_DIM)
+
+
+def _check(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, seq_ids):
+    if query.dim() != 3:
+        raise ValueError(f"query must be [tokens, heads, head_dim], got {tuple(query.shape)}")
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride():
+        raise ValueError("k_cache and v_cache must be [blocks, block_size, kv_heads, head_dim] alike")
+    heads, head_dim = query.shape[1], query.shape[2]
+    kv_heads = k_cache.shape[2]
+    if k_cache.shape[3] != head_dim:
+        raise ValueError(f"head_dim {head_dim} != cache head_dim {k_cache.shape[3]}")
+    if heads % kv_heads:
+        raise ValueError(f"{heads} query heads are not a multiple of {kv_heads} KV heads")
+    if query.stride(-1) != 1 or k_cache.stride(-1) != 1:
+        raise ValueError("the head_dim axis must be contiguous")
+    if query.dtype != k_cache.dtype or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"query {query.dtype} and cache {k_cache.dtype} dtypes differ")
+    if query.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"unsupported dtype {query.dtype}")
+    for name, t in (("block_tables", block_tables), ("query_start_loc", query_start_loc),
+                    ("seq_lens", seq_lens), ("seq_ids", seq_ids)):
+        if t.dtype not in (torch.int32, torch.int64) or t.device != query.device:
+            raise ValueError(f"{name} must be an integer tensor on {query.device}")
+    if block_tables.dim() != 2 or block_tables.stride(1) != 1:
+        raise ValueError("block_tables must be [num_seqs, max_blocks], row-major")
+
+
+def _precision(dtype: torch.dtype) -> str:
+    # fp32 inputs: exact fp32 products (no tf32), to match the torch reference.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _upcast(dtype: torch.dtype) -> bool:
+    return dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def prefill_attention(out, query, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
+                      seq_ids, max_query_len: int, scale: float, sliding_window: int = 0,
+                      block_m: int = 16, block_n: int = 32) -> None:
+    """Attention for the sequences listed in `seq_ids` (several query tokens each), into `out`."""
+    _check(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, seq_ids)
+    n = seq_ids.shape[0]
+    if n == 0:
+        return
+    heads, head_dim = query.shape[1], query.shape[2]
+    grid = (n, heads, triton.cdiv(max_query_len, block_m))
+    _prefill_kernel[grid](
+        out, query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, seq_ids, scale,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        k_cache.shape[1], heads // k_cache.shape[2], sliding_window,
+        HEAD_DIM=head_dim, HEAD_PAD=triton.next_power_of_2(head_dim), BLOCK_M=block_m,
+        BLOCK_N=block_n, PRECISION=_precision(query.dtype), UPCAST=_upcast(query.dtype),
+    )
+
+
+def num_splits_for(num_seqs: int, kv_heads: int, max_seq_len: int, num_sms: int,
+                   block_n: int) -> int:
+    """Split the KV length when there are too few (sequence, KV head) programs to fill the GPU;
+    each split keeps at least 4 KV tiles of work."""
+    programs = max(1, num_seqs * kv_heads)
+    want = triton.cdiv(2 * num_sms, programs)
+    most = max(1, max_seq_len // (4 * block_n))
+    splits = max(1, min(want, most, 64))
+    return 1 << (splits.bit_length() - 1)  # a power of two: fewer distinct compilations
+
+
+def decode_attention(out, query, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
+                     seq_ids, max_seq_len: int, scale: float, sliding_window: int = 0,
+                     num_splits: int | None = None, block_n: int = 64,
+                     num_sms: int | None = None) -> None:
+    """Attention for the sequences in `seq_ids`, each with exactly one query token."""
+    _check(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, seq_ids)
+    n = seq_ids.shape[0]
+    if n == 0:
+        return
+    heads, head_dim = query.shape[1], query.shape[2]
+    kv_heads = k_cache.shape[2]
+    group = heads // kv_heads
+    head_pad = triton.next_power_of_2(head_dim)
+    if num_splits is None:
+        if num_sms is None:
+            num_sms = (torch.cuda.get_device_properties(query.device).multi_processor_count
+                       if query.is_cuda else 8)
+        num_splits = num_splits_for(n, kv_heads, max_seq_len, num_sms, block_n)
+    part_out = part_lse = out  # unused when there is one split
+    if num_splits > 1:
+        part_out = torch.empty((n * heads * num_splits, head_pad), dtype=torch.float32,
+                               device=query.device)
+        part_lse = torch.empty((n * heads * num_splits,), dtype=torch.float32, device=query.device)
+    _decode_kernel[(n, kv_heads, num_splits)](
+        out, part_out, part_lse, query, k_cache, v_cache, block_tables, query_start_loc,
+        seq_lens, seq_ids, scale,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        k_cache.shape[1], group, sliding_window, heads,
+        HEAD_DIM=head_dim, HEAD_PAD=head_pad, GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        BLOCK_N=block_n, NUM_SPLITS=num_splits, PRECISION=_precision(query.dtype),
+        UPCAST=_upcast(query.dtype),
+    )
+    if num_splits > 1:
+        _reduce_kernel[(n, heads)](
+            out, part_out, part_lse, query_start_loc, seq_ids, out.stride(0), out.stride(1), heads,
+            HEAD_DIM=head_dim, HEAD_PAD=head_pad, NUM_SPLITS=num_splits,
+            SPLITS_PAD=triton.next_power_of_2(num_splits),
+        )

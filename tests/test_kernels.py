@@ -1,0 +1,127 @@
+"""Triton kernels against the torch reference (on CPU under TRITON_INTERPRET=1): K/V writes by slot
+mapping, and paged attention over mixed batches of prefill chunks and decodes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpu.attention.backend import AttentionMetadata
+from gpu.attention.torch_ref import TorchAttention
+from gpu.attention.triton_backend import TritonAttention
+from gpu.kernels.paged_attention import decode_attention, num_splits_for
+from gpu.kernels.store_kv import store_kv
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 3e-2}
+
+
+def make_batch(specs, block_size, num_heads, num_kv_heads, head_dim, dtype, seed=0):
+    """specs: (new query tokens, tokens already cached) per sequence. Returns the query, random
+    caches, and metadata whose block tables scatter each sequence over shuffled blocks."""
+    g = torch.Generator().manual_seed(seed)
+    total_blocks = sum(-(-(q + c) // block_size) for q, c in specs) + 3
+    perm = torch.randperm(total_blocks, generator=g).tolist()
+    tables, slots, query_lens, seq_lens = [], [], [], []
+    for q, c in specs:
+        n = -(-(q + c) // block_size)
+        table = [perm.pop() for _ in range(n)]
+        tables.append(table)
+        slots += [table[p // block_size] * block_size + p % block_size for p in range(c, c + q)]
+        query_lens.append(q)
+        seq_lens.append(q + c)
+    width = max(len(t) for t in tables)
+    tables = [t + [0] * (width - len(t)) for t in tables]
+    meta = AttentionMetadata.build(slots, tables, query_lens, seq_lens,
+                                   lambda d, dt: torch.tensor(d, dtype=dt, device=DEVICE))
+    shape = (total_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=g).to(DEVICE, dtype)
+    v_cache = torch.randn(shape, generator=g).to(DEVICE, dtype)
+    query = torch.randn((sum(query_lens), num_heads, head_dim), generator=g).to(DEVICE, dtype)
+    return query, k_cache, v_cache, meta
+
+
+def batch_specs(bs):
+    return [
+        (1, bs - 1),  # decode: context ends exactly on a block boundary
+        (1, bs),  # decode: just past it
+        (1, 3 * bs + 5),
+        (5, 2 * bs - 5),  # prefill chunk ending on a boundary
+        (bs + 1, 0),  # a whole prompt, just past a boundary
+        (7, bs + 2),  # a later chunk of a long prompt
+    ]
+
+
+CASES = [  # head_dim, query heads, kv heads (GQA 1/4/8), block size, dtype
+    (64, 4, 4, 16, torch.float32),
+    (64, 8, 2, 32, torch.float16),
+    (64, 8, 1, 128, torch.bfloat16),
+    (128, 4, 4, 32, torch.bfloat16),
+    (128, 8, 2, 16, torch.float32),
+    (128, 8, 1, 64, torch.float16),
+    (256, 2, 2, 16, torch.float16),
+    (256, 8, 2, 16, torch.bfloat16),
+    (256, 8, 1, 32, torch.float32),
+]
+
+
+@pytest.mark.parametrize("head_dim,heads,kv_heads,bs,dtype", CASES)
+def test_attention_matches_reference(head_dim, heads, kv_heads, bs, dtype):
+    query, k_cache, v_cache, meta = make_batch(batch_specs(bs), bs, heads, kv_heads, head_dim, dtype)
+    scale = head_dim**-0.5
+    want = TorchAttention().forward(query.float(), k_cache.float(), v_cache.float(), meta, scale)
+    got = TritonAttention().forward(query, k_cache, v_cache, meta, scale)
+    tol = TOL[dtype]
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("window", [0, 5, 20])
+def test_sliding_window_matches_reference(window):
+    query, k_cache, v_cache, meta = make_batch(batch_specs(16), 16, 4, 2, 64, torch.float32)
+    want = TorchAttention().forward(query, k_cache, v_cache, meta, 0.125, window)
+    got = TritonAttention().forward(query, k_cache, v_cache, meta, 0.125, window)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("splits", [1, 2, 4, 8])
+def test_split_kv_decode_matches_reference(splits):
+    specs = [(1, 300), (1, 17), (1, 64)]  # some splits of the short ones are empty
+    query, k_cache, v_cache, meta = make_batch(specs, 16, 8, 2, 64, torch.float32, seed=3)
+    want = TorchAttention().forward(query, k_cache, v_cache, meta, 0.125)
+    got = torch.full_like(query, float("nan"))
+    decode_attention(got, query, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
+                     meta.seq_lens, meta.decode_seq_ids, meta.max_decode_seq_len, 0.125,
+                     num_splits=splits)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_split_count_is_chosen_for_small_batches_and_long_contexts():
+    assert num_splits_for(1, 8, 16384, 132, 64) > 1  # one long sequence: split it
+    assert num_splits_for(256, 8, 16384, 132, 64) == 1  # plenty of programs already
+    assert num_splits_for(1, 8, 100, 132, 64) == 1  # too short to be worth it
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_kv_matches_reference_and_skips_padding(dtype):
+    g = torch.Generator().manual_seed(0)
+    key = torch.randn((6, 2, 64), generator=g).to(DEVICE, dtype)
+    value = torch.randn((6, 2, 64), generator=g).to(DEVICE, dtype)
+    slots = torch.tensor([0, 17, -1, 5, 31, -1], device=DEVICE)
+    caches = [torch.zeros((2, 16, 2, 64), device=DEVICE, dtype=dtype) for _ in range(4)]
+    TorchAttention().write_kv(key, value, caches[0], caches[1], slots)
+    store_kv(key, value, caches[2], caches[3], slots)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    assert int((caches[2].flatten(0, 1).abs().sum(dim=(1, 2)) > 0).sum()) == 4
+
+
+def test_wrappers_reject_bad_inputs():
+    query, k_cache, v_cache, meta = make_batch([(1, 5)], 16, 4, 2, 64, torch.float32)
+    with pytest.raises(ValueError, match="multiple"):
+        decode_attention(torch.empty(1, 3, 64), torch.empty(1, 3, 64), k_cache, v_cache,
+                         meta.block_tables, meta.query_start_loc, meta.seq_lens,
+                         meta.decode_seq_ids, 6, 0.1)
+    with pytest.raises(ValueError, match="dtype"):
+        decode_attention(query, query.half(), k_cache, v_cache, meta.block_tables,
+                         meta.query_start_loc, meta.seq_lens, meta.decode_seq_ids, 6, 0.1)
+    with pytest.raises(ValueError, match="slot_mapping"):
+        store_kv(query[:, :2], query[:, :2], k_cache, v_cache, torch.zeros(5, dtype=torch.int64))
