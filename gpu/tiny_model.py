@@ -94,10 +94,12 @@ def build_tiny_model(
     rope_scaling: dict | None = None,
     initializer_range: float = 0.2,
     shard_bytes: str | int | None = None,
+    sliding_window: int | None = None,
 ) -> Path:
     """Write a random-weight model of the given shape with a trained tokenizer to `path`."""
     import torch
-    from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import (AutoModelForCausalLM, GenerationConfig, LlamaConfig, MistralConfig,
+                              Qwen2Config, Qwen3Config)
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -120,6 +122,9 @@ def build_tiny_model(
         common["rope_parameters"] = {"rope_theta": 10000.0, **rope_scaling}
     if arch == "llama":
         config = LlamaConfig(**common, tie_word_embeddings=bool(tie_word_embeddings))
+    elif arch == "mistral":
+        config = MistralConfig(**common, tie_word_embeddings=bool(tie_word_embeddings),
+                               sliding_window=sliding_window)
     elif arch == "qwen2":
         config = Qwen2Config(**common, tie_word_embeddings=tie_word_embeddings is not False)
     elif arch == "qwen3":

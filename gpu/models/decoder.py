@@ -43,6 +43,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(d, spec.rms_norm_eps)
         self.qk_norm = spec.qk_norm
         self.scale = d**-0.5
+        self.sliding_window = spec.sliding_window
 
     def forward(self, x, cos, sin, kv: tuple[torch.Tensor, torch.Tensor], meta, backend):
         t = x.shape[0]
@@ -54,7 +55,7 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k_cache, v_cache = kv
         backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        o = backend.forward(q, k_cache, v_cache, meta, self.scale)
+        o = backend.forward(q, k_cache, v_cache, meta, self.scale, self.sliding_window)
         return self.o_proj(o.reshape(t, -1))
 
 

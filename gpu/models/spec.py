@@ -31,6 +31,7 @@ class ModelSpec:
     qk_norm: bool
     hidden_act: str
     max_position_embeddings: int
+    sliding_window: int = 0  # 0: every layer attends to the whole context
 
     @classmethod
     def from_hf_config(cls, config: Any) -> ModelSpec:
@@ -43,6 +44,9 @@ class ModelSpec:
             )
         extra = ARCHITECTURES[arch]
         heads = config.num_attention_heads
+        # Mistral's sliding window applies to every layer. (Qwen2's optional per-layer window is
+        # off in released checkpoints and not supported.)
+        window = getattr(config, "sliding_window", None) if arch == "MistralForCausalLM" else None
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         return cls(
             architecture=arch,
@@ -60,4 +64,5 @@ class ModelSpec:
             qk_norm=extra["qk_norm"],
             hidden_act=getattr(config, "hidden_act", "silu"),
             max_position_embeddings=getattr(config, "max_position_embeddings", 4096),
+            sliding_window=int(window or 0),
         )

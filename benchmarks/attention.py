@@ -1,0 +1,144 @@
+"""Decode attention on the GPU: weir's Triton paged kernel vs torch SDPA, as memory bandwidth.
+
+Decode attention reads every cached K and V row once per step, so its speed limit is the GPU's
+memory bandwidth. For batch 1, 32, 256 and contexts of 1k, 4k, 16k tokens this reports the bytes
+each kernel must read (K and V of every sequence, plus queries and outputs) over its measured time,
+as a fraction of the bandwidth a large device-to-device copy reaches on the same GPU in the same
+run. The baseline is torch's scaled_dot_product_attention over the same K/V laid out densely
+(gathered beforehand, not timed): what attention costs without paging.
+
+    python -m benchmarks.attention [--heads 32 --kv-heads 8 --head-dim 128 --block-size 16]
+
+Needs CUDA; exits with a message otherwise. Writes benchmarks/results/attention.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+# Published peak HBM bandwidth, for reference beside the measured copy bandwidth.
+SPEC_BANDWIDTH = {"H200": 4.8e12, "H100 SXM": 3.35e12, "H100": 3.35e12, "A100": 2.0e12,
+                  "A800": 2.0e12, "L40S": 0.864e12}
+
+
+def cuda_time(fn, iters: int = 20, warmup: int = 3) -> float:
+    """Median seconds per call, timed with CUDA events."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def copy_bandwidth(device) -> float:
+    """Bytes/s of a 4 GiB device-to-device copy (read + write)."""
+    src = torch.empty(1 << 31, dtype=torch.int16, device=device)
+    dst = torch.empty_like(src)
+    t = cuda_time(lambda: dst.copy_(src), iters=10)
+    del src, dst
+    return 2 * (1 << 32) / t
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--batches", default="1,32,256")
+    ap.add_argument("--contexts", default="1024,4096,16384")
+    ap.add_argument("--out", default="benchmarks/results/attention.json")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("benchmarks.attention needs a CUDA GPU; none found.", file=sys.stderr)
+        return 2
+
+    from gpu.attention.backend import AttentionMetadata
+    from gpu.attention.triton_backend import TritonAttention
+
+    device = torch.device("cuda")
+    name = torch.cuda.get_device_name(device)
+    spec = next((v for k, v in SPEC_BANDWIDTH.items() if k in name), None)
+    measured = copy_bandwidth(device)
+    dtype = torch.bfloat16
+    h, hkv, d, bs = args.heads, args.kv_heads, args.head_dim, args.block_size
+    elem = torch.tensor([], dtype=dtype).element_size()
+    backend = TritonAttention()
+    rows = []
+    for batch in map(int, args.batches.split(",")):
+        for ctx in map(int, args.contexts.split(",")):
+            blocks_per_seq = -(-ctx // bs)
+            num_blocks = batch * blocks_per_seq
+            try:
+                k_cache = torch.randn((num_blocks, bs, hkv, d), dtype=dtype, device=device)
+                v_cache = torch.randn_like(k_cache)
+            except torch.OutOfMemoryError:
+                print(f"skip batch {batch} ctx {ctx}: out of memory")
+                continue
+            perm = torch.randperm(num_blocks, device=device).int()
+            tables = perm.view(batch, blocks_per_seq)
+            meta = AttentionMetadata.build(
+                [0] * batch, tables.tolist(), [1] * batch, [ctx] * batch,
+                lambda data, dt: torch.tensor(data, dtype=dt, device=device))
+            q = torch.randn((batch, h, d), dtype=dtype, device=device)
+            scale = d**-0.5
+            triton_s = cuda_time(lambda: backend.forward(q, k_cache, v_cache, meta, scale))
+
+            # Dense layout for SDPA: [batch, kv_heads, ctx, d], gathered once outside the timing.
+            k_dense = k_cache[tables.long()].flatten(1, 2)[:, :ctx].transpose(1, 2).contiguous()
+            v_dense = v_cache[tables.long()].flatten(1, 2)[:, :ctx].transpose(1, 2).contiguous()
+            q4 = q.unsqueeze(2)
+            sdpa_s = cuda_time(lambda: F.scaled_dot_product_attention(
+                q4, k_dense, v_dense, scale=scale, enable_gqa=True))
+            want = F.scaled_dot_product_attention(q4.float(), k_dense.float(), v_dense.float(),
+                                                  scale=scale, enable_gqa=True).squeeze(2)
+            got = backend.forward(q, k_cache, v_cache, meta, scale).float()
+            max_err = (got - want).abs().max().item()
+            del k_dense, v_dense
+
+            nbytes = 2 * batch * ctx * hkv * d * elem + 2 * batch * h * d * elem
+            rows.append({
+                "batch": batch, "context": ctx, "bytes": nbytes,
+                "triton_us": triton_s * 1e6, "sdpa_us": sdpa_s * 1e6,
+                "triton_frac_of_copy_bw": nbytes / triton_s / measured,
+                "sdpa_frac_of_copy_bw": nbytes / sdpa_s / measured,
+                "triton_frac_of_spec_bw": nbytes / triton_s / spec if spec else None,
+                "max_abs_err_vs_fp32": max_err,
+            })
+            del k_cache, v_cache
+            torch.cuda.empty_cache()
+
+    meta_info = {"device": name, "date": time.strftime("%Y-%m-%d"), "dtype": "bfloat16",
+                 "heads": h, "kv_heads": hkv, "head_dim": d, "block_size": bs,
+                 "copy_bandwidth_Bps": measured, "spec_bandwidth_Bps": spec,
+                 "torch": torch.__version__}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"meta": meta_info, "rows": rows}, indent=2))
+    print(f"{name}: copy bandwidth {measured / 1e12:.2f} TB/s"
+          + (f", spec {spec / 1e12:.2f} TB/s" if spec else ""))
+    print("| batch | context | triton µs | triton % of copy BW | SDPA µs | SDPA % of copy BW | "
+          "max err |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        print(f"| {r['batch']} | {r['context']} | {r['triton_us']:.1f} | "
+              f"{100 * r['triton_frac_of_copy_bw']:.0f}% | {r['sdpa_us']:.1f} | "
+              f"{100 * r['sdpa_frac_of_copy_bw']:.0f}% | {r['max_abs_err_vs_fp32']:.1e} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
