@@ -11,7 +11,7 @@ from tokenizers import Tokenizer
 
 from core.detokenizer import Detokenizer
 from core.kv_cache_manager import KVCacheManager
-from core.request import EngineRequest, Request, RequestOutput
+from core.request import EngineRequest, Logprob, Request, RequestOutput, StepResult
 from core.sampling import InvalidParam
 from core.scheduler import Scheduler, SchedulerOutput
 
@@ -22,7 +22,7 @@ class ModelRunner(Protocol):
 
     vocab_size: int
 
-    def execute(self, out: SchedulerOutput) -> list[int]: ...
+    def execute(self, out: SchedulerOutput) -> StepResult: ...
 
 
 class EngineCore:
@@ -72,6 +72,13 @@ class EngineCore:
         for t in req.prompt_token_ids:
             if not 0 <= t < vocab:
                 raise InvalidParam("prompt", f"token id {t} is outside the vocabulary (0..{vocab - 1})")
+        params = req.sampling_params
+        for t in params.logit_bias:
+            if t >= vocab:
+                raise InvalidParam("logit_bias", f"token id {t} is outside the vocabulary")
+        for t in params.stop_token_ids:
+            if t >= vocab:
+                raise InvalidParam("stop_token_ids", f"token id {t} is outside the vocabulary")
         room = self.max_model_len - n
         if room < 1:
             raise InvalidParam(
@@ -115,8 +122,12 @@ class EngineCore:
         return self._output(request, [], "", "abort")
 
     def _output(
-        self, request: Request, new_ids: list[int], text: str, finish_reason: str | None
+        self, request: Request, new_ids: list[int], text: str, finish_reason: str | None,
+        logprobs: list[Logprob] | None = None,
     ) -> RequestOutput:
+        prompt_lp = None
+        if request.prompt_logprobs is not None and request.num_output_tokens <= 1:
+            prompt_lp = request.prompt_logprobs  # sent once, with the first token
         return RequestOutput(
             request_id=request.request_id,
             new_token_ids=new_ids,
@@ -126,10 +137,13 @@ class EngineCore:
             num_prompt_tokens=request.num_prompt_tokens,
             num_output_tokens=request.num_output_tokens,
             num_cached_tokens=request.num_cached_tokens,
+            logprobs=logprobs or [],
+            prompt_logprobs=prompt_lp,
         )
 
     def _stop_reason(self, request: Request, token_id: int) -> str | None:
         params = request.sampling_params
+        # min_tokens is enforced in the sampler (EOS and stop tokens are banned until then).
         if not params.ignore_eos and token_id in self.eos_token_ids:
             return "stop"
         if token_id in params.stop_token_ids:
@@ -140,34 +154,59 @@ class EngineCore:
             return "length"
         return None
 
+    def _add_prompt_logprobs(self, request: Request, start: int,
+                             entries: list[Logprob] | None) -> None:
+        # Entry j scores prompt token start + j + 1. A recompute after preemption repeats
+        # positions already recorded: keep the first.
+        have = request.prompt_logprobs
+        for j, entry in enumerate(entries or ()):
+            if start + j + 1 == len(have):
+                have.append(entry)
+
+    def _append_token(self, request: Request, token_id: int, logprob: Logprob | None
+                      ) -> RequestOutput:
+        request.append_output(token_id)
+        detok = request.detokenizer
+        text = detok.step(token_id) if detok else ""
+        reason = self._stop_reason(request, token_id)
+        if reason is not None and detok:
+            text += detok.flush()  # the request ends: release bytes held for an unfinished char
+        if request.stop is not None:
+            text, matched = request.stop.feed(text)
+            if matched:
+                reason = "stop"
+            elif reason is not None:
+                text += request.stop.flush()
+        if reason is not None:
+            self.scheduler.remove(request)
+            del self.requests[request.request_id]
+        return self._output(request, [token_id], text, reason,
+                            [logprob] if logprob is not None else None)
+
     def step(self) -> list[RequestOutput]:
         out = self.scheduler.schedule()
         if not out.seqs:
             return []
-        sampled = self.runner.execute(out)
+        result = self.runner.execute(out)
         self.scheduler.commit(out)
         self.num_steps += 1
         outputs: list[RequestOutput] = []
-        it = iter(sampled)
+        row = 0
         for seq in out.seqs:
-            prompt_end = seq.request.num_prompt_tokens
+            request = seq.request
+            prompt_end = request.num_prompt_tokens
             if seq.start < prompt_end:
                 self.num_computed_prompt_tokens += min(seq.start + seq.num_new_tokens,
                                                        prompt_end) - seq.start
+                if request.prompt_logprobs is not None:
+                    self._add_prompt_logprobs(request, seq.start,
+                                              result.prompt_logprobs.get(request.request_id))
             if not seq.sample:
                 self.num_partial_prefills += 1
                 continue
-            token_id = next(it)
-            request = seq.request
-            request.append_output(token_id)
-            text = request.detokenizer.step(token_id) if request.detokenizer else ""
-            reason = self._stop_reason(request, token_id)
-            if reason is not None:
-                if request.detokenizer:
-                    text += request.detokenizer.flush()
-                self.scheduler.remove(request)
-                del self.requests[request.request_id]
-            outputs.append(self._output(request, [token_id], text, reason))
+            token_id, logprob = result.token_ids[row], result.logprobs[row]
+            row += 1
+            outputs.append(self._append_token(request, token_id, logprob))
         if self.check_integrity:
             self.kv.check_integrity()
         return outputs

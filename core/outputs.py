@@ -18,6 +18,9 @@ def merge(old: RequestOutput, new: RequestOutput) -> RequestOutput:
         num_prompt_tokens=new.num_prompt_tokens,
         num_output_tokens=new.num_output_tokens,
         num_cached_tokens=new.num_cached_tokens,
+        logprobs=old.logprobs + new.logprobs,
+        prompt_logprobs=old.prompt_logprobs if old.prompt_logprobs is not None
+        else new.prompt_logprobs,
         error=new.error,
     )
 

@@ -8,6 +8,7 @@ import time
 import msgspec
 
 from core.sampling import SamplingParams
+from core.stop import StopStrings
 
 
 class EngineRequest(msgspec.Struct, gc=False):
@@ -23,6 +24,25 @@ class EngineRequest(msgspec.Struct, gc=False):
     leader_id: str | None = None
 
 
+class Logprob(msgspec.Struct, array_like=True, gc=False):
+    """A token's log-probability in the distribution it was sampled from, with the top
+    alternatives (as many as the request asked for)."""
+
+    token_id: int
+    logprob: float
+    top_ids: list[int] = []
+    top_logprobs: list[float] = []
+
+
+class StepResult(msgspec.Struct, gc=False):
+    """What the model runner returns for one step."""
+
+    token_ids: list[int]  # one per sampled sequence, in schedule order
+    logprobs: list[Logprob | None]  # aligned with token_ids; None where not asked for
+    # Per request asking for prompt logprobs: entries for the prompt positions this step computed.
+    prompt_logprobs: dict[str, list[Logprob]] = {}
+
+
 class RequestOutput(msgspec.Struct, omit_defaults=True, gc=False):
     """One step's news for one request. Deltas of the same request can be merged (see outputs.py)."""
 
@@ -34,6 +54,8 @@ class RequestOutput(msgspec.Struct, omit_defaults=True, gc=False):
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    logprobs: list[Logprob] = []  # one per new token, when asked for
+    prompt_logprobs: list[Logprob | None] | None = None  # with the first output, when asked for
     error: str | None = None
 
 
@@ -67,6 +89,8 @@ class Request:
         "leader",
         "seq_no",
         "sampler_state",
+        "stop",
+        "prompt_logprobs",
     )
 
     def __init__(self, req: EngineRequest, max_tokens: int, detokenizer: object = None,
@@ -91,6 +115,12 @@ class Request:
         self.leader = leader
         self.seq_no = seq_no  # arrival order, for FCFS ties
         self.sampler_state: object = None  # owned by the model runner (e.g. a seeded generator)
+        params = req.sampling_params
+        self.stop = StopStrings(params.stop, params.include_stop_str_in_output) \
+            if params.stop else None
+        # Index p: log-probability of prompt token p given the tokens before it (none for p = 0).
+        self.prompt_logprobs: list[Logprob | None] | None = \
+            [None] if params.prompt_logprobs is not None else None
 
     @property
     def num_tokens(self) -> int:

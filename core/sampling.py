@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import msgspec
 
+MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 300
+MAX_STOP_STRINGS = 16
+
 
 class SamplingParams(msgspec.Struct, omit_defaults=True, gc=False):
     """Per-request sampling settings, validated once by `validate()` before the engine sees them.
@@ -14,26 +18,72 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, gc=False):
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: no top-k
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: list[str] = []
+    include_stop_str_in_output: bool = False
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
     seed: int | None = None
+    logit_bias: dict[int, float] = {}
+    logprobs: int | None = None  # top alternatives per generated token (0: just the chosen one)
+    prompt_logprobs: int | None = None  # the same for every prompt token
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
 
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5
 
+    @property
+    def needs_penalties(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
     def validate(self) -> None:
-        """Raise ValueError(param, message) style errors for values no sampler could honour."""
+        """Raise InvalidParam naming the field for values no sampler could honour."""
         if not 0.0 <= self.temperature <= 100.0:
             raise InvalidParam("temperature", "temperature must be between 0 and 100")
         if not 0.0 < self.top_p <= 1.0:
             raise InvalidParam("top_p", "top_p must be in (0, 1]")
         if self.top_k < -1:
             raise InvalidParam("top_k", "top_k must be -1 (disabled), 0 (disabled) or positive")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise InvalidParam("min_p", "min_p must be in [0, 1]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise InvalidParam(name, f"{name} must be in [-2, 2]")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise InvalidParam("repetition_penalty", "repetition_penalty must be in (0, 2]")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise InvalidParam("max_tokens", "max_tokens must be at least 1")
+        if self.min_tokens < 0:
+            raise InvalidParam("min_tokens", "min_tokens must not be negative")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise InvalidParam("min_tokens", f"min_tokens ({self.min_tokens}) must not exceed "
+                               f"max_tokens ({self.max_tokens})")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise InvalidParam("stop", f"at most {MAX_STOP_STRINGS} stop strings")
+        if any(not s for s in self.stop):
+            raise InvalidParam("stop", "stop strings must not be empty")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise InvalidParam("stop_token_ids", "token ids must not be negative")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise InvalidParam("logit_bias", f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens")
+        for token, bias in self.logit_bias.items():
+            if token < 0:
+                raise InvalidParam("logit_bias", f"token id {token} is negative")
+            if not -100.0 <= bias <= 100.0:
+                raise InvalidParam("logit_bias", f"bias {bias} for token {token} is outside "
+                                   "[-100, 100]")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and not 0 <= v <= MAX_LOGPROBS:
+                raise InvalidParam(name, f"{name} must be between 0 and {MAX_LOGPROBS}")
 
 
 class InvalidParam(ValueError):

@@ -74,6 +74,7 @@ def load(config: EngineConfig) -> Loaded:
     eos = eos_token_ids(path, hf_config)
     if tokenizer.eos_token_id is not None:
         eos.add(tokenizer.eos_token_id)
+    runner.eos_token_ids = eos
     core = EngineCore(
         runner,
         tokenizer.backend_tokenizer,

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import torch
 
+from core.request import Logprob, StepResult
 from core.scheduler import SchedulerOutput
 from gpu.attention.backend import AttentionBackend, AttentionMetadata
 from gpu.models.decoder import DecoderForCausalLM
-from gpu.sampler import Sampler
+from gpu.sampler import Sampler, SamplingMetadata
 
 
 class ModelRunner:
@@ -27,6 +28,7 @@ class ModelRunner:
         self.device = device
         self.vocab_size = model.spec.vocab_size
         self.sampler = Sampler(seed, device)
+        self.eos_token_ids: set[int] = set()  # banned before a request's min_tokens
         self.last_logits: torch.Tensor | None = None  # kept for tests that compare logits
 
     def _tensor(self, data, dtype) -> torch.Tensor:
@@ -73,30 +75,116 @@ class ModelRunner:
             request.sampler_state = g
         return request.sampler_state
 
-    def prepare_sampling(self, out: SchedulerOutput):
+    def prepare_sampling(self, out: SchedulerOutput) -> SamplingMetadata:
         requests = [s.request for s in out.seqs if s.sample]
         params = [r.sampling_params for r in requests]
-        temps = [p.temperature for p in params]
         top_ks = [p.top_k if p.top_k > 0 else 0 for p in params]
-        top_ps = [p.top_p for p in params]
-        return dict(
-            temperature=self._tensor(temps, torch.float32),
+        m = SamplingMetadata(
+            temperature=self._tensor([p.temperature for p in params], torch.float32),
             top_k=self._tensor(top_ks, torch.int64),
-            top_p=self._tensor(top_ps, torch.float32),
+            top_p=self._tensor([p.top_p for p in params], torch.float32),
+            min_p=self._tensor([p.min_p for p in params], torch.float32),
             all_greedy=all(p.greedy for p in params),
             need_top_k=any(k > 0 for k in top_ks),
-            need_top_p=any(p < 1.0 for p in top_ps),
+            need_top_p=any(p.top_p < 1.0 for p in params),
+            need_min_p=any(p.min_p > 0.0 for p in params),
             seeded=[(i, self._generator(r)) for i, r in enumerate(requests)
                     if r.sampling_params.seed is not None and not r.sampling_params.greedy],
         )
+        bias_rows, bias_tokens, bias_values, ban_rows, ban_tokens = [], [], [], [], []
+        for i, (r, p) in enumerate(zip(requests, params)):
+            for token, value in p.logit_bias.items():
+                bias_rows.append(i)
+                bias_tokens.append(token)
+                bias_values.append(value)
+            if r.num_output_tokens < p.min_tokens:
+                banned = set(p.stop_token_ids)
+                if not p.ignore_eos:
+                    banned |= self.eos_token_ids
+                ban_rows += [i] * len(banned)
+                ban_tokens += banned
+        if bias_rows:
+            m.bias = (self._tensor(bias_rows, torch.int64), self._tensor(bias_tokens, torch.int64),
+                      self._tensor(bias_values, torch.float32))
+        if ban_rows:
+            m.ban = (self._tensor(ban_rows, torch.int64), self._tensor(ban_tokens, torch.int64))
+        if any(p.needs_penalties for p in params):
+            self._penalties(m, requests, params)
+        asked = [p.logprobs for p in params if p.logprobs is not None]
+        m.max_logprobs = max(asked) if asked else None
+        return m
+
+    def _penalties(self, m: SamplingMetadata, requests, params) -> None:
+        n, vocab = len(requests), self.vocab_size
+        out_rows, out_tokens, prompt_rows, prompt_tokens = [], [], [], []
+        for i, r in enumerate(requests):
+            if not params[i].needs_penalties:
+                continue
+            out_rows += [i] * r.num_output_tokens
+            out_tokens += r.output_token_ids
+            if params[i].repetition_penalty != 1.0:
+                prompt_rows += [i] * r.num_prompt_tokens
+                prompt_tokens += r.prompt_token_ids
+        counts = torch.zeros((n, vocab), dtype=torch.float32, device=self.device)
+        if out_rows:
+            counts.index_put_((self._tensor(out_rows, torch.int64),
+                               self._tensor(out_tokens, torch.int64)),
+                              torch.ones(len(out_rows), device=self.device), accumulate=True)
+        mask = torch.zeros((n, vocab), dtype=torch.bool, device=self.device)
+        if prompt_rows:
+            mask[self._tensor(prompt_rows, torch.int64), self._tensor(prompt_tokens, torch.int64)] = True
+        m.output_counts, m.prompt_mask = counts, mask
+        m.presence = self._tensor([p.presence_penalty for p in params], torch.float32)
+        m.frequency = self._tensor([p.frequency_penalty for p in params], torch.float32)
+        m.repetition = self._tensor([p.repetition_penalty for p in params], torch.float32)
+
+    def _prompt_logprobs(self, out: SchedulerOutput, hidden: torch.Tensor
+                         ) -> dict[str, list[Logprob]]:
+        """Raw log-probs of the prompt tokens this step computed, for requests asking for them."""
+        result: dict[str, list[Logprob]] = {}
+        row = 0
+        for s in out.seqs:
+            r, n = s.request, s.num_new_tokens
+            k = r.sampling_params.prompt_logprobs
+            # Row j predicts position start + j + 1; only prompt positions are scored.
+            last = min(s.start + n, r.num_prompt_tokens - 1)
+            if k is not None and s.start < last:
+                count = last - s.start
+                logprobs = self.model.compute_logits(hidden[row:row + count]).log_softmax(-1)
+                targets = torch.tensor(r.all_token_ids[s.start + 1:last + 1], device=self.device)
+                chosen = logprobs.gather(1, targets[:, None]).squeeze(1).tolist()
+                top_v, top_i = (logprobs.topk(k, dim=-1) if k else (None, None))
+                entries = []
+                for j in range(count):
+                    entries.append(Logprob(
+                        int(targets[j]), chosen[j],
+                        top_i[j].tolist() if k else [], top_v[j].tolist() if k else []))
+                result[r.request_id] = entries
+            row += n
+        return result
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> list[int]:
+    def execute(self, out: SchedulerOutput) -> StepResult:
         input_ids, positions, meta, logits_rows = self.prepare(out)
         hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
+        prompt_lp = {}
+        if any(s.request.prompt_logprobs is not None for s in out.seqs):
+            prompt_lp = self._prompt_logprobs(out, hidden)
         if logits_rows.numel() == 0:
-            return []
+            return StepResult([], [], prompt_lp)
         logits = self.model.compute_logits(hidden[logits_rows])
         self.last_logits = logits
-        ids = self.sampler(logits, **self.prepare_sampling(out))
-        return ids.tolist()
+        sampled = self.sampler(logits, self.prepare_sampling(out))
+        ids = sampled.token_ids.tolist()
+        logprobs: list[Logprob | None] = [None] * len(ids)
+        if sampled.logprobs is not None:
+            chosen = sampled.logprobs.tolist()
+            top_ids = sampled.top_ids.tolist() if sampled.top_ids is not None else None
+            top_lps = sampled.top_logprobs.tolist() if sampled.top_ids is not None else None
+            requests = [s.request for s in out.seqs if s.sample]
+            for i, r in enumerate(requests):
+                k = r.sampling_params.logprobs
+                if k is not None:
+                    logprobs[i] = Logprob(ids[i], chosen[i], top_ids[i][:k] if k else [],
+                                          top_lps[i][:k] if k else [])
+        return StepResult(ids, logprobs, prompt_lp)

@@ -1,8 +1,91 @@
-"""Sampler: greedy, temperature, top-k and top-p over the whole batch in tensors."""
+"""Sampler: logits processing and sampling for the whole batch, in tensors.
+
+Order, as vLLM applies it: logit bias, min_tokens bans, repetition/frequency/presence penalties,
+temperature, top-k/top-p/min-p filtering, then sampling (greedy rows take the argmax). Log-probs
+are of the distribution actually sampled from: after all of the above (greedy rows at
+temperature 1).
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
+
+
+@dataclass
+class SamplingMetadata:
+    """Per-step sampling inputs, one row per sampled sequence (built by the model runner)."""
+
+    temperature: torch.Tensor  # [n] float32
+    top_k: torch.Tensor  # [n] int64, 0 = off
+    top_p: torch.Tensor  # [n] float32
+    min_p: torch.Tensor  # [n] float32
+    all_greedy: bool
+    need_top_k: bool = False
+    need_top_p: bool = False
+    need_min_p: bool = False
+    # (row, generator) for requests with their own seed.
+    seeded: list[tuple[int, torch.Generator]] = field(default_factory=list)
+    # Sparse additions: logits[rows, tokens] += values.
+    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # Tokens banned (EOS and stop tokens before min_tokens): logits[rows, tokens] = -inf.
+    ban: tuple[torch.Tensor, torch.Tensor] | None = None
+    # Penalties: output token counts, prompt token presence, and the three factors per row.
+    output_counts: torch.Tensor | None = None  # [n, vocab] float32
+    prompt_mask: torch.Tensor | None = None  # [n, vocab] bool
+    presence: torch.Tensor | None = None
+    frequency: torch.Tensor | None = None
+    repetition: torch.Tensor | None = None
+    max_logprobs: int | None = None  # largest top-logprobs count asked for; None: nobody asked
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor  # [n]
+    logprobs: torch.Tensor | None = None  # [n] log-prob of each sampled token
+    top_ids: torch.Tensor | None = None  # [n, k]
+    top_logprobs: torch.Tensor | None = None  # [n, k]
+
+
+def apply_penalties(logits: torch.Tensor, output_counts: torch.Tensor, prompt_mask: torch.Tensor,
+                    presence: torch.Tensor, frequency: torch.Tensor,
+                    repetition: torch.Tensor) -> torch.Tensor:
+    """Repetition (on tokens seen in prompt or output: positive logits divided, negative
+    multiplied), then frequency (minus count times the factor) and presence (minus the factor
+    once) on output tokens."""
+    seen = prompt_mask | (output_counts > 0)
+    rep = repetition[:, None]
+    penalized = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(seen, penalized, logits)
+    logits = logits - frequency[:, None] * output_counts
+    return logits - presence[:, None] * (output_counts > 0).to(logits.dtype)
+
+
+def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                  min_p: torch.Tensor, need_top_k: bool, need_top_p: bool,
+                  need_min_p: bool) -> torch.Tensor:
+    """Set to -inf every token outside top-k, outside the top-p nucleus, or below min_p times the
+    most likely token's probability. The most likely token always stays."""
+    if need_min_p:
+        probs = logits.softmax(dim=-1)
+        threshold = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
+    if not (need_top_k or need_top_p):
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    vocab = logits.shape[-1]
+    drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
+    if need_top_k:
+        k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
+        drop |= torch.arange(vocab, device=logits.device)[None, :] >= k[:, None]
+    if need_top_p:
+        probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+        # Drop a token when the tokens ranked above it already reach top_p.
+        before = probs.cumsum(dim=-1) - probs
+        drop |= before >= top_p[:, None]
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
 class Sampler:
@@ -10,47 +93,34 @@ class Sampler:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
 
-    def __call__(
-        self,
-        logits: torch.Tensor,  # [n, vocab] float32
-        temperature: torch.Tensor,  # [n]
-        top_k: torch.Tensor,  # [n] int64, 0 = off
-        top_p: torch.Tensor,  # [n]
-        all_greedy: bool,
-        need_top_k: bool,
-        need_top_p: bool,
-        seeded: list[tuple[int, torch.Generator]] = (),
-    ) -> torch.Tensor:
-        """`seeded` lists (row, generator) for requests with their own seed: their noise comes
-        from their generator alone, so the same seed gives the same tokens whatever the batch."""
-        greedy_ids = logits.argmax(dim=-1)
-        if all_greedy:
-            return greedy_ids
-        greedy = temperature < 1e-5
-        logits = logits / torch.where(greedy, 1.0, temperature)[:, None]
-        if need_top_k or need_top_p:
-            logits = _top_k_top_p(logits, top_k, top_p, need_top_k, need_top_p)
-        probs = logits.softmax(dim=-1)
-        # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p without a CPU sync.
-        noise = torch.empty_like(probs).exponential_(generator=self.generator)
-        for row, generator in seeded:
-            noise[row].exponential_(generator=generator)
-        sampled = (probs / noise).argmax(dim=-1)
-        return torch.where(greedy, greedy_ids, sampled)
-
-
-def _top_k_top_p(logits, top_k, top_p, need_top_k: bool, need_top_p: bool) -> torch.Tensor:
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    vocab = logits.shape[-1]
-    drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
-    if need_top_k:
-        k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
-        ranks = torch.arange(vocab, device=logits.device)[None, :]
-        drop |= ranks >= k[:, None]
-    if need_top_p:
-        probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
-        # Drop a token when the tokens ranked above it already reach top_p; the first always stays.
-        before = probs.cumsum(dim=-1) - probs
-        drop |= before >= top_p[:, None]
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+    def __call__(self, logits: torch.Tensor, m: SamplingMetadata) -> SamplerOutput:
+        """logits: [n, vocab] float32, one row per sampled sequence."""
+        if m.bias is not None:
+            rows, tokens, values = m.bias
+            logits = logits.index_put((rows, tokens), values, accumulate=True)
+        if m.ban is not None:
+            logits = logits.index_put(m.ban, torch.tensor(float("-inf"), device=logits.device))
+        if m.output_counts is not None:
+            logits = apply_penalties(logits, m.output_counts, m.prompt_mask, m.presence,
+                                     m.frequency, m.repetition)
+        greedy = m.temperature < 1e-5
+        if not m.all_greedy:
+            logits = logits / torch.where(greedy, 1.0, m.temperature)[:, None]
+        if m.need_top_k or m.need_top_p or m.need_min_p:
+            logits = filter_logits(logits, m.top_k, m.top_p, m.min_p, m.need_top_k, m.need_top_p,
+                                   m.need_min_p)
+        ids = logits.argmax(dim=-1)
+        if not m.all_greedy:
+            probs = logits.softmax(dim=-1)
+            # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p without a CPU sync.
+            noise = torch.empty_like(probs).exponential_(generator=self.generator)
+            for row, generator in m.seeded:
+                noise[row].exponential_(generator=generator)
+            ids = torch.where(greedy, ids, (probs / noise).argmax(dim=-1))
+        out = SamplerOutput(token_ids=ids)
+        if m.max_logprobs is not None:
+            logprobs = logits.log_softmax(dim=-1)
+            out.logprobs = logprobs.gather(1, ids[:, None]).squeeze(1)
+            if m.max_logprobs > 0:
+                out.top_logprobs, out.top_ids = logprobs.topk(m.max_logprobs, dim=-1)
+        return out

@@ -7,7 +7,7 @@ import hashlib
 import pytest
 
 from core.engine_core import EngineCore
-from core.request import EngineRequest
+from core.request import EngineRequest, StepResult
 from core.sampling import InvalidParam, SamplingParams
 from core.scheduler import SchedulerOutput
 
@@ -34,7 +34,7 @@ class FakeRunner:
                 history = s.request.all_token_ids[: s.start + s.num_new_tokens]
                 digest = hashlib.sha256(repr(history).encode()).digest()
                 ids.append(int.from_bytes(digest[:4], "little") % (VOCAB - 10) + 10)
-        return ids
+        return StepResult(ids, [None] * len(ids))
 
 
 def make_core(num_blocks=64, budget=64, max_seqs=8, max_model_len=512, eos=()):
@@ -131,7 +131,7 @@ def test_no_admission_in_a_step_that_preempted():
         if out.seqs:
             sampled = core.runner.execute(out)
             core.scheduler.commit(out)
-            it = iter(sampled)
+            it = iter(sampled.token_ids)
             for s in out.seqs:
                 if s.sample:
                     r = s.request
@@ -231,7 +231,7 @@ def test_priority_preempts_the_lowest_priority_running_request():
         out = core.scheduler.schedule()
         victims += out.preempted
         if out.seqs:
-            sampled = iter(core.runner.execute(out))
+            sampled = iter(core.runner.execute(out).token_ids)
             core.scheduler.commit(out)
             for s in out.seqs:
                 if s.sample:
