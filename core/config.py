@@ -23,6 +23,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     scheduling_policy: str = "fcfs"  # fcfs | priority
     seed: int = 0
     chat_template: str | None = None  # a file path or the template itself
+    # Sampling defaults: "auto" from the model's generation_config.json, "vllm" none, or a folder.
+    generation_config: str = "auto"
     check_integrity: bool = False  # assert the block pool invariant after every step (tests)
 
     def validate(self) -> None:

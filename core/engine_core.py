@@ -88,7 +88,10 @@ class EngineCore:
             )
         max_tokens = req.sampling_params.max_tokens
         if max_tokens is None:
-            return room
+            max_tokens = room
+        if params.min_tokens > max_tokens:
+            raise InvalidParam("min_tokens", f"min_tokens ({params.min_tokens}) exceeds the "
+                               f"{max_tokens} tokens this request may generate")
         if max_tokens > room:
             raise InvalidParam(
                 "max_tokens",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,7 @@ class Loaded:
     model_path: Path
     served_names: list[str]
     max_model_len: int
+    generation_defaults: dict[str, Any]
 
 
 def resolve_device(name: str) -> torch.device:
@@ -91,4 +93,29 @@ def load(config: EngineConfig) -> Loaded:
     log.info("loaded %s on %s (%s): %d KV blocks of %d tokens, max_model_len %d",
              path, device, str(dtype).removeprefix("torch."), num_blocks, config.block_size,
              max_model_len)
-    return Loaded(core, tokenizer, path, config.served_model_name or [default_name], max_model_len)
+    defaults = generation_defaults(path, config.generation_config)
+    if defaults:
+        log.info("sampling defaults from the generation config: %s", defaults)
+    return Loaded(core, tokenizer, path, config.served_model_name or [default_name], max_model_len,
+                  defaults)
+
+
+# generation_config.json keys that become request defaults, as vLLM applies them.
+_GENERATION_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                    "min_p": "min_p", "repetition_penalty": "repetition_penalty",
+                    "max_new_tokens": "max_tokens"}
+
+
+def generation_defaults(model_path: Path, setting: str) -> dict[str, Any]:
+    """Sampling defaults a request falls back to when it leaves a field unset."""
+    if setting == "vllm":
+        return {}
+    folder = model_path if setting == "auto" else Path(setting).expanduser()
+    file = folder / "generation_config.json"
+    if not file.exists():
+        if setting != "auto":
+            raise ValueError(f"--generation-config: no generation_config.json in {folder}")
+        return {}
+    data = json.loads(file.read_text())
+    return {ours: data[theirs] for theirs, ours in _GENERATION_KEYS.items()
+            if data.get(theirs) is not None}

@@ -8,7 +8,7 @@ import signal
 import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve as hypercorn_serve
-from quart import Response
+from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
@@ -16,19 +16,29 @@ from core.config import EngineConfig
 from core.engine import Engine
 from server.chat import load_template
 from server.errors import APIError, error_response
+from server.generate import bp as generate_bp
+from server.logprobs import TokenText
 from server.routes import bp
 from server.state import ServerState
 
 log = logging.getLogger("weir.server")
 
 
-def create_app(config: EngineConfig) -> QuartTrio:
+def create_app(config: EngineConfig, max_body_bytes: int = 32 * 1024 * 1024) -> QuartTrio:
     app = QuartTrio("weir")
     app.config["RESPONSE_TIMEOUT"] = None  # streams end when generation ends, not on a clock
-    app.config["MAX_CONTENT_LENGTH"] = 32 * 1024 * 1024
+    app.config["MAX_CONTENT_LENGTH"] = max_body_bytes
     st = ServerState(config=config)
     app.weir_state = st
     app.register_blueprint(bp)
+    app.register_blueprint(generate_bp)
+
+    @app.after_request
+    async def _echo_request_id(response: Response) -> Response:
+        rid = request.headers.get("X-Request-Id")
+        if rid and len(rid) <= 256 and rid.isprintable():
+            response.headers["X-Request-Id"] = rid
+        return response
 
     @app.errorhandler(APIError)
     async def _api_error(e: APIError) -> Response:
@@ -74,6 +84,8 @@ async def _load_engine(app: QuartTrio, st: ServerState) -> None:
     st.tokenizer = loaded.tokenizer
     st.served_names = loaded.served_names
     st.max_model_len = loaded.max_model_len
+    st.generation_defaults = loaded.generation_defaults
+    st.token_text = TokenText(loaded.tokenizer)
     st.status, st.reason = "ready", "ok"
     log.info("serving %s", ", ".join(st.served_names))
 

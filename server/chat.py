@@ -53,17 +53,31 @@ def to_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
 
 
 def render(tokenizer: Any, template: str | None, messages: list[ChatMessage],
-           add_generation_prompt: bool = True) -> list[int]:
+           add_generation_prompt: bool = True, continue_final_message: bool = False,
+           template_kwargs: dict[str, Any] | None = None,
+           tools: list[dict[str, Any]] | None = None) -> list[int]:
     template = template or getattr(tokenizer, "chat_template", None)
     if not template:
         raise APIError(
             400, "This model has no chat template; use /v1/completions or start the server "
             "with --chat-template", "messages", "no_chat_template",
         )
+    if continue_final_message and add_generation_prompt:
+        raise APIError(400, "continue_final_message and add_generation_prompt cannot both be "
+                       "true", "continue_final_message")
+    if continue_final_message and messages[-1].role != "assistant":
+        raise APIError(400, "continue_final_message needs the last message to be from the "
+                       "assistant", "continue_final_message")
+    kwargs = dict(template_kwargs or {})
+    for reserved in ("conversation", "messages", "chat_template", "tokenize", "tools"):
+        if reserved in kwargs:
+            raise APIError(400, f"chat_template_kwargs may not set {reserved!r}",
+                           "chat_template_kwargs")
     try:
         text = tokenizer.apply_chat_template(
-            to_dicts(messages), chat_template=template, tokenize=False,
+            to_dicts(messages), chat_template=template, tokenize=False, tools=tools,
             add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, **kwargs,
         )
     except APIError:
         raise

@@ -42,18 +42,18 @@ def error_response(status: int, message: str, param: str | None = None,
     return Response(body, status=status, content_type="application/json", headers=headers)
 
 
-_PATH = re.compile(r"at `\$\.([A-Za-z_][A-Za-z0-9_]*)")
+_PATH = re.compile(r"at `\$\.?([^`]*)`")
 
 
 def from_validation(e: msgspec.ValidationError | msgspec.DecodeError) -> APIError:
     """Turn msgspec's message ("Expected `int`, got `str` - at `$.max_tokens`") into a 400 that
-    names the parameter."""
+    names the parameter, nested ones as a path (`messages[0].role`)."""
     text = str(e)
-    m = _PATH.search(text)
-    param = m.group(1) if m else None
-    if param is None:
-        missing = re.search(r"missing required field `([^`]+)`", text)
-        param = missing.group(1) if missing else None
     if isinstance(e, msgspec.DecodeError) and not isinstance(e, msgspec.ValidationError):
         return APIError(400, f"The request body is not valid JSON: {text}", None, "invalid_json")
+    m = _PATH.search(text)
+    param = m.group(1) if m and m.group(1) else None
+    missing = re.search(r"missing required field `([^`]+)`", text)
+    if missing:
+        param = f"{param}.{missing.group(1)}" if param else missing.group(1)
     return APIError(400, f"Invalid request: {text}", param, "invalid_value")

@@ -1,5 +1,6 @@
 """The OpenAI wire format as msgspec Structs: requests are decoded and validated by these,
-responses encoded from them. Unknown request fields are accepted and ignored."""
+responses encoded from them, and /openapi.json is generated from them. Unknown request fields
+are accepted and ignored."""
 
 from __future__ import annotations
 
@@ -8,14 +9,21 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
-PositiveInt = Annotated[int, Meta(ge=1)]
+from core.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS
+
+MAX_N = 64  # parallel samples per prompt
+MAX_TOKENS_BOUND = 1 << 20
+
+PositiveInt = Annotated[int, Meta(ge=1, le=MAX_TOKENS_BOUND)]
 Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
 TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
-MAX_N = 64  # parallel samples per prompt
+Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
+LogprobCount = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)]
 
 
 class StreamOptions(msgspec.Struct):
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
 class ContentPart(msgspec.Struct):
@@ -31,36 +39,73 @@ class ChatMessage(msgspec.Struct):
     tool_call_id: str | None = None
 
 
-class _SamplingFields(msgspec.Struct, kw_only=True):
-    """Fields shared by chat and completion requests (OpenAI plus vLLM's extensions)."""
+class SamplingFields(msgspec.Struct, kw_only=True):
+    """Fields shared by chat and completion requests (OpenAI plus vLLM's extensions). None means
+    unset: the model's generation config default applies, else OpenAI's."""
 
     model: str | None = None
     temperature: Temperature | None = None
     top_p: TopP | None = None
     top_k: Annotated[int, Meta(ge=-1)] | None = None
+    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: Annotated[float, Meta(gt=0.0, le=2.0)] | None = None
     n: Annotated[int, Meta(ge=1, le=MAX_N)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    seed: int | None = None
+    seed: Annotated[int, Meta(ge=-(1 << 63), le=(1 << 63) - 1)] | None = None
+    stop: str | Annotated[list[str], Meta(max_length=16)] | None = None
+    stop_token_ids: Annotated[list[Annotated[int, Meta(ge=0)]], Meta(max_length=256)] | None = None
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    min_tokens: Annotated[int, Meta(ge=0, le=MAX_TOKENS_BOUND)] = 0
+    logit_bias: Annotated[dict[str, Annotated[float, Meta(ge=-100.0, le=100.0)]],
+                          Meta(max_length=MAX_LOGIT_BIAS)] | None = None
+    prompt_logprobs: LogprobCount | None = None
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     user: str | None = None
     priority: int = 0  # lower first; needs --scheduling-policy priority
     cache_salt: str | None = None  # share cached prefixes only with requests of the same salt
 
 
-class ChatCompletionRequest(_SamplingFields, kw_only=True):
+class ChatCompletionRequest(SamplingFields, kw_only=True):
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
     max_tokens: PositiveInt | None = None
     max_completion_tokens: PositiveInt | None = None
+    logprobs: bool = False
+    top_logprobs: LogprobCount | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
 
 
-class CompletionRequest(_SamplingFields, kw_only=True):
+class CompletionRequest(SamplingFields, kw_only=True):
     # A string, a list of strings, a list of token ids, or a list of token-id lists.
     prompt: str | list[Any]
     max_tokens: PositiveInt | None = 16
+    logprobs: LogprobCount | None = None
+    echo: bool = False
+
+
+class TokenizeRequest(msgspec.Struct, kw_only=True):
+    """Either `prompt` (text) or `messages` (rendered with the chat template)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(msgspec.Struct, kw_only=True):
+    tokens: list[Annotated[int, Meta(ge=0)]]
+    model: str | None = None
 
 
 # ---- responses ----
@@ -75,6 +120,39 @@ class Usage(msgspec.Struct):
     prompt_tokens_details: PromptTokensDetails | None = None
 
 
+class TopLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(msgspec.Struct):
+    content: list[TokenLogprob]
+
+
+class CompletionLogprobs(msgspec.Struct):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class PromptLogprob(msgspec.Struct):
+    logprob: float
+    decoded_token: str
+
+
+# Per prompt position: None for the first token, else token id (as a string) -> its log-prob.
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class ResponseMessage(msgspec.Struct):
     role: str
     content: str
@@ -84,7 +162,7 @@ class ChatChoice(msgspec.Struct):
     index: int
     message: ResponseMessage
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionResponse(msgspec.Struct):
@@ -94,6 +172,7 @@ class ChatCompletionResponse(msgspec.Struct):
     choices: list[ChatChoice]
     usage: Usage
     object: str = "chat.completion"
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class Delta(msgspec.Struct, omit_defaults=True):
@@ -105,7 +184,7 @@ class ChunkChoice(msgspec.Struct):
     index: int
     delta: Delta
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionChunk(msgspec.Struct):
@@ -121,7 +200,8 @@ class CompletionChoice(msgspec.Struct):
     index: int
     text: str
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(msgspec.Struct):
@@ -131,6 +211,21 @@ class CompletionResponse(msgspec.Struct):
     choices: list[CompletionChoice]
     object: str = "text_completion"
     usage: Usage | None = None
+
+
+class TokenizeResponse(msgspec.Struct, omit_defaults=True):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(msgspec.Struct):
+    prompt: str
+
+
+class VersionResponse(msgspec.Struct):
+    version: str
 
 
 class ModelCard(msgspec.Struct):

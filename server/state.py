@@ -21,6 +21,8 @@ class ServerState:
     chat_template: str | None = None
     served_names: list[str] = field(default_factory=list)
     max_model_len: int = 0
+    generation_defaults: dict[str, Any] = field(default_factory=dict)
+    token_text: Any = None  # server.logprobs.TokenText for the tokenizer
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property

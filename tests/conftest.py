@@ -52,10 +52,10 @@ def free_port() -> int:
 class LiveServer:
     """The real app and Hypercorn on a Trio loop in a background thread, on a free port."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, **app_kwargs) -> None:
         from server.app import create_app
 
-        self.app = create_app(config)
+        self.app = create_app(config, **app_kwargs)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._token: trio.lowlevel.TrioToken | None = None

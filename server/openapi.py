@@ -1,0 +1,110 @@
+"""The OpenAPI document, generated from the msgspec Structs that validate requests, so clients,
+gateways and fuzzers see exactly what the server accepts."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Any
+
+import msgspec
+
+from server.protocol import (
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorResponse,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+    VersionResponse,
+)
+
+# path, method, summary, request body Struct, success Struct, streams SSE
+ROUTES: list[tuple[str, str, str, type | None, type, bool]] = [
+    ("/v1/chat/completions", "post", "Create a chat completion", ChatCompletionRequest,
+     ChatCompletionResponse, True),
+    ("/v1/completions", "post", "Create a text completion", CompletionRequest,
+     CompletionResponse, True),
+    ("/v1/models", "get", "List the served models", None, ModelList, False),
+    ("/tokenize", "post", "Tokenize a prompt or chat messages", TokenizeRequest,
+     TokenizeResponse, False),
+    ("/detokenize", "post", "Turn token ids back into text", DetokenizeRequest,
+     DetokenizeResponse, False),
+    ("/version", "get", "The server's version", None, VersionResponse, False),
+]
+
+
+@lru_cache(maxsize=1)
+def _components() -> tuple[dict[str, Any], dict[str, Any]]:
+    types = [t for _, _, _, req, resp, _ in ROUTES for t in (req, resp) if t is not None]
+    types += [ChatCompletionChunk, ErrorResponse]
+    refs, components = msgspec.json.schema_components(
+        types, ref_template="#/components/schemas/{name}")
+    return dict(zip((t.__name__ for t in types), refs)), components
+
+
+def openapi_document(version: str) -> dict[str, Any]:
+    refs, components = _components()
+    error = {"description": "An OpenAI-style error",
+             "content": {"application/json": {"schema": refs["ErrorResponse"]}}}
+    paths: dict[str, Any] = {}
+    for path, method, summary, req, resp, streams in ROUTES:
+        content = {"application/json": {"schema": refs[resp.__name__]}}
+        if streams:
+            content["text/event-stream"] = {
+                "schema": {"type": "string",
+                           "description": "`data: {chunk}` lines, then `data: [DONE]`"}}
+        op: dict[str, Any] = {
+            "summary": summary,
+            "responses": {"200": {"description": "OK", "content": content},
+                          "400": error, "404": error, "503": error},
+        }
+        if req is not None:
+            op["requestBody"] = {"required": True, "content": {
+                "application/json": {"schema": refs[req.__name__]}}}
+        paths[path] = {method: op}
+    for path in ("/health", "/ping"):
+        paths[path] = {"get": {"summary": "200 when the engine is loaded and serving",
+                               "responses": {"200": {"description": "healthy"}, "503": error}}}
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "weir", "version": version,
+                 "description": "An OpenAI-compatible LLM inference server."},
+        "paths": paths,
+        "components": {"schemas": components},
+    }
+
+
+# A self-contained page (no CDN: it works offline) that lists the routes and their schemas.
+DOCS_HTML = """<!doctype html>
+<html><head><meta charset="utf-8"><title>weir API</title>
+<style>body{font:14px system-ui,sans-serif;max-width:960px;margin:2em auto;padding:0 1em}
+h2{border-bottom:1px solid #ccc}code,pre{background:#f5f5f5}pre{padding:.5em;overflow:auto}
+.m{font-weight:bold;text-transform:uppercase;margin-right:.5em}</style></head>
+<body><h1>weir API</h1><p>Generated from <a href="/openapi.json">/openapi.json</a>.</p>
+<div id="routes"></div><h2>Schemas</h2><div id="schemas"></div>
+<script>
+fetch('/openapi.json').then(r => r.json()).then(doc => {
+  const esc = s => String(s).replace(/[&<>]/g, c => ({'&':'&amp;','<':'&lt;','>':'&gt;'}[c]));
+  let html = '';
+  for (const [path, ops] of Object.entries(doc.paths)) {
+    for (const [method, op] of Object.entries(ops)) {
+      const body = op.requestBody ? op.requestBody.content['application/json'].schema.$ref : '';
+      html += `<h2><span class="m">${method}</span><code>${esc(path)}</code></h2>` +
+        `<p>${esc(op.summary || '')}</p>` + (body ? `<p>Body: <a href="#${body.split('/').pop()}">` +
+        `${body.split('/').pop()}</a></p>` : '');
+    }
+  }
+  document.getElementById('routes').innerHTML = html;
+  let schemas = '';
+  for (const [name, s] of Object.entries(doc.components.schemas)) {
+    schemas += `<h3 id="${name}">${name}</h3><pre>${esc(JSON.stringify(s, null, 2))}</pre>`;
+  }
+  document.getElementById('schemas').innerHTML = schemas;
+});
+</script></body></html>
+"""

@@ -1,0 +1,435 @@
+"""The OpenAI API surface against a live server, with the official SDK: every sampling parameter,
+log-probs, usage, tokenizer endpoints, request ids, the OpenAPI document and bad requests."""
+
+from __future__ import annotations
+
+import json
+import math
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+import torch
+
+from core.config import EngineConfig
+from tests.conftest import LiveServer
+
+USER = [{"role": "user", "content": "Tell me about the river café 🌊 and the stone bridge"}]
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    s = LiveServer(EngineConfig(
+        model=str(model_dir("qwen3")), served_model_name=["tiny"], max_model_len=512,
+        num_kv_blocks=256, check_integrity=True)).start()
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    c = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    yield c
+    c.close()
+
+
+@pytest.fixture(scope="module")
+def tok(server):
+    return server.state.tokenizer
+
+
+def chat(client, **kw):
+    kw.setdefault("model", "tiny")
+    kw.setdefault("messages", USER)
+    return client.chat.completions.create(**kw)
+
+
+def complete(client, **kw):
+    kw.setdefault("model", "tiny")
+    return client.completions.create(**kw)
+
+
+# ---------------------------------------------------------------- sampling parameters
+def test_top_k_1_equals_greedy(client):
+    greedy = chat(client, temperature=0, max_tokens=16, extra_body={"ignore_eos": True})
+    top1 = chat(client, temperature=1.0, max_tokens=16, seed=5,
+                extra_body={"top_k": 1, "ignore_eos": True})
+    assert top1.choices[0].message.content == greedy.choices[0].message.content
+
+
+def test_logit_bias_forces_its_token(client, tok):
+    token = tok.encode(" river")[-1]
+    r = complete(client, prompt="hello", max_tokens=5, temperature=1.0,
+                 logit_bias={str(token): 100}, extra_body={"ignore_eos": True})
+    assert r.choices[0].text == tok.decode([token]) * 5
+    banned = complete(client, prompt="hello", max_tokens=1, temperature=0)
+    first = tok.encode(banned.choices[0].text)[0] if banned.choices[0].text else None
+    if first is not None:
+        again = complete(client, prompt="hello", max_tokens=1, temperature=0,
+                         logit_bias={str(first): -100})
+        assert again.choices[0].text != banned.choices[0].text
+
+
+def test_min_tokens_suppresses_eos(client, tok):
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    forced = dict(logit_bias={str(eos): 100})
+    r = complete(client, prompt="hello", max_tokens=20, temperature=0, **forced)
+    assert r.usage.completion_tokens == 1 and r.choices[0].finish_reason == "stop"
+    r = complete(client, prompt="hello", max_tokens=20, temperature=0, **forced,
+                 extra_body={"min_tokens": 6})
+    assert r.usage.completion_tokens == 7 and r.choices[0].finish_reason == "stop"
+
+
+def streamed_text(stream, chat_api=True):
+    text, finish = "", None
+    for c in stream:
+        for ch in c.choices:
+            text += (ch.delta.content or "") if chat_api else ch.text
+            finish = ch.finish_reason or finish
+    return text, finish
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_strings_cut_streamed_and_not(client, include):
+    base = chat(client, temperature=0, max_tokens=40, extra_body={"ignore_eos": True})
+    full = base.choices[0].message.content
+    stop = next(full[i:i + 3] for i in range(6, len(full) - 3)
+                if "\ufffd" not in full[i:i + 3] and full[i:i + 3].strip())
+    cut = full.index(stop) + (len(stop) if include else 0)
+    extra = {"ignore_eos": True, "include_stop_str_in_output": include}
+    r = chat(client, temperature=0, max_tokens=40, stop=[stop, "never-appears-xyz"],
+             extra_body=extra)
+    assert r.choices[0].message.content == full[:cut]
+    assert r.choices[0].finish_reason == "stop"
+    text, finish = streamed_text(chat(client, temperature=0, max_tokens=40, stop=stop,
+                                      stream=True, extra_body=extra))
+    assert text == full[:cut] and finish == "stop"
+    rc = complete(client, prompt="the river", temperature=0, max_tokens=30,
+                  extra_body={"ignore_eos": True})
+    ctext = rc.choices[0].text
+    s2 = next(ctext[i:i + 2] for i in range(3, len(ctext) - 2)
+              if "\ufffd" not in ctext[i:i + 2] and ctext[i:i + 2].strip())
+    stream = complete(client, prompt="the river", temperature=0, max_tokens=30, stop=[s2],
+                      stream=True, extra_body=extra)
+    text, _ = streamed_text(stream, chat_api=False)
+    assert text == ctext[: ctext.index(s2) + (len(s2) if include else 0)]
+
+
+def test_streaming_never_shows_half_a_stop_string(server):
+    # A stop string that never matches must never be cut across chunks either: the text is held
+    # back until it is known not to start the stop string, so no chunk ends with its prefix.
+    body = {"model": "tiny", "messages": USER, "temperature": 0, "max_tokens": 30,
+            "stream": True, "stop": ["zzzq"], "ignore_eos": True}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines()
+                  if line.startswith("data: {")]
+    texts = [e["choices"][0]["delta"].get("content") or "" for e in events]
+    joined = "".join(texts)
+    assert "zzzq" not in joined
+    plain = httpx.post(server.url + "/v1/chat/completions",
+                       json={**body, "stream": False, "stop": None}).json()
+    assert joined == plain["choices"][0]["message"]["content"]
+
+
+def test_same_seed_same_tokens_in_any_batch(client):
+    kw = dict(temperature=1.0, max_tokens=24, seed=1234, extra_body={"ignore_eos": True})
+    alone = chat(client, **kw).choices[0].message.content
+
+    def other(i):
+        return chat(client, temperature=1.0, max_tokens=24, seed=i,
+                    messages=[{"role": "user", "content": f"noise {i} " * (i + 1)}]).id
+
+    with ThreadPoolExecutor(6) as pool:
+        futures = [pool.submit(other, i) for i in range(5)]
+        busy = pool.submit(lambda: chat(client, **kw).choices[0].message.content).result()
+        [f.result() for f in futures]
+    assert busy == alone
+    assert chat(client, **{**kw, "seed": 99}).choices[0].message.content != alone
+
+
+def test_penalties_change_the_text(client):
+    base = complete(client, prompt="the the the", temperature=0, max_tokens=30,
+                    extra_body={"ignore_eos": True})
+    for extra in ({"frequency_penalty": 2.0}, {"presence_penalty": 2.0},
+                  {"extra_body": {"repetition_penalty": 2.0, "ignore_eos": True}}):
+        kw = dict(prompt="the the the", temperature=0, max_tokens=30)
+        kw.setdefault("extra_body", {"ignore_eos": True})
+        kw.update(extra)
+        assert complete(client, **kw).choices[0].text != base.choices[0].text
+
+
+# ---------------------------------------------------------------- logprobs
+def hf_model(path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def test_chat_logprobs_shapes_and_values_match_transformers(client, server, tok):
+    r = chat(client, temperature=0, max_tokens=8, logprobs=True, top_logprobs=5,
+             extra_body={"ignore_eos": True})
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens == 8
+    for entry in content:
+        assert math.isfinite(entry.logprob) and entry.logprob <= 0
+        assert len(entry.top_logprobs) == 5
+        assert entry.logprob == pytest.approx(max(t.logprob for t in entry.top_logprobs))
+        assert entry.bytes is not None
+    prompt = httpx.post(server.url + "/tokenize", json={"messages": USER}).json()["tokens"]
+    hf = hf_model(server.state.config.model)
+    out = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False,
+                      eos_token_id=None, pad_token_id=0)[0]
+    with torch.no_grad():
+        logits = hf(out[None, :-1]).logits[0, len(prompt) - 1:]
+    ref = logits.log_softmax(-1).gather(1, out[len(prompt):, None]).squeeze(1)
+    got = torch.tensor([e.logprob for e in content])
+    torch.testing.assert_close(got, ref, atol=1e-3, rtol=0)
+    no = chat(client, max_tokens=2)
+    assert no.choices[0].logprobs is None
+
+
+def test_completion_logprobs_echo_and_prompt_logprobs(client, server, tok):
+    prompt = "the river flows"
+    ids = tok.encode(prompt)
+    r = complete(client, prompt=prompt, max_tokens=4, temperature=0, logprobs=3,
+                 extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
+    assert all(len(t) <= 3 for t in lp.top_logprobs) and lp.text_offset == sorted(lp.text_offset)
+    assert "".join(lp.tokens) == r.choices[0].text
+    echo = complete(client, prompt=prompt, max_tokens=4, temperature=0, logprobs=2, echo=True,
+                    extra_body={"ignore_eos": True})
+    elp = echo.choices[0].logprobs
+    assert echo.choices[0].text == prompt + r.choices[0].text
+    assert len(elp.tokens) == len(ids) + 4
+    assert elp.token_logprobs[0] is None and elp.top_logprobs[0] is None
+    assert elp.token_logprobs[len(ids):] == pytest.approx(lp.token_logprobs, abs=1e-5)
+
+    hf = hf_model(server.state.config.model)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].log_softmax(-1)
+    want = [ref[i - 1, ids[i]].item() for i in range(1, len(ids))]
+    assert elp.token_logprobs[1:len(ids)] == pytest.approx(want, abs=1e-3)
+    raw = httpx.post(server.url + "/v1/completions", json={
+        "model": "tiny", "prompt": ids, "max_tokens": 1, "prompt_logprobs": 2}).json()
+    plp = raw["choices"][0]["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == len(ids)
+    assert plp[1][str(ids[1])]["logprob"] == pytest.approx(want[0], abs=1e-3)
+
+
+def test_streamed_logprobs_and_usage_counts(client):
+    stream = chat(client, temperature=0, max_tokens=10, logprobs=True, stream=True,
+                  stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    usage_chunks = [c for c in chunks if c.usage is not None]
+    assert len(usage_chunks) == 1 and usage_chunks[0] is chunks[-1]
+    assert chunks[-1].choices == []
+    tokens = sum(len(ch.logprobs.content) for c in chunks for ch in c.choices if ch.logprobs)
+    assert tokens == chunks[-1].usage.completion_tokens == 10
+    plain = list(chat(client, temperature=0, max_tokens=3, stream=True))
+    assert all(c.usage is None for c in plain)
+
+
+def test_continuous_usage_stats(client):
+    chunks = list(chat(client, temperature=0, max_tokens=6, stream=True, extra_body={
+        "ignore_eos": True},
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    counts = [c.usage.completion_tokens for c in chunks if c.choices]
+    assert counts == sorted(counts) and counts[-1] == 6
+    assert all(c.usage is not None for c in chunks)
+
+
+# ---------------------------------------------------------------- chat input
+def test_chat_inputs(client, server):
+    history = [
+        {"role": "developer", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "part one"},
+                                     {"type": "text", "text": "part two"}], "name": "ann"},
+        {"role": "assistant", "content": None, "tool_calls": [{
+            "id": "c1", "type": "function",
+            "function": {"name": "look", "arguments": "{}"}}]},
+        {"role": "tool", "content": "42", "tool_call_id": "c1"},
+        {"role": "assistant", "content": "The answer is"},
+    ]
+    r = chat(client, messages=history, max_tokens=3,
+             extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    assert r.choices[0].message.content is not None
+    tokens = httpx.post(server.url + "/tokenize", json={
+        "messages": history, "continue_final_message": True, "add_generation_prompt": False})
+    assert tokens.json()["count"] == r.usage.prompt_tokens
+    r = chat(client, max_tokens=2, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert r.choices[0].finish_reason is not None
+
+
+def test_chat_template_override_and_missing_template(model_dir, tmp_path):
+    import shutil
+
+    src = model_dir("qwen3")
+    bare = tmp_path / "bare"
+    shutil.copytree(src, bare)
+    (bare / "chat_template.jinja").unlink()
+    cfg = json.loads((bare / "tokenizer_config.json").read_text())
+    cfg.pop("chat_template", None)
+    (bare / "tokenizer_config.json").write_text(json.dumps(cfg))
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}")
+    for tpl, status in ((None, 400), (str(template), 200)):
+        s = LiveServer(EngineConfig(model=str(bare), num_kv_blocks=32, chat_template=tpl)).start()
+        try:
+            r = httpx.post(s.url + "/v1/chat/completions",
+                           json={"messages": [{"role": "user", "content": "hi"}],
+                                 "max_tokens": 2})
+            assert r.status_code == status, r.text
+            if status == 400:
+                assert r.json()["error"]["code"] == "no_chat_template"
+            else:
+                count = httpx.post(s.url + "/tokenize", json={
+                    "messages": [{"role": "user", "content": "hi"}]}).json()["count"]
+                assert count == len(s.state.tokenizer.encode("<<hi>>", add_special_tokens=False))
+        finally:
+            s.stop()
+
+
+def test_generation_config_defaults_apply_when_unset(model_dir, tmp_path):
+    import shutil
+
+    path = tmp_path / "gen"
+    shutil.copytree(model_dir("qwen3"), path)
+    gen = json.loads((path / "generation_config.json").read_text())
+    gen.update({"temperature": 0.0, "max_new_tokens": 7})
+    (path / "generation_config.json").write_text(json.dumps(gen))
+    s = LiveServer(EngineConfig(model=str(path), num_kv_blocks=64)).start()
+    try:
+        body = {"messages": USER, "ignore_eos": True}
+        a = httpx.post(s.url + "/v1/chat/completions", json=body).json()
+        b = httpx.post(s.url + "/v1/chat/completions", json=body).json()
+        assert a["usage"]["completion_tokens"] == 7  # max_new_tokens became the default
+        assert a["choices"][0]["message"] == b["choices"][0]["message"]  # temperature 0: greedy
+        c = httpx.post(s.url + "/v1/chat/completions", json={**body, "max_tokens": 3}).json()
+        assert c["usage"]["completion_tokens"] == 3  # the request's own value wins
+    finally:
+        s.stop()
+
+
+# ---------------------------------------------------------------- endpoints
+def test_tokenize_detokenize_round_trip(server, client):
+    text = "café naïve 你好 😀 the river"
+    t = httpx.post(server.url + "/tokenize", json={"prompt": text}).json()
+    assert t["count"] == len(t["tokens"]) and t["max_model_len"] == 512
+    d = httpx.post(server.url + "/detokenize", json={"tokens": t["tokens"]}).json()
+    assert d["prompt"] == text
+    m = httpx.post(server.url + "/tokenize", json={"messages": USER}).json()
+    r = chat(client, max_tokens=1)
+    assert m["count"] == r.usage.prompt_tokens
+    strs = httpx.post(server.url + "/tokenize",
+                      json={"prompt": "hi there", "return_token_strs": True}).json()
+    assert len(strs["token_strs"]) == strs["count"]
+
+
+def test_version_openapi_docs_and_request_id(server):
+    assert httpx.get(server.url + "/version").json()["version"]
+    doc = httpx.get(server.url + "/openapi.json").json()
+    assert doc["openapi"].startswith("3.")
+    for path in ("/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize"):
+        assert path in doc["paths"]
+    schema = doc["components"]["schemas"]["ChatCompletionRequest"]
+    assert "messages" in schema["required"] and "top_logprobs" in schema["properties"]
+    assert "openapi.json" in httpx.get(server.url + "/docs").text
+    r = httpx.post(server.url + "/v1/chat/completions", headers={"X-Request-Id": "my-id-123"},
+                   json={"messages": USER, "max_tokens": 2})
+    assert r.headers["X-Request-Id"] == "my-id-123" and r.json()["id"] == "my-id-123"
+    assert httpx.get(server.url + "/ping").status_code == 200
+
+
+def test_oversized_body_gets_413(model_dir):
+    s = LiveServer(EngineConfig(model=str(model_dir("qwen3")), num_kv_blocks=32),
+                   max_body_bytes=2048).start()
+    try:
+        r = httpx.post(s.url + "/v1/chat/completions",
+                       json={"messages": [{"role": "user", "content": "x" * 5000}]})
+        assert r.status_code == 413 and r.json()["error"]["message"]
+        assert httpx.get(s.url + "/health").status_code == 200
+    finally:
+        s.stop()
+
+
+# ---------------------------------------------------------------- bad requests
+M = USER
+BAD = [  # (route, body, status, param)
+    ("chat", {}, 400, "messages"),
+    ("chat", {"messages": []}, 400, "messages"),
+    ("chat", {"messages": "hi"}, 400, "messages"),
+    ("chat", {"messages": [{"content": "x"}]}, 400, "messages[0].role"),
+    ("chat", {"messages": [{"role": "robot", "content": "x"}]}, 400, "messages[0].role"),
+    ("chat", {"messages": [{"role": "user", "content": 3}]}, 400, "messages[0].content"),
+    ("chat", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "messages"),
+    ("chat", {"messages": M, "model": "gpt-9"}, 404, "model"),
+    ("chat", {"messages": M, "max_tokens": 0}, 400, "max_tokens"),
+    ("chat", {"messages": M, "max_tokens": -5}, 400, "max_tokens"),
+    ("chat", {"messages": M, "max_tokens": 100000}, 400, "max_tokens"),
+    ("chat", {"messages": M, "max_completion_tokens": "x"}, 400, "max_completion_tokens"),
+    ("chat", {"messages": M, "temperature": 3}, 400, "temperature"),
+    ("chat", {"messages": M, "temperature": "hot"}, 400, "temperature"),
+    ("chat", {"messages": M, "top_p": 0}, 400, "top_p"),
+    ("chat", {"messages": M, "top_p": 1.5}, 400, "top_p"),
+    ("chat", {"messages": M, "top_k": -2}, 400, "top_k"),
+    ("chat", {"messages": M, "min_p": 2}, 400, "min_p"),
+    ("chat", {"messages": M, "presence_penalty": 5}, 400, "presence_penalty"),
+    ("chat", {"messages": M, "frequency_penalty": -3}, 400, "frequency_penalty"),
+    ("chat", {"messages": M, "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ("chat", {"messages": M, "n": 0}, 400, "n"),
+    ("chat", {"messages": M, "n": 1000}, 400, "n"),
+    ("chat", {"messages": M, "logprobs": True, "top_logprobs": 50}, 400, "top_logprobs"),
+    ("chat", {"messages": M, "top_logprobs": 3}, 400, "top_logprobs"),
+    ("chat", {"messages": M, "logit_bias": {"abc": 1}}, 400, "logit_bias"),
+    ("chat", {"messages": M, "logit_bias": {"5": 1000}}, 400, "logit_bias"),
+    ("chat", {"messages": M, "logit_bias": {str(i): 1 for i in range(400)}}, 400, "logit_bias"),
+    ("chat", {"messages": M, "logit_bias": {"99999999": 1}}, 400, "logit_bias"),
+    ("chat", {"messages": M, "stop": 5}, 400, "stop"),
+    ("chat", {"messages": M, "stop": [""]}, 400, "stop"),
+    ("chat", {"messages": M, "stop": ["a"] * 20}, 400, "stop"),
+    ("chat", {"messages": M, "stop_token_ids": [-1]}, 400, "stop_token_ids"),
+    ("chat", {"messages": M, "stop_token_ids": [10 ** 8]}, 400, "stop_token_ids"),
+    ("chat", {"messages": M, "min_tokens": 50, "max_tokens": 10}, 400, "min_tokens"),
+    ("chat", {"messages": M, "stream": "yes"}, 400, "stream"),
+    ("chat", {"messages": M, "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    ("chat", {"messages": M, "seed": "x"}, 400, "seed"),
+    ("chat", {"messages": M, "priority": 3}, 400, "priority"),
+    ("chat", {"messages": M, "prompt_logprobs": 99}, 400, "prompt_logprobs"),
+    ("chat", {"messages": [{"role": "user", "content": "word " * 600}]}, 400, "messages"),
+    ("chat", {"messages": M, "continue_final_message": True}, 400, "continue_final_message"),
+    ("chat", {"messages": M, "chat_template_kwargs": {"messages": []}}, 400,
+     "chat_template_kwargs"),
+    ("completions", {}, 400, "prompt"),
+    ("completions", {"prompt": []}, 400, "prompt"),
+    ("completions", {"prompt": [1, "a"]}, 400, "prompt"),
+    ("completions", {"prompt": [10 ** 9]}, 400, "prompt"),
+    ("completions", {"prompt": "hi", "logprobs": 21}, 400, "logprobs"),
+    ("completions", {"prompt": "hi", "echo": 3}, 400, "echo"),
+    ("completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("tokenize", {}, 400, "prompt"),
+    ("tokenize", {"prompt": "a", "messages": M}, 400, "prompt"),
+    ("tokenize", {"prompt": 5}, 400, "prompt"),
+    ("detokenize", {}, 400, "tokens"),
+    ("detokenize", {"tokens": [10 ** 9]}, 400, "tokens"),
+    ("detokenize", {"tokens": ["a"]}, 400, "tokens"),
+]
+ROUTES = {"chat": "/v1/chat/completions", "completions": "/v1/completions",
+          "tokenize": "/tokenize", "detokenize": "/detokenize"}
+
+
+@pytest.mark.parametrize("route,body,status,param", BAD)
+def test_bad_request_table(server, route, body, status, param):
+    r = httpx.post(server.url + ROUTES[route], json=body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    # Nested problems name their path (messages[0].role); others the top-level field.
+    got = err["param"] if "[" in param else (err["param"] or "").split("[")[0].split(".")[0]
+    assert got == param, err
+
+
+def test_healthy_after_the_bad_requests(server, client):
+    assert httpx.get(server.url + "/health").status_code == 200
+    assert chat(client, max_tokens=2).choices[0].message.content is not None
