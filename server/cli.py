@@ -41,6 +41,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="priority: lower request `priority` runs first and is preempted last")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--chat-template", default=None, help="a Jinja template file or text")
+    s.add_argument("--generation-config", default="auto",
+                   help="request defaults: auto (the model's generation_config.json), vllm (none) "
+                        "or a folder holding a generation_config.json")
+    s.add_argument("--max-body-bytes", type=int, default=32 * 1024 * 1024,
+                   help="largest request body accepted (413 above it)")
     s.add_argument("--log-level", default="info")
     return parser
 
@@ -64,6 +69,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         scheduling_policy=args.scheduling_policy,
         seed=args.seed,
         chat_template=args.chat_template,
+        generation_config=args.generation_config,
     )
 
 
@@ -79,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from server.app import create_app, serve
 
-    app = create_app(config)
+    app = create_app(config, max_body_bytes=args.max_body_bytes)
     logging.getLogger("weir.server").info("listening on http://%s:%d/v1", args.host, args.port)
     return trio.run(serve, app, args.host, args.port)
 
