@@ -13,7 +13,10 @@ import traceback
 
 import trio
 
+from collections.abc import Callable
+
 from core.engine_core import EngineCore
+from core.stats import StepStats
 from core.outputs import RequestChannel
 from core.request import EngineRequest, RequestOutput
 from core.sampling import InvalidParam
@@ -36,6 +39,11 @@ class Engine:
         self._trio_token: trio.lowlevel.TrioToken | None = None
         self.error: str | None = None  # set once if the engine thread dies
         self.stopped = False
+        # Trio-thread hooks: each step's StepStats, and the engine's death.
+        self.on_stats: Callable[[StepStats], None] | None = None
+        self.on_death: Callable[[str], None] | None = None
+        self._adds_sent = 0  # Trio thread: requests put on the queue, ever
+        self._last_stats = StepStats()
         # Published by the engine thread after every step, for readers on other threads.
         self.stats = {"num_free_blocks": core.kv.num_free_blocks, "steps": 0, "running": 0,
                       "waiting": 0}
@@ -63,7 +71,19 @@ class Engine:
         channel = channel if channel is not None else RequestChannel()
         self._channels[req.request_id] = channel
         self._commands.put(("add", req))
+        self._adds_sent += 1
         return channel
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests waiting to be scheduled: the engine's count at its last step plus those
+        queued since then (exact as of that step, never an undercount)."""
+        last = self._last_stats
+        return last.num_waiting + self._adds_sent - last.num_adds_seen
+
+    @property
+    def last_stats(self) -> StepStats:
+        return self._last_stats
 
     def abort(self, request_id: str) -> None:
         """Synchronous, so it is safe in a `finally` of a cancelled handler."""
@@ -76,8 +96,16 @@ class Engine:
         self._commands.put((_SHUTDOWN, None))
         await trio.to_thread.run_sync(self._thread.join)
 
-    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+    def _dispatch(self, step: tuple[list[RequestOutput], StepStats | None]) -> None:
         # Runs on the Trio thread; an exception here would end the whole Trio run, so none escapes.
+        outputs, stats = step
+        try:
+            if stats is not None:
+                self._last_stats = stats
+                if self.on_stats is not None:
+                    self.on_stats(stats)
+        except Exception:  # noqa: BLE001 - see above
+            log.exception("publishing engine stats failed")
         try:
             for out in outputs:
                 channel = self._channels.get(out.request_id)
@@ -95,6 +123,8 @@ class Engine:
                 channel.put(RequestOutput(request_id=rid, finished=True, finish_reason="error",
                                           error=message))
             self._channels.clear()
+            if self.on_death is not None:
+                self.on_death(message)
         except Exception:  # noqa: BLE001 - runs on the Trio thread, must not raise
             log.exception("failing in-flight requests failed")
 
@@ -114,8 +144,9 @@ class Engine:
             try:
                 self.core.add(arg)
             except ValueError as e:  # raced past the Trio-side check: fail just this request
-                self._send(self._dispatch, [RequestOutput(
-                    request_id=arg.request_id, finished=True, finish_reason="error", error=str(e))])
+                self._send(self._dispatch, ([RequestOutput(
+                    request_id=arg.request_id, finished=True, finish_reason="error",
+                    error=str(e))], None))
         elif kind == "abort":
             self.core.abort(arg)
         return True
@@ -146,7 +177,8 @@ class Engine:
                     "running": len(core.scheduler.running),
                     "waiting": len(core.scheduler.waiting),
                 }
-                if outputs and not self._send(self._dispatch, outputs):
+                # One hop per step: the outputs and the step's statistics together.
+                if not self._send(self._dispatch, (outputs, core.take_stats())):
                     break
         except BaseException as e:  # noqa: BLE001 - any death must reach every waiting client
             self.error = f"engine died: {type(e).__name__}: {e}"

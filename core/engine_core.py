@@ -5,6 +5,7 @@ The engine thread drives it (engine.py); tests and offline use can drive it dire
 
 from __future__ import annotations
 
+import time
 from typing import Protocol
 
 from tokenizers import Tokenizer
@@ -14,6 +15,7 @@ from core.kv_cache_manager import KVCacheManager
 from core.request import EngineRequest, Logprob, Request, RequestOutput, StepResult
 from core.sampling import InvalidParam
 from core.scheduler import Scheduler, SchedulerOutput
+from core.stats import FinishedStats, StatsCollector, StepStats
 
 
 class ModelRunner(Protocol):
@@ -54,6 +56,8 @@ class EngineCore:
         self.num_partial_prefills = 0
         self.num_aborted = 0
         self.num_computed_prompt_tokens = 0  # prompt positions run through the model
+        self.stats = StatsCollector()
+        self.num_adds_seen = 0
         self._seq_no = 0
 
     @property
@@ -113,6 +117,7 @@ class EngineCore:
         self._seq_no += 1
         leader = self.requests.get(req.leader_id) if req.leader_id is not None else None
         request = Request(req, max_tokens, detok, self._seq_no, leader)
+        self.num_adds_seen += 1
         self.requests[request.request_id] = request
         self.scheduler.add(request)
 
@@ -122,6 +127,7 @@ class EngineCore:
             return None
         self.scheduler.remove(request)
         self.num_aborted += 1
+        self._finished(request, "abort", time.monotonic())
         return self._output(request, [], "", "abort")
 
     def _output(
@@ -166,8 +172,30 @@ class EngineCore:
             if start + j + 1 == len(have):
                 have.append(entry)
 
-    def _append_token(self, request: Request, token_id: int, logprob: Logprob | None
-                      ) -> RequestOutput:
+    def _finished(self, request: Request, reason: str, now: float) -> None:
+        arrival = request.arrival_time
+        scheduled = request.first_scheduled_time or now
+        first = request.first_token_time or now
+        last = request.last_token_time or now
+        self.stats.pending.finished.append(FinishedStats(
+            reason, now - arrival, scheduled - arrival, first - scheduled, last - first,
+            request.num_prompt_tokens, request.num_output_tokens))
+
+    def take_stats(self) -> StepStats:
+        return self.stats.take(len(self.scheduler.running), len(self.scheduler.waiting),
+                               self.kv.usage, self.num_adds_seen)
+
+    def _append_token(self, request: Request, token_id: int, logprob: Logprob | None,
+                      now: float) -> RequestOutput:
+        stats = self.stats.pending
+        if request.first_token_time is None:
+            request.first_token_time = now
+            stats.ttft.append(now - request.arrival_time)
+            stats.prompt_tokens += request.num_prompt_tokens
+        else:
+            stats.itl.append(now - request.last_token_time)
+        request.last_token_time = now
+        stats.generation_tokens += 1
         request.append_output(token_id)
         detok = request.detokenizer
         text = detok.step(token_id) if detok else ""
@@ -183,18 +211,31 @@ class EngineCore:
         if reason is not None:
             self.scheduler.remove(request)
             del self.requests[request.request_id]
+            self._finished(request, reason, now)
         return self._output(request, [token_id], text, reason,
                             [logprob] if logprob is not None else None)
 
     def step(self) -> list[RequestOutput]:
+        preemptions_before = self.scheduler.num_preemptions
+        queried, hits = self.kv.num_queried_tokens, self.kv.num_hit_tokens
         out = self.scheduler.schedule()
+        stats = self.stats.pending
+        stats.preemptions += self.scheduler.num_preemptions - preemptions_before
+        stats.prefix_queries += self.kv.num_queried_tokens - queried
+        stats.prefix_hits += self.kv.num_hit_tokens - hits
         if not out.seqs:
             return []
+        now = time.monotonic()
+        for seq in out.seqs:
+            if seq.request.first_scheduled_time is None:
+                seq.request.first_scheduled_time = now
+        stats.iteration_tokens.append(out.num_tokens)
         result = self.runner.execute(out)
         self.scheduler.commit(out)
         self.num_steps += 1
         outputs: list[RequestOutput] = []
         row = 0
+        now = time.monotonic()
         for seq in out.seqs:
             request = seq.request
             prompt_end = request.num_prompt_tokens
@@ -209,7 +250,7 @@ class EngineCore:
                 continue
             token_id, logprob = result.token_ids[row], result.logprobs[row]
             row += 1
-            outputs.append(self._append_token(request, token_id, logprob))
+            outputs.append(self._append_token(request, token_id, logprob, now))
         if self.check_integrity:
             self.kv.check_integrity()
         return outputs

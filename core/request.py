@@ -91,6 +91,9 @@ class Request:
         "sampler_state",
         "stop",
         "prompt_logprobs",
+        "first_scheduled_time",
+        "first_token_time",
+        "last_token_time",
     )
 
     def __init__(self, req: EngineRequest, max_tokens: int, detokenizer: object = None,
@@ -115,6 +118,9 @@ class Request:
         self.leader = leader
         self.seq_no = seq_no  # arrival order, for FCFS ties
         self.sampler_state: object = None  # owned by the model runner (e.g. a seeded generator)
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
         params = req.sampling_params
         self.stop = StopStrings(params.stop, params.include_stop_str_in_output) \
             if params.stop else None

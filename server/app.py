@@ -1,9 +1,13 @@
-"""The QuartTrio app factory and `serve`: Hypercorn on Trio, the engine started in the lifespan."""
+"""The QuartTrio app factory and `serve`: Hypercorn on Trio over a socket weir creates itself,
+the engine started in the lifespan, auth and CORS in front of the routes, graceful drain."""
 
 from __future__ import annotations
 
+import hmac
 import logging
+import os
 import signal
+import socket
 
 import trio
 from hypercorn.config import Config as HypercornConfig
@@ -18,31 +22,73 @@ from server.chat import load_template
 from server.errors import APIError, error_response
 from server.generate import bp as generate_bp
 from server.logprobs import TokenText
+from server.metrics import Metrics
+from server.options import ServerOptions
 from server.routes import bp
 from server.state import ServerState
 
 log = logging.getLogger("weir.server")
 
+PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
 
-def create_app(config: EngineConfig, max_body_bytes: int = 32 * 1024 * 1024) -> QuartTrio:
+
+def create_app(config: EngineConfig, options: ServerOptions | None = None) -> QuartTrio:
+    options = options or ServerOptions()
+    options.validate()
     app = QuartTrio("weir")
     app.config["RESPONSE_TIMEOUT"] = None  # streams end when generation ends, not on a clock
-    app.config["MAX_CONTENT_LENGTH"] = max_body_bytes
-    st = ServerState(config=config)
+    app.config["MAX_CONTENT_LENGTH"] = options.max_body_bytes
+    st = ServerState(config=config, options=options)
     app.weir_state = st
+    app.weir_shutdown = trio.Event()
+    app.weir_failed = None
     app.register_blueprint(bp)
     app.register_blueprint(generate_bp)
 
+    def origin_allowed(origin: str) -> bool:
+        return "*" in options.allowed_origins or origin in options.allowed_origins
+
+    @app.before_request
+    async def _cors_and_auth() -> Response | None:
+        origin = request.headers.get("Origin")
+        if request.method == "OPTIONS" and origin and \
+                request.headers.get("Access-Control-Request-Method"):
+            # CORS preflight: answered before auth (browsers send it without credentials).
+            if not origin_allowed(origin):
+                return error_response(403, f"origin {origin} is not allowed", None, "cors")
+            asked = request.headers.get("Access-Control-Request-Headers", "")
+            return Response(b"", status=204, headers={
+                "Access-Control-Allow-Origin": origin,
+                "Access-Control-Allow-Methods": ", ".join(
+                    ["GET", "POST", "OPTIONS"] if "*" in options.allowed_methods
+                    else options.allowed_methods),
+                "Access-Control-Allow-Headers": asked if "*" in options.allowed_headers
+                else ", ".join(options.allowed_headers),
+                "Access-Control-Max-Age": "600",
+                "Vary": "Origin",
+            })
+        if options.api_key and request.path.startswith(PROTECTED_PREFIXES):
+            given = request.headers.get("Authorization", "")
+            expected = f"Bearer {options.api_key}"
+            if not hmac.compare_digest(given.encode(), expected.encode()):
+                return error_response(401, "Missing or invalid API key: send "
+                                      "`Authorization: Bearer <key>`", None, "invalid_api_key")
+        return None
+
     @app.after_request
-    async def _echo_request_id(response: Response) -> Response:
+    async def _headers(response: Response) -> Response:
         rid = request.headers.get("X-Request-Id")
         if rid and len(rid) <= 256 and rid.isprintable():
             response.headers["X-Request-Id"] = rid
+        origin = request.headers.get("Origin")
+        if origin and origin_allowed(origin):
+            response.headers["Access-Control-Allow-Origin"] = origin
+            response.headers["Vary"] = "Origin"
         return response
 
     @app.errorhandler(APIError)
     async def _api_error(e: APIError) -> Response:
-        return error_response(e.status, e.message, e.param, e.code)
+        return error_response(e.status, e.message, e.param, e.code, e.headers)
 
     @app.errorhandler(HTTPException)
     async def _http_error(e: HTTPException) -> Response:
@@ -66,27 +112,42 @@ def create_app(config: EngineConfig, max_body_bytes: int = 32 * 1024 * 1024) -> 
     return app
 
 
+def _fail(app: QuartTrio, st: ServerState, reason: str) -> None:
+    st.status, st.reason = "failed", reason
+    app.weir_failed = reason
+    app.weir_shutdown.set()
+
+
 async def _load_engine(app: QuartTrio, st: ServerState) -> None:
     try:
         st.chat_template = load_template(st.config.chat_template)
         loaded = await trio.to_thread.run_sync(_load, st.config)
         engine = Engine(loaded.core)
+        metrics = Metrics(st.options.metrics_prefix, loaded.served_names[0],
+                          loaded.max_model_len)
+        engine.on_stats = metrics.publish
+
+        def died(message: str) -> None:
+            log.error("%s", message)
+            if st.options.exit_on_engine_error:
+                # In-flight requests already got the error; exit so the orchestrator restarts us.
+                _fail(app, st, message)
+
+        engine.on_death = died
         engine.start()
     except Exception as e:  # noqa: BLE001 - reported, and the server shuts itself down
         log.exception("could not load the model")
-        st.status, st.reason = "failed", f"loading failed: {type(e).__name__}: {e}"
-        app.weir_failed = st.reason
-        shutdown = getattr(app, "weir_shutdown", None)
-        if shutdown is not None:
-            shutdown.set()
+        _fail(app, st, f"loading failed: {type(e).__name__}: {e}")
         return
     st.engine = engine
+    st.metrics = metrics
     st.tokenizer = loaded.tokenizer
     st.served_names = loaded.served_names
     st.max_model_len = loaded.max_model_len
     st.generation_defaults = loaded.generation_defaults
     st.token_text = TokenText(loaded.tokenizer)
-    st.status, st.reason = "ready", "ok"
+    if st.status == "loading":
+        st.status, st.reason = "ready", "ok"
     log.info("serving %s", ", ".join(st.served_names))
 
 
@@ -96,42 +157,92 @@ def _load(config: EngineConfig):
     return load(config)
 
 
-def hypercorn_config(host: str, port: int) -> HypercornConfig:
+def listening_socket(host: str, port: int, user_timeout: float) -> socket.socket:
+    """The listening socket, made here so accepted connections inherit TCP keep-alive and
+    TCP_USER_TIMEOUT: a client that stays connected but stops reading (or vanishes) is dropped
+    once sent data has gone unacknowledged that long, and its request is aborted."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    idle = max(1, int(user_timeout / 2))
+    for opt, value in (("TCP_KEEPIDLE", idle), ("TCP_KEEPINTVL", max(1, idle // 3)),
+                       ("TCP_KEEPCNT", 3), ("TCP_USER_TIMEOUT", int(user_timeout * 1000))):
+        if hasattr(socket, opt):  # Linux; elsewhere keep-alive alone
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, opt), value)
+    sock.bind((host, port))
+    sock.listen(1024)
+    sock.setblocking(False)
+    return sock
+
+
+def hypercorn_config(sock: socket.socket, options: ServerOptions) -> HypercornConfig:
     hc = HypercornConfig()
-    hc.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
-    hc.keep_alive_timeout = 75  # above common load-balancer idle timeouts
-    hc.graceful_timeout = 30  # hypercorn's 3 s default cuts streams on shutdown
+    # Hypercorn takes ownership of (and closes) the descriptor it is given: give it a duplicate.
+    hc.bind = [f"fd://{os.dup(sock.fileno())}"]
+    hc.keep_alive_timeout = options.keep_alive_timeout
+    # weir drains first (see serve); Hypercorn's own timeout then only closes idle connections.
+    hc.graceful_timeout = 5.0
     hc.accesslog = None
     hc.errorlog = logging.getLogger("hypercorn.error")  # through our logging config, printed once
     return hc
 
 
 async def serve(app: QuartTrio, host: str, port: int, *, task_status=trio.TASK_STATUS_IGNORED,
-                handle_signals: bool = True) -> int:
-    """Serve until SIGINT/SIGTERM (or `app.weir_shutdown` is set). Returns an exit code."""
-    shutdown = trio.Event()
-    app.weir_shutdown = shutdown
-    app.weir_failed = None
+                handle_signals: bool = True, sock: socket.socket | None = None) -> int:
+    """Serve until SIGINT/SIGTERM or `app.weir_shutdown`; then drain. Returns the exit code.
+
+    Drain: /health turns 503 and new generation requests get 503 at once; in-flight requests run
+    to completion for up to --drain-timeout; then Hypercorn stops. A second signal exits at once.
+    """
+    st: ServerState = app.weir_state
+    options = st.options
+    shutdown: trio.Event = app.weir_shutdown
+    force = trio.Event()
+    sock = sock or listening_socket(host, port, options.tcp_user_timeout)
+    hc = hypercorn_config(sock, options)
+    stop_http = trio.Event()
     signal_scope = trio.CancelScope()
 
     async def watch_signals() -> None:
         with signal_scope, trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             async for _ in signals:
-                log.info("shutting down")
+                if shutdown.is_set():
+                    log.warning("second signal: exiting now")
+                    force.set()
+                    return
+                log.info("signal received: draining")
                 shutdown.set()
-                return
 
-    async with trio.open_nursery() as nursery:
-        if handle_signals:
-            nursery.start_soon(watch_signals)
-        await nursery.start(
-            lambda task_status: hypercorn_serve(
-                app, hypercorn_config(host, port), shutdown_trigger=shutdown.wait,
-                task_status=task_status)
-        )
-        task_status.started()
-        await shutdown.wait()
-        signal_scope.cancel()
-        # Hypercorn finishes in-flight responses within its graceful timeout; this is the backstop.
-        nursery.cancel_scope.deadline = trio.current_time() + 35
+    try:
+        async with trio.open_nursery() as nursery:
+            if handle_signals:
+                nursery.start_soon(watch_signals)
+            await nursery.start(lambda task_status: hypercorn_serve(
+                app, hc, shutdown_trigger=stop_http.wait, task_status=task_status))
+            task_status.started()
+            await shutdown.wait()
+            if st.status in ("ready", "loading"):
+                st.status, st.reason = "draining", "draining: the server is shutting down"
+            async with trio.open_nursery() as drain:
+                async def wait_force() -> None:
+                    await force.wait()
+                    drain.cancel_scope.cancel()
+
+                drain.start_soon(wait_force)
+                with trio.move_on_after(options.drain_timeout):
+                    while st.inflight:
+                        await st.idle.wait()
+                if st.inflight:
+                    log.warning("drain timeout: %d requests still in flight", len(st.inflight))
+                drain.cancel_scope.cancel()
+            if force.is_set():
+                nursery.cancel_scope.cancel()
+            stop_http.set()
+            signal_scope.cancel()
+            nursery.cancel_scope.deadline = trio.current_time() + hc.graceful_timeout + 5
+    finally:
+        sock.close()
+    if force.is_set():
+        return 1
     return 1 if app.weir_failed else 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 import trio
@@ -46,6 +47,32 @@ def build_parser() -> argparse.ArgumentParser:
                         "or a folder holding a generation_config.json")
     s.add_argument("--max-body-bytes", type=int, default=32 * 1024 * 1024,
                    help="largest request body accepted (413 above it)")
+    o = s.add_argument_group("operations")
+    o.add_argument("--api-key", default=os.environ.get("WEIR_API_KEY"),
+                   help="require `Authorization: Bearer KEY` on /v1/*, /tokenize, /detokenize "
+                        "(default: $WEIR_API_KEY)")
+    o.add_argument("--allowed-origins", nargs="+", default=["*"], help="CORS origins")
+    o.add_argument("--allowed-methods", nargs="+", default=["*"], help="CORS methods")
+    o.add_argument("--allowed-headers", nargs="+", default=["*"], help="CORS headers")
+    o.add_argument("--max-waiting-requests", type=int, default=None,
+                   help="refuse a request that would wait behind this many others")
+    o.add_argument("--shed-status", type=int, default=503, choices=[503, 429],
+                   help="status for refused requests (with Retry-After)")
+    o.add_argument("--request-timeout", type=float, default=None,
+                   help="seconds a request may run; then it ends with finish_reason length")
+    o.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests get to finish after SIGTERM/SIGINT")
+    o.add_argument("--keep-alive-timeout", type=float, default=75.0,
+                   help="idle keep-alive seconds (above common load-balancer idle timeouts)")
+    o.add_argument("--tcp-user-timeout", type=float, default=30.0,
+                   help="seconds sent data may go unacknowledged before a stalled client is "
+                        "dropped and its request aborted")
+    o.add_argument("--metrics-prefix", default="weir",
+                   help="metric name prefix; `vllm` makes vLLM dashboards work unchanged")
+    o.add_argument("--disable-log-requests", action="store_true",
+                   help="no log line per finished request")
+    o.add_argument("--exit-on-engine-error", action=argparse.BooleanOptionalAction, default=True,
+                   help="exit non-zero when the engine dies (default), or stay up, unhealthy")
     s.add_argument("--log-level", default="info")
     return parser
 
@@ -73,19 +100,42 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
     )
 
 
+def options_from_args(args: argparse.Namespace):
+    from server.options import ServerOptions
+
+    return ServerOptions(
+        api_key=args.api_key or None,
+        allowed_origins=args.allowed_origins,
+        allowed_methods=args.allowed_methods,
+        allowed_headers=args.allowed_headers,
+        max_waiting_requests=args.max_waiting_requests,
+        shed_status=args.shed_status,
+        request_timeout=args.request_timeout,
+        drain_timeout=args.drain_timeout,
+        keep_alive_timeout=args.keep_alive_timeout,
+        tcp_user_timeout=args.tcp_user_timeout,
+        max_body_bytes=args.max_body_bytes,
+        metrics_prefix=args.metrics_prefix,
+        log_requests=not args.disable_log_requests,
+        exit_on_engine_error=args.exit_on_engine_error,
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = config_from_args(args)
+    options = options_from_args(args)
     try:
         config.validate()
+        options.validate()
     except ValueError as e:
         print(f"weir: {e}", file=sys.stderr)
         return 2
     from server.app import create_app, serve
 
-    app = create_app(config, max_body_bytes=args.max_body_bytes)
+    app = create_app(config, options)
     logging.getLogger("weir.server").info("listening on http://%s:%d/v1", args.host, args.port)
     return trio.run(serve, app, args.host, args.port)
 

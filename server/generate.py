@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any, TypeVar
 
 import msgspec
+import trio
 from quart import Blueprint, Response, current_app, request
 
 from core.engine import Engine, EngineDeadError
@@ -35,6 +37,7 @@ from server.protocol import (
 from server.state import ServerState
 
 bp = Blueprint("generate", __name__)
+log = logging.getLogger("weir.requests")
 _encoder = msgspec.json.Encoder()
 T = TypeVar("T")
 
@@ -109,19 +112,37 @@ def request_id(prefix: str) -> str:
 
 class Submitted:
     """The engine requests behind one HTTP request: n samples of each prompt, read through one
-    channel. Choice index = prompt index * n + sample index, as the OpenAI API numbers them."""
+    channel. Choice index = prompt index * n + sample index, as the OpenAI API numbers them.
 
-    def __init__(self, engine: Engine, base: str, n: int) -> None:
+    `close()` (synchronous, so it runs in the `finally` of a cancelled handler) aborts whatever
+    is unfinished, logs the request and takes it off the server's in-flight set."""
+
+    def __init__(self, st: ServerState, engine: Engine, base: str, n: int) -> None:
+        self.st = st
         self.engine = engine
         self.base = base
         self.n = n
         self.channel = RequestChannel()
         self.ids: list[str] = []
         self.index: dict[str, int] = {}
+        self.started = time.monotonic()
+        self.first_output: float | None = None
+        self.last: dict[int, RequestOutput] = {}
+        self.finish: dict[int, str] = {}
+        self.closed = False
+        timeout = st.options.request_timeout
+        self.deadline = trio.current_time() + timeout if timeout else float("inf")
 
     def add(self, prompts: list[list[int]], params: SamplingParams, priority: int,
             cache_salt: str | None) -> None:
+        limit = self.st.options.max_waiting_requests
+        if limit is not None and self.engine.num_waiting >= limit:
+            status = self.st.options.shed_status
+            raise APIError(status, f"The server is overloaded: {self.engine.num_waiting} requests "
+                           "are already waiting. Retry later.", None, "overloaded",
+                           headers={"Retry-After": "1"})
         single = len(prompts) == 1 and self.n == 1
+        self.st.begin(self)
         try:
             for p, prompt in enumerate(prompts):
                 leader = None
@@ -137,27 +158,62 @@ class Submitted:
                     self.index[rid] = len(self.ids)
                     self.ids.append(rid)
         except InvalidParam as e:
-            self.abort()
+            self.close()
             raise APIError(400, e.message, e.param, "invalid_value") from None
         except EngineDeadError as e:
-            self.abort()
+            self.close()
             raise APIError(503, str(e), None, "engine_dead") from None
 
-    def abort(self) -> None:
-        """Synchronous: safe in the `finally` of a cancelled handler. Finished ones are no-ops."""
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
         for rid in self.ids:
-            self.engine.abort(rid)
+            self.engine.abort(rid)  # a no-op for the finished ones
+        self.st.end(self)
+        if self.st.options.log_requests and self.ids:
+            outs = self.last.values()
+            ttft = (self.first_output - self.started) if self.first_output else None
+            log.info(
+                "request %s: prompt_tokens=%d generated=%d cached=%d ttft=%s duration=%.3fs "
+                "finish=%s", self.base,
+                sum(o.num_prompt_tokens for i, o in self.last.items() if i % self.n == 0),
+                sum(o.num_output_tokens for o in outs),
+                sum(o.num_cached_tokens for i, o in self.last.items() if i % self.n == 0),
+                f"{ttft:.3f}s" if ttft is not None else "-", time.monotonic() - self.started,
+                ",".join(self.finish.get(i, "abort") for i in range(len(self.ids))))
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """(choice index, output) until every request has finished; an engine error raises."""
+        """(choice index, output) until every request has finished; an engine error raises.
+        Past --request-timeout the unfinished ones end with finish_reason "length"."""
         left = len(self.ids)
         while left:
-            for out in await self.channel.get():
+            outs = None
+            with trio.move_on_at(self.deadline):
+                outs = await self.channel.get()
+            if outs is None:
+                for i, rid in enumerate(self.ids):
+                    if i not in self.finish:
+                        self.engine.abort(rid)
+                        prev = self.last.get(i)
+                        self.finish[i] = "length"
+                        yield i, RequestOutput(
+                            request_id=rid, finished=True, finish_reason="length",
+                            num_prompt_tokens=prev.num_prompt_tokens if prev else 0,
+                            num_output_tokens=prev.num_output_tokens if prev else 0,
+                            num_cached_tokens=prev.num_cached_tokens if prev else 0)
+                return
+            if self.first_output is None:
+                self.first_output = time.monotonic()
+            for out in outs:
                 if out.error is not None:
                     raise APIError(500, f"The engine failed: {out.error}", None, "engine_error")
+                i = self.index[out.request_id]
+                self.last[i] = out
                 if out.finished:
                     left -= 1
-                yield self.index[out.request_id], out
+                    self.finish[i] = out.finish_reason
+                yield i, out
 
 
 class UsageCounter:
@@ -207,7 +263,7 @@ def stream_response(events: AsyncIterator[bytes], sub: Submitted) -> Response:
             yield sse.DONE
         finally:
             # Synchronous, so it also runs when the client went away and we were cancelled.
-            sub.abort()
+            sub.close()
 
     response = Response(body(), content_type="text/event-stream",
                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -239,7 +295,7 @@ async def collect(sub: Submitted, usage: UsageCounter) -> Collected:
             if out.finished:
                 got.finish[i] = out.finish_reason
     finally:
-        sub.abort()
+        sub.close()
     return got
 
 
@@ -264,7 +320,7 @@ async def chat_completions() -> Response:
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = sampling_params(st, req, req.max_completion_tokens or req.max_tokens, len(prompt),
                              logprobs)
-    sub = Submitted(engine, request_id("chatcmpl"), req.n)
+    sub = Submitted(st, engine, request_id("chatcmpl"), req.n)
     sub.add([prompt], params, req.priority, req.cache_salt)
     created = int(time.time())
     usage = UsageCounter(req.n, len(sub.ids))
@@ -349,7 +405,7 @@ async def completions() -> Response:
         # Echoed prompt tokens carry log-probs too: ask the engine for them.
         want = max(req.logprobs, params.prompt_logprobs or 0)
         params = msgspec.structs.replace(params, prompt_logprobs=want)
-    sub = Submitted(engine, request_id("cmpl"), req.n)
+    sub = Submitted(st, engine, request_id("cmpl"), req.n)
     sub.add(prompts, params, req.priority, req.cache_salt)
     created = int(time.time())
     usage = UsageCounter(req.n, len(sub.ids))

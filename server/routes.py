@@ -87,6 +87,14 @@ async def detokenize() -> Response:
     return json_response(DetokenizeResponse(st.tokenizer.decode(req.tokens)))
 
 
+@bp.get("/metrics")
+async def metrics() -> Response:
+    from prometheus_client import CONTENT_TYPE_LATEST
+
+    m = state().metrics
+    return Response(m.render() if m is not None else b"", content_type=CONTENT_TYPE_LATEST)
+
+
 @bp.get("/openapi.json")
 async def openapi() -> Response:
     return json_response(openapi_document(weir_version()))

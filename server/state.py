@@ -6,15 +6,19 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import trio
+
 from core.config import EngineConfig
 from core.engine import Engine
 from server.errors import APIError
+from server.options import ServerOptions
 
 
 @dataclass
 class ServerState:
     config: EngineConfig
-    status: str = "loading"  # loading | ready | failed | stopping
+    options: ServerOptions = field(default_factory=ServerOptions)
+    status: str = "loading"  # loading | ready | draining | failed | stopping
     reason: str = "loading the model"
     engine: Engine | None = None
     tokenizer: Any = None
@@ -23,6 +27,18 @@ class ServerState:
     max_model_len: int = 0
     generation_defaults: dict[str, Any] = field(default_factory=dict)
     token_text: Any = None  # server.logprobs.TokenText for the tokenizer
+    metrics: Any = None  # server.metrics.Metrics, once the model is loaded
+    inflight: set = field(default_factory=set)  # generation requests being served
+    idle: trio.Event = field(default_factory=trio.Event)  # set when inflight empties
+
+    def begin(self, request: Any) -> None:
+        self.inflight.add(request)
+
+    def end(self, request: Any) -> None:
+        self.inflight.discard(request)
+        if not self.inflight:
+            self.idle.set()
+            self.idle = trio.Event()
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property

@@ -52,10 +52,11 @@ def free_port() -> int:
 class LiveServer:
     """The real app and Hypercorn on a Trio loop in a background thread, on a free port."""
 
-    def __init__(self, config: EngineConfig, **app_kwargs) -> None:
+    def __init__(self, config: EngineConfig, **options) -> None:
         from server.app import create_app
+        from server.options import ServerOptions
 
-        self.app = create_app(config, **app_kwargs)
+        self.app = create_app(config, ServerOptions(**options))
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._token: trio.lowlevel.TrioToken | None = None
@@ -95,6 +96,11 @@ class LiveServer:
                 raise RuntimeError(self.state.reason)
             time.sleep(0.05)
         raise TimeoutError("server did not become healthy")
+
+    def wait_exit(self, timeout: float = 60.0) -> int | None:
+        """Wait for the server to stop by itself; its exit code."""
+        self._thread.join(timeout)
+        return self.exit_code
 
     def stop(self) -> None:
         if self._token is not None and self._thread.is_alive():

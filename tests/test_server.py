@@ -135,25 +135,38 @@ def test_unknown_fields_are_ignored(live_server):
     assert r.status_code == 200
 
 
-def test_engine_death_fails_requests_and_health(model_dir):
-    server = LiveServer(EngineConfig(model=str(model_dir("qwen3")), num_kv_blocks=64)).start()
+def break_engine_after(engine, calls: int) -> None:
+    real = engine.core.runner.execute
+    count = {"n": 0}
+
+    def flaky(out):
+        count["n"] += 1
+        if count["n"] > calls:
+            raise RuntimeError("simulated device failure")
+        return real(out)
+
+    engine.core.runner.execute = flaky
+
+
+def stream_lines(url: str) -> list[str]:
+    body = {"messages": MESSAGES, "max_tokens": 50, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body) as r:
+        return [line for line in r.iter_lines() if line]
+
+
+@pytest.mark.parametrize("exit_on_error", [True, False])
+def test_engine_death_fails_requests(model_dir, exit_on_error):
+    server = LiveServer(EngineConfig(model=str(model_dir("qwen3")), num_kv_blocks=64),
+                        exit_on_engine_error=exit_on_error).start()
     try:
-        engine = server.engine
-        calls = {"n": 0}
-        real = engine.core.runner.execute
-
-        def flaky(out):
-            calls["n"] += 1
-            if calls["n"] > 3:
-                raise RuntimeError("simulated device failure")
-            return real(out)
-
-        engine.core.runner.execute = flaky
-        body = {"messages": MESSAGES, "max_tokens": 50, "stream": True, "ignore_eos": True}
-        with httpx.stream("POST", server.url + "/v1/chat/completions", json=body) as r:
-            lines = [line for line in r.iter_lines() if line]
+        break_engine_after(server.engine, 3)
+        lines = stream_lines(server.url)
+        # The in-flight stream ends with the error, then [DONE]: never silently cut.
         assert lines[-1] == "data: [DONE]"
         assert "simulated device failure" in lines[-2] and '"error"' in lines[-2]
+        if exit_on_error:
+            assert server.wait_exit() == 1  # so the orchestrator restarts it
+            return
         health = httpx.get(server.url + "/health")
         assert health.status_code == 503 and "engine died" in health.json()["error"]["message"]
         r = httpx.post(server.url + "/v1/chat/completions", json={"messages": MESSAGES})

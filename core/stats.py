@@ -1,0 +1,48 @@
+"""Engine statistics: gathered on the engine thread in plain fields (no locks), handed to the
+Trio thread once per step as a StepStats, where the metrics layer publishes them."""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class FinishedStats(msgspec.Struct, array_like=True, gc=False):
+    finish_reason: str
+    e2e: float
+    queue: float
+    prefill: float
+    decode: float
+    prompt_tokens: int
+    generation_tokens: int
+
+
+class StepStats(msgspec.Struct, gc=False):
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0
+    num_adds_seen: int = 0  # requests the engine has taken off its queue, ever
+    # Increments since the previous StepStats.
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    preemptions: int = 0
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+    iteration_tokens: list[int] = []
+    ttft: list[float] = []
+    itl: list[float] = []
+    finished: list[FinishedStats] = []
+
+
+class StatsCollector:
+    """Accumulates increments between two `take()` calls. Engine thread only."""
+
+    def __init__(self) -> None:
+        self.pending = StepStats()
+
+    def take(self, num_running: int, num_waiting: int, kv_usage: float, num_adds_seen: int
+             ) -> StepStats:
+        out = self.pending
+        out.num_running, out.num_waiting = num_running, num_waiting
+        out.kv_usage, out.num_adds_seen = kv_usage, num_adds_seen
+        self.pending = StepStats()
+        return out

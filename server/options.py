@@ -1,0 +1,37 @@
+"""ServerOptions: the HTTP layer's settings (auth, CORS, shedding, drain, connections, logs)."""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class ServerOptions(msgspec.Struct, kw_only=True):
+    api_key: str | None = None  # every /v1/*, /tokenize, /detokenize route then needs it
+    allowed_origins: list[str] = msgspec.field(default_factory=lambda: ["*"])
+    allowed_methods: list[str] = msgspec.field(default_factory=lambda: ["*"])
+    allowed_headers: list[str] = msgspec.field(default_factory=lambda: ["*"])
+    max_waiting_requests: int | None = None  # shed a request that would wait behind this many
+    shed_status: int = 503  # or 429
+    request_timeout: float | None = None  # seconds; then the request ends with "length"
+    drain_timeout: float = 30.0  # seconds in-flight requests get after SIGTERM
+    keep_alive_timeout: float = 75.0
+    tcp_user_timeout: float = 30.0  # seconds unacknowledged data may wait: drops stalled clients
+    max_body_bytes: int = 32 * 1024 * 1024
+    metrics_prefix: str = "weir"
+    log_requests: bool = True
+    exit_on_engine_error: bool = True
+
+    def validate(self) -> None:
+        if self.shed_status not in (429, 503):
+            raise ValueError("--shed-status must be 429 or 503")
+        if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
+            raise ValueError("--max-waiting-requests must not be negative")
+        for name in ("request_timeout", "drain_timeout", "keep_alive_timeout",
+                     "tcp_user_timeout"):
+            v = getattr(self, name)
+            if v is not None and v <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive")
+        if self.max_body_bytes < 1024:
+            raise ValueError("--max-body-bytes must be at least 1024")
+        if not self.metrics_prefix.replace("_", "").isalnum():
+            raise ValueError("--metrics-prefix must be letters, digits and underscores")
