@@ -1,0 +1,337 @@
+"""Running weir in production: metrics, health, auth and CORS, load shedding, request timeouts,
+graceful drain on SIGTERM, and clients that stop reading."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from core.config import EngineConfig
+from tests.conftest import LiveServer, free_port, wait_for
+
+USER = [{"role": "user", "content": "Tell me about the river"}]
+
+
+def metric(text: str, name: str, **labels) -> float:
+    """The value of one sample in Prometheus text format."""
+    total = 0.0
+    found = False
+    for line in text.splitlines():
+        if line.startswith("#") or not line.startswith(name):
+            continue
+        m = re.match(r"([^{ ]+)(?:\{([^}]*)\})? (\S+)", line)
+        if not m or m.group(1) != name:
+            continue
+        got = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
+        if all(got.get(k) == v for k, v in labels.items()):
+            total += float(m.group(3))
+            found = True
+    assert found, f"no sample {name} {labels}"
+    return total
+
+
+@pytest.fixture(scope="module")
+def tiny(model_dir):
+    return str(model_dir("qwen3"))
+
+
+def test_metrics_count_a_known_workload(tiny):
+    server = LiveServer(EngineConfig(model=tiny, served_model_name=["m"], num_kv_blocks=128),
+                        metrics_prefix="vllm").start()
+    try:
+        url = server.url
+        prompts = [[11, 12, 13], [14, 15, 16, 17, 18], [19] * 9]
+        for ids in prompts:
+            r = httpx.post(url + "/v1/completions", json={
+                "prompt": ids, "max_tokens": 6, "ignore_eos": True, "temperature": 0})
+            assert r.json()["usage"]["completion_tokens"] == 6
+        text = httpx.get(url + "/metrics").text
+        assert 'model_name="m"' in text
+        assert metric(text, "vllm:prompt_tokens_total") == sum(map(len, prompts))
+        assert metric(text, "vllm:generation_tokens_total") == 18
+        assert metric(text, "vllm:request_success_total", finished_reason="length") == 3
+        for h in ("time_to_first_token_seconds", "e2e_request_latency_seconds",
+                  "request_queue_time_seconds", "request_prefill_time_seconds",
+                  "request_decode_time_seconds", "request_prompt_tokens",
+                  "request_generation_tokens"):
+            assert metric(text, f"vllm:{h}_count") == 3, h
+        assert metric(text, "vllm:request_generation_tokens_sum") == 18
+        assert metric(text, "vllm:inter_token_latency_seconds_count") == 15
+        assert metric(text, "vllm:iteration_tokens_total_sum") == sum(map(len, prompts)) + 15
+        assert metric(text, "vllm:prefix_cache_queries_total") >= sum(map(len, prompts))
+        for g in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
+            assert metric(text, f"vllm:{g}") == 0
+
+        # Streams cancelled mid-way: running, waiting and KV usage go back to 0.
+        def cancel_mid_stream(i: int) -> None:
+            body = {"messages": USER, "max_tokens": 400, "stream": True, "ignore_eos": True}
+            with httpx.stream("POST", url + "/v1/chat/completions", json=body) as r:
+                for n, _ in enumerate(r.iter_lines()):
+                    if n > 6:
+                        break
+
+        with ThreadPoolExecutor(4) as pool:
+            list(pool.map(cancel_mid_stream, range(4)))
+
+        def settled() -> bool:
+            t = httpx.get(url + "/metrics").text
+            return all(metric(t, f"vllm:{g}") == 0 for g in (
+                "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"))
+
+        assert wait_for(settled)
+        text = httpx.get(url + "/metrics").text
+        assert metric(text, "vllm:request_success_total", finished_reason="abort") == 4
+    finally:
+        server.stop()
+
+
+def test_health_is_503_while_loading(tiny, monkeypatch):
+    import server.app as app_module
+
+    release = threading.Event()
+    real = app_module._load
+
+    def slow_load(config):
+        release.wait(60)
+        return real(config)
+
+    monkeypatch.setattr(app_module, "_load", slow_load)
+    server = LiveServer(EngineConfig(model=tiny, num_kv_blocks=32))
+    server._thread.start()
+    try:
+        assert wait_for(lambda: _status(server.url + "/health") == 503)
+        r = httpx.get(server.url + "/health")
+        assert "loading" in r.json()["error"]["message"]
+        assert httpx.post(server.url + "/v1/completions",
+                          json={"prompt": "hi"}).status_code == 503
+        release.set()
+        assert wait_for(lambda: _status(server.url + "/health") == 200)
+    finally:
+        release.set()
+        server.stop()
+
+
+def _status(url: str) -> int | None:
+    try:
+        return httpx.get(url, timeout=2).status_code
+    except httpx.TransportError:
+        return None
+
+
+def test_auth_and_cors(tiny):
+    server = LiveServer(EngineConfig(model=tiny, served_model_name=["m"], num_kv_blocks=32),
+                        api_key="sekrit", allowed_origins=["https://app.example"]).start()
+    try:
+        url = server.url
+        protected = [("GET", "/v1/models", None),
+                     ("POST", "/v1/completions", {"prompt": "hi", "max_tokens": 1}),
+                     ("POST", "/v1/chat/completions", {"messages": USER, "max_tokens": 1}),
+                     ("POST", "/tokenize", {"prompt": "hi"}),
+                     ("POST", "/detokenize", {"tokens": [5]})]
+        for method, path, body in protected:
+            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekrit"}):
+                r = httpx.request(method, url + path, json=body, headers=headers)
+                assert r.status_code == 401, (path, headers)
+                assert r.json()["error"]["code"] == "invalid_api_key"
+            r = httpx.request(method, url + path, json=body,
+                              headers={"Authorization": "Bearer sekrit"})
+            assert r.status_code == 200, (path, r.text)
+        for path in ("/health", "/ping", "/metrics", "/version"):
+            assert httpx.get(url + path).status_code == 200, path
+        pre = httpx.options(url + "/v1/chat/completions", headers={
+            "Origin": "https://app.example", "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization, content-type"})
+        assert pre.status_code == 204
+        assert pre.headers["Access-Control-Allow-Origin"] == "https://app.example"
+        assert "authorization" in pre.headers["Access-Control-Allow-Headers"]
+        bad = httpx.options(url + "/v1/chat/completions", headers={
+            "Origin": "https://evil.example", "Access-Control-Request-Method": "POST"})
+        assert bad.status_code == 403
+        r = httpx.get(url + "/v1/models", headers={"Authorization": "Bearer sekrit",
+                                                   "Origin": "https://app.example"})
+        assert r.headers["Access-Control-Allow-Origin"] == "https://app.example"
+    finally:
+        server.stop()
+
+
+def test_load_shedding_refuses_the_excess_at_once(tiny):
+    server = LiveServer(EngineConfig(model=tiny, num_kv_blocks=256, max_num_seqs=2),
+                        max_waiting_requests=2, shed_status=429).start()
+    try:
+        def ask(i: int):
+            t = time.monotonic()
+            r = httpx.post(server.url + "/v1/completions", timeout=120, json={
+                "prompt": f"request {i}", "max_tokens": 64, "ignore_eos": True,
+                "temperature": 0})
+            return r, time.monotonic() - t
+
+        with ThreadPoolExecutor(20) as pool:
+            results = list(pool.map(ask, range(20)))
+        ok = [r for r, _ in results if r.status_code == 200]
+        shed = [(r, dt) for r, dt in results if r.status_code != 200]
+        assert len(ok) >= 4 and shed, [r.status_code for r, _ in results]
+        for r in ok:
+            assert r.json()["usage"]["completion_tokens"] == 64
+        for r, dt in shed:
+            assert r.status_code == 429 and r.headers["Retry-After"] == "1"
+            assert r.json()["error"]["code"] == "overloaded"
+        # Refusals are immediate: faster than any admitted request.
+        assert max(dt for _, dt in shed) < min(dt for r, dt in results if r.status_code == 200)
+        assert httpx.get(server.url + "/health").status_code == 200
+    finally:
+        server.stop()
+
+
+def test_request_timeout_ends_with_length_and_frees_blocks(tiny):
+    server = LiveServer(EngineConfig(model=tiny, num_kv_blocks=1024, max_model_len=4096),
+                        request_timeout=0.5).start()
+    try:
+        t = time.monotonic()
+        r = httpx.post(server.url + "/v1/completions", timeout=60, json={
+            "prompt": "hi", "max_tokens": 4000, "ignore_eos": True})
+        assert time.monotonic() - t < 10
+        c = r.json()["choices"][0]
+        assert r.status_code == 200 and c["finish_reason"] == "length"
+        assert 0 < r.json()["usage"]["completion_tokens"] < 4000
+        engine = server.engine
+        assert wait_for(lambda: engine.stats["num_free_blocks"] == engine.core.kv.num_blocks)
+    finally:
+        server.stop()
+
+
+def start_process(tiny: str, *args: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "server", "serve", tiny, "--port", str(port),
+         "--num-kv-blocks", "1024", "--max-model-len", "2048", *args],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    assert wait_for(lambda: proc.poll() is not None or _status(url + "/health") == 200,
+                    timeout=120)
+    assert proc.poll() is None, proc.stdout.read().decode()
+    return proc, url
+
+
+def test_sigterm_drains_in_flight_streams_then_exits_0(tiny):
+    proc, url = start_process(tiny, "--drain-timeout", "60")
+    try:
+        started = threading.Barrier(6)
+        results: list[list[str]] = []
+
+        def stream(i: int) -> None:
+            body = {"prompt": f"stream {i}", "max_tokens": 600, "stream": True,
+                    "ignore_eos": True}
+            lines = []
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+                for n, line in enumerate(r.iter_lines()):
+                    if n == 2:
+                        started.wait(30)
+                    if line:
+                        lines.append(line)
+            results.append(lines)
+
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(5)]
+        for t in threads:
+            t.start()
+        started.wait(30)  # all five are streaming
+        proc.send_signal(signal.SIGTERM)
+        assert wait_for(lambda: _status(url + "/health") == 503, timeout=10)
+        r = httpx.post(url + "/v1/completions", json={"prompt": "late", "max_tokens": 2})
+        assert r.status_code == 503
+        for t in threads:
+            t.join(120)
+        assert len(results) == 5
+        for lines in results:
+            assert lines[-1] == "data: [DONE]"
+            assert '"finish_reason":"length"' in lines[-2]
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_second_signal_exits_at_once(tiny):
+    proc, url = start_process(tiny, "--drain-timeout", "120")
+    try:
+        def stream() -> None:
+            body = {"prompt": "long", "max_tokens": 2000, "stream": True, "ignore_eos": True}
+            try:
+                with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+                    for _ in r.iter_lines():
+                        pass
+            except httpx.HTTPError:
+                pass
+
+        t = threading.Thread(target=stream, daemon=True)
+        t.start()
+        # The stream is running once the server's own gauge says so.
+        assert wait_for(lambda: metric(httpx.get(url + "/metrics").text,
+                                       "weir:num_requests_running") == 1, timeout=30)
+        proc.send_signal(signal.SIGTERM)
+        assert wait_for(lambda: _status(url + "/health") == 503, timeout=10)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(30)
+        assert time.monotonic() - t0 < 15 and code != 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_client_that_stops_reading_is_dropped_and_aborted(tiny):
+    server = LiveServer(EngineConfig(model=tiny, num_kv_blocks=2048, max_model_len=8192),
+                        tcp_user_timeout=1.0).start()
+    try:
+        engine = server.engine
+        aborted = engine.core.num_aborted
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)  # a tiny receive window
+        sock.connect(("127.0.0.1", server.port))
+        body = (b'{"prompt": "hi", "max_tokens": 8000, "stream": true, "ignore_eos": true}')
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                     b"application/json\r\nContent-Length: " + str(len(body)).encode() +
+                     b"\r\n\r\n" + body)
+        assert wait_for(lambda: engine.core.requests, timeout=10)
+        # Never read. The window closes, sent data goes unacknowledged, the kernel drops the
+        # connection after TCP_USER_TIMEOUT, and the handler's cancellation aborts the request.
+        assert wait_for(lambda: engine.core.num_aborted > aborted, timeout=30)
+        assert wait_for(lambda: engine.stats["num_free_blocks"] == engine.core.kv.num_blocks)
+        sock.close()
+    finally:
+        server.stop()
+
+
+def test_one_log_line_per_finished_request(tiny, caplog):
+    import logging
+
+    server = LiveServer(EngineConfig(model=tiny, num_kv_blocks=64)).start()
+    try:
+        with caplog.at_level(logging.INFO, logger="weir.requests"):
+            r = httpx.post(server.url + "/v1/completions", headers={"X-Request-Id": "log-me"},
+                           json={"prompt": [11, 12, 13], "max_tokens": 3, "ignore_eos": True})
+            assert r.status_code == 200
+            assert wait_for(lambda: any("log-me" in m for m in caplog.messages))
+        line = next(m for m in caplog.messages if "log-me" in m)
+        for part in ("prompt_tokens=3", "generated=3", "cached=0", "ttft=", "duration=",
+                     "finish=length"):
+            assert part in line, line
+    finally:
+        server.stop()
+    quiet = LiveServer(EngineConfig(model=tiny, num_kv_blocks=64), log_requests=False).start()
+    try:
+        with caplog.at_level(logging.INFO, logger="weir.requests"):
+            httpx.post(quiet.url + "/v1/completions", headers={"X-Request-Id": "silent"},
+                       json={"prompt": [11], "max_tokens": 1})
+        assert not any("silent" in m for m in caplog.messages)
+    finally:
+        quiet.stop()
