@@ -1,0 +1,90 @@
+"""LLM: batch generation in-process on the same engine as the server (no HTTP, no threads).
+
+    from weir import LLM, SamplingParams
+    llm = LLM("Qwen/Qwen3-0.6B", max_num_seqs=128)
+    for out in llm.generate(["Hello", "The river"], SamplingParams(max_tokens=32)):
+        print(out.outputs[0].text)
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from tqdm import tqdm
+
+from core.config import EngineConfig
+from core.request import EngineRequest
+from core.sampling import SamplingParams
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return all(o.finish_reason is not None for o in self.outputs)
+
+
+class LLM:
+    """`model` is a local directory or hub id (None: the built-in tiny model); keyword
+    arguments are EngineConfig fields (max_num_seqs, num_kv_blocks, dtype, ...)."""
+
+    def __init__(self, model: str | None = None, **engine_args) -> None:
+        from gpu.launch import load
+
+        self.config = EngineConfig(model=model, **engine_args)
+        loaded = load(self.config)
+        self.engine = loaded.core
+        self.tokenizer = loaded.tokenizer
+        self.max_model_len = loaded.max_model_len
+        self._ids = itertools.count()
+
+    def generate(
+        self,
+        prompts: str | list[str] | list[list[int]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (text or token ids); results in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params or SamplingParams()
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError("one SamplingParams per prompt, or one for all")
+        results: dict[str, RequestOutput] = {}
+        order: list[str] = []
+        for prompt, p in zip(prompts, params_list):
+            p.validate()
+            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            rid = str(next(self._ids))
+            self.engine.add(EngineRequest(rid, ids, p))
+            results[rid] = RequestOutput(rid, prompt if isinstance(prompt, str) else None, ids,
+                                         [CompletionOutput(0, "", [], None)])
+            order.append(rid)
+        with tqdm(total=len(order), desc="Generating", unit="req", disable=not use_tqdm) as bar:
+            while self.engine.has_work:
+                for out in self.engine.step():
+                    res = results[out.request_id]
+                    o = res.outputs[0]
+                    o.text += out.new_text
+                    o.token_ids += out.new_token_ids
+                    res.num_cached_tokens = out.num_cached_tokens
+                    if out.finished:
+                        o.finish_reason = out.finish_reason
+                        bar.update(1)
+        return [results[rid] for rid in order]
