@@ -10,7 +10,7 @@ PORT ?= 8000
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: run test install clean
+.PHONY: run test bench install clean
 
 install: $(STAMP)
 
@@ -24,6 +24,17 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# CPU benchmarks (not tests: CI does not run them). MODEL= benchmarks a real checkpoint instead.
+BENCH_MODEL := $(if $(MODEL),--model $(MODEL),)
+bench: $(STAMP)
+	$(PY) -m pip install -q -e '.[test,bench]'
+	$(PY) -m benchmarks.prefix_cache $(if $(MODEL),--model $(MODEL),)
+	$(PY) -m benchmarks.offline $(BENCH_MODEL)
+	$(PY) -m benchmarks.serving $(BENCH_MODEL)
+	$(PY) -m benchmarks.overhead
+	$(PY) -m benchmarks.attention || true  # GPU only; says so and skips on CPU
+	$(PY) -m benchmarks.report
 
 clean:
 	rm -rf $(VENV) *.egg-info

@@ -1,0 +1,66 @@
+"""Shared helpers for the benchmarks: the benchmark model, result files, machine description."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).parent / "results"
+
+# Qwen3-shaped, ~77M parameters with the small benchmark vocabulary (hidden 768, 12 layers,
+# 12 query heads, 4 KV heads, MLP 2048): big enough on CPU that compute matters.
+BENCH_SHAPES = {
+    "qwen3-100m": dict(hidden_size=768, num_layers=12, num_heads=12, num_kv_heads=4,
+                       intermediate_size=2048, vocab_size=2048, max_position_embeddings=4096),
+    "qwen3-1layer": dict(hidden_size=128, num_layers=1, num_heads=4, num_kv_heads=2,
+                         intermediate_size=384, vocab_size=2048, max_position_embeddings=4096),
+    "qwen3-3layer": dict(hidden_size=128, num_layers=3, num_heads=4, num_kv_heads=2,
+                         intermediate_size=384, vocab_size=2048, max_position_embeddings=4096),
+}
+
+
+def bench_model(name: str) -> str:
+    """A random-weight model directory for a named benchmark shape, built once into the cache,
+    or `name` itself when it is a path or hub id."""
+    if name not in BENCH_SHAPES:
+        return name
+    from gpu.tiny_model import build_tiny_model, cache_dir
+
+    path = cache_dir() / f"bench-{name}"
+    if not (path / "config.json").exists():
+        tmp = path.with_name(path.name + ".tmp")
+        build_tiny_model(tmp, "qwen3", **BENCH_SHAPES[name])
+        tmp.rename(path)
+    return str(path)
+
+
+def machine() -> dict:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True, check=False).stdout.strip()
+    except OSError:
+        commit = ""
+    import torch
+
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    return {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpu": cpu,
+            "cores": os.cpu_count(), "gpu": gpu, "commit": commit, "torch": torch.__version__}
+
+
+def save(name: str, data: dict) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps(data, indent=2))
+    return path

@@ -1,0 +1,167 @@
+"""An OpenAI streaming load generator (usable against any server by URL), and helpers to start
+and stop a server process for a benchmark."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import httpx
+import trio
+
+WORDS = ("the river flows over stone and under the bridge while people walk along the bank "
+         "talking about water weather work and the long day").split()
+
+
+def prompts(n: int, words: tuple[int, int] = (8, 40), seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(*words))) for _ in range(n)]
+
+
+@dataclass
+class Result:
+    ttft: float | None = None
+    e2e: float = 0.0
+    tokens: int = 0
+    itl: list[float] = field(default_factory=list)
+    error: str | None = None
+
+
+async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: str,
+                      max_tokens: int) -> Result:
+    """One streaming chat completion with only standard OpenAI fields; tokens from usage."""
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    res = Result()
+    t0 = time.perf_counter()
+    last = None
+    try:
+        async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
+            if r.status_code != 200:
+                res.error = f"HTTP {r.status_code}"
+                await r.aread()
+                return res
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                if data == "[DONE]":
+                    break
+                obj = json.loads(data)
+                if "error" in obj:
+                    res.error = str(obj["error"])[:200]
+                if obj.get("usage"):
+                    res.tokens = obj["usage"]["completion_tokens"]
+                for ch in obj.get("choices") or []:
+                    if (ch.get("delta") or {}).get("content"):
+                        now = time.perf_counter()
+                        if res.ttft is None:
+                            res.ttft = now - t0
+                        else:
+                            res.itl.append(now - last)
+                        last = now
+    except httpx.HTTPError as e:
+        res.error = f"{type(e).__name__}: {e}"
+    res.e2e = time.perf_counter() - t0
+    return res
+
+
+async def run_level(url: str, model: str, texts: list[str], concurrency: int,
+                    max_tokens: int) -> tuple[list[Result], float]:
+    results: list[Result] = []
+    limit = trio.Semaphore(concurrency)
+    limits = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+        t0 = time.perf_counter()
+
+        async def worker(text: str) -> None:
+            async with limit:
+                results.append(await one_request(client, url, model, text, max_tokens))
+
+        async with trio.open_nursery() as nursery:
+            for text in texts:
+                nursery.start_soon(worker, text)
+        return results, time.perf_counter() - t0
+
+
+def pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def summarize(results: list[Result], wall: float) -> dict:
+    ok = [r for r in results if r.error is None]
+    ttft = [r.ttft for r in ok if r.ttft is not None]
+    tpot = [(r.e2e - r.ttft) / (r.tokens - 1) for r in ok if r.ttft is not None and r.tokens > 1]
+    itl = [g for r in ok for g in r.itl]
+    tokens = sum(r.tokens for r in ok)
+    ms = lambda v: None if v is None else v * 1e3  # noqa: E731
+    return {
+        "requests": len(results), "errors": len(results) - len(ok), "output_tokens": tokens,
+        "wall_s": wall, "output_tok_s": tokens / wall if wall else 0.0,
+        "ttft_p50_ms": ms(pct(ttft, 0.5)), "ttft_p99_ms": ms(pct(ttft, 0.99)),
+        "tpot_p50_ms": ms(pct(tpot, 0.5)), "tpot_p99_ms": ms(pct(tpot, 0.99)),
+        "itl_p50_ms": ms(pct(itl, 0.5)), "itl_p99_ms": ms(pct(itl, 0.99)),
+        "first_error": next((r.error for r in results if r.error), None),
+        "mean_tokens": statistics.mean(r.tokens for r in ok) if ok else 0,
+    }
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """A server started as a subprocess, waited on until /health answers 200."""
+
+    def __init__(self, argv: list[str], port: int, log_path: str) -> None:
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = open(log_path, "w")
+        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+    def wait_ready(self, timeout: float = 300) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}; see {self.log.name}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"server not ready; see {self.log.name}")
+
+    def cpu_seconds(self) -> float:
+        """User + system CPU time of the server process so far (Linux /proc)."""
+        fields = open(f"/proc/{self.proc.pid}/stat").read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.log.close()
+
+
+def weir_argv(model: str, port: int, *extra: str, launcher: str = "server") -> list[str]:
+    return [sys.executable, "-m", launcher, "serve", model, "--port", str(port),
+            "--disable-log-requests", "--max-num-seqs", "256", *extra]
