@@ -30,6 +30,34 @@ def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def _kv_offsets(block_tables_ptr, seq, bt_stride, offs_n, n_mask, block_size, kv_head,
+                cache_stride_block, cache_stride_slot, cache_stride_head):
+    """Element offsets of K/V rows for the positions `offs_n`, through the block table."""
+    block = tl.load(block_tables_ptr + seq * bt_stride + offs_n // block_size,
+                    mask=n_mask, other=0).to(tl.int64)
+    return block * cache_stride_block + (offs_n % block_size) * cache_stride_slot \
+        + kv_head * cache_stride_head
+
+
+@triton.jit
+def _attend(q, k_cache_ptr, v_cache_ptr, kv_off, kv_mask, offs_d, visible, scale, m_i, l_i, acc,
+            PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """One online-softmax step: fold a tile of keys/values (where `visible`) into the running
+    max `m_i`, normalizer `l_i` and unnormalized output `acc`."""
+    k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    s = _dot(q, tl.trans(k), PRECISION, UPCAST) * scale
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp(s - m_safe[:, None])
+    alpha = tl.exp(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION, UPCAST)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _prefill_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_ptr, seq_lens_ptr,
     seq_ids_ptr, scale,
@@ -68,25 +96,14 @@ def _prefill_kernel(
         for start in range(kv_start, kv_end, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
             n_mask = offs_n < kv_end
-            block = tl.load(block_tables_ptr + seq * bt_stride + offs_n // block_size,
-                            mask=n_mask, other=0).to(tl.int64)
-            kv_off = block * cache_stride_block + (offs_n % block_size) * cache_stride_slot \
-                + kv_head * cache_stride_head
-            kv_mask = n_mask[:, None] & d_mask[None, :]
-            k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-            s = _dot(q, tl.trans(k), PRECISION, UPCAST) * scale
+            kv_off = _kv_offsets(block_tables_ptr, seq, bt_stride, offs_n, n_mask, block_size,
+                                 kv_head, cache_stride_block, cache_stride_slot, cache_stride_head)
             visible = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
             if sliding_window > 0:
                 visible = visible & (offs_n[None, :] > q_pos[:, None] - sliding_window)
-            s = tl.where(visible, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp(s - m_safe[:, None])
-            alpha = tl.exp(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-            acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION, UPCAST)
-            m_i = m_new
+            m_i, l_i, acc = _attend(q, k_cache_ptr, v_cache_ptr, kv_off,
+                                    n_mask[:, None] & d_mask[None, :], offs_d, visible, scale,
+                                    m_i, l_i, acc, PRECISION, UPCAST)
         acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(out_ptr + rows[:, None] * o_stride_t + head * o_stride_h + offs_d[None, :],
                  acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
@@ -130,22 +147,11 @@ def _decode_kernel(
     for start in range(start_pos, end_pos, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         n_mask = offs_n < end_pos
-        block = tl.load(block_tables_ptr + seq * bt_stride + offs_n // block_size,
-                        mask=n_mask, other=0).to(tl.int64)
-        kv_off = block * cache_stride_block + (offs_n % block_size) * cache_stride_slot \
-            + kv_head * cache_stride_head
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        s = _dot(q, tl.trans(k), PRECISION, UPCAST) * scale
-        s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION, UPCAST)
-        m_i = m_new
+        kv_off = _kv_offsets(block_tables_ptr, seq, bt_stride, offs_n, n_mask, block_size,
+                             kv_head, cache_stride_block, cache_stride_slot, cache_stride_head)
+        m_i, l_i, acc = _attend(q, k_cache_ptr, v_cache_ptr, kv_off,
+                                n_mask[:, None] & d_mask[None, :], offs_d, n_mask[None, :],
+                                scale, m_i, l_i, acc, PRECISION, UPCAST)
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     mask = g_mask[:, None] & d_mask[None, :]
