@@ -5,7 +5,8 @@
 (b) SSE chunk encoding: msgspec Structs vs building a dict and `json.dumps`;
 (c) 256 concurrent streams on a one-layer model: delivered tokens/s and server CPU per token,
     one token per SSE event vs weir's coalescing (a client that falls behind gets its pending
-    deltas merged into one event: nothing dropped, nothing buffered without bound).
+    deltas merged into one event: nothing dropped, nothing buffered without bound), and
+    coalescing with `--stream-interval 8` (an event every 8 tokens, the first at once).
 
     python -m benchmarks.overhead [--skip-streams]
 """
@@ -77,10 +78,12 @@ def streams(model: str, concurrency=256, max_tokens=128) -> dict:
     from benchmarks.loadgen import ServerProcess, free_port, prompts, run_level, summarize, weir_argv
 
     out = {}
-    for label, launcher in (("one_per_event", "benchmarks.serve_one_per_event"),
-                            ("coalesced", "server")):
+    for label, launcher, extra in (
+            ("one_per_event", "benchmarks.serve_one_per_event", ()),
+            ("coalesced", "server", ()),
+            ("coalesced_stream_interval_8", "server", ("--stream-interval", "8"))):
         port = free_port()
-        srv = ServerProcess(weir_argv(model, port, "--num-kv-blocks", "16384",
+        srv = ServerProcess(weir_argv(model, port, "--num-kv-blocks", "16384", *extra,
                                       launcher=launcher), port, f"/tmp/weir-{label}.log")
         try:
             srv.wait_ready()

@@ -81,7 +81,7 @@ def overhead_section(d: dict) -> str:
                   "| SSE events | delivered tok/s | server CPU µs/token | content events | errors |",
                   "| --- | --- | --- | --- | --- |"]
         for label, r in d["streams"].items():
-            lines.append(f"| {label.replace('_', ' ')} | {fmt(r['output_tok_s'])} | "
+            lines.append(f"| {label.replace('_', ' ').replace('interval 8', 'interval 8 (`--stream-interval 8`)')} | {fmt(r['output_tok_s'])} | "
                          f"{r['server_cpu_us_per_token']:.1f} | {r['events']:,} | {r['errors']} |")
     return "\n".join(lines)
 

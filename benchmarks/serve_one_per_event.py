@@ -16,8 +16,8 @@ class OnePerEventChannel(outputs.RequestChannel):
 
     __slots__ = ("_queue",)
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, interval: int = 1) -> None:
+        super().__init__(interval)
         self._queue: deque[RequestOutput] = deque()
 
     def put(self, out: RequestOutput) -> None:

@@ -67,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--tcp-user-timeout", type=float, default=30.0,
                    help="seconds sent data may go unacknowledged before a stalled client is "
                         "dropped and its request aborted")
+    o.add_argument("--stream-interval", type=int, default=1,
+                   help="send an SSE event every N tokens (the first and last at once): fewer, "
+                        "larger writes when serving many streams")
     o.add_argument("--metrics-prefix", default="weir",
                    help="metric name prefix; `vllm` makes vLLM dashboards work unchanged")
     o.add_argument("--disable-log-requests", action="store_true",
@@ -115,6 +118,7 @@ def options_from_args(args: argparse.Namespace):
         keep_alive_timeout=args.keep_alive_timeout,
         tcp_user_timeout=args.tcp_user_timeout,
         max_body_bytes=args.max_body_bytes,
+        stream_interval=args.stream_interval,
         metrics_prefix=args.metrics_prefix,
         log_requests=not args.disable_log_requests,
         exit_on_engine_error=args.exit_on_engine_error,

@@ -117,12 +117,13 @@ class Submitted:
     `close()` (synchronous, so it runs in the `finally` of a cancelled handler) aborts whatever
     is unfinished, logs the request and takes it off the server's in-flight set."""
 
-    def __init__(self, st: ServerState, engine: Engine, base: str, n: int) -> None:
+    def __init__(self, st: ServerState, engine: Engine, base: str, n: int, stream: bool) -> None:
         self.st = st
         self.engine = engine
         self.base = base
         self.n = n
-        self.channel = RequestChannel()
+        # Streams wake every --stream-interval tokens; a non-streaming request only at the end.
+        self.channel = RequestChannel(st.options.stream_interval if stream else 0)
         self.ids: list[str] = []
         self.index: dict[str, int] = {}
         self.started = time.monotonic()
@@ -192,6 +193,12 @@ class Submitted:
             with trio.move_on_at(self.deadline):
                 outs = await self.channel.get()
             if outs is None:
+                for out in self.channel.take_nowait():  # what arrived but was not yet due
+                    i = self.index[out.request_id]
+                    self.last[i] = out
+                    if out.finished:
+                        self.finish[i] = out.finish_reason
+                    yield i, out
                 for i, rid in enumerate(self.ids):
                     if i not in self.finish:
                         self.engine.abort(rid)
@@ -320,7 +327,7 @@ async def chat_completions() -> Response:
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = sampling_params(st, req, req.max_completion_tokens or req.max_tokens, len(prompt),
                              logprobs)
-    sub = Submitted(st, engine, request_id("chatcmpl"), req.n)
+    sub = Submitted(st, engine, request_id("chatcmpl"), req.n, req.stream)
     sub.add([prompt], params, req.priority, req.cache_salt)
     created = int(time.time())
     usage = UsageCounter(req.n, len(sub.ids))
@@ -405,7 +412,7 @@ async def completions() -> Response:
         # Echoed prompt tokens carry log-probs too: ask the engine for them.
         want = max(req.logprobs, params.prompt_logprobs or 0)
         params = msgspec.structs.replace(params, prompt_logprobs=want)
-    sub = Submitted(st, engine, request_id("cmpl"), req.n)
+    sub = Submitted(st, engine, request_id("cmpl"), req.n, req.stream)
     sub.add(prompts, params, req.priority, req.cache_salt)
     created = int(time.time())
     usage = UsageCounter(req.n, len(sub.ids))

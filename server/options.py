@@ -17,6 +17,7 @@ class ServerOptions(msgspec.Struct, kw_only=True):
     keep_alive_timeout: float = 75.0
     tcp_user_timeout: float = 30.0  # seconds unacknowledged data may wait: drops stalled clients
     max_body_bytes: int = 32 * 1024 * 1024
+    stream_interval: int = 1  # tokens per SSE event at most waited for (first and last: at once)
     metrics_prefix: str = "weir"
     log_requests: bool = True
     exit_on_engine_error: bool = True
@@ -31,6 +32,8 @@ class ServerOptions(msgspec.Struct, kw_only=True):
             v = getattr(self, name)
             if v is not None and v <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive")
+        if self.stream_interval < 1:
+            raise ValueError("--stream-interval must be at least 1")
         if self.max_body_bytes < 1024:
             raise ValueError("--max-body-bytes must be at least 1024")
         if not self.metrics_prefix.replace("_", "").isalnum():

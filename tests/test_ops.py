@@ -335,3 +335,27 @@ def test_one_log_line_per_finished_request(tiny, caplog):
         assert not any("silent" in m for m in caplog.messages)
     finally:
         quiet.stop()
+
+
+def test_stream_interval_batches_tokens_per_event(tiny):
+    server = LiveServer(EngineConfig(model=tiny, num_kv_blocks=64), stream_interval=4).start()
+    try:
+        body = {"messages": USER, "max_tokens": 21, "temperature": 0, "ignore_eos": True,
+                "logprobs": True}
+        full = httpx.post(server.url + "/v1/chat/completions", json=body).json()
+        import json as _json
+
+        with httpx.stream("POST", server.url + "/v1/chat/completions",
+                          json={**body, "stream": True}) as r:
+            events = [_json.loads(line[6:]) for line in r.iter_lines()
+                      if line.startswith("data: {")]
+        per_event = [len(e["choices"][0]["logprobs"]["content"]) for e in events
+                     if e["choices"] and e["choices"][0].get("logprobs")]
+        assert sum(per_event) == 21
+        assert per_event[0] == 1  # the first token is never held back
+        assert all(n >= 4 for n in per_event[1:-1]) and len(per_event) <= 7
+        text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events
+                       if e["choices"])
+        assert text == full["choices"][0]["message"]["content"]
+    finally:
+        server.stop()
