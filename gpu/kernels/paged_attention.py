@@ -66,6 +66,7 @@ def _prefill_kernel(
     block_size, queries_per_kv, sliding_window,
     HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    SLIDING: tl.constexpr,
 ):
     seq = tl.load(seq_ids_ptr + tl.program_id(0))
     head = tl.program_id(1)
@@ -90,7 +91,7 @@ def _prefill_kernel(
         acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
         kv_end = tl.minimum(seq_len, context + (tile + 1) * BLOCK_M)
         kv_start = 0
-        if sliding_window > 0:
+        if SLIDING:
             kv_start = tl.maximum(context + tile * BLOCK_M - sliding_window + 1, 0)
             kv_start = (kv_start // BLOCK_N) * BLOCK_N
         for start in range(kv_start, kv_end, BLOCK_N):
@@ -99,7 +100,7 @@ def _prefill_kernel(
             kv_off = _kv_offsets(block_tables_ptr, seq, bt_stride, offs_n, n_mask, block_size,
                                  kv_head, cache_stride_block, cache_stride_slot, cache_stride_head)
             visible = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
-            if sliding_window > 0:
+            if SLIDING:
                 visible = visible & (offs_n[None, :] > q_pos[:, None] - sliding_window)
             m_i, l_i, acc = _attend(q, k_cache_ptr, v_cache_ptr, kv_off,
                                     n_mask[:, None] & d_mask[None, :], offs_d, visible, scale,
@@ -118,7 +119,7 @@ def _decode_kernel(
     block_size, queries_per_kv, sliding_window, num_heads,
     HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, GROUP_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, SLIDING: tl.constexpr,
 ):
     i = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -127,7 +128,7 @@ def _decode_kernel(
     row = tl.load(query_start_ptr + seq).to(tl.int64)
     seq_len = tl.load(seq_lens_ptr + seq)
     first = 0
-    if sliding_window > 0:
+    if SLIDING:
         first = tl.maximum(seq_len - sliding_window, 0)
     per_split = tl.cdiv(tl.cdiv(seq_len - first, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start_pos = first + split * per_split
@@ -243,6 +244,7 @@ def prefill_attention(out, query, k_cache, v_cache, block_tables, query_start_lo
         k_cache.shape[1], heads // k_cache.shape[2], sliding_window,
         HEAD_DIM=head_dim, HEAD_PAD=triton.next_power_of_2(head_dim), BLOCK_M=block_m,
         BLOCK_N=block_n, PRECISION=_precision(query.dtype), UPCAST=_upcast(query.dtype),
+        SLIDING=sliding_window > 0,
     )
 
 
@@ -288,7 +290,7 @@ def decode_attention(out, query, k_cache, v_cache, block_tables, query_start_loc
         k_cache.shape[1], group, sliding_window, heads,
         HEAD_DIM=head_dim, HEAD_PAD=head_pad, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         BLOCK_N=block_n, NUM_SPLITS=num_splits, PRECISION=_precision(query.dtype),
-        UPCAST=_upcast(query.dtype),
+        UPCAST=_upcast(query.dtype), SLIDING=sliding_window > 0,
     )
     if num_splits > 1:
         _reduce_kernel[(n, heads)](
