@@ -16,6 +16,10 @@ RESULTS = Path(__file__).parent / "results"
 BENCH_SHAPES = {
     "qwen3-100m": dict(hidden_size=768, num_layers=12, num_heads=12, num_kv_heads=4,
                        intermediate_size=2048, vocab_size=2048, max_position_embeddings=4096),
+    # Qwen3-0.6B's shape with random bf16 weights (GPU benchmarks; ~1.2 GB on disk).
+    "qwen3-0.6b": dict(hidden_size=1024, num_layers=28, num_heads=16, num_kv_heads=8, head_dim=128,
+                       intermediate_size=3072, vocab_size=2048, model_vocab_size=151936,
+                       max_position_embeddings=40960, dtype="bfloat16"),
     "qwen3-1layer": dict(hidden_size=128, num_layers=1, num_heads=4, num_kv_heads=2,
                          intermediate_size=384, vocab_size=2048, max_position_embeddings=4096),
     "qwen3-3layer": dict(hidden_size=128, num_layers=3, num_heads=4, num_kv_heads=2,

@@ -7,6 +7,8 @@ batch sizes, and the best is reported. Also reports weir's engine overhead per s
 minus model forward time, at the largest batch.
 
     python -m benchmarks.offline [--model qwen3-100m] [--requests 64]
+    python -m benchmarks.offline --model qwen3-0.6b --requests 256 --input-len 100,1024 \
+        --output-len 100,1024 --hf-batch-sizes 32,64,128,256      # the GPU protocol
 """
 
 from __future__ import annotations
@@ -29,11 +31,11 @@ def workload(n: int, in_range: tuple[int, int], out_range: tuple[int, int], voca
     return prompts, outputs
 
 
-def run_weir(model: str, prompts, outputs, max_num_seqs: int, device: str) -> dict:
+def run_weir(model: str, prompts, outputs, max_num_seqs: int, device: str, dtype: str) -> dict:
     from core.sampling import SamplingParams
     from weir import LLM
 
-    llm = LLM(model, dtype="float32", device=device, max_num_seqs=max_num_seqs,
+    llm = LLM(model, dtype=dtype, device=device, max_num_seqs=max_num_seqs,
               max_num_batched_tokens=4096, enable_prefix_caching=False)
     core = llm.engine
     forward_times: list[float] = []
@@ -80,10 +82,11 @@ def run_weir(model: str, prompts, outputs, max_num_seqs: int, device: str) -> di
             "forward_per_step_ms": statistics.median(ft for _, ft in pairs) * 1e3}
 
 
-def run_transformers(model: str, prompts, outputs, batch_sizes: list[int], device: str) -> dict:
+def run_transformers(model: str, prompts, outputs, batch_sizes: list[int], device: str,
+                     dtype: str) -> dict:
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).to(device).eval()
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype)).to(device).eval()
     runs = {}
     for bs in batch_sizes:
         t0 = time.perf_counter()
@@ -112,8 +115,10 @@ def main() -> None:
     ap.add_argument("--input-len", default="32,256")
     ap.add_argument("--output-len", default="32,128")
     ap.add_argument("--hf-batch-sizes", default="8,16,32,64")
+    ap.add_argument("--dtype", default=None, help="default: bfloat16 on GPU, float32 on CPU")
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = args.dtype or ("bfloat16" if device == "cuda" else "float32")
     n = args.requests or (256 if device == "cuda" else 64)
     model = bench_model(args.model)
     from transformers import AutoConfig
@@ -122,14 +127,15 @@ def main() -> None:
     prompts, outputs = workload(n, tuple(map(int, args.input_len.split(","))),
                                 tuple(map(int, args.output_len.split(","))), vocab)
     print(f"{n} requests, {sum(map(len, prompts))} prompt tokens, {sum(outputs)} output tokens")
-    weir = run_weir(model, prompts, outputs, max_num_seqs=n, device=device)
+    weir = run_weir(model, prompts, outputs, max_num_seqs=n, device=device, dtype=dtype)
     print(f"  weir: {weir['tok_s']:.0f} tok/s; overhead {weir['overhead_per_step_ms']:.2f} ms "
           f"per step at batch {weir['largest_batch']} (forward {weir['forward_per_step_ms']:.1f} ms)")
     hf = run_transformers(model, prompts, outputs,
-                          [int(b) for b in args.hf_batch_sizes.split(",") if int(b) <= n], device)
+                          [int(b) for b in args.hf_batch_sizes.split(",") if int(b) <= n], device,
+                          dtype)
     ratio = weir["tok_s"] / hf["tok_s"]
     print(f"weir / transformers (best batch {hf['best_batch']}): {ratio:.2f}x")
-    save("offline", {"meta": {**machine(), "model": args.model, "requests": n,
+    save("offline", {"meta": {**machine(), "model": args.model, "requests": n, "dtype": dtype,
                               "input_len": args.input_len, "output_len": args.output_len},
                      "weir": weir, "transformers": hf, "ratio": ratio})
 

@@ -95,6 +95,9 @@ def build_tiny_model(
     initializer_range: float = 0.2,
     shard_bytes: str | int | None = None,
     sliding_window: int | None = None,
+    head_dim: int | None = None,
+    model_vocab_size: int | None = None,
+    dtype: str = "float32",
 ) -> Path:
     """Write a random-weight model of the given shape with a trained tokenizer to `path`."""
     import torch
@@ -106,7 +109,8 @@ def build_tiny_model(
     tokenizer = train_tokenizer(vocab_size, seed)
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     common = dict(
-        vocab_size=len(tokenizer),
+        # A model may have more embedding rows than the tokenizer has tokens (Qwen pads to 151,936).
+        vocab_size=max(model_vocab_size or 0, len(tokenizer)),
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
         num_hidden_layers=num_layers,
@@ -129,13 +133,13 @@ def build_tiny_model(
         config = Qwen2Config(**common, tie_word_embeddings=tie_word_embeddings is not False)
     elif arch == "qwen3":
         config = Qwen3Config(
-            **common, head_dim=hidden_size // num_heads,
+            **common, head_dim=head_dim or hidden_size // num_heads,
             tie_word_embeddings=tie_word_embeddings is not False,
         )
     else:
         raise ValueError(f"unknown tiny architecture {arch!r}")
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
     kwargs = {"max_shard_size": shard_bytes} if shard_bytes is not None else {}
     model.save_pretrained(path, **kwargs)
     GenerationConfig(eos_token_id=[eos], bos_token_id=None).save_pretrained(path)
