@@ -106,6 +106,7 @@ class EngineCore:
         return max_tokens
 
     def add(self, req: EngineRequest) -> None:
+        self.num_adds_seen += 1  # counted even if refused: the Trio side counts every send
         if req.request_id in self.requests:
             raise InvalidParam("request_id", f"request id {req.request_id!r} is already running")
         max_tokens = self.check(req)
@@ -117,7 +118,6 @@ class EngineCore:
         self._seq_no += 1
         leader = self.requests.get(req.leader_id) if req.leader_id is not None else None
         request = Request(req, max_tokens, detok, self._seq_no, leader)
-        self.num_adds_seen += 1
         self.requests[request.request_id] = request
         self.scheduler.add(request)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+import weakref
 from collections.abc import AsyncIterator
 from typing import Any, TypeVar
 
@@ -272,7 +273,11 @@ def stream_response(events: AsyncIterator[bytes], sub: Submitted) -> Response:
             # Synchronous, so it also runs when the client went away and we were cancelled.
             sub.close()
 
-    response = Response(body(), content_type="text/event-stream",
+    gen = body()
+    # If the client is gone before the body is ever iterated, the generator never runs its
+    # `finally`: close the request when the generator object is dropped instead (idempotent).
+    weakref.finalize(gen, sub.close)
+    response = Response(gen, content_type="text/event-stream",
                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     response.timeout = None
     return response
