@@ -21,7 +21,7 @@ def run(core, requests, check=True):
     finals = {}
     while core.has_work:
         for out in core.step():
-            tokens[out.request_id] += out.new_token_ids
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
             if out.finished:
                 finals[out.request_id] = out
         if check:
@@ -114,3 +114,47 @@ def test_parallel_samples_compute_the_prompt_once(model_dir):
 
     again, _ = run(engine(path, True).core, reqs)
     assert again == tokens  # the same seeds give the same samples
+
+
+def test_followers_run_when_the_leader_is_aborted(model_dir):
+    """A further sample waits for the first one's prompt; if the first is aborted mid-prefill,
+    the others must not wait forever."""
+    loaded = engine(model_dir("qwen3"), True, max_num_batched_tokens=16)
+    core = loaded.core
+    prompt = list(range(20, 120))
+    p = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    core.add(EngineRequest("lead", prompt, p))
+    core.add(EngineRequest("follow", prompt, p, leader_id="lead"))
+    core.step()  # the leader's first 16-token chunk; the follower is held
+    assert core.requests["follow"].num_computed_tokens == 0
+    core.abort("lead")
+    tokens, finals = run(core, [])
+    assert finals["follow"].finish_reason == "length" and len(tokens["follow"]) == 4
+    assert core.kv.num_free_blocks == core.kv.num_blocks
+
+
+def test_prompt_logprobs_survive_preemption_without_duplicates(model_dir):
+    path = model_dir("qwen3")
+    prompts = [list(range(30 + i, 70 + i)) for i in range(6)]
+
+    def collect(**kw):
+        core = engine(path, True, **kw).core
+        for i, ids in enumerate(prompts):
+            core.add(EngineRequest(str(i), ids, SamplingParams(
+                temperature=0, max_tokens=12, ignore_eos=True, prompt_logprobs=1)))
+        seen: dict[str, list] = {}
+        while core.has_work:
+            for out in core.step():
+                if out.prompt_logprobs is not None:
+                    assert out.request_id not in seen  # sent once, with the first token
+                    seen[out.request_id] = [(e.token_id, round(e.logprob, 4)) if e else None
+                                            for e in out.prompt_logprobs]
+        return core, seen
+
+    tight, got = collect(num_kv_blocks=24, block_size=4, max_num_batched_tokens=32)
+    _, want = collect(num_kv_blocks=512)
+    assert tight.scheduler.num_preemptions > 0
+    for rid, ids in zip(map(str, range(6)), prompts):
+        assert len(want[rid]) == len(ids) and want[rid][0] is None
+        assert [e[0] for e in want[rid][1:]] == ids[1:]
+    assert got == want
