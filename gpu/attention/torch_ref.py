@@ -26,6 +26,29 @@ class TorchAttention:
         k_cache.view(-1, *k_cache.shape[2:])[slot_mapping] = key.to(k_cache.dtype)
         v_cache.view(-1, *v_cache.shape[2:])[slot_mapping] = value.to(v_cache.dtype)
 
+    def _decode_group(self, seqs, starts, query, k_cache, v_cache, meta, scale, sliding_window,
+                      gqa, out) -> None:
+        """One padded batch of single-token rows: gather contexts, mask the padding, SDPA."""
+        idx = torch.tensor(seqs, device=query.device)
+        lens = meta.seq_lens[idx].long()
+        max_len = max(meta.seq_lens_cpu[i] for i in seqs)
+        block_size = k_cache.shape[1]
+        nb = -(-max_len // block_size)
+        tables = meta.block_tables[idx, :nb].long()
+        k = k_cache[tables].flatten(1, 2)[:, :max_len].transpose(1, 2)  # [B, Hkv, L, D]
+        v = v_cache[tables].flatten(1, 2)[:, :max_len].transpose(1, 2)
+        rows = torch.tensor([starts[i] for i in seqs], device=query.device)
+        q = query[rows].unsqueeze(2)  # [B, H, 1, D]
+        pos = torch.arange(max_len, device=query.device)[None, :]
+        mask = pos < lens[:, None]
+        if sliding_window > 0:
+            mask &= pos >= lens[:, None] - sliding_window
+        o = F.scaled_dot_product_attention(
+            q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask[:, None, None, :], scale=scale,
+            enable_gqa=gqa,
+        )
+        out[rows] = o.squeeze(2)
+
     def forward(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float,
                 sliding_window: int = 0):
         out = torch.empty_like(query)
@@ -36,26 +59,14 @@ class TorchAttention:
         decodes, prefills = meta.decode_seq_ids_cpu, meta.prefill_seq_ids_cpu
 
         if decodes:
-            # All single-token rows at once: pad contexts to the longest and mask the rest.
-            idx = torch.tensor(decodes, device=query.device)
-            lens = meta.seq_lens[idx].long()
-            max_len = max(meta.seq_lens_cpu[i] for i in decodes)
-            block_size = k_cache.shape[1]
-            nb = -(-max_len // block_size)
-            tables = meta.block_tables[idx, :nb].long()
-            k = k_cache[tables].flatten(1, 2)[:, :max_len].transpose(1, 2)  # [B, Hkv, L, D]
-            v = v_cache[tables].flatten(1, 2)[:, :max_len].transpose(1, 2)
-            rows = torch.tensor([starts[i] for i in decodes], device=query.device)
-            q = query[rows].unsqueeze(2)  # [B, H, 1, D]
-            pos = torch.arange(max_len, device=query.device)[None, :]
-            mask = pos < lens[:, None]
-            if sliding_window > 0:
-                mask &= pos >= lens[:, None] - sliding_window
-            o = F.scaled_dot_product_attention(
-                q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask[:, None, None, :], scale=scale,
-                enable_gqa=gqa,
-            )
-            out[rows] = o.squeeze(2)
+            # Single-token rows, batched: sorted by context length and cut into a few groups so
+            # each group pads (and gathers) only to its own longest context.
+            order = sorted(decodes, key=lambda i: meta.seq_lens_cpu[i])
+            groups = max(1, min(4, len(order) // 16))
+            size = -(-len(order) // groups)
+            for g in range(0, len(order), size):
+                self._decode_group(order[g:g + size], starts, query, k_cache, v_cache, meta,
+                                   scale, sliding_window, gqa, out)
 
         for i in prefills:
             s, e = starts[i], starts[i + 1]
