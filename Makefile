@@ -23,6 +23,7 @@ run: $(STAMP)
 	$(VENV)/bin/weir serve $(MODEL) --host $(HOST) --port $(PORT) $(ARGS)
 
 test: $(STAMP)
+	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 # CPU benchmarks (not tests: CI does not run them). MODEL= benchmarks a real checkpoint instead.

@@ -25,8 +25,14 @@ import torch
 import torch.nn.functional as F
 
 # Published peak HBM bandwidth, for reference beside the measured copy bandwidth.
-SPEC_BANDWIDTH = {"H200": 4.8e12, "H100 SXM": 3.35e12, "H100": 3.35e12, "A100": 2.0e12,
-                  "A800": 2.0e12, "L40S": 0.864e12}
+SPEC_BANDWIDTH = {
+    "H200": 4.8e12,
+    "H100 SXM": 3.35e12,
+    "H100": 3.35e12,
+    "A100": 2.0e12,
+    "A800": 2.0e12,
+    "L40S": 0.864e12,
+}
 
 
 def cuda_time(fn, iters: int = 20, warmup: int = 3) -> float:
@@ -49,7 +55,6 @@ def copy_bandwidth(device) -> float:
     src = torch.empty(1 << 31, dtype=torch.int16, device=device)
     dst = torch.empty_like(src)
     t = cuda_time(lambda: dst.copy_(src), iters=10)
-    del src, dst
     return 2 * (1 << 32) / t
 
 
@@ -92,8 +97,12 @@ def main() -> int:
             perm = torch.randperm(num_blocks, device=device).int()
             tables = perm.view(batch, blocks_per_seq)
             meta = AttentionMetadata.build(
-                [0] * batch, tables.tolist(), [1] * batch, [ctx] * batch,
-                lambda data, dt: torch.tensor(data, dtype=dt, device=device))
+                [0] * batch,
+                tables.tolist(),
+                [1] * batch,
+                [ctx] * batch,
+                lambda data, dt: torch.tensor(data, dtype=dt, device=device),
+            )
             q = torch.randn((batch, h, d), dtype=dtype, device=device)
             scale = d**-0.5
             triton_s = cuda_time(lambda: backend.forward(q, k_cache, v_cache, meta, scale))
@@ -102,41 +111,64 @@ def main() -> int:
             k_dense = k_cache[tables.long()].flatten(1, 2)[:, :ctx].transpose(1, 2).contiguous()
             v_dense = v_cache[tables.long()].flatten(1, 2)[:, :ctx].transpose(1, 2).contiguous()
             q4 = q.unsqueeze(2)
-            sdpa_s = cuda_time(lambda: F.scaled_dot_product_attention(
-                q4, k_dense, v_dense, scale=scale, enable_gqa=True))
-            want = F.scaled_dot_product_attention(q4.float(), k_dense.float(), v_dense.float(),
-                                                  scale=scale, enable_gqa=True).squeeze(2)
+            sdpa_s = cuda_time(
+                lambda: F.scaled_dot_product_attention(
+                    q4, k_dense, v_dense, scale=scale, enable_gqa=True
+                )
+            )
+            want = F.scaled_dot_product_attention(
+                q4.float(), k_dense.float(), v_dense.float(), scale=scale, enable_gqa=True
+            ).squeeze(2)
             got = backend.forward(q, k_cache, v_cache, meta, scale).float()
             max_err = (got - want).abs().max().item()
-            del k_dense, v_dense
+            k_dense = v_dense = want = got = None  # free before the next shape
 
             nbytes = 2 * batch * ctx * hkv * d * elem + 2 * batch * h * d * elem
-            rows.append({
-                "batch": batch, "context": ctx, "bytes": nbytes,
-                "triton_us": triton_s * 1e6, "sdpa_us": sdpa_s * 1e6,
-                "triton_frac_of_copy_bw": nbytes / triton_s / measured,
-                "sdpa_frac_of_copy_bw": nbytes / sdpa_s / measured,
-                "triton_frac_of_spec_bw": nbytes / triton_s / spec if spec else None,
-                "max_abs_err_vs_fp32": max_err,
-            })
-            del k_cache, v_cache
+            rows.append(
+                {
+                    "batch": batch,
+                    "context": ctx,
+                    "bytes": nbytes,
+                    "triton_us": triton_s * 1e6,
+                    "sdpa_us": sdpa_s * 1e6,
+                    "triton_frac_of_copy_bw": nbytes / triton_s / measured,
+                    "sdpa_frac_of_copy_bw": nbytes / sdpa_s / measured,
+                    "triton_frac_of_spec_bw": nbytes / triton_s / spec if spec else None,
+                    "max_abs_err_vs_fp32": max_err,
+                }
+            )
+            k_cache = v_cache = None
             torch.cuda.empty_cache()
 
-    meta_info = {"device": name, "date": time.strftime("%Y-%m-%d"), "dtype": "bfloat16",
-                 "heads": h, "kv_heads": hkv, "head_dim": d, "block_size": bs,
-                 "copy_bandwidth_Bps": measured, "spec_bandwidth_Bps": spec,
-                 "torch": torch.__version__}
+    meta_info = {
+        "device": name,
+        "date": time.strftime("%Y-%m-%d"),
+        "dtype": "bfloat16",
+        "heads": h,
+        "kv_heads": hkv,
+        "head_dim": d,
+        "block_size": bs,
+        "copy_bandwidth_Bps": measured,
+        "spec_bandwidth_Bps": spec,
+        "torch": torch.__version__,
+    }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"meta": meta_info, "rows": rows}, indent=2))
-    print(f"{name}: copy bandwidth {measured / 1e12:.2f} TB/s"
-          + (f", spec {spec / 1e12:.2f} TB/s" if spec else ""))
-    print("| batch | context | triton µs | triton % of copy BW | SDPA µs | SDPA % of copy BW | "
-          "max err |")
+    print(
+        f"{name}: copy bandwidth {measured / 1e12:.2f} TB/s"
+        + (f", spec {spec / 1e12:.2f} TB/s" if spec else "")
+    )
+    print(
+        "| batch | context | triton µs | triton % of copy BW | SDPA µs | SDPA % of copy BW | "
+        "max err |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
-        print(f"| {r['batch']} | {r['context']} | {r['triton_us']:.1f} | "
-              f"{100 * r['triton_frac_of_copy_bw']:.0f}% | {r['sdpa_us']:.1f} | "
-              f"{100 * r['sdpa_frac_of_copy_bw']:.0f}% | {r['max_abs_err_vs_fp32']:.1e} |")
+        print(
+            f"| {r['batch']} | {r['context']} | {r['triton_us']:.1f} | "
+            f"{100 * r['triton_frac_of_copy_bw']:.0f}% | {r['sdpa_us']:.1f} | "
+            f"{100 * r['sdpa_frac_of_copy_bw']:.0f}% | {r['max_abs_err_vs_fp32']:.1e} |"
+        )
     return 0
 
 

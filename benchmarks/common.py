@@ -14,16 +14,46 @@ RESULTS = Path(__file__).parent / "results"
 # Qwen3-shaped, ~77M parameters with the small benchmark vocabulary (hidden 768, 12 layers,
 # 12 query heads, 4 KV heads, MLP 2048): big enough on CPU that compute matters.
 BENCH_SHAPES = {
-    "qwen3-100m": dict(hidden_size=768, num_layers=12, num_heads=12, num_kv_heads=4,
-                       intermediate_size=2048, vocab_size=2048, max_position_embeddings=4096),
+    "qwen3-100m": dict(
+        hidden_size=768,
+        num_layers=12,
+        num_heads=12,
+        num_kv_heads=4,
+        intermediate_size=2048,
+        vocab_size=2048,
+        max_position_embeddings=4096,
+    ),
     # Qwen3-0.6B's shape with random bf16 weights (GPU benchmarks; ~1.2 GB on disk).
-    "qwen3-0.6b": dict(hidden_size=1024, num_layers=28, num_heads=16, num_kv_heads=8, head_dim=128,
-                       intermediate_size=3072, vocab_size=2048, model_vocab_size=151936,
-                       max_position_embeddings=40960, dtype="bfloat16"),
-    "qwen3-1layer": dict(hidden_size=128, num_layers=1, num_heads=4, num_kv_heads=2,
-                         intermediate_size=384, vocab_size=2048, max_position_embeddings=4096),
-    "qwen3-3layer": dict(hidden_size=128, num_layers=3, num_heads=4, num_kv_heads=2,
-                         intermediate_size=384, vocab_size=2048, max_position_embeddings=4096),
+    "qwen3-0.6b": dict(
+        hidden_size=1024,
+        num_layers=28,
+        num_heads=16,
+        num_kv_heads=8,
+        head_dim=128,
+        intermediate_size=3072,
+        vocab_size=2048,
+        model_vocab_size=151936,
+        max_position_embeddings=40960,
+        dtype="bfloat16",
+    ),
+    "qwen3-1layer": dict(
+        hidden_size=128,
+        num_layers=1,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=384,
+        vocab_size=2048,
+        max_position_embeddings=4096,
+    ),
+    "qwen3-3layer": dict(
+        hidden_size=128,
+        num_layers=3,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=384,
+        vocab_size=2048,
+        max_position_embeddings=4096,
+    ),
 }
 
 
@@ -52,15 +82,22 @@ def machine() -> dict:
     except OSError:
         pass
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True, check=False).stdout.strip()
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
+        ).stdout.strip()
     except OSError:
         commit = ""
     import torch
 
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-    return {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpu": cpu,
-            "cores": os.cpu_count(), "gpu": gpu, "commit": commit, "torch": torch.__version__}
+    return {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "gpu": gpu,
+        "commit": commit,
+        "torch": torch.__version__,
+    }
 
 
 def save(name: str, data: dict) -> Path:

@@ -17,8 +17,10 @@ from dataclasses import dataclass, field
 import httpx
 import trio
 
-WORDS = ("the river flows over stone and under the bridge while people walk along the bank "
-         "talking about water weather work and the long day").split()
+WORDS = (
+    "the river flows over stone and under the bridge while people walk along the bank "
+    "talking about water weather work and the long day"
+).split()
 
 
 def prompts(n: int, words: tuple[int, int] = (8, 40), seed: int = 0) -> list[str]:
@@ -35,12 +37,18 @@ class Result:
     error: str | None = None
 
 
-async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: str,
-                      max_tokens: int) -> Result:
+async def one_request(
+    client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int
+) -> Result:
     """One streaming chat completion with only standard OpenAI fields; tokens from usage."""
-    body = {"model": model, "messages": [{"role": "user", "content": prompt}],
-            "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     res = Result()
     t0 = time.perf_counter()
     last = None
@@ -75,8 +83,9 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: s
     return res
 
 
-async def run_level(url: str, model: str, texts: list[str], concurrency: int,
-                    max_tokens: int) -> tuple[list[Result], float]:
+async def run_level(
+    url: str, model: str, texts: list[str], concurrency: int, max_tokens: int
+) -> tuple[list[Result], float]:
     results: list[Result] = []
     limit = trio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=concurrency)
@@ -108,11 +117,17 @@ def summarize(results: list[Result], wall: float) -> dict:
     tokens = sum(r.tokens for r in ok)
     ms = lambda v: None if v is None else v * 1e3  # noqa: E731
     return {
-        "requests": len(results), "errors": len(results) - len(ok), "output_tokens": tokens,
-        "wall_s": wall, "output_tok_s": tokens / wall if wall else 0.0,
-        "ttft_p50_ms": ms(pct(ttft, 0.5)), "ttft_p99_ms": ms(pct(ttft, 0.99)),
-        "tpot_p50_ms": ms(pct(tpot, 0.5)), "tpot_p99_ms": ms(pct(tpot, 0.99)),
-        "itl_p50_ms": ms(pct(itl, 0.5)), "itl_p99_ms": ms(pct(itl, 0.99)),
+        "requests": len(results),
+        "errors": len(results) - len(ok),
+        "output_tokens": tokens,
+        "wall_s": wall,
+        "output_tok_s": tokens / wall if wall else 0.0,
+        "ttft_p50_ms": ms(pct(ttft, 0.5)),
+        "ttft_p99_ms": ms(pct(ttft, 0.99)),
+        "tpot_p50_ms": ms(pct(tpot, 0.5)),
+        "tpot_p99_ms": ms(pct(tpot, 0.99)),
+        "itl_p50_ms": ms(pct(itl, 0.5)),
+        "itl_p99_ms": ms(pct(itl, 0.99)),
         "first_error": next((r.error for r in results if r.error), None),
         "mean_tokens": statistics.mean(r.tokens for r in ok) if ok else 0,
     }
@@ -131,14 +146,20 @@ class ServerProcess:
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
         self.log = open(log_path, "w")
-        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.proc = subprocess.Popen(
+            argv,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
 
     def wait_ready(self, timeout: float = 300) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}; see {self.log.name}")
+                raise RuntimeError(
+                    f"server exited with {self.proc.returncode}; see {self.log.name}"
+                )
             try:
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
                     return
@@ -163,5 +184,16 @@ class ServerProcess:
 
 
 def weir_argv(model: str, port: int, *extra: str, launcher: str = "server") -> list[str]:
-    return [sys.executable, "-m", launcher, "serve", model, "--port", str(port),
-            "--disable-log-requests", "--max-num-seqs", "256", *extra]
+    return [
+        sys.executable,
+        "-m",
+        launcher,
+        "serve",
+        model,
+        "--port",
+        str(port),
+        "--disable-log-requests",
+        "--max-num-seqs",
+        "256",
+        *extra,
+    ]

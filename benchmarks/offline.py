@@ -23,8 +23,9 @@ import torch
 from benchmarks.common import bench_model, machine, save
 
 
-def workload(n: int, in_range: tuple[int, int], out_range: tuple[int, int], vocab: int,
-             seed: int = 0):
+def workload(
+    n: int, in_range: tuple[int, int], out_range: tuple[int, int], vocab: int, seed: int = 0
+):
     rng = random.Random(seed)
     prompts = [[rng.randrange(10, vocab) for _ in range(rng.randint(*in_range))] for _ in range(n)]
     outputs = [rng.randint(*out_range) for _ in range(n)]
@@ -35,8 +36,14 @@ def run_weir(model: str, prompts, outputs, max_num_seqs: int, device: str, dtype
     from core.sampling import SamplingParams
     from weir import LLM
 
-    llm = LLM(model, dtype=dtype, device=device, max_num_seqs=max_num_seqs,
-              max_num_batched_tokens=4096, enable_prefix_caching=False)
+    llm = LLM(
+        model,
+        dtype=dtype,
+        device=device,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=4096,
+        enable_prefix_caching=False,
+    )
     core = llm.engine
     forward_times: list[float] = []
     real_forward = core.runner.model.forward
@@ -51,8 +58,9 @@ def run_weir(model: str, prompts, outputs, max_num_seqs: int, device: str, dtype
 
     core.runner.model.forward = timed_forward
     # Warm up (allocator, kernels) on a couple of requests, then the measured run.
-    llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
-                 use_tqdm=False)
+    llm.generate(
+        prompts[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False
+    )
     forward_times.clear()
     params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for o in outputs]
     step_times: list[tuple[int, float]] = []
@@ -76,14 +84,20 @@ def run_weir(model: str, prompts, outputs, max_num_seqs: int, device: str, dtype
     biggest = max(b for b, _ in step_times)
     pairs = [(st, ft) for (b, st), ft in zip(step_times, forward_times) if b == biggest]
     overhead = statistics.median(st - ft for st, ft in pairs)
-    return {"elapsed_s": elapsed, "output_tokens": generated, "tok_s": generated / elapsed,
-            "largest_batch": biggest, "steps": len(step_times),
-            "overhead_per_step_ms": overhead * 1e3,
-            "forward_per_step_ms": statistics.median(ft for _, ft in pairs) * 1e3}
+    return {
+        "elapsed_s": elapsed,
+        "output_tokens": generated,
+        "tok_s": generated / elapsed,
+        "largest_batch": biggest,
+        "steps": len(step_times),
+        "overhead_per_step_ms": overhead * 1e3,
+        "forward_per_step_ms": statistics.median(ft for _, ft in pairs) * 1e3,
+    }
 
 
-def run_transformers(model: str, prompts, outputs, batch_sizes: list[int], device: str,
-                     dtype: str) -> dict:
+def run_transformers(
+    model: str, prompts, outputs, batch_sizes: list[int], device: str, dtype: str
+) -> dict:
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype)).to(device).eval()
@@ -91,15 +105,23 @@ def run_transformers(model: str, prompts, outputs, batch_sizes: list[int], devic
     for bs in batch_sizes:
         t0 = time.perf_counter()
         for i in range(0, len(prompts), bs):
-            batch, outs = prompts[i:i + bs], outputs[i:i + bs]
+            batch, outs = prompts[i : i + bs], outputs[i : i + bs]
             width = max(map(len, batch))
             ids = torch.tensor([[0] * (width - len(p)) + p for p in batch], device=device)
-            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch],
-                                device=device)
+            mask = torch.tensor(
+                [[0] * (width - len(p)) + [1] * len(p) for p in batch], device=device
+            )
             n = max(outs)
             with torch.inference_mode():
-                hf.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
-                            do_sample=False, eos_token_id=None, pad_token_id=0)
+                hf.generate(
+                    ids,
+                    attention_mask=mask,
+                    max_new_tokens=n,
+                    min_new_tokens=n,
+                    do_sample=False,
+                    eos_token_id=None,
+                    pad_token_id=0,
+                )
         elapsed = time.perf_counter() - t0
         runs[bs] = {"elapsed_s": elapsed, "tok_s": sum(outputs) / elapsed}
         print(f"  transformers batch {bs}: {runs[bs]['tok_s']:.0f} tok/s")
@@ -109,8 +131,11 @@ def run_transformers(model: str, prompts, outputs, batch_sizes: list[int], devic
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="qwen3-100m",
-                    help="a benchmark shape (qwen3-100m, qwen3-3layer) or a model directory")
+    ap.add_argument(
+        "--model",
+        default="qwen3-100m",
+        help="a benchmark shape (qwen3-100m, qwen3-3layer) or a model directory",
+    )
     ap.add_argument("--requests", type=int, default=None, help="default: 256 on GPU, 64 on CPU")
     ap.add_argument("--input-len", default="32,256")
     ap.add_argument("--output-len", default="32,128")
@@ -124,20 +149,44 @@ def main() -> None:
     from transformers import AutoConfig
 
     vocab = AutoConfig.from_pretrained(model).vocab_size
-    prompts, outputs = workload(n, tuple(map(int, args.input_len.split(","))),
-                                tuple(map(int, args.output_len.split(","))), vocab)
+    prompts, outputs = workload(
+        n,
+        tuple(map(int, args.input_len.split(","))),
+        tuple(map(int, args.output_len.split(","))),
+        vocab,
+    )
     print(f"{n} requests, {sum(map(len, prompts))} prompt tokens, {sum(outputs)} output tokens")
     weir = run_weir(model, prompts, outputs, max_num_seqs=n, device=device, dtype=dtype)
-    print(f"  weir: {weir['tok_s']:.0f} tok/s; overhead {weir['overhead_per_step_ms']:.2f} ms "
-          f"per step at batch {weir['largest_batch']} (forward {weir['forward_per_step_ms']:.1f} ms)")
-    hf = run_transformers(model, prompts, outputs,
-                          [int(b) for b in args.hf_batch_sizes.split(",") if int(b) <= n], device,
-                          dtype)
+    print(
+        f"  weir: {weir['tok_s']:.0f} tok/s; overhead {weir['overhead_per_step_ms']:.2f} ms "
+        f"per step at batch {weir['largest_batch']} (forward {weir['forward_per_step_ms']:.1f} ms)"
+    )
+    hf = run_transformers(
+        model,
+        prompts,
+        outputs,
+        [int(b) for b in args.hf_batch_sizes.split(",") if int(b) <= n],
+        device,
+        dtype,
+    )
     ratio = weir["tok_s"] / hf["tok_s"]
     print(f"weir / transformers (best batch {hf['best_batch']}): {ratio:.2f}x")
-    save("offline", {"meta": {**machine(), "model": args.model, "requests": n, "dtype": dtype,
-                              "input_len": args.input_len, "output_len": args.output_len},
-                     "weir": weir, "transformers": hf, "ratio": ratio})
+    save(
+        "offline",
+        {
+            "meta": {
+                **machine(),
+                "model": args.model,
+                "requests": n,
+                "dtype": dtype,
+                "input_len": args.input_len,
+                "output_len": args.output_len,
+            },
+            "weir": weir,
+            "transformers": hf,
+            "ratio": ratio,
+        },
+    )
 
 
 if __name__ == "__main__":

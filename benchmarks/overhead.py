@@ -42,12 +42,17 @@ def detokenize(tokenizer, lengths=(100, 1000, 4000), sequences=256) -> dict:
         t = time.perf_counter()
         for ids in sample:
             prev = tokenizer.decode(ids[:-1])
-            tokenizer.decode(ids)[len(prev):]
+            tokenizer.decode(ids)[len(prev) :]
         redecode_us = (time.perf_counter() - t) / len(sample) * 1e6
-        out[length] = {"decodestream_us_per_token": stream_us, "redecode_us_per_token": redecode_us,
-                       "ratio": redecode_us / stream_us}
-        print(f"  detokenize @{length}: DecodeStream {stream_us:.2f} µs/token, "
-              f"re-decode {redecode_us:.1f} µs/token ({redecode_us / stream_us:.0f}x)")
+        out[length] = {
+            "decodestream_us_per_token": stream_us,
+            "redecode_us_per_token": redecode_us,
+            "ratio": redecode_us / stream_us,
+        }
+        print(
+            f"  detokenize @{length}: DecodeStream {stream_us:.2f} µs/token, "
+            f"re-decode {redecode_us:.1f} µs/token ({redecode_us / stream_us:.0f}x)"
+        )
     return out
 
 
@@ -57,15 +62,27 @@ def sse_encoding(n=200_000) -> dict:
 
     t = time.perf_counter()
     for i in range(n):
-        sse.event(ChatCompletionChunk(id="chatcmpl-123", created=1700000000, model="m",
-                                      choices=[ChunkChoice(index=0, delta=Delta(content=" tok"))]))
+        sse.event(
+            ChatCompletionChunk(
+                id="chatcmpl-123",
+                created=1700000000,
+                model="m",
+                choices=[ChunkChoice(index=0, delta=Delta(content=" tok"))],
+            )
+        )
     ms_us = (time.perf_counter() - t) / n * 1e6
     t = time.perf_counter()
     for i in range(n):
-        payload = {"id": "chatcmpl-123", "created": 1700000000, "model": "m",
-                   "object": "chat.completion.chunk", "usage": None,
-                   "choices": [{"index": 0, "delta": {"content": " tok"}, "finish_reason": None,
-                                "logprobs": None}]}
+        payload = {
+            "id": "chatcmpl-123",
+            "created": 1700000000,
+            "model": "m",
+            "object": "chat.completion.chunk",
+            "usage": None,
+            "choices": [
+                {"index": 0, "delta": {"content": " tok"}, "finish_reason": None, "logprobs": None}
+            ],
+        }
         b"data: " + json.dumps(payload).encode() + b"\n\n"
     js_us = (time.perf_counter() - t) / n * 1e6
     print(f"  SSE chunk: msgspec {ms_us:.2f} µs, json {js_us:.2f} µs ({js_us / ms_us:.1f}x)")
@@ -75,23 +92,37 @@ def sse_encoding(n=200_000) -> dict:
 def streams(model: str, concurrency=256, max_tokens=128) -> dict:
     import trio
 
-    from benchmarks.loadgen import ServerProcess, free_port, prompts, run_level, summarize, weir_argv
+    from benchmarks.loadgen import (
+        ServerProcess,
+        free_port,
+        prompts,
+        run_level,
+        summarize,
+        weir_argv,
+    )
 
     out = {}
     for label, launcher, extra in (
-            ("one_per_event", "benchmarks.serve_one_per_event", ()),
-            ("coalesced", "server", ()),
-            ("coalesced_stream_interval_8", "server", ("--stream-interval", "8"))):
+        ("one_per_event", "benchmarks.serve_one_per_event", ()),
+        ("coalesced", "server", ()),
+        ("coalesced_stream_interval_8", "server", ("--stream-interval", "8")),
+    ):
         port = free_port()
-        srv = ServerProcess(weir_argv(model, port, "--num-kv-blocks", "16384", *extra,
-                                      launcher=launcher), port, f"/tmp/weir-{label}.log")
+        srv = ServerProcess(
+            weir_argv(model, port, "--num-kv-blocks", "16384", *extra, launcher=launcher),
+            port,
+            f"/tmp/weir-{label}.log",
+        )
         try:
             srv.wait_ready()
             # Warm-up, then the measured run.
             trio.run(functools.partial(run_level, srv.url, model, prompts(16, seed=1), 16, 8))
             cpu0 = srv.cpu_seconds()
-            results, wall = trio.run(functools.partial(
-                run_level, srv.url, model, prompts(concurrency, seed=2), concurrency, max_tokens))
+            results, wall = trio.run(
+                functools.partial(
+                    run_level, srv.url, model, prompts(concurrency, seed=2), concurrency, max_tokens
+                )
+            )
             cpu = srv.cpu_seconds() - cpu0
         finally:
             srv.stop()
@@ -100,9 +131,12 @@ def streams(model: str, concurrency=256, max_tokens=128) -> dict:
         s["server_cpu_us_per_token"] = cpu / max(1, s["output_tokens"]) * 1e6
         s["events"] = sum(len(r.itl) + 1 for r in results if r.ttft is not None)
         out[label] = s
-        print(f"  {label}: {s['output_tok_s']:.0f} tok/s delivered, "
-              f"{s['server_cpu_us_per_token']:.1f} µs server CPU per token, "
-              f"{s['events']} content events, errors {s['errors']}", flush=True)
+        print(
+            f"  {label}: {s['output_tok_s']:.0f} tok/s delivered, "
+            f"{s['server_cpu_us_per_token']:.1f} µs server CPU per token, "
+            f"{s['events']} content events, errors {s['errors']}",
+            flush=True,
+        )
     return out
 
 

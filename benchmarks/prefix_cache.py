@@ -48,6 +48,7 @@ class BookkeepingTimer:
                 return fn(*a, **kw)
             finally:
                 self.seconds += time.perf_counter() - t
+
         return timed
 
 
@@ -88,9 +89,14 @@ def main() -> None:
     from gpu.launch import load
 
     def engine(caching: bool):
-        return load(EngineConfig(model=args.model, enable_prefix_caching=caching,
-                                 max_model_len=args.prefix + args.suffix + args.max_tokens + 16,
-                                 max_num_batched_tokens=2048)).core
+        return load(
+            EngineConfig(
+                model=args.model,
+                enable_prefix_caching=caching,
+                max_model_len=args.prefix + args.suffix + args.max_tokens + 16,
+                max_num_batched_tokens=2048,
+            )
+        ).core
 
     cores = {True: engine(True), False: engine(False)}
     timer = BookkeepingTimer(cores[True].kv)
@@ -109,8 +115,7 @@ def main() -> None:
                 if caching:
                     r["bookkeeping_pct"] = 100 * timer.seconds / r["elapsed_s"]
                 runs[caching].append(r)
-        med = {c: {k: statistics.median(r[k] for r in runs[c]) for k in runs[c][-1]}
-               for c in runs}
+        med = {c: {k: statistics.median(r[k] for r in runs[c]) for k in runs[c][-1]} for c in runs}
         results[kind] = {
             "caching_on": med[True],
             "caching_off": med[False],
@@ -120,24 +125,36 @@ def main() -> None:
             "bookkeeping_pct": med[True]["bookkeeping_pct"],
         }
 
-    meta = {"model": args.model or "weir-tiny", "requests": args.requests, "prefix": args.prefix,
-            "suffix": args.suffix, "max_tokens": args.max_tokens, "repeats": args.repeats,
-            "date": time.strftime("%Y-%m-%d")}
+    meta = {
+        "model": args.model or "weir-tiny",
+        "requests": args.requests,
+        "prefix": args.prefix,
+        "suffix": args.suffix,
+        "max_tokens": args.max_tokens,
+        "repeats": args.repeats,
+        "date": time.strftime("%Y-%m-%d"),
+    }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=2))
 
-    print(f"| workload | caching | TTFT mean (s) | TTFT p99 (s) | output tok/s | total (s) |")
+    print("| workload | caching | TTFT mean (s) | TTFT p99 (s) | output tok/s | total (s) |")
     print("| --- | --- | --- | --- | --- | --- |")
     for kind, r in results.items():
         for label, key in (("off", "caching_off"), ("on", "caching_on")):
             m = r[key]
-            print(f"| {kind} | {label} | {m['ttft_mean_s']:.3f} | {m['ttft_p99_s']:.3f} | "
-                  f"{m['output_tok_s']:.0f} | {m['elapsed_s']:.2f} |")
+            print(
+                f"| {kind} | {label} | {m['ttft_mean_s']:.3f} | {m['ttft_p99_s']:.3f} | "
+                f"{m['output_tok_s']:.0f} | {m['elapsed_s']:.2f} |"
+            )
     s, u = results["shared"], results["unique"]
-    print(f"\nshared prefix: TTFT {s['ttft_mean_ratio_off_over_on']:.2f}x lower with caching, "
-          f"throughput {s['throughput_ratio_on_over_off']:.2f}x")
-    print(f"no sharing: total time {u['time_overhead_pct']:+.1f}% with caching (wall clock, "
-          f"noisy); hashing and lookups took {u['bookkeeping_pct']:.2f}% of engine time")
+    print(
+        f"\nshared prefix: TTFT {s['ttft_mean_ratio_off_over_on']:.2f}x lower with caching, "
+        f"throughput {s['throughput_ratio_on_over_off']:.2f}x"
+    )
+    print(
+        f"no sharing: total time {u['time_overhead_pct']:+.1f}% with caching (wall clock, "
+        f"noisy); hashing and lookups took {u['bookkeeping_pct']:.2f}% of engine time"
+    )
 
 
 if __name__ == "__main__":

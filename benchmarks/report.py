@@ -33,56 +33,90 @@ def meta_line(m: dict) -> str:
 
 def offline_section(d: dict) -> str:
     w, h = d["weir"], d["transformers"]
-    rows = [f"| transformers `generate`, batch {b} | {fmt(r['tok_s'])} |"
-            for b, r in sorted(h["runs"].items(), key=lambda kv: int(kv[0]))]
-    return "\n".join([
-        meta_line(d["meta"]),
-        f"Model `{d['meta']['model']}`, {d['meta']['requests']} requests, input lengths "
-        f"{d['meta']['input_len']}, output lengths {d['meta']['output_len']} (uniform), "
-        "`ignore_eos`, greedy, float32.", "",
-        "| engine | output tok/s |", "| --- | --- |",
-        f"| **weir** (continuous batching, up to {w['largest_batch']} at once) | "
-        f"**{fmt(w['tok_s'])}** |", *rows, "",
-        f"weir / best transformers batch ({h['best_batch']}): **{d['ratio']:.2f}x**. "
-        f"Engine overhead per step at batch {w['largest_batch']}: "
-        f"{fmt(w['overhead_per_step_ms'], 2)} ms beside {fmt(w['forward_per_step_ms'])} ms of "
-        f"model forward ({100 * w['overhead_per_step_ms'] / w['forward_per_step_ms']:.1f}%).",
-    ])
+    rows = [
+        f"| transformers `generate`, batch {b} | {fmt(r['tok_s'])} |"
+        for b, r in sorted(h["runs"].items(), key=lambda kv: int(kv[0]))
+    ]
+    return "\n".join(
+        [
+            meta_line(d["meta"]),
+            f"Model `{d['meta']['model']}`, {d['meta']['requests']} requests, input lengths "
+            f"{d['meta']['input_len']}, output lengths {d['meta']['output_len']} (uniform), "
+            "`ignore_eos`, greedy, float32.",
+            "",
+            "| engine | output tok/s |",
+            "| --- | --- |",
+            f"| **weir** (continuous batching, up to {w['largest_batch']} at once) | "
+            f"**{fmt(w['tok_s'])}** |",
+            *rows,
+            "",
+            f"weir / best transformers batch ({h['best_batch']}): **{d['ratio']:.2f}x**. "
+            f"Engine overhead per step at batch {w['largest_batch']}: "
+            f"{fmt(w['overhead_per_step_ms'], 2)} ms beside {fmt(w['forward_per_step_ms'])} ms of "
+            f"model forward ({100 * w['overhead_per_step_ms'] / w['forward_per_step_ms']:.1f}%).",
+        ]
+    )
 
 
 def serving_section(d: dict) -> str:
-    lines = [meta_line(d["meta"]), f"Model `{d['meta']['model']}`, greedy, max_tokens "
-             f"{d['meta']['max_tokens']}, prompts of 8-40 words, tokens from the usage chunk.",
-             "", "| server | concurrency | output tok/s | TTFT p50 / p99 (ms) | TPOT p50 / p99 (ms) "
-             "| ITL p50 / p99 (ms) | errors |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        meta_line(d["meta"]),
+        f"Model `{d['meta']['model']}`, greedy, max_tokens "
+        f"{d['meta']['max_tokens']}, prompts of 8-40 words, tokens from the usage chunk.",
+        "",
+        "| server | concurrency | output tok/s | TTFT p50 / p99 (ms) | TPOT p50 / p99 (ms) "
+        "| ITL p50 / p99 (ms) | errors |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for server, levels in d["results"].items():
         for c, s in levels.items():
             lines.append(
                 f"| {server} | {c} | {fmt(s['output_tok_s'])} | {fmt(s['ttft_p50_ms'])} / "
                 f"{fmt(s['ttft_p99_ms'])} | {fmt(s['tpot_p50_ms'])} / {fmt(s['tpot_p99_ms'])} | "
-                f"{fmt(s['itl_p50_ms'])} / {fmt(s['itl_p99_ms'])} | {s['errors']} |")
+                f"{fmt(s['itl_p50_ms'])} / {fmt(s['itl_p99_ms'])} | {s['errors']} |"
+            )
     if d.get("ratio"):
-        lines += ["", "weir / transformers output tok/s: " + ", ".join(
-            f"{r:.2f}x at {c}" for c, r in d["ratio"].items() if r)]
+        lines += [
+            "",
+            "weir / transformers output tok/s: "
+            + ", ".join(f"{r:.2f}x at {c}" for c, r in d["ratio"].items() if r),
+        ]
     return "\n".join(lines)
 
 
 def overhead_section(d: dict) -> str:
-    lines = [meta_line(d["meta"]), "", "(a) Detokenization, µs per token (256 sequences):", "",
-             "| length | DecodeStream | re-decode everything | ratio |", "| --- | --- | --- | --- |"]
+    lines = [
+        meta_line(d["meta"]),
+        "",
+        "(a) Detokenization, µs per token (256 sequences):",
+        "",
+        "| length | DecodeStream | re-decode everything | ratio |",
+        "| --- | --- | --- | --- |",
+    ]
     for length, r in d["detokenize"].items():
-        lines.append(f"| {length} | {r['decodestream_us_per_token']:.2f} | "
-                     f"{r['redecode_us_per_token']:.1f} | {r['ratio']:.0f}x |")
+        lines.append(
+            f"| {length} | {r['decodestream_us_per_token']:.2f} | "
+            f"{r['redecode_us_per_token']:.1f} | {r['ratio']:.0f}x |"
+        )
     s = d["sse"]
-    lines += ["", f"(b) SSE chunk encoding: msgspec {s['msgspec_us']:.2f} µs, `json` "
-              f"{s['json_us']:.2f} µs per chunk ({s['ratio']:.1f}x).", ""]
+    lines += [
+        "",
+        f"(b) SSE chunk encoding: msgspec {s['msgspec_us']:.2f} µs, `json` "
+        f"{s['json_us']:.2f} µs per chunk ({s['ratio']:.1f}x).",
+        "",
+    ]
     if "streams" in d:
-        lines += ["(c) 256 concurrent streams, one-layer model, 128 tokens each:", "",
-                  "| SSE events | delivered tok/s | server CPU µs/token | content events | errors |",
-                  "| --- | --- | --- | --- | --- |"]
+        lines += [
+            "(c) 256 concurrent streams, one-layer model, 128 tokens each:",
+            "",
+            "| SSE events | delivered tok/s | server CPU µs/token | content events | errors |",
+            "| --- | --- | --- | --- | --- |",
+        ]
         for label, r in d["streams"].items():
-            lines.append(f"| {label.replace('_', ' ').replace('interval 8', 'interval 8 (`--stream-interval 8`)')} | {fmt(r['output_tok_s'])} | "
-                         f"{r['server_cpu_us_per_token']:.1f} | {r['events']:,} | {r['errors']} |")
+            lines.append(
+                f"| {label.replace('_', ' ')} | {fmt(r['output_tok_s'])} | "
+                f"{r['server_cpu_us_per_token']:.1f} | {r['events']:,} | {r['errors']} |"
+            )
     return "\n".join(lines)
 
 
@@ -102,8 +136,9 @@ def plots() -> list[str]:
         for server, levels in d["results"].items():
             cs = [int(c) for c in levels]
             ax[0].plot(cs, [levels[c]["output_tok_s"] for c in levels], marker="o", label=server)
-            ax[1].plot(cs, [levels[c]["ttft_p50_ms"] or 0 for c in levels], marker="o",
-                       label=server)
+            ax[1].plot(
+                cs, [levels[c]["ttft_p50_ms"] or 0 for c in levels], marker="o", label=server
+            )
         for a, title in zip(ax, ("output tokens/s", "TTFT p50 (ms)")):
             a.set_xscale("log", base=2)
             a.set_xlabel("concurrency")
@@ -136,8 +171,11 @@ def replace_block(text: str, name: str, body: str) -> str:
 
 def main() -> None:
     text = DOC.read_text()
-    for name, render in (("offline", offline_section), ("serving", serving_section),
-                         ("overhead", overhead_section)):
+    for name, render in (
+        ("offline", offline_section),
+        ("serving", serving_section),
+        ("overhead", overhead_section),
+    ):
         d = load(name)
         if d:
             text = replace_block(text, name, render(d))

@@ -18,20 +18,23 @@ import sys
 import trio
 
 from benchmarks.common import bench_model, machine, save
-from benchmarks.loadgen import (ServerProcess, free_port, prompts, run_level, summarize,
-                                weir_argv)
+from benchmarks.loadgen import ServerProcess, free_port, prompts, run_level, summarize, weir_argv
 
 
 def bench(url: str, model: str, levels: list[int], max_tokens: int, per_level: int) -> dict:
     out = {}
     for c in levels:
         n = max(per_level, 2 * c)
-        results, wall = trio.run(functools.partial(
-            run_level, url, model, prompts(n, seed=c), c, max_tokens))
+        results, wall = trio.run(
+            functools.partial(run_level, url, model, prompts(n, seed=c), c, max_tokens)
+        )
         out[c] = summarize(results, wall)
         s = out[c]
-        print(f"  c={c}: {s['output_tok_s']:.0f} tok/s, TTFT p50 {s['ttft_p50_ms']} ms, "
-              f"errors {s['errors']}", flush=True)
+        print(
+            f"  c={c}: {s['output_tok_s']:.0f} tok/s, TTFT p50 {s['ttft_p50_ms']} ms, "
+            f"errors {s['errors']}",
+            flush=True,
+        )
     return out
 
 
@@ -61,9 +64,22 @@ def main() -> None:
     if not args.skip_baseline:
         exe = shutil.which("transformers") or f"{sys.prefix}/bin/transformers"
         port = free_port()
-        hf = ServerProcess([exe, "serve", model, "--continuous-batching", "--device", "cpu",
-                            "--host", "127.0.0.1", "--port", str(port)], port,
-                           "/tmp/hf-serving.log")
+        hf = ServerProcess(
+            [
+                exe,
+                "serve",
+                model,
+                "--continuous-batching",
+                "--device",
+                "cpu",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+            ],
+            port,
+            "/tmp/hf-serving.log",
+        )
         try:
             hf.wait_ready()
             print("transformers serve:")
@@ -75,10 +91,18 @@ def main() -> None:
         for c in levels:
             base = results["transformers"][c]["output_tok_s"]
             ratios[c] = results["weir"][c]["output_tok_s"] / base if base else None
-        print("weir / transformers output tok/s:",
-              {c: round(r, 2) if r else None for c, r in ratios.items()})
-    save("serving", {"meta": {**machine(), "model": args.model, "max_tokens": args.max_tokens},
-                     "results": results, "ratio": ratios})
+        print(
+            "weir / transformers output tok/s:",
+            {c: round(r, 2) if r else None for c, r in ratios.items()},
+        )
+    save(
+        "serving",
+        {
+            "meta": {**machine(), "model": args.model, "max_tokens": args.max_tokens},
+            "results": results,
+            "ratio": ratios,
+        },
+    )
 
 
 if __name__ == "__main__":

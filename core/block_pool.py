@@ -3,8 +3,8 @@ the LRU free list that blocks are handed out from.
 
 A block with no owner sits on the free list. If it still holds a cached prefix (it has a hash) it
 stays findable until the pool needs it: blocks are taken from the head of the list (least recently
-freed first), and a taken block loses its hash. Requests free their blocks tail first, so the ends of
-chains are evicted before their beginnings.
+freed first), and a taken block loses its hash. Requests free their blocks tail first, so the
+ends of chains are evicted before their beginnings.
 """
 
 from __future__ import annotations
@@ -114,16 +114,18 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free.append(block)
 
-    def lookup(self, block_hash: int, parent_hash: int | None, token_ids: tuple[int, ...]
-               ) -> Block | None:
+    def lookup(
+        self, block_hash: int, parent_hash: int | None, token_ids: tuple[int, ...]
+    ) -> Block | None:
         """The cached block for this hash, if its parent and its own tokens really match."""
         block = self.cached.get(block_hash)
         if block is None or block.parent_hash != parent_hash or block.token_ids != token_ids:
             return None
         return block
 
-    def register(self, block: Block, block_hash: int, parent_hash: int | None,
-                 token_ids: tuple[int, ...]) -> bool:
+    def register(
+        self, block: Block, block_hash: int, parent_hash: int | None, token_ids: tuple[int, ...]
+    ) -> bool:
         """Make a full block whose KV is written findable. False if that prefix is cached already
         (another request computed it at the same time): the block then simply stays private."""
         if block.hash is not None or block_hash in self.cached:
@@ -150,7 +152,9 @@ class BlockPool:
             raise AssertionError("a block is neither free nor owned")
         for h, block in self.cached.items():
             if block.hash != h:
-                raise AssertionError(f"cache index points at block {block.block_id} with another hash")
+                raise AssertionError(
+                    f"cache index points at block {block.block_id} with another hash"
+                )
         if sum(b.hash is not None for b in self.blocks) != len(self.cached):
             raise AssertionError("a block has a hash the cache index does not know")
         free_uncached = len(seen) - free_cached

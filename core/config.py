@@ -29,7 +29,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
 
     def validate(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError(f"--dtype must be auto, float32, bfloat16 or float16, not {self.dtype}")
+            raise ValueError(
+                f"--dtype must be auto, float32, bfloat16 or float16, not {self.dtype}"
+            )
         if self.block_size < 1 or self.block_size > 1024:
             raise ValueError("--block-size must be between 1 and 1024")
         if self.max_num_seqs < 1:

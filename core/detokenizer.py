@@ -29,7 +29,9 @@ class Detokenizer:
         """Drop context that does not decode cleanly: a cut through a multi-byte character at
         its start, or a prompt that itself ends mid-character (its bytes are not ours to finish)."""
         ids = list(ids)
-        while ids and self._tokenizer.decode(ids, skip_special_tokens=self._skip).startswith("\ufffd"):
+        while ids and self._tokenizer.decode(ids, skip_special_tokens=self._skip).startswith(
+            "\ufffd"
+        ):
             ids.pop(0)
         if ids and self._tokenizer.decode(ids, skip_special_tokens=self._skip).endswith("\ufffd"):
             return []

@@ -45,8 +45,12 @@ class Engine:
         self._adds_sent = 0  # Trio thread: requests put on the queue, ever
         self._last_stats = StepStats()
         # Published by the engine thread after every step, for readers on other threads.
-        self.stats = {"num_free_blocks": core.kv.num_free_blocks, "steps": 0, "running": 0,
-                      "waiting": 0}
+        self.stats = {
+            "num_free_blocks": core.kv.num_free_blocks,
+            "steps": 0,
+            "running": 0,
+            "waiting": 0,
+        }
 
     # ---- Trio thread ----
     def start(self) -> None:
@@ -120,8 +124,11 @@ class Engine:
     def _fail_all(self, message: str) -> None:
         try:
             for rid, channel in list(self._channels.items()):
-                channel.put(RequestOutput(request_id=rid, finished=True, finish_reason="error",
-                                          error=message))
+                channel.put(
+                    RequestOutput(
+                        request_id=rid, finished=True, finish_reason="error", error=message
+                    )
+                )
             self._channels.clear()
             if self.on_death is not None:
                 self.on_death(message)
@@ -144,9 +151,20 @@ class Engine:
             try:
                 self.core.add(arg)
             except ValueError as e:  # raced past the Trio-side check: fail just this request
-                self._send(self._dispatch, ([RequestOutput(
-                    request_id=arg.request_id, finished=True, finish_reason="error",
-                    error=str(e))], None))
+                self._send(
+                    self._dispatch,
+                    (
+                        [
+                            RequestOutput(
+                                request_id=arg.request_id,
+                                finished=True,
+                                finish_reason="error",
+                                error=str(e),
+                            )
+                        ],
+                        None,
+                    ),
+                )
         elif kind == "abort":
             self.core.abort(arg)
         return True

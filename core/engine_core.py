@@ -48,8 +48,7 @@ class EngineCore:
         self.max_model_len = min(max_model_len, num_blocks * block_size)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv, max_num_seqs, max_num_batched_tokens,
-                                   scheduling_policy)
+        self.scheduler = Scheduler(self.kv, max_num_seqs, max_num_batched_tokens, scheduling_policy)
         self.requests: dict[str, Request] = {}
         self.check_integrity = check_integrity
         self.num_steps = 0
@@ -75,7 +74,9 @@ class EngineCore:
         vocab = self.runner.vocab_size
         for t in req.prompt_token_ids:
             if not 0 <= t < vocab:
-                raise InvalidParam("prompt", f"token id {t} is outside the vocabulary (0..{vocab - 1})")
+                raise InvalidParam(
+                    "prompt", f"token id {t} is outside the vocabulary (0..{vocab - 1})"
+                )
         params = req.sampling_params
         for t in params.logit_bias:
             if t >= vocab:
@@ -94,8 +95,11 @@ class EngineCore:
         if max_tokens is None:
             max_tokens = room
         if params.min_tokens > max_tokens:
-            raise InvalidParam("min_tokens", f"min_tokens ({params.min_tokens}) exceeds the "
-                               f"{max_tokens} tokens this request may generate")
+            raise InvalidParam(
+                "min_tokens",
+                f"min_tokens ({params.min_tokens}) exceeds the "
+                f"{max_tokens} tokens this request may generate",
+            )
         if max_tokens > room:
             raise InvalidParam(
                 "max_tokens",
@@ -131,7 +135,11 @@ class EngineCore:
         return self._output(request, [], "", "abort")
 
     def _output(
-        self, request: Request, new_ids: list[int], text: str, finish_reason: str | None,
+        self,
+        request: Request,
+        new_ids: list[int],
+        text: str,
+        finish_reason: str | None,
         logprobs: list[Logprob] | None = None,
     ) -> RequestOutput:
         prompt_lp = None
@@ -163,8 +171,9 @@ class EngineCore:
             return "length"
         return None
 
-    def _add_prompt_logprobs(self, request: Request, start: int,
-                             entries: list[Logprob] | None) -> None:
+    def _add_prompt_logprobs(
+        self, request: Request, start: int, entries: list[Logprob] | None
+    ) -> None:
         # Entry j scores prompt token start + j + 1. A recompute after preemption repeats
         # positions already recorded: keep the first.
         have = request.prompt_logprobs
@@ -177,16 +186,29 @@ class EngineCore:
         scheduled = request.first_scheduled_time or now
         first = request.first_token_time or now
         last = request.last_token_time or now
-        self.stats.pending.finished.append(FinishedStats(
-            reason, now - arrival, scheduled - arrival, first - scheduled, last - first,
-            request.num_prompt_tokens, request.num_output_tokens))
+        self.stats.pending.finished.append(
+            FinishedStats(
+                reason,
+                now - arrival,
+                scheduled - arrival,
+                first - scheduled,
+                last - first,
+                request.num_prompt_tokens,
+                request.num_output_tokens,
+            )
+        )
 
     def take_stats(self) -> StepStats:
-        return self.stats.take(len(self.scheduler.running), len(self.scheduler.waiting),
-                               self.kv.usage, self.num_adds_seen)
+        return self.stats.take(
+            len(self.scheduler.running),
+            len(self.scheduler.waiting),
+            self.kv.usage,
+            self.num_adds_seen,
+        )
 
-    def _append_token(self, request: Request, token_id: int, logprob: Logprob | None,
-                      now: float) -> RequestOutput:
+    def _append_token(
+        self, request: Request, token_id: int, logprob: Logprob | None, now: float
+    ) -> RequestOutput:
         stats = self.stats.pending
         if request.first_token_time is None:
             request.first_token_time = now
@@ -212,8 +234,9 @@ class EngineCore:
             self.scheduler.remove(request)
             del self.requests[request.request_id]
             self._finished(request, reason, now)
-        return self._output(request, [token_id], text, reason,
-                            [logprob] if logprob is not None else None)
+        return self._output(
+            request, [token_id], text, reason, [logprob] if logprob is not None else None
+        )
 
     def step(self) -> list[RequestOutput]:
         preemptions_before = self.scheduler.num_preemptions
@@ -240,11 +263,13 @@ class EngineCore:
             request = seq.request
             prompt_end = request.num_prompt_tokens
             if seq.start < prompt_end:
-                self.num_computed_prompt_tokens += min(seq.start + seq.num_new_tokens,
-                                                       prompt_end) - seq.start
+                self.num_computed_prompt_tokens += (
+                    min(seq.start + seq.num_new_tokens, prompt_end) - seq.start
+                )
                 if request.prompt_logprobs is not None:
-                    self._add_prompt_logprobs(request, seq.start,
-                                              result.prompt_logprobs.get(request.request_id))
+                    self._add_prompt_logprobs(
+                        request, seq.start, result.prompt_logprobs.get(request.request_id)
+                    )
             if not seq.sample:
                 self.num_partial_prefills += 1
                 continue

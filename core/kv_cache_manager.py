@@ -45,8 +45,9 @@ class KVCacheManager:
         while len(hashes) < num_blocks:
             i = len(hashes)
             parent = hashes[-1] if hashes else None
-            hashes.append(block_hash(parent, tuple(tokens[i * bs : (i + 1) * bs]),
-                                     request.cache_salt))
+            hashes.append(
+                block_hash(parent, tuple(tokens[i * bs : (i + 1) * bs]), request.cache_salt)
+            )
         return hashes
 
     def find_cached(self, request: Request) -> list[Block]:
@@ -90,8 +91,12 @@ class KVCacheManager:
         bs = self.block_size
         tokens = request.all_token_ids
         for i in range(start, full):
-            self.pool.register(table[i], hashes[i], hashes[i - 1] if i else None,
-                               tuple(tokens[i * bs : (i + 1) * bs]))
+            self.pool.register(
+                table[i],
+                hashes[i],
+                hashes[i - 1] if i else None,
+                tuple(tokens[i * bs : (i + 1) * bs]),
+            )
         self._num_registered[rid] = full
 
     # ---- allocation ----
@@ -101,16 +106,18 @@ class KVCacheManager:
         total = max(request.num_computed_tokens, cached * self.block_size) + num_new_tokens
         return max(0, -(-total // self.block_size) - have)
 
-    def can_allocate(self, request: Request, num_new_tokens: int,
-                     hits: list[Block] | None = None) -> bool:
+    def can_allocate(
+        self, request: Request, num_new_tokens: int, hits: list[Block] | None = None
+    ) -> bool:
         hits = hits or []
         # Hit blocks nobody owns are on the free list: sharing them takes them off it.
         idle_hits = sum(1 for b in hits if b.ref_cnt == 0)
         need = self.blocks_needed(request, num_new_tokens, len(hits))
         return need <= self.pool.num_free - idle_hits
 
-    def allocate(self, request: Request, num_new_tokens: int,
-                 hits: list[Block] | None = None) -> list[int]:
+    def allocate(
+        self, request: Request, num_new_tokens: int, hits: list[Block] | None = None
+    ) -> list[int]:
         """Grow the request's table (shared hit blocks first) to hold its new tokens; returns the
         table as block ids."""
         rid = request.request_id
@@ -149,7 +156,8 @@ class KVCacheManager:
         for b in self.pool.blocks:
             if refs.get(b.block_id, 0) != b.ref_cnt:
                 raise AssertionError(
-                    f"block {b.block_id} has ref_cnt {b.ref_cnt} but {refs.get(b.block_id, 0)} owners"
+                    f"block {b.block_id} has ref_cnt {b.ref_cnt} but "
+                    f"{refs.get(b.block_id, 0)} owners"
                 )
         for rid, table in self.tables.items():
             if [b.block_id for b in table] != self.block_tables[rid]:

@@ -8,7 +8,8 @@ from core.request import RequestOutput
 
 
 def merge(old: RequestOutput, new: RequestOutput) -> RequestOutput:
-    """Fold `new` into `old`: text concatenated, token ids appended, latest counts and finish kept."""
+    """Fold `new` into `old`: text concatenated, token ids appended, latest counts and finish
+    kept."""
     return RequestOutput(
         request_id=old.request_id,
         new_token_ids=old.new_token_ids + new.new_token_ids,
@@ -19,7 +20,8 @@ def merge(old: RequestOutput, new: RequestOutput) -> RequestOutput:
         num_output_tokens=new.num_output_tokens,
         num_cached_tokens=new.num_cached_tokens,
         logprobs=old.logprobs + new.logprobs,
-        prompt_logprobs=old.prompt_logprobs if old.prompt_logprobs is not None
+        prompt_logprobs=old.prompt_logprobs
+        if old.prompt_logprobs is not None
         else new.prompt_logprobs,
         error=new.error,
     )
@@ -49,8 +51,11 @@ class RequestChannel:
     def put(self, out: RequestOutput) -> None:
         old = self._pending.get(out.request_id)
         merged = self._pending[out.request_id] = out if old is None else merge(old, out)
-        if merged.finished or out.request_id not in self._started or (
-                self.interval and len(merged.new_token_ids) >= self.interval):
+        if (
+            merged.finished
+            or out.request_id not in self._started
+            or (self.interval and len(merged.new_token_ids) >= self.interval)
+        ):
             self._event.set()
 
     def take_nowait(self) -> list[RequestOutput]:

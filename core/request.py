@@ -44,7 +44,7 @@ class StepResult(msgspec.Struct, gc=False):
 
 
 class RequestOutput(msgspec.Struct, omit_defaults=True, gc=False):
-    """One step's news for one request. Deltas of the same request can be merged (see outputs.py)."""
+    """One step's news for one request. Deltas of the same request merge (see outputs.py)."""
 
     request_id: str
     new_token_ids: list[int] = []
@@ -96,8 +96,14 @@ class Request:
         "last_token_time",
     )
 
-    def __init__(self, req: EngineRequest, max_tokens: int, detokenizer: object = None,
-                 seq_no: int = 0, leader: Request | None = None) -> None:
+    def __init__(
+        self,
+        req: EngineRequest,
+        max_tokens: int,
+        detokenizer: object = None,
+        seq_no: int = 0,
+        leader: Request | None = None,
+    ) -> None:
         self.request_id = req.request_id
         self.prompt_token_ids = list(req.prompt_token_ids)
         self.output_token_ids: list[int] = []
@@ -122,11 +128,13 @@ class Request:
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
         params = req.sampling_params
-        self.stop = StopStrings(params.stop, params.include_stop_str_in_output) \
-            if params.stop else None
+        self.stop = (
+            StopStrings(params.stop, params.include_stop_str_in_output) if params.stop else None
+        )
         # Index p: log-probability of prompt token p given the tokens before it (none for p = 0).
-        self.prompt_logprobs: list[Logprob | None] | None = \
+        self.prompt_logprobs: list[Logprob | None] | None = (
             [None] if params.prompt_logprobs is not None else None
+        )
 
     @property
     def num_tokens(self) -> int:

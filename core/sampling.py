@@ -41,8 +41,11 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, gc=False):
 
     @property
     def needs_penalties(self) -> bool:
-        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-                or self.repetition_penalty != 1.0)
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
 
     def validate(self) -> None:
         """Raise InvalidParam naming the field for values no sampler could honour."""
@@ -64,8 +67,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, gc=False):
         if self.min_tokens < 0:
             raise InvalidParam("min_tokens", "min_tokens must not be negative")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise InvalidParam("min_tokens", f"min_tokens ({self.min_tokens}) must not exceed "
-                               f"max_tokens ({self.max_tokens})")
+            raise InvalidParam(
+                "min_tokens",
+                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
+            )
         if len(self.stop) > MAX_STOP_STRINGS:
             raise InvalidParam("stop", f"at most {MAX_STOP_STRINGS} stop strings")
         if any(not s for s in self.stop):
@@ -78,8 +83,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, gc=False):
             if token < 0:
                 raise InvalidParam("logit_bias", f"token id {token} is negative")
             if not -100.0 <= bias <= 100.0:
-                raise InvalidParam("logit_bias", f"bias {bias} for token {token} is outside "
-                                   "[-100, 100]")
+                raise InvalidParam(
+                    "logit_bias", f"bias {bias} for token {token} is outside [-100, 100]"
+                )
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
             if v is not None and not 0 <= v <= MAX_LOGPROBS:

@@ -45,8 +45,13 @@ POLICIES = ("fcfs", "priority")
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 policy: str = "fcfs") -> None:
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        policy: str = "fcfs",
+    ) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
         if policy not in POLICIES:
@@ -88,23 +93,32 @@ class Scheduler:
         request.status = Status.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
-        bisect.insort(self.waiting, request, key=self._key)  # back in its place, ahead of later ones
+        bisect.insort(
+            self.waiting, request, key=self._key
+        )  # back in its place, ahead of later ones
 
     def _held(self, request: Request) -> bool:
         """A further sample of a prompt waits until the first one's prompt is in the cache."""
         leader = request.leader
         if leader is None or not self.kv.enable_caching:
             return False
-        if leader.status in (Status.FINISHED, Status.PREEMPTED) or \
-                leader.num_computed_tokens >= leader.num_prompt_tokens:
+        if (
+            leader.status in (Status.FINISHED, Status.PREEMPTED)
+            or leader.num_computed_tokens >= leader.num_prompt_tokens
+        ):
             request.leader = None
             return False
         return True
 
     def _seq(self, request: Request, num_new: int, table: list[int]) -> ScheduledSeq:
         start = request.num_computed_tokens
-        return ScheduledSeq(request=request, start=start, num_new_tokens=num_new,
-                            block_table=table, sample=start + num_new == request.num_tokens)
+        return ScheduledSeq(
+            request=request,
+            start=start,
+            num_new_tokens=num_new,
+            block_table=table,
+            sample=start + num_new == request.num_tokens,
+        )
 
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens

@@ -39,8 +39,9 @@ class StatsCollector:
     def __init__(self) -> None:
         self.pending = StepStats()
 
-    def take(self, num_running: int, num_waiting: int, kv_usage: float, num_adds_seen: int
-             ) -> StepStats:
+    def take(
+        self, num_running: int, num_waiting: int, kv_usage: float, num_adds_seen: int
+    ) -> StepStats:
         out = self.pending
         out.num_running, out.num_waiting = num_running, num_waiting
         out.kv_usage, out.num_adds_seen = kv_usage, num_adds_seen

@@ -50,6 +50,9 @@ def allocate(
     shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
     # Zeroed, not empty: padded reads of unused slots must never meet NaN garbage.
     return [
-        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        (
+            torch.zeros(shape, dtype=dtype, device=device),
+            torch.zeros(shape, dtype=dtype, device=device),
+        )
         for _ in range(spec.num_layers)
     ]

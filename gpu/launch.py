@@ -57,7 +57,10 @@ def load(config: EngineConfig) -> Loaded:
 
     tokenizer = AutoTokenizer.from_pretrained(path)
     num_blocks = kv_cache.num_blocks_for(
-        spec, config.block_size, dtype, device,
+        spec,
+        config.block_size,
+        dtype,
+        device,
         num_kv_blocks=config.num_kv_blocks,
         kv_cache_memory=config.kv_cache_memory,
         gpu_memory_utilization=config.gpu_memory_utilization,
@@ -65,12 +68,20 @@ def load(config: EngineConfig) -> Loaded:
     capacity = num_blocks * config.block_size
     max_model_len = config.max_model_len or spec.max_position_embeddings
     if max_model_len > capacity:
-        log.warning("max_model_len %d exceeds the KV cache (%d tokens); using %d",
-                    max_model_len, capacity, capacity)
+        log.warning(
+            "max_model_len %d exceeds the KV cache (%d tokens); using %d",
+            max_model_len,
+            capacity,
+            capacity,
+        )
         max_model_len = capacity
     caches = kv_cache.allocate(spec, num_blocks, config.block_size, dtype, device)
     runner = ModelRunner(
-        model, caches, config.block_size, get_backend(config.attention_backend, device), device,
+        model,
+        caches,
+        config.block_size,
+        get_backend(config.attention_backend, device),
+        device,
         seed=config.seed,
     )
     eos = eos_token_ids(path, hf_config)
@@ -90,20 +101,32 @@ def load(config: EngineConfig) -> Loaded:
         enable_prefix_caching=config.enable_prefix_caching,
         scheduling_policy=config.scheduling_policy,
     )
-    log.info("loaded %s on %s (%s): %d KV blocks of %d tokens, max_model_len %d",
-             path, device, str(dtype).removeprefix("torch."), num_blocks, config.block_size,
-             max_model_len)
+    log.info(
+        "loaded %s on %s (%s): %d KV blocks of %d tokens, max_model_len %d",
+        path,
+        device,
+        str(dtype).removeprefix("torch."),
+        num_blocks,
+        config.block_size,
+        max_model_len,
+    )
     defaults = generation_defaults(path, config.generation_config)
     if defaults:
         log.info("sampling defaults from the generation config: %s", defaults)
-    return Loaded(core, tokenizer, path, config.served_model_name or [default_name], max_model_len,
-                  defaults)
+    return Loaded(
+        core, tokenizer, path, config.served_model_name or [default_name], max_model_len, defaults
+    )
 
 
 # generation_config.json keys that become request defaults, as vLLM applies them.
-_GENERATION_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
-                    "min_p": "min_p", "repetition_penalty": "repetition_penalty",
-                    "max_new_tokens": "max_tokens"}
+_GENERATION_KEYS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
 
 
 def generation_defaults(model_path: Path, setting: str) -> dict[str, Any]:
@@ -117,5 +140,8 @@ def generation_defaults(model_path: Path, setting: str) -> dict[str, Any]:
             raise ValueError(f"--generation-config: no generation_config.json in {folder}")
         return {}
     data = json.loads(file.read_text())
-    return {ours: data[theirs] for theirs, ours in _GENERATION_KEYS.items()
-            if data.get(theirs) is not None}
+    return {
+        ours: data[theirs]
+        for theirs, ours in _GENERATION_KEYS.items()
+        if data.get(theirs) is not None
+    }

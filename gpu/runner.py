@@ -88,8 +88,11 @@ class ModelRunner:
             need_top_k=any(k > 0 for k in top_ks),
             need_top_p=any(p.top_p < 1.0 for p in params),
             need_min_p=any(p.min_p > 0.0 for p in params),
-            seeded=[(i, self._generator(r)) for i, r in enumerate(requests)
-                    if r.sampling_params.seed is not None and not r.sampling_params.greedy],
+            seeded=[
+                (i, self._generator(r))
+                for i, r in enumerate(requests)
+                if r.sampling_params.seed is not None and not r.sampling_params.greedy
+            ],
         )
         bias_rows, bias_tokens, bias_values, ban_rows, ban_tokens = [], [], [], [], []
         for i, (r, p) in enumerate(zip(requests, params)):
@@ -104,8 +107,11 @@ class ModelRunner:
                 ban_rows += [i] * len(banned)
                 ban_tokens += banned
         if bias_rows:
-            m.bias = (self._tensor(bias_rows, torch.int64), self._tensor(bias_tokens, torch.int64),
-                      self._tensor(bias_values, torch.float32))
+            m.bias = (
+                self._tensor(bias_rows, torch.int64),
+                self._tensor(bias_tokens, torch.int64),
+                self._tensor(bias_values, torch.float32),
+            )
         if ban_rows:
             m.ban = (self._tensor(ban_rows, torch.int64), self._tensor(ban_tokens, torch.int64))
         if any(p.needs_penalties for p in params):
@@ -127,19 +133,24 @@ class ModelRunner:
                 prompt_tokens += r.prompt_token_ids
         counts = torch.zeros((n, vocab), dtype=torch.float32, device=self.device)
         if out_rows:
-            counts.index_put_((self._tensor(out_rows, torch.int64),
-                               self._tensor(out_tokens, torch.int64)),
-                              torch.ones(len(out_rows), device=self.device), accumulate=True)
+            counts.index_put_(
+                (self._tensor(out_rows, torch.int64), self._tensor(out_tokens, torch.int64)),
+                torch.ones(len(out_rows), device=self.device),
+                accumulate=True,
+            )
         mask = torch.zeros((n, vocab), dtype=torch.bool, device=self.device)
         if prompt_rows:
-            mask[self._tensor(prompt_rows, torch.int64), self._tensor(prompt_tokens, torch.int64)] = True
+            mask[
+                self._tensor(prompt_rows, torch.int64), self._tensor(prompt_tokens, torch.int64)
+            ] = True
         m.output_counts, m.prompt_mask = counts, mask
         m.presence = self._tensor([p.presence_penalty for p in params], torch.float32)
         m.frequency = self._tensor([p.frequency_penalty for p in params], torch.float32)
         m.repetition = self._tensor([p.repetition_penalty for p in params], torch.float32)
 
-    def _prompt_logprobs(self, out: SchedulerOutput, hidden: torch.Tensor
-                         ) -> dict[str, list[Logprob]]:
+    def _prompt_logprobs(
+        self, out: SchedulerOutput, hidden: torch.Tensor
+    ) -> dict[str, list[Logprob]]:
         """Raw log-probs of the prompt tokens this step computed, for requests asking for them."""
         result: dict[str, list[Logprob]] = {}
         row = 0
@@ -150,15 +161,20 @@ class ModelRunner:
             last = min(s.start + n, r.num_prompt_tokens - 1)
             if k is not None and s.start < last:
                 count = last - s.start
-                logprobs = self.model.compute_logits(hidden[row:row + count]).log_softmax(-1)
-                targets = torch.tensor(r.all_token_ids[s.start + 1:last + 1], device=self.device)
+                logprobs = self.model.compute_logits(hidden[row : row + count]).log_softmax(-1)
+                targets = torch.tensor(r.all_token_ids[s.start + 1 : last + 1], device=self.device)
                 chosen = logprobs.gather(1, targets[:, None]).squeeze(1).tolist()
-                top_v, top_i = (logprobs.topk(k, dim=-1) if k else (None, None))
+                top_v, top_i = logprobs.topk(k, dim=-1) if k else (None, None)
                 entries = []
                 for j in range(count):
-                    entries.append(Logprob(
-                        int(targets[j]), chosen[j],
-                        top_i[j].tolist() if k else [], top_v[j].tolist() if k else []))
+                    entries.append(
+                        Logprob(
+                            int(targets[j]),
+                            chosen[j],
+                            top_i[j].tolist() if k else [],
+                            top_v[j].tolist() if k else [],
+                        )
+                    )
                 result[r.request_id] = entries
             row += n
         return result
@@ -185,6 +201,7 @@ class ModelRunner:
             for i, r in enumerate(requests):
                 k = r.sampling_params.logprobs
                 if k is not None:
-                    logprobs[i] = Logprob(ids[i], chosen[i], top_ids[i][:k] if k else [],
-                                          top_lps[i][:k] if k else [])
+                    logprobs[i] = Logprob(
+                        ids[i], chosen[i], top_ids[i][:k] if k else [], top_lps[i][:k] if k else []
+                    )
         return StepResult(ids, logprobs, prompt_lp)

@@ -48,9 +48,14 @@ class SamplerOutput:
     top_logprobs: torch.Tensor | None = None  # [n, k]
 
 
-def apply_penalties(logits: torch.Tensor, output_counts: torch.Tensor, prompt_mask: torch.Tensor,
-                    presence: torch.Tensor, frequency: torch.Tensor,
-                    repetition: torch.Tensor) -> torch.Tensor:
+def apply_penalties(
+    logits: torch.Tensor,
+    output_counts: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    presence: torch.Tensor,
+    frequency: torch.Tensor,
+    repetition: torch.Tensor,
+) -> torch.Tensor:
     """Repetition (on tokens seen in prompt or output: positive logits divided, negative
     multiplied), then frequency (minus count times the factor) and presence (minus the factor
     once) on output tokens."""
@@ -62,9 +67,15 @@ def apply_penalties(logits: torch.Tensor, output_counts: torch.Tensor, prompt_ma
     return logits - presence[:, None] * (output_counts > 0).to(logits.dtype)
 
 
-def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                  min_p: torch.Tensor, need_top_k: bool, need_top_p: bool,
-                  need_min_p: bool) -> torch.Tensor:
+def filter_logits(
+    logits: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+    need_top_k: bool,
+    need_top_p: bool,
+    need_min_p: bool,
+) -> torch.Tensor:
     """Set to -inf every token outside top-k, outside the top-p nucleus, or below min_p times the
     most likely token's probability. The most likely token always stays."""
     if need_min_p:
@@ -101,14 +112,16 @@ class Sampler:
         if m.ban is not None:
             logits = logits.index_put(m.ban, torch.tensor(float("-inf"), device=logits.device))
         if m.output_counts is not None:
-            logits = apply_penalties(logits, m.output_counts, m.prompt_mask, m.presence,
-                                     m.frequency, m.repetition)
+            logits = apply_penalties(
+                logits, m.output_counts, m.prompt_mask, m.presence, m.frequency, m.repetition
+            )
         greedy = m.temperature < 1e-5
         if not m.all_greedy:
             logits = logits / torch.where(greedy, 1.0, m.temperature)[:, None]
         if m.need_top_k or m.need_top_p or m.need_min_p:
-            logits = filter_logits(logits, m.top_k, m.top_p, m.min_p, m.need_top_k, m.need_top_p,
-                                   m.need_min_p)
+            logits = filter_logits(
+                logits, m.top_k, m.top_p, m.min_p, m.need_top_k, m.need_top_p, m.need_min_p
+            )
         ids = logits.argmax(dim=-1)
         if not m.all_greedy:
             probs = logits.softmax(dim=-1)

@@ -32,7 +32,8 @@ _WORDS = (
     "people my over know water than call first who may down side been now find any new work part "
     "take get place made live where after back little only round man year came show every good me "
     "give our under name very through just form sentence great think say help low line differ turn "
-    "cause much mean before move right boy old too same tell does set three want air well also play "
+    "cause much mean before move right boy old too same tell does set three want air well "
+    "also play "
     "server token model stream engine cache block batch request hello world weir river flow "
     "café naïve résumé über straße façade jalapeño crème brûlée "
     "你好 世界 模型 缓存 请求 数据 こんにちは ありがとう 東京 안녕하세요 감사합니다 "
@@ -101,8 +102,14 @@ def build_tiny_model(
 ) -> Path:
     """Write a random-weight model of the given shape with a trained tokenizer to `path`."""
     import torch
-    from transformers import (AutoModelForCausalLM, GenerationConfig, LlamaConfig, MistralConfig,
-                              Qwen2Config, Qwen3Config)
+    from transformers import (
+        AutoModelForCausalLM,
+        GenerationConfig,
+        LlamaConfig,
+        MistralConfig,
+        Qwen2Config,
+        Qwen3Config,
+    )
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -127,13 +134,15 @@ def build_tiny_model(
     if arch == "llama":
         config = LlamaConfig(**common, tie_word_embeddings=bool(tie_word_embeddings))
     elif arch == "mistral":
-        config = MistralConfig(**common, tie_word_embeddings=bool(tie_word_embeddings),
-                               sliding_window=sliding_window)
+        config = MistralConfig(
+            **common, tie_word_embeddings=bool(tie_word_embeddings), sliding_window=sliding_window
+        )
     elif arch == "qwen2":
         config = Qwen2Config(**common, tie_word_embeddings=tie_word_embeddings is not False)
     elif arch == "qwen3":
         config = Qwen3Config(
-            **common, head_dim=head_dim or hidden_size // num_heads,
+            **common,
+            head_dim=head_dim or hidden_size // num_heads,
             tie_word_embeddings=tie_word_embeddings is not False,
         )
     else:
@@ -163,8 +172,15 @@ def ensure_tiny_model() -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=final.parent))
     try:
         build_tiny_model(
-            tmp, "qwen3", hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
-            intermediate_size=384, vocab_size=2048, max_position_embeddings=4096,
+            tmp,
+            "qwen3",
+            hidden_size=128,
+            num_layers=4,
+            num_heads=4,
+            num_kv_heads=2,
+            intermediate_size=384,
+            vocab_size=2048,
+            max_position_embeddings=4096,
         )
         try:
             tmp.rename(final)

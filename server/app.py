@@ -51,28 +51,42 @@ def create_app(config: EngineConfig, options: ServerOptions | None = None) -> Qu
     @app.before_request
     async def _cors_and_auth() -> Response | None:
         origin = request.headers.get("Origin")
-        if request.method == "OPTIONS" and origin and \
-                request.headers.get("Access-Control-Request-Method"):
+        if (
+            request.method == "OPTIONS"
+            and origin
+            and request.headers.get("Access-Control-Request-Method")
+        ):
             # CORS preflight: answered before auth (browsers send it without credentials).
             if not origin_allowed(origin):
                 return error_response(403, f"origin {origin} is not allowed", None, "cors")
             asked = request.headers.get("Access-Control-Request-Headers", "")
-            return Response(b"", status=204, headers={
-                "Access-Control-Allow-Origin": origin,
-                "Access-Control-Allow-Methods": ", ".join(
-                    ["GET", "POST", "OPTIONS"] if "*" in options.allowed_methods
-                    else options.allowed_methods),
-                "Access-Control-Allow-Headers": asked if "*" in options.allowed_headers
-                else ", ".join(options.allowed_headers),
-                "Access-Control-Max-Age": "600",
-                "Vary": "Origin",
-            })
+            return Response(
+                b"",
+                status=204,
+                headers={
+                    "Access-Control-Allow-Origin": origin,
+                    "Access-Control-Allow-Methods": ", ".join(
+                        ["GET", "POST", "OPTIONS"]
+                        if "*" in options.allowed_methods
+                        else options.allowed_methods
+                    ),
+                    "Access-Control-Allow-Headers": asked
+                    if "*" in options.allowed_headers
+                    else ", ".join(options.allowed_headers),
+                    "Access-Control-Max-Age": "600",
+                    "Vary": "Origin",
+                },
+            )
         if options.api_key and request.path.startswith(PROTECTED_PREFIXES):
             given = request.headers.get("Authorization", "")
             expected = f"Bearer {options.api_key}"
             if not hmac.compare_digest(given.encode(), expected.encode()):
-                return error_response(401, "Missing or invalid API key: send "
-                                      "`Authorization: Bearer <key>`", None, "invalid_api_key")
+                return error_response(
+                    401,
+                    "Missing or invalid API key: send `Authorization: Bearer <key>`",
+                    None,
+                    "invalid_api_key",
+                )
         return None
 
     @app.after_request
@@ -123,8 +137,7 @@ async def _load_engine(app: QuartTrio, st: ServerState) -> None:
         st.chat_template = load_template(st.config.chat_template)
         loaded = await trio.to_thread.run_sync(_load, st.config)
         engine = Engine(loaded.core)
-        metrics = Metrics(st.options.metrics_prefix, loaded.served_names[0],
-                          loaded.max_model_len)
+        metrics = Metrics(st.options.metrics_prefix, loaded.served_names[0], loaded.max_model_len)
         engine.on_stats = metrics.publish
 
         def died(message: str) -> None:
@@ -166,8 +179,12 @@ def listening_socket(host: str, port: int, user_timeout: float) -> socket.socket
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
     idle = max(1, int(user_timeout / 2))
-    for opt, value in (("TCP_KEEPIDLE", idle), ("TCP_KEEPINTVL", max(1, idle // 3)),
-                       ("TCP_KEEPCNT", 3), ("TCP_USER_TIMEOUT", int(user_timeout * 1000))):
+    for opt, value in (
+        ("TCP_KEEPIDLE", idle),
+        ("TCP_KEEPINTVL", max(1, idle // 3)),
+        ("TCP_KEEPCNT", 3),
+        ("TCP_USER_TIMEOUT", int(user_timeout * 1000)),
+    ):
         if hasattr(socket, opt):  # Linux; elsewhere keep-alive alone
             sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, opt), value)
     sock.bind((host, port))
@@ -188,8 +205,15 @@ def hypercorn_config(sock: socket.socket, options: ServerOptions) -> HypercornCo
     return hc
 
 
-async def serve(app: QuartTrio, host: str, port: int, *, task_status=trio.TASK_STATUS_IGNORED,
-                handle_signals: bool = True, sock: socket.socket | None = None) -> int:
+async def serve(
+    app: QuartTrio,
+    host: str,
+    port: int,
+    *,
+    task_status=trio.TASK_STATUS_IGNORED,
+    handle_signals: bool = True,
+    sock: socket.socket | None = None,
+) -> int:
     """Serve until SIGINT/SIGTERM or `app.weir_shutdown`; then drain. Returns the exit code.
 
     Drain: /health turns 503 and new generation requests get 503 at once; in-flight requests run
@@ -218,13 +242,17 @@ async def serve(app: QuartTrio, host: str, port: int, *, task_status=trio.TASK_S
         async with trio.open_nursery() as nursery:
             if handle_signals:
                 nursery.start_soon(watch_signals)
-            await nursery.start(lambda task_status: hypercorn_serve(
-                app, hc, shutdown_trigger=stop_http.wait, task_status=task_status))
+            await nursery.start(
+                lambda task_status: hypercorn_serve(
+                    app, hc, shutdown_trigger=stop_http.wait, task_status=task_status
+                )
+            )
             task_status.started()
             await shutdown.wait()
             if st.status in ("ready", "loading"):
                 st.status, st.reason = "draining", "draining: the server is shutting down"
             async with trio.open_nursery() as drain:
+
                 async def wait_force() -> None:
                     await force.wait()
                     drain.cancel_scope.cancel()

@@ -31,8 +31,10 @@ def _content(message: ChatMessage, index: int) -> str:
     for part in content:
         if part.type != "text" or part.text is None:
             raise APIError(
-                400, f"messages[{index}]: content part of type {part.type!r} is not supported; "
-                "this model takes text only", "messages",
+                400,
+                f"messages[{index}]: content part of type {part.type!r} is not supported; "
+                "this model takes text only",
+                "messages",
             )
         texts.append(part.text)
     return "\n".join(texts)
@@ -52,37 +54,57 @@ def to_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return out
 
 
-def render(tokenizer: Any, template: str | None, messages: list[ChatMessage],
-           add_generation_prompt: bool = True, continue_final_message: bool = False,
-           template_kwargs: dict[str, Any] | None = None,
-           tools: list[dict[str, Any]] | None = None) -> list[int]:
+def render(
+    tokenizer: Any,
+    template: str | None,
+    messages: list[ChatMessage],
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    template_kwargs: dict[str, Any] | None = None,
+    tools: list[dict[str, Any]] | None = None,
+) -> list[int]:
     template = template or getattr(tokenizer, "chat_template", None)
     if not template:
         raise APIError(
-            400, "This model has no chat template; use /v1/completions or start the server "
-            "with --chat-template", "messages", "no_chat_template",
+            400,
+            "This model has no chat template; use /v1/completions or start the server "
+            "with --chat-template",
+            "messages",
+            "no_chat_template",
         )
     if continue_final_message and add_generation_prompt:
-        raise APIError(400, "continue_final_message and add_generation_prompt cannot both be "
-                       "true", "continue_final_message")
+        raise APIError(
+            400,
+            "continue_final_message and add_generation_prompt cannot both be true",
+            "continue_final_message",
+        )
     if continue_final_message and messages[-1].role != "assistant":
-        raise APIError(400, "continue_final_message needs the last message to be from the "
-                       "assistant", "continue_final_message")
+        raise APIError(
+            400,
+            "continue_final_message needs the last message to be from the assistant",
+            "continue_final_message",
+        )
     kwargs = dict(template_kwargs or {})
     for reserved in ("conversation", "messages", "chat_template", "tokenize", "tools"):
         if reserved in kwargs:
-            raise APIError(400, f"chat_template_kwargs may not set {reserved!r}",
-                           "chat_template_kwargs")
+            raise APIError(
+                400, f"chat_template_kwargs may not set {reserved!r}", "chat_template_kwargs"
+            )
     try:
         text = tokenizer.apply_chat_template(
-            to_dicts(messages), chat_template=template, tokenize=False, tools=tools,
+            to_dicts(messages),
+            chat_template=template,
+            tokenize=False,
+            tools=tools,
             add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message, **kwargs,
+            continue_final_message=continue_final_message,
+            **kwargs,
         )
     except APIError:
         raise
     except Exception as e:  # noqa: BLE001 - template errors (raise_exception, bad roles) are the client's
-        raise APIError(400, f"The chat template could not render these messages: {e}",
-                       "messages") from e
+        raise APIError(
+            400, f"The chat template could not render these messages: {e}", "messages"
+        ) from e
     # The template already wrote any BOS it wants; don't let the tokenizer add another.
     return tokenizer.encode(text, add_special_tokens=False)

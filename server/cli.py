@@ -16,12 +16,20 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="weir", description="OpenAI-compatible LLM server")
     sub = parser.add_subparsers(dest="command", required=True)
     s = sub.add_parser("serve", help="serve a model over the OpenAI API")
-    s.add_argument("model", nargs="?", default=None,
-                   help="local Hugging Face directory or hub id (default: the built-in tiny model)")
+    s.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        help="local Hugging Face directory or hub id (default: the built-in tiny model)",
+    )
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--served-model-name", nargs="+", default=[],
-                   help="name(s) clients use for the model (default: the MODEL argument)")
+    s.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=[],
+        help="name(s) clients use for the model (default: the MODEL argument)",
+    )
     s.add_argument("--revision", default=None, help="hub revision")
     s.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     s.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
@@ -29,53 +37,120 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-num-seqs", type=int, default=256)
     s.add_argument("--max-num-batched-tokens", type=int, default=2048)
     s.add_argument("--block-size", type=int, default=16)
-    s.add_argument("--num-kv-blocks", type=int, default=None,
-                   help="KV cache blocks (default: from --kv-cache-memory or memory utilization)")
-    s.add_argument("--kv-cache-memory", type=int, default=1 << 30,
-                   help="bytes of KV cache on CPU (default 1 GiB)")
+    s.add_argument(
+        "--num-kv-blocks",
+        type=int,
+        default=None,
+        help="KV cache blocks (default: from --kv-cache-memory or memory utilization)",
+    )
+    s.add_argument(
+        "--kv-cache-memory",
+        type=int,
+        default=1 << 30,
+        help="bytes of KV cache on CPU (default 1 GiB)",
+    )
     s.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    s.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
-                   help="auto: triton on CUDA, torch on CPU (triton on CPU needs TRITON_INTERPRET=1)")
-    s.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                   help="reuse the KV of shared prompt prefixes (on by default)")
-    s.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
-                   help="priority: lower request `priority` runs first and is preempted last")
+    s.add_argument(
+        "--attention-backend",
+        default="auto",
+        choices=["auto", "torch", "triton"],
+        help="auto: triton on CUDA, torch on CPU (triton on CPU needs TRITON_INTERPRET=1)",
+    )
+    s.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse the KV of shared prompt prefixes (on by default)",
+    )
+    s.add_argument(
+        "--scheduling-policy",
+        default="fcfs",
+        choices=["fcfs", "priority"],
+        help="priority: lower request `priority` runs first and is preempted last",
+    )
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--chat-template", default=None, help="a Jinja template file or text")
-    s.add_argument("--generation-config", default="auto",
-                   help="request defaults: auto (the model's generation_config.json), vllm (none) "
-                        "or a folder holding a generation_config.json")
-    s.add_argument("--max-body-bytes", type=int, default=32 * 1024 * 1024,
-                   help="largest request body accepted (413 above it)")
+    s.add_argument(
+        "--generation-config",
+        default="auto",
+        help="request defaults: auto (the model's generation_config.json), vllm (none) "
+        "or a folder holding a generation_config.json",
+    )
+    s.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=32 * 1024 * 1024,
+        help="largest request body accepted (413 above it)",
+    )
     o = s.add_argument_group("operations")
-    o.add_argument("--api-key", default=os.environ.get("WEIR_API_KEY"),
-                   help="require `Authorization: Bearer KEY` on /v1/*, /tokenize, /detokenize "
-                        "(default: $WEIR_API_KEY)")
+    o.add_argument(
+        "--api-key",
+        default=os.environ.get("WEIR_API_KEY"),
+        help="require `Authorization: Bearer KEY` on /v1/*, /tokenize, /detokenize "
+        "(default: $WEIR_API_KEY)",
+    )
     o.add_argument("--allowed-origins", nargs="+", default=["*"], help="CORS origins")
     o.add_argument("--allowed-methods", nargs="+", default=["*"], help="CORS methods")
     o.add_argument("--allowed-headers", nargs="+", default=["*"], help="CORS headers")
-    o.add_argument("--max-waiting-requests", type=int, default=None,
-                   help="refuse a request that would wait behind this many others")
-    o.add_argument("--shed-status", type=int, default=503, choices=[503, 429],
-                   help="status for refused requests (with Retry-After)")
-    o.add_argument("--request-timeout", type=float, default=None,
-                   help="seconds a request may run; then it ends with finish_reason length")
-    o.add_argument("--drain-timeout", type=float, default=30.0,
-                   help="seconds in-flight requests get to finish after SIGTERM/SIGINT")
-    o.add_argument("--keep-alive-timeout", type=float, default=75.0,
-                   help="idle keep-alive seconds (above common load-balancer idle timeouts)")
-    o.add_argument("--tcp-user-timeout", type=float, default=30.0,
-                   help="seconds sent data may go unacknowledged before a stalled client is "
-                        "dropped and its request aborted")
-    o.add_argument("--stream-interval", type=int, default=1,
-                   help="send an SSE event every N tokens (the first and last at once): fewer, "
-                        "larger writes when serving many streams")
-    o.add_argument("--metrics-prefix", default="weir",
-                   help="metric name prefix; `vllm` makes vLLM dashboards work unchanged")
-    o.add_argument("--disable-log-requests", action="store_true",
-                   help="no log line per finished request")
-    o.add_argument("--exit-on-engine-error", action=argparse.BooleanOptionalAction, default=True,
-                   help="exit non-zero when the engine dies (default), or stay up, unhealthy")
+    o.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=None,
+        help="refuse a request that would wait behind this many others",
+    )
+    o.add_argument(
+        "--shed-status",
+        type=int,
+        default=503,
+        choices=[503, 429],
+        help="status for refused requests (with Retry-After)",
+    )
+    o.add_argument(
+        "--request-timeout",
+        type=float,
+        default=None,
+        help="seconds a request may run; then it ends with finish_reason length",
+    )
+    o.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="seconds in-flight requests get to finish after SIGTERM/SIGINT",
+    )
+    o.add_argument(
+        "--keep-alive-timeout",
+        type=float,
+        default=75.0,
+        help="idle keep-alive seconds (above common load-balancer idle timeouts)",
+    )
+    o.add_argument(
+        "--tcp-user-timeout",
+        type=float,
+        default=30.0,
+        help="seconds sent data may go unacknowledged before a stalled client is "
+        "dropped and its request aborted",
+    )
+    o.add_argument(
+        "--stream-interval",
+        type=int,
+        default=1,
+        help="send an SSE event every N tokens (the first and last at once): fewer, "
+        "larger writes when serving many streams",
+    )
+    o.add_argument(
+        "--metrics-prefix",
+        default="weir",
+        help="metric name prefix; `vllm` makes vLLM dashboards work unchanged",
+    )
+    o.add_argument(
+        "--disable-log-requests", action="store_true", help="no log line per finished request"
+    )
+    o.add_argument(
+        "--exit-on-engine-error",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="exit non-zero when the engine dies (default), or stay up, unhealthy",
+    )
     s.add_argument("--log-level", default="info")
     return parser
 
@@ -127,8 +202,9 @@ def options_from_args(args: argparse.Namespace):
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     config = config_from_args(args)
     options = options_from_args(args)
     try:

@@ -25,21 +25,33 @@ _TYPES = {
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.headers = headers
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None):
-    info = ErrorInfo(message=message, type=_TYPES.get(status, "invalid_request_error"),
-                     param=param, code=code)
+    info = ErrorInfo(
+        message=message, type=_TYPES.get(status, "invalid_request_error"), param=param, code=code
+    )
     return ErrorResponse(error=info)
 
 
-def error_response(status: int, message: str, param: str | None = None,
-                   code: str | None = None, headers: dict[str, str] | None = None) -> Response:
+def error_response(
+    status: int,
+    message: str,
+    param: str | None = None,
+    code: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> Response:
     body = _encoder.encode(error_body(status, message, param, code))
     return Response(body, status=status, content_type="application/json", headers=headers)
 

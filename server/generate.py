@@ -43,8 +43,15 @@ _encoder = msgspec.json.Encoder()
 T = TypeVar("T")
 
 # Request fields that fall back to the model's generation config, then to these defaults.
-SAMPLING_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
-                     "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
+SAMPLING_DEFAULTS = {
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": 0,
+    "min_p": 0.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "repetition_penalty": 1.0,
+}
 
 
 def state() -> ServerState:
@@ -65,11 +72,18 @@ async def decode(body_type: type[T]) -> T:
         raise from_validation(e) from None
 
 
-def sampling_params(st: ServerState, req: SamplingFields, max_tokens: int | None,
-                    prompt_len: int, logprobs: int | None) -> SamplingParams:
+def sampling_params(
+    st: ServerState,
+    req: SamplingFields,
+    max_tokens: int | None,
+    prompt_len: int,
+    logprobs: int | None,
+) -> SamplingParams:
     defaults = st.generation_defaults
-    values = {name: getattr(req, name) if getattr(req, name) is not None
-              else defaults.get(name, default) for name, default in SAMPLING_DEFAULTS.items()}
+    values = {
+        name: getattr(req, name) if getattr(req, name) is not None else defaults.get(name, default)
+        for name, default in SAMPLING_DEFAULTS.items()
+    }
     if max_tokens is None and "max_tokens" in defaults:
         room = st.max_model_len - prompt_len
         max_tokens = min(defaults["max_tokens"], room) if room >= 1 else None
@@ -79,17 +93,30 @@ def sampling_params(st: ServerState, req: SamplingFields, max_tokens: int | None
         try:
             bias[int(key)] = value
         except ValueError:
-            raise APIError(400, f"logit_bias keys must be token ids, got {key!r}", "logit_bias",
-                           "invalid_value") from None
+            raise APIError(
+                400,
+                f"logit_bias keys must be token ids, got {key!r}",
+                "logit_bias",
+                "invalid_value",
+            ) from None
     params = SamplingParams(
-        temperature=values["temperature"], top_p=values["top_p"], top_k=values["top_k"] or 0,
-        min_p=values["min_p"], presence_penalty=values["presence_penalty"],
+        temperature=values["temperature"],
+        top_p=values["top_p"],
+        top_k=values["top_k"] or 0,
+        min_p=values["min_p"],
+        presence_penalty=values["presence_penalty"],
         frequency_penalty=values["frequency_penalty"],
-        repetition_penalty=values["repetition_penalty"], max_tokens=max_tokens,
-        min_tokens=req.min_tokens, stop=stop,
+        repetition_penalty=values["repetition_penalty"],
+        max_tokens=max_tokens,
+        min_tokens=req.min_tokens,
+        stop=stop,
         include_stop_str_in_output=req.include_stop_str_in_output,
-        stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos, seed=req.seed,
-        logit_bias=bias, logprobs=logprobs, prompt_logprobs=req.prompt_logprobs,
+        stop_token_ids=list(req.stop_token_ids or []),
+        ignore_eos=req.ignore_eos,
+        seed=req.seed,
+        logit_bias=bias,
+        logprobs=logprobs,
+        prompt_logprobs=req.prompt_logprobs,
         skip_special_tokens=req.skip_special_tokens,
         spaces_between_special_tokens=req.spaces_between_special_tokens,
     )
@@ -105,8 +132,9 @@ def request_id(prefix: str) -> str:
     given = request.headers.get("X-Request-Id")
     if given:
         if len(given) > 256 or not given.isprintable():
-            raise APIError(400, "X-Request-Id must be printable and at most 256 characters",
-                           "X-Request-Id")
+            raise APIError(
+                400, "X-Request-Id must be printable and at most 256 characters", "X-Request-Id"
+            )
         return given
     return f"{prefix}-{uuid.uuid4().hex}"
 
@@ -135,14 +163,24 @@ class Submitted:
         timeout = st.options.request_timeout
         self.deadline = trio.current_time() + timeout if timeout else float("inf")
 
-    def add(self, prompts: list[list[int]], params: SamplingParams, priority: int,
-            cache_salt: str | None) -> None:
+    def add(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        priority: int,
+        cache_salt: str | None,
+    ) -> None:
         limit = self.st.options.max_waiting_requests
         if limit is not None and self.engine.num_waiting >= limit:
             status = self.st.options.shed_status
-            raise APIError(status, f"The server is overloaded: {self.engine.num_waiting} requests "
-                           "are already waiting. Retry later.", None, "overloaded",
-                           headers={"Retry-After": "1"})
+            raise APIError(
+                status,
+                f"The server is overloaded: {self.engine.num_waiting} requests "
+                "are already waiting. Retry later.",
+                None,
+                "overloaded",
+                headers={"Retry-After": "1"},
+            )
         single = len(prompts) == 1 and self.n == 1
         self.st.begin(self)
         try:
@@ -151,11 +189,23 @@ class Submitted:
                 for j in range(self.n):
                     rid = self.base if single else f"{self.base}-{p * self.n + j}"
                     # Each sample gets its own reproducible stream: seed, seed + 1, ...
-                    sample_params = params if params.seed is None or j == 0 else \
-                        msgspec.structs.replace(params, seed=params.seed + j)
-                    self.engine.add(EngineRequest(
-                        rid, prompt, sample_params, time.monotonic(), priority=priority,
-                        cache_salt=cache_salt, leader_id=leader), self.channel)
+                    sample_params = (
+                        params
+                        if params.seed is None or j == 0
+                        else msgspec.structs.replace(params, seed=params.seed + j)
+                    )
+                    self.engine.add(
+                        EngineRequest(
+                            rid,
+                            prompt,
+                            sample_params,
+                            time.monotonic(),
+                            priority=priority,
+                            cache_salt=cache_salt,
+                            leader_id=leader,
+                        ),
+                        self.channel,
+                    )
                     leader = leader or rid
                     self.index[rid] = len(self.ids)
                     self.ids.append(rid)
@@ -178,12 +228,15 @@ class Submitted:
             ttft = (self.first_output - self.started) if self.first_output else None
             log.info(
                 "request %s: prompt_tokens=%d generated=%d cached=%d ttft=%s duration=%.3fs "
-                "finish=%s", self.base,
+                "finish=%s",
+                self.base,
                 sum(o.num_prompt_tokens for i, o in self.last.items() if i % self.n == 0),
                 sum(o.num_output_tokens for o in outs),
                 sum(o.num_cached_tokens for i, o in self.last.items() if i % self.n == 0),
-                f"{ttft:.3f}s" if ttft is not None else "-", time.monotonic() - self.started,
-                ",".join(self.finish.get(i, "abort") for i in range(len(self.ids))))
+                f"{ttft:.3f}s" if ttft is not None else "-",
+                time.monotonic() - self.started,
+                ",".join(self.finish.get(i, "abort") for i in range(len(self.ids))),
+            )
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(choice index, output) until every request has finished; an engine error raises.
@@ -205,11 +258,17 @@ class Submitted:
                         self.engine.abort(rid)
                         prev = self.last.get(i)
                         self.finish[i] = "length"
-                        yield i, RequestOutput(
-                            request_id=rid, finished=True, finish_reason="length",
-                            num_prompt_tokens=prev.num_prompt_tokens if prev else 0,
-                            num_output_tokens=prev.num_output_tokens if prev else 0,
-                            num_cached_tokens=prev.num_cached_tokens if prev else 0)
+                        yield (
+                            i,
+                            RequestOutput(
+                                request_id=rid,
+                                finished=True,
+                                finish_reason="length",
+                                num_prompt_tokens=prev.num_prompt_tokens if prev else 0,
+                                num_output_tokens=prev.num_output_tokens if prev else 0,
+                                num_cached_tokens=prev.num_cached_tokens if prev else 0,
+                            ),
+                        )
                 return
             if self.first_output is None:
                 self.first_output = time.monotonic()
@@ -243,17 +302,26 @@ class UsageCounter:
 
     def usage(self) -> Usage:
         done = sum(self.completion)
-        return Usage(self.prompt, done, self.prompt + done,
-                     PromptTokensDetails(cached_tokens=self.cached))
+        return Usage(
+            self.prompt, done, self.prompt + done, PromptTokensDetails(cached_tokens=self.cached)
+        )
 
 
 def check_common(st: ServerState, req: SamplingFields) -> None:
     if req.priority != 0 and st.config.scheduling_policy != "priority":
-        raise APIError(400, f"priority {req.priority} needs the server to run with "
-                       "--scheduling-policy priority", "priority", "invalid_value")
+        raise APIError(
+            400,
+            f"priority {req.priority} needs the server to run with --scheduling-policy priority",
+            "priority",
+            "invalid_value",
+        )
     if req.stream_options is not None and not req.stream:
-        raise APIError(400, "stream_options is only allowed when stream is true",
-                       "stream_options", "invalid_value")
+        raise APIError(
+            400,
+            "stream_options is only allowed when stream is true",
+            "stream_options",
+            "invalid_value",
+        )
 
 
 def stream_response(events: AsyncIterator[bytes], sub: Submitted) -> Response:
@@ -277,8 +345,11 @@ def stream_response(events: AsyncIterator[bytes], sub: Submitted) -> Response:
     # If the client is gone before the body is ever iterated, the generator never runs its
     # `finally`: close the request when the generator object is dropped instead (idempotent).
     weakref.finalize(gen, sub.close)
-    response = Response(gen, content_type="text/event-stream",
-                        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    response = Response(
+        gen,
+        content_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
     response.timeout = None
     return response
 
@@ -326,12 +397,19 @@ async def chat_completions() -> Response:
     check_common(st, req)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs to be true", "top_logprobs")
-    prompt = chat.render(st.tokenizer, st.chat_template, req.messages, req.add_generation_prompt
-                         and not req.continue_final_message, req.continue_final_message,
-                         req.chat_template_kwargs, req.tools)
+    prompt = chat.render(
+        st.tokenizer,
+        st.chat_template,
+        req.messages,
+        req.add_generation_prompt and not req.continue_final_message,
+        req.continue_final_message,
+        req.chat_template_kwargs,
+        req.tools,
+    )
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    params = sampling_params(st, req, req.max_completion_tokens or req.max_tokens, len(prompt),
-                             logprobs)
+    params = sampling_params(
+        st, req, req.max_completion_tokens or req.max_tokens, len(prompt), logprobs
+    )
     sub = Submitted(st, engine, request_id("chatcmpl"), req.n, req.stream)
     sub.add([prompt], params, req.priority, req.cache_salt)
     created = int(time.time())
@@ -341,13 +419,24 @@ async def chat_completions() -> Response:
     if req.stream:
         want_usage, continuous = include_usage(req)
 
-        def chunk(index: int, delta: Delta, finish: str | None = None,
-                  entries: list[Logprob] | None = None) -> bytes:
+        def chunk(
+            index: int,
+            delta: Delta,
+            finish: str | None = None,
+            entries: list[Logprob] | None = None,
+        ) -> bytes:
             lp = chat_logprobs(entries, text_of) if logprobs is not None and entries else None
-            return sse.event(ChatCompletionChunk(
-                id=sub.base, created=created, model=model,
-                choices=[ChunkChoice(index=index, delta=delta, finish_reason=finish, logprobs=lp)],
-                usage=usage.usage() if continuous else None))
+            return sse.event(
+                ChatCompletionChunk(
+                    id=sub.base,
+                    created=created,
+                    model=model,
+                    choices=[
+                        ChunkChoice(index=index, delta=delta, finish_reason=finish, logprobs=lp)
+                    ],
+                    usage=usage.usage() if continuous else None,
+                )
+            )
 
         async def events() -> AsyncIterator[bytes]:
             for i in range(len(sub.ids)):
@@ -355,40 +444,59 @@ async def chat_completions() -> Response:
             async for i, out in sub.outputs():
                 usage.update(i, out)
                 if out.finished:
-                    yield chunk(i, Delta(content=out.new_text or None), out.finish_reason,
-                                out.logprobs)
+                    yield chunk(
+                        i, Delta(content=out.new_text or None), out.finish_reason, out.logprobs
+                    )
                 elif out.new_text or (logprobs is not None and out.logprobs):
                     yield chunk(i, Delta(content=out.new_text), None, out.logprobs)
             if want_usage:
-                yield sse.event(ChatCompletionChunk(id=sub.base, created=created, model=model,
-                                                    choices=[], usage=usage.usage()))
+                yield sse.event(
+                    ChatCompletionChunk(
+                        id=sub.base, created=created, model=model, choices=[], usage=usage.usage()
+                    )
+                )
             yield sse.DONE
 
         return stream_response(events(), sub)
 
     got = await collect(sub, usage)
-    return json_response(ChatCompletionResponse(
-        id=sub.base, created=created, model=model,
-        choices=[ChatChoice(
-            index=i, message=ResponseMessage("assistant", "".join(got.text[i])),
-            finish_reason=got.finish[i],
-            logprobs=chat_logprobs(got.logprobs[i], text_of) if logprobs is not None else None)
-            for i in range(len(sub.ids))],
-        usage=usage.usage(),
-        prompt_logprobs=prompt_logprobs(got.prompt_logprobs[0], text_of)
-        if got.prompt_logprobs[0] is not None else None,
-    ))
+    return json_response(
+        ChatCompletionResponse(
+            id=sub.base,
+            created=created,
+            model=model,
+            choices=[
+                ChatChoice(
+                    index=i,
+                    message=ResponseMessage("assistant", "".join(got.text[i])),
+                    finish_reason=got.finish[i],
+                    logprobs=chat_logprobs(got.logprobs[i], text_of)
+                    if logprobs is not None
+                    else None,
+                )
+                for i in range(len(sub.ids))
+            ],
+            usage=usage.usage(),
+            prompt_logprobs=prompt_logprobs(got.prompt_logprobs[0], text_of)
+            if got.prompt_logprobs[0] is not None
+            else None,
+        )
+    )
 
 
 # ---------------------------------------------------------------- completions
 def completion_prompts(st: ServerState, prompt: str | list[Any]) -> list[list[int]]:
     """A string, list of strings, list of token ids or list of token-id lists -> token lists."""
+
     def encode(text: str) -> list[int]:
         return st.tokenizer.encode(text)
 
     def is_ids(x: Any) -> bool:
-        return isinstance(x, list) and bool(x) and all(
-            isinstance(t, int) and not isinstance(t, bool) for t in x)
+        return (
+            isinstance(x, list)
+            and bool(x)
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+        )
 
     if isinstance(prompt, str):
         return [encode(prompt)]
@@ -400,8 +508,13 @@ def completion_prompts(st: ServerState, prompt: str | list[Any]) -> list[list[in
         return [list(prompt)]
     if all(is_ids(p) for p in prompt):
         return [list(p) for p in prompt]
-    raise APIError(400, "prompt must be a string, a list of strings, a list of token ids or a "
-                   "list of token-id lists", "prompt", "invalid_value")
+    raise APIError(
+        400,
+        "prompt must be a string, a list of strings, a list of token ids or a "
+        "list of token-id lists",
+        "prompt",
+        "invalid_value",
+    )
 
 
 @bp.post("/v1/completions")
@@ -422,12 +535,14 @@ async def completions() -> Response:
     created = int(time.time())
     usage = UsageCounter(req.n, len(sub.ids))
     text_of = st.token_text
-    echo_text = [st.tokenizer.decode(prompts[i // req.n]) if req.echo else ""
-                 for i in range(len(sub.ids))]
+    echo_text = [
+        st.tokenizer.decode(prompts[i // req.n]) if req.echo else "" for i in range(len(sub.ids))
+    ]
     builders = [CompletionLogprobsBuilder(text_of) for _ in sub.ids]
 
-    def choice_logprobs(i: int, out_ids: list[int], entries: list[Logprob],
-                        prompt_lp: list[Logprob | None] | None):
+    def choice_logprobs(
+        i: int, out_ids: list[int], entries: list[Logprob], prompt_lp: list[Logprob | None] | None
+    ):
         if req.logprobs is None:
             return None
         ids, lps = list(out_ids), list(entries)
@@ -450,18 +565,32 @@ async def completions() -> Response:
                     text = echo_text[i] + text
                     prompt_lp = out.prompt_logprobs
                 if text or out.finished or (req.logprobs is not None and out.logprobs):
-                    yield sse.event(CompletionResponse(
-                        id=sub.base, created=created, model=model,
-                        choices=[CompletionChoice(
-                            i, text, out.finish_reason,
-                            choice_logprobs(i, out.new_token_ids, out.logprobs, prompt_lp),
-                            prompt_logprobs(out.prompt_logprobs, text_of)
-                            if out.prompt_logprobs is not None and req.prompt_logprobs is not None
-                            else None)],
-                        usage=usage.usage() if continuous else None))
+                    yield sse.event(
+                        CompletionResponse(
+                            id=sub.base,
+                            created=created,
+                            model=model,
+                            choices=[
+                                CompletionChoice(
+                                    i,
+                                    text,
+                                    out.finish_reason,
+                                    choice_logprobs(i, out.new_token_ids, out.logprobs, prompt_lp),
+                                    prompt_logprobs(out.prompt_logprobs, text_of)
+                                    if out.prompt_logprobs is not None
+                                    and req.prompt_logprobs is not None
+                                    else None,
+                                )
+                            ],
+                            usage=usage.usage() if continuous else None,
+                        )
+                    )
             if want_usage:
-                yield sse.event(CompletionResponse(id=sub.base, created=created, model=model,
-                                                   choices=[], usage=usage.usage()))
+                yield sse.event(
+                    CompletionResponse(
+                        id=sub.base, created=created, model=model, choices=[], usage=usage.usage()
+                    )
+                )
             yield sse.DONE
 
         return stream_response(events(), sub)
@@ -470,10 +599,19 @@ async def completions() -> Response:
     choices = []
     for i in range(len(sub.ids)):
         plp = got.prompt_logprobs[i]
-        choices.append(CompletionChoice(
-            i, echo_text[i] + "".join(got.text[i]), got.finish[i],
-            choice_logprobs(i, got.token_ids[i], got.logprobs[i], plp),
-            prompt_logprobs(plp, text_of) if plp is not None and req.prompt_logprobs is not None
-            else None))
-    return json_response(CompletionResponse(id=sub.base, created=created, model=model,
-                                            choices=choices, usage=usage.usage()))
+        choices.append(
+            CompletionChoice(
+                i,
+                echo_text[i] + "".join(got.text[i]),
+                got.finish[i],
+                choice_logprobs(i, got.token_ids[i], got.logprobs[i], plp),
+                prompt_logprobs(plp, text_of)
+                if plp is not None and req.prompt_logprobs is not None
+                else None,
+            )
+        )
+    return json_response(
+        CompletionResponse(
+            id=sub.base, created=created, model=model, choices=choices, usage=usage.usage()
+        )
+    )

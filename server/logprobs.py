@@ -20,8 +20,11 @@ from server.protocol import (
 @lru_cache(maxsize=1)
 def _byte_decoder() -> dict[str, int]:
     """The inverse of byte-level BPE's byte -> printable character table (GPT-2's)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
-        list(range(ord("®"), ord("ÿ") + 1))
+    bs = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
     cs = bs[:]
     n = 0
     for b in range(256):
@@ -45,8 +48,12 @@ class TokenText:
             text = self.tokenizer.decode([token_id], skip_special_tokens=False)
             raw = self.tokenizer.convert_ids_to_tokens(token_id)
             table = _byte_decoder()
-            if isinstance(raw, str) and raw and all(c in table for c in raw) and \
-                    token_id not in self.tokenizer.all_special_ids:
+            if (
+                isinstance(raw, str)
+                and raw
+                and all(c in table for c in raw)
+                and token_id not in self.tokenizer.all_special_ids
+            ):
                 data = [table[c] for c in raw]
             else:
                 data = list(text.encode("utf-8"))

@@ -8,12 +8,74 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from core.stats import StepStats
 
-LATENCY_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
-                   5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
-REQUEST_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
-                   60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
-ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
-               7.5, 10.0, 20.0, 40.0, 80.0]
+LATENCY_BUCKETS = [
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+]
+REQUEST_BUCKETS = [
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+]
+ITL_BUCKETS = [
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+]
 
 
 def token_buckets(max_len: int) -> list[float]:
@@ -43,52 +105,74 @@ class Metrics:
 
         def hist(name, doc, buckets):
             return Histogram(p + name, doc, labels, buckets=buckets, registry=reg).labels(
-                model_name)
+                model_name
+            )
 
         tokens = token_buckets(max_model_len)
         self.running = gauge("num_requests_running", "Requests in model execution batches.")
         self.waiting = gauge("num_requests_waiting", "Requests waiting to be processed.")
         self.kv_usage = gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent.")
         self.prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.")
-        self.generation_tokens = counter("generation_tokens",
-                                         "Number of generation tokens processed.")
+        self.generation_tokens = counter(
+            "generation_tokens", "Number of generation tokens processed."
+        )
         self.preemptions = counter("num_preemptions", "Cumulative number of preemptions.")
-        self.prefix_queries = counter("prefix_cache_queries",
-                                      "Prefix cache queries, in terms of number of queried tokens.")
-        self.prefix_hits = counter("prefix_cache_hits",
-                                   "Prefix cache hits, in terms of number of cached tokens.")
-        self._success = Counter(p + "request_success", "Count of successfully processed requests.",
-                                labels + ["finished_reason"], registry=reg)
+        self.prefix_queries = counter(
+            "prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."
+        )
+        self.prefix_hits = counter(
+            "prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."
+        )
+        self._success = Counter(
+            p + "request_success",
+            "Count of successfully processed requests.",
+            labels + ["finished_reason"],
+            registry=reg,
+        )
         self.model_name = model_name
-        self.ttft = hist("time_to_first_token_seconds", "Histogram of time to first token.",
-                         LATENCY_BUCKETS)
-        self.itl = hist("inter_token_latency_seconds", "Histogram of inter-token latency.",
-                        ITL_BUCKETS)
-        self.e2e = hist("e2e_request_latency_seconds", "Histogram of end to end request latency.",
-                        REQUEST_BUCKETS)
-        self.queue = hist("request_queue_time_seconds", "Time spent in the WAITING phase.",
-                          REQUEST_BUCKETS)
-        self.prefill = hist("request_prefill_time_seconds", "Time spent in the PREFILL phase.",
-                            REQUEST_BUCKETS)
-        self.decode = hist("request_decode_time_seconds", "Time spent in the DECODE phase.",
-                           REQUEST_BUCKETS)
-        self.req_prompt = hist("request_prompt_tokens", "Number of prefill tokens processed.",
-                               tokens)
-        self.req_generation = hist("request_generation_tokens",
-                                   "Number of generation tokens processed.", tokens)
-        self.iteration = hist("iteration_tokens_total", "Histogram of number of tokens per "
-                              "engine_step.", [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096,
-                                               8192, 16384])
+        self.ttft = hist(
+            "time_to_first_token_seconds", "Histogram of time to first token.", LATENCY_BUCKETS
+        )
+        self.itl = hist(
+            "inter_token_latency_seconds", "Histogram of inter-token latency.", ITL_BUCKETS
+        )
+        self.e2e = hist(
+            "e2e_request_latency_seconds",
+            "Histogram of end to end request latency.",
+            REQUEST_BUCKETS,
+        )
+        self.queue = hist(
+            "request_queue_time_seconds", "Time spent in the WAITING phase.", REQUEST_BUCKETS
+        )
+        self.prefill = hist(
+            "request_prefill_time_seconds", "Time spent in the PREFILL phase.", REQUEST_BUCKETS
+        )
+        self.decode = hist(
+            "request_decode_time_seconds", "Time spent in the DECODE phase.", REQUEST_BUCKETS
+        )
+        self.req_prompt = hist(
+            "request_prompt_tokens", "Number of prefill tokens processed.", tokens
+        )
+        self.req_generation = hist(
+            "request_generation_tokens", "Number of generation tokens processed.", tokens
+        )
+        self.iteration = hist(
+            "iteration_tokens_total",
+            "Histogram of number of tokens per engine_step.",
+            [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384],
+        )
 
     def publish(self, s: StepStats) -> None:
         self.running.set(s.num_running)
         self.waiting.set(s.num_waiting)
         self.kv_usage.set(s.kv_usage)
-        for counter, value in ((self.prompt_tokens, s.prompt_tokens),
-                               (self.generation_tokens, s.generation_tokens),
-                               (self.preemptions, s.preemptions),
-                               (self.prefix_queries, s.prefix_queries),
-                               (self.prefix_hits, s.prefix_hits)):
+        for counter, value in (
+            (self.prompt_tokens, s.prompt_tokens),
+            (self.generation_tokens, s.generation_tokens),
+            (self.preemptions, s.preemptions),
+            (self.prefix_queries, s.prefix_queries),
+            (self.prefix_hits, s.prefix_hits),
+        ):
             if value:
                 counter.inc(value)
         for v in s.iteration_tokens:

@@ -25,15 +25,39 @@ from server.protocol import (
 
 # path, method, summary, request body Struct, success Struct, streams SSE
 ROUTES: list[tuple[str, str, str, type | None, type, bool]] = [
-    ("/v1/chat/completions", "post", "Create a chat completion", ChatCompletionRequest,
-     ChatCompletionResponse, True),
-    ("/v1/completions", "post", "Create a text completion", CompletionRequest,
-     CompletionResponse, True),
+    (
+        "/v1/chat/completions",
+        "post",
+        "Create a chat completion",
+        ChatCompletionRequest,
+        ChatCompletionResponse,
+        True,
+    ),
+    (
+        "/v1/completions",
+        "post",
+        "Create a text completion",
+        CompletionRequest,
+        CompletionResponse,
+        True,
+    ),
     ("/v1/models", "get", "List the served models", None, ModelList, False),
-    ("/tokenize", "post", "Tokenize a prompt or chat messages", TokenizeRequest,
-     TokenizeResponse, False),
-    ("/detokenize", "post", "Turn token ids back into text", DetokenizeRequest,
-     DetokenizeResponse, False),
+    (
+        "/tokenize",
+        "post",
+        "Tokenize a prompt or chat messages",
+        TokenizeRequest,
+        TokenizeResponse,
+        False,
+    ),
+    (
+        "/detokenize",
+        "post",
+        "Turn token ids back into text",
+        DetokenizeRequest,
+        DetokenizeResponse,
+        False,
+    ),
     ("/version", "get", "The server's version", None, VersionResponse, False),
 ]
 
@@ -43,37 +67,56 @@ def _components() -> tuple[dict[str, Any], dict[str, Any]]:
     types = [t for _, _, _, req, resp, _ in ROUTES for t in (req, resp) if t is not None]
     types += [ChatCompletionChunk, ErrorResponse]
     refs, components = msgspec.json.schema_components(
-        types, ref_template="#/components/schemas/{name}")
+        types, ref_template="#/components/schemas/{name}"
+    )
     return dict(zip((t.__name__ for t in types), refs)), components
 
 
 def openapi_document(version: str) -> dict[str, Any]:
     refs, components = _components()
-    error = {"description": "An OpenAI-style error",
-             "content": {"application/json": {"schema": refs["ErrorResponse"]}}}
+    error = {
+        "description": "An OpenAI-style error",
+        "content": {"application/json": {"schema": refs["ErrorResponse"]}},
+    }
     paths: dict[str, Any] = {}
     for path, method, summary, req, resp, streams in ROUTES:
         content = {"application/json": {"schema": refs[resp.__name__]}}
         if streams:
             content["text/event-stream"] = {
-                "schema": {"type": "string",
-                           "description": "`data: {chunk}` lines, then `data: [DONE]`"}}
+                "schema": {
+                    "type": "string",
+                    "description": "`data: {chunk}` lines, then `data: [DONE]`",
+                }
+            }
         op: dict[str, Any] = {
             "summary": summary,
-            "responses": {"200": {"description": "OK", "content": content},
-                          "400": error, "404": error, "503": error},
+            "responses": {
+                "200": {"description": "OK", "content": content},
+                "400": error,
+                "404": error,
+                "503": error,
+            },
         }
         if req is not None:
-            op["requestBody"] = {"required": True, "content": {
-                "application/json": {"schema": refs[req.__name__]}}}
+            op["requestBody"] = {
+                "required": True,
+                "content": {"application/json": {"schema": refs[req.__name__]}},
+            }
         paths[path] = {method: op}
     for path in ("/health", "/ping"):
-        paths[path] = {"get": {"summary": "200 when the engine is loaded and serving",
-                               "responses": {"200": {"description": "healthy"}, "503": error}}}
+        paths[path] = {
+            "get": {
+                "summary": "200 when the engine is loaded and serving",
+                "responses": {"200": {"description": "healthy"}, "503": error},
+            }
+        }
     return {
         "openapi": "3.1.0",
-        "info": {"title": "weir", "version": version,
-                 "description": "An OpenAI-compatible LLM inference server."},
+        "info": {
+            "title": "weir",
+            "version": version,
+            "description": "An OpenAI-compatible LLM inference server.",
+        },
         "paths": paths,
         "components": {"schemas": components},
     }
@@ -95,7 +138,8 @@ fetch('/openapi.json').then(r => r.json()).then(doc => {
     for (const [method, op] of Object.entries(ops)) {
       const body = op.requestBody ? op.requestBody.content['application/json'].schema.$ref : '';
       html += `<h2><span class="m">${method}</span><code>${esc(path)}</code></h2>` +
-        `<p>${esc(op.summary || '')}</p>` + (body ? `<p>Body: <a href="#${body.split('/').pop()}">` +
+        `<p>${esc(op.summary || '')}</p>` +
+        (body ? `<p>Body: <a href="#${body.split('/').pop()}">` +
         `${body.split('/').pop()}</a></p>` : '');
     }
   }

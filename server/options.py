@@ -27,8 +27,7 @@ class ServerOptions(msgspec.Struct, kw_only=True):
             raise ValueError("--shed-status must be 429 or 503")
         if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
             raise ValueError("--max-waiting-requests must not be negative")
-        for name in ("request_timeout", "drain_timeout", "keep_alive_timeout",
-                     "tcp_user_timeout"):
+        for name in ("request_timeout", "drain_timeout", "keep_alive_timeout", "tcp_user_timeout"):
             v = getattr(self, name)
             if v is not None and v <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive")

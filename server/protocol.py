@@ -60,8 +60,12 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     min_tokens: Annotated[int, Meta(ge=0, le=MAX_TOKENS_BOUND)] = 0
-    logit_bias: Annotated[dict[str, Annotated[float, Meta(ge=-100.0, le=100.0)]],
-                          Meta(max_length=MAX_LOGIT_BIAS)] | None = None
+    logit_bias: (
+        Annotated[
+            dict[str, Annotated[float, Meta(ge=-100.0, le=100.0)]], Meta(max_length=MAX_LOGIT_BIAS)
+        ]
+        | None
+    ) = None
     prompt_logprobs: LogprobCount | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True

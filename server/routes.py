@@ -34,10 +34,16 @@ def weir_version() -> str:
 async def models() -> Response:
     st = state()
     root = str(st.config.model or st.served_names[0]) if st.served_names else None
-    return json_response(ModelList(data=[
-        ModelCard(id=name, created=st.created, root=root, max_model_len=st.max_model_len or None)
-        for name in st.served_names
-    ]))
+    return json_response(
+        ModelList(
+            data=[
+                ModelCard(
+                    id=name, created=st.created, root=root, max_model_len=st.max_model_len or None
+                )
+                for name in st.served_names
+            ]
+        )
+    )
 
 
 @bp.get("/health")
@@ -65,9 +71,14 @@ async def tokenize() -> Response:
     if req.messages is not None:
         if not req.messages:
             raise APIError(400, "messages must not be empty", "messages")
-        ids = chat.render(st.tokenizer, st.chat_template, req.messages,
-                          req.add_generation_prompt and not req.continue_final_message,
-                          req.continue_final_message, req.chat_template_kwargs)
+        ids = chat.render(
+            st.tokenizer,
+            st.chat_template,
+            req.messages,
+            req.add_generation_prompt and not req.continue_final_message,
+            req.continue_final_message,
+            req.chat_template_kwargs,
+        )
     else:
         ids = st.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
     strs = st.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None

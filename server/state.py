@@ -39,6 +39,7 @@ class ServerState:
         if not self.inflight:
             self.idle.set()
             self.idle = trio.Event()
+
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -46,7 +47,9 @@ class ServerState:
         if self.status != "ready":
             return False, self.reason
         if self.engine is None or not self.engine.alive:
-            return False, (self.engine.error if self.engine else None) or "the engine is not running"
+            return False, (
+                self.engine.error if self.engine else None
+            ) or "the engine is not running"
         return True, "ok"
 
     def ready_engine(self) -> Engine:
@@ -61,7 +64,10 @@ class ServerState:
             return self.served_names[0]
         if requested not in self.served_names:
             raise APIError(
-                404, f"The model `{requested}` does not exist. Served models: "
-                f"{', '.join(self.served_names)}", "model", "model_not_found",
+                404,
+                f"The model `{requested}` does not exist. Served models: "
+                f"{', '.join(self.served_names)}",
+                "model",
+                "model_not_found",
             )
         return requested

@@ -108,6 +108,14 @@ class LiveServer:
         self._thread.join(60)
 
 
+def http_status(url: str) -> int | None:
+    """The status of GET url, or None while nothing answers."""
+    try:
+        return httpx.get(url, timeout=2).status_code
+    except httpx.TransportError:
+        return None
+
+
 def wait_for(predicate, timeout: float = 30.0, interval: float = 0.01) -> bool:
     """Poll until predicate() is true or the deadline passes."""
     deadline = time.monotonic() + timeout
@@ -120,9 +128,15 @@ def wait_for(predicate, timeout: float = 30.0, interval: float = 0.01) -> bool:
 
 @pytest.fixture(scope="module")
 def live_server(model_dir):
-    server = LiveServer(EngineConfig(
-        model=str(model_dir("qwen3")), served_model_name=["tiny", "tiny-alias"],
-        max_model_len=512, num_kv_blocks=256, block_size=16, check_integrity=True,
-    )).start()
+    server = LiveServer(
+        EngineConfig(
+            model=str(model_dir("qwen3")),
+            served_model_name=["tiny", "tiny-alias"],
+            max_model_len=512,
+            num_kv_blocks=256,
+            block_size=16,
+            check_integrity=True,
+        )
+    ).start()
     yield server
     server.stop()

@@ -20,9 +20,15 @@ USER = [{"role": "user", "content": "Tell me about the river café 🌊 and the 
 
 @pytest.fixture(scope="module")
 def server(model_dir):
-    s = LiveServer(EngineConfig(
-        model=str(model_dir("qwen3")), served_model_name=["tiny"], max_model_len=512,
-        num_kv_blocks=256, check_integrity=True)).start()
+    s = LiveServer(
+        EngineConfig(
+            model=str(model_dir("qwen3")),
+            served_model_name=["tiny"],
+            max_model_len=512,
+            num_kv_blocks=256,
+            check_integrity=True,
+        )
+    ).start()
     yield s
     s.stop()
 
@@ -53,21 +59,29 @@ def complete(client, **kw):
 # ---------------------------------------------------------------- sampling parameters
 def test_top_k_1_equals_greedy(client):
     greedy = chat(client, temperature=0, max_tokens=16, extra_body={"ignore_eos": True})
-    top1 = chat(client, temperature=1.0, max_tokens=16, seed=5,
-                extra_body={"top_k": 1, "ignore_eos": True})
+    top1 = chat(
+        client, temperature=1.0, max_tokens=16, seed=5, extra_body={"top_k": 1, "ignore_eos": True}
+    )
     assert top1.choices[0].message.content == greedy.choices[0].message.content
 
 
 def test_logit_bias_forces_its_token(client, tok):
     token = tok.encode(" river")[-1]
-    r = complete(client, prompt="hello", max_tokens=5, temperature=1.0,
-                 logit_bias={str(token): 100}, extra_body={"ignore_eos": True})
+    r = complete(
+        client,
+        prompt="hello",
+        max_tokens=5,
+        temperature=1.0,
+        logit_bias={str(token): 100},
+        extra_body={"ignore_eos": True},
+    )
     assert r.choices[0].text == tok.decode([token]) * 5
     banned = complete(client, prompt="hello", max_tokens=1, temperature=0)
     first = tok.encode(banned.choices[0].text)[0] if banned.choices[0].text else None
     if first is not None:
-        again = complete(client, prompt="hello", max_tokens=1, temperature=0,
-                         logit_bias={str(first): -100})
+        again = complete(
+            client, prompt="hello", max_tokens=1, temperature=0, logit_bias={str(first): -100}
+        )
         assert again.choices[0].text != banned.choices[0].text
 
 
@@ -76,8 +90,9 @@ def test_min_tokens_suppresses_eos(client, tok):
     forced = dict(logit_bias={str(eos): 100})
     r = complete(client, prompt="hello", max_tokens=20, temperature=0, **forced)
     assert r.usage.completion_tokens == 1 and r.choices[0].finish_reason == "stop"
-    r = complete(client, prompt="hello", max_tokens=20, temperature=0, **forced,
-                 extra_body={"min_tokens": 6})
+    r = complete(
+        client, prompt="hello", max_tokens=20, temperature=0, **forced, extra_body={"min_tokens": 6}
+    )
     assert r.usage.completion_tokens == 7 and r.choices[0].finish_reason == "stop"
 
 
@@ -94,24 +109,40 @@ def streamed_text(stream, chat_api=True):
 def test_stop_strings_cut_streamed_and_not(client, include):
     base = chat(client, temperature=0, max_tokens=40, extra_body={"ignore_eos": True})
     full = base.choices[0].message.content
-    stop = next(full[i:i + 3] for i in range(6, len(full) - 3)
-                if "\ufffd" not in full[i:i + 3] and full[i:i + 3].strip())
+    stop = next(
+        full[i : i + 3]
+        for i in range(6, len(full) - 3)
+        if "\ufffd" not in full[i : i + 3] and full[i : i + 3].strip()
+    )
     cut = full.index(stop) + (len(stop) if include else 0)
     extra = {"ignore_eos": True, "include_stop_str_in_output": include}
-    r = chat(client, temperature=0, max_tokens=40, stop=[stop, "never-appears-xyz"],
-             extra_body=extra)
+    r = chat(
+        client, temperature=0, max_tokens=40, stop=[stop, "never-appears-xyz"], extra_body=extra
+    )
     assert r.choices[0].message.content == full[:cut]
     assert r.choices[0].finish_reason == "stop"
-    text, finish = streamed_text(chat(client, temperature=0, max_tokens=40, stop=stop,
-                                      stream=True, extra_body=extra))
+    text, finish = streamed_text(
+        chat(client, temperature=0, max_tokens=40, stop=stop, stream=True, extra_body=extra)
+    )
     assert text == full[:cut] and finish == "stop"
-    rc = complete(client, prompt="the river", temperature=0, max_tokens=30,
-                  extra_body={"ignore_eos": True})
+    rc = complete(
+        client, prompt="the river", temperature=0, max_tokens=30, extra_body={"ignore_eos": True}
+    )
     ctext = rc.choices[0].text
-    s2 = next(ctext[i:i + 2] for i in range(3, len(ctext) - 2)
-              if "\ufffd" not in ctext[i:i + 2] and ctext[i:i + 2].strip())
-    stream = complete(client, prompt="the river", temperature=0, max_tokens=30, stop=[s2],
-                      stream=True, extra_body=extra)
+    s2 = next(
+        ctext[i : i + 2]
+        for i in range(3, len(ctext) - 2)
+        if "\ufffd" not in ctext[i : i + 2] and ctext[i : i + 2].strip()
+    )
+    stream = complete(
+        client,
+        prompt="the river",
+        temperature=0,
+        max_tokens=30,
+        stop=[s2],
+        stream=True,
+        extra_body=extra,
+    )
     text, _ = streamed_text(stream, chat_api=False)
     assert text == ctext[: ctext.index(s2) + (len(s2) if include else 0)]
 
@@ -119,16 +150,23 @@ def test_stop_strings_cut_streamed_and_not(client, include):
 def test_streaming_never_shows_half_a_stop_string(server):
     # A stop string that never matches must never be cut across chunks either: the text is held
     # back until it is known not to start the stop string, so no chunk ends with its prefix.
-    body = {"model": "tiny", "messages": USER, "temperature": 0, "max_tokens": 30,
-            "stream": True, "stop": ["zzzq"], "ignore_eos": True}
+    body = {
+        "model": "tiny",
+        "messages": USER,
+        "temperature": 0,
+        "max_tokens": 30,
+        "stream": True,
+        "stop": ["zzzq"],
+        "ignore_eos": True,
+    }
     with httpx.stream("POST", server.url + "/v1/chat/completions", json=body) as r:
-        events = [json.loads(line[6:]) for line in r.iter_lines()
-                  if line.startswith("data: {")]
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
     texts = [e["choices"][0]["delta"].get("content") or "" for e in events]
     joined = "".join(texts)
     assert "zzzq" not in joined
-    plain = httpx.post(server.url + "/v1/chat/completions",
-                       json={**body, "stream": False, "stop": None}).json()
+    plain = httpx.post(
+        server.url + "/v1/chat/completions", json={**body, "stream": False, "stop": None}
+    ).json()
     assert joined == plain["choices"][0]["message"]["content"]
 
 
@@ -137,8 +175,13 @@ def test_same_seed_same_tokens_in_any_batch(client):
     alone = chat(client, **kw).choices[0].message.content
 
     def other(i):
-        return chat(client, temperature=1.0, max_tokens=24, seed=i,
-                    messages=[{"role": "user", "content": f"noise {i} " * (i + 1)}]).id
+        return chat(
+            client,
+            temperature=1.0,
+            max_tokens=24,
+            seed=i,
+            messages=[{"role": "user", "content": f"noise {i} " * (i + 1)}],
+        ).id
 
     with ThreadPoolExecutor(6) as pool:
         futures = [pool.submit(other, i) for i in range(5)]
@@ -149,10 +192,14 @@ def test_same_seed_same_tokens_in_any_batch(client):
 
 
 def test_penalties_change_the_text(client):
-    base = complete(client, prompt="the the the", temperature=0, max_tokens=30,
-                    extra_body={"ignore_eos": True})
-    for extra in ({"frequency_penalty": 2.0}, {"presence_penalty": 2.0},
-                  {"extra_body": {"repetition_penalty": 2.0, "ignore_eos": True}}):
+    base = complete(
+        client, prompt="the the the", temperature=0, max_tokens=30, extra_body={"ignore_eos": True}
+    )
+    for extra in (
+        {"frequency_penalty": 2.0},
+        {"presence_penalty": 2.0},
+        {"extra_body": {"repetition_penalty": 2.0, "ignore_eos": True}},
+    ):
         kw = dict(prompt="the the the", temperature=0, max_tokens=30)
         kw.setdefault("extra_body", {"ignore_eos": True})
         kw.update(extra)
@@ -167,8 +214,14 @@ def hf_model(path):
 
 
 def test_chat_logprobs_shapes_and_values_match_transformers(client, server, tok):
-    r = chat(client, temperature=0, max_tokens=8, logprobs=True, top_logprobs=5,
-             extra_body={"ignore_eos": True})
+    r = chat(
+        client,
+        temperature=0,
+        max_tokens=8,
+        logprobs=True,
+        top_logprobs=5,
+        extra_body={"ignore_eos": True},
+    )
     content = r.choices[0].logprobs.content
     assert len(content) == r.usage.completion_tokens == 8
     for entry in content:
@@ -178,11 +231,12 @@ def test_chat_logprobs_shapes_and_values_match_transformers(client, server, tok)
         assert entry.bytes is not None
     prompt = httpx.post(server.url + "/tokenize", json={"messages": USER}).json()["tokens"]
     hf = hf_model(server.state.config.model)
-    out = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False,
-                      eos_token_id=None, pad_token_id=0)[0]
+    out = hf.generate(
+        torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0
+    )[0]
     with torch.no_grad():
-        logits = hf(out[None, :-1]).logits[0, len(prompt) - 1:]
-    ref = logits.log_softmax(-1).gather(1, out[len(prompt):, None]).squeeze(1)
+        logits = hf(out[None, :-1]).logits[0, len(prompt) - 1 :]
+    ref = logits.log_softmax(-1).gather(1, out[len(prompt) :, None]).squeeze(1)
     got = torch.tensor([e.logprob for e in content])
     torch.testing.assert_close(got, ref, atol=1e-3, rtol=0)
     no = chat(client, max_tokens=2)
@@ -192,35 +246,57 @@ def test_chat_logprobs_shapes_and_values_match_transformers(client, server, tok)
 def test_completion_logprobs_echo_and_prompt_logprobs(client, server, tok):
     prompt = "the river flows"
     ids = tok.encode(prompt)
-    r = complete(client, prompt=prompt, max_tokens=4, temperature=0, logprobs=3,
-                 extra_body={"ignore_eos": True})
+    r = complete(
+        client,
+        prompt=prompt,
+        max_tokens=4,
+        temperature=0,
+        logprobs=3,
+        extra_body={"ignore_eos": True},
+    )
     lp = r.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
     assert all(len(t) <= 3 for t in lp.top_logprobs) and lp.text_offset == sorted(lp.text_offset)
     assert "".join(lp.tokens) == r.choices[0].text
-    echo = complete(client, prompt=prompt, max_tokens=4, temperature=0, logprobs=2, echo=True,
-                    extra_body={"ignore_eos": True})
+    echo = complete(
+        client,
+        prompt=prompt,
+        max_tokens=4,
+        temperature=0,
+        logprobs=2,
+        echo=True,
+        extra_body={"ignore_eos": True},
+    )
     elp = echo.choices[0].logprobs
     assert echo.choices[0].text == prompt + r.choices[0].text
     assert len(elp.tokens) == len(ids) + 4
     assert elp.token_logprobs[0] is None and elp.top_logprobs[0] is None
-    assert elp.token_logprobs[len(ids):] == pytest.approx(lp.token_logprobs, abs=1e-5)
+    assert elp.token_logprobs[len(ids) :] == pytest.approx(lp.token_logprobs, abs=1e-5)
 
     hf = hf_model(server.state.config.model)
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0].log_softmax(-1)
     want = [ref[i - 1, ids[i]].item() for i in range(1, len(ids))]
-    assert elp.token_logprobs[1:len(ids)] == pytest.approx(want, abs=1e-3)
-    raw = httpx.post(server.url + "/v1/completions", json={
-        "model": "tiny", "prompt": ids, "max_tokens": 1, "prompt_logprobs": 2}).json()
+    assert elp.token_logprobs[1 : len(ids)] == pytest.approx(want, abs=1e-3)
+    raw = httpx.post(
+        server.url + "/v1/completions",
+        json={"model": "tiny", "prompt": ids, "max_tokens": 1, "prompt_logprobs": 2},
+    ).json()
     plp = raw["choices"][0]["prompt_logprobs"]
     assert plp[0] is None and len(plp) == len(ids)
     assert plp[1][str(ids[1])]["logprob"] == pytest.approx(want[0], abs=1e-3)
 
 
 def test_streamed_logprobs_and_usage_counts(client):
-    stream = chat(client, temperature=0, max_tokens=10, logprobs=True, stream=True,
-                  stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    stream = chat(
+        client,
+        temperature=0,
+        max_tokens=10,
+        logprobs=True,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
     chunks = list(stream)
     usage_chunks = [c for c in chunks if c.usage is not None]
     assert len(usage_chunks) == 1 and usage_chunks[0] is chunks[-1]
@@ -232,9 +308,16 @@ def test_streamed_logprobs_and_usage_counts(client):
 
 
 def test_continuous_usage_stats(client):
-    chunks = list(chat(client, temperature=0, max_tokens=6, stream=True, extra_body={
-        "ignore_eos": True},
-        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    chunks = list(
+        chat(
+            client,
+            temperature=0,
+            max_tokens=6,
+            stream=True,
+            extra_body={"ignore_eos": True},
+            stream_options={"include_usage": True, "continuous_usage_stats": True},
+        )
+    )
     counts = [c.usage.completion_tokens for c in chunks if c.choices]
     assert counts == sorted(counts) and counts[-1] == 6
     assert all(c.usage is not None for c in chunks)
@@ -244,19 +327,32 @@ def test_continuous_usage_stats(client):
 def test_chat_inputs(client, server):
     history = [
         {"role": "developer", "content": "Be brief."},
-        {"role": "user", "content": [{"type": "text", "text": "part one"},
-                                     {"type": "text", "text": "part two"}], "name": "ann"},
-        {"role": "assistant", "content": None, "tool_calls": [{
-            "id": "c1", "type": "function",
-            "function": {"name": "look", "arguments": "{}"}}]},
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "part one"}, {"type": "text", "text": "part two"}],
+            "name": "ann",
+        },
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "look", "arguments": "{}"}}
+            ],
+        },
         {"role": "tool", "content": "42", "tool_call_id": "c1"},
         {"role": "assistant", "content": "The answer is"},
     ]
-    r = chat(client, messages=history, max_tokens=3,
-             extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    r = chat(
+        client,
+        messages=history,
+        max_tokens=3,
+        extra_body={"continue_final_message": True, "add_generation_prompt": False},
+    )
     assert r.choices[0].message.content is not None
-    tokens = httpx.post(server.url + "/tokenize", json={
-        "messages": history, "continue_final_message": True, "add_generation_prompt": False})
+    tokens = httpx.post(
+        server.url + "/tokenize",
+        json={"messages": history, "continue_final_message": True, "add_generation_prompt": False},
+    )
     assert tokens.json()["count"] == r.usage.prompt_tokens
     r = chat(client, max_tokens=2, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     assert r.choices[0].finish_reason is not None
@@ -277,15 +373,17 @@ def test_chat_template_override_and_missing_template(model_dir, tmp_path):
     for tpl, status in ((None, 400), (str(template), 200)):
         s = LiveServer(EngineConfig(model=str(bare), num_kv_blocks=32, chat_template=tpl)).start()
         try:
-            r = httpx.post(s.url + "/v1/chat/completions",
-                           json={"messages": [{"role": "user", "content": "hi"}],
-                                 "max_tokens": 2})
+            r = httpx.post(
+                s.url + "/v1/chat/completions",
+                json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+            )
             assert r.status_code == status, r.text
             if status == 400:
                 assert r.json()["error"]["code"] == "no_chat_template"
             else:
-                count = httpx.post(s.url + "/tokenize", json={
-                    "messages": [{"role": "user", "content": "hi"}]}).json()["count"]
+                count = httpx.post(
+                    s.url + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}
+                ).json()["count"]
                 assert count == len(s.state.tokenizer.encode("<<hi>>", add_special_tokens=False))
         finally:
             s.stop()
@@ -322,8 +420,9 @@ def test_tokenize_detokenize_round_trip(server, client):
     m = httpx.post(server.url + "/tokenize", json={"messages": USER}).json()
     r = chat(client, max_tokens=1)
     assert m["count"] == r.usage.prompt_tokens
-    strs = httpx.post(server.url + "/tokenize",
-                      json={"prompt": "hi there", "return_token_strs": True}).json()
+    strs = httpx.post(
+        server.url + "/tokenize", json={"prompt": "hi there", "return_token_strs": True}
+    ).json()
     assert len(strs["token_strs"]) == strs["count"]
 
 
@@ -336,18 +435,24 @@ def test_version_openapi_docs_and_request_id(server):
     schema = doc["components"]["schemas"]["ChatCompletionRequest"]
     assert "messages" in schema["required"] and "top_logprobs" in schema["properties"]
     assert "openapi.json" in httpx.get(server.url + "/docs").text
-    r = httpx.post(server.url + "/v1/chat/completions", headers={"X-Request-Id": "my-id-123"},
-                   json={"messages": USER, "max_tokens": 2})
+    r = httpx.post(
+        server.url + "/v1/chat/completions",
+        headers={"X-Request-Id": "my-id-123"},
+        json={"messages": USER, "max_tokens": 2},
+    )
     assert r.headers["X-Request-Id"] == "my-id-123" and r.json()["id"] == "my-id-123"
     assert httpx.get(server.url + "/ping").status_code == 200
 
 
 def test_oversized_body_gets_413(model_dir):
-    s = LiveServer(EngineConfig(model=str(model_dir("qwen3")), num_kv_blocks=32),
-                   max_body_bytes=2048).start()
+    s = LiveServer(
+        EngineConfig(model=str(model_dir("qwen3")), num_kv_blocks=32), max_body_bytes=2048
+    ).start()
     try:
-        r = httpx.post(s.url + "/v1/chat/completions",
-                       json={"messages": [{"role": "user", "content": "x" * 5000}]})
+        r = httpx.post(
+            s.url + "/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": "x" * 5000}]},
+        )
         assert r.status_code == 413 and r.json()["error"]["message"]
         assert httpx.get(s.url + "/health").status_code == 200
     finally:
@@ -390,7 +495,7 @@ BAD = [  # (route, body, status, param)
     ("chat", {"messages": M, "stop": [""]}, 400, "stop"),
     ("chat", {"messages": M, "stop": ["a"] * 20}, 400, "stop"),
     ("chat", {"messages": M, "stop_token_ids": [-1]}, 400, "stop_token_ids"),
-    ("chat", {"messages": M, "stop_token_ids": [10 ** 8]}, 400, "stop_token_ids"),
+    ("chat", {"messages": M, "stop_token_ids": [10**8]}, 400, "stop_token_ids"),
     ("chat", {"messages": M, "min_tokens": 50, "max_tokens": 10}, 400, "min_tokens"),
     ("chat", {"messages": M, "stream": "yes"}, 400, "stream"),
     ("chat", {"messages": M, "stream_options": {"include_usage": True}}, 400, "stream_options"),
@@ -399,12 +504,16 @@ BAD = [  # (route, body, status, param)
     ("chat", {"messages": M, "prompt_logprobs": 99}, 400, "prompt_logprobs"),
     ("chat", {"messages": [{"role": "user", "content": "word " * 600}]}, 400, "messages"),
     ("chat", {"messages": M, "continue_final_message": True}, 400, "continue_final_message"),
-    ("chat", {"messages": M, "chat_template_kwargs": {"messages": []}}, 400,
-     "chat_template_kwargs"),
+    (
+        "chat",
+        {"messages": M, "chat_template_kwargs": {"messages": []}},
+        400,
+        "chat_template_kwargs",
+    ),
     ("completions", {}, 400, "prompt"),
     ("completions", {"prompt": []}, 400, "prompt"),
     ("completions", {"prompt": [1, "a"]}, 400, "prompt"),
-    ("completions", {"prompt": [10 ** 9]}, 400, "prompt"),
+    ("completions", {"prompt": [10**9]}, 400, "prompt"),
     ("completions", {"prompt": "hi", "logprobs": 21}, 400, "logprobs"),
     ("completions", {"prompt": "hi", "echo": 3}, 400, "echo"),
     ("completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
@@ -412,11 +521,15 @@ BAD = [  # (route, body, status, param)
     ("tokenize", {"prompt": "a", "messages": M}, 400, "prompt"),
     ("tokenize", {"prompt": 5}, 400, "prompt"),
     ("detokenize", {}, 400, "tokens"),
-    ("detokenize", {"tokens": [10 ** 9]}, 400, "tokens"),
+    ("detokenize", {"tokens": [10**9]}, 400, "tokens"),
     ("detokenize", {"tokens": ["a"]}, 400, "tokens"),
 ]
-ROUTES = {"chat": "/v1/chat/completions", "completions": "/v1/completions",
-          "tokenize": "/tokenize", "detokenize": "/detokenize"}
+ROUTES = {
+    "chat": "/v1/chat/completions",
+    "completions": "/v1/completions",
+    "tokenize": "/tokenize",
+    "detokenize": "/detokenize",
+}
 
 
 @pytest.mark.parametrize("route,body,status,param", BAD)

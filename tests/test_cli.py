@@ -5,36 +5,57 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 
-import httpx
 import openai
 
 from server.cli import build_parser, config_from_args
-from tests.conftest import free_port
+from tests.conftest import free_port, http_status, wait_for
 
 
 def test_flags_map_to_engine_config():
-    args = build_parser().parse_args([
-        "serve", "some/model", "--port", "9000", "--max-num-seqs", "4",
-        "--max-num-batched-tokens", "128", "--num-kv-blocks", "99", "--dtype", "bfloat16",
-        "--served-model-name", "a", "b",
-    ])
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "some/model",
+            "--port",
+            "9000",
+            "--max-num-seqs",
+            "4",
+            "--max-num-batched-tokens",
+            "128",
+            "--num-kv-blocks",
+            "99",
+            "--dtype",
+            "bfloat16",
+            "--served-model-name",
+            "a",
+            "b",
+        ]
+    )
     config = config_from_args(args)
     assert args.port == 9000
     assert config.model == "some/model" and config.served_model_name == ["a", "b"]
-    assert (config.max_num_seqs, config.max_num_batched_tokens, config.num_kv_blocks) == (4, 128, 99)
+    assert (config.max_num_seqs, config.max_num_batched_tokens, config.num_kv_blocks) == (
+        4,
+        128,
+        99,
+    )
     assert config.dtype == "bfloat16"
     assert config.enable_prefix_caching and config.scheduling_policy == "fcfs"
-    off = config_from_args(build_parser().parse_args(
-        ["serve", "--no-enable-prefix-caching", "--scheduling-policy", "priority"]))
+    off = config_from_args(
+        build_parser().parse_args(
+            ["serve", "--no-enable-prefix-caching", "--scheduling-policy", "priority"]
+        )
+    )
     assert not off.enable_prefix_caching and off.scheduling_policy == "priority"
     assert config_from_args(build_parser().parse_args(["serve"])).model is None
 
 
 def test_core_never_imports_torch():
-    code = ("import sys, core.engine, core.engine_core, core.scheduler, core.detokenizer, "
-            "core.outputs, core.config; assert 'torch' not in sys.modules, 'torch imported'")
+    code = (
+        "import sys, core.engine, core.engine_core, core.scheduler, core.detokenizer, "
+        "core.outputs, core.config; assert 'torch' not in sys.modules, 'torch imported'"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -43,24 +64,24 @@ def test_serve_builtin_tiny_model_with_openai_sdk(tmp_path):
     env = dict(os.environ, WEIR_CACHE=str(tmp_path / "cache"))
     proc = subprocess.Popen(
         [sys.executable, "-m", "server", "serve", "--port", str(port), "--num-kv-blocks", "256"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, proc.stdout.read().decode()
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
+        assert wait_for(
+            lambda: proc.poll() is not None or http_status(url + "/health") == 200, timeout=120
+        )
+        assert proc.poll() is None, proc.stdout.read().decode()
         client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
         assert [m.id for m in client.models.list().data] == ["weir-tiny"]
         stream = client.chat.completions.create(
-            model="weir-tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=8,
-            stream=True)
+            model="weir-tiny",
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=8,
+            stream=True,
+        )
         chunks = list(stream)
         assert chunks[0].choices[0].delta.role == "assistant"
         assert chunks[-1].choices[0].finish_reason in ("stop", "length")
@@ -74,9 +95,18 @@ def test_serve_builtin_tiny_model_with_openai_sdk(tmp_path):
 
 def test_unloadable_model_exits_nonzero(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "server", "serve", str(tmp_path / "missing"), "--port",
-         str(free_port())],
-        capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "server",
+            "serve",
+            str(tmp_path / "missing"),
+            "--port",
+            str(free_port()),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 1
     assert "does not exist" in proc.stderr

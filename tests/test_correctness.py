@@ -45,17 +45,25 @@ def reference(arch: str, path, prompts: list[list[int]]) -> list[list[int]]:
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         outs = []
         for ids in prompts:
-            gen = hf.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False,
-                              eos_token_id=None, pad_token_id=0)
-            outs.append(gen[0, len(ids):].tolist())
+            gen = hf.generate(
+                torch.tensor([ids]),
+                max_new_tokens=MAX_TOKENS,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+            outs.append(gen[0, len(ids) :].tolist())
         _reference[arch] = outs
     return _reference[arch]
 
 
 def run_all(core, prompts):
     for i, ids in enumerate(prompts):
-        core.add(EngineRequest(str(i), ids, SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
-                                                           ignore_eos=True)))
+        core.add(
+            EngineRequest(
+                str(i), ids, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+            )
+        )
     got = {str(i): [] for i in range(len(prompts))}
     steps = 0
     while core.has_work:
@@ -70,8 +78,9 @@ def run_all(core, prompts):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_matches_transformers(arch, pool, model_dir):
     path = model_dir(arch)
-    loaded = load(EngineConfig(model=str(path), dtype="float32", check_integrity=True,
-                               **POOLS[pool]))
+    loaded = load(
+        EngineConfig(model=str(path), dtype="float32", check_integrity=True, **POOLS[pool])
+    )
     core = loaded.core
     prompts = [loaded.tokenizer.encode(p) for p in PROMPTS]
     assert len({len(p) for p in prompts}) >= 8  # prompts of different lengths
@@ -103,7 +112,7 @@ def test_logits_match_transformers(arch, model_dir):
 
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():
-        theirs = hf(torch.tensor([ids + outputs[:-1]])).logits[0, len(ids) - 1:]
+        theirs = hf(torch.tensor([ids + outputs[:-1]])).logits[0, len(ids) - 1 :]
     # First row: logits after the prefill; the rest after each decode step through the cache.
     torch.testing.assert_close(torch.stack(ours), theirs, atol=1e-4, rtol=1e-4)
 
@@ -112,8 +121,15 @@ def test_logits_match_transformers(arch, model_dir):
 def test_greedy_matches_transformers_with_triton_backend(arch, model_dir):
     """The same check through the Triton kernels (compiled on CUDA, interpreted on CPU)."""
     path = model_dir(arch)
-    loaded = load(EngineConfig(model=str(path), dtype="float32", check_integrity=True,
-                               attention_backend="triton", **POOLS["tight"]))
+    loaded = load(
+        EngineConfig(
+            model=str(path),
+            dtype="float32",
+            check_integrity=True,
+            attention_backend="triton",
+            **POOLS["tight"],
+        )
+    )
     assert loaded.core.runner.backend.name == "triton"
     prompts = [loaded.tokenizer.encode(p) for p in PROMPTS]
     got, _ = run_all(loaded.core, prompts)

@@ -27,12 +27,18 @@ BASE = {
     "/detokenize": {"tokens": [5, 6]},
 }
 
-json_scalars = (st.none() | st.booleans() | st.integers(-(2**70), 2**70)
-                | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=12))
+json_scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text(max_size=12)
+)
 json_values = st.recursive(
     json_scalars,
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
-                                                                max_size=4),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
     max_leaves=12,
 )
 
@@ -48,7 +54,10 @@ def typed_values(schema: dict, components: dict) -> st.SearchStrategy:
         t = s.get("type")
         if t == "integer":
             lo, hi = s.get("minimum", -(2**40)), s.get("maximum", 2**40)
-            options += [st.integers(lo, min(hi, lo + 64)), st.sampled_from([lo - 1, lo, hi, hi + 1])]
+            options += [
+                st.integers(lo, min(hi, lo + 64)),
+                st.sampled_from([lo - 1, lo, hi, hi + 1]),
+            ]
         elif t == "number":
             options.append(st.floats(s.get("minimum", -1e6) - 1, s.get("maximum", 1e6) + 1))
         elif t == "boolean":
@@ -62,8 +71,14 @@ def typed_values(schema: dict, components: dict) -> st.SearchStrategy:
 
 @pytest.fixture(scope="module")
 def server(model_dir):
-    s = LiveServer(EngineConfig(model=str(model_dir("qwen3")), max_model_len=256,
-                                num_kv_blocks=512, check_integrity=True)).start()
+    s = LiveServer(
+        EngineConfig(
+            model=str(model_dir("qwen3")),
+            max_model_len=256,
+            num_kv_blocks=512,
+            check_integrity=True,
+        )
+    ).start()
     yield s
     s.stop()
 
@@ -72,19 +87,21 @@ def body_strategy(path: str, doc: dict) -> st.SearchStrategy:
     components = doc["components"]["schemas"]
     ref = doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
     props = components[ref["$ref"].split("/")[-1]]["properties"]
-    mutated = st.fixed_dictionaries({}, optional={
-        name: typed_values(schema, components) for name, schema in props.items()
-    }).map(lambda changes: {**BASE[path], **changes})
+    mutated = st.fixed_dictionaries(
+        {}, optional={name: typed_values(schema, components) for name, schema in props.items()}
+    ).map(lambda changes: {**BASE[path], **changes})
     dropped = st.sets(st.sampled_from(sorted(BASE[path]))).map(
-        lambda drop: {k: v for k, v in BASE[path].items() if k not in drop})
+        lambda drop: {k: v for k, v in BASE[path].items() if k not in drop}
+    )
     return st.one_of(mutated, mutated, dropped, json_values)
 
 
 def check(server, path: str, body) -> None:
     data = json.dumps(body).encode()  # may hold NaN/Infinity: not JSON, must still be a 400
     with httpx.Client(timeout=60) as client:
-        with client.stream("POST", server.url + path, content=data,
-                           headers={"content-type": "application/json"}) as r:
+        with client.stream(
+            "POST", server.url + path, content=data, headers={"content-type": "application/json"}
+        ) as r:
             raw = r.read()
     assert r.status_code < 500, (path, body, raw[:500])
     if r.status_code >= 400:
@@ -100,8 +117,9 @@ def test_fuzz_route(server, path):
     doc = httpx.get(server.url + "/openapi.json").json()
     assert path in doc["paths"]
 
-    @settings(max_examples=EXAMPLES, deadline=None, database=None,
-              suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=EXAMPLES, deadline=None, database=None, suppress_health_check=list(HealthCheck)
+    )
     @given(body_strategy(path, doc))
     def run(body):
         check(server, path, body)
@@ -109,5 +127,9 @@ def test_fuzz_route(server, path):
     run()
     assert httpx.get(server.url + "/health").status_code == 200
     engine = server.engine
-    assert wait_for(lambda: engine.stats["num_free_blocks"] == engine.core.kv.num_blocks
-                    and not engine.core.requests)
+    assert wait_for(
+        lambda: (
+            engine.stats["num_free_blocks"] == engine.core.kv.num_blocks
+            and not engine.core.requests
+        )
+    )

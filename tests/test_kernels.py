@@ -32,8 +32,9 @@ def make_batch(specs, block_size, num_heads, num_kv_heads, head_dim, dtype, seed
         seq_lens.append(q + c)
     width = max(len(t) for t in tables)
     tables = [t + [0] * (width - len(t)) for t in tables]
-    meta = AttentionMetadata.build(slots, tables, query_lens, seq_lens,
-                                   lambda d, dt: torch.tensor(d, dtype=dt, device=DEVICE))
+    meta = AttentionMetadata.build(
+        slots, tables, query_lens, seq_lens, lambda d, dt: torch.tensor(d, dtype=dt, device=DEVICE)
+    )
     shape = (total_blocks, block_size, num_kv_heads, head_dim)
     k_cache = torch.randn(shape, generator=g).to(DEVICE, dtype)
     v_cache = torch.randn(shape, generator=g).to(DEVICE, dtype)
@@ -67,7 +68,9 @@ CASES = [  # head_dim, query heads, kv heads (GQA 1/4/8), block size, dtype
 
 @pytest.mark.parametrize("head_dim,heads,kv_heads,bs,dtype", CASES)
 def test_attention_matches_reference(head_dim, heads, kv_heads, bs, dtype):
-    query, k_cache, v_cache, meta = make_batch(batch_specs(bs), bs, heads, kv_heads, head_dim, dtype)
+    query, k_cache, v_cache, meta = make_batch(
+        batch_specs(bs), bs, heads, kv_heads, head_dim, dtype
+    )
     scale = head_dim**-0.5
     want = TorchAttention().forward(query.float(), k_cache.float(), v_cache.float(), meta, scale)
     got = TritonAttention().forward(query, k_cache, v_cache, meta, scale)
@@ -89,9 +92,19 @@ def test_split_kv_decode_matches_reference(splits):
     query, k_cache, v_cache, meta = make_batch(specs, 16, 8, 2, 64, torch.float32, seed=3)
     want = TorchAttention().forward(query, k_cache, v_cache, meta, 0.125)
     got = torch.full_like(query, float("nan"))
-    decode_attention(got, query, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
-                     meta.seq_lens, meta.decode_seq_ids, meta.max_decode_seq_len, 0.125,
-                     num_splits=splits)
+    decode_attention(
+        got,
+        query,
+        k_cache,
+        v_cache,
+        meta.block_tables,
+        meta.query_start_loc,
+        meta.seq_lens,
+        meta.decode_seq_ids,
+        meta.max_decode_seq_len,
+        0.125,
+        num_splits=splits,
+    )
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
@@ -117,12 +130,31 @@ def test_store_kv_matches_reference_and_skips_padding(dtype):
 def test_wrappers_reject_bad_inputs():
     query, k_cache, v_cache, meta = make_batch([(1, 5)], 16, 4, 2, 64, torch.float32)
     with pytest.raises(ValueError, match="multiple"):
-        decode_attention(torch.empty(1, 3, 64), torch.empty(1, 3, 64), k_cache, v_cache,
-                         meta.block_tables, meta.query_start_loc, meta.seq_lens,
-                         meta.decode_seq_ids, 6, 0.1)
+        decode_attention(
+            torch.empty(1, 3, 64),
+            torch.empty(1, 3, 64),
+            k_cache,
+            v_cache,
+            meta.block_tables,
+            meta.query_start_loc,
+            meta.seq_lens,
+            meta.decode_seq_ids,
+            6,
+            0.1,
+        )
     with pytest.raises(ValueError, match="dtype"):
-        decode_attention(query, query.half(), k_cache, v_cache, meta.block_tables,
-                         meta.query_start_loc, meta.seq_lens, meta.decode_seq_ids, 6, 0.1)
+        decode_attention(
+            query,
+            query.half(),
+            k_cache,
+            v_cache,
+            meta.block_tables,
+            meta.query_start_loc,
+            meta.seq_lens,
+            meta.decode_seq_ids,
+            6,
+            0.1,
+        )
     with pytest.raises(ValueError, match="slot_mapping"):
         store_kv(query[:, :2], query[:, :2], k_cache, v_cache, torch.zeros(5, dtype=torch.int64))
 
@@ -136,9 +168,15 @@ def test_kernels_compile_for_the_h200_without_a_gpu(tmp_path):
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path)  # compile for real, not from a cache
-    proc = subprocess.run([sys.executable, "-m", "gpu.kernels.aot", "--arch", "90"], env=env,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "gpu.kernels.aot", "--arch", "90"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [line for line in proc.stdout.splitlines() if line.startswith("sm_90")]
-    assert len(lines) == 7 and all("cubin" in line and not line.endswith(" 0 bytes")
-                                   for line in lines)
+    assert len(lines) == 7 and all(
+        "cubin" in line and not line.endswith(" 0 bytes") for line in lines
+    )

@@ -19,7 +19,12 @@ def test_generate_matches_the_engine_and_keeps_order(model_dir):
     again = llm.generate("hello", params, use_tqdm=False)[0]
     assert again.outputs[0].token_ids == outs[0].outputs[0].token_ids
     assert again.num_cached_tokens == 0  # "hello" is shorter than a block
-    per = llm.generate(["a", "b"], [SamplingParams(max_tokens=2, ignore_eos=True),
-                                    SamplingParams(max_tokens=5, ignore_eos=True)],
-                       use_tqdm=False)
+    per = llm.generate(
+        ["a", "b"],
+        [
+            SamplingParams(max_tokens=2, ignore_eos=True),
+            SamplingParams(max_tokens=5, ignore_eos=True),
+        ],
+        use_tqdm=False,
+    )
     assert [len(o.outputs[0].token_ids) for o in per] == [2, 5]

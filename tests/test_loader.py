@@ -28,9 +28,10 @@ def hf_greedy(path, ids, n=8):
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    g = hf.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None,
-                    pad_token_id=0)
-    return g[0, len(ids):].tolist()
+    g = hf.generate(
+        torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
+    return g[0, len(ids) :].tolist()
 
 
 def test_sharded_checkpoint_loads_and_matches(model_dir):
@@ -43,9 +44,17 @@ def test_sharded_checkpoint_loads_and_matches(model_dir):
 
 
 def test_untied_head_and_llama3_rope_scaling(model_dir):
-    path = model_dir("llama", tie_word_embeddings=False, rope_scaling={
-        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 64})
+    path = model_dir(
+        "llama",
+        tie_word_embeddings=False,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    )
     assert not load_config(path).tie_word_embeddings
     loaded = load(EngineConfig(model=str(path), num_kv_blocks=32))
     assert hasattr(loaded.core.runner.model, "lm_head")
@@ -94,8 +103,9 @@ def test_missing_model_is_a_clear_error(tmp_path):
 def test_mistral_sliding_window_matches_transformers(model_dir):
     path = model_dir("mistral", sliding_window=8)
     for backend in ("torch", "triton"):
-        loaded = load(EngineConfig(model=str(path), num_kv_blocks=32, block_size=4,
-                                   attention_backend=backend))
+        loaded = load(
+            EngineConfig(model=str(path), num_kv_blocks=32, block_size=4, attention_backend=backend)
+        )
         assert loaded.core.runner.model.spec.sliding_window == 8
         ids = loaded.tokenizer.encode("the river flows over the stone and under the bridge")
         assert len(ids) > 8  # long enough that the window cuts

@@ -3,7 +3,6 @@ graceful drain on SIGTERM, and clients that stop reading."""
 
 from __future__ import annotations
 
-import os
 import re
 import signal
 import socket
@@ -17,7 +16,7 @@ import httpx
 import pytest
 
 from core.config import EngineConfig
-from tests.conftest import LiveServer, free_port, wait_for
+from tests.conftest import LiveServer, free_port, http_status, wait_for
 
 USER = [{"role": "user", "content": "Tell me about the river"}]
 
@@ -46,24 +45,32 @@ def tiny(model_dir):
 
 
 def test_metrics_count_a_known_workload(tiny):
-    server = LiveServer(EngineConfig(model=tiny, served_model_name=["m"], num_kv_blocks=128),
-                        metrics_prefix="vllm").start()
+    server = LiveServer(
+        EngineConfig(model=tiny, served_model_name=["m"], num_kv_blocks=128), metrics_prefix="vllm"
+    ).start()
     try:
         url = server.url
         prompts = [[11, 12, 13], [14, 15, 16, 17, 18], [19] * 9]
         for ids in prompts:
-            r = httpx.post(url + "/v1/completions", json={
-                "prompt": ids, "max_tokens": 6, "ignore_eos": True, "temperature": 0})
+            r = httpx.post(
+                url + "/v1/completions",
+                json={"prompt": ids, "max_tokens": 6, "ignore_eos": True, "temperature": 0},
+            )
             assert r.json()["usage"]["completion_tokens"] == 6
         text = httpx.get(url + "/metrics").text
         assert 'model_name="m"' in text
         assert metric(text, "vllm:prompt_tokens_total") == sum(map(len, prompts))
         assert metric(text, "vllm:generation_tokens_total") == 18
         assert metric(text, "vllm:request_success_total", finished_reason="length") == 3
-        for h in ("time_to_first_token_seconds", "e2e_request_latency_seconds",
-                  "request_queue_time_seconds", "request_prefill_time_seconds",
-                  "request_decode_time_seconds", "request_prompt_tokens",
-                  "request_generation_tokens"):
+        for h in (
+            "time_to_first_token_seconds",
+            "e2e_request_latency_seconds",
+            "request_queue_time_seconds",
+            "request_prefill_time_seconds",
+            "request_decode_time_seconds",
+            "request_prompt_tokens",
+            "request_generation_tokens",
+        ):
             assert metric(text, f"vllm:{h}_count") == 3, h
         assert metric(text, "vllm:request_generation_tokens_sum") == 18
         assert metric(text, "vllm:inter_token_latency_seconds_count") == 15
@@ -85,8 +92,10 @@ def test_metrics_count_a_known_workload(tiny):
 
         def settled() -> bool:
             t = httpx.get(url + "/metrics").text
-            return all(metric(t, f"vllm:{g}") == 0 for g in (
-                "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"))
+            return all(
+                metric(t, f"vllm:{g}") == 0
+                for g in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")
+            )
 
         assert wait_for(settled)
         text = httpx.get(url + "/metrics").text
@@ -109,70 +118,88 @@ def test_health_is_503_while_loading(tiny, monkeypatch):
     server = LiveServer(EngineConfig(model=tiny, num_kv_blocks=32))
     server._thread.start()
     try:
-        assert wait_for(lambda: _status(server.url + "/health") == 503)
+        assert wait_for(lambda: http_status(server.url + "/health") == 503)
         r = httpx.get(server.url + "/health")
         assert "loading" in r.json()["error"]["message"]
-        assert httpx.post(server.url + "/v1/completions",
-                          json={"prompt": "hi"}).status_code == 503
+        assert httpx.post(server.url + "/v1/completions", json={"prompt": "hi"}).status_code == 503
         release.set()
-        assert wait_for(lambda: _status(server.url + "/health") == 200)
+        assert wait_for(lambda: http_status(server.url + "/health") == 200)
     finally:
         release.set()
         server.stop()
 
 
-def _status(url: str) -> int | None:
-    try:
-        return httpx.get(url, timeout=2).status_code
-    except httpx.TransportError:
-        return None
-
-
 def test_auth_and_cors(tiny):
-    server = LiveServer(EngineConfig(model=tiny, served_model_name=["m"], num_kv_blocks=32),
-                        api_key="sekrit", allowed_origins=["https://app.example"]).start()
+    server = LiveServer(
+        EngineConfig(model=tiny, served_model_name=["m"], num_kv_blocks=32),
+        api_key="sekrit",
+        allowed_origins=["https://app.example"],
+    ).start()
     try:
         url = server.url
-        protected = [("GET", "/v1/models", None),
-                     ("POST", "/v1/completions", {"prompt": "hi", "max_tokens": 1}),
-                     ("POST", "/v1/chat/completions", {"messages": USER, "max_tokens": 1}),
-                     ("POST", "/tokenize", {"prompt": "hi"}),
-                     ("POST", "/detokenize", {"tokens": [5]})]
+        protected = [
+            ("GET", "/v1/models", None),
+            ("POST", "/v1/completions", {"prompt": "hi", "max_tokens": 1}),
+            ("POST", "/v1/chat/completions", {"messages": USER, "max_tokens": 1}),
+            ("POST", "/tokenize", {"prompt": "hi"}),
+            ("POST", "/detokenize", {"tokens": [5]}),
+        ]
         for method, path, body in protected:
             for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekrit"}):
                 r = httpx.request(method, url + path, json=body, headers=headers)
                 assert r.status_code == 401, (path, headers)
                 assert r.json()["error"]["code"] == "invalid_api_key"
-            r = httpx.request(method, url + path, json=body,
-                              headers={"Authorization": "Bearer sekrit"})
+            r = httpx.request(
+                method, url + path, json=body, headers={"Authorization": "Bearer sekrit"}
+            )
             assert r.status_code == 200, (path, r.text)
         for path in ("/health", "/ping", "/metrics", "/version"):
             assert httpx.get(url + path).status_code == 200, path
-        pre = httpx.options(url + "/v1/chat/completions", headers={
-            "Origin": "https://app.example", "Access-Control-Request-Method": "POST",
-            "Access-Control-Request-Headers": "authorization, content-type"})
+        pre = httpx.options(
+            url + "/v1/chat/completions",
+            headers={
+                "Origin": "https://app.example",
+                "Access-Control-Request-Method": "POST",
+                "Access-Control-Request-Headers": "authorization, content-type",
+            },
+        )
         assert pre.status_code == 204
         assert pre.headers["Access-Control-Allow-Origin"] == "https://app.example"
         assert "authorization" in pre.headers["Access-Control-Allow-Headers"]
-        bad = httpx.options(url + "/v1/chat/completions", headers={
-            "Origin": "https://evil.example", "Access-Control-Request-Method": "POST"})
+        bad = httpx.options(
+            url + "/v1/chat/completions",
+            headers={"Origin": "https://evil.example", "Access-Control-Request-Method": "POST"},
+        )
         assert bad.status_code == 403
-        r = httpx.get(url + "/v1/models", headers={"Authorization": "Bearer sekrit",
-                                                   "Origin": "https://app.example"})
+        r = httpx.get(
+            url + "/v1/models",
+            headers={"Authorization": "Bearer sekrit", "Origin": "https://app.example"},
+        )
         assert r.headers["Access-Control-Allow-Origin"] == "https://app.example"
     finally:
         server.stop()
 
 
 def test_load_shedding_refuses_the_excess_at_once(tiny):
-    server = LiveServer(EngineConfig(model=tiny, num_kv_blocks=256, max_num_seqs=2),
-                        max_waiting_requests=2, shed_status=429).start()
+    server = LiveServer(
+        EngineConfig(model=tiny, num_kv_blocks=256, max_num_seqs=2),
+        max_waiting_requests=2,
+        shed_status=429,
+    ).start()
     try:
+
         def ask(i: int):
             t = time.monotonic()
-            r = httpx.post(server.url + "/v1/completions", timeout=120, json={
-                "prompt": f"request {i}", "max_tokens": 64, "ignore_eos": True,
-                "temperature": 0})
+            r = httpx.post(
+                server.url + "/v1/completions",
+                timeout=120,
+                json={
+                    "prompt": f"request {i}",
+                    "max_tokens": 64,
+                    "ignore_eos": True,
+                    "temperature": 0,
+                },
+            )
             return r, time.monotonic() - t
 
         with ThreadPoolExecutor(20) as pool:
@@ -193,12 +220,16 @@ def test_load_shedding_refuses_the_excess_at_once(tiny):
 
 
 def test_request_timeout_ends_with_length_and_frees_blocks(tiny):
-    server = LiveServer(EngineConfig(model=tiny, num_kv_blocks=1024, max_model_len=4096),
-                        request_timeout=0.5).start()
+    server = LiveServer(
+        EngineConfig(model=tiny, num_kv_blocks=1024, max_model_len=4096), request_timeout=0.5
+    ).start()
     try:
         t = time.monotonic()
-        r = httpx.post(server.url + "/v1/completions", timeout=60, json={
-            "prompt": "hi", "max_tokens": 4000, "ignore_eos": True})
+        r = httpx.post(
+            server.url + "/v1/completions",
+            timeout=60,
+            json={"prompt": "hi", "max_tokens": 4000, "ignore_eos": True},
+        )
         assert time.monotonic() - t < 10
         c = r.json()["choices"][0]
         assert r.status_code == 200 and c["finish_reason"] == "length"
@@ -212,12 +243,27 @@ def test_request_timeout_ends_with_length_and_frees_blocks(tiny):
 def start_process(tiny: str, *args: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "server", "serve", tiny, "--port", str(port),
-         "--num-kv-blocks", "1024", "--max-model-len", "2048", *args],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        [
+            sys.executable,
+            "-m",
+            "server",
+            "serve",
+            tiny,
+            "--port",
+            str(port),
+            "--num-kv-blocks",
+            "1024",
+            "--max-model-len",
+            "2048",
+            *args,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     url = f"http://127.0.0.1:{port}"
-    assert wait_for(lambda: proc.poll() is not None or _status(url + "/health") == 200,
-                    timeout=120)
+    assert wait_for(
+        lambda: proc.poll() is not None or http_status(url + "/health") == 200, timeout=120
+    )
     assert proc.poll() is None, proc.stdout.read().decode()
     return proc, url
 
@@ -229,8 +275,7 @@ def test_sigterm_drains_in_flight_streams_then_exits_0(tiny):
         results: list[list[str]] = []
 
         def stream(i: int) -> None:
-            body = {"prompt": f"stream {i}", "max_tokens": 600, "stream": True,
-                    "ignore_eos": True}
+            body = {"prompt": f"stream {i}", "max_tokens": 600, "stream": True, "ignore_eos": True}
             lines = []
             with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
                 for n, line in enumerate(r.iter_lines()):
@@ -245,7 +290,7 @@ def test_sigterm_drains_in_flight_streams_then_exits_0(tiny):
             t.start()
         started.wait(30)  # all five are streaming
         proc.send_signal(signal.SIGTERM)
-        assert wait_for(lambda: _status(url + "/health") == 503, timeout=10)
+        assert wait_for(lambda: http_status(url + "/health") == 503, timeout=10)
         r = httpx.post(url + "/v1/completions", json={"prompt": "late", "max_tokens": 2})
         assert r.status_code == 503
         for t in threads:
@@ -263,6 +308,7 @@ def test_sigterm_drains_in_flight_streams_then_exits_0(tiny):
 def test_second_signal_exits_at_once(tiny):
     proc, url = start_process(tiny, "--drain-timeout", "120")
     try:
+
         def stream() -> None:
             body = {"prompt": "long", "max_tokens": 2000, "stream": True, "ignore_eos": True}
             try:
@@ -275,10 +321,12 @@ def test_second_signal_exits_at_once(tiny):
         t = threading.Thread(target=stream, daemon=True)
         t.start()
         # The stream is running once the server's own gauge says so.
-        assert wait_for(lambda: metric(httpx.get(url + "/metrics").text,
-                                       "weir:num_requests_running") == 1, timeout=30)
+        assert wait_for(
+            lambda: metric(httpx.get(url + "/metrics").text, "weir:num_requests_running") == 1,
+            timeout=30,
+        )
         proc.send_signal(signal.SIGTERM)
-        assert wait_for(lambda: _status(url + "/health") == 503, timeout=10)
+        assert wait_for(lambda: http_status(url + "/health") == 503, timeout=10)
         t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(30)
@@ -289,18 +337,20 @@ def test_second_signal_exits_at_once(tiny):
 
 
 def test_client_that_stops_reading_is_dropped_and_aborted(tiny):
-    server = LiveServer(EngineConfig(model=tiny, num_kv_blocks=2048, max_model_len=8192),
-                        tcp_user_timeout=1.0).start()
+    server = LiveServer(
+        EngineConfig(model=tiny, num_kv_blocks=2048, max_model_len=8192), tcp_user_timeout=1.0
+    ).start()
     try:
         engine = server.engine
         aborted = engine.core.num_aborted
         sock = socket.socket()
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)  # a tiny receive window
         sock.connect(("127.0.0.1", server.port))
-        body = (b'{"prompt": "hi", "max_tokens": 8000, "stream": true, "ignore_eos": true}')
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
-                     b"application/json\r\nContent-Length: " + str(len(body)).encode() +
-                     b"\r\n\r\n" + body)
+        body = b'{"prompt": "hi", "max_tokens": 8000, "stream": true, "ignore_eos": true}'
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+            b"application/json\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+        )
         assert wait_for(lambda: engine.core.requests, timeout=10)
         # Never read. The window closes, sent data goes unacknowledged, the kernel drops the
         # connection after TCP_USER_TIMEOUT, and the handler's cancellation aborts the request.
@@ -317,21 +367,33 @@ def test_one_log_line_per_finished_request(tiny, caplog):
     server = LiveServer(EngineConfig(model=tiny, num_kv_blocks=64)).start()
     try:
         with caplog.at_level(logging.INFO, logger="weir.requests"):
-            r = httpx.post(server.url + "/v1/completions", headers={"X-Request-Id": "log-me"},
-                           json={"prompt": [11, 12, 13], "max_tokens": 3, "ignore_eos": True})
+            r = httpx.post(
+                server.url + "/v1/completions",
+                headers={"X-Request-Id": "log-me"},
+                json={"prompt": [11, 12, 13], "max_tokens": 3, "ignore_eos": True},
+            )
             assert r.status_code == 200
             assert wait_for(lambda: any("log-me" in m for m in caplog.messages))
         line = next(m for m in caplog.messages if "log-me" in m)
-        for part in ("prompt_tokens=3", "generated=3", "cached=0", "ttft=", "duration=",
-                     "finish=length"):
+        for part in (
+            "prompt_tokens=3",
+            "generated=3",
+            "cached=0",
+            "ttft=",
+            "duration=",
+            "finish=length",
+        ):
             assert part in line, line
     finally:
         server.stop()
     quiet = LiveServer(EngineConfig(model=tiny, num_kv_blocks=64), log_requests=False).start()
     try:
         with caplog.at_level(logging.INFO, logger="weir.requests"):
-            httpx.post(quiet.url + "/v1/completions", headers={"X-Request-Id": "silent"},
-                       json={"prompt": [11], "max_tokens": 1})
+            httpx.post(
+                quiet.url + "/v1/completions",
+                headers={"X-Request-Id": "silent"},
+                json={"prompt": [11], "max_tokens": 1},
+            )
         assert not any("silent" in m for m in caplog.messages)
     finally:
         quiet.stop()
@@ -340,22 +402,33 @@ def test_one_log_line_per_finished_request(tiny, caplog):
 def test_stream_interval_batches_tokens_per_event(tiny):
     server = LiveServer(EngineConfig(model=tiny, num_kv_blocks=64), stream_interval=4).start()
     try:
-        body = {"messages": USER, "max_tokens": 21, "temperature": 0, "ignore_eos": True,
-                "logprobs": True}
+        body = {
+            "messages": USER,
+            "max_tokens": 21,
+            "temperature": 0,
+            "ignore_eos": True,
+            "logprobs": True,
+        }
         full = httpx.post(server.url + "/v1/chat/completions", json=body).json()
         import json as _json
 
-        with httpx.stream("POST", server.url + "/v1/chat/completions",
-                          json={**body, "stream": True}) as r:
-            events = [_json.loads(line[6:]) for line in r.iter_lines()
-                      if line.startswith("data: {")]
-        per_event = [len(e["choices"][0]["logprobs"]["content"]) for e in events
-                     if e["choices"] and e["choices"][0].get("logprobs")]
+        with httpx.stream(
+            "POST", server.url + "/v1/chat/completions", json={**body, "stream": True}
+        ) as r:
+            events = [
+                _json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")
+            ]
+        per_event = [
+            len(e["choices"][0]["logprobs"]["content"])
+            for e in events
+            if e["choices"] and e["choices"][0].get("logprobs")
+        ]
         assert sum(per_event) == 21
         assert per_event[0] == 1  # the first token is never held back
         assert all(n >= 4 for n in per_event[1:-1]) and len(per_event) <= 7
-        text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events
-                       if e["choices"])
+        text = "".join(
+            e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"]
+        )
         assert text == full["choices"][0]["message"]["content"]
     finally:
         server.stop()

@@ -35,8 +35,9 @@ def greedy(n):
 
 def engine(path, caching=True, **kw):
     kw.setdefault("num_kv_blocks", 256)
-    return load(EngineConfig(model=str(path), enable_prefix_caching=caching,
-                             check_integrity=True, **kw))
+    return load(
+        EngineConfig(model=str(path), enable_prefix_caching=caching, check_integrity=True, **kw)
+    )
 
 
 def test_shared_prefix_hits_and_matches_no_caching_and_transformers(model_dir):
@@ -54,8 +55,10 @@ def test_shared_prefix_hits_and_matches_no_caching_and_transformers(model_dir):
     second, f2 = run(on.core, [("b", prompts[1], greedy(12))])
     assert f1["a"].num_cached_tokens == 0
     assert f2["b"].num_cached_tokens >= 300 // 16 * 16
-    assert on.core.num_computed_prompt_tokens == len(prompts[0]) + len(prompts[1]) - \
-        f2["b"].num_cached_tokens
+    assert (
+        on.core.num_computed_prompt_tokens
+        == len(prompts[0]) + len(prompts[1]) - f2["b"].num_cached_tokens
+    )
 
     off = engine(path, False)
     plain, _ = run(off.core, [("a", prompts[0], greedy(12)), ("b", prompts[1], greedy(12))])
@@ -64,8 +67,13 @@ def test_shared_prefix_hits_and_matches_no_caching_and_transformers(model_dir):
 
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     for rid, ids in zip("ab", prompts):
-        ref = hf.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False,
-                          eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
+        ref = hf.generate(
+            torch.tensor([ids]),
+            max_new_tokens=12,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )[0, len(ids) :].tolist()
         assert plain[rid] == ref
 
 
@@ -103,8 +111,14 @@ def test_parallel_samples_compute_the_prompt_once(model_dir):
     prompt = [rng.randrange(3, 1000) for _ in range(100)]
     params = SamplingParams(temperature=0.9, max_tokens=10, seed=7)
     reqs = [("s0", prompt, params)] + [
-        (f"s{j}", prompt, SamplingParams(temperature=0.9, max_tokens=10, seed=7 + j),
-         {"leader_id": "s0"}) for j in (1, 2)]
+        (
+            f"s{j}",
+            prompt,
+            SamplingParams(temperature=0.9, max_tokens=10, seed=7 + j),
+            {"leader_id": "s0"},
+        )
+        for j in (1, 2)
+    ]
     tokens, finals = run(core, reqs)
     bs = core.kv.block_size
     tail = len(prompt) - (len(prompt) - 1) // bs * bs  # what each further sample recomputes
@@ -140,15 +154,24 @@ def test_prompt_logprobs_survive_preemption_without_duplicates(model_dir):
     def collect(**kw):
         core = engine(path, True, **kw).core
         for i, ids in enumerate(prompts):
-            core.add(EngineRequest(str(i), ids, SamplingParams(
-                temperature=0, max_tokens=12, ignore_eos=True, prompt_logprobs=1)))
+            core.add(
+                EngineRequest(
+                    str(i),
+                    ids,
+                    SamplingParams(
+                        temperature=0, max_tokens=12, ignore_eos=True, prompt_logprobs=1
+                    ),
+                )
+            )
         seen: dict[str, list] = {}
         while core.has_work:
             for out in core.step():
                 if out.prompt_logprobs is not None:
                     assert out.request_id not in seen  # sent once, with the first token
-                    seen[out.request_id] = [(e.token_id, round(e.logprob, 4)) if e else None
-                                            for e in out.prompt_logprobs]
+                    seen[out.request_id] = [
+                        (e.token_id, round(e.logprob, 4)) if e else None
+                        for e in out.prompt_logprobs
+                    ]
         return core, seen
 
     tight, got = collect(num_kv_blocks=24, block_size=4, max_num_batched_tokens=32)

@@ -11,8 +11,13 @@ from gpu.sampler import Sampler, SamplingMetadata, apply_penalties, filter_logit
 
 
 def meta(n, **kw):
-    base = dict(temperature=torch.ones(n), top_k=torch.zeros(n, dtype=torch.int64),
-                top_p=torch.ones(n), min_p=torch.zeros(n), all_greedy=False)
+    base = dict(
+        temperature=torch.ones(n),
+        top_k=torch.zeros(n, dtype=torch.int64),
+        top_p=torch.ones(n),
+        min_p=torch.zeros(n),
+        all_greedy=False,
+    )
     base.update(kw)
     return SamplingMetadata(**base)
 
@@ -30,8 +35,14 @@ def test_penalties_follow_the_reference_formulas():
             counts[i, t] += 1
         for t in prompts[i]:
             mask[i, t] = True
-    got = apply_penalties(logits, counts, mask, torch.tensor(presence), torch.tensor(frequency),
-                          torch.tensor(repetition))
+    got = apply_penalties(
+        logits,
+        counts,
+        mask,
+        torch.tensor(presence),
+        torch.tensor(frequency),
+        torch.tensor(repetition),
+    )
     for i in range(3):
         for t in range(12):
             x = logits[i, t].item()
@@ -47,21 +58,31 @@ def test_top_k_top_p_min_p_keep_what_they_should():
     logits = probs.log()
     kept = lambda out: (out > float("-inf")).nonzero()[:, 1].tolist()  # noqa: E731
     one = torch.ones(1)
-    assert kept(filter_logits(logits, torch.tensor([2]), one, torch.zeros(1), True, False,
-                              False)) == [0, 1]
+    assert kept(
+        filter_logits(logits, torch.tensor([2]), one, torch.zeros(1), True, False, False)
+    ) == [0, 1]
     # top_p 0.8: 0.5 + 0.2 = 0.7 < 0.8, so the third token is still needed; the fourth is not.
-    assert kept(filter_logits(logits, torch.tensor([0]), torch.tensor([0.8]), torch.zeros(1),
-                              False, True, False)) == [0, 1, 2]
+    assert kept(
+        filter_logits(
+            logits, torch.tensor([0]), torch.tensor([0.8]), torch.zeros(1), False, True, False
+        )
+    ) == [0, 1, 2]
     # min_p 0.3: keep tokens with p >= 0.3 * 0.5 = 0.15.
-    assert kept(filter_logits(logits, torch.tensor([0]), one, torch.tensor([0.3]), False, False,
-                              True)) == [0, 1, 2]
+    assert kept(
+        filter_logits(logits, torch.tensor([0]), one, torch.tensor([0.3]), False, False, True)
+    ) == [0, 1, 2]
 
 
 def test_bias_ban_greedy_and_logprobs():
     logits = torch.tensor([[0.0, 5.0, 1.0, 2.0]] * 2)
-    m = meta(2, temperature=torch.zeros(2), all_greedy=True, max_logprobs=2,
-             bias=(torch.tensor([0]), torch.tensor([2]), torch.tensor([10.0])),
-             ban=(torch.tensor([1]), torch.tensor([1])))
+    m = meta(
+        2,
+        temperature=torch.zeros(2),
+        all_greedy=True,
+        max_logprobs=2,
+        bias=(torch.tensor([0]), torch.tensor([2]), torch.tensor([10.0])),
+        ban=(torch.tensor([1]), torch.tensor([1])),
+    )
     out = Sampler(0, torch.device("cpu"))(logits, m)
     assert out.token_ids.tolist() == [2, 3]  # row 0 biased to 2; row 1 has 1 banned, so 3
     ref0 = torch.tensor([0.0, 5.0, 11.0, 2.0]).log_softmax(-1)
@@ -76,8 +97,10 @@ def test_seeded_rows_are_reproducible_whatever_the_batch():
         gen = torch.Generator().manual_seed(42)
         sampler = Sampler(batch_rows, torch.device("cpu"))
         batch = logits.repeat(batch_rows, 1)
-        return [sampler(batch, meta(batch_rows, seeded=[(batch_rows - 1, gen)])).token_ids[-1]
-                .item() for _ in range(steps)]
+        return [
+            sampler(batch, meta(batch_rows, seeded=[(batch_rows - 1, gen)])).token_ids[-1].item()
+            for _ in range(steps)
+        ]
 
     assert draw(1) == draw(4) == draw(7)
 

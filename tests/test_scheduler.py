@@ -1,4 +1,5 @@
-"""Scheduler and EngineCore with a fake model: budgets, chunked prefill, preemption, stops, aborts."""
+"""Scheduler and EngineCore with a fake model: budgets, chunked prefill, preemption, stops,
+aborts."""
 
 from __future__ import annotations
 
@@ -24,8 +25,9 @@ class FakeRunner:
         self.steps: list[list[tuple[str, int, int, bool]]] = []
 
     def execute(self, out: SchedulerOutput) -> list[int]:
-        self.steps.append([(s.request.request_id, s.start, s.num_new_tokens, s.sample)
-                           for s in out.seqs])
+        self.steps.append(
+            [(s.request.request_id, s.start, s.num_new_tokens, s.sample) for s in out.seqs]
+        )
         ids = []
         for s in out.seqs:
             # Every new token's KV must go to a slot the block table covers.
@@ -39,9 +41,17 @@ class FakeRunner:
 
 def make_core(num_blocks=64, budget=64, max_seqs=8, max_model_len=512, eos=()):
     runner = FakeRunner()
-    core = EngineCore(runner, None, num_blocks=num_blocks, block_size=4, max_num_seqs=max_seqs,
-                      max_num_batched_tokens=budget, max_model_len=max_model_len,
-                      eos_token_ids=set(eos), check_integrity=True)
+    core = EngineCore(
+        runner,
+        None,
+        num_blocks=num_blocks,
+        block_size=4,
+        max_num_seqs=max_seqs,
+        max_num_batched_tokens=budget,
+        max_model_len=max_model_len,
+        eos_token_ids=set(eos),
+        check_integrity=True,
+    )
     return core, runner
 
 
@@ -62,8 +72,10 @@ def run(core: EngineCore, max_steps: int = 10_000):
 
 def add(core, rid, n, max_tokens=8, salt=None, **kw):
     salt = rid if salt is None else salt
-    prompt = [int(hashlib.md5(f"{salt}/{i}".encode()).hexdigest(), 16) % (VOCAB - 10) + 10
-              for i in range(n)]
+    prompt = [
+        int(hashlib.md5(f"{salt}/{i}".encode()).hexdigest(), 16) % (VOCAB - 10) + 10
+        for i in range(n)
+    ]
     core.add(EngineRequest(rid, prompt, SamplingParams(temperature=0, max_tokens=max_tokens, **kw)))
 
 
@@ -124,8 +136,11 @@ def test_no_admission_in_a_step_that_preempted():
         out = core.scheduler.schedule()
         if out.preempted:
             preempted_steps += 1
-            admitted = [s.request.request_id for s in out.seqs
-                        if s.start == 0 and s.request.num_output_tokens == 0]
+            admitted = [
+                s.request.request_id
+                for s in out.seqs
+                if s.start == 0 and s.request.num_output_tokens == 0
+            ]
             # "c" never starts in a step that preempted someone.
             assert "c" not in admitted
         if out.seqs:
@@ -200,16 +215,26 @@ def test_check_rejects_what_cannot_be_served():
 
 def make_priority_core(**kw):
     runner = FakeRunner()
-    core = EngineCore(runner, None, block_size=4, max_model_len=512, check_integrity=True,
-                      scheduling_policy="priority", **kw)
+    core = EngineCore(
+        runner,
+        None,
+        block_size=4,
+        max_model_len=512,
+        check_integrity=True,
+        scheduling_policy="priority",
+        **kw,
+    )
     return core, runner
 
 
 def test_priority_orders_the_waiting_queue():
     core, runner = make_priority_core(num_blocks=64, max_num_seqs=1, max_num_batched_tokens=64)
     for rid, prio in [("low", 10), ("mid", 5), ("high", 0), ("mid2", 5)]:
-        core.add(EngineRequest(rid, [11, 12, 13], SamplingParams(max_tokens=2, temperature=0),
-                               priority=prio))
+        core.add(
+            EngineRequest(
+                rid, [11, 12, 13], SamplingParams(max_tokens=2, temperature=0), priority=prio
+            )
+        )
     run(core)
     order = []
     for step in runner.steps:
@@ -222,10 +247,14 @@ def test_priority_orders_the_waiting_queue():
 def test_priority_preempts_the_lowest_priority_running_request():
     core, runner = make_priority_core(num_blocks=12, max_num_seqs=4, max_num_batched_tokens=64)
     # The older request has the lower priority (larger value): under FCFS the newer one would go.
-    core.add(EngineRequest("old-low", [11] * 8, SamplingParams(max_tokens=20, temperature=0),
-                           priority=9))
-    core.add(EngineRequest("new-high", [12] * 8, SamplingParams(max_tokens=20, temperature=0),
-                           priority=1))
+    core.add(
+        EngineRequest("old-low", [11] * 8, SamplingParams(max_tokens=20, temperature=0), priority=9)
+    )
+    core.add(
+        EngineRequest(
+            "new-high", [12] * 8, SamplingParams(max_tokens=20, temperature=0), priority=1
+        )
+    )
     victims = []
     while core.has_work:
         out = core.scheduler.schedule()

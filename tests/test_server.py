@@ -9,8 +9,10 @@ import pytest
 from core.config import EngineConfig
 from tests.conftest import LiveServer, wait_for
 
-MESSAGES = [{"role": "system", "content": "You are terse."},
-            {"role": "user", "content": "Say hello to the river café 🌊"}]
+MESSAGES = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Say hello to the river café 🌊"},
+]
 
 
 @pytest.fixture(scope="module")
@@ -26,8 +28,9 @@ def test_models_list(client):
 
 
 def test_chat_non_stream(client):
-    r = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=12,
-                                       temperature=0)
+    r = client.chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=12, temperature=0
+    )
     choice = r.choices[0]
     assert r.object == "chat.completion" and r.model == "tiny"
     assert choice.message.role == "assistant"
@@ -39,8 +42,11 @@ def test_chat_non_stream(client):
 def test_chat_stream_shape_and_equals_non_stream(client):
     kwargs = dict(model="tiny-alias", messages=MESSAGES, max_tokens=20, temperature=0)
     full = client.chat.completions.create(**kwargs)
-    chunks = list(client.chat.completions.create(
-        **kwargs, stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            **kwargs, stream=True, stream_options={"include_usage": True}
+        )
+    )
     with_choices = [c for c in chunks if c.choices]
     assert with_choices[0].choices[0].delta.role == "assistant"
     assert all(c.choices[0].delta.role is None for c in with_choices[1:])
@@ -64,26 +70,38 @@ def test_stream_ends_with_done(live_server):
 
 
 def test_completions_text_and_token_prompts(client):
-    r = client.completions.create(model="tiny", prompt="the river flows", max_tokens=8,
-                                  temperature=0)
+    r = client.completions.create(
+        model="tiny", prompt="the river flows", max_tokens=8, temperature=0
+    )
     assert r.object == "text_completion" and len(r.choices) == 1
     assert r.usage.completion_tokens == 8 and r.choices[0].finish_reason == "length"
-    batch = client.completions.create(model="tiny", prompt=["the river flows", "hello"],
-                                      max_tokens=8, temperature=0)
+    batch = client.completions.create(
+        model="tiny", prompt=["the river flows", "hello"], max_tokens=8, temperature=0
+    )
     assert [c.index for c in batch.choices] == [0, 1]
     assert batch.choices[0].text == r.choices[0].text
-    tokens = client.completions.create(model="tiny", prompt=[11, 12, 13, 14], max_tokens=4,
-                                       temperature=0)
+    tokens = client.completions.create(
+        model="tiny", prompt=[11, 12, 13, 14], max_tokens=4, temperature=0
+    )
     assert tokens.usage.prompt_tokens == 4
-    stream = list(client.completions.create(model="tiny", prompt="the river flows",
-                                            max_tokens=8, temperature=0, stream=True))
+    stream = list(
+        client.completions.create(
+            model="tiny", prompt="the river flows", max_tokens=8, temperature=0, stream=True
+        )
+    )
     assert "".join(c.choices[0].text for c in stream) == r.choices[0].text
     assert stream[-1].choices[0].finish_reason == r.choices[0].finish_reason
 
 
 def test_sampling_with_temperature_runs(client):
-    r = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=16,
-                                       temperature=0.8, top_p=0.9, extra_body={"top_k": 20})
+    r = client.chat.completions.create(
+        model="tiny",
+        messages=MESSAGES,
+        max_tokens=16,
+        temperature=0.8,
+        top_p=0.9,
+        extra_body={"top_k": 20},
+    )
     assert r.usage.completion_tokens >= 1
 
 
@@ -91,8 +109,13 @@ def test_disconnect_aborts_and_frees_blocks(live_server):
     engine = live_server.engine
     total = engine.core.kv.num_blocks
     aborted_before = engine.core.num_aborted
-    body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 400, "stream": True,
-            "ignore_eos": True}
+    body = {
+        "model": "tiny",
+        "messages": MESSAGES,
+        "max_tokens": 400,
+        "stream": True,
+        "ignore_eos": True,
+    }
     with httpx.stream("POST", live_server.url + "/v1/chat/completions", json=body) as r:
         seen = 0
         for line in r.iter_lines():
@@ -110,8 +133,11 @@ def test_disconnect_aborts_and_frees_blocks(live_server):
 def test_malformed_bodies_and_unknown_routes(live_server):
     # Field-by-field validation is table-driven in test_api.py; these are about the body itself.
     url = live_server.url
-    r = httpx.post(url + "/v1/chat/completions", content=b"{not json",
-                   headers={"content-type": "application/json"})
+    r = httpx.post(
+        url + "/v1/chat/completions",
+        content=b"{not json",
+        headers={"content-type": "application/json"},
+    )
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
     r = httpx.post(url + "/v1/chat/completions", content=b"")
     assert r.status_code == 400 and r.json()["error"]["message"]
@@ -129,9 +155,15 @@ def test_server_keeps_serving_after_bad_inputs(client, live_server):
 
 
 def test_unknown_fields_are_ignored(live_server):
-    r = httpx.post(live_server.url + "/v1/chat/completions",
-                   json={"model": "tiny", "messages": MESSAGES, "max_tokens": 2,
-                         "some_future_field": {"x": 1}})
+    r = httpx.post(
+        live_server.url + "/v1/chat/completions",
+        json={
+            "model": "tiny",
+            "messages": MESSAGES,
+            "max_tokens": 2,
+            "some_future_field": {"x": 1},
+        },
+    )
     assert r.status_code == 200
 
 
@@ -156,8 +188,10 @@ def stream_lines(url: str) -> list[str]:
 
 @pytest.mark.parametrize("exit_on_error", [True, False])
 def test_engine_death_fails_requests(model_dir, exit_on_error):
-    server = LiveServer(EngineConfig(model=str(model_dir("qwen3")), num_kv_blocks=64),
-                        exit_on_engine_error=exit_on_error).start()
+    server = LiveServer(
+        EngineConfig(model=str(model_dir("qwen3")), num_kv_blocks=64),
+        exit_on_engine_error=exit_on_error,
+    ).start()
     try:
         break_engine_after(server.engine, 3)
         lines = stream_lines(server.url)
@@ -180,14 +214,25 @@ def test_many_concurrent_streams_under_preemption_all_complete(model_dir):
     greedy text is the same as when each runs alone."""
     from concurrent.futures import ThreadPoolExecutor
 
-    server = LiveServer(EngineConfig(
-        model=str(model_dir("qwen3")), num_kv_blocks=40, block_size=4,
-        max_num_batched_tokens=32, check_integrity=True,
-    )).start()
+    server = LiveServer(
+        EngineConfig(
+            model=str(model_dir("qwen3")),
+            num_kv_blocks=40,
+            block_size=4,
+            max_num_batched_tokens=32,
+            check_integrity=True,
+        )
+    ).start()
     try:
+
         def ask(i: int, stream: bool) -> tuple[str, str]:
-            body = {"prompt": f"request number {i} " * (1 + i % 4), "max_tokens": 24,
-                    "temperature": 0, "ignore_eos": True, "stream": stream}
+            body = {
+                "prompt": f"request number {i} " * (1 + i % 4),
+                "max_tokens": 24,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": stream,
+            }
             if not stream:
                 r = httpx.post(server.url + "/v1/completions", json=body, timeout=120)
                 c = r.json()["choices"][0]
@@ -217,18 +262,26 @@ def test_many_concurrent_streams_under_preemption_all_complete(model_dir):
 def test_usage_reports_cached_prompt_tokens(client, live_server):
     system = {"role": "system", "content": "You are a helpful river guide. " * 30}
     first = client.chat.completions.create(
-        model="tiny", messages=[system, {"role": "user", "content": "hi"}], max_tokens=2)
+        model="tiny", messages=[system, {"role": "user", "content": "hi"}], max_tokens=2
+    )
     second = client.chat.completions.create(
-        model="tiny", messages=[system, {"role": "user", "content": "where is the café?"}],
-        max_tokens=2, stream=True, stream_options={"include_usage": True})
+        model="tiny",
+        messages=[system, {"role": "user", "content": "where is the café?"}],
+        max_tokens=2,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     usage = list(second)[-1].usage
     bs = live_server.state.config.block_size
     assert first.usage.prompt_tokens > 150
     assert usage.prompt_tokens_details.cached_tokens >= (first.usage.prompt_tokens - 10) // bs * bs
     # A different salt shares nothing.
     salted = client.chat.completions.create(
-        model="tiny", messages=[system, {"role": "user", "content": "hi"}], max_tokens=2,
-        extra_body={"cache_salt": "tenant-b"})
+        model="tiny",
+        messages=[system, {"role": "user", "content": "hi"}],
+        max_tokens=2,
+        extra_body={"cache_salt": "tenant-b"},
+    )
     assert salted.usage.prompt_tokens_details.cached_tokens == 0
 
 
@@ -236,9 +289,15 @@ def test_n_samples_seeded_and_greedy(client, live_server):
     messages = [{"role": "user", "content": "Tell me about the river " * 10}]
     core = live_server.engine.core
     before = core.num_computed_prompt_tokens
-    r = client.chat.completions.create(model="tiny", messages=messages, n=3, temperature=1.0,
-                                       seed=123, max_tokens=12, extra_body={"ignore_eos": True,
-                                                                            "cache_salt": "n3"})
+    r = client.chat.completions.create(
+        model="tiny",
+        messages=messages,
+        n=3,
+        temperature=1.0,
+        seed=123,
+        max_tokens=12,
+        extra_body={"ignore_eos": True, "cache_salt": "n3"},
+    )
     computed = core.num_computed_prompt_tokens - before
     prompt = r.usage.prompt_tokens
     assert [c.index for c in r.choices] == [0, 1, 2]
@@ -246,18 +305,34 @@ def test_n_samples_seeded_and_greedy(client, live_server):
     assert len(set(texts)) == 3
     assert computed < 2 * prompt  # the prompt is computed once; the others hit the cache
     assert r.usage.completion_tokens == 36
-    again = client.chat.completions.create(model="tiny", messages=messages, n=3, temperature=1.0,
-                                           seed=123, max_tokens=12,
-                                           extra_body={"ignore_eos": True})
+    again = client.chat.completions.create(
+        model="tiny",
+        messages=messages,
+        n=3,
+        temperature=1.0,
+        seed=123,
+        max_tokens=12,
+        extra_body={"ignore_eos": True},
+    )
     assert [c.message.content for c in again.choices] == texts
 
-    greedy = client.chat.completions.create(model="tiny", messages=messages, n=3, temperature=0,
-                                            max_tokens=12)
+    greedy = client.chat.completions.create(
+        model="tiny", messages=messages, n=3, temperature=0, max_tokens=12
+    )
     assert len({c.message.content for c in greedy.choices}) == 1
 
-    chunks = list(client.chat.completions.create(model="tiny", messages=messages, n=3, seed=123,
-                                                 temperature=1.0, max_tokens=12, stream=True,
-                                                 extra_body={"ignore_eos": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny",
+            messages=messages,
+            n=3,
+            seed=123,
+            temperature=1.0,
+            max_tokens=12,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+    )
     streamed = ["", "", ""]
     finishes = [0, 0, 0]
     for c in chunks:
@@ -268,20 +343,28 @@ def test_n_samples_seeded_and_greedy(client, live_server):
 
 
 def test_priority_needs_priority_scheduling(live_server):
-    r = httpx.post(live_server.url + "/v1/completions",
-                   json={"prompt": "hi", "max_tokens": 2, "priority": 5})
+    r = httpx.post(
+        live_server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2, "priority": 5}
+    )
     assert r.status_code == 400 and r.json()["error"]["param"] == "priority"
 
 
 def test_server_runs_on_the_triton_backend(model_dir):
-    server = LiveServer(EngineConfig(model=str(model_dir("qwen3")), num_kv_blocks=64,
-                                     attention_backend="triton")).start()
+    server = LiveServer(
+        EngineConfig(model=str(model_dir("qwen3")), num_kv_blocks=64, attention_backend="triton")
+    ).start()
     try:
         assert server.engine.core.runner.backend.name == "triton"
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
-        chunks = list(client.chat.completions.create(
-            model=server.state.served_names[0], messages=MESSAGES, max_tokens=6, temperature=0,
-            stream=True))
+        chunks = list(
+            client.chat.completions.create(
+                model=server.state.served_names[0],
+                messages=MESSAGES,
+                max_tokens=6,
+                temperature=0,
+                stream=True,
+            )
+        )
         assert chunks[-1].choices[0].finish_reason in ("stop", "length")
         client.close()
     finally:

@@ -1,9 +1,9 @@
 """LLM: batch generation in-process on the same engine as the server (no HTTP, no threads).
 
-    from weir import LLM, SamplingParams
-    llm = LLM("Qwen/Qwen3-0.6B", max_num_seqs=128)
-    for out in llm.generate(["Hello", "The river"], SamplingParams(max_tokens=32)):
-        print(out.outputs[0].text)
+from weir import LLM, SamplingParams
+llm = LLM("Qwen/Qwen3-0.6B", max_num_seqs=128)
+for out in llm.generate(["Hello", "The river"], SamplingParams(max_tokens=32)):
+    print(out.outputs[0].text)
 """
 
 from __future__ import annotations
@@ -73,8 +73,12 @@ class LLM:
             ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
             rid = str(next(self._ids))
             self.engine.add(EngineRequest(rid, ids, p))
-            results[rid] = RequestOutput(rid, prompt if isinstance(prompt, str) else None, ids,
-                                         [CompletionOutput(0, "", [], None)])
+            results[rid] = RequestOutput(
+                rid,
+                prompt if isinstance(prompt, str) else None,
+                ids,
+                [CompletionOutput(0, "", [], None)],
+            )
             order.append(rid)
         with tqdm(total=len(order), desc="Generating", unit="req", disable=not use_tqdm) as bar:
             while self.engine.has_work:

@@ -36,8 +36,14 @@ class AttentionMetadata:
         return len(self.seq_lens_cpu)
 
     @classmethod
-    def build(cls, slot_mapping: list[int], block_tables: list[list[int]], query_lens: list[int],
-              seq_lens: list[int], to_device) -> AttentionMetadata:
+    def build(
+        cls,
+        slot_mapping: list[int],
+        block_tables: list[list[int]],
+        query_lens: list[int],
+        seq_lens: list[int],
+        to_device,
+    ) -> AttentionMetadata:
         """From host lists; `to_device(data, dtype)` makes a tensor on the model's device."""
         query_start = [0]
         for q in query_lens:
@@ -105,8 +111,10 @@ def get_backend(name: str, device: torch.device) -> AttentionBackend:
         return TorchAttention()
     if name == "triton":
         if not triton_usable(device):
-            raise ValueError("--attention-backend triton needs a CUDA device (or TRITON_INTERPRET=1 "
-                             "to run the kernels in Triton's interpreter on CPU)")
+            raise ValueError(
+                "--attention-backend triton needs a CUDA device (or TRITON_INTERPRET=1 "
+                "to run the kernels in Triton's interpreter on CPU)"
+            )
         from gpu.attention.triton_backend import TritonAttention
 
         return TritonAttention()

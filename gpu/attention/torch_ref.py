@@ -26,8 +26,9 @@ class TorchAttention:
         k_cache.view(-1, *k_cache.shape[2:])[slot_mapping] = key.to(k_cache.dtype)
         v_cache.view(-1, *v_cache.shape[2:])[slot_mapping] = value.to(v_cache.dtype)
 
-    def _decode_group(self, seqs, starts, query, k_cache, v_cache, meta, scale, sliding_window,
-                      gqa, out) -> None:
+    def _decode_group(
+        self, seqs, starts, query, k_cache, v_cache, meta, scale, sliding_window, gqa, out
+    ) -> None:
         """One padded batch of single-token rows: gather contexts, mask the padding, SDPA."""
         idx = torch.tensor(seqs, device=query.device)
         lens = meta.seq_lens[idx].long()
@@ -44,13 +45,24 @@ class TorchAttention:
         if sliding_window > 0:
             mask &= pos >= lens[:, None] - sliding_window
         o = F.scaled_dot_product_attention(
-            q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask[:, None, None, :], scale=scale,
+            q,
+            k.to(q.dtype),
+            v.to(q.dtype),
+            attn_mask=mask[:, None, None, :],
+            scale=scale,
             enable_gqa=gqa,
         )
         out[rows] = o.squeeze(2)
 
-    def forward(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float,
-                sliding_window: int = 0):
+    def forward(
+        self,
+        query,
+        k_cache,
+        v_cache,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int = 0,
+    ):
         out = torch.empty_like(query)
         gqa = query.shape[1] != k_cache.shape[2]
         starts = [0]
@@ -65,8 +77,18 @@ class TorchAttention:
             groups = max(1, min(4, len(order) // 16))
             size = -(-len(order) // groups)
             for g in range(0, len(order), size):
-                self._decode_group(order[g:g + size], starts, query, k_cache, v_cache, meta,
-                                   scale, sliding_window, gqa, out)
+                self._decode_group(
+                    order[g : g + size],
+                    starts,
+                    query,
+                    k_cache,
+                    v_cache,
+                    meta,
+                    scale,
+                    sliding_window,
+                    gqa,
+                    out,
+                )
 
         for i in prefills:
             s, e = starts[i], starts[i + 1]
@@ -81,7 +103,11 @@ class TorchAttention:
             if sliding_window > 0:
                 mask &= pos > qpos[:, None] - sliding_window
             o = F.scaled_dot_product_attention(
-                q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask[None, None], scale=scale,
+                q,
+                k.to(q.dtype),
+                v.to(q.dtype),
+                attn_mask=mask[None, None],
+                scale=scale,
                 enable_gqa=gqa,
             )
             out[s:e] = o[0].transpose(0, 1)

@@ -15,16 +15,43 @@ class TritonAttention:
     def write_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
         store_kv(key.contiguous(), value.contiguous(), k_cache, v_cache, slot_mapping)
 
-    def forward(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float,
-                sliding_window: int = 0) -> torch.Tensor:
+    def forward(
+        self,
+        query,
+        k_cache,
+        v_cache,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int = 0,
+    ) -> torch.Tensor:
         query = query.contiguous()
         out = torch.empty_like(query)
         if meta.decode_seq_ids_cpu:
-            decode_attention(out, query, k_cache, v_cache, meta.block_tables,
-                             meta.query_start_loc, meta.seq_lens, meta.decode_seq_ids,
-                             meta.max_decode_seq_len, scale, sliding_window)
+            decode_attention(
+                out,
+                query,
+                k_cache,
+                v_cache,
+                meta.block_tables,
+                meta.query_start_loc,
+                meta.seq_lens,
+                meta.decode_seq_ids,
+                meta.max_decode_seq_len,
+                scale,
+                sliding_window,
+            )
         if meta.prefill_seq_ids_cpu:
-            prefill_attention(out, query, k_cache, v_cache, meta.block_tables,
-                              meta.query_start_loc, meta.seq_lens, meta.prefill_seq_ids,
-                              meta.max_prefill_query_len, scale, sliding_window)
+            prefill_attention(
+                out,
+                query,
+                k_cache,
+                v_cache,
+                meta.block_tables,
+                meta.query_start_loc,
+                meta.seq_lens,
+                meta.prefill_seq_ids,
+                meta.max_prefill_query_len,
+                scale,
+                sliding_window,
+            )
         return out

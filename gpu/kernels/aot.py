@@ -60,21 +60,55 @@ def compile_case(kind: str, dtype: str, head_dim: int, extra: dict, arch: int) -
         consts = dict(HEAD_DIM=head_dim, HEAD_PAD=head_dim, HEADS_PAD=8)
     elif kind == "prefill":
         fn = pa._prefill_kernel
-        ptrs = dict(out_ptr=p, q_ptr=p, k_cache_ptr=p, v_cache_ptr=p, block_tables_ptr=i32,
-                    query_start_ptr=i32, seq_lens_ptr=i32, seq_ids_ptr=i32)
-        consts = dict(HEAD_DIM=head_dim, HEAD_PAD=head_dim, BLOCK_M=16, BLOCK_N=32,
-                      PRECISION=precision, UPCAST=False)
+        ptrs = dict(
+            out_ptr=p,
+            q_ptr=p,
+            k_cache_ptr=p,
+            v_cache_ptr=p,
+            block_tables_ptr=i32,
+            query_start_ptr=i32,
+            seq_lens_ptr=i32,
+            seq_ids_ptr=i32,
+        )
+        consts = dict(
+            HEAD_DIM=head_dim,
+            HEAD_PAD=head_dim,
+            BLOCK_M=16,
+            BLOCK_N=32,
+            PRECISION=precision,
+            UPCAST=False,
+        )
     elif kind == "decode":
         fn = pa._decode_kernel
-        ptrs = dict(out_ptr=p, part_out_ptr="*fp32", part_lse_ptr="*fp32", q_ptr=p,
-                    k_cache_ptr=p, v_cache_ptr=p, block_tables_ptr=i32, query_start_ptr=i32,
-                    seq_lens_ptr=i32, seq_ids_ptr=i32)
-        consts = dict(HEAD_DIM=head_dim, HEAD_PAD=head_dim, GROUP_PAD=16, BLOCK_N=64,
-                      PRECISION=precision, UPCAST=False)
+        ptrs = dict(
+            out_ptr=p,
+            part_out_ptr="*fp32",
+            part_lse_ptr="*fp32",
+            q_ptr=p,
+            k_cache_ptr=p,
+            v_cache_ptr=p,
+            block_tables_ptr=i32,
+            query_start_ptr=i32,
+            seq_lens_ptr=i32,
+            seq_ids_ptr=i32,
+        )
+        consts = dict(
+            HEAD_DIM=head_dim,
+            HEAD_PAD=head_dim,
+            GROUP_PAD=16,
+            BLOCK_N=64,
+            PRECISION=precision,
+            UPCAST=False,
+        )
     else:
         fn = pa._reduce_kernel
-        ptrs = dict(out_ptr=p, part_out_ptr="*fp32", part_lse_ptr="*fp32", query_start_ptr=i32,
-                    seq_ids_ptr=i32)
+        ptrs = dict(
+            out_ptr=p,
+            part_out_ptr="*fp32",
+            part_lse_ptr="*fp32",
+            query_start_ptr=i32,
+            seq_ids_ptr=i32,
+        )
         consts = dict(HEAD_DIM=head_dim, HEAD_PAD=head_dim, SPLITS_PAD=extra["NUM_SPLITS"])
     consts.update(extra)
     kernel = triton.compile(_signature(fn, ptrs, consts), target=GPUTarget("cuda", arch, 32))

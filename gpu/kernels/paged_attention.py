@@ -30,18 +30,45 @@ def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _kv_offsets(block_tables_ptr, seq, bt_stride, offs_n, n_mask, block_size, kv_head,
-                cache_stride_block, cache_stride_slot, cache_stride_head):
+def _kv_offsets(
+    block_tables_ptr,
+    seq,
+    bt_stride,
+    offs_n,
+    n_mask,
+    block_size,
+    kv_head,
+    cache_stride_block,
+    cache_stride_slot,
+    cache_stride_head,
+):
     """Element offsets of K/V rows for the positions `offs_n`, through the block table."""
-    block = tl.load(block_tables_ptr + seq * bt_stride + offs_n // block_size,
-                    mask=n_mask, other=0).to(tl.int64)
-    return block * cache_stride_block + (offs_n % block_size) * cache_stride_slot \
+    block = tl.load(
+        block_tables_ptr + seq * bt_stride + offs_n // block_size, mask=n_mask, other=0
+    ).to(tl.int64)
+    return (
+        block * cache_stride_block
+        + (offs_n % block_size) * cache_stride_slot
         + kv_head * cache_stride_head
+    )
 
 
 @triton.jit
-def _attend(q, k_cache_ptr, v_cache_ptr, kv_off, kv_mask, offs_d, visible, scale, m_i, l_i, acc,
-            PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+def _attend(
+    q,
+    k_cache_ptr,
+    v_cache_ptr,
+    kv_off,
+    kv_mask,
+    offs_d,
+    visible,
+    scale,
+    m_i,
+    l_i,
+    acc,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     """One online-softmax step: fold a tile of keys/values (where `visible`) into the running
     max `m_i`, normalizer `l_i` and unnormalized output `acc`."""
     k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
@@ -59,13 +86,32 @@ def _attend(q, k_cache_ptr, v_cache_ptr, kv_off, kv_mask, offs_d, visible, scale
 
 @triton.jit
 def _prefill_kernel(
-    out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_ptr, seq_lens_ptr,
-    seq_ids_ptr, scale,
-    q_stride_t, q_stride_h, o_stride_t, o_stride_h, bt_stride,
-    cache_stride_block, cache_stride_slot, cache_stride_head,
-    block_size, queries_per_kv, sliding_window,
-    HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    out_ptr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    query_start_ptr,
+    seq_lens_ptr,
+    seq_ids_ptr,
+    scale,
+    q_stride_t,
+    q_stride_h,
+    o_stride_t,
+    o_stride_h,
+    bt_stride,
+    cache_stride_block,
+    cache_stride_slot,
+    cache_stride_head,
+    block_size,
+    queries_per_kv,
+    sliding_window,
+    HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
     SLIDING: tl.constexpr,
 ):
     seq = tl.load(seq_ids_ptr + tl.program_id(0))
@@ -82,8 +128,11 @@ def _prefill_kernel(
         m_mask = offs_m < q_len
         d_mask = offs_d < HEAD_DIM
         rows = (q_start + offs_m).to(tl.int64)
-        q = tl.load(q_ptr + rows[:, None] * q_stride_t + head * q_stride_h + offs_d[None, :],
-                    mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+        q = tl.load(
+            q_ptr + rows[:, None] * q_stride_t + head * q_stride_h + offs_d[None, :],
+            mask=m_mask[:, None] & d_mask[None, :],
+            other=0.0,
+        )
         q_pos = context + offs_m
 
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -97,29 +146,77 @@ def _prefill_kernel(
         for start in range(kv_start, kv_end, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
             n_mask = offs_n < kv_end
-            kv_off = _kv_offsets(block_tables_ptr, seq, bt_stride, offs_n, n_mask, block_size,
-                                 kv_head, cache_stride_block, cache_stride_slot, cache_stride_head)
+            kv_off = _kv_offsets(
+                block_tables_ptr,
+                seq,
+                bt_stride,
+                offs_n,
+                n_mask,
+                block_size,
+                kv_head,
+                cache_stride_block,
+                cache_stride_slot,
+                cache_stride_head,
+            )
             visible = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
             if SLIDING:
                 visible = visible & (offs_n[None, :] > q_pos[:, None] - sliding_window)
-            m_i, l_i, acc = _attend(q, k_cache_ptr, v_cache_ptr, kv_off,
-                                    n_mask[:, None] & d_mask[None, :], offs_d, visible, scale,
-                                    m_i, l_i, acc, PRECISION, UPCAST)
+            m_i, l_i, acc = _attend(
+                q,
+                k_cache_ptr,
+                v_cache_ptr,
+                kv_off,
+                n_mask[:, None] & d_mask[None, :],
+                offs_d,
+                visible,
+                scale,
+                m_i,
+                l_i,
+                acc,
+                PRECISION,
+                UPCAST,
+            )
         acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        tl.store(out_ptr + rows[:, None] * o_stride_t + head * o_stride_h + offs_d[None, :],
-                 acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
+        tl.store(
+            out_ptr + rows[:, None] * o_stride_t + head * o_stride_h + offs_d[None, :],
+            acc.to(out_ptr.dtype.element_ty),
+            mask=m_mask[:, None] & d_mask[None, :],
+        )
 
 
 @triton.jit
 def _decode_kernel(
-    out_ptr, part_out_ptr, part_lse_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr,
-    query_start_ptr, seq_lens_ptr, seq_ids_ptr, scale,
-    q_stride_t, q_stride_h, o_stride_t, o_stride_h, bt_stride,
-    cache_stride_block, cache_stride_slot, cache_stride_head,
-    block_size, queries_per_kv, sliding_window, num_heads,
-    HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, GROUP_PAD: tl.constexpr,
-    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr, SLIDING: tl.constexpr,
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    query_start_ptr,
+    seq_lens_ptr,
+    seq_ids_ptr,
+    scale,
+    q_stride_t,
+    q_stride_h,
+    o_stride_t,
+    o_stride_h,
+    bt_stride,
+    cache_stride_block,
+    cache_stride_slot,
+    cache_stride_head,
+    block_size,
+    queries_per_kv,
+    sliding_window,
+    num_heads,
+    HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+    SLIDING: tl.constexpr,
 ):
     i = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -139,8 +236,11 @@ def _decode_kernel(
     g_mask = offs_g < queries_per_kv
     d_mask = offs_d < HEAD_DIM
     heads = kv_head * queries_per_kv + offs_g
-    q = tl.load(q_ptr + row * q_stride_t + heads[:, None] * q_stride_h + offs_d[None, :],
-                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    q = tl.load(
+        q_ptr + row * q_stride_t + heads[:, None] * q_stride_h + offs_d[None, :],
+        mask=g_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
 
     m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
@@ -148,17 +248,42 @@ def _decode_kernel(
     for start in range(start_pos, end_pos, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         n_mask = offs_n < end_pos
-        kv_off = _kv_offsets(block_tables_ptr, seq, bt_stride, offs_n, n_mask, block_size,
-                             kv_head, cache_stride_block, cache_stride_slot, cache_stride_head)
-        m_i, l_i, acc = _attend(q, k_cache_ptr, v_cache_ptr, kv_off,
-                                n_mask[:, None] & d_mask[None, :], offs_d, n_mask[None, :],
-                                scale, m_i, l_i, acc, PRECISION, UPCAST)
+        kv_off = _kv_offsets(
+            block_tables_ptr,
+            seq,
+            bt_stride,
+            offs_n,
+            n_mask,
+            block_size,
+            kv_head,
+            cache_stride_block,
+            cache_stride_slot,
+            cache_stride_head,
+        )
+        m_i, l_i, acc = _attend(
+            q,
+            k_cache_ptr,
+            v_cache_ptr,
+            kv_off,
+            n_mask[:, None] & d_mask[None, :],
+            offs_d,
+            n_mask[None, :],
+            scale,
+            m_i,
+            l_i,
+            acc,
+            PRECISION,
+            UPCAST,
+        )
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     mask = g_mask[:, None] & d_mask[None, :]
     if NUM_SPLITS == 1:
-        tl.store(out_ptr + row * o_stride_t + heads[:, None] * o_stride_h + offs_d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(
+            out_ptr + row * o_stride_t + heads[:, None] * o_stride_h + offs_d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=mask,
+        )
     else:
         # Partial result of this split and its log-sum-exp (-inf when the split is empty).
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log(tl.where(l_i == 0.0, 1.0, l_i)))
@@ -169,9 +294,17 @@ def _decode_kernel(
 
 @triton.jit
 def _reduce_kernel(
-    out_ptr, part_out_ptr, part_lse_ptr, query_start_ptr, seq_ids_ptr,
-    o_stride_t, o_stride_h, num_heads,
-    HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    query_start_ptr,
+    seq_ids_ptr,
+    o_stride_t,
+    o_stride_h,
+    num_heads,
+    HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
 ):
     i = tl.program_id(0)
@@ -186,18 +319,26 @@ def _reduce_kernel(
     m = tl.max(lse, axis=0)
     w = tl.exp(lse - m)
     w = tl.where(s_mask, w, 0.0)
-    parts = tl.load(part_out_ptr + (base + offs_s)[:, None] * HEAD_PAD + offs_d[None, :],
-                    mask=s_mask[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    parts = tl.load(
+        part_out_ptr + (base + offs_s)[:, None] * HEAD_PAD + offs_d[None, :],
+        mask=s_mask[:, None] & (offs_d[None, :] < HEAD_DIM),
+        other=0.0,
+    )
     out = tl.sum(parts * w[:, None], axis=0) / tl.sum(w, axis=0)
-    tl.store(out_ptr + row * o_stride_t + head * o_stride_h + offs_d, out.to(out_ptr.dtype.element_ty),
-             mask=offs_d < HEAD_DIM)
+    tl.store(
+        out_ptr + row * o_stride_t + head * o_stride_h + offs_d,
+        out.to(out_ptr.dtype.element_ty),
+        mask=offs_d < HEAD_DIM,
+    )
 
 
 def _check(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, seq_ids):
     if query.dim() != 3:
         raise ValueError(f"query must be [tokens, heads, head_dim], got {tuple(query.shape)}")
     if k_cache.dim() != 4 or v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride():
-        raise ValueError("k_cache and v_cache must be [blocks, block_size, kv_heads, head_dim] alike")
+        raise ValueError(
+            "k_cache and v_cache must be [blocks, block_size, kv_heads, head_dim] alike"
+        )
     heads, head_dim = query.shape[1], query.shape[2]
     kv_heads = k_cache.shape[2]
     if k_cache.shape[3] != head_dim:
@@ -210,8 +351,12 @@ def _check(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, seq
         raise ValueError(f"query {query.dtype} and cache {k_cache.dtype} dtypes differ")
     if query.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"unsupported dtype {query.dtype}")
-    for name, t in (("block_tables", block_tables), ("query_start_loc", query_start_loc),
-                    ("seq_lens", seq_lens), ("seq_ids", seq_ids)):
+    for name, t in (
+        ("block_tables", block_tables),
+        ("query_start_loc", query_start_loc),
+        ("seq_lens", seq_lens),
+        ("seq_ids", seq_ids),
+    ):
         if t.dtype not in (torch.int32, torch.int64) or t.device != query.device:
             raise ValueError(f"{name} must be an integer tensor on {query.device}")
     if block_tables.dim() != 2 or block_tables.stride(1) != 1:
@@ -227,9 +372,21 @@ def _upcast(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def prefill_attention(out, query, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
-                      seq_ids, max_query_len: int, scale: float, sliding_window: int = 0,
-                      block_m: int = 16, block_n: int = 32) -> None:
+def prefill_attention(
+    out,
+    query,
+    k_cache,
+    v_cache,
+    block_tables,
+    query_start_loc,
+    seq_lens,
+    seq_ids,
+    max_query_len: int,
+    scale: float,
+    sliding_window: int = 0,
+    block_m: int = 16,
+    block_n: int = 32,
+) -> None:
     """Attention for the sequences listed in `seq_ids` (several query tokens each), into `out`."""
     _check(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, seq_ids)
     n = seq_ids.shape[0]
@@ -238,18 +395,39 @@ def prefill_attention(out, query, k_cache, v_cache, block_tables, query_start_lo
     heads, head_dim = query.shape[1], query.shape[2]
     grid = (n, heads, triton.cdiv(max_query_len, block_m))
     _prefill_kernel[grid](
-        out, query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, seq_ids, scale,
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        k_cache.shape[1], heads // k_cache.shape[2], sliding_window,
-        HEAD_DIM=head_dim, HEAD_PAD=triton.next_power_of_2(head_dim), BLOCK_M=block_m,
-        BLOCK_N=block_n, PRECISION=_precision(query.dtype), UPCAST=_upcast(query.dtype),
+        out,
+        query,
+        k_cache,
+        v_cache,
+        block_tables,
+        query_start_loc,
+        seq_lens,
+        seq_ids,
+        scale,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        block_tables.stride(0),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        k_cache.shape[1],
+        heads // k_cache.shape[2],
+        sliding_window,
+        HEAD_DIM=head_dim,
+        HEAD_PAD=triton.next_power_of_2(head_dim),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        PRECISION=_precision(query.dtype),
+        UPCAST=_upcast(query.dtype),
         SLIDING=sliding_window > 0,
     )
 
 
-def num_splits_for(num_seqs: int, kv_heads: int, max_seq_len: int, num_sms: int,
-                   block_n: int) -> int:
+def num_splits_for(
+    num_seqs: int, kv_heads: int, max_seq_len: int, num_sms: int, block_n: int
+) -> int:
     """Split the KV length when there are too few (sequence, KV head) programs to fill the GPU;
     each split keeps at least 4 KV tiles of work."""
     programs = max(1, num_seqs * kv_heads)
@@ -259,10 +437,22 @@ def num_splits_for(num_seqs: int, kv_heads: int, max_seq_len: int, num_sms: int,
     return 1 << (splits.bit_length() - 1)  # a power of two: fewer distinct compilations
 
 
-def decode_attention(out, query, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
-                     seq_ids, max_seq_len: int, scale: float, sliding_window: int = 0,
-                     num_splits: int | None = None, block_n: int = 64,
-                     num_sms: int | None = None) -> None:
+def decode_attention(
+    out,
+    query,
+    k_cache,
+    v_cache,
+    block_tables,
+    query_start_loc,
+    seq_lens,
+    seq_ids,
+    max_seq_len: int,
+    scale: float,
+    sliding_window: int = 0,
+    num_splits: int | None = None,
+    block_n: int = 64,
+    num_sms: int | None = None,
+) -> None:
     """Attention for the sequences in `seq_ids`, each with exactly one query token."""
     _check(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, seq_ids)
     n = seq_ids.shape[0]
@@ -274,27 +464,63 @@ def decode_attention(out, query, k_cache, v_cache, block_tables, query_start_loc
     head_pad = triton.next_power_of_2(head_dim)
     if num_splits is None:
         if num_sms is None:
-            num_sms = (torch.cuda.get_device_properties(query.device).multi_processor_count
-                       if query.is_cuda else 8)
+            num_sms = (
+                torch.cuda.get_device_properties(query.device).multi_processor_count
+                if query.is_cuda
+                else 8
+            )
         num_splits = num_splits_for(n, kv_heads, max_seq_len, num_sms, block_n)
     part_out = part_lse = out  # unused when there is one split
     if num_splits > 1:
-        part_out = torch.empty((n * heads * num_splits, head_pad), dtype=torch.float32,
-                               device=query.device)
+        part_out = torch.empty(
+            (n * heads * num_splits, head_pad), dtype=torch.float32, device=query.device
+        )
         part_lse = torch.empty((n * heads * num_splits,), dtype=torch.float32, device=query.device)
     _decode_kernel[(n, kv_heads, num_splits)](
-        out, part_out, part_lse, query, k_cache, v_cache, block_tables, query_start_loc,
-        seq_lens, seq_ids, scale,
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        k_cache.shape[1], group, sliding_window, heads,
-        HEAD_DIM=head_dim, HEAD_PAD=head_pad, GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        BLOCK_N=block_n, NUM_SPLITS=num_splits, PRECISION=_precision(query.dtype),
-        UPCAST=_upcast(query.dtype), SLIDING=sliding_window > 0,
+        out,
+        part_out,
+        part_lse,
+        query,
+        k_cache,
+        v_cache,
+        block_tables,
+        query_start_loc,
+        seq_lens,
+        seq_ids,
+        scale,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        block_tables.stride(0),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        k_cache.shape[1],
+        group,
+        sliding_window,
+        heads,
+        HEAD_DIM=head_dim,
+        HEAD_PAD=head_pad,
+        GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        BLOCK_N=block_n,
+        NUM_SPLITS=num_splits,
+        PRECISION=_precision(query.dtype),
+        UPCAST=_upcast(query.dtype),
+        SLIDING=sliding_window > 0,
     )
     if num_splits > 1:
         _reduce_kernel[(n, heads)](
-            out, part_out, part_lse, query_start_loc, seq_ids, out.stride(0), out.stride(1), heads,
-            HEAD_DIM=head_dim, HEAD_PAD=head_pad, NUM_SPLITS=num_splits,
+            out,
+            part_out,
+            part_lse,
+            query_start_loc,
+            seq_ids,
+            out.stride(0),
+            out.stride(1),
+            heads,
+            HEAD_DIM=head_dim,
+            HEAD_PAD=head_pad,
+            NUM_SPLITS=num_splits,
             SPLITS_PAD=triton.next_power_of_2(num_splits),
         )

@@ -9,11 +9,23 @@ import triton.language as tl
 
 @triton.jit
 def _store_kv_kernel(
-    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
-    key_stride_t, key_stride_h, value_stride_t, value_stride_h,
-    cache_stride_block, cache_stride_slot, cache_stride_head,
-    block_size, num_heads,
-    HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, HEADS_PAD: tl.constexpr,
+    key_ptr,
+    value_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    key_stride_t,
+    key_stride_h,
+    value_stride_t,
+    value_stride_h,
+    cache_stride_block,
+    cache_stride_slot,
+    cache_stride_head,
+    block_size,
+    num_heads,
+    HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    HEADS_PAD: tl.constexpr,
 ):
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -30,13 +42,20 @@ def _store_kv_kernel(
         tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
-def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-             v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def store_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
     """key, value: [num_tokens, num_kv_heads, head_dim]; caches: [num_blocks, block_size,
     num_kv_heads, head_dim]; slot_mapping: [num_tokens] int64, -1 for padding."""
     if key.dim() != 3 or value.shape != key.shape:
-        raise ValueError(f"key and value must be [tokens, heads, head_dim], got {tuple(key.shape)} "
-                         f"and {tuple(value.shape)}")
+        raise ValueError(
+            f"key and value must be [tokens, heads, head_dim], got {tuple(key.shape)} "
+            f"and {tuple(value.shape)}"
+        )
     if k_cache.dim() != 4 or v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride():
         raise ValueError("k_cache and v_cache must be [blocks, block_size, heads, head_dim] alike")
     t, h, d = key.shape
@@ -51,9 +70,21 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
     if t == 0:
         return
     _store_kv_kernel[(t,)](
-        key, value, k_cache, v_cache, slot_mapping,
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        k_cache.shape[1], h,
-        HEAD_DIM=d, HEAD_PAD=triton.next_power_of_2(d), HEADS_PAD=triton.next_power_of_2(h),
+        key,
+        value,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        k_cache.shape[1],
+        h,
+        HEAD_DIM=d,
+        HEAD_PAD=triton.next_power_of_2(d),
+        HEADS_PAD=triton.next_power_of_2(h),
     )

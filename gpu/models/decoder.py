@@ -13,7 +13,11 @@ from gpu.attention.backend import AttentionBackend, AttentionMetadata
 from gpu.models.rope import Rope, apply_rope
 from gpu.models.spec import ModelSpec
 
-_ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+_ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
 
 
 class RMSNorm(nn.Module):
@@ -117,5 +121,7 @@ class DecoderForCausalLM(nn.Module):
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.spec.tie_word_embeddings else self.lm_head.weight
+        weight = (
+            self.model.embed_tokens.weight if self.spec.tie_word_embeddings else self.lm_head.weight
+        )
         return F.linear(hidden, weight).float()
