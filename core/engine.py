@@ -11,15 +11,15 @@ import queue
 import threading
 import traceback
 
-import trio
-
 from collections.abc import Callable
 
+import trio
+
 from core.engine_core import EngineCore
-from core.stats import StepStats
 from core.outputs import RequestChannel
 from core.request import EngineRequest, RequestOutput
 from core.sampling import InvalidParam
+from core.stats import StepStats
 
 log = logging.getLogger("weir.engine")
 
@@ -43,14 +43,7 @@ class Engine:
         self.on_stats: Callable[[StepStats], None] | None = None
         self.on_death: Callable[[str], None] | None = None
         self._adds_sent = 0  # Trio thread: requests put on the queue, ever
-        self._last_stats = StepStats()
-        # Published by the engine thread after every step, for readers on other threads.
-        self.stats = {
-            "num_free_blocks": core.kv.num_free_blocks,
-            "steps": 0,
-            "running": 0,
-            "waiting": 0,
-        }
+        self._last_stats = StepStats(num_free_blocks=core.kv.num_free_blocks)
 
     # ---- Trio thread ----
     def start(self) -> None:
@@ -189,12 +182,6 @@ class Engine:
                 if stop:
                     break
                 outputs = core.step()
-                self.stats = {
-                    "num_free_blocks": core.kv.num_free_blocks,
-                    "steps": core.num_steps,
-                    "running": len(core.scheduler.running),
-                    "waiting": len(core.scheduler.waiting),
-                }
                 # One hop per step: the outputs and the step's statistics together.
                 if not self._send(self._dispatch, (outputs, core.take_stats())):
                     break

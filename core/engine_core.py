@@ -15,7 +15,7 @@ from core.kv_cache_manager import KVCacheManager
 from core.request import EngineRequest, Logprob, Request, RequestOutput, StepResult
 from core.sampling import InvalidParam
 from core.scheduler import Scheduler, SchedulerOutput
-from core.stats import FinishedStats, StatsCollector, StepStats
+from core.stats import FinishedStats, StepStats
 
 
 class ModelRunner(Protocol):
@@ -55,7 +55,7 @@ class EngineCore:
         self.num_partial_prefills = 0
         self.num_aborted = 0
         self.num_computed_prompt_tokens = 0  # prompt positions run through the model
-        self.stats = StatsCollector()
+        self.stats = StepStats()  # increments since the last take_stats()
         self.num_adds_seen = 0
         self._seq_no = 0
 
@@ -186,7 +186,7 @@ class EngineCore:
         scheduled = request.first_scheduled_time or now
         first = request.first_token_time or now
         last = request.last_token_time or now
-        self.stats.pending.finished.append(
+        self.stats.finished.append(
             FinishedStats(
                 reason,
                 now - arrival,
@@ -199,17 +199,18 @@ class EngineCore:
         )
 
     def take_stats(self) -> StepStats:
-        return self.stats.take(
-            len(self.scheduler.running),
-            len(self.scheduler.waiting),
-            self.kv.usage,
-            self.num_adds_seen,
-        )
+        """The increments gathered since the last call, with the current gauges."""
+        out = self.stats
+        out.num_running, out.num_waiting = len(self.scheduler.running), len(self.scheduler.waiting)
+        out.kv_usage, out.num_free_blocks = self.kv.usage, self.kv.num_free_blocks
+        out.num_adds_seen = self.num_adds_seen
+        self.stats = StepStats()
+        return out
 
     def _append_token(
         self, request: Request, token_id: int, logprob: Logprob | None, now: float
     ) -> RequestOutput:
-        stats = self.stats.pending
+        stats = self.stats
         if request.first_token_time is None:
             request.first_token_time = now
             stats.ttft.append(now - request.arrival_time)
@@ -242,7 +243,7 @@ class EngineCore:
         preemptions_before = self.scheduler.num_preemptions
         queried, hits = self.kv.num_queried_tokens, self.kv.num_hit_tokens
         out = self.scheduler.schedule()
-        stats = self.stats.pending
+        stats = self.stats
         stats.preemptions += self.scheduler.num_preemptions - preemptions_before
         stats.prefix_queries += self.kv.num_queried_tokens - queried
         stats.prefix_hits += self.kv.num_hit_tokens - hits

@@ -20,6 +20,7 @@ class StepStats(msgspec.Struct, gc=False):
     num_running: int = 0
     num_waiting: int = 0
     kv_usage: float = 0.0
+    num_free_blocks: int = 0
     num_adds_seen: int = 0  # requests the engine has taken off its queue, ever
     # Increments since the previous StepStats.
     prompt_tokens: int = 0
@@ -31,19 +32,3 @@ class StepStats(msgspec.Struct, gc=False):
     ttft: list[float] = []
     itl: list[float] = []
     finished: list[FinishedStats] = []
-
-
-class StatsCollector:
-    """Accumulates increments between two `take()` calls. Engine thread only."""
-
-    def __init__(self) -> None:
-        self.pending = StepStats()
-
-    def take(
-        self, num_running: int, num_waiting: int, kv_usage: float, num_adds_seen: int
-    ) -> StepStats:
-        out = self.pending
-        out.num_running, out.num_waiting = num_running, num_waiting
-        out.kv_usage, out.num_adds_seen = kv_usage, num_adds_seen
-        self.pending = StepStats()
-        return out

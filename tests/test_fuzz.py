@@ -129,7 +129,7 @@ def test_fuzz_route(server, path):
     engine = server.engine
     assert wait_for(
         lambda: (
-            engine.stats["num_free_blocks"] == engine.core.kv.num_blocks
+            engine.last_stats.num_free_blocks == engine.core.kv.num_blocks
             and not engine.core.requests
         )
     )

@@ -235,7 +235,7 @@ def test_request_timeout_ends_with_length_and_frees_blocks(tiny):
         assert r.status_code == 200 and c["finish_reason"] == "length"
         assert 0 < r.json()["usage"]["completion_tokens"] < 4000
         engine = server.engine
-        assert wait_for(lambda: engine.stats["num_free_blocks"] == engine.core.kv.num_blocks)
+        assert wait_for(lambda: engine.last_stats.num_free_blocks == engine.core.kv.num_blocks)
     finally:
         server.stop()
 
@@ -355,7 +355,7 @@ def test_client_that_stops_reading_is_dropped_and_aborted(tiny):
         # Never read. The window closes, sent data goes unacknowledged, the kernel drops the
         # connection after TCP_USER_TIMEOUT, and the handler's cancellation aborts the request.
         assert wait_for(lambda: engine.core.num_aborted > aborted, timeout=30)
-        assert wait_for(lambda: engine.stats["num_free_blocks"] == engine.core.kv.num_blocks)
+        assert wait_for(lambda: engine.last_stats.num_free_blocks == engine.core.kv.num_blocks)
         sock.close()
     finally:
         server.stop()

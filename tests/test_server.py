@@ -123,10 +123,10 @@ def test_disconnect_aborts_and_frees_blocks(live_server):
                 seen += 1
             if seen >= 3:
                 break
-        assert engine.stats["num_free_blocks"] < total  # it holds blocks while streaming
+        assert engine.last_stats.num_free_blocks < total  # it holds blocks while streaming
     # Closing the connection cancels the handler; the engine aborts before its next step.
     assert wait_for(lambda: engine.core.num_aborted > aborted_before)
-    assert wait_for(lambda: engine.stats["num_free_blocks"] == total)
+    assert wait_for(lambda: engine.last_stats.num_free_blocks == total)
     assert not engine.core.requests
 
 
@@ -254,7 +254,7 @@ def test_many_concurrent_streams_under_preemption_all_complete(model_dir):
         assert results == alone
         core = server.engine.core
         assert core.scheduler.num_preemptions > 0
-        assert wait_for(lambda: server.engine.stats["num_free_blocks"] == core.kv.num_blocks)
+        assert wait_for(lambda: server.engine.last_stats.num_free_blocks == core.kv.num_blocks)
     finally:
         server.stop()
 
