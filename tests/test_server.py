@@ -289,14 +289,9 @@ def test_n_samples_seeded_and_greedy(client, live_server):
     messages = [{"role": "user", "content": "Tell me about the river " * 10}]
     core = live_server.engine.core
     before = core.num_computed_prompt_tokens
+    sampled = dict(model="tiny", messages=messages, n=3, temperature=1.0, seed=123, max_tokens=12)
     r = client.chat.completions.create(
-        model="tiny",
-        messages=messages,
-        n=3,
-        temperature=1.0,
-        seed=123,
-        max_tokens=12,
-        extra_body={"ignore_eos": True, "cache_salt": "n3"},
+        **sampled, extra_body={"ignore_eos": True, "cache_salt": "n3"}
     )
     computed = core.num_computed_prompt_tokens - before
     prompt = r.usage.prompt_tokens
@@ -305,15 +300,7 @@ def test_n_samples_seeded_and_greedy(client, live_server):
     assert len(set(texts)) == 3
     assert computed < 2 * prompt  # the prompt is computed once; the others hit the cache
     assert r.usage.completion_tokens == 36
-    again = client.chat.completions.create(
-        model="tiny",
-        messages=messages,
-        n=3,
-        temperature=1.0,
-        seed=123,
-        max_tokens=12,
-        extra_body={"ignore_eos": True},
-    )
+    again = client.chat.completions.create(**sampled, extra_body={"ignore_eos": True})
     assert [c.message.content for c in again.choices] == texts
 
     greedy = client.chat.completions.create(
@@ -322,16 +309,7 @@ def test_n_samples_seeded_and_greedy(client, live_server):
     assert len({c.message.content for c in greedy.choices}) == 1
 
     chunks = list(
-        client.chat.completions.create(
-            model="tiny",
-            messages=messages,
-            n=3,
-            seed=123,
-            temperature=1.0,
-            max_tokens=12,
-            stream=True,
-            extra_body={"ignore_eos": True},
-        )
+        client.chat.completions.create(**sampled, stream=True, extra_body={"ignore_eos": True})
     )
     streamed = ["", "", ""]
     finishes = [0, 0, 0]
