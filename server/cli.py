@@ -53,8 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--attention-backend",
         default="auto",
-        choices=["auto", "torch", "triton"],
-        help="auto: triton on CUDA, torch on CPU (triton on CPU needs TRITON_INTERPRET=1)",
+        choices=["auto", "cpu", "torch", "triton"],
+        help="auto: triton on CUDA; on CPU the compiled cpu kernel (built with the host's g++; "
+        "torch when it cannot be built). torch is the reference; triton on CPU needs "
+        "TRITON_INTERPRET=1",
     )
     s.add_argument(
         "--enable-prefix-caching",

@@ -82,6 +82,7 @@ def test_greedy_matches_transformers(arch, pool, model_dir):
         EngineConfig(model=str(path), dtype="float32", check_integrity=True, **POOLS[pool])
     )
     core = loaded.core
+    assert core.runner.backend.name == ("triton" if torch.cuda.is_available() else "cpu")
     prompts = [loaded.tokenizer.encode(p) for p in PROMPTS]
     assert len({len(p) for p in prompts}) >= 8  # prompts of different lengths
 
@@ -117,20 +118,22 @@ def test_logits_match_transformers(arch, model_dir):
     torch.testing.assert_close(torch.stack(ours), theirs, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_greedy_matches_transformers_with_triton_backend(arch, model_dir):
-    """The same check through the Triton kernels (compiled on CUDA, interpreted on CPU)."""
+def test_greedy_matches_transformers_with_other_backends(arch, backend, model_dir):
+    """The same check through the torch reference and the Triton kernels (compiled on CUDA,
+    interpreted on CPU); the default backend on CPU is the compiled CPU kernel."""
     path = model_dir(arch)
     loaded = load(
         EngineConfig(
             model=str(path),
             dtype="float32",
             check_integrity=True,
-            attention_backend="triton",
+            attention_backend=backend,
             **POOLS["tight"],
         )
     )
-    assert loaded.core.runner.backend.name == "triton"
+    assert loaded.core.runner.backend.name == backend
     prompts = [loaded.tokenizer.encode(p) for p in PROMPTS]
     got, _ = run_all(loaded.core, prompts)
     assert got == reference(arch, path, prompts)

@@ -16,7 +16,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 3e-2}
 
 
-def make_batch(specs, block_size, num_heads, num_kv_heads, head_dim, dtype, seed=0):
+def make_batch(specs, block_size, num_heads, num_kv_heads, head_dim, dtype, seed=0, device=DEVICE):
     """specs: (new query tokens, tokens already cached) per sequence. Returns the query, random
     caches, and metadata whose block tables scatter each sequence over shuffled blocks."""
     g = torch.Generator().manual_seed(seed)
@@ -33,12 +33,12 @@ def make_batch(specs, block_size, num_heads, num_kv_heads, head_dim, dtype, seed
     width = max(len(t) for t in tables)
     tables = [t + [0] * (width - len(t)) for t in tables]
     meta = AttentionMetadata.build(
-        slots, tables, query_lens, seq_lens, lambda d, dt: torch.tensor(d, dtype=dt, device=DEVICE)
+        slots, tables, query_lens, seq_lens, lambda d, dt: torch.tensor(d, dtype=dt, device=device)
     )
     shape = (total_blocks, block_size, num_kv_heads, head_dim)
-    k_cache = torch.randn(shape, generator=g).to(DEVICE, dtype)
-    v_cache = torch.randn(shape, generator=g).to(DEVICE, dtype)
-    query = torch.randn((sum(query_lens), num_heads, head_dim), generator=g).to(DEVICE, dtype)
+    k_cache = torch.randn(shape, generator=g).to(device, dtype)
+    v_cache = torch.randn(shape, generator=g).to(device, dtype)
+    query = torch.randn((sum(query_lens), num_heads, head_dim), generator=g).to(device, dtype)
     return query, k_cache, v_cache, meta
 
 

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+
+log = logging.getLogger("weir.attention")
 
 
 @dataclass
@@ -89,7 +92,7 @@ class AttentionBackend(Protocol):
     ) -> torch.Tensor: ...  # [num_tokens, num_heads, head_dim]
 
 
-BACKENDS = ("auto", "torch", "triton")
+BACKENDS = ("auto", "cpu", "torch", "triton")
 
 
 def triton_usable(device: torch.device) -> bool:
@@ -102,9 +105,26 @@ def triton_usable(device: torch.device) -> bool:
 
 
 def get_backend(name: str, device: torch.device) -> AttentionBackend:
-    """auto: Triton on CUDA, the torch reference on CPU."""
+    """auto: Triton on CUDA; on CPU the compiled kernel, or the torch reference (with a warning)
+    when it cannot be built here."""
     if name == "auto":
-        name = "triton" if device.type == "cuda" else "torch"
+        if device.type == "cuda":
+            name = "triton"
+        else:
+            from gpu.kernels import cpu_build
+
+            try:
+                cpu_build.load()
+                name = "cpu"
+            except cpu_build.BuildError as e:
+                log.warning("CPU attention kernel unavailable, using the torch reference: %s", e)
+                name = "torch"
+    if name == "cpu":
+        if device.type != "cpu":
+            raise ValueError("--attention-backend cpu runs on the CPU only")
+        from gpu.attention.cpu_backend import CpuAttention
+
+        return CpuAttention()
     if name == "torch":
         from gpu.attention.torch_ref import TorchAttention
 

@@ -1,0 +1,67 @@
+"""The CPU attention backend: a compiled kernel that reads K/V in place from the paged cache.
+
+The torch reference copies each sequence's context out of the cache every layer and step; this
+calls gpu/kernels/cpu_attention.cpp once per layer, over all sequences, with no copy.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gpu.attention.backend import AttentionMetadata
+from gpu.attention.torch_ref import TorchAttention
+from gpu.kernels import cpu_build
+
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+class CpuAttention:
+    name = "cpu"
+
+    def __init__(self) -> None:
+        self._lib = cpu_build.load()
+        self._write = TorchAttention().write_kv
+
+    def write_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
+        self._write(key, value, k_cache, v_cache, slot_mapping)
+
+    def forward(
+        self,
+        query,
+        k_cache,
+        v_cache,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int = 0,
+    ) -> torch.Tensor:
+        if query.dtype not in _DTYPES or k_cache.dtype != query.dtype:
+            raise ValueError(f"cpu attention: unsupported dtypes {query.dtype}, {k_cache.dtype}")
+        if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+            raise ValueError("cpu attention: caches must be contiguous")
+        query = query.contiguous()
+        out = torch.empty_like(query)
+        tables = meta.block_tables
+        _, bs, kv_heads, head_dim = k_cache.shape
+        rc = self._lib.weir_paged_attention(
+            query.data_ptr(),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            out.data_ptr(),
+            tables.data_ptr(),
+            meta.query_start_loc.data_ptr(),
+            meta.seq_lens.data_ptr(),
+            None,  # every sequence of the batch
+            meta.num_seqs,
+            tables.shape[1],
+            query.shape[1],
+            kv_heads,
+            head_dim,
+            bs,
+            scale,
+            sliding_window,
+            torch.get_num_threads(),
+            _DTYPES[query.dtype],
+        )
+        if rc != 0:
+            raise RuntimeError(f"cpu attention kernel failed ({rc})")
+        return out

@@ -1,0 +1,236 @@
+// Paged attention for CPUs: one pass over each sequence's K/V straight out of the paged cache.
+//
+// The torch reference gathers every sequence's context into a padded dense tensor per layer and
+// step, then runs SDPA over it: the copy costs more than the attention. This reads each key and
+// value row once, in place, for all the query heads that share its KV head (GQA), with exact
+// softmax (scores for the whole context, then max, exp and sum, then the weighted sum of V).
+//
+// Plain C ABI with raw pointers (no torch headers): compiled in about a second by gpu/kernels/
+// cpu_build.py with the host's g++ and -march=native, called through ctypes, which releases the
+// GIL for the call. Work items are (sequence, tile of query rows), spread over OpenMP threads.
+//
+// Layouts (all contiguous): query/out [tokens, heads, dim]; caches [blocks, block_size, kv_heads,
+// dim]; block_tables [seqs, max_blocks] int32; query_start [seqs + 1] int32; seq_lens [seqs].
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+inline float to_f32(float x) { return x; }
+inline float to_f32(uint16_t bf16) {  // bfloat16 bits
+    uint32_t u = uint32_t(bf16) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+inline float to_f32(_Float16 h) { return float(h); }
+
+inline void store(float* p, float x) { *p = x; }
+inline void store(uint16_t* p, float x) {  // round to nearest even, as torch does
+    uint32_t u;
+    std::memcpy(&u, &x, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) {
+        *p = uint16_t((u >> 16) | 0x40);  // NaN stays NaN
+        return;
+    }
+    u += 0x7fffu + ((u >> 16) & 1u);
+    *p = uint16_t(u >> 16);
+}
+inline void store(_Float16* p, float x) { *p = _Float16(x); }
+
+struct Args {
+    const void* query;
+    const void* k_cache;
+    const void* v_cache;
+    void* out;
+    const int32_t* block_tables;
+    const int32_t* query_start;
+    const int32_t* seq_lens;
+    const int32_t* seq_ids;  // which sequences to run; null: 0..num_seq_ids-1
+    int64_t num_seq_ids;
+    int64_t max_blocks;
+    int64_t num_heads;
+    int64_t num_kv_heads;
+    int64_t head_dim;
+    int64_t block_size;
+    float scale;
+    int64_t sliding_window;  // 0: none
+    int64_t num_threads;
+};
+
+// Query rows per work item: rows of one tile share each K/V row read while it is in cache.
+constexpr int64_t kRowTile = 16;
+
+// Calls fn(t, row) for each cache slot t in [lo, hi) of one sequence, block by block, with the
+// slot's row of all KV heads as float (in place for float caches, converted for 16-bit ones).
+template <typename T, typename Fn>
+inline void for_each_key(const T* cache, const int32_t* table, int64_t bs, int64_t slot,
+                         int64_t lo, int64_t hi, std::vector<float>& buf, Fn&& fn) {
+    for (int64_t b0 = lo - lo % bs; b0 < hi; b0 += bs) {
+        const T* block = cache + int64_t(table[b0 / bs]) * bs * slot;
+        const int64_t t1 = std::min(hi, b0 + bs);
+        for (int64_t t = std::max(lo, b0); t < t1; ++t) {
+            const T* row = block + (t - b0) * slot;
+            if constexpr (std::is_same_v<T, float>) {
+                fn(t, row);
+            } else {
+                for (int64_t e = 0; e < slot; ++e) buf[e] = to_f32(row[e]);
+                fn(t, buf.data());
+            }
+        }
+    }
+}
+
+// DD: the head size when known at compile time (64, 128, 256), else 0 and a.head_dim is used.
+template <typename T, int64_t DD>
+void run_item(const Args& a, int64_t seq, int64_t row0, int64_t row1, std::vector<float>& scores,
+              std::vector<float>& qbuf, std::vector<float>& acc, std::vector<float>& kvrow) {
+    const T* q = static_cast<const T*>(a.query);
+    const T* kc = static_cast<const T*>(a.k_cache);
+    const T* vc = static_cast<const T*>(a.v_cache);
+    T* out = static_cast<T*>(a.out);
+    const int64_t D = DD ? DD : a.head_dim;
+    const int64_t H = a.num_heads, Hkv = a.num_kv_heads, bs = a.block_size;
+    const int64_t G = H / Hkv;
+    const int64_t qs = a.query_start[seq];
+    const int64_t q_len = a.query_start[seq + 1] - qs;
+    const int64_t seq_len = a.seq_lens[seq];
+    const int32_t* table = a.block_tables + seq * a.max_blocks;
+    const int64_t slot = Hkv * D;  // elements per cache slot (all KV heads)
+
+    // Query row r sits at position first_pos + r and sees keys [lo(r), first_pos + r].
+    const int64_t first_pos = seq_len - q_len;
+    const int64_t hi_max = first_pos + row1;  // exclusive end for the tile's last row
+    int64_t lo_min = 0;
+    if (a.sliding_window > 0) lo_min = std::max<int64_t>(0, first_pos + row0 + 1 - a.sliding_window);
+    const int64_t span = hi_max - lo_min;
+    const int64_t nrows = row1 - row0;
+    const int64_t rows = nrows * H;  // (row, head) pairs, head-major: i = h * nrows + (r - row0)
+
+    qbuf.resize(rows * D);
+    scores.resize(rows * span);
+    acc.assign(rows * D, 0.f);
+    kvrow.resize(slot);
+    for (int64_t r = 0; r < nrows; ++r)
+        for (int64_t h = 0; h < H; ++h) {
+            const T* src = q + ((qs + row0 + r) * H + h) * D;
+            float* dst = qbuf.data() + (h * nrows + r) * D;
+            for (int64_t d = 0; d < D; ++d) dst[d] = to_f32(src[d]) * a.scale;
+        }
+
+    // Pass 1: scores for every key in the tile's range (masked per row below).
+    for_each_key<T>(kc, table, bs, slot, lo_min, hi_max, kvrow, [&](int64_t t, const float* k) {
+        float* st = scores.data() + (t - lo_min);
+        int64_t i = 0;  // (row, head) index, head-major
+        for (int64_t g = 0; g < Hkv; ++g) {
+            const float* kh = k + g * D;
+            for (int64_t j = 0; j < G * nrows; ++j, ++i) {
+                const float* qi = qbuf.data() + i * D;
+                float s = 0.f;
+#pragma omp simd reduction(+ : s)
+                for (int64_t d = 0; d < D; ++d) s += qi[d] * kh[d];
+                st[i * span] = s;
+            }
+        }
+    });
+    // Softmax per (row, head) over its own visible range; masked keys get probability 0.
+    for (int64_t i = 0; i < rows; ++i) {
+        const int64_t hi = first_pos + row0 + i % nrows + 1;
+        const int64_t lo = a.sliding_window > 0 ? std::max<int64_t>(0, hi - a.sliding_window) : 0;
+        float* s = scores.data() + i * span - lo_min;
+        float m = s[lo];
+        for (int64_t t = lo; t < hi; ++t) m = std::max(m, s[t]);
+        float sum = 0.f;
+        for (int64_t t = lo_min; t < lo; ++t) s[t] = 0.f;
+        for (int64_t t = lo; t < hi; ++t) {
+            s[t] = std::exp(s[t] - m);
+            sum += s[t];
+        }
+        for (int64_t t = hi; t < hi_max; ++t) s[t] = 0.f;
+        const float inv = 1.f / sum;
+        for (int64_t t = lo; t < hi; ++t) s[t] *= inv;
+    }
+    // Pass 2: weighted sum of values.
+    for_each_key<T>(vc, table, bs, slot, lo_min, hi_max, kvrow, [&](int64_t t, const float* v) {
+        const float* pt = scores.data() + (t - lo_min);
+        int64_t i = 0;
+        for (int64_t g = 0; g < Hkv; ++g) {
+            const float* vh = v + g * D;
+            for (int64_t j = 0; j < G * nrows; ++j, ++i) {
+                const float p = pt[i * span];
+                float* ai = acc.data() + i * D;
+#pragma omp simd
+                for (int64_t d = 0; d < D; ++d) ai[d] += p * vh[d];
+            }
+        }
+    });
+    for (int64_t r = 0; r < nrows; ++r)
+        for (int64_t h = 0; h < H; ++h) {
+            T* dst = out + ((qs + row0 + r) * H + h) * D;
+            const float* ai = acc.data() + (h * nrows + r) * D;
+            for (int64_t d = 0; d < D; ++d) store(dst + d, ai[d]);
+        }
+}
+
+template <typename T, int64_t DD>
+void run(const Args& a) {
+    struct Item {
+        int32_t seq, row0, row1;
+    };
+    std::vector<Item> items;
+    for (int64_t n = 0; n < a.num_seq_ids; ++n) {
+        const int32_t seq = a.seq_ids ? a.seq_ids[n] : int32_t(n);
+        const int32_t q_len = a.query_start[seq + 1] - a.query_start[seq];
+        for (int32_t r = 0; r < q_len; r += kRowTile)
+            items.push_back({seq, r, std::min<int32_t>(q_len, r + kRowTile)});
+    }
+    const int64_t n_items = int64_t(items.size());
+#pragma omp parallel num_threads(a.num_threads)
+    {
+        std::vector<float> scores, qbuf, acc, kvrow;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < n_items; ++i) {
+            const Item& it = items[i];
+            run_item<T, DD>(a, it.seq, it.row0, it.row1, scores, qbuf, acc, kvrow);
+        }
+    }
+}
+
+template <typename T>
+void run_dim(const Args& a) {
+    switch (a.head_dim) {
+        case 64: return run<T, 64>(a);
+        case 128: return run<T, 128>(a);
+        case 256: return run<T, 256>(a);
+        default: return run<T, 0>(a);
+    }
+}
+
+}  // namespace
+
+extern "C" {
+
+// dtype: 0 float32, 1 bfloat16, 2 float16. Returns 0, or -1 for an unknown dtype.
+int weir_paged_attention(const void* query, const void* k_cache, const void* v_cache, void* out,
+                         const int32_t* block_tables, const int32_t* query_start,
+                         const int32_t* seq_lens, const int32_t* seq_ids, int64_t num_seq_ids,
+                         int64_t max_blocks, int64_t num_heads, int64_t num_kv_heads,
+                         int64_t head_dim, int64_t block_size, float scale,
+                         int64_t sliding_window, int64_t num_threads, int dtype) {
+    const Args a{query,       k_cache,      v_cache,  out,        block_tables,
+                 query_start, seq_lens,     seq_ids,  num_seq_ids, max_blocks,
+                 num_heads,   num_kv_heads, head_dim, block_size, scale,
+                 sliding_window, num_threads};
+    switch (dtype) {
+        case 0: run_dim<float>(a); return 0;
+        case 1: run_dim<uint16_t>(a); return 0;
+        case 2: run_dim<_Float16>(a); return 0;
+    }
+    return -1;
+}
+
+}  // extern "C"

@@ -1,0 +1,95 @@
+"""Build and load the CPU attention kernel (cpu_attention.cpp) with the host's C++ compiler.
+
+The source has a plain C ABI and no torch headers, so it compiles in about a second. It is built
+once per source, compiler and CPU into weir's cache ($WEIR_CACHE, default ~/.cache/weir) with
+-march=native, and loaded with ctypes (whose calls release the GIL).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+SOURCE = Path(__file__).with_name("cpu_attention.cpp")
+# -ffast-math lets g++ vectorize exp (glibc's libmvec) and reassociate the dot products; it is
+# given to the compile step only, so the link does not add crtfastmath.o, which would switch
+# denormals to zero for the whole process (torch included). The kernel never forms inf or NaN.
+COMPILE = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fPIC", "-std=c++17"]
+LINK = ["-shared", "-fopenmp"]
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+
+
+class BuildError(RuntimeError):
+    pass
+
+
+def compiler() -> str | None:
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+
+
+def _cpu_id() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def library_path(cxx: str) -> Path:
+    from gpu.tiny_model import cache_dir
+
+    key = hashlib.sha256()
+    for part in (
+        SOURCE.read_bytes(),
+        cxx.encode(),
+        " ".join(COMPILE + LINK).encode(),
+        _cpu_id().encode(),
+    ):
+        key.update(part)
+    return cache_dir() / "kernels" / f"cpu_attention-{key.hexdigest()[:16]}.so"
+
+
+def build() -> Path:
+    """Compile (if not already cached) and return the shared library's path."""
+    cxx = compiler()
+    if cxx is None:
+        raise BuildError("no C++ compiler found (set CXX, or install g++)")
+    path = library_path(cxx)
+    if path.exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+        obj, out = Path(tmp) / "cpu_attention.o", Path(tmp) / path.name
+        for cmd in (
+            [cxx, *COMPILE, "-c", str(SOURCE), "-o", str(obj)],
+            [cxx, *LINK, str(obj), "-o", str(out)],
+        ):
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise BuildError(f"{' '.join(cmd)} failed:\n{proc.stderr[-4000:]}")
+        os.replace(out, path)  # atomic: concurrent builders each publish a whole file
+    return path
+
+
+def load() -> ctypes.CDLL:
+    global _lib
+    with _lock:
+        if _lib is None:
+            lib = ctypes.CDLL(str(build()))
+            fn = lib.weir_paged_attention
+            p, i64 = ctypes.c_void_p, ctypes.c_int64
+            fn.argtypes = [p] * 8 + [i64] * 6 + [ctypes.c_float, i64, i64, ctypes.c_int]
+            fn.restype = ctypes.c_int
+            _lib = lib
+        return _lib

@@ -1,0 +1,105 @@
+"""The compiled CPU attention kernel against the torch reference: mixed batches of prefill chunks
+and decodes over shuffled blocks, every head size / GQA ratio / block size / dtype the Triton
+kernels are checked on, sliding windows, long contexts, and the build that produces it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpu.attention.backend import get_backend
+from gpu.attention.cpu_backend import CpuAttention
+from gpu.attention.torch_ref import TorchAttention
+from gpu.kernels import cpu_build
+from tests.test_kernels import CASES, TOL, batch_specs, make_batch
+
+
+def reference(query, k_cache, v_cache, meta, scale, window=0):
+    return TorchAttention().forward(
+        query.float(), k_cache.float(), v_cache.float(), meta, scale, window
+    )
+
+
+@pytest.mark.parametrize(
+    "head_dim,heads,kv_heads,bs,dtype", CASES + [(80, 6, 3, 16, torch.float32)]
+)
+def test_matches_reference(head_dim, heads, kv_heads, bs, dtype):
+    # head size 80 takes the kernel's generic (not compile-time) head-size path
+    query, k_cache, v_cache, meta = make_batch(
+        batch_specs(bs), bs, heads, kv_heads, head_dim, dtype, device="cpu"
+    )
+    scale = head_dim**-0.5
+    got = CpuAttention().forward(query, k_cache, v_cache, meta, scale)
+    assert got.dtype == dtype
+    tol = TOL[dtype]
+    torch.testing.assert_close(
+        got.float(), reference(query, k_cache, v_cache, meta, scale), atol=tol, rtol=tol
+    )
+
+
+@pytest.mark.parametrize("window", [1, 5, 20, 1000])
+def test_sliding_window_matches_reference(window):
+    specs = batch_specs(16) + [(40, 30), (1, 90)]  # prefill tiles that start past the window
+    query, k_cache, v_cache, meta = make_batch(specs, 16, 4, 2, 64, torch.float32, device="cpu")
+    got = CpuAttention().forward(query, k_cache, v_cache, meta, 0.125, window)
+    want = reference(query, k_cache, v_cache, meta, 0.125, window)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_long_contexts_and_large_scores_stay_exact():
+    # Large logits: the softmax must subtract its max (exp of ~1e3 would overflow otherwise).
+    specs = [(1, 3000), (37, 2000), (1, 1)]
+    query, k_cache, v_cache, meta = make_batch(
+        specs, 16, 8, 2, 128, torch.float32, seed=5, device="cpu"
+    )
+    query = query * 30
+    got = CpuAttention().forward(query, k_cache, v_cache, meta, 128**-0.5)
+    want = reference(query, k_cache, v_cache, meta, 128**-0.5)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_thread_count_does_not_change_the_result(threads):
+    query, k_cache, v_cache, meta = make_batch(
+        batch_specs(16) * 3, 16, 8, 2, 64, torch.float32, device="cpu"
+    )
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = CpuAttention().forward(query, k_cache, v_cache, meta, 0.125)
+        torch.set_num_threads(threads)
+        many = CpuAttention().forward(query, k_cache, v_cache, meta, 0.125)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, many)  # each (sequence, row tile) is computed by one thread alone
+
+
+def test_rejects_what_it_cannot_run():
+    query, k_cache, v_cache, meta = make_batch(
+        batch_specs(16), 16, 4, 2, 64, torch.float32, device="cpu"
+    )
+    with pytest.raises(ValueError, match="dtypes"):
+        CpuAttention().forward(query.double(), k_cache.double(), v_cache.double(), meta, 0.125)
+    with pytest.raises(ValueError, match="dtypes"):
+        CpuAttention().forward(query, k_cache.half(), v_cache.half(), meta, 0.125)
+    with pytest.raises(ValueError, match="contiguous"):
+        CpuAttention().forward(query, k_cache.transpose(1, 2), v_cache, meta, 0.125)
+
+
+def test_auto_picks_the_kernel_on_cpu_and_builds_it_once(tmp_path, monkeypatch):
+    assert get_backend("auto", torch.device("cpu")).name == "cpu"
+    monkeypatch.setenv("WEIR_CACHE", str(tmp_path))
+    path = cpu_build.build()
+    assert path.parent.parent == tmp_path and path.stat().st_size > 0
+    mtime = path.stat().st_mtime_ns
+    assert cpu_build.build() == path and path.stat().st_mtime_ns == mtime  # cached, not rebuilt
+
+
+def test_a_compiler_error_is_reported(tmp_path, monkeypatch):
+    bad = tmp_path / "bad.cpp"
+    bad.write_text("this is not C++\n")
+    monkeypatch.setattr(cpu_build, "SOURCE", bad)
+    monkeypatch.setenv("WEIR_CACHE", str(tmp_path))
+    with pytest.raises(cpu_build.BuildError, match="failed"):
+        cpu_build.build()
