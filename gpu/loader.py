@@ -124,6 +124,7 @@ def load_model(
         model = DecoderForCausalLM(spec)
     model = model.to(dtype).to_empty(device=device)
     load_weights(model, path)
+    model.fuse_projections()
     model.rope = Rope(config, spec.head_dim, device)
     return model.eval()
 

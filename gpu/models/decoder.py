@@ -20,6 +20,19 @@ _ACTIVATIONS = {
 }
 
 
+def fuse_linears(parts: list[nn.Linear]) -> nn.Linear:
+    """One Linear whose output is the parts' outputs side by side: one matrix product instead of
+    several, on the same weights (used after loading, which goes by the checkpoint's names)."""
+    weight = torch.cat([p.weight.detach() for p in parts])
+    has_bias = parts[0].bias is not None
+    with torch.device("meta"):
+        fused = nn.Linear(weight.shape[1], weight.shape[0], bias=has_bias)
+    fused.weight = nn.Parameter(weight, requires_grad=False)
+    if has_bias:
+        fused.bias = nn.Parameter(torch.cat([p.bias.detach() for p in parts]), requires_grad=False)
+    return fused
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -48,12 +61,22 @@ class Attention(nn.Module):
         self.qk_norm = spec.qk_norm
         self.scale = d**-0.5
         self.sliding_window = spec.sliding_window
+        self.qkv_proj: nn.Linear | None = None  # set by fuse()
+        self.qkv_sizes = [spec.num_heads * d, spec.num_kv_heads * d, spec.num_kv_heads * d]
+
+    def fuse(self) -> None:
+        self.qkv_proj = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
+        del self.q_proj, self.k_proj, self.v_proj
 
     def forward(self, x, cos, sin, kv: tuple[torch.Tensor, torch.Tensor], meta, backend):
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.qkv_proj is not None:
+            q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -71,9 +94,18 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(h, m, bias=spec.mlp_bias)
         self.down_proj = nn.Linear(m, h, bias=spec.mlp_bias)
         self.act = _ACTIVATIONS[spec.hidden_act]
+        self.gate_up_proj: nn.Linear | None = None  # set by fuse()
+
+    def fuse(self) -> None:
+        self.gate_up_proj = fuse_linears([self.gate_proj, self.up_proj])
+        del self.gate_proj, self.up_proj
 
     def forward(self, x):
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(self.act(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -105,6 +137,12 @@ class DecoderForCausalLM(nn.Module):
         if not spec.tie_word_embeddings:
             self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         self.rope: Rope | None = None  # set after weights are on their device (see loader)
+
+    def fuse_projections(self) -> None:
+        """Q/K/V into one matrix product and gate/up into another, per layer (after loading)."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
 
     def forward(
         self,
