@@ -124,7 +124,10 @@ def load_model(
         model = DecoderForCausalLM(spec)
     model = model.to(dtype).to_empty(device=device)
     load_weights(model, path)
-    model.fuse_projections()
+    if device.type == "cuda":
+        # One launch instead of three (and two) per layer. Not on CPU: there the fused gate/up
+        # product measured ~5% slower per step on the 77M benchmark model, Q/K/V no faster.
+        model.fuse_projections()
     model.rope = Rope(config, spec.head_dim, device)
     return model.eval()
 

@@ -118,6 +118,21 @@ def test_logits_match_transformers(arch, model_dir):
     torch.testing.assert_close(torch.stack(ours), theirs, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fused_projections_match_transformers(arch, model_dir):
+    """Q/K/V and gate/up fused into one matrix product each (what the loader does on CUDA)."""
+    path = model_dir(arch)
+    loaded = load(EngineConfig(model=str(path), dtype="float32"))
+    model = loaded.core.runner.model
+    model.fuse_projections()
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    assert attn.qkv_proj is not None and not hasattr(attn, "q_proj")
+    assert mlp.gate_up_proj is not None and not hasattr(mlp, "up_proj")
+    prompts = [loaded.tokenizer.encode(p) for p in PROMPTS[:6]]
+    got, _ = run_all(loaded.core, prompts)
+    assert got == reference(arch, path, prompts)
+
+
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_matches_transformers_with_other_backends(arch, backend, model_dir):
