@@ -19,6 +19,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     kv_cache_memory: int = 1 << 30  # bytes of KV cache on CPU
     gpu_memory_utilization: float = 0.9
     attention_backend: str = "auto"
+    enforce_eager: bool = False  # no CUDA graphs for decode steps
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"  # fcfs | priority
     seed: int = 0

@@ -84,6 +84,19 @@ def load(config: EngineConfig) -> Loaded:
         device,
         seed=config.seed,
     )
+    if device.type == "cuda" and not config.enforce_eager:
+        from gpu.cuda_graph import DecodeGraphs, default_capture_sizes
+
+        runner.graphs = DecodeGraphs(
+            model,
+            caches,
+            runner.backend,
+            device,
+            config.block_size,
+            max_model_len,
+            default_capture_sizes(config.max_num_seqs),
+        )
+        runner.graphs.capture()
     eos = eos_token_ids(path, hf_config)
     if tokenizer.eos_token_id is not None:
         eos.add(tokenizer.eos_token_id)

@@ -30,6 +30,7 @@ class ModelRunner:
         self.sampler = Sampler(seed, device)
         self.eos_token_ids: set[int] = set()  # banned before a request's min_tokens
         self.last_logits: torch.Tensor | None = None  # kept for tests that compare logits
+        self.graphs = None  # DecodeGraphs when decode steps replay CUDA graphs (see launch)
 
     def _tensor(self, data, dtype) -> torch.Tensor:
         t = torch.tensor(data, dtype=dtype)
@@ -182,7 +183,10 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
         input_ids, positions, meta, logits_rows = self.prepare(out)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
+        if self.graphs is not None and self.graphs.can_run(meta):
+            hidden = self.graphs.run(input_ids, positions, meta)
+        else:
+            hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
         prompt_lp = {}
         if any(s.request.prompt_logprobs is not None for s in out.seqs):
             prompt_lp = self._prompt_logprobs(out, hidden)

@@ -59,6 +59,12 @@ def build_parser() -> argparse.ArgumentParser:
         "TRITON_INTERPRET=1",
     )
     s.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="run every step eagerly (on CUDA, decode steps are otherwise replayed as CUDA "
+        "graphs captured at startup for batch sizes 1, 2, 4, 8, 16, ... up to --max-num-seqs)",
+    )
+    s.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -172,6 +178,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         kv_cache_memory=args.kv_cache_memory,
         gpu_memory_utilization=args.gpu_memory_utilization,
         attention_backend=args.attention_backend,
+        enforce_eager=args.enforce_eager,
         enable_prefix_caching=args.enable_prefix_caching,
         scheduling_policy=args.scheduling_policy,
         seed=args.seed,

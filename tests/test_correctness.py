@@ -128,9 +128,50 @@ def test_fused_projections_match_transformers(arch, model_dir):
     attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
     assert attn.qkv_proj is not None and not hasattr(attn, "q_proj")
     assert mlp.gate_up_proj is not None and not hasattr(mlp, "up_proj")
-    prompts = [loaded.tokenizer.encode(p) for p in PROMPTS[:6]]
+    prompts = [loaded.tokenizer.encode(p) for p in PROMPTS]
     got, _ = run_all(loaded.core, prompts)
     assert got == reference(arch, path, prompts)
+
+
+@pytest.mark.parametrize("pool", POOLS)
+def test_decode_graphs_pad_and_replay_without_changing_tokens(pool, model_dir):
+    """The CUDA-graph path's buffers and padding, with a stand-in that replays by calling the
+    forward again: decode-only steps that fit a captured size replay, padded up to it (ten
+    sequences on 12 rows; with the tight pool, steps of up to 8 on 1/2/4/8 while larger ones and
+    prefill steps run eagerly), and every token still matches transformers."""
+    from gpu.cuda_graph import DecodeGraphs, EagerGraph
+
+    path = model_dir("qwen3")
+    loaded = load(
+        EngineConfig(model=str(path), dtype="float32", attention_backend="cpu", **POOLS[pool])
+    )
+    runner = loaded.core.runner
+    graphs = DecodeGraphs(
+        runner.model,
+        runner.kv_caches,
+        runner.backend,
+        runner.device,
+        runner.block_size,
+        loaded.max_model_len,
+        [1, 2, 4, 8] if pool == "tight" else [1, 2, 4, 12],
+        graph_factory=EagerGraph,
+    )
+    graphs.capture()
+    runner.graphs = graphs
+    prompts = [loaded.tokenizer.encode(p) for p in PROMPTS]
+    got, _ = run_all(loaded.core, prompts)
+    assert got == reference("qwen3", path, prompts)
+    assert graphs.num_replays > 0
+
+
+def test_capture_sizes():
+    from gpu.cuda_graph import default_capture_sizes
+
+    assert default_capture_sizes(1) == [1]
+    assert default_capture_sizes(6) == [1, 2, 4, 6]
+    assert default_capture_sizes(20) == [1, 2, 4, 8, 16, 20]
+    sizes = default_capture_sizes(1024)
+    assert sizes[:5] == [1, 2, 4, 8, 16] and sizes[-1] == 512 and len(sizes) == 67
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])

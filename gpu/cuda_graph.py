@@ -1,0 +1,159 @@
+"""Decode steps replayed as CUDA graphs: one launch for the whole forward pass instead of hundreds.
+
+A decode step's shapes depend only on its batch size, so the model forward is captured once per
+size in `capture_sizes` over static input buffers. A step of n decodes copies its inputs into the
+first n rows, pads up to the next captured size (padding rows write no K/V: slot -1, and attend to
+one harmless slot), replays, and reads back the first n hidden rows. Steps with prefill chunks,
+or more decodes than the largest size, run eagerly. `--enforce-eager` turns all of this off.
+
+Everything the captured kernels read that changes between steps (ids, positions, slots, block
+tables, context lengths) lives in device memory; the host-side launch decisions are fixed at
+capture: the decode kernel's KV split count is chosen for `max_model_len`, so any context fits.
+The capture itself is injectable (`graph_factory`), so the padding and buffer logic runs in CPU
+tests through a stand-in that records the forward and calls it again on replay.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from gpu.attention.backend import AttentionMetadata
+
+log = logging.getLogger("weir.cuda_graph")
+
+
+def default_capture_sizes(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, then every multiple of 8 up to max_num_seqs (capped at 512), as vLLM does."""
+    top = min(max_num_seqs, 512)
+    sizes = [s for s in (1, 2, 4) if s <= top]
+    sizes += list(range(8, top + 1, 8))
+    if top not in sizes:
+        sizes.append(top)
+    return sorted(set(sizes))
+
+
+class _CudaGraph:
+    """Captures fn() once on a side stream into a shared memory pool; replay() reruns it."""
+
+    def __init__(self, fn: Callable[[], torch.Tensor], pool: Any) -> None:
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.output = fn()
+
+    def replay(self) -> torch.Tensor:
+        self.graph.replay()
+        return self.output
+
+
+class EagerGraph:
+    """The stand-in: 'captures' by running fn, replays by running it again (CPU tests)."""
+
+    def __init__(self, fn: Callable[[], torch.Tensor], pool: Any) -> None:
+        self.fn = fn
+        self.output = fn()
+
+    def replay(self) -> torch.Tensor:
+        self.output = self.fn()
+        return self.output
+
+
+class DecodeGraphs:
+    def __init__(
+        self,
+        model,
+        kv_caches,
+        backend,
+        device: torch.device,
+        block_size: int,
+        max_model_len: int,
+        capture_sizes: list[int],
+        graph_factory=None,
+    ) -> None:
+        self.model, self.kv_caches, self.backend = model, kv_caches, backend
+        self.device = device
+        self.max_model_len = max_model_len
+        self.sizes = sorted(capture_sizes)
+        self.max_size = self.sizes[-1]
+        self.graph_factory = graph_factory or _CudaGraph
+        n, width = self.max_size, -(-max_model_len // block_size)
+        i64, i32 = torch.int64, torch.int32
+        self.input_ids = torch.zeros(n, dtype=i64, device=device)
+        self.positions = torch.zeros(n, dtype=i64, device=device)
+        self.slot_mapping = torch.full((n,), -1, dtype=i64, device=device)
+        self.block_tables = torch.zeros((n, width), dtype=i32, device=device)
+        self.seq_lens = torch.ones(n, dtype=i32, device=device)
+        self.query_start_loc = torch.arange(n + 1, dtype=i32, device=device)
+        self.seq_ids = torch.arange(n, dtype=i32, device=device)
+        self.graphs: dict[int, Any] = {}
+        self.num_replays = 0
+
+    def _meta(self, size: int) -> AttentionMetadata:
+        """Metadata over the first `size` static rows; host fields describe the padded batch."""
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:size],
+            block_tables=self.block_tables[:size],
+            query_start_loc=self.query_start_loc[: size + 1],
+            seq_lens=self.seq_lens[:size],
+            query_lens_cpu=[1] * size,
+            seq_lens_cpu=[self.max_model_len] * size,
+            decode_seq_ids=self.seq_ids[:size],
+            prefill_seq_ids=self.seq_ids[:0],
+            decode_seq_ids_cpu=list(range(size)),
+            prefill_seq_ids_cpu=[],
+            max_decode_seq_len=self.max_model_len,  # fixes the KV split count for any length
+            max_prefill_query_len=0,
+        )
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
+        for size in reversed(self.sizes):  # largest first: later graphs reuse its memory
+            meta = self._meta(size)
+
+            def forward(size=size, meta=meta):
+                return self.model(
+                    self.input_ids[:size],
+                    self.positions[:size],
+                    self.kv_caches,
+                    meta,
+                    self.backend,
+                )
+
+            if self.device.type == "cuda":
+                forward()  # warm up: compile kernels and settle the allocator outside capture
+                torch.cuda.synchronize(self.device)
+            self.graphs[size] = self.graph_factory(forward, pool)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        log.info("captured decode graphs for batch sizes %s", self.sizes)
+
+    def padded_size(self, n: int) -> int | None:
+        for size in self.sizes:
+            if size >= n:
+                return size
+        return None
+
+    def can_run(self, meta: AttentionMetadata) -> bool:
+        """Only decode-only steps that fit the largest captured size."""
+        n = meta.num_seqs
+        return bool(self.graphs) and not meta.prefill_seq_ids_cpu and 0 < n <= self.max_size
+
+    def run(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
+        n = meta.num_seqs
+        size = self.padded_size(n)
+        width = meta.block_tables.shape[1]
+        self.input_ids[:n].copy_(input_ids)
+        self.positions[:n].copy_(positions)
+        self.slot_mapping[:n].copy_(meta.slot_mapping)
+        self.block_tables[:n, :width].copy_(meta.block_tables)
+        self.seq_lens[:n].copy_(meta.seq_lens)
+        if size > n:  # padding rows: no K/V written, one slot of context, output ignored
+            self.slot_mapping[n:size].fill_(-1)
+            self.seq_lens[n:size].fill_(1)
+            self.block_tables[n:size, 0].fill_(0)
+        self.num_replays += 1
+        return self.graphs[size].replay()[:n]
