@@ -32,7 +32,31 @@ def workload(
     return prompts, outputs
 
 
-def run_weir(model: str, prompts, outputs, max_num_seqs: int, device: str, dtype: str) -> dict:
+def copy_bandwidth(device: str) -> float | None:
+    """Bytes/s of a large device-to-device copy (read + write), measured now: the practical
+    memory bandwidth a decode step is bounded by."""
+    if device != "cuda":
+        return None
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(10):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    return 2 * src.numel() * 10 / (time.perf_counter() - t)
+
+
+def run_weir(
+    model: str,
+    prompts,
+    outputs,
+    max_num_seqs: int,
+    device: str,
+    dtype: str,
+    enforce_eager: bool = False,
+) -> dict:
     from core.sampling import SamplingParams
     from weir import LLM
 
@@ -43,35 +67,43 @@ def run_weir(model: str, prompts, outputs, max_num_seqs: int, device: str, dtype
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=4096,
         enable_prefix_caching=False,
+        enforce_eager=enforce_eager,
     )
     core = llm.engine
+    runner = core.runner
     forward_times: list[float] = []
-    real_forward = core.runner.model.forward
 
-    def timed_forward(*a, **kw):
-        t = time.perf_counter()
-        out = real_forward(*a, **kw)
-        if out.is_cuda:
-            torch.cuda.synchronize()
-        forward_times.append(time.perf_counter() - t)
-        return out
+    def timed(fn):
+        def wrapper(*a, **kw):
+            t = time.perf_counter()
+            out = fn(*a, **kw)
+            if out.is_cuda:
+                torch.cuda.synchronize()
+            forward_times.append(time.perf_counter() - t)
+            return out
 
-    core.runner.model.forward = timed_forward
+        return wrapper
+
+    # The forward pass, eager or replayed as a CUDA graph (captured at load, before this wrap).
+    runner.model.forward = timed(runner.model.forward)
+    if runner.graphs is not None:
+        runner.graphs.run = timed(runner.graphs.run)
     # Warm up (allocator, kernels) on a couple of requests, then the measured run.
     llm.generate(
         prompts[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False
     )
     forward_times.clear()
     params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for o in outputs]
-    step_times: list[tuple[int, float]] = []
+    step_times: list[tuple[int, float, int]] = []  # (running, seconds, context tokens read)
     real_step = core.step
 
     def timed_step():
         t = time.perf_counter()
         before = len(forward_times)
+        context = sum(r.num_computed_tokens + 1 for r in core.scheduler.running)
         out = real_step()
         if len(forward_times) > before:
-            step_times.append((len(core.scheduler.running), time.perf_counter() - t))
+            step_times.append((len(core.scheduler.running), time.perf_counter() - t, context))
         return out
 
     core.step = timed_step
@@ -81,18 +113,35 @@ def run_weir(model: str, prompts, outputs, max_num_seqs: int, device: str, dtype
     generated = sum(len(r.outputs[0].token_ids) for r in results)
     assert generated == sum(outputs)
     # Overhead at the largest batch: decode steps with the most running requests.
-    biggest = max(b for b, _ in step_times)
-    pairs = [(st, ft) for (b, st), ft in zip(step_times, forward_times) if b == biggest]
-    overhead = statistics.median(st - ft for st, ft in pairs)
-    return {
+    biggest = max(b for b, _, _ in step_times)
+    rows = [(st, ft, c) for (b, st, c), ft in zip(step_times, forward_times) if b == biggest]
+    overhead = statistics.median(st - ft for st, ft, _ in rows)
+    result = {
         "elapsed_s": elapsed,
         "output_tokens": generated,
         "tok_s": generated / elapsed,
         "largest_batch": biggest,
         "steps": len(step_times),
         "overhead_per_step_ms": overhead * 1e3,
-        "forward_per_step_ms": statistics.median(ft for _, ft in pairs) * 1e3,
+        "forward_per_step_ms": statistics.median(ft for _, ft, _ in rows) * 1e3,
+        "cuda_graphs": runner.graphs is not None,
     }
+    bandwidth = copy_bandwidth(device)
+    if bandwidth:
+        # Decode step bound: every weight byte plus every cached K/V byte read once.
+        spec = runner.model.spec
+        elt = torch.finfo(getattr(torch, dtype)).bits // 8
+        weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+        kv_per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * elt
+        context = statistics.median(c for _, _, c in rows)
+        bound_s = (weight_bytes + context * kv_per_token) / bandwidth
+        result.update(
+            bandwidth_gb_s=bandwidth / 1e9,
+            weight_bytes=weight_bytes,
+            median_context_tokens=context,
+            bound_per_step_ms=bound_s * 1e3,
+        )
+    return result
 
 
 def run_transformers(
@@ -129,6 +178,20 @@ def run_transformers(
     return {"runs": runs, "best_batch": best, "tok_s": runs[best]["tok_s"]}
 
 
+def report(weir: dict) -> None:
+    mode = "CUDA graphs" if weir["cuda_graphs"] else "eager"
+    print(
+        f"  weir ({mode}): {weir['tok_s']:.0f} tok/s; overhead "
+        f"{weir['overhead_per_step_ms']:.2f} ms per step at batch {weir['largest_batch']} "
+        f"(forward {weir['forward_per_step_ms']:.1f} ms)"
+    )
+    if "bound_per_step_ms" in weir:
+        print(
+            f"  decode step {weir['forward_per_step_ms']:.2f} ms vs bandwidth bound "
+            f"{weir['bound_per_step_ms']:.2f} ms ({weir['bandwidth_gb_s']:.0f} GB/s copy)"
+        )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument(
@@ -141,6 +204,12 @@ def main() -> None:
     ap.add_argument("--output-len", default="32,128")
     ap.add_argument("--hf-batch-sizes", default="8,16,32,64")
     ap.add_argument("--dtype", default=None, help="default: bfloat16 on GPU, float32 on CPU")
+    ap.add_argument("--enforce-eager", action="store_true", help="weir without CUDA graphs")
+    ap.add_argument(
+        "--compare-eager",
+        action="store_true",
+        help="on CUDA, also run weir with --enforce-eager and report both",
+    )
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = args.dtype or ("bfloat16" if device == "cuda" else "float32")
@@ -156,11 +225,12 @@ def main() -> None:
         vocab,
     )
     print(f"{n} requests, {sum(map(len, prompts))} prompt tokens, {sum(outputs)} output tokens")
-    weir = run_weir(model, prompts, outputs, max_num_seqs=n, device=device, dtype=dtype)
-    print(
-        f"  weir: {weir['tok_s']:.0f} tok/s; overhead {weir['overhead_per_step_ms']:.2f} ms "
-        f"per step at batch {weir['largest_batch']} (forward {weir['forward_per_step_ms']:.1f} ms)"
-    )
+    weir = run_weir(model, prompts, outputs, n, device, dtype, args.enforce_eager)
+    report(weir)
+    eager = None
+    if args.compare_eager and device == "cuda" and not args.enforce_eager:
+        eager = run_weir(model, prompts, outputs, n, device, dtype, enforce_eager=True)
+        report(eager)
     hf = run_transformers(
         model,
         prompts,
@@ -183,6 +253,7 @@ def main() -> None:
                 "output_len": args.output_len,
             },
             "weir": weir,
+            "weir_eager": eager,
             "transformers": hf,
             "ratio": ratio,
         },

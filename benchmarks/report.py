@@ -32,7 +32,22 @@ def meta_line(m: dict) -> str:
 
 
 def offline_section(d: dict) -> str:
-    w, h = d["weir"], d["transformers"]
+    w, h, eager = d["weir"], d["transformers"], d.get("weir_eager")
+    mode = " with CUDA graphs" if w.get("cuda_graphs") else ""
+    extra = []
+    if eager:
+        extra.append(f"| weir, `--enforce-eager` (no CUDA graphs) | {fmt(eager['tok_s'])} |")
+    bound = []
+    for label, run in (("", w), (" (eager)", eager)):
+        if run and "bound_per_step_ms" in run:
+            bound.append(
+                f"Decode step{label} at batch {run['largest_batch']}: "
+                f"{fmt(run['forward_per_step_ms'], 2)} ms, memory-bandwidth bound "
+                f"{fmt(run['bound_per_step_ms'], 2)} ms ({fmt(run['weight_bytes'] / 1e9, 2)} GB "
+                f"of weights + K/V of {fmt(run['median_context_tokens'], 0)} context tokens at "
+                f"{fmt(run['bandwidth_gb_s'], 0)} GB/s, a device-to-device copy measured in the "
+                "same run)."
+            )
     rows = [
         f"| transformers `generate`, batch {b} | {fmt(r['tok_s'])} |"
         for b, r in sorted(h["runs"].items(), key=lambda kv: int(kv[0]))
@@ -42,18 +57,20 @@ def offline_section(d: dict) -> str:
             meta_line(d["meta"]),
             f"Model `{d['meta']['model']}`, {d['meta']['requests']} requests, input lengths "
             f"{d['meta']['input_len']}, output lengths {d['meta']['output_len']} (uniform), "
-            "`ignore_eos`, greedy, float32.",
+            f"`ignore_eos`, greedy, {d['meta'].get('dtype', 'float32')}.",
             "",
             "| engine | output tok/s |",
             "| --- | --- |",
-            f"| **weir** (continuous batching, up to {w['largest_batch']} at once) | "
+            f"| **weir** (continuous batching, up to {w['largest_batch']} at once{mode}) | "
             f"**{fmt(w['tok_s'])}** |",
+            *extra,
             *rows,
             "",
             f"weir / best transformers batch ({h['best_batch']}): **{d['ratio']:.2f}x**. "
             f"Engine overhead per step at batch {w['largest_batch']}: "
             f"{fmt(w['overhead_per_step_ms'], 2)} ms beside {fmt(w['forward_per_step_ms'])} ms of "
             f"model forward ({100 * w['overhead_per_step_ms'] / w['forward_per_step_ms']:.1f}%).",
+            *(["", *bound] if bound else []),
         ]
     )
 
