@@ -49,6 +49,8 @@ def load(config: EngineConfig) -> Loaded:
         path = resolve_model_path(config.model, config.revision)
         default_name = config.model
     device = resolve_device(config.device)
+    if device.type == "cpu" and config.cpu_threads is not None:
+        torch.set_num_threads(config.cpu_threads)  # process-wide; the engine is torch's only user
     torch.manual_seed(config.seed)
     hf_config = load_config(path)
     dtype = resolve_dtype(config.dtype, hf_config, device)
@@ -117,7 +119,7 @@ def load(config: EngineConfig) -> Loaded:
     log.info(
         "loaded %s on %s (%s): %d KV blocks of %d tokens, max_model_len %d",
         path,
-        device,
+        f"{device}, {torch.get_num_threads()} threads" if device.type == "cpu" else device,
         str(dtype).removeprefix("torch."),
         num_blocks,
         config.block_size,

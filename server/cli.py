@@ -59,6 +59,12 @@ def build_parser() -> argparse.ArgumentParser:
         "TRITON_INTERPRET=1",
     )
     s.add_argument(
+        "--cpu-threads",
+        default="auto",
+        help="torch threads for the model on CPU; auto: the cores this process may use, less "
+        "one left to the HTTP event loop (at least 1)",
+    )
+    s.add_argument(
         "--enforce-eager",
         action="store_true",
         help="run every step eagerly (on CUDA, decode steps are otherwise replayed as CUDA "
@@ -163,6 +169,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def cpu_threads(value: str) -> int:
+    """--cpu-threads: a number, or auto = usable cores - 1. The engine thread's matrix products and
+    the event loop's HTTP work otherwise fight over the same cores. Measured on 2 cores: a 3-layer
+    model served 25-30% more tokens/s at 16 and 64 streams with 1 torch thread than with 2; a
+    77M-parameter one 19% fewer at 16 (its forward is big enough to use both cores), so a big
+    model on a machine this small wants --cpu-threads 2."""
+    if value == "auto":
+        usable = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+        return max(1, (len(usable) if usable else os.cpu_count() or 1) - 1)
+    try:
+        n = int(value)
+    except ValueError:
+        raise SystemExit(f"--cpu-threads must be a number or auto, not {value!r}") from None
+    if n < 1:
+        raise SystemExit("--cpu-threads must be positive")
+    return n
+
+
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=args.model,
@@ -179,6 +203,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         gpu_memory_utilization=args.gpu_memory_utilization,
         attention_backend=args.attention_backend,
         enforce_eager=args.enforce_eager,
+        cpu_threads=cpu_threads(args.cpu_threads),
         enable_prefix_caching=args.enable_prefix_caching,
         scheduling_policy=args.scheduling_policy,
         seed=args.seed,

@@ -7,7 +7,9 @@ import subprocess
 import sys
 
 import openai
+import pytest
 
+from core.config import EngineConfig
 from server.cli import build_parser, config_from_args
 from tests.conftest import free_port, http_status, wait_for
 
@@ -49,6 +51,19 @@ def test_flags_map_to_engine_config():
     )
     assert not off.enable_prefix_caching and off.scheduling_policy == "priority"
     assert config_from_args(build_parser().parse_args(["serve"])).model is None
+
+
+def test_cpu_threads_leave_a_core_to_the_event_loop():
+    def threads(*flags):
+        return config_from_args(build_parser().parse_args(["serve", *flags])).cpu_threads
+
+    assert threads() == max(1, len(os.sched_getaffinity(0)) - 1)
+    assert threads("--cpu-threads", "3") == 3 and threads("--enforce-eager") >= 1
+    for bad in ("0", "many"):
+        with pytest.raises(SystemExit):
+            threads("--cpu-threads", bad)
+    with pytest.raises(ValueError, match="cpu-threads"):
+        EngineConfig(cpu_threads=0).validate()
 
 
 def test_core_never_imports_torch():
