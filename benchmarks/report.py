@@ -66,6 +66,19 @@ def offline_section(d: dict) -> str:
             *extra,
             *rows,
             "",
+            *(
+                [
+                    "",
+                    f"Repeated {d['meta']['repeats']} times, interleaved: weir "
+                    + ", ".join(fmt(x) for x in w["tok_s_runs"])
+                    + f" tok/s; transformers batch {h['best_batch']} "
+                    + ", ".join(fmt(x) for x in h["tok_s_runs"])
+                    + " tok/s. The ratio is of the medians.",
+                ]
+                if w.get("tok_s_runs")
+                else []
+            ),
+            "",
             f"weir / best transformers batch ({h['best_batch']}): **{d['ratio']:.2f}x**. "
             f"Engine overhead per step at batch {w['largest_batch']}: "
             f"{fmt(w['overhead_per_step_ms'], 2)} ms beside {fmt(w['forward_per_step_ms'])} ms of "
