@@ -143,7 +143,13 @@ def test_decode_graphs_pad_and_replay_without_changing_tokens(pool, model_dir):
 
     path = model_dir("qwen3")
     loaded = load(
-        EngineConfig(model=str(path), dtype="float32", attention_backend="cpu", **POOLS[pool])
+        EngineConfig(
+            model=str(path),
+            dtype="float32",
+            device="cpu",
+            attention_backend="cpu",
+            **POOLS[pool],
+        )
     )
     runner = loaded.core.runner
     graphs = DecodeGraphs(
