@@ -68,12 +68,12 @@ def offline_section(d: dict) -> str:
             "",
             *(
                 [
-                    "",
                     f"Repeated {d['meta']['repeats']} times, interleaved: weir "
                     + ", ".join(fmt(x) for x in w["tok_s_runs"])
                     + f" tok/s; transformers batch {h['best_batch']} "
                     + ", ".join(fmt(x) for x in h["tok_s_runs"])
                     + " tok/s. The ratio is of the medians.",
+                    "",
                 ]
                 if w.get("tok_s_runs")
                 else []
