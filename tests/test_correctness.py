@@ -119,8 +119,11 @@ def test_logits_match_transformers(arch, model_dir):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_fused_projections_match_transformers(arch, model_dir):
+def test_fused_projections_match_transformers(arch, model_dir, monkeypatch):
     """Q/K/V and gate/up fused into one matrix product each (what the loader does on CUDA)."""
+    from gpu import cpu_linear
+
+    monkeypatch.setattr(cpu_linear, "usable", lambda dtype: False)  # plain nn.Linear to fuse
     path = model_dir(arch)
     loaded = load(EngineConfig(model=str(path), dtype="float32"))
     model = loaded.core.runner.model
@@ -131,6 +134,31 @@ def test_fused_projections_match_transformers(arch, model_dir):
     prompts = [loaded.tokenizer.encode(p) for p in PROMPTS]
     got, _ = run_all(loaded.core, prompts)
     assert got == reference(arch, path, prompts)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_cpu_linears_are_prepacked_and_match_transformers(arch, model_dir):
+    """On CPU in float32 every decoder linear holds oneDNN-prepacked weights (and still gives
+    transformers' greedy tokens, which test_greedy_matches_transformers checks on this path)."""
+    from gpu.cpu_linear import PackedLinear
+
+    loaded = load(EngineConfig(model=str(model_dir(arch)), dtype="float32", device="cpu"))
+    layer = loaded.core.runner.model.model.layers[0]
+    for linear in (layer.self_attn.q_proj, layer.self_attn.o_proj, layer.mlp.down_proj):
+        assert isinstance(linear, PackedLinear)
+    x = torch.randn(5, layer.mlp.down_proj.in_features)
+    # Same products as the checkpoint's weights, to float32 rounding.
+    want = model_weight_product(model_dir(arch), x)
+    torch.testing.assert_close(layer.mlp.down_proj(x), want, atol=1e-4, rtol=1e-4)
+
+
+def model_weight_product(path, x):
+    from safetensors.torch import load_file
+
+    weights = {}
+    for f in sorted(path.glob("*.safetensors")):
+        weights.update(load_file(f))
+    return x @ weights["model.layers.0.mlp.down_proj.weight"].float().T
 
 
 @pytest.mark.parametrize("pool", POOLS)
