@@ -146,6 +146,9 @@ def test_cpu_linears_are_prepacked_and_match_transformers(arch, model_dir):
     layer = loaded.core.runner.model.model.layers[0]
     for linear in (layer.self_attn.q_proj, layer.self_attn.o_proj, layer.mlp.down_proj):
         assert isinstance(linear, PackedLinear)
+    model = loaded.core.runner.model
+    if not model.spec.tie_word_embeddings:  # llama's tiny model: an untied head, packed too
+        assert isinstance(model.lm_head, PackedLinear)
     x = torch.randn(5, layer.mlp.down_proj.in_features)
     # Same products as the checkpoint's weights, to float32 rounding.
     want = model_weight_product(model_dir(arch), x)

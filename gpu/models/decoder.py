@@ -159,7 +159,6 @@ class DecoderForCausalLM(nn.Module):
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = (
-            self.model.embed_tokens.weight if self.spec.tie_word_embeddings else self.lm_head.weight
-        )
-        return F.linear(hidden, weight).float()
+        if self.spec.tie_word_embeddings:
+            return F.linear(hidden, self.model.embed_tokens.weight).float()
+        return self.lm_head(hidden).float()
