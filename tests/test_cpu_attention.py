@@ -103,3 +103,11 @@ def test_a_compiler_error_is_reported(tmp_path, monkeypatch):
     monkeypatch.setenv("WEIR_CACHE", str(tmp_path))
     with pytest.raises(cpu_build.BuildError, match="failed"):
         cpu_build.build()
+
+
+def test_an_unwritable_cache_is_a_build_error_not_a_crash(tmp_path, monkeypatch):
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")  # the cache path runs through a file: mkdir fails
+    monkeypatch.setenv("WEIR_CACHE", str(blocker / "cache"))
+    with pytest.raises(cpu_build.BuildError, match="could not build"):
+        cpu_build.build()

@@ -68,6 +68,13 @@ def build() -> Path:
     path = library_path(cxx)
     if path.exists():
         return path
+    try:
+        return _compile(cxx, path)
+    except OSError as e:  # an unwritable cache, a vanished compiler: fall back, don't crash
+        raise BuildError(f"could not build {path.name}: {e}") from e
+
+
+def _compile(cxx: str, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
         obj, out = Path(tmp) / "cpu_attention.o", Path(tmp) / path.name
@@ -86,7 +93,11 @@ def load() -> ctypes.CDLL:
     global _lib
     with _lock:
         if _lib is None:
-            lib = ctypes.CDLL(str(build()))
+            path = build()
+            try:
+                lib = ctypes.CDLL(str(path))
+            except OSError as e:
+                raise BuildError(f"could not load {path}: {e}") from e
             fn = lib.weir_paged_attention
             p, i64 = ctypes.c_void_p, ctypes.c_int64
             fn.argtypes = [p] * 8 + [i64] * 6 + [ctypes.c_float, i64, i64, ctypes.c_int]
