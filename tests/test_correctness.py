@@ -137,22 +137,29 @@ def test_fused_projections_match_transformers(arch, model_dir, monkeypatch):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_cpu_linears_are_prepacked_and_match_transformers(arch, model_dir):
-    """On CPU in float32 every decoder linear holds oneDNN-prepacked weights (and still gives
-    transformers' greedy tokens, which test_greedy_matches_transformers checks on this path)."""
-    from gpu.cpu_linear import PackedLinear
+def test_cpu_linears_prepacked_match_transformers(arch, model_dir):
+    """oneDNN-prepacked linears (what the loader uses on CPU in float32 for weights big enough
+    to gain; these tiny models' are not, so pack all of them here) still give transformers'
+    greedy tokens and the checkpoint's products."""
+    from gpu.cpu_linear import PackedLinear, pack_linears
 
-    loaded = load(EngineConfig(model=str(model_dir(arch)), dtype="float32", device="cpu"))
-    layer = loaded.core.runner.model.model.layers[0]
+    path = model_dir(arch)
+    loaded = load(EngineConfig(model=str(path), dtype="float32", device="cpu"))
+    model = loaded.core.runner.model
+    layer = model.model.layers[0]
+    assert not isinstance(layer.mlp.down_proj, PackedLinear)  # too small to gain
+    assert pack_linears(model, min_elements=0) >= 7 * len(model.model.layers)
     for linear in (layer.self_attn.q_proj, layer.self_attn.o_proj, layer.mlp.down_proj):
         assert isinstance(linear, PackedLinear)
-    model = loaded.core.runner.model
     if not model.spec.tie_word_embeddings:  # llama's tiny model: an untied head, packed too
         assert isinstance(model.lm_head, PackedLinear)
     x = torch.randn(5, layer.mlp.down_proj.in_features)
-    # Same products as the checkpoint's weights, to float32 rounding.
-    want = model_weight_product(model_dir(arch), x)
-    torch.testing.assert_close(layer.mlp.down_proj(x), want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(
+        layer.mlp.down_proj(x), model_weight_product(path, x), atol=1e-4, rtol=1e-4
+    )
+    prompts = [loaded.tokenizer.encode(p) for p in PROMPTS]
+    got, _ = run_all(loaded.core, prompts)
+    assert got == reference(arch, path, prompts)
 
 
 def model_weight_product(path, x):
