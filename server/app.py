@@ -170,6 +170,10 @@ def _load(config: EngineConfig):
     return load(config)
 
 
+# Pending connections the kernel queues before the event loop accepts them (uvicorn's default).
+BACKLOG = 2048
+
+
 def listening_socket(host: str, port: int, user_timeout: float) -> socket.socket:
     """The listening socket, made here so accepted connections inherit TCP keep-alive and
     TCP_USER_TIMEOUT: a client that stays connected but stops reading (or vanishes) is dropped
@@ -188,7 +192,7 @@ def listening_socket(host: str, port: int, user_timeout: float) -> socket.socket
         if hasattr(socket, opt):  # Linux; elsewhere keep-alive alone
             sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, opt), value)
     sock.bind((host, port))
-    sock.listen(1024)
+    sock.listen(BACKLOG)
     sock.setblocking(False)
     return sock
 
@@ -197,6 +201,9 @@ def hypercorn_config(sock: socket.socket, options: ServerOptions) -> HypercornCo
     hc = HypercornConfig()
     # Hypercorn takes ownership of (and closes) the descriptor it is given: give it a duplicate.
     hc.bind = [f"fd://{os.dup(sock.fileno())}"]
+    # Hypercorn calls listen() again with its own backlog (100 by default): with 256 clients
+    # connecting at once the accept queue overflowed and some connections were reset.
+    hc.backlog = BACKLOG
     hc.keep_alive_timeout = options.keep_alive_timeout
     # weir drains first (see serve); Hypercorn's own timeout then only closes idle connections.
     hc.graceful_timeout = 5.0

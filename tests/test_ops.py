@@ -3,6 +3,7 @@ graceful drain on SIGTERM, and clients that stop reading."""
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import socket
@@ -430,5 +431,33 @@ def test_stream_interval_batches_tokens_per_event(tiny):
             e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"]
         )
         assert text == full["choices"][0]["message"]["content"]
+    finally:
+        server.stop()
+
+
+def test_listen_backlog_is_not_shrunk_by_hypercorn(tiny):
+    """Hypercorn re-listens on the socket it is given, with its own backlog (100) unless told
+    otherwise; 256 clients connecting at once then overflowed the accept queue and were reset."""
+    import shutil
+
+    from server.app import BACKLOG, hypercorn_config, listening_socket
+    from server.options import ServerOptions
+
+    sock = listening_socket("127.0.0.1", 0, 30.0)
+    try:
+        hc = hypercorn_config(sock, ServerOptions())
+        assert hc.backlog == BACKLOG >= 1024
+        os.close(int(hc.bind[0].removeprefix("fd://")))  # the duplicate made for Hypercorn
+    finally:
+        sock.close()
+    if shutil.which("ss") is None:
+        return  # the kernel's view below needs iproute2's ss; the config check above stands
+    server = LiveServer(EngineConfig(model=tiny, num_kv_blocks=32)).start()
+    try:
+        # For a listening socket, ss reports the backlog in the Send-Q column.
+        out = subprocess.run(
+            ["ss", "-ltnH", f"sport = :{server.port}"], capture_output=True, text=True
+        ).stdout.split()
+        assert out and out[0] == "LISTEN" and int(out[2]) == BACKLOG, out
     finally:
         server.stop()
