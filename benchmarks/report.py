@@ -73,7 +73,6 @@ def offline_section(d: dict) -> str:
                     + f" tok/s; transformers batch {h['best_batch']} "
                     + ", ".join(fmt(x) for x in h["tok_s_runs"])
                     + " tok/s. The ratio is of the medians.",
-                    "",
                 ]
                 if w.get("tok_s_runs")
                 else []
