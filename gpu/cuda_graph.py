@@ -140,7 +140,12 @@ class DecodeGraphs:
     def can_run(self, meta: AttentionMetadata) -> bool:
         """Only decode-only steps that fit the largest captured size."""
         n = meta.num_seqs
-        return bool(self.graphs) and not meta.prefill_seq_ids_cpu and 0 < n <= self.max_size
+        return (
+            bool(self.graphs)
+            and not meta.prefill_seq_ids_cpu
+            and 0 < n <= self.max_size
+            and meta.block_tables.shape[1] <= self.block_tables.shape[1]
+        )
 
     def run(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
         n = meta.num_seqs
