@@ -15,15 +15,13 @@ from gpu.kernels import cpu_build
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
-class CpuAttention:
+class CpuAttention(TorchAttention):
+    """K/V writes as the reference does them; attention through the compiled kernel."""
+
     name = "cpu"
 
     def __init__(self) -> None:
         self._lib = cpu_build.load()
-        self._write = TorchAttention().write_kv
-
-    def write_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
-        self._write(key, value, k_cache, v_cache, slot_mapping)
 
     def forward(
         self,
@@ -50,7 +48,6 @@ class CpuAttention:
             tables.data_ptr(),
             meta.query_start_loc.data_ptr(),
             meta.seq_lens.data_ptr(),
-            None,  # every sequence of the batch
             meta.num_seqs,
             tables.shape[1],
             query.shape[1],

@@ -50,8 +50,7 @@ struct Args {
     const int32_t* block_tables;
     const int32_t* query_start;
     const int32_t* seq_lens;
-    const int32_t* seq_ids;  // which sequences to run; null: 0..num_seq_ids-1
-    int64_t num_seq_ids;
+    int64_t num_seqs;
     int64_t max_blocks;
     int64_t num_heads;
     int64_t num_kv_heads;
@@ -182,8 +181,7 @@ void run(const Args& a) {
         int32_t seq, row0, row1;
     };
     std::vector<Item> items;
-    for (int64_t n = 0; n < a.num_seq_ids; ++n) {
-        const int32_t seq = a.seq_ids ? a.seq_ids[n] : int32_t(n);
+    for (int32_t seq = 0; seq < a.num_seqs; ++seq) {
         const int32_t q_len = a.query_start[seq + 1] - a.query_start[seq];
         for (int32_t r = 0; r < q_len; r += kRowTile)
             items.push_back({seq, r, std::min<int32_t>(q_len, r + kRowTile)});
@@ -217,12 +215,12 @@ extern "C" {
 // dtype: 0 float32, 1 bfloat16, 2 float16. Returns 0, or -1 for an unknown dtype.
 int weir_paged_attention(const void* query, const void* k_cache, const void* v_cache, void* out,
                          const int32_t* block_tables, const int32_t* query_start,
-                         const int32_t* seq_lens, const int32_t* seq_ids, int64_t num_seq_ids,
+                         const int32_t* seq_lens, int64_t num_seqs,
                          int64_t max_blocks, int64_t num_heads, int64_t num_kv_heads,
                          int64_t head_dim, int64_t block_size, float scale,
                          int64_t sliding_window, int64_t num_threads, int dtype) {
     const Args a{query,       k_cache,      v_cache,  out,        block_tables,
-                 query_start, seq_lens,     seq_ids,  num_seq_ids, max_blocks,
+                 query_start, seq_lens,     num_seqs, max_blocks,
                  num_heads,   num_kv_heads, head_dim, block_size, scale,
                  sliding_window, num_threads};
     switch (dtype) {

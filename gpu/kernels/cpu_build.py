@@ -100,7 +100,7 @@ def load() -> ctypes.CDLL:
                 raise BuildError(f"could not load {path}: {e}") from e
             fn = lib.weir_paged_attention
             p, i64 = ctypes.c_void_p, ctypes.c_int64
-            fn.argtypes = [p] * 8 + [i64] * 6 + [ctypes.c_float, i64, i64, ctypes.c_int]
+            fn.argtypes = [p] * 7 + [i64] * 6 + [ctypes.c_float, i64, i64, ctypes.c_int]
             fn.restype = ctypes.c_int
             _lib = lib
         return _lib
