@@ -112,6 +112,25 @@ def test_temperature_sampling_follows_the_distribution():
     assert torch.allclose(freq, torch.tensor([0.7, 0.2, 0.1]), atol=0.03)
 
 
+def test_sampling_never_draws_a_filtered_token_and_mixes_greedy_rows():
+    # Allowed tokens sit between banned ones, at both ends of the vocabulary too: a token with
+    # probability 0 must never be drawn, whatever the uniform number falls on.
+    vocab, rows = 9, 3000
+    logits = torch.zeros(rows, vocab)
+    logits[:, [0, 3, 4, 8]] = float("-inf")
+    logits[0] = torch.arange(vocab, dtype=torch.float32)  # a greedy row: argmax is 8
+    temperature = torch.ones(rows)
+    temperature[0] = 0.0
+    out = Sampler(7, torch.device("cpu"))(logits, meta(rows, temperature=temperature))
+    assert out.token_ids[0].item() == 8
+    drawn = torch.bincount(out.token_ids[1:], minlength=vocab)
+    assert drawn[[0, 3, 4, 8]].sum().item() == 0
+    # The five allowed tokens are equally likely: each near a fifth of the draws.
+    assert torch.allclose(
+        drawn[[1, 2, 5, 6, 7]].float() / (rows - 1), torch.full((5,), 0.2), atol=0.03
+    )
+
+
 def test_stop_strings_across_boundaries_and_hold_back():
     s = StopStrings(["END", "stop here"], include_in_output=False)
     # The last len("stop here") - 1 = 8 characters are held: they could start a stop string.
