@@ -21,7 +21,13 @@ def reference(query, k_cache, v_cache, meta, scale, window=0):
 
 
 @pytest.mark.parametrize(
-    "head_dim,heads,kv_heads,bs,dtype", CASES + [(80, 6, 3, 16, torch.float32)]
+    "head_dim,heads,kv_heads,bs,dtype",
+    CASES
+    + [
+        (80, 6, 3, 16, torch.float32),  # a head size with no compiled specialization
+        (32, 4, 2, 16, torch.float32),  # the benchmark models' head size
+        (32, 4, 1, 16, torch.bfloat16),
+    ],
 )
 def test_matches_reference(head_dim, heads, kv_heads, bs, dtype):
     # head size 80 takes the kernel's generic (not compile-time) head-size path

@@ -84,7 +84,7 @@ inline void for_each_key(const T* cache, const int32_t* table, int64_t bs, int64
     }
 }
 
-// DD: the head size when known at compile time (64, 128, 256), else 0 and a.head_dim is used.
+// DD: the head size when known at compile time (32, 64, 128, 256), else 0 and a.head_dim is used.
 template <typename T, int64_t DD>
 void run_item(const Args& a, int64_t seq, int64_t row0, int64_t row1, std::vector<float>& scores,
               std::vector<float>& qbuf, std::vector<float>& acc, std::vector<float>& kvrow) {
@@ -201,6 +201,7 @@ void run(const Args& a) {
 template <typename T>
 void run_dim(const Args& a) {
     switch (a.head_dim) {
+        case 32: return run<T, 32>(a);
         case 64: return run<T, 64>(a);
         case 128: return run<T, 128>(a);
         case 256: return run<T, 256>(a);
