@@ -124,14 +124,26 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         scheduled: dict[str, ScheduledSeq] = {}
         preempted: list[str] = []
+        bs = self.kv.block_size
+        tables = self.kv.block_tables
 
         for request in list(self.running):
             if budget <= 0:
                 break
             if request.status is not Status.RUNNING:
                 continue  # preempted earlier in this step
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            computed = request.num_computed_tokens
+            num_new = min(len(request.all_token_ids) - computed, budget)
             if num_new <= 0:
+                continue
+            table = tables.get(request.request_id)
+            if table is not None and computed + num_new <= len(table) * bs:
+                # The common decode step: the new tokens fit in blocks the request already
+                # holds, so there is nothing to allocate (and nothing to preempt for).
+                scheduled[request.request_id] = ScheduledSeq(
+                    request, computed, num_new, table, computed + num_new == request.num_tokens
+                )
+                budget -= num_new
                 continue
             while not self.kv.can_allocate(request, num_new):
                 victim = max(self.running, key=self._key)
@@ -175,6 +187,10 @@ class Scheduler:
 
     def commit(self, out: SchedulerOutput) -> None:
         """After the forward pass: the scheduled tokens now have KV in the cache."""
+        bs = self.kv.block_size
         for s in out.seqs:
-            s.request.num_computed_tokens += s.num_new_tokens
-            self.kv.cache_computed(s.request)
+            request = s.request
+            before = request.num_computed_tokens
+            request.num_computed_tokens = after = before + s.num_new_tokens
+            if after // bs > before // bs:  # a block filled up: register it in the prefix cache
+                self.kv.cache_computed(request)

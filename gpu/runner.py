@@ -51,13 +51,20 @@ class ModelRunner:
         tables: list[list[int]] = []
         for s in out.seqs:
             n, start, table = s.num_new_tokens, s.start, s.block_table
-            input_ids.extend(s.token_ids)
-            pos = range(start, start + n)
-            positions.extend(pos)
-            slots.extend(table[p // bs] * bs + p % bs for p in pos)
+            if n == 1:  # a decode: one token, one slot
+                input_ids.append(s.request.all_token_ids[start])
+                positions.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+            else:
+                input_ids.extend(s.token_ids)
+                pos = range(start, start + n)
+                positions.extend(pos)
+                slots.extend(table[p // bs] * bs + p % bs for p in pos)
             query_lens.append(n)
             seq_lens.append(start + n)
-            tables.append(table + [0] * (max_blocks - len(table)))
+            tables.append(
+                table + [0] * (max_blocks - len(table)) if len(table) < max_blocks else table
+            )
             if s.sample:
                 logits_rows.append(len(input_ids) - 1)
         meta = AttentionMetadata.build(slots, tables, query_lens, seq_lens, self._tensor)
