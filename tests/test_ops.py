@@ -196,7 +196,9 @@ def test_load_shedding_refuses_the_excess_at_once(tiny):
                 timeout=120,
                 json={
                     "prompt": f"request {i}",
-                    "max_tokens": 64,
+                    # Long enough that an admitted request takes far longer than a refusal
+                    # even on a loaded machine (64 tokens once lost that race under load).
+                    "max_tokens": 256,
                     "ignore_eos": True,
                     "temperature": 0,
                 },
@@ -204,12 +206,18 @@ def test_load_shedding_refuses_the_excess_at_once(tiny):
             return r, time.monotonic() - t
 
         with ThreadPoolExecutor(20) as pool:
-            results = list(pool.map(ask, range(20)))
+            # Two requests fill both running slots first; then a burst of 18: two may wait,
+            # the rest must be refused (fired all at once, they could all arrive before the
+            # engine admits any, and then only two would ever be served).
+            first = [pool.submit(ask, i) for i in range(2)]
+            assert wait_for(lambda: server.engine.last_stats.num_running == 2)
+            burst = list(pool.map(ask, range(2, 20)))
+            results = [f.result() for f in first] + burst
         ok = [r for r, _ in results if r.status_code == 200]
         shed = [(r, dt) for r, dt in results if r.status_code != 200]
         assert len(ok) >= 4 and shed, [r.status_code for r, _ in results]
         for r in ok:
-            assert r.json()["usage"]["completion_tokens"] == 64
+            assert r.json()["usage"]["completion_tokens"] == 256
         for r, dt in shed:
             assert r.status_code == 429 and r.headers["Retry-After"] == "1"
             assert r.json()["error"]["code"] == "overloaded"
