@@ -169,9 +169,20 @@ class ServerProcess:
         raise TimeoutError(f"server not ready; see {self.log.name}")
 
     def cpu_seconds(self) -> float:
-        """User + system CPU time of the server process so far (Linux /proc)."""
-        fields = open(f"/proc/{self.proc.pid}/stat").read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        """User + system CPU time so far of the server process and every process under it (an
+        engine process, multiprocessing's resource tracker), from Linux /proc."""
+        total, todo = 0, [self.proc.pid]
+        while todo:
+            pid = todo.pop()
+            try:
+                fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+                total += int(fields[11]) + int(fields[12])
+                for task in os.listdir(f"/proc/{pid}/task"):
+                    children = open(f"/proc/{pid}/task/{task}/children").read().split()
+                    todo.extend(int(c) for c in children)
+            except (FileNotFoundError, ProcessLookupError):
+                continue  # exited meanwhile
+        return total / os.sysconf("SC_CLK_TCK")
 
     def stop(self) -> None:
         if self.proc.poll() is None:

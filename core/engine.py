@@ -33,6 +33,9 @@ class EngineDeadError(RuntimeError):
 class Engine:
     def __init__(self, core: EngineCore) -> None:
         self.core = core
+        self._init_trio_side(core.kv.num_free_blocks)
+
+    def _init_trio_side(self, num_free_blocks: int) -> None:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._channels: dict[str, RequestChannel] = {}  # Trio thread only
         self._thread: threading.Thread | None = None
@@ -43,7 +46,7 @@ class Engine:
         self.on_stats: Callable[[StepStats], None] | None = None
         self.on_death: Callable[[str], None] | None = None
         self._adds_sent = 0  # Trio thread: requests put on the queue, ever
-        self._last_stats = StepStats(num_free_blocks=core.kv.num_free_blocks)
+        self._last_stats = StepStats(num_free_blocks=num_free_blocks)
 
     # ---- Trio thread ----
     def start(self) -> None:
@@ -62,7 +65,7 @@ class Engine:
         """
         if not self.alive:
             raise EngineDeadError(self.error or "the engine is not running")
-        self.core.check(req)
+        self._check(req)
         if req.request_id in self._channels:
             raise InvalidParam("request_id", f"request id {req.request_id!r} is already in use")
         channel = channel if channel is not None else RequestChannel()
@@ -70,6 +73,9 @@ class Engine:
         self._commands.put(("add", req))
         self._adds_sent += 1
         return channel
+
+    def _check(self, req: EngineRequest) -> None:
+        self.core.check(req)
 
     @property
     def num_waiting(self) -> int:

@@ -27,6 +27,49 @@ class ModelRunner(Protocol):
     def execute(self, out: SchedulerOutput) -> StepResult: ...
 
 
+def check_request(req: EngineRequest, vocab_size: int, max_model_len: int) -> int:
+    """Validate a request against the model (vocabulary, context length); return its resolved
+    max_tokens. Raises InvalidParam naming the offending field."""
+    n = len(req.prompt_token_ids)
+    if n == 0:
+        raise InvalidParam("prompt", "the prompt is empty")
+    vocab = vocab_size
+    for t in req.prompt_token_ids:
+        if not 0 <= t < vocab:
+            raise InvalidParam("prompt", f"token id {t} is outside the vocabulary (0..{vocab - 1})")
+    params = req.sampling_params
+    for t in params.logit_bias:
+        if t >= vocab:
+            raise InvalidParam("logit_bias", f"token id {t} is outside the vocabulary")
+    for t in params.stop_token_ids:
+        if t >= vocab:
+            raise InvalidParam("stop_token_ids", f"token id {t} is outside the vocabulary")
+    room = max_model_len - n
+    if room < 1:
+        raise InvalidParam(
+            "messages",
+            f"This model's maximum context length is {max_model_len} tokens, "
+            f"but the prompt has {n} tokens, leaving no room for output.",
+        )
+    max_tokens = req.sampling_params.max_tokens
+    if max_tokens is None:
+        max_tokens = room
+    if params.min_tokens > max_tokens:
+        raise InvalidParam(
+            "min_tokens",
+            f"min_tokens ({params.min_tokens}) exceeds the "
+            f"{max_tokens} tokens this request may generate",
+        )
+    if max_tokens > room:
+        raise InvalidParam(
+            "max_tokens",
+            f"This model's maximum context length is {max_model_len} tokens. "
+            f"However, you requested {n + max_tokens} tokens ({n} in the prompt, "
+            f"{max_tokens} for the completion). Please reduce the prompt or max_tokens.",
+        )
+    return max_tokens
+
+
 class EngineCore:
     def __init__(
         self,
@@ -68,46 +111,7 @@ class EngineCore:
 
         Reads only settings fixed at start-up, so the Trio thread may call it.
         """
-        n = len(req.prompt_token_ids)
-        if n == 0:
-            raise InvalidParam("prompt", "the prompt is empty")
-        vocab = self.runner.vocab_size
-        for t in req.prompt_token_ids:
-            if not 0 <= t < vocab:
-                raise InvalidParam(
-                    "prompt", f"token id {t} is outside the vocabulary (0..{vocab - 1})"
-                )
-        params = req.sampling_params
-        for t in params.logit_bias:
-            if t >= vocab:
-                raise InvalidParam("logit_bias", f"token id {t} is outside the vocabulary")
-        for t in params.stop_token_ids:
-            if t >= vocab:
-                raise InvalidParam("stop_token_ids", f"token id {t} is outside the vocabulary")
-        room = self.max_model_len - n
-        if room < 1:
-            raise InvalidParam(
-                "messages",
-                f"This model's maximum context length is {self.max_model_len} tokens, "
-                f"but the prompt has {n} tokens, leaving no room for output.",
-            )
-        max_tokens = req.sampling_params.max_tokens
-        if max_tokens is None:
-            max_tokens = room
-        if params.min_tokens > max_tokens:
-            raise InvalidParam(
-                "min_tokens",
-                f"min_tokens ({params.min_tokens}) exceeds the "
-                f"{max_tokens} tokens this request may generate",
-            )
-        if max_tokens > room:
-            raise InvalidParam(
-                "max_tokens",
-                f"This model's maximum context length is {self.max_model_len} tokens. "
-                f"However, you requested {n + max_tokens} tokens ({n} in the prompt, "
-                f"{max_tokens} for the completion). Please reduce the prompt or max_tokens.",
-            )
-        return max_tokens
+        return check_request(req, self.runner.vocab_size, self.max_model_len)
 
     def add(self, req: EngineRequest) -> None:
         self.num_adds_seen += 1  # counted even if refused: the Trio side counts every send

@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 import socket
+from typing import Any, NamedTuple
 
 import trio
 from hypercorn.config import Config as HypercornConfig
@@ -18,6 +19,7 @@ from werkzeug.exceptions import HTTPException
 
 from core.config import EngineConfig
 from core.engine import Engine
+from core.engine_process import EngineProcess
 from server.chat import load_template
 from server.errors import APIError, error_response
 from server.generate import bp as generate_bp
@@ -119,7 +121,8 @@ def create_app(config: EngineConfig, options: ServerOptions | None = None) -> Qu
 
     @app.after_serving
     async def _stop() -> None:
-        st.status, st.reason = "stopping", "shutting down"
+        if st.status != "failed":  # keep the reason a failed start gives
+            st.status, st.reason = "stopping", "shutting down"
         if st.engine is not None:
             await st.engine.shutdown()
 
@@ -135,8 +138,16 @@ def _fail(app: QuartTrio, st: ServerState, reason: str) -> None:
 async def _load_engine(app: QuartTrio, st: ServerState) -> None:
     try:
         st.chat_template = load_template(st.config.chat_template)
-        loaded = await trio.to_thread.run_sync(_load, st.config)
-        engine = Engine(loaded.core)
+        if st.options.engine_process:
+            engine = EngineProcess(st.config)
+            try:
+                loaded = await trio.to_thread.run_sync(_launch, engine)
+            except BaseException:
+                await engine.shutdown()  # no child may outlive a failed start
+                raise
+        else:
+            loaded = await trio.to_thread.run_sync(_load, st.config)
+            engine = Engine(loaded.core)
         metrics = Metrics(st.options.metrics_prefix, loaded.served_names[0], loaded.max_model_len)
         engine.on_stats = metrics.publish
 
@@ -168,6 +179,29 @@ def _load(config: EngineConfig):
     from gpu.launch import load  # the only place the server reaches into gpu/
 
     return load(config)
+
+
+class _Frontend(NamedTuple):
+    """What the server needs of a model the engine process loaded."""
+
+    tokenizer: Any
+    served_names: list[str]
+    max_model_len: int
+    generation_defaults: dict[str, Any]
+
+
+def _launch(engine: EngineProcess) -> _Frontend:
+    """Start the engine process, wait for its model, then load the tokenizer from the same
+    (already resolved or downloaded) directory for chat templates and prompts."""
+    from transformers import AutoTokenizer
+
+    info = engine.launch()
+    return _Frontend(
+        AutoTokenizer.from_pretrained(info.model_path),
+        info.served_names,
+        info.max_model_len,
+        info.generation_defaults,
+    )
 
 
 # Pending connections the kernel queues before the event loop accepts them (uvicorn's default).

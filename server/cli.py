@@ -152,6 +152,12 @@ def build_parser() -> argparse.ArgumentParser:
         "larger writes when serving many streams",
     )
     o.add_argument(
+        "--engine-process",
+        action="store_true",
+        help="run the engine core in its own process (as vLLM does), so HTTP work and the "
+        "engine do not share one interpreter lock",
+    )
+    o.add_argument(
         "--metrics-prefix",
         default="weir",
         help="metric name prefix; `vllm` makes vLLM dashboards work unchanged",
@@ -231,6 +237,7 @@ def options_from_args(args: argparse.Namespace):
         metrics_prefix=args.metrics_prefix,
         log_requests=not args.disable_log_requests,
         exit_on_engine_error=args.exit_on_engine_error,
+        engine_process=args.engine_process,
     )
 
 

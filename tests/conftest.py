@@ -92,7 +92,7 @@ class LiveServer:
                     return self
             except httpx.TransportError:
                 pass
-            if self.state.status == "failed":
+            if self.state.status == "failed" or not self._thread.is_alive():
                 raise RuntimeError(self.state.reason)
             time.sleep(0.05)
         raise TimeoutError("server did not become healthy")

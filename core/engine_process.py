@@ -1,0 +1,275 @@
+"""EngineProcess: the engine core in a process of its own, as vLLM runs its engine core.
+
+In one process the HTTP side (Hypercorn, Quart, Trio: pure Python, one SSE event per token) and
+the engine thread share one interpreter lock: at 64 and more streams the engine spent much of
+each step waiting for it while the event loop wrote events. Here the engine runs in a spawned
+child with its own interpreter; the server keeps the same `Engine` interface (add, abort, one
+dispatch per step into per-request channels), so handlers cannot tell the difference.
+
+Wire: two one-way pipes carrying msgspec msgpack frames. Server -> engine: Add, Abort, Shutdown.
+Engine -> server: Ready once the model is loaded (what the server needs to validate requests and
+build prompts), then one Step per engine step (its outputs and statistics), or Died with the
+reason. Two threads on the server side keep the event loop off the pipes: a writer draining the
+command queue (a pipe write may block while the engine is mid-step) and a reader handing each
+Step to the Trio thread in one `run_sync_soon` hop. A child that exits or is killed shows up as
+end-of-file on the reader: every in-flight request then ends with an error, as when the engine
+thread dies.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import signal
+import threading
+import traceback
+from typing import Any
+
+import msgspec
+import trio
+
+from core.config import EngineConfig
+from core.engine import _SHUTDOWN, Engine
+from core.engine_core import check_request
+from core.request import EngineRequest, RequestOutput
+from core.stats import StepStats
+
+log = logging.getLogger("weir.engine")
+
+
+# ---- messages ----
+class Add(msgspec.Struct, tag="add", gc=False):
+    request: EngineRequest
+
+
+class Abort(msgspec.Struct, tag="abort", gc=False):
+    request_id: str
+
+
+class Shutdown(msgspec.Struct, tag="shutdown", gc=False):
+    pass
+
+
+class Ready(msgspec.Struct, tag="ready", gc=False):
+    model_path: str
+    served_names: list[str]
+    max_model_len: int
+    vocab_size: int
+    num_free_blocks: int
+    generation_defaults: dict[str, Any]
+
+
+class Step(msgspec.Struct, tag="step", gc=False):
+    outputs: list[RequestOutput]
+    stats: StepStats | None
+
+
+class Died(msgspec.Struct, tag="died", gc=False):
+    message: str
+
+
+Command = Add | Abort | Shutdown
+Reply = Ready | Step | Died
+
+
+# ---- the engine process ----
+def _engine_main(config_bytes: bytes, commands, replies, log_level: int) -> None:
+    """Entry point of the spawned process: load the model, then step until told to stop or the
+    server goes away (end of file on the command pipe)."""
+    # Ctrl-C reaches the whole process group: the server drains first, then sends Shutdown.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    encode = msgspec.msgpack.Encoder().encode
+    decode = msgspec.msgpack.Decoder(Command).decode
+    try:
+        from gpu.launch import load  # the one place core/ reaches into gpu/: in the child only
+
+        loaded = load(msgspec.msgpack.decode(config_bytes, type=EngineConfig))
+    except BaseException as e:  # noqa: BLE001 - reported to the server, which fails its startup
+        log.error("loading failed\n%s", traceback.format_exc())
+        replies.send_bytes(encode(Died(f"loading failed: {type(e).__name__}: {e}")))
+        return
+    core = loaded.core
+    replies.send_bytes(
+        encode(
+            Ready(
+                str(loaded.model_path),
+                loaded.served_names,
+                loaded.max_model_len,
+                core.runner.vocab_size,
+                core.kv.num_free_blocks,
+                loaded.generation_defaults,
+            )
+        )
+    )
+
+    def handle(cmd: Command) -> bool:
+        if isinstance(cmd, Add):
+            try:
+                core.add(cmd.request)
+            except ValueError as e:  # raced past the server-side check: fail just this request
+                rid = cmd.request.request_id
+                out = RequestOutput(
+                    request_id=rid, finished=True, finish_reason="error", error=str(e)
+                )
+                replies.send_bytes(encode(Step([out], None)))
+        elif isinstance(cmd, Abort):
+            core.abort(cmd.request_id)
+        else:
+            return False
+        return True
+
+    try:
+        while True:
+            # Block only when idle; otherwise take whatever has arrived and step.
+            if not core.has_work and not handle(decode(commands.recv_bytes())):
+                return
+            while commands.poll():
+                if not handle(decode(commands.recv_bytes())):
+                    return
+            outputs = core.step()
+            replies.send_bytes(encode(Step(outputs, core.take_stats())))
+    except (EOFError, BrokenPipeError):
+        return  # the server is gone: nobody is left to serve
+    except BaseException as e:  # noqa: BLE001 - any death must reach every waiting client
+        log.error("engine process died\n%s", traceback.format_exc())
+        try:
+            replies.send_bytes(encode(Died(f"engine died: {type(e).__name__}: {e}")))
+        except OSError:
+            pass
+
+
+# ---- the server side ----
+class EngineProcess(Engine):
+    """The server-side handle: the same add/abort/channels as the in-process Engine."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.core = None
+        self.info: Ready | None = None
+        self._proc: multiprocessing.process.BaseProcess | None = None
+        self._writer: threading.Thread | None = None
+        self._closing = False
+        self._init_trio_side(0)
+
+    def launch(self) -> Ready:
+        """Blocking (call it from a worker thread): spawn the engine process and wait until its
+        model is loaded. Raises RuntimeError when loading fails or the process dies first."""
+        ctx = multiprocessing.get_context("spawn")  # never fork a process that runs threads
+        cmd_read, cmd_write = ctx.Pipe(duplex=False)
+        reply_read, reply_write = ctx.Pipe(duplex=False)
+        self._proc = ctx.Process(
+            target=_engine_main,
+            args=(
+                msgspec.msgpack.encode(self.config),
+                cmd_read,
+                reply_write,
+                logging.getLogger().getEffectiveLevel(),
+            ),
+            name="weir-engine",
+            daemon=True,  # never outlives the server
+        )
+        self._proc.start()
+        # Drop our copies of the child's ends, so its death reads as end of file here.
+        cmd_read.close()
+        reply_write.close()
+        self._cmd, self._reply = cmd_write, reply_read
+        try:
+            msg = msgspec.msgpack.decode(self._reply.recv_bytes(), type=Reply)
+        except EOFError:
+            self._proc.join(timeout=5)
+            raise RuntimeError(
+                f"the engine process exited (code {self._proc.exitcode}) before loading"
+            ) from None
+        if isinstance(msg, Died):
+            self._proc.join(timeout=5)
+            raise RuntimeError(msg.message)
+        if not isinstance(msg, Ready):
+            raise RuntimeError(f"the engine process sent {type(msg).__name__} before Ready")
+        self.info = msg
+        self._last_stats = StepStats(num_free_blocks=msg.num_free_blocks)
+        return msg
+
+    # ---- Trio thread ----
+    def start(self) -> None:
+        if self.info is None:
+            raise RuntimeError("launch() the engine process first")
+        self._trio_token = trio.lowlevel.current_trio_token()
+        self._thread = threading.Thread(target=self._read, name="weir-engine-reader", daemon=True)
+        self._writer = threading.Thread(target=self._write, name="weir-engine-writer", daemon=True)
+        self._thread.start()
+        self._writer.start()
+
+    @property
+    def alive(self) -> bool:
+        return (
+            self._proc is not None
+            and self._proc.is_alive()
+            and self._thread is not None
+            and self.error is None
+        )
+
+    def _check(self, req: EngineRequest) -> None:
+        check_request(req, self.info.vocab_size, self.info.max_model_len)
+
+    async def shutdown(self) -> None:
+        if self._proc is None:
+            return
+        self._closing = True
+        self._commands.put((_SHUTDOWN, None))
+        await trio.to_thread.run_sync(self._reap)
+
+    def _reap(self) -> None:
+        self._proc.join(timeout=10)
+        if self._proc.is_alive():
+            log.warning("the engine process did not stop in 10 s: killing it")
+            self._proc.kill()
+            self._proc.join()
+        for t in (self._writer, self._thread):
+            if t is not None:
+                t.join(timeout=5)
+
+    # ---- pipe threads ----
+    def _write(self) -> None:
+        encode = msgspec.msgpack.Encoder().encode
+        while True:
+            kind, arg = self._commands.get()
+            if kind is _SHUTDOWN:
+                msg = Shutdown()
+            elif kind == "add":
+                msg = Add(arg)
+            else:
+                msg = Abort(arg)
+            try:
+                self._cmd.send_bytes(encode(msg))
+            except OSError:
+                return  # the process is gone; the reader reports it
+            if kind is _SHUTDOWN:
+                return
+
+    def _read(self) -> None:
+        decode = msgspec.msgpack.Decoder(Reply).decode
+        try:
+            while True:
+                try:
+                    msg = decode(self._reply.recv_bytes())
+                except (EOFError, OSError):
+                    if self._closing:
+                        return
+                    self._proc.join(timeout=1)
+                    raise RuntimeError(
+                        f"the engine process exited unexpectedly (code {self._proc.exitcode})"
+                    ) from None
+                if isinstance(msg, Died):
+                    raise RuntimeError(msg.message)
+                if isinstance(msg, Step) and not self._send(
+                    self._dispatch, (msg.outputs, msg.stats)
+                ):
+                    return
+        except BaseException as e:  # noqa: BLE001 - any death must reach every waiting client
+            message = str(e)
+            self.error = message if message.startswith("engine died") else f"engine died: {message}"
+            log.error("%s", self.error)
+            self._send(self._fail_all, self.error)
+        finally:
+            self.stopped = True

@@ -1,0 +1,151 @@
+"""The server with its engine core in a child process (--engine-process): same answers as the
+in-thread engine, requests checked before they cross, aborts and deaths handled, no orphans."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import signal
+import threading
+
+import httpx
+import pytest
+
+from core.config import EngineConfig
+from tests.conftest import LiveServer, http_status, wait_for
+
+MESSAGES = [{"role": "user", "content": "Say hello to the river café 🌊"}]
+
+
+def config(model_dir, **kw) -> EngineConfig:
+    base = dict(
+        model=str(model_dir("qwen3")),
+        served_model_name=["tiny"],
+        max_model_len=512,
+        num_kv_blocks=256,
+        block_size=16,
+        check_integrity=True,
+    )
+    base.update(kw)
+    return EngineConfig(**base)
+
+
+@pytest.fixture(scope="module")
+def proc_server(model_dir):
+    server = LiveServer(config(model_dir), engine_process=True).start()
+    yield server
+    server.stop()
+    proc = server.engine._proc
+    # Shut down by message, not killed: it exits by itself with 0.
+    assert not proc.is_alive() and proc.exitcode == 0
+
+
+def complete(url: str, prompt, stream: bool, **kw) -> tuple[str, list[str]]:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 24, "temperature": 0, **kw}
+    if not stream:
+        r = httpx.post(url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"], []
+    body["stream"] = True
+    pieces = []
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    for line in lines[:-1]:
+        for choice in json.loads(line[6:])["choices"]:
+            pieces.append(choice["text"])
+    return "".join(pieces), lines
+
+
+def test_same_greedy_text_as_the_in_thread_engine(proc_server, live_server):
+    prompts = ["the river", "a café by the water 🌊", [5, 6, 7, 8, 9]]
+    for prompt in prompts:
+        want, _ = complete(live_server.url, prompt, stream=False, ignore_eos=True)
+        got, _ = complete(proc_server.url, prompt, stream=False, ignore_eos=True)
+        streamed, lines = complete(proc_server.url, prompt, stream=True, ignore_eos=True)
+        assert got == want == streamed and len(lines) > 3
+
+
+def test_requests_are_checked_before_they_reach_the_engine(proc_server):
+    url = proc_server.url + "/v1/completions"
+    r = httpx.post(url, json={"model": "tiny", "prompt": [1, 10**6], "max_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    r = httpx.post(url, json={"model": "tiny", "prompt": "hi " * 600, "max_tokens": 2})
+    assert r.status_code == 400 and "maximum context length" in r.json()["error"]["message"]
+    r = httpx.post(url, json={"model": "tiny", "prompt": "hi", "max_tokens": 5000})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    assert http_status(proc_server.url + "/health") == 200
+
+
+def test_concurrent_streams_all_complete_and_a_disconnect_frees_blocks(proc_server):
+    engine = proc_server.engine
+    results: dict[int, str] = {}
+
+    def ask(i: int) -> None:
+        results[i], _ = complete(proc_server.url, f"request {i} " * (1 + i % 3), stream=True)
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(12)]
+    for t in threads:
+        t.start()
+    body = {"model": "tiny", "prompt": "long", "max_tokens": 400, "stream": True}
+    body["ignore_eos"] = True
+    with httpx.stream("POST", proc_server.url + "/v1/completions", json=body) as r:
+        seen = 0
+        for line in r.iter_lines():
+            seen += line.startswith("data: ")
+            if seen >= 3:
+                break
+    for t in threads:
+        t.join(60)
+    assert len(results) == 12
+    for i, text in results.items():  # streamed under load == asked alone, not streamed
+        assert text == complete(proc_server.url, f"request {i} " * (1 + i % 3), False)[0]
+    # Closing the connection aborted the long request in the engine process: all blocks back.
+    assert wait_for(
+        lambda: engine.last_stats.num_free_blocks == 256 and not engine.last_stats.num_running
+    )
+
+
+@pytest.mark.parametrize("exit_on_error", [True, False])
+def test_a_killed_engine_process_fails_requests_and_health(model_dir, exit_on_error):
+    server = LiveServer(
+        config(model_dir), engine_process=True, exit_on_engine_error=exit_on_error
+    ).start()
+    try:
+        body = {"model": "tiny", "prompt": "hi", "max_tokens": 400, "stream": True}
+        body["ignore_eos"] = True
+        lines = []
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line:
+                    lines.append(line)
+                if len(lines) == 3:
+                    os.kill(server.engine._proc.pid, signal.SIGKILL)
+        # The stream ends with the error, then [DONE]: never silently cut.
+        assert lines[-1] == "data: [DONE]"
+        assert '"error"' in lines[-2] and "engine process exited" in lines[-2]
+        if exit_on_error:
+            assert server.wait_exit() == 1  # so the orchestrator restarts it
+            return
+        health = httpx.get(server.url + "/health")
+        assert health.status_code == 503 and "engine died" in health.json()["error"]["message"]
+        r = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": "x"})
+        assert r.status_code == 503 and r.json()["error"]["message"]
+    finally:
+        server.stop()
+
+
+def engine_children() -> int:
+    return sum(p.name == "weir-engine" for p in multiprocessing.active_children())
+
+
+def test_a_model_that_fails_to_load_fails_startup_and_leaves_no_process(tmp_path):
+    before = engine_children()
+    server = LiveServer(EngineConfig(model=str(tmp_path / "missing")), engine_process=True)
+    with pytest.raises(RuntimeError, match="loading failed"):
+        server.start(timeout=120)
+    server.stop()
+    assert server.state.status == "failed"
+    assert engine_children() == before
