@@ -6,7 +6,9 @@
 (c) 256 concurrent streams on a one-layer model: delivered tokens/s and server CPU per token,
     one token per SSE event vs weir's coalescing (a client that falls behind gets its pending
     deltas merged into one event: nothing dropped, nothing buffered without bound), and
-    coalescing with `--stream-interval 8` (an event every 8 tokens, the first at once).
+    coalescing with `--stream-interval 8` (an event every 8 tokens, the first at once); each
+    with the engine on a thread of the server process and in its own (`--engine-process`).
+    Server CPU is summed over the server's process tree (the engine process included).
 
     python -m benchmarks.overhead [--skip-streams]
 """
@@ -106,6 +108,13 @@ def streams(model: str, concurrency=256, max_tokens=128) -> dict:
         ("one_per_event", "benchmarks.serve_one_per_event", ()),
         ("coalesced", "server", ()),
         ("coalesced_stream_interval_8", "server", ("--stream-interval", "8")),
+        ("one_per_event_engine_process", "benchmarks.serve_one_per_event", ("--engine-process",)),
+        ("coalesced_engine_process", "server", ("--engine-process",)),
+        (
+            "coalesced_engine_process_stream_interval_8",
+            "server",
+            ("--engine-process", "--stream-interval", "8"),
+        ),
     ):
         port = free_port()
         srv = ServerProcess(

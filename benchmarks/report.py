@@ -104,12 +104,17 @@ def serving_section(d: dict) -> str:
                 f"{fmt(s['ttft_p99_ms'])} | {fmt(s['tpot_p50_ms'])} / {fmt(s['tpot_p99_ms'])} | "
                 f"{fmt(s['itl_p50_ms'])} / {fmt(s['itl_p99_ms'])} | {s['errors']} |"
             )
-    if d.get("ratio"):
-        lines += [
-            "",
-            "weir / transformers output tok/s: "
-            + ", ".join(f"{r:.2f}x at {c}" for c, r in d["ratio"].items() if r),
-        ]
+    ratios = d.get("ratio") or {}
+    if ratios and not isinstance(next(iter(ratios.values())), dict):
+        ratios = {"weir": ratios}  # results saved before weir ran in two modes
+    if ratios:
+        lines.append("")
+    for label, by_level in ratios.items():
+        lines.append(
+            f"{label} / transformers output tok/s: "
+            + ", ".join(f"{r:.2f}x at {c}" for c, r in by_level.items() if r)
+            + "."
+        )
     return "\n".join(lines)
 
 
