@@ -153,9 +153,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     o.add_argument(
         "--engine-process",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=True,
         help="run the engine core in its own process (as vLLM does), so HTTP work and the "
-        "engine do not share one interpreter lock",
+        "engine do not share one interpreter lock; --no-engine-process runs it on a thread "
+        "of the server process",
     )
     o.add_argument(
         "--metrics-prefix",

@@ -21,8 +21,8 @@ class ServerOptions(msgspec.Struct, kw_only=True):
     metrics_prefix: str = "weir"
     log_requests: bool = True
     exit_on_engine_error: bool = True
-    # Run the engine core in a child process (its own interpreter lock) instead of a thread.
-    engine_process: bool = False
+    # The engine core in a child process (its own interpreter lock), or on a thread (False).
+    engine_process: bool = True
 
     def validate(self) -> None:
         if self.shed_status not in (429, 503):

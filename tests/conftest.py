@@ -50,12 +50,18 @@ def free_port() -> int:
 
 
 class LiveServer:
-    """The real app and Hypercorn on a Trio loop in a background thread, on a free port."""
+    """The real app and Hypercorn on a Trio loop in a background thread, on a free port.
+
+    The engine runs on a thread here unless `engine_process=True` is passed: starting an engine
+    process per server would cost the suite minutes, and tests may reach into `engine.core`.
+    The product default (its own process) is served to test_api.py's and test_engine_process.py's
+    servers and to every test that runs the `weir` command."""
 
     def __init__(self, config: EngineConfig, **options) -> None:
         from server.app import create_app
         from server.options import ServerOptions
 
+        options.setdefault("engine_process", False)
         self.app = create_app(config, ServerOptions(**options))
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -114,6 +120,17 @@ def http_status(url: str) -> int | None:
         return httpx.get(url, timeout=2).status_code
     except httpx.TransportError:
         return None
+
+
+def aborted(server: LiveServer) -> float:
+    """Requests the engine has finished as aborted, from /metrics (works whichever way the
+    engine runs: on a thread or in its own process)."""
+    text = httpx.get(server.url + "/metrics").text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if "request_success_total{" in line and 'finished_reason="abort"' in line
+    )
 
 
 def wait_for(predicate, timeout: float = 30.0, interval: float = 0.01) -> bool:

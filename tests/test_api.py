@@ -27,7 +27,8 @@ def server(model_dir):
             max_model_len=512,
             num_kv_blocks=256,
             check_integrity=True,
-        )
+        ),
+        engine_process=True,  # the product default: every API case crosses the process boundary
     ).start()
     yield s
     s.stop()

@@ -66,10 +66,22 @@ def test_cpu_threads_leave_a_core_to_the_event_loop():
         EngineConfig(cpu_threads=0).validate()
 
 
+def test_engine_runs_in_its_own_process_unless_told_otherwise():
+    from server.cli import options_from_args
+
+    def engine_process(*flags):
+        return options_from_args(build_parser().parse_args(["serve", *flags])).engine_process
+
+    assert engine_process() is True
+    assert engine_process("--no-engine-process") is False
+    assert engine_process("--engine-process") is True
+
+
 def test_core_never_imports_torch():
     code = (
-        "import sys, core.engine, core.engine_core, core.scheduler, core.detokenizer, "
-        "core.outputs, core.config; assert 'torch' not in sys.modules, 'torch imported'"
+        "import sys, core.engine, core.engine_core, core.engine_process, core.scheduler, "
+        "core.detokenizer, core.outputs, core.config; "
+        "assert 'torch' not in sys.modules, 'torch imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
 

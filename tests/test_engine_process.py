@@ -34,6 +34,7 @@ def config(model_dir, **kw) -> EngineConfig:
 @pytest.fixture(scope="module")
 def proc_server(model_dir):
     server = LiveServer(config(model_dir), engine_process=True).start()
+    assert server.engine.core is None and server.engine._proc.is_alive()
     yield server
     server.stop()
     proc = server.engine._proc
@@ -59,13 +60,18 @@ def complete(url: str, prompt, stream: bool, **kw) -> tuple[str, list[str]]:
     return "".join(pieces), lines
 
 
-def test_same_greedy_text_as_the_in_thread_engine(proc_server, live_server):
-    prompts = ["the river", "a café by the water 🌊", [5, 6, 7, 8, 9]]
-    for prompt in prompts:
-        want, _ = complete(live_server.url, prompt, stream=False, ignore_eos=True)
-        got, _ = complete(proc_server.url, prompt, stream=False, ignore_eos=True)
-        streamed, lines = complete(proc_server.url, prompt, stream=True, ignore_eos=True)
-        assert got == want == streamed and len(lines) > 3
+def test_same_greedy_text_as_the_in_thread_engine(proc_server, model_dir):
+    thread_server = LiveServer(config(model_dir), engine_process=False).start()
+    try:
+        assert thread_server.engine.core is not None  # really on a thread
+        prompts = ["the river", "a café by the water 🌊", [5, 6, 7, 8, 9]]
+        for prompt in prompts:
+            want, _ = complete(thread_server.url, prompt, stream=False, ignore_eos=True)
+            got, _ = complete(proc_server.url, prompt, stream=False, ignore_eos=True)
+            streamed, lines = complete(proc_server.url, prompt, stream=True, ignore_eos=True)
+            assert got == want == streamed and len(lines) > 3
+    finally:
+        thread_server.stop()
 
 
 def test_requests_are_checked_before_they_reach_the_engine(proc_server):

@@ -7,7 +7,7 @@ import openai
 import pytest
 
 from core.config import EngineConfig
-from tests.conftest import LiveServer, wait_for
+from tests.conftest import LiveServer, aborted, wait_for
 
 MESSAGES = [
     {"role": "system", "content": "You are terse."},
@@ -107,8 +107,8 @@ def test_sampling_with_temperature_runs(client):
 
 def test_disconnect_aborts_and_frees_blocks(live_server):
     engine = live_server.engine
-    total = engine.core.kv.num_blocks
-    aborted_before = engine.core.num_aborted
+    total = 256  # the live_server fixture's pool
+    aborted_before = aborted(live_server)
     body = {
         "model": "tiny",
         "messages": MESSAGES,
@@ -125,9 +125,9 @@ def test_disconnect_aborts_and_frees_blocks(live_server):
                 break
         assert engine.last_stats.num_free_blocks < total  # it holds blocks while streaming
     # Closing the connection cancels the handler; the engine aborts before its next step.
-    assert wait_for(lambda: engine.core.num_aborted > aborted_before)
+    assert wait_for(lambda: aborted(live_server) > aborted_before)
     assert wait_for(lambda: engine.last_stats.num_free_blocks == total)
-    assert not engine.core.requests
+    assert not engine.last_stats.num_running and not engine.last_stats.num_waiting
 
 
 def test_malformed_bodies_and_unknown_routes(live_server):
@@ -188,9 +188,12 @@ def stream_lines(url: str) -> list[str]:
 
 @pytest.mark.parametrize("exit_on_error", [True, False])
 def test_engine_death_fails_requests(model_dir, exit_on_error):
+    # On a thread, so the test can break the engine core from here (a killed engine process:
+    # tests/test_engine_process.py).
     server = LiveServer(
         EngineConfig(model=str(model_dir("qwen3")), num_kv_blocks=64),
         exit_on_engine_error=exit_on_error,
+        engine_process=False,
     ).start()
     try:
         break_engine_after(server.engine, 3)
