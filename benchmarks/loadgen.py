@@ -168,9 +168,13 @@ class ServerProcess:
             time.sleep(0.2)
         raise TimeoutError(f"server not ready; see {self.log.name}")
 
-    def cpu_seconds(self) -> float:
+    def cpu_seconds(self, tree: bool = True) -> float:
         """User + system CPU time so far of the server process and every process under it (an
-        engine process, multiprocessing's resource tracker), from Linux /proc."""
+        engine process, multiprocessing's resource tracker), from Linux /proc; with
+        tree=False, of the server process alone (the HTTP side, when the engine has its own)."""
+        if not tree:
+            fields = open(f"/proc/{self.proc.pid}/stat").read().rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
         total, todo = 0, [self.proc.pid]
         while todo:
             pid = todo.pop()

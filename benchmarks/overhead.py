@@ -7,7 +7,8 @@
     one token per SSE event vs weir's coalescing (a client that falls behind gets its pending
     deltas merged into one event: nothing dropped, nothing buffered without bound), and
     coalescing with `--stream-interval 8` (an event every 8 tokens, the first at once); each
-    with the engine on a thread of the server process and in its own (`--engine-process`).
+    with the engine on a thread of the server process (`--no-engine-process`) and in its own
+    process (the default).
     Server CPU is summed over the server's process tree (the engine process included).
 
     python -m benchmarks.overhead [--skip-streams]
@@ -105,9 +106,13 @@ def streams(model: str, concurrency=256, max_tokens=128) -> dict:
 
     out = {}
     for label, launcher, extra in (
-        ("one_per_event", "benchmarks.serve_one_per_event", ()),
-        ("coalesced", "server", ()),
-        ("coalesced_stream_interval_8", "server", ("--stream-interval", "8")),
+        ("one_per_event_thread", "benchmarks.serve_one_per_event", ("--no-engine-process",)),
+        ("coalesced_thread", "server", ("--no-engine-process",)),
+        (
+            "coalesced_thread_stream_interval_8",
+            "server",
+            ("--no-engine-process", "--stream-interval", "8"),
+        ),
         ("one_per_event_engine_process", "benchmarks.serve_one_per_event", ("--engine-process",)),
         ("coalesced_engine_process", "server", ("--engine-process",)),
         (
@@ -126,18 +131,22 @@ def streams(model: str, concurrency=256, max_tokens=128) -> dict:
             srv.wait_ready()
             # Warm-up, then the measured run.
             trio.run(functools.partial(run_level, srv.url, model, prompts(16, seed=1), 16, 8))
-            cpu0 = srv.cpu_seconds()
+            cpu0, http0 = srv.cpu_seconds(), srv.cpu_seconds(tree=False)
             results, wall = trio.run(
                 functools.partial(
                     run_level, srv.url, model, prompts(concurrency, seed=2), concurrency, max_tokens
                 )
             )
             cpu = srv.cpu_seconds() - cpu0
+            http_cpu = srv.cpu_seconds(tree=False) - http0
         finally:
             srv.stop()
         s = summarize(results, wall)
         s["server_cpu_s"] = cpu
         s["server_cpu_us_per_token"] = cpu / max(1, s["output_tokens"]) * 1e6
+        if "engine_process" in label:  # the split: HTTP process vs engine process
+            s["http_cpu_us_per_token"] = http_cpu / max(1, s["output_tokens"]) * 1e6
+            s["engine_cpu_us_per_token"] = s["server_cpu_us_per_token"] - s["http_cpu_us_per_token"]
         s["events"] = sum(len(r.itl) + 1 for r in results if r.ttft is not None)
         out[label] = s
         print(

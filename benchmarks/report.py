@@ -143,13 +143,19 @@ def overhead_section(d: dict) -> str:
         lines += [
             "(c) 256 concurrent streams, one-layer model, 128 tokens each:",
             "",
-            "| SSE events | delivered tok/s | server CPU µs/token | content events | errors |",
-            "| --- | --- | --- | --- | --- |",
+            "| SSE events | delivered tok/s | server CPU µs/token | of which HTTP / engine process "
+            "| content events | errors |",
+            "| --- | --- | --- | --- | --- | --- |",
         ]
         for label, r in d["streams"].items():
+            split = (
+                f"{r['http_cpu_us_per_token']:.1f} / {r['engine_cpu_us_per_token']:.1f}"
+                if "http_cpu_us_per_token" in r
+                else "(one process)"
+            )
             lines.append(
                 f"| {label.replace('_', ' ')} | {fmt(r['output_tok_s'])} | "
-                f"{r['server_cpu_us_per_token']:.1f} | {r['events']:,} | {r['errors']} |"
+                f"{r['server_cpu_us_per_token']:.1f} | {split} | {r['events']:,} | {r['errors']} |"
             )
     return "\n".join(lines)
 

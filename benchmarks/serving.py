@@ -1,10 +1,10 @@
 """Serving benchmark: weir vs `transformers serve --continuous-batching` under streaming load.
 
 Both serve the same model and get the same greedy prompts with only standard OpenAI fields, so
-they do the same work; weir runs twice, its engine on a thread and in its own process
-(`--engine-process`). For each concurrency (1, 16, 64, 256): TTFT, TPOT and ITL at p50 and p99,
-output tokens/s (counted from the usage chunk) and errors. `--url` points the load generator at
-any running server instead.
+they do the same work; weir runs twice, its engine in its own process (the default) and on a
+thread (`--no-engine-process`). For each concurrency (1, 16, 64, 256): TTFT, TPOT and ITL at p50
+and p99, output tokens/s (counted from the usage chunk) and errors. `--url` points the load
+generator at any running server instead.
 
     python -m benchmarks.serving [--model qwen3-3layer] [--concurrency 1,16,64,256]
 """
@@ -54,9 +54,9 @@ def main() -> None:
         print(bench(args.url, model, levels, args.max_tokens, args.requests))
         return
     results = {}
-    # weir twice: the engine on a thread of the server process (the default), and in a process
-    # of its own (--engine-process), where it does not share the HTTP side's interpreter lock.
-    for label, extra in (("weir", ()), ("weir --engine-process", ("--engine-process",))):
+    # weir twice: the engine in a process of its own (the default), where it does not share the
+    # HTTP side's interpreter lock, and on a thread of the server process (--no-engine-process).
+    for label, extra in (("weir", ()), ("weir --no-engine-process", ("--no-engine-process",))):
         port = free_port()
         weir = ServerProcess(weir_argv(model, port, *extra), port, "/tmp/weir-serving.log")
         try:
