@@ -9,7 +9,8 @@
     coalescing with `--stream-interval 8` (an event every 8 tokens, the first at once); each
     with the engine on a thread of the server process (`--no-engine-process`) and in its own
     process (the default).
-    Server CPU is summed over the server's process tree (the engine process included).
+    Server CPU is summed over the server's process tree (the engine process included). Beside
+    them, the floor: the same Quart + Hypercorn stack streaming canned chunks with no engine.
 
     python -m benchmarks.overhead [--skip-streams]
 """
@@ -20,6 +21,7 @@ import argparse
 import functools
 import json
 import random
+import sys
 import time
 
 from benchmarks.common import bench_model, machine, save
@@ -120,13 +122,16 @@ def streams(model: str, concurrency=256, max_tokens=128) -> dict:
             "server",
             ("--engine-process", "--stream-interval", "8"),
         ),
+        # The floor: Quart + Hypercorn streaming canned chunks, no engine (benchmarks/bare_sse.py).
+        ("http_stack_alone", "benchmarks.bare_sse", ()),
     ):
         port = free_port()
-        srv = ServerProcess(
-            weir_argv(model, port, "--num-kv-blocks", "16384", *extra, launcher=launcher),
-            port,
-            f"/tmp/weir-{label}.log",
+        argv = (
+            [sys.executable, "-m", launcher, str(port)]
+            if launcher == "benchmarks.bare_sse"
+            else weir_argv(model, port, "--num-kv-blocks", "16384", *extra, launcher=launcher)
         )
+        srv = ServerProcess(argv, port, f"/tmp/weir-{label}.log")
         try:
             srv.wait_ready()
             # Warm-up, then the measured run.

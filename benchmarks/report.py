@@ -148,11 +148,12 @@ def overhead_section(d: dict) -> str:
             "| --- | --- | --- | --- | --- | --- |",
         ]
         for label, r in d["streams"].items():
-            split = (
-                f"{r['http_cpu_us_per_token']:.1f} / {r['engine_cpu_us_per_token']:.1f}"
-                if "http_cpu_us_per_token" in r
-                else "(one process)"
-            )
+            if "http_cpu_us_per_token" in r:
+                split = f"{r['http_cpu_us_per_token']:.1f} / {r['engine_cpu_us_per_token']:.1f}"
+            elif label == "http_stack_alone":
+                split = "(no engine)"
+            else:
+                split = "(one process)"
             lines.append(
                 f"| {label.replace('_', ' ')} | {fmt(r['output_tok_s'])} | "
                 f"{r['server_cpu_us_per_token']:.1f} | {split} | {r['events']:,} | {r['errors']} |"
