@@ -18,6 +18,7 @@ thread dies.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import multiprocessing
 import signal
@@ -76,8 +77,11 @@ Reply = Ready | Step | Died
 def _engine_main(config_bytes: bytes, commands, replies, log_level: int) -> None:
     """Entry point of the spawned process: load the model, then step until told to stop or the
     server goes away (end of file on the command pipe)."""
-    # Ctrl-C reaches the whole process group: the server drains first, then sends Shutdown.
+    # Ctrl-C reaches the whole process group, and systemd's default KillMode sends SIGTERM to
+    # every process of the service: the server drains first, then sends Shutdown. The engine
+    # still stops when the server goes away (end of file on the command pipe), or on SIGKILL.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     encode = msgspec.msgpack.Encoder().encode
     decode = msgspec.msgpack.Decoder(Command).decode
@@ -158,7 +162,7 @@ class EngineProcess(Engine):
         ctx = multiprocessing.get_context("spawn")  # never fork a process that runs threads
         cmd_read, cmd_write = ctx.Pipe(duplex=False)
         reply_read, reply_write = ctx.Pipe(duplex=False)
-        self._proc = ctx.Process(
+        proc = ctx.Process(
             target=_engine_main,
             args=(
                 msgspec.msgpack.encode(self.config),
@@ -169,11 +173,15 @@ class EngineProcess(Engine):
             name="weir-engine",
             daemon=True,  # never outlives the server
         )
-        self._proc.start()
+        proc.start()
+        self._proc = proc
         # Drop our copies of the child's ends, so its death reads as end of file here.
         cmd_read.close()
         reply_write.close()
         self._cmd, self._reply = cmd_write, reply_read
+        # On any exit that skipped shutdown(), close the command pipe first: the engine ignores
+        # SIGTERM, so multiprocessing's own exit hook (terminate, then join) would wait forever.
+        atexit.register(self._stop_at_exit)
         try:
             msg = msgspec.msgpack.decode(self._reply.recv_bytes(), type=Reply)
         except EOFError:
@@ -225,9 +233,18 @@ class EngineProcess(Engine):
             log.warning("the engine process did not stop in 10 s: killing it")
             self._proc.kill()
             self._proc.join()
+        atexit.unregister(self._stop_at_exit)
         for t in (self._writer, self._thread):
             if t is not None:
                 t.join(timeout=5)
+
+    def _stop_at_exit(self) -> None:
+        self._closing = True
+        self._cmd.close()  # end of file: the engine leaves its loop after the current step
+        self._proc.join(timeout=5)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join()
 
     # ---- pipe threads ----
     def _write(self) -> None:

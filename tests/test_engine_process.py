@@ -7,6 +7,8 @@ import json
 import multiprocessing
 import os
 import signal
+import subprocess
+import sys
 import threading
 
 import httpx
@@ -114,6 +116,24 @@ def test_concurrent_streams_all_complete_and_a_disconnect_frees_blocks(proc_serv
     )
 
 
+def test_the_engine_process_ignores_sigterm_so_the_server_can_drain(proc_server):
+    # systemd's default KillMode sends SIGTERM to every process of the service at once: the
+    # engine must keep serving until the server, draining, tells it to stop.
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 60, "stream": True}
+    body["ignore_eos"] = True
+    body["stream_options"] = {"include_usage": True}
+    lines = []
+    with httpx.stream("POST", proc_server.url + "/v1/completions", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if line:
+                lines.append(line)
+            if len(lines) == 3:
+                os.kill(proc_server.engine._proc.pid, signal.SIGTERM)
+    assert lines[-1] == "data: [DONE]"
+    assert json.loads(lines[-2][6:])["usage"]["completion_tokens"] == 60
+    assert proc_server.engine.alive and http_status(proc_server.url + "/health") == 200
+
+
 @pytest.mark.parametrize("exit_on_error", [True, False])
 def test_a_killed_engine_process_fails_requests_and_health(model_dir, exit_on_error):
     server = LiveServer(
@@ -155,3 +175,21 @@ def test_a_model_that_fails_to_load_fails_startup_and_leaves_no_process(tmp_path
     server.stop()
     assert server.state.status == "failed"
     assert engine_children() == before
+
+
+def test_a_server_that_exits_without_shutdown_takes_its_engine_process_along(model_dir):
+    # The engine ignores SIGTERM; multiprocessing's exit hook would terminate and then join it
+    # forever. weir's own exit hook closes the command pipe first, so the engine leaves.
+    model = str(model_dir("qwen3"))
+    code = (
+        "from core.config import EngineConfig\n"
+        "from core.engine_process import EngineProcess\n"
+        f"engine = EngineProcess(EngineConfig(model={model!r}, num_kv_blocks=32))\n"
+        "engine.launch()\n"
+        "print(engine._proc.pid, flush=True)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    pid = int(done.stdout.split()[-1])
+    assert wait_for(lambda: not os.path.exists(f"/proc/{pid}"), timeout=10)

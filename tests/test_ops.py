@@ -47,7 +47,9 @@ def tiny(model_dir):
 
 def test_metrics_count_a_known_workload(tiny):
     server = LiveServer(
-        EngineConfig(model=tiny, served_model_name=["m"], num_kv_blocks=128), metrics_prefix="vllm"
+        EngineConfig(model=tiny, served_model_name=["m"], num_kv_blocks=128),
+        metrics_prefix="vllm",
+        engine_process=True,  # the default: statistics cross the process boundary every step
     ).start()
     try:
         url = server.url
