@@ -122,6 +122,21 @@ def http_status(url: str) -> int | None:
         return None
 
 
+def check_engine_died(server: LiveServer, lines: list[str], reason: str, exits: bool) -> None:
+    """What an engine death must look like from outside: the in-flight stream (its SSE `lines`)
+    ends with the error, then [DONE], never silently cut; then the server exits 1 so the
+    orchestrator restarts it (`exits`), or stays up with /health and new requests at 503."""
+    assert lines[-1] == "data: [DONE]"
+    assert '"error"' in lines[-2] and reason in lines[-2], lines[-2]
+    if exits:
+        assert server.wait_exit() == 1
+        return
+    health = httpx.get(server.url + "/health")
+    assert health.status_code == 503 and "engine died" in health.json()["error"]["message"]
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2})
+    assert r.status_code == 503 and r.json()["error"]["message"]
+
+
 def aborted(server: LiveServer) -> float:
     """Requests the engine has finished as aborted, from /metrics (works whichever way the
     engine runs: on a thread or in its own process)."""

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from core.config import EngineConfig
-from tests.conftest import LiveServer, http_status, wait_for
+from tests.conftest import LiveServer, check_engine_died, http_status, wait_for
 
 MESSAGES = [{"role": "user", "content": "Say hello to the river café 🌊"}]
 
@@ -116,19 +116,24 @@ def test_concurrent_streams_all_complete_and_a_disconnect_frees_blocks(proc_serv
     )
 
 
-def test_the_engine_process_ignores_sigterm_so_the_server_can_drain(proc_server):
-    # systemd's default KillMode sends SIGTERM to every process of the service at once: the
-    # engine must keep serving until the server, draining, tells it to stop.
-    body = {"model": "tiny", "prompt": "hi", "max_tokens": 60, "stream": True}
-    body["ignore_eos"] = True
-    body["stream_options"] = {"include_usage": True}
+def stream_signalling_the_engine(server: LiveServer, sig: int, max_tokens: int) -> list[str]:
+    """Stream a completion and send `sig` to the engine process after the third SSE line."""
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": max_tokens, "stream": True}
+    body.update(ignore_eos=True, stream_options={"include_usage": True})
     lines = []
-    with httpx.stream("POST", proc_server.url + "/v1/completions", json=body, timeout=60) as r:
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
         for line in r.iter_lines():
             if line:
                 lines.append(line)
             if len(lines) == 3:
-                os.kill(proc_server.engine._proc.pid, signal.SIGTERM)
+                os.kill(server.engine._proc.pid, sig)
+    return lines
+
+
+def test_the_engine_process_ignores_sigterm_so_the_server_can_drain(proc_server):
+    # systemd's default KillMode sends SIGTERM to every process of the service at once: the
+    # engine must keep serving until the server, draining, tells it to stop.
+    lines = stream_signalling_the_engine(proc_server, signal.SIGTERM, 60)
     assert lines[-1] == "data: [DONE]"
     assert json.loads(lines[-2][6:])["usage"]["completion_tokens"] == 60
     assert proc_server.engine.alive and http_status(proc_server.url + "/health") == 200
@@ -140,25 +145,8 @@ def test_a_killed_engine_process_fails_requests_and_health(model_dir, exit_on_er
         config(model_dir), engine_process=True, exit_on_engine_error=exit_on_error
     ).start()
     try:
-        body = {"model": "tiny", "prompt": "hi", "max_tokens": 400, "stream": True}
-        body["ignore_eos"] = True
-        lines = []
-        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
-            for line in r.iter_lines():
-                if line:
-                    lines.append(line)
-                if len(lines) == 3:
-                    os.kill(server.engine._proc.pid, signal.SIGKILL)
-        # The stream ends with the error, then [DONE]: never silently cut.
-        assert lines[-1] == "data: [DONE]"
-        assert '"error"' in lines[-2] and "engine process exited" in lines[-2]
-        if exit_on_error:
-            assert server.wait_exit() == 1  # so the orchestrator restarts it
-            return
-        health = httpx.get(server.url + "/health")
-        assert health.status_code == 503 and "engine died" in health.json()["error"]["message"]
-        r = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": "x"})
-        assert r.status_code == 503 and r.json()["error"]["message"]
+        lines = stream_signalling_the_engine(server, signal.SIGKILL, 400)
+        check_engine_died(server, lines, "engine process exited", exit_on_error)
     finally:
         server.stop()
 

@@ -7,7 +7,7 @@ import openai
 import pytest
 
 from core.config import EngineConfig
-from tests.conftest import LiveServer, aborted, wait_for
+from tests.conftest import LiveServer, aborted, check_engine_died, wait_for
 
 MESSAGES = [
     {"role": "system", "content": "You are terse."},
@@ -197,17 +197,9 @@ def test_engine_death_fails_requests(model_dir, exit_on_error):
     ).start()
     try:
         break_engine_after(server.engine, 3)
-        lines = stream_lines(server.url)
-        # The in-flight stream ends with the error, then [DONE]: never silently cut.
-        assert lines[-1] == "data: [DONE]"
-        assert "simulated device failure" in lines[-2] and '"error"' in lines[-2]
-        if exit_on_error:
-            assert server.wait_exit() == 1  # so the orchestrator restarts it
-            return
-        health = httpx.get(server.url + "/health")
-        assert health.status_code == 503 and "engine died" in health.json()["error"]["message"]
-        r = httpx.post(server.url + "/v1/chat/completions", json={"messages": MESSAGES})
-        assert r.status_code == 503 and r.json()["error"]["message"]
+        check_engine_died(
+            server, stream_lines(server.url), "simulated device failure", exit_on_error
+        )
     finally:
         server.stop()
 
