@@ -70,12 +70,17 @@ class Engine:
             raise InvalidParam("request_id", f"request id {req.request_id!r} is already in use")
         channel = channel if channel is not None else RequestChannel()
         self._channels[req.request_id] = channel
-        self._commands.put(("add", req))
+        self._submit("add", req)
         self._adds_sent += 1
         return channel
 
     def _check(self, req: EngineRequest) -> None:
         self.core.check(req)
+
+    def _submit(self, kind, arg) -> None:
+        """Hand a command to the engine (synchronous and non-blocking: it runs in `finally`
+        blocks of cancelled handlers too)."""
+        self._commands.put((kind, arg))
 
     @property
     def num_waiting(self) -> int:
@@ -91,7 +96,7 @@ class Engine:
     def abort(self, request_id: str) -> None:
         """Synchronous, so it is safe in a `finally` of a cancelled handler."""
         if self._channels.pop(request_id, None) is not None:
-            self._commands.put(("abort", request_id))
+            self._submit("abort", request_id)
 
     async def shutdown(self) -> None:
         if self._thread is None:
