@@ -104,6 +104,20 @@ def serving_section(d: dict) -> str:
                 f"{fmt(s['ttft_p99_ms'])} | {fmt(s['tpot_p50_ms'])} / {fmt(s['tpot_p99_ms'])} | "
                 f"{fmt(s['itl_p50_ms'])} / {fmt(s['itl_p99_ms'])} | {s['errors']} |"
             )
+    repeats = d["meta"].get("repeats", 1)
+    if repeats > 1:
+        lines += [
+            "",
+            f"Each level ran {repeats} times per server; the table shows the run with the median "
+            "output tok/s (errors: all runs). Every run's output tok/s:",
+            "",
+        ]
+        for server, levels in d["results"].items():
+            runs = "; ".join(
+                f"{c}: " + ", ".join(f"{x:,.0f}" for x in s.get("tok_s_runs", []))
+                for c, s in levels.items()
+            )
+            lines.append(f"- {server}: {runs}")
     ratios = d.get("ratio") or {}
     if ratios and not isinstance(next(iter(ratios.values())), dict):
         ratios = {"weir": ratios}  # results saved before weir ran in two modes
