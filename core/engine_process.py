@@ -155,9 +155,8 @@ class EngineProcess(Engine):
         self.info: Ready | None = None
         self._proc: multiprocessing.process.BaseProcess | None = None
         self._closing = False
-        self._running = False  # the reply task runs
         self._outbox = bytearray()  # command frames the pipe has not taken yet
-        self._flushing = False
+        self._flush_done: trio.Event | None = None  # set while a task waits for room to write
         self._encode = msgspec.msgpack.Encoder().encode
         self._init_trio_side(0)
 
@@ -214,7 +213,6 @@ class EngineProcess(Engine):
         self._trio_token = trio.lowlevel.current_trio_token()
         os.set_blocking(self._reply.fileno(), False)
         os.set_blocking(self._cmd.fileno(), False)
-        self._running = True
         trio.lowlevel.spawn_system_task(self._read_replies, name="weir-engine-replies")
 
     @property
@@ -222,9 +220,13 @@ class EngineProcess(Engine):
         return (
             self._proc is not None
             and self._proc.is_alive()
-            and self._running
+            and self._replies_running
             and self.error is None
         )
+
+    @property
+    def _replies_running(self) -> bool:
+        return self._trio_token is not None and not self.stopped
 
     def _check(self, req: EngineRequest) -> None:
         check_request(req, self.info.vocab_size, self.info.max_model_len)
@@ -244,7 +246,7 @@ class EngineProcess(Engine):
 
     def _flush(self) -> None:
         """Write what the pipe takes now; if it is full, a task finishes once it drains."""
-        if self._flushing or self._cmd.closed:
+        if self._flush_done is not None or self._cmd.closed:
             return
         try:
             written = os.write(self._cmd.fileno(), self._outbox)
@@ -255,7 +257,7 @@ class EngineProcess(Engine):
             self._outbox.clear()  # the engine is gone; the reply side reports it
             return
         if self._outbox:
-            self._flushing = True
+            self._flush_done = trio.Event()
             trio.lowlevel.spawn_system_task(self._flush_later, name="weir-engine-commands")
 
     async def _flush_later(self) -> None:
@@ -270,7 +272,8 @@ class EngineProcess(Engine):
         except (OSError, trio.ClosedResourceError):
             self._outbox.clear()  # the engine is gone; the reply side reports it
         finally:
-            self._flushing = False
+            done, self._flush_done = self._flush_done, None
+            done.set()
 
     async def _read_replies(self) -> None:
         fd = self._reply.fileno()
@@ -305,18 +308,18 @@ class EngineProcess(Engine):
             log.error("%s", self.error)
             self._fail_all(self.error)
         finally:
-            self._running = False
             self.stopped = True
 
     async def shutdown(self) -> None:
         if self._proc is None:
             return
         self._closing = True
-        if self._running:
+        if self._replies_running:
             self._submit(_SHUTDOWN, None)
-            with trio.move_on_after(5):  # let the pipe take it before the process is joined
-                while self._outbox and self._proc.is_alive():
-                    await trio.sleep(0.01)
+            done = self._flush_done
+            if done is not None:  # the pipe was full: let it take the rest before joining
+                with trio.move_on_after(5):
+                    await done.wait()
         else:
             self._cmd.close()  # never started: end of file tells the engine to leave
         await trio.to_thread.run_sync(self._reap)

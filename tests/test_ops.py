@@ -434,9 +434,11 @@ def test_stream_interval_batches_tokens_per_event(tiny):
             for e in events
             if e["choices"] and e["choices"][0].get("logprobs")
         ]
-        assert sum(per_event) == 21
-        assert per_event[0] == 1  # the first token is never held back
-        assert all(n >= 4 for n in per_event[1:-1]) and len(per_event) <= 7
+        assert sum(per_event) == 21, per_event
+        # The first token wakes the reader at once (a reader that is late may find a second one
+        # merged in, never the four an interval would hold back).
+        assert per_event[0] < 4, per_event
+        assert all(n >= 4 for n in per_event[1:-1]) and len(per_event) <= 7, per_event
         text = "".join(
             e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"]
         )
