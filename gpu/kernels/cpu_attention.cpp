@@ -2,8 +2,11 @@
 //
 // The torch reference gathers every sequence's context into a padded dense tensor per layer and
 // step, then runs SDPA over it: the copy costs more than the attention. This reads each key and
-// value row once, in place, for all the query heads that share its KV head (GQA), with exact
-// softmax (scores for the whole context, then max, exp and sum, then the weighted sum of V).
+// value row once, in place, with exact softmax (scores for the whole context, then max, exp and
+// sum, then the weighted sum of V). K and V are read in chunks of up to 16 consecutive slots (all
+// KV heads, contiguous within a block); a chunk serves every query head that shares its KV head
+// (GQA) and every query row of the work item while it is in L1, four keys per pass over each
+// query or accumulator row, and the next block is prefetched (block tables scatter blocks).
 //
 // Plain C ABI with raw pointers (no torch headers): compiled in about a second by gpu/kernels/
 // cpu_build.py with the host's g++ and -march=native, called through ctypes, which releases the
@@ -14,6 +17,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <algorithm>
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -63,31 +67,46 @@ struct Args {
 
 // Query rows per work item: rows of one tile share each K/V row read while it is in cache.
 constexpr int64_t kRowTile = 16;
+// Keys per chunk: a chunk's K and V rows (one KV head) stay in L1 while every query of the
+// item uses them, and its scores fill one 16-float vector.
+constexpr int64_t kKeys = 16;
 
-// Calls fn(t, row) for each cache slot t in [lo, hi) of one sequence, block by block, with the
-// slot's row of all KV heads as float (in place for float caches, converted for 16-bit ones).
+// Calls fn(first, n, rows) for each chunk of at most kKeys consecutive cache slots in [lo, hi) of
+// one sequence (never crossing a block), with rows pointing at the chunk's first slot (all KV
+// heads, `slot` floats per slot: in place for float caches, converted into buf for 16-bit ones).
 template <typename T, typename Fn>
-inline void for_each_key(const T* cache, const int32_t* table, int64_t bs, int64_t slot,
-                         int64_t lo, int64_t hi, std::vector<float>& buf, Fn&& fn) {
+inline void for_each_chunk(const T* cache, const int32_t* table, int64_t bs, int64_t slot,
+                           int64_t lo, int64_t hi, float* buf, Fn&& fn) {
     for (int64_t b0 = lo - lo % bs; b0 < hi; b0 += bs) {
         const T* block = cache + int64_t(table[b0 / bs]) * bs * slot;
         const int64_t t1 = std::min(hi, b0 + bs);
-        for (int64_t t = std::max(lo, b0); t < t1; ++t) {
-            const T* row = block + (t - b0) * slot;
+        // The next block starts where the prefetcher cannot guess: ask for it now.
+        if (b0 + bs < hi) {
+            const char* next = reinterpret_cast<const char*>(
+                cache + int64_t(table[(b0 + bs) / bs]) * bs * slot);
+            const int64_t bytes = std::min(bs, hi - b0 - bs) * slot * int64_t(sizeof(T));
+            for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(next + o);
+        }
+        for (int64_t t = std::max(lo, b0); t < t1; t += kKeys) {
+            const int64_t n = std::min(kKeys, t1 - t);
+            const T* rows = block + (t - b0) * slot;
             if constexpr (std::is_same_v<T, float>) {
-                fn(t, row);
+                fn(t, n, rows);
             } else {
-                for (int64_t e = 0; e < slot; ++e) buf[e] = to_f32(row[e]);
-                fn(t, buf.data());
+                for (int64_t e = 0; e < n * slot; ++e) buf[e] = to_f32(rows[e]);
+                fn(t, n, static_cast<const float*>(buf));
             }
         }
     }
 }
 
 // DD: the head size when known at compile time (32, 64, 128, 256), else 0 and a.head_dim is used.
+// One item: query rows [row0, row1) of one sequence, all heads. K and V are read chunk by chunk
+// (up to kKeys consecutive slots, all KV heads: contiguous in a block); each chunk serves every
+// query that shares its KV head while it is in L1.
 template <typename T, int64_t DD>
 void run_item(const Args& a, int64_t seq, int64_t row0, int64_t row1, std::vector<float>& scores,
-              std::vector<float>& qbuf, std::vector<float>& acc, std::vector<float>& kvrow) {
+              std::vector<float>& qbuf, std::vector<float>& acc, std::vector<float>& kvbuf) {
     const T* q = static_cast<const T*>(a.query);
     const T* kc = static_cast<const T*>(a.k_cache);
     const T* vc = static_cast<const T*>(a.v_cache);
@@ -108,12 +127,13 @@ void run_item(const Args& a, int64_t seq, int64_t row0, int64_t row1, std::vecto
     if (a.sliding_window > 0) lo_min = std::max<int64_t>(0, first_pos + row0 + 1 - a.sliding_window);
     const int64_t span = hi_max - lo_min;
     const int64_t nrows = row1 - row0;
-    const int64_t rows = nrows * H;  // (row, head) pairs, head-major: i = h * nrows + (r - row0)
+    const int64_t nq = G * nrows;    // queries per KV head
+    const int64_t rows = H * nrows;  // (row, head) pairs, head-major: i = h * nrows + (r - row0)
 
     qbuf.resize(rows * D);
     scores.resize(rows * span);
     acc.assign(rows * D, 0.f);
-    kvrow.resize(slot);
+    kvbuf.resize(kKeys * slot);
     for (int64_t r = 0; r < nrows; ++r)
         for (int64_t h = 0; h < H; ++h) {
             const T* src = q + ((qs + row0 + r) * H + h) * D;
@@ -122,17 +142,33 @@ void run_item(const Args& a, int64_t seq, int64_t row0, int64_t row1, std::vecto
         }
 
     // Pass 1: scores for every key in the tile's range (masked per row below).
-    for_each_key<T>(kc, table, bs, slot, lo_min, hi_max, kvrow, [&](int64_t t, const float* k) {
-        float* st = scores.data() + (t - lo_min);
-        int64_t i = 0;  // (row, head) index, head-major
+    for_each_chunk<T>(kc, table, bs, slot, lo_min, hi_max, kvbuf.data(),
+                      [&](int64_t t, int64_t n, const float* k) {
         for (int64_t g = 0; g < Hkv; ++g) {
-            const float* kh = k + g * D;
-            for (int64_t j = 0; j < G * nrows; ++j, ++i) {
-                const float* qi = qbuf.data() + i * D;
-                float s = 0.f;
+            const float* kg = k + g * D;
+            for (int64_t i = g * nq; i < (g + 1) * nq; ++i) {
+                const float* __restrict qi = qbuf.data() + i * D;
+                float* st = scores.data() + i * span + (t - lo_min);
+                int64_t j = 0;
+                for (; j + 4 <= n; j += 4) {
+                    const float *k0 = kg + j * slot, *k1 = k0 + slot, *k2 = k1 + slot, *k3 = k2 + slot;
+                    float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+                    for (int64_t d = 0; d < D; ++d) {
+                        s0 += qi[d] * k0[d];
+                        s1 += qi[d] * k1[d];
+                        s2 += qi[d] * k2[d];
+                        s3 += qi[d] * k3[d];
+                    }
+                    st[j] = s0, st[j + 1] = s1, st[j + 2] = s2, st[j + 3] = s3;
+                }
+                for (; j < n; ++j) {
+                    const float* kj = kg + j * slot;
+                    float s = 0.f;
 #pragma omp simd reduction(+ : s)
-                for (int64_t d = 0; d < D; ++d) s += qi[d] * kh[d];
-                st[i * span] = s;
+                    for (int64_t d = 0; d < D; ++d) s += qi[d] * kj[d];
+                    st[j] = s;
+                }
             }
         }
     });
@@ -145,6 +181,7 @@ void run_item(const Args& a, int64_t seq, int64_t row0, int64_t row1, std::vecto
         for (int64_t t = lo; t < hi; ++t) m = std::max(m, s[t]);
         float sum = 0.f;
         for (int64_t t = lo_min; t < lo; ++t) s[t] = 0.f;
+#pragma omp simd reduction(+ : sum)
         for (int64_t t = lo; t < hi; ++t) {
             s[t] = std::exp(s[t] - m);
             sum += s[t];
@@ -153,17 +190,28 @@ void run_item(const Args& a, int64_t seq, int64_t row0, int64_t row1, std::vecto
         const float inv = 1.f / sum;
         for (int64_t t = lo; t < hi; ++t) s[t] *= inv;
     }
-    // Pass 2: weighted sum of values.
-    for_each_key<T>(vc, table, bs, slot, lo_min, hi_max, kvrow, [&](int64_t t, const float* v) {
-        const float* pt = scores.data() + (t - lo_min);
-        int64_t i = 0;
+    // Pass 2: weighted sum of values, four keys per update of each accumulator.
+    for_each_chunk<T>(vc, table, bs, slot, lo_min, hi_max, kvbuf.data(),
+                      [&](int64_t t, int64_t n, const float* v) {
         for (int64_t g = 0; g < Hkv; ++g) {
-            const float* vh = v + g * D;
-            for (int64_t j = 0; j < G * nrows; ++j, ++i) {
-                const float p = pt[i * span];
-                float* ai = acc.data() + i * D;
+            const float* vg = v + g * D;
+            for (int64_t i = g * nq; i < (g + 1) * nq; ++i) {
+                const float* p = scores.data() + i * span + (t - lo_min);
+                float* __restrict ai = acc.data() + i * D;
+                int64_t j = 0;
+                for (; j + 4 <= n; j += 4) {
+                    const float p0 = p[j], p1 = p[j + 1], p2 = p[j + 2], p3 = p[j + 3];
+                    const float *v0 = vg + j * slot, *v1 = v0 + slot, *v2 = v1 + slot, *v3 = v2 + slot;
 #pragma omp simd
-                for (int64_t d = 0; d < D; ++d) ai[d] += p * vh[d];
+                    for (int64_t d = 0; d < D; ++d)
+                        ai[d] += p0 * v0[d] + p1 * v1[d] + p2 * v2[d] + p3 * v3[d];
+                }
+                for (; j < n; ++j) {
+                    const float pj = p[j];
+                    const float* vj = vg + j * slot;
+#pragma omp simd
+                    for (int64_t d = 0; d < D; ++d) ai[d] += pj * vj[d];
+                }
             }
         }
     });
@@ -189,11 +237,11 @@ void run(const Args& a) {
     const int64_t n_items = int64_t(items.size());
 #pragma omp parallel num_threads(a.num_threads)
     {
-        std::vector<float> scores, qbuf, acc, kvrow;
+        std::vector<float> scores, qbuf, acc, kvbuf;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < n_items; ++i) {
             const Item& it = items[i];
-            run_item<T, DD>(a, it.seq, it.row0, it.row1, scores, qbuf, acc, kvrow);
+            run_item<T, DD>(a, it.seq, it.row0, it.row1, scores, qbuf, acc, kvbuf);
         }
     }
 }
