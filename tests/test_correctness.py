@@ -141,7 +141,7 @@ def test_cpu_linears_prepacked_match_transformers(arch, model_dir):
     """oneDNN-prepacked linears (what the loader uses on CPU in float32 for weights big enough
     to gain; these tiny models' are not, so pack all of them here) still give transformers'
     greedy tokens and the checkpoint's products."""
-    from gpu.cpu_linear import PackedLinear, pack_linears
+    from gpu.cpu_linear import PackedGatedMLP, PackedLinear, pack_linears
 
     path = model_dir(arch)
     loaded = load(EngineConfig(model=str(path), dtype="float32", device="cpu"))
@@ -149,6 +149,7 @@ def test_cpu_linears_prepacked_match_transformers(arch, model_dir):
     layer = model.model.layers[0]
     assert not isinstance(layer.mlp.down_proj, PackedLinear)  # too small to gain
     assert pack_linears(model, min_elements=0) >= 7 * len(model.model.layers)
+    assert isinstance(layer.mlp, PackedGatedMLP)  # activation, multiply, residual add fused
     for linear in (layer.self_attn.q_proj, layer.self_attn.o_proj, layer.mlp.down_proj):
         assert isinstance(linear, PackedLinear)
     if not model.spec.tie_word_embeddings:  # llama's tiny model: an untied head, packed too
@@ -160,6 +161,32 @@ def test_cpu_linears_prepacked_match_transformers(arch, model_dir):
     prompts = [loaded.tokenizer.encode(p) for p in PROMPTS]
     got, _ = run_all(loaded.core, prompts)
     assert got == reference(arch, path, prompts)
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu", "gelu_pytorch_tanh"])
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_packed_gated_mlp_fuses_activation_multiply_and_residual(act, rows):
+    """The oneDNN post-ops compute exactly the unfused down(act(gate(x)) * up(x)) + residual."""
+    from torch import nn
+
+    from gpu.cpu_linear import PackedGatedMLP
+    from gpu.models.decoder import _ACTIVATIONS
+
+    torch.manual_seed(rows)
+    gate, up, down = (
+        nn.Linear(64, 96, bias=False),
+        nn.Linear(64, 96, bias=False),
+        nn.Linear(96, 64, bias=False),
+    )
+    mlp = PackedGatedMLP(gate, up, down, act)
+    x, residual = torch.randn(rows, 64), torch.randn(rows, 64)
+    with torch.no_grad():
+        want = down(_ACTIVATIONS[act](gate(x)) * up(x))
+        torch.testing.assert_close(mlp(x), want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(mlp(x, residual), want + residual, atol=1e-5, rtol=1e-5)
+        # A residual that is a view of a wider tensor (as a layer's input can be) is read right.
+        wide = torch.randn(rows, 128)
+        torch.testing.assert_close(mlp(x, wide[:, :64]), want + wide[:, :64], atol=1e-5, rtol=1e-5)
 
 
 def model_weight_product(path, x):

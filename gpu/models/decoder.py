@@ -33,6 +33,15 @@ def fuse_linears(parts: list[nn.Linear]) -> nn.Linear:
     return fused
 
 
+def add_product(linear: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """residual + linear(x); a layer that can add as it writes its product (gpu/cpu_linear.py's
+    PackedLinear) does, saving a pass over the output."""
+    binary = getattr(linear, "forward_binary", None)
+    if binary is not None:
+        return binary(x, residual, "add")
+    return residual + linear(x)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -68,7 +77,8 @@ class Attention(nn.Module):
         self.qkv_proj = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
         del self.q_proj, self.k_proj, self.v_proj
 
-    def forward(self, x, cos, sin, kv: tuple[torch.Tensor, torch.Tensor], meta, backend):
+    def forward(self, x, cos, sin, kv: tuple[torch.Tensor, torch.Tensor], meta, backend, residual):
+        """residual + attention(x)."""
         t = x.shape[0]
         if self.qkv_proj is not None:
             q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
@@ -83,7 +93,7 @@ class Attention(nn.Module):
         k_cache, v_cache = kv
         backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         o = backend.forward(q, k_cache, v_cache, meta, self.scale, self.sliding_window)
-        return self.o_proj(o.reshape(t, -1))
+        return add_product(self.o_proj, o.reshape(t, -1), residual)
 
 
 class MLP(nn.Module):
@@ -93,6 +103,7 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(h, m, bias=spec.mlp_bias)
         self.up_proj = nn.Linear(h, m, bias=spec.mlp_bias)
         self.down_proj = nn.Linear(m, h, bias=spec.mlp_bias)
+        self.hidden_act = spec.hidden_act
         self.act = _ACTIVATIONS[spec.hidden_act]
         self.gate_up_proj: nn.Linear | None = None  # set by fuse()
 
@@ -100,12 +111,14 @@ class MLP(nn.Module):
         self.gate_up_proj = fuse_linears([self.gate_proj, self.up_proj])
         del self.gate_proj, self.up_proj
 
-    def forward(self, x):
+    def forward(self, x, residual=None):
+        """mlp(x), plus residual when given."""
         if self.gate_up_proj is not None:
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(self.act(gate) * up)
+        h = self.act(gate) * up
+        return self.down_proj(h) if residual is None else add_product(self.down_proj, h, residual)
 
 
 class DecoderLayer(nn.Module):
@@ -117,8 +130,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
     def forward(self, x, cos, sin, kv, meta, backend):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, meta, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = self.self_attn(self.input_layernorm(x), cos, sin, kv, meta, backend, residual=x)
+        return self.mlp(self.post_attention_layernorm(x), residual=x)
 
 
 class DecoderModel(nn.Module):
