@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from gpu import cpu_linear
+from gpu import cpu_linear, cpu_norm
 from gpu.models.decoder import DecoderForCausalLM
 from gpu.models.rope import Rope
 from gpu.models.spec import ModelSpec
@@ -134,6 +134,9 @@ def load_model(
         # 82 ms, its prefill 14.4 -> 11.2 s (A/B in one process). An untied lm_head too; a tied
         # one stays the embedding's plain weight (packing it would hold the matrix twice).
         cpu_linear.pack_linears(model)
+        # RMSNorm and Q/K norm + rotation in one pass per row: 77M benchmark model, offline
+        # workload A/B in one process: see gpu/cpu_norm.py.
+        cpu_norm.use_kernels(model)
     model.rope = Rope(config, spec.head_dim, device)
     return model.eval()
 

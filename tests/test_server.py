@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import openai
 import pytest
@@ -105,9 +107,19 @@ def test_sampling_with_temperature_runs(client):
     assert r.usage.completion_tokens >= 1
 
 
-def test_disconnect_aborts_and_frees_blocks(live_server):
+def test_disconnect_aborts_and_frees_blocks(live_server, monkeypatch):
     engine = live_server.engine
     total = 256  # the live_server fixture's pool
+    # Steps of at least 5 ms: the tiny model could otherwise finish all 400 tokens (and free its
+    # blocks) before this client has read three events.
+    runner = engine.core.runner
+    execute = runner.execute
+
+    def slow_execute(out):
+        time.sleep(0.005)
+        return execute(out)
+
+    monkeypatch.setattr(runner, "execute", slow_execute)
     aborted_before = aborted(live_server)
     body = {
         "model": "tiny",

@@ -1,8 +1,9 @@
-"""Build and load the CPU attention kernel (cpu_attention.cpp) with the host's C++ compiler.
+"""Build and load the CPU kernels (cpu_attention.cpp, cpu_norm_rope.cpp) with the host's C++
+compiler.
 
-The source has a plain C ABI and no torch headers, so it compiles in about a second. It is built
-once per source, compiler and CPU into weir's cache ($WEIR_CACHE, default ~/.cache/weir) with
--march=native, and loaded with ctypes (whose calls release the GIL).
+The sources have a plain C ABI and no torch headers, so they compile in about a second. They are
+built once per source, compiler and CPU into one library in weir's cache ($WEIR_CACHE, default
+~/.cache/weir) with -march=native, and loaded with ctypes (whose calls release the GIL).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-SOURCE = Path(__file__).with_name("cpu_attention.cpp")
+SOURCES = [Path(__file__).with_name(n) for n in ("cpu_attention.cpp", "cpu_norm_rope.cpp")]
 # -ffast-math lets g++ vectorize exp (glibc's libmvec) and reassociate the dot products; it is
 # given to the compile step only, so the link does not add crtfastmath.o, which would switch
 # denormals to zero for the whole process (torch included). The kernel never forms inf or NaN.
@@ -51,13 +52,13 @@ def library_path(cxx: str) -> Path:
 
     key = hashlib.sha256()
     for part in (
-        SOURCE.read_bytes(),
+        *(src.read_bytes() for src in SOURCES),
         cxx.encode(),
         " ".join(COMPILE + LINK).encode(),
         _cpu_id().encode(),
     ):
         key.update(part)
-    return cache_dir() / "kernels" / f"cpu_attention-{key.hexdigest()[:16]}.so"
+    return cache_dir() / "kernels" / f"cpu_kernels-{key.hexdigest()[:16]}.so"
 
 
 def build() -> Path:
@@ -77,11 +78,10 @@ def build() -> Path:
 def _compile(cxx: str, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-        obj, out = Path(tmp) / "cpu_attention.o", Path(tmp) / path.name
-        for cmd in (
-            [cxx, *COMPILE, "-c", str(SOURCE), "-o", str(obj)],
-            [cxx, *LINK, str(obj), "-o", str(out)],
-        ):
+        objs = [str(Path(tmp) / (src.stem + ".o")) for src in SOURCES]
+        out = Path(tmp) / path.name
+        compiles = [[cxx, *COMPILE, "-c", str(src), "-o", o] for src, o in zip(SOURCES, objs)]
+        for cmd in (*compiles, [cxx, *LINK, *objs, "-o", str(out)]):
             proc = subprocess.run(cmd, capture_output=True, text=True)
             if proc.returncode != 0:
                 raise BuildError(f"{' '.join(cmd)} failed:\n{proc.stderr[-4000:]}")
@@ -102,5 +102,8 @@ def load() -> ctypes.CDLL:
             p, i64 = ctypes.c_void_p, ctypes.c_int64
             fn.argtypes = [p] * 7 + [i64] * 6 + [ctypes.c_float, i64, i64, ctypes.c_int]
             fn.restype = ctypes.c_int
+            fn = lib.weir_rms_norm_rope
+            fn.argtypes = [p, i64, i64, i64, i64, p, ctypes.c_float, p, p, p, i64]
+            fn.restype = None
             _lib = lib
         return _lib

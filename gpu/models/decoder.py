@@ -47,8 +47,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.kernel = None  # gpu/cpu_norm.py's CpuNorm, set by the loader on CPU in float32
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None:
+            return self.kernel.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -72,6 +75,8 @@ class Attention(nn.Module):
         self.sliding_window = spec.sliding_window
         self.qkv_proj: nn.Linear | None = None  # set by fuse()
         self.qkv_sizes = [spec.num_heads * d, spec.num_kv_heads * d, spec.num_kv_heads * d]
+        # Q/K norm and rotation in one pass (gpu/cpu_norm.py), set by the loader on CPU in float32.
+        self.norm_rope = None
 
     def fuse(self) -> None:
         self.qkv_proj = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
@@ -87,9 +92,16 @@ class Attention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.norm_rope is not None:
+            if self.qk_norm:
+                qw, kw, eps = self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
+            else:
+                qw, kw, eps = None, None, 0.0
+            q, k = self.norm_rope(q, qw, eps, cos, sin), self.norm_rope(k, kw, eps, cos, sin)
+        else:
+            if self.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k_cache, v_cache = kv
         backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         o = backend.forward(q, k_cache, v_cache, meta, self.scale, self.sliding_window)

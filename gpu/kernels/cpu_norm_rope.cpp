@@ -1,0 +1,52 @@
+// RMSNorm and rotary embedding for CPUs, in one pass per row, float32.
+//
+// torch runs RMSNorm as five element-wise ops (square, mean, add, rsqrt, two multiplies) and
+// rotary embedding as five more (two slices, negate, concatenate, multiply-add), each a pass over
+// memory; over Qwen3's per-head Q/K norms (tokens x heads rows of head_dim) those short rows cost
+// more than the attention. Here each row is read once, normalized and rotated in registers and
+// written once. Same plain C ABI and build as cpu_attention.cpp.
+//
+// x: rows of `dim` floats, row r at x + (r / heads) * token_stride + (r % heads) * dim (a
+// [tokens, heads, dim] view whose token stride may be wider, as in a fused QKV output); out:
+// contiguous [tokens * heads, dim]. weight: [dim] or null (no norm). cos, sin: [tokens, dim] or
+// null (no rotation); the rotation is the "rotate half" form transformers uses.
+
+#include <cmath>
+#include <cstdint>
+
+extern "C" {
+
+void weir_rms_norm_rope(const float* x, int64_t tokens, int64_t heads, int64_t dim,
+                        int64_t token_stride, const float* weight, float eps, const float* cos,
+                        const float* sin, float* out, int64_t num_threads) {
+    const int64_t rows = tokens * heads, half = dim / 2;
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (rows * dim > 32768)
+    for (int64_t r = 0; r < rows; ++r) {
+        const int64_t t = r / heads;
+        const float* src = x + t * token_stride + (r % heads) * dim;
+        float* dst = out + r * dim;
+        float inv = 1.f;
+        if (weight) {
+            float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+            for (int64_t d = 0; d < dim; ++d) ss += src[d] * src[d];
+            inv = 1.f / std::sqrt(ss / float(dim) + eps);
+        }
+        if (!cos) {
+#pragma omp simd
+            for (int64_t d = 0; d < dim; ++d) dst[d] = weight[d] * (src[d] * inv);
+            continue;
+        }
+        const float* c = cos + t * dim;
+        const float* s = sin + t * dim;
+#pragma omp simd
+        for (int64_t d = 0; d < half; ++d) {
+            float a = src[d] * inv, b = src[d + half] * inv;
+            if (weight) a *= weight[d], b *= weight[d + half];
+            dst[d] = a * c[d] - b * s[d];
+            dst[d + half] = b * c[d + half] + a * s[d + half];
+        }
+    }
+}
+
+}  // extern "C"

@@ -1,0 +1,77 @@
+"""The compiled RMSNorm + rotary kernel (gpu/cpu_norm.py) against the torch ops it replaces."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpu.cpu_norm import CpuNorm, use_kernels
+from gpu.models.decoder import RMSNorm
+from gpu.models.rope import apply_rope
+
+
+@pytest.fixture(scope="module")
+def ops():
+    return CpuNorm()
+
+
+def rope_tables(tokens: int, dim: int):
+    positions = torch.randint(0, 4096, (tokens,))
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
+    freqs = positions[:, None].float() * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+@pytest.mark.parametrize("tokens", [0, 1, 5, 600])
+@pytest.mark.parametrize("dim", [64, 96, 768])
+def test_rms_norm_matches_torch(ops, tokens, dim):
+    torch.manual_seed(dim + tokens)
+    norm = RMSNorm(dim, 1e-6)
+    norm.weight.data = torch.randn(dim)
+    x = torch.randn(tokens, dim) * 3
+    with torch.no_grad():
+        want = norm(x)
+        norm.kernel = ops
+        got = norm(x)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("with_norm", [True, False])
+@pytest.mark.parametrize("tokens,heads,dim", [(1, 4, 64), (37, 12, 64), (300, 2, 128), (3, 1, 32)])
+def test_norm_rope_matches_torch_on_strided_views(ops, with_norm, tokens, heads, dim):
+    """Q as a view of a wider fused QKV output (token stride wider than heads x dim)."""
+    torch.manual_seed(tokens * heads)
+    qkv = torch.randn(tokens, (heads + 2) * dim) * 2
+    q = qkv[:, : heads * dim].view(tokens, heads, dim)
+    cos, sin = rope_tables(tokens, dim)
+    norm = RMSNorm(dim, 1e-6)
+    norm.weight.data = torch.randn(dim)
+    with torch.no_grad():
+        want = apply_rope(norm(q) if with_norm else q, cos, sin)
+        got = ops.norm_rope(q, norm.weight if with_norm else None, 1e-6, cos, sin)
+    assert got.shape == q.shape and got.is_contiguous()
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(q, qkv[:, : heads * dim].view(tokens, heads, dim))  # input untouched
+
+
+def test_rejects_what_it_cannot_run(ops):
+    x = torch.randn(4, 64)
+    with pytest.raises(ValueError, match="float32"):
+        ops.rms_norm(x.double(), torch.ones(64, dtype=torch.double), 1e-6)
+    with pytest.raises(ValueError, match="contiguous"):
+        ops.rms_norm(torch.randn(64, 4).t(), torch.ones(64), 1e-6)
+    cos, sin = rope_tables(4, 64)
+    with pytest.raises(ValueError, match="cos/sin"):
+        ops.norm_rope(x.view(4, 1, 64), None, 0.0, cos.t().contiguous().t(), sin)
+
+
+def test_a_model_whose_kernel_cannot_build_keeps_torch_ops(monkeypatch):
+    from gpu.kernels import cpu_build
+
+    def fail():
+        raise cpu_build.BuildError("no compiler")
+
+    monkeypatch.setattr(cpu_build, "load", fail)
+    norm = RMSNorm(8, 1e-6)
+    assert use_kernels(norm) is False and norm.kernel is None
