@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import time
+import threading
 
 import httpx
 import openai
@@ -110,16 +110,21 @@ def test_sampling_with_temperature_runs(client):
 def test_disconnect_aborts_and_frees_blocks(live_server, monkeypatch):
     engine = live_server.engine
     total = 256  # the live_server fixture's pool
-    # Steps of at least 5 ms: the tiny model could otherwise finish all 400 tokens (and free its
-    # blocks) before this client has read three events.
+    # After a few steps the engine waits (inside its step) until the client has gone: the tiny
+    # model could otherwise finish all 400 tokens, and free its blocks, before this client reads.
     runner = engine.core.runner
     execute = runner.execute
+    client_gone = threading.Event()
+    steps = 0
 
-    def slow_execute(out):
-        time.sleep(0.005)
+    def gated_execute(out):
+        nonlocal steps
+        steps += 1
+        if steps > 4:
+            client_gone.wait(timeout=30)
         return execute(out)
 
-    monkeypatch.setattr(runner, "execute", slow_execute)
+    monkeypatch.setattr(runner, "execute", gated_execute)
     aborted_before = aborted(live_server)
     body = {
         "model": "tiny",
@@ -128,14 +133,17 @@ def test_disconnect_aborts_and_frees_blocks(live_server, monkeypatch):
         "stream": True,
         "ignore_eos": True,
     }
-    with httpx.stream("POST", live_server.url + "/v1/chat/completions", json=body) as r:
-        seen = 0
-        for line in r.iter_lines():
-            if line.startswith("data: ") and '"content"' in line:
-                seen += 1
-            if seen >= 3:
-                break
-        assert engine.last_stats.num_free_blocks < total  # it holds blocks while streaming
+    try:
+        with httpx.stream("POST", live_server.url + "/v1/chat/completions", json=body) as r:
+            seen = 0  # the role chunk (empty content), then at least one with tokens
+            for line in r.iter_lines():
+                if line.startswith("data: ") and '"content"' in line:
+                    seen += 1
+                if seen >= 2:
+                    break  # some of the stream read, the rest not
+            assert engine.last_stats.num_free_blocks < total  # it holds blocks while streaming
+    finally:
+        client_gone.set()
     # Closing the connection cancels the handler; the engine aborts before its next step.
     assert wait_for(lambda: aborted(live_server) > aborted_before)
     assert wait_for(lambda: engine.last_stats.num_free_blocks == total)

@@ -67,8 +67,8 @@ struct Args {
 
 // Query rows per work item: rows of one tile share each K/V row read while it is in cache.
 constexpr int64_t kRowTile = 16;
-// Keys per chunk: a chunk's K and V rows (one KV head) stay in L1 while every query of the
-// item uses them, and its scores fill one 16-float vector.
+// Slots per chunk: a chunk's K (or V) rows, all KV heads, stay in L1 while every query of the
+// item uses them.
 constexpr int64_t kKeys = 16;
 
 // Calls fn(first, n, rows) for each chunk of at most kKeys consecutive cache slots in [lo, hi) of

@@ -9,7 +9,8 @@
 // x: rows of `dim` floats, row r at x + (r / heads) * token_stride + (r % heads) * dim (a
 // [tokens, heads, dim] view whose token stride may be wider, as in a fused QKV output); out:
 // contiguous [tokens * heads, dim]. weight: [dim] or null (no norm). cos, sin: [tokens, dim] or
-// null (no rotation); the rotation is the "rotate half" form transformers uses.
+// null (no rotation); the rotation is the "rotate half" form transformers uses. At least one of
+// weight and cos is given (gpu/cpu_norm.py always passes a weight or a rotation).
 
 #include <cmath>
 #include <cstdint>
