@@ -35,9 +35,9 @@ class OnePerEventChannel(outputs.RequestChannel):
 
 
 def main() -> int:
-    import server.generate
+    import server.submit
 
-    server.generate.RequestChannel = OnePerEventChannel
+    server.submit.RequestChannel = OnePerEventChannel
     from server.cli import main as cli_main
 
     return cli_main()

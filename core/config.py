@@ -27,6 +27,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     chat_template: str | None = None  # a file path or the template itself
     # Sampling defaults: "auto" from the model's generation_config.json, "vllm" none, or a folder.
     generation_config: str = "auto"
+    # Most log-probs (top alternatives) a request may ask for; -1: the whole vocabulary.
+    max_logprobs: int = 20
     check_integrity: bool = False  # assert the block pool invariant after every step (tests)
 
     def validate(self) -> None:
@@ -48,5 +50,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise ValueError("--gpu-memory-utilization must be in (0, 1]")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError("--scheduling-policy must be fcfs or priority")
+        if self.max_logprobs < -1:
+            raise ValueError("--max-logprobs must be -1 (no limit) or at least 0")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("--max-model-len must be at least 2")

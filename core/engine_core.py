@@ -6,6 +6,7 @@ The engine thread drives it (engine.py); tests and offline use can drive it dire
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from typing import Protocol
 
 from tokenizers import Tokenizer
@@ -27,23 +28,44 @@ class ModelRunner(Protocol):
     def execute(self, out: SchedulerOutput) -> StepResult: ...
 
 
-def check_request(req: EngineRequest, vocab_size: int, max_model_len: int) -> int:
-    """Validate a request against the model (vocabulary, context length); return its resolved
-    max_tokens. Raises InvalidParam naming the offending field."""
+def _outside(ids: Iterable[int], vocab: int) -> str | None:
+    """The ids a request names that the model has no row for, said with the vocabulary's size."""
+    bad = sorted({t for t in ids if not 0 <= t < vocab})
+    if not bad:
+        return None
+    shown = ", ".join(str(t) for t in bad[:8]) + (", ..." if len(bad) > 8 else "")
+    what = "token id {} is" if len(bad) == 1 else "token ids {} are"
+    return f"{what.format(shown)} outside the vocabulary (vocab_size={vocab}: ids 0..{vocab - 1})"
+
+
+def check_request(
+    req: EngineRequest, vocab_size: int, max_model_len: int, max_logprobs: int = 20
+) -> int:
+    """Validate a request against the model (vocabulary, context length) and the server's
+    --max-logprobs (-1: up to the vocabulary); return its resolved max_tokens. Raises
+    InvalidParam naming the offending field."""
     n = len(req.prompt_token_ids)
     if n == 0:
         raise InvalidParam("prompt", "the prompt is empty")
     vocab = vocab_size
-    for t in req.prompt_token_ids:
-        if not 0 <= t < vocab:
-            raise InvalidParam("prompt", f"token id {t} is outside the vocabulary (0..{vocab - 1})")
     params = req.sampling_params
-    for t in params.logit_bias:
-        if t >= vocab:
-            raise InvalidParam("logit_bias", f"token id {t} is outside the vocabulary")
-    for t in params.stop_token_ids:
-        if t >= vocab:
-            raise InvalidParam("stop_token_ids", f"token id {t} is outside the vocabulary")
+    for field, ids in (
+        ("prompt", req.prompt_token_ids),
+        ("logit_bias", params.logit_bias),
+        ("stop_token_ids", params.stop_token_ids),
+    ):
+        problem = _outside(ids, vocab)
+        if problem is not None:
+            raise InvalidParam(field, f"{field}: {problem}")
+    limit = vocab if max_logprobs == -1 else min(max_logprobs, vocab)
+    for field in ("logprobs", "prompt_logprobs"):
+        asked = getattr(params, field)
+        if asked is not None and asked > limit:
+            raise InvalidParam(
+                field,
+                f"{field}={asked} is more than this server allows ({limit}; "
+                "the limit is set with --max-logprobs)",
+            )
     room = max_model_len - n
     if room < 1:
         raise InvalidParam(
@@ -85,6 +107,7 @@ class EngineCore:
         check_integrity: bool = False,
         enable_prefix_caching: bool = True,
         scheduling_policy: str = "fcfs",
+        max_logprobs: int = 20,
     ) -> None:
         self.runner = runner
         self.tokenizer = tokenizer
@@ -94,6 +117,7 @@ class EngineCore:
         self.scheduler = Scheduler(self.kv, max_num_seqs, max_num_batched_tokens, scheduling_policy)
         self.requests: dict[str, Request] = {}
         self.check_integrity = check_integrity
+        self.max_logprobs = max_logprobs
         self.num_steps = 0
         self.num_partial_prefills = 0
         self.num_aborted = 0
@@ -111,7 +135,7 @@ class EngineCore:
 
         Reads only settings fixed at start-up, so the Trio thread may call it.
         """
-        return check_request(req, self.runner.vocab_size, self.max_model_len)
+        return check_request(req, self.runner.vocab_size, self.max_model_len, self.max_logprobs)
 
     def add(self, req: EngineRequest) -> None:
         self.num_adds_seen += 1  # counted even if refused: the Trio side counts every send
@@ -199,6 +223,9 @@ class EngineCore:
                 last - first,
                 request.num_prompt_tokens,
                 request.num_output_tokens,
+                last - scheduled,
+                request.max_tokens,
+                request.num_preemptions,
             )
         )
 
@@ -206,6 +233,7 @@ class EngineCore:
         """The increments gathered since the last call, with the current gauges."""
         out = self.stats
         out.num_running, out.num_waiting = len(self.scheduler.running), len(self.scheduler.waiting)
+        out.num_deferred = self.scheduler.num_deferred
         out.kv_usage, out.num_free_blocks = self.kv.usage, self.kv.num_free_blocks
         out.num_adds_seen = self.num_adds_seen
         self.stats = StepStats()

@@ -60,6 +60,8 @@ class Ready(msgspec.Struct, tag="ready", gc=False):
     vocab_size: int
     num_free_blocks: int
     generation_defaults: dict[str, Any]
+    num_blocks: int = 0
+    kv_dtype: str = ""
 
 
 class Step(msgspec.Struct, tag="step", gc=False):
@@ -105,6 +107,8 @@ def _engine_main(config_bytes: bytes, commands, replies, log_level: int) -> None
                 core.runner.vocab_size,
                 core.kv.num_free_blocks,
                 loaded.generation_defaults,
+                core.kv.num_blocks,
+                loaded.kv_dtype,
             )
         )
     )
@@ -229,7 +233,7 @@ class EngineProcess(Engine):
         return self._trio_token is not None and not self.stopped
 
     def _check(self, req: EngineRequest) -> None:
-        check_request(req, self.info.vocab_size, self.info.max_model_len)
+        check_request(req, self.info.vocab_size, self.info.max_model_len, self.config.max_logprobs)
 
     def _submit(self, kind, arg) -> None:
         if kind is _SHUTDOWN:

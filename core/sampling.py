@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import msgspec
 
-MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300
 MAX_STOP_STRINGS = 16
 
@@ -88,8 +87,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, gc=False):
                 )
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
-            if v is not None and not 0 <= v <= MAX_LOGPROBS:
-                raise InvalidParam(name, f"{name} must be between 0 and {MAX_LOGPROBS}")
+            # The upper bound is the server's --max-logprobs (core.engine_core.check_request).
+            if v is not None and v < 0:
+                raise InvalidParam(name, f"{name} must not be negative")
 
 
 class InvalidParam(ValueError):

@@ -110,6 +110,19 @@ class Scheduler:
             return False
         return True
 
+    @property
+    def num_deferred(self) -> int:
+        """Waiting requests held back by _held rather than by a lack of room."""
+        if not self.kv.enable_caching:
+            return 0
+        return sum(
+            1
+            for r in self.waiting
+            if r.leader is not None
+            and r.leader.status not in (Status.FINISHED, Status.PREEMPTED)
+            and r.leader.num_computed_tokens < r.leader.num_prompt_tokens
+        )
+
     def _seq(self, request: Request, num_new: int, table: list[int]) -> ScheduledSeq:
         start = request.num_computed_tokens
         return ScheduledSeq(

@@ -14,11 +14,17 @@ class FinishedStats(msgspec.Struct, array_like=True, gc=False):
     decode: float
     prompt_tokens: int
     generation_tokens: int
+    inference: float = 0.0  # first scheduled to last token: prefill + decode
+    max_tokens: int = 0  # the request's max_tokens, resolved against the context
+    num_preemptions: int = 0
 
 
 class StepStats(msgspec.Struct, gc=False):
     num_running: int = 0
     num_waiting: int = 0
+    # Of those, waiting on something other than room in the batch or the cache (a further
+    # sample of a prompt holds until the first sample's prompt is cached): vLLM's "deferred".
+    num_deferred: int = 0
     kv_usage: float = 0.0
     num_free_blocks: int = 0
     num_adds_seen: int = 0  # requests the engine has taken off its queue, ever

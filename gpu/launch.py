@@ -28,6 +28,7 @@ class Loaded:
     served_names: list[str]
     max_model_len: int
     generation_defaults: dict[str, Any]
+    kv_dtype: str = ""  # the KV cache's element type (the model's dtype)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -115,6 +116,7 @@ def load(config: EngineConfig) -> Loaded:
         check_integrity=config.check_integrity,
         enable_prefix_caching=config.enable_prefix_caching,
         scheduling_policy=config.scheduling_policy,
+        max_logprobs=config.max_logprobs,
     )
     log.info(
         "loaded %s on %s (%s): %d KV blocks of %d tokens, max_model_len %d",
@@ -129,7 +131,13 @@ def load(config: EngineConfig) -> Loaded:
     if defaults:
         log.info("sampling defaults from the generation config: %s", defaults)
     return Loaded(
-        core, tokenizer, path, config.served_model_name or [default_name], max_model_len, defaults
+        core,
+        tokenizer,
+        path,
+        config.served_model_name or [default_name],
+        max_model_len,
+        defaults,
+        str(dtype).removeprefix("torch."),
     )
 
 

@@ -20,14 +20,16 @@ from werkzeug.exceptions import HTTPException
 from core.config import EngineConfig
 from core.engine import Engine
 from core.engine_process import EngineProcess
+from core.stats import StepStats
 from server.chat import load_template
 from server.errors import APIError, error_response
 from server.generate import bp as generate_bp
 from server.logprobs import TokenText
-from server.metrics import Metrics
+from server.metrics import CacheInfo, Metrics
 from server.options import ServerOptions
 from server.routes import bp
 from server.state import ServerState
+from server.stats_log import StatsLog
 
 log = logging.getLogger("weir.server")
 
@@ -148,8 +150,34 @@ async def _load_engine(app: QuartTrio, st: ServerState) -> None:
         else:
             loaded = await trio.to_thread.run_sync(_load, st.config)
             engine = Engine(loaded.core)
-        metrics = Metrics(st.options.metrics_prefix, loaded.served_names[0], loaded.max_model_len)
+            loaded = _Frontend(
+                loaded.tokenizer,
+                loaded.served_names,
+                loaded.max_model_len,
+                loaded.generation_defaults,
+                loaded.core.kv.num_blocks,
+                loaded.kv_dtype,
+            )
+        cache = CacheInfo(
+            st.config.block_size,
+            loaded.num_blocks,
+            st.config.enable_prefix_caching,
+            loaded.kv_dtype,
+            st.config.gpu_memory_utilization,
+        )
+        metrics = Metrics(
+            st.options.metrics_prefix, loaded.served_names[0], loaded.max_model_len, cache
+        )
         engine.on_stats = metrics.publish
+        if st.options.log_stats:
+            stats_log = StatsLog()
+
+            def on_stats(s: StepStats) -> None:
+                metrics.publish(s)
+                stats_log.observe(s)
+
+            engine.on_stats = on_stats
+            app.nursery.start_soon(stats_log.run, st.options.stats_interval)
 
         def died(message: str) -> None:
             log.error("%s", message)
@@ -188,6 +216,8 @@ class _Frontend(NamedTuple):
     served_names: list[str]
     max_model_len: int
     generation_defaults: dict[str, Any]
+    num_blocks: int
+    kv_dtype: str
 
 
 def _launch(engine: EngineProcess) -> _Frontend:
@@ -201,6 +231,8 @@ def _launch(engine: EngineProcess) -> _Frontend:
         info.served_names,
         info.max_model_len,
         info.generation_defaults,
+        info.num_blocks,
+        info.kv_dtype,
     )
 
 

@@ -10,6 +10,7 @@ import sys
 import trio
 
 from core.config import EngineConfig
+from server import vllm_flags
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -22,6 +23,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="local Hugging Face directory or hub id (default: the built-in tiny model)",
     )
+    s.add_argument(
+        "--model",
+        dest="model_flag",
+        default=None,
+        help="the model, as vLLM's --model (same as the positional MODEL)",
+    )
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument(
@@ -31,9 +38,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="name(s) clients use for the model (default: the MODEL argument)",
     )
     s.add_argument("--revision", default=None, help="hub revision")
-    s.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    s.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16", "half", "float"],
+        help="auto: the checkpoint's; half and float are vLLM's names for float16 and float32",
+    )
     s.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    s.add_argument("--max-model-len", type=int, default=None)
+    s.add_argument(
+        "--max-model-len",
+        type=human_int,
+        default=None,
+        help="context length; as in vLLM also 8k (8,000), 8K (8,192), 1.5m, 1M",
+    )
     s.add_argument("--max-num-seqs", type=int, default=256)
     s.add_argument("--max-num-batched-tokens", type=int, default=2048)
     s.add_argument("--block-size", type=int, default=16)
@@ -89,6 +106,19 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="request defaults: auto (the model's generation_config.json), vllm (none) "
         "or a folder holding a generation_config.json",
+    )
+    s.add_argument(
+        "--max-logprobs",
+        type=int,
+        default=20,
+        help="most log-probs a request may ask for (logprobs, top_logprobs, prompt_logprobs); "
+        "-1: the whole vocabulary",
+    )
+    s.add_argument(
+        "--return-tokens-as-token-ids",
+        action="store_true",
+        help="write log-prob tokens as token_id:N (a request's return_tokens_as_token_ids "
+        "overrides it)",
     )
     s.add_argument(
         "--max-body-bytes",
@@ -168,13 +198,39 @@ def build_parser() -> argparse.ArgumentParser:
         "--disable-log-requests", action="store_true", help="no log line per finished request"
     )
     o.add_argument(
+        "--disable-log-stats",
+        action="store_true",
+        help="no periodic stats line (throughput, queue, KV cache) in the log",
+    )
+    o.add_argument(
+        "--stats-interval",
+        type=float,
+        default=10.0,
+        help="seconds between stats lines while the engine has work",
+    )
+    o.add_argument(
         "--exit-on-engine-error",
         action=argparse.BooleanOptionalAction,
         default=True,
         help="exit non-zero when the engine dies (default), or stay up, unhealthy",
     )
     s.add_argument("--log-level", default="info")
+    vllm_flags.add_arguments(s)
     return parser
+
+
+def human_int(value: str) -> int:
+    """An integer, or vLLM's readable form: k/m/g thousands, K/M/G powers of 1,024 (8k, 1.5M)."""
+    scales = {"k": 10**3, "m": 10**6, "g": 10**9, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    text = value.strip()
+    try:
+        if text and text[-1] in scales:
+            return int(float(text[:-1]) * scales[text[-1]])
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is not a number of tokens (e.g. 4096, 8k, 32K)"
+        ) from None
 
 
 def cpu_threads(value: str) -> int:
@@ -195,12 +251,23 @@ def cpu_threads(value: str) -> int:
     return n
 
 
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}
+
+
+def model_arg(args: argparse.Namespace) -> str | None:
+    if args.model and args.model_flag and args.model != args.model_flag:
+        raise SystemExit(
+            f"weir: the model is given twice ({args.model!r} and --model {args.model_flag!r})"
+        )
+    return args.model or args.model_flag
+
+
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
-        model=args.model,
+        model=model_arg(args),
         served_model_name=args.served_model_name,
         revision=args.revision,
-        dtype=args.dtype,
+        dtype=DTYPE_ALIASES.get(args.dtype, args.dtype),
         device=args.device,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
@@ -217,6 +284,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         seed=args.seed,
         chat_template=args.chat_template,
         generation_config=args.generation_config,
+        max_logprobs=args.max_logprobs,
     )
 
 
@@ -238,6 +306,9 @@ def options_from_args(args: argparse.Namespace):
         stream_interval=args.stream_interval,
         metrics_prefix=args.metrics_prefix,
         log_requests=not args.disable_log_requests,
+        log_stats=not args.disable_log_stats,
+        stats_interval=args.stats_interval,
+        return_tokens_as_token_ids=args.return_tokens_as_token_ids,
         exit_on_engine_error=args.exit_on_engine_error,
         engine_process=args.engine_process,
     )
@@ -251,11 +322,14 @@ def main(argv: list[str] | None = None) -> int:
     config = config_from_args(args)
     options = options_from_args(args)
     try:
+        notes = vllm_flags.check(args)
         config.validate()
         options.validate()
     except ValueError as e:
         print(f"weir: {e}", file=sys.stderr)
         return 2
+    for note in notes:
+        logging.getLogger("weir.server").info("%s", note)
     from server.app import create_app, serve
 
     app = create_app(config, options)

@@ -61,42 +61,76 @@ class TokenText:
         return hit
 
 
-def chat_logprobs(entries: list[Logprob], text_of: TokenText) -> ChatLogprobs:
+# JSON has no -inf (a token logit_bias banned has that log-prob): vLLM's floor instead.
+LOGPROB_FLOOR = -9999.0
+
+
+def _lp(value: float) -> float:
+    return value if value > LOGPROB_FLOOR else LOGPROB_FLOOR
+
+
+def token_name(token_id: int, text: str, as_ids: bool) -> str:
+    """A log-prob entry's token: its text, or "token_id:N" (--return-tokens-as-token-ids), which
+    a client can map back even when the token is only part of a UTF-8 character."""
+    return f"token_id:{token_id}" if as_ids else text
+
+
+def chat_logprobs(entries: list[Logprob], text_of: TokenText, as_ids: bool = False) -> ChatLogprobs:
     content = []
     for e in entries:
         token, data = text_of(e.token_id)
         top = []
         for tid, lp in zip(e.top_ids, e.top_logprobs):
             t, b = text_of(tid)
-            top.append(TopLogprob(t, lp, b))
-        content.append(TokenLogprob(token, e.logprob, data, top))
+            top.append(TopLogprob(token_name(tid, t, as_ids), _lp(lp), b))
+        content.append(
+            TokenLogprob(token_name(e.token_id, token, as_ids), _lp(e.logprob), data, top)
+        )
     return ChatLogprobs(content)
 
 
 class CompletionLogprobsBuilder:
-    """Accumulates completions-style log-probs across streamed deltas; offsets keep counting."""
+    """Accumulates completions-style log-probs across streamed deltas; offsets keep counting
+    (in characters of the text, also when tokens are written as token ids).
 
-    def __init__(self, text_of: TokenText, offset: int = 0) -> None:
+    Each position's `top_logprobs` holds the chosen token first, then the top alternatives, as
+    vLLM does: `logprobs: N` gives N or N + 1 entries, and `logprobs: 0` the chosen one alone.
+    The keys are token texts, and two tokens can share one (pieces of a character both read
+    "\ufffd"): the later one is then keyed "token_id:N" rather than lost, as vLLM loses it."""
+
+    def __init__(self, text_of: TokenText, as_ids: bool = False, offset: int = 0) -> None:
         self.text_of = text_of
+        self.as_ids = as_ids
         self.offset = offset
 
     def build(self, entries: list[Logprob | None], token_ids: list[int]) -> CompletionLogprobs:
         out = CompletionLogprobs([], [], [], [])
+        name = self.name
         for tid, e in zip(token_ids, entries):
-            token, _ = self.text_of(tid)
-            out.tokens.append(token)
+            text = self.text_of(tid)[0]
+            out.tokens.append(name(tid))
             out.text_offset.append(self.offset)
-            self.offset += len(token)
+            self.offset += len(text)
             if e is None:  # the first prompt token has no log-prob
                 out.token_logprobs.append(None)
                 out.top_logprobs.append(None)
                 continue
-            out.token_logprobs.append(e.logprob)
-            top = {}
-            for t, lp in zip(e.top_ids, e.top_logprobs):
-                top.setdefault(self.text_of(t)[0], lp)
+            out.token_logprobs.append(_lp(e.logprob))
+            top: dict[str, float] = {}
+            seen = set()
+            for t, lp in zip([tid, *e.top_ids], [e.logprob, *e.top_logprobs]):
+                if t in seen:
+                    continue
+                seen.add(t)
+                key = name(t)
+                if key in top:  # two tokens with one text (e.g. halves of a character): by id
+                    key = f"token_id:{t}"
+                top[key] = _lp(lp)
             out.top_logprobs.append(top)
         return out
+
+    def name(self, token_id: int) -> str:
+        return token_name(token_id, self.text_of(token_id)[0], self.as_ids)
 
 
 def prompt_logprobs(entries: list[Logprob | None], text_of: TokenText) -> PromptLogprobs:
@@ -105,8 +139,8 @@ def prompt_logprobs(entries: list[Logprob | None], text_of: TokenText) -> Prompt
         if e is None:
             out.append(None)
             continue
-        d = {str(e.token_id): PromptLogprob(e.logprob, text_of(e.token_id)[0])}
+        d = {str(e.token_id): PromptLogprob(_lp(e.logprob), text_of(e.token_id)[0])}
         for tid, lp in zip(e.top_ids, e.top_logprobs):
-            d.setdefault(str(tid), PromptLogprob(lp, text_of(tid)[0]))
+            d.setdefault(str(tid), PromptLogprob(_lp(lp), text_of(tid)[0]))
         out.append(d)
     return out

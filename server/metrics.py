@@ -4,6 +4,8 @@ on the Trio thread from the engine's StepStats."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from core.stats import StepStats
@@ -90,8 +92,24 @@ def token_buckets(max_len: int) -> list[float]:
         base *= 10
 
 
+PREEMPTION_BUCKETS = [0, 1, 2, 3, 4, 5, 10, 20]
+N_BUCKETS = [1, 2, 5, 10, 20]
+
+
+class CacheInfo(NamedTuple):
+    """cache_config_info's labels (vLLM names them after its CacheConfig fields)."""
+
+    block_size: int
+    num_gpu_blocks: int  # KV blocks, on whichever device the model runs
+    enable_prefix_caching: bool
+    cache_dtype: str
+    gpu_memory_utilization: float
+
+
 class Metrics:
-    def __init__(self, prefix: str, model_name: str, max_model_len: int) -> None:
+    def __init__(
+        self, prefix: str, model_name: str, max_model_len: int, cache: CacheInfo | None = None
+    ) -> None:
         self.registry = CollectorRegistry()
         p = f"{prefix}:"
         labels = ["model_name"]
@@ -111,6 +129,28 @@ class Metrics:
         tokens = token_buckets(max_model_len)
         self.running = gauge("num_requests_running", "Requests in model execution batches.")
         self.waiting = gauge("num_requests_waiting", "Requests waiting to be processed.")
+        by_reason = Gauge(
+            p + "num_requests_waiting_by_reason",
+            "Requests waiting, by why: capacity (no room in the batch or the KV cache yet) or "
+            "deferred (held for another reason: a further sample of a prompt waits for the "
+            "first sample's prompt to be cached).",
+            labels + ["reason"],
+            registry=reg,
+        )
+        self.waiting_capacity = by_reason.labels(model_name, "capacity")
+        self.waiting_deferred = by_reason.labels(model_name, "deferred")
+        self._rejections = counter(
+            "admission_rejections",
+            "Requests refused at admission because --max-waiting-requests were already waiting.",
+        )
+        if cache is not None:
+            info = Gauge(
+                p + "cache_config_info",
+                "Information of the cache config (labels; the value is 1).",
+                list(CacheInfo._fields),
+                registry=reg,
+            )
+            info.labels(*(str(v) for v in cache)).set(1)
         self.kv_usage = gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent.")
         self.prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter(
@@ -156,6 +196,20 @@ class Metrics:
         self.req_generation = hist(
             "request_generation_tokens", "Number of generation tokens processed.", tokens
         )
+        self.params_n = hist("request_params_n", "Histogram of the n request parameter.", N_BUCKETS)
+        self.params_max_tokens = hist(
+            "request_params_max_tokens", "Histogram of the max_tokens request parameter.", tokens
+        )
+        self.inference = hist(
+            "request_inference_time_seconds",
+            "Histogram of time spent in RUNNING phase for request.",
+            REQUEST_BUCKETS,
+        )
+        self.req_preemptions = hist(
+            "request_num_preemptions",
+            "Histogram of the number of preemptions per finished request.",
+            PREEMPTION_BUCKETS,
+        )
         self.iteration = hist(
             "iteration_tokens_total",
             "Histogram of number of tokens per engine_step.",
@@ -165,6 +219,8 @@ class Metrics:
     def publish(self, s: StepStats) -> None:
         self.running.set(s.num_running)
         self.waiting.set(s.num_waiting)
+        self.waiting_capacity.set(s.num_waiting - s.num_deferred)
+        self.waiting_deferred.set(s.num_deferred)
         self.kv_usage.set(s.kv_usage)
         for counter, value in (
             (self.prompt_tokens, s.prompt_tokens),
@@ -189,6 +245,17 @@ class Metrics:
             self.decode.observe(f.decode)
             self.req_prompt.observe(f.prompt_tokens)
             self.req_generation.observe(f.generation_tokens)
+            self.inference.observe(f.inference)
+            self.params_max_tokens.observe(f.max_tokens)
+            self.req_preemptions.observe(f.num_preemptions)
+
+    def admission_rejected(self) -> None:
+        self._rejections.inc()
+
+    def request_params_n(self, n: int, prompts: int = 1) -> None:
+        """Once per prompt of a finished HTTP request (vLLM counts each prompt as a request)."""
+        for _ in range(prompts):
+            self.params_n.observe(n)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

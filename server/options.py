@@ -20,6 +20,9 @@ class ServerOptions(msgspec.Struct, kw_only=True):
     stream_interval: int = 1  # tokens per SSE event at most waited for (first and last: at once)
     metrics_prefix: str = "weir"
     log_requests: bool = True
+    log_stats: bool = True  # a throughput/queue line every stats_interval seconds while busy
+    stats_interval: float = 10.0
+    return_tokens_as_token_ids: bool = False  # default of the request field of that name
     exit_on_engine_error: bool = True
     # The engine core in a child process (its own interpreter lock), or on a thread (False).
     engine_process: bool = True
@@ -29,7 +32,13 @@ class ServerOptions(msgspec.Struct, kw_only=True):
             raise ValueError("--shed-status must be 429 or 503")
         if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
             raise ValueError("--max-waiting-requests must not be negative")
-        for name in ("request_timeout", "drain_timeout", "keep_alive_timeout", "tcp_user_timeout"):
+        for name in (
+            "request_timeout",
+            "drain_timeout",
+            "keep_alive_timeout",
+            "tcp_user_timeout",
+            "stats_interval",
+        ):
             v = getattr(self, name)
             if v is not None and v <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive")

@@ -4,12 +4,12 @@ are accepted and ignored."""
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 import msgspec
 from msgspec import Meta
 
-from core.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS
+from core.sampling import MAX_LOGIT_BIAS
 
 MAX_N = 64  # parallel samples per prompt
 MAX_TOKENS_BOUND = 1 << 20
@@ -18,7 +18,8 @@ PositiveInt = Annotated[int, Meta(ge=1, le=MAX_TOKENS_BOUND)]
 Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
 TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
-LogprobCount = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)]
+# The upper bound is the server's --max-logprobs, checked per request (server/params.py).
+LogprobCount = Annotated[int, Meta(ge=0)]
 
 
 class StreamOptions(msgspec.Struct):
@@ -32,7 +33,9 @@ class ContentPart(msgspec.Struct):
 
 
 class ChatMessage(msgspec.Struct):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # Any role reaches the chat template, as vLLM passes custom roles; the known ones (system,
+    # developer, user, assistant, tool) keep their meaning there and in continue_final_message.
+    role: Annotated[str, Meta(min_length=1)]
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
@@ -72,6 +75,8 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     user: str | None = None
     priority: int = 0  # lower first; needs --scheduling-policy priority
     cache_salt: str | None = None  # share cached prefixes only with requests of the same salt
+    # Log-prob tokens as "token_id:N" (None: the server's --return-tokens-as-token-ids).
+    return_tokens_as_token_ids: bool | None = None
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):
@@ -104,6 +109,7 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
     return_token_strs: bool = False
 
 
@@ -217,7 +223,9 @@ class CompletionResponse(msgspec.Struct):
     usage: Usage | None = None
 
 
-class TokenizeResponse(msgspec.Struct, omit_defaults=True):
+class TokenizeResponse(msgspec.Struct):
+    """vLLM's keys: `token_strs` is always present, null unless asked for."""
+
     count: int
     max_model_len: int
     tokens: list[int]

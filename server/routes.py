@@ -8,7 +8,7 @@ from quart import Blueprint, Response
 
 from server import chat
 from server.errors import APIError, error_response
-from server.generate import decode, json_response, state
+from server.wire import decode, json_response, state
 from server.openapi import DOCS_HTML, openapi_document
 from server.protocol import (
     DetokenizeRequest,
@@ -78,6 +78,7 @@ async def tokenize() -> Response:
             req.add_generation_prompt and not req.continue_final_message,
             req.continue_final_message,
             req.chat_template_kwargs,
+            req.tools,
         )
     else:
         ids = st.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
@@ -92,9 +93,14 @@ async def detokenize() -> Response:
     st.ready_engine()
     st.model_name(req.model)
     vocab = len(st.tokenizer)
-    bad = next((t for t in req.tokens if t >= vocab), None)
-    if bad is not None:
-        raise APIError(400, f"token id {bad} is outside the vocabulary (0..{vocab - 1})", "tokens")
+    bad = sorted({t for t in req.tokens if t >= vocab})
+    if bad:
+        raise APIError(
+            400,
+            f"tokens: token ids {bad[:8]} are outside the vocabulary "
+            f"(vocab_size={vocab}: ids 0..{vocab - 1})",
+            "tokens",
+        )
     return json_response(DetokenizeResponse(st.tokenizer.decode(req.tokens)))
 
 

@@ -158,6 +158,28 @@ def wait_for(predicate, timeout: float = 30.0, interval: float = 0.01) -> bool:
     return predicate()
 
 
+def tiny_config(model_dir, **kw) -> EngineConfig:
+    """The tiny Qwen3 served as "tiny" with the block-pool invariant checked after every step."""
+    kw = {
+        "served_model_name": ["tiny"],
+        "max_model_len": 512,
+        "num_kv_blocks": 256,
+        "check_integrity": True,
+        **kw,
+    }
+    return EngineConfig(model=str(model_dir("qwen3")), **kw)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    """The OpenAI SDK pointed at the module's `server` fixture."""
+    import openai
+
+    c = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    yield c
+    c.close()
+
+
 @pytest.fixture(scope="module")
 def live_server(model_dir):
     server = LiveServer(

@@ -8,12 +8,11 @@ import math
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
-import openai
 import pytest
 import torch
 
 from core.config import EngineConfig
-from tests.conftest import LiveServer
+from tests.conftest import LiveServer, tiny_config
 
 USER = [{"role": "user", "content": "Tell me about the river café 🌊 and the stone bridge"}]
 
@@ -21,24 +20,11 @@ USER = [{"role": "user", "content": "Tell me about the river café 🌊 and the 
 @pytest.fixture(scope="module")
 def server(model_dir):
     s = LiveServer(
-        EngineConfig(
-            model=str(model_dir("qwen3")),
-            served_model_name=["tiny"],
-            max_model_len=512,
-            num_kv_blocks=256,
-            check_integrity=True,
-        ),
+        tiny_config(model_dir),
         engine_process=True,  # the product default: every API case crosses the process boundary
     ).start()
     yield s
     s.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    c = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-    yield c
-    c.close()
 
 
 @pytest.fixture(scope="module")
@@ -467,7 +453,8 @@ BAD = [  # (route, body, status, param)
     ("chat", {"messages": []}, 400, "messages"),
     ("chat", {"messages": "hi"}, 400, "messages"),
     ("chat", {"messages": [{"content": "x"}]}, 400, "messages[0].role"),
-    ("chat", {"messages": [{"role": "robot", "content": "x"}]}, 400, "messages[0].role"),
+    ("chat", {"messages": [{"role": "", "content": "x"}]}, 400, "messages[0].role"),
+    ("chat", {"messages": [{"role": 5, "content": "x"}]}, 400, "messages[0].role"),
     ("chat", {"messages": [{"role": "user", "content": 3}]}, 400, "messages[0].content"),
     ("chat", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "messages"),
     ("chat", {"messages": M, "model": "gpt-9"}, 404, "model"),

@@ -1,0 +1,129 @@
+"""Request fields into SamplingParams, and the checks every generation route shares: defaults
+from the model's generation config, logit_bias keys, --max-logprobs, stream options."""
+
+from __future__ import annotations
+
+from core.sampling import InvalidParam, SamplingParams
+from server.errors import APIError
+from server.protocol import ChatCompletionRequest, SamplingFields
+from server.state import ServerState
+
+# Request fields that fall back to the model's generation config, then to these defaults.
+SAMPLING_DEFAULTS = {
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": 0,
+    "min_p": 0.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "repetition_penalty": 1.0,
+}
+
+
+def sampling_params(
+    st: ServerState,
+    req: SamplingFields,
+    max_tokens: int | None,
+    prompt_len: int,
+    logprobs: int | None,
+) -> SamplingParams:
+    defaults = st.generation_defaults
+    values = {
+        name: getattr(req, name) if getattr(req, name) is not None else defaults.get(name, default)
+        for name, default in SAMPLING_DEFAULTS.items()
+    }
+    if max_tokens is None and "max_tokens" in defaults:
+        room = st.max_model_len - prompt_len
+        max_tokens = min(defaults["max_tokens"], room) if room >= 1 else None
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    bias: dict[int, float] = {}
+    bad_keys = []
+    for key, value in (req.logit_bias or {}).items():
+        try:
+            bias[int(key)] = value
+        except ValueError:
+            bad_keys.append(key)
+    if bad_keys:
+        raise APIError(
+            400,
+            "logit_bias keys must be token ids (integers as strings); not token ids: "
+            + ", ".join(repr(k) for k in bad_keys),
+            "logit_bias",
+            "invalid_value",
+        )
+    check_logprobs(st, logprobs_field(req), logprobs)
+    check_logprobs(st, "prompt_logprobs", req.prompt_logprobs)
+    params = SamplingParams(
+        temperature=values["temperature"],
+        top_p=values["top_p"],
+        top_k=values["top_k"] or 0,
+        min_p=values["min_p"],
+        presence_penalty=values["presence_penalty"],
+        frequency_penalty=values["frequency_penalty"],
+        repetition_penalty=values["repetition_penalty"],
+        max_tokens=max_tokens,
+        min_tokens=req.min_tokens,
+        stop=stop,
+        include_stop_str_in_output=req.include_stop_str_in_output,
+        stop_token_ids=list(req.stop_token_ids or []),
+        ignore_eos=req.ignore_eos,
+        seed=req.seed,
+        logit_bias=bias,
+        logprobs=logprobs,
+        prompt_logprobs=req.prompt_logprobs,
+        skip_special_tokens=req.skip_special_tokens,
+        spaces_between_special_tokens=req.spaces_between_special_tokens,
+    )
+    try:
+        params.validate()
+    except InvalidParam as e:
+        raise APIError(400, e.message, e.param, "invalid_value") from None
+    return params
+
+
+def logprobs_field(req: SamplingFields) -> str:
+    return "top_logprobs" if isinstance(req, ChatCompletionRequest) else "logprobs"
+
+
+def check_logprobs(st: ServerState, field: str, asked: int | None) -> None:
+    """--max-logprobs, checked here to name the request's own field (chat's top_logprobs);
+    the engine checks it again for offline use."""
+    limit = st.config.max_logprobs
+    if asked is not None and limit != -1 and asked > limit:
+        raise APIError(
+            400,
+            f"{field}={asked} is more than this server allows ({limit}; the limit is set "
+            "with --max-logprobs)",
+            field,
+            "invalid_value",
+        )
+
+
+def tokens_as_ids(st: ServerState, req: SamplingFields) -> bool:
+    given = req.return_tokens_as_token_ids
+    return st.options.return_tokens_as_token_ids if given is None else given
+
+
+def check_common(st: ServerState, req: SamplingFields) -> None:
+    if req.priority != 0 and st.config.scheduling_policy != "priority":
+        raise APIError(
+            400,
+            f"priority {req.priority} needs the server to run with --scheduling-policy priority",
+            "priority",
+            "invalid_value",
+        )
+    if req.stream_options is not None and not req.stream:
+        raise APIError(
+            400,
+            "stream_options is only allowed when stream is true",
+            "stream_options",
+            "invalid_value",
+        )
+
+
+def include_usage(req: SamplingFields) -> tuple[bool, bool]:
+    """(a final usage chunk, usage on every chunk): continuous_usage_stats counts only together
+    with include_usage, as in vLLM."""
+    opts = req.stream_options
+    final = bool(opts and opts.include_usage)
+    return final, final and bool(opts and opts.continuous_usage_stats)
