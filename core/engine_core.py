@@ -17,6 +17,7 @@ from core.request import EngineRequest, Logprob, Request, RequestOutput, StepRes
 from core.sampling import InvalidParam
 from core.scheduler import Scheduler, SchedulerOutput
 from core.stats import FinishedStats, StepStats
+from core.structured import Grammars
 
 
 class ModelRunner(Protocol):
@@ -125,6 +126,8 @@ class EngineCore:
         self.stats = StepStats()  # increments since the last take_stats()
         self.num_adds_seen = 0
         self._seq_no = 0
+        self._grammars: Grammars | None = None  # built with the first constrained request
+        self._compiling: dict[str, Request] = {}  # requests whose grammar is not ready yet
 
     @property
     def has_work(self) -> bool:
@@ -150,13 +153,56 @@ class EngineCore:
         self._seq_no += 1
         leader = self.requests.get(req.leader_id) if req.leader_id is not None else None
         request = Request(req, max_tokens, detok, self._seq_no, leader)
+        constraint = req.sampling_params.structured
+        if constraint is not None:
+            request.grammar_future = self.grammars.start(constraint)
+            self._compiling[request.request_id] = request
         self.requests[request.request_id] = request
         self.scheduler.add(request)
+
+    @property
+    def grammars(self) -> Grammars:
+        """The structured-outputs compiler, shared with the runner (which fills the masks)."""
+        if self._grammars is None:
+            if self.tokenizer is None or not self.eos_token_ids:
+                raise InvalidParam(
+                    "response_format", "structured outputs need the model's tokenizer and EOS"
+                )
+            self._grammars = Grammars(
+                self.tokenizer.to_str(), self.runner.vocab_size, sorted(self.eos_token_ids)
+            )
+            self.runner.grammars = self._grammars
+        return self._grammars
+
+    def _take_compiled(self) -> list[RequestOutput]:
+        """Requests whose grammar finished compiling become schedulable; a failed compile ends
+        its request with an error (the server checks constraints first, so this is rare)."""
+        self._grammars.done.clear()  # before looking: a compile finishing now sets it again
+        failed = []
+        for rid, request in list(self._compiling.items()):
+            future = request.grammar_future
+            if not future.done():
+                continue
+            del self._compiling[rid]
+            request.grammar_future = None
+            try:
+                request.grammar = future.result()
+            except Exception as e:  # noqa: BLE001 - the request's own problem, not the engine's
+                self.scheduler.remove(request)
+                del self.requests[rid]
+                self._finished(request, "error", time.monotonic())
+                out = self._output(request, [], "", "error")
+                out.error = f"the structured output constraint did not compile: {e}"
+                failed.append(out)
+        return failed
 
     def abort(self, request_id: str) -> RequestOutput | None:
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
+        if self._compiling.pop(request_id, None) is not None:
+            request.grammar_future.cancel()
+            request.grammar_future = None
         self.scheduler.remove(request)
         self.num_aborted += 1
         self._finished(request, "abort", time.monotonic())
@@ -255,6 +301,13 @@ class EngineCore:
         detok = request.detokenizer
         text = detok.step(token_id) if detok else ""
         reason = self._stop_reason(request, token_id)
+        error = None
+        if request.grammar is not None:
+            matcher = request.grammar
+            if not matcher.consume_token(token_id):
+                reason, error = "error", f"structured output: {matcher.get_error()}"
+            elif matcher.is_stopped():
+                reason = "stop"  # the grammar is complete: nothing more may follow
         if reason is not None and detok:
             text += detok.flush()  # the request ends: release bytes held for an unfinished char
         if request.stop is not None:
@@ -267,11 +320,14 @@ class EngineCore:
             self.scheduler.remove(request)
             del self.requests[request.request_id]
             self._finished(request, reason, now)
-        return self._output(
+        out = self._output(
             request, [token_id], text, reason, [logprob] if logprob is not None else None
         )
+        out.error = error
+        return out
 
     def step(self) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = self._take_compiled() if self._compiling else []
         preemptions_before = self.scheduler.num_preemptions
         queried, hits = self.kv.num_queried_tokens, self.kv.num_hit_tokens
         out = self.scheduler.schedule()
@@ -280,7 +336,11 @@ class EngineCore:
         stats.prefix_queries += self.kv.num_queried_tokens - queried
         stats.prefix_hits += self.kv.num_hit_tokens - hits
         if not out.seqs:
-            return []
+            if self._compiling and not outputs:
+                # Only compiles are pending: wait briefly for one instead of spinning (the
+                # caller takes new commands between steps).
+                self._grammars.done.wait(0.01)
+            return outputs
         now = time.monotonic()
         for seq in out.seqs:
             if seq.request.first_scheduled_time is None:
@@ -289,7 +349,6 @@ class EngineCore:
         result = self.runner.execute(out)
         self.scheduler.commit(out)
         self.num_steps += 1
-        outputs: list[RequestOutput] = []
         row = 0
         now = time.monotonic()
         for seq in out.seqs:

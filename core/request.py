@@ -94,6 +94,8 @@ class Request:
         "first_scheduled_time",
         "first_token_time",
         "last_token_time",
+        "grammar",
+        "grammar_future",
     )
 
     def __init__(
@@ -131,6 +133,9 @@ class Request:
         self.stop = (
             StopStrings(params.stop, params.include_stop_str_in_output) if params.stop else None
         )
+        # Structured outputs: the matcher (llguidance), once its compile (the future) is done.
+        self.grammar: object = None
+        self.grammar_future: object = None
         # Index p: log-probability of prompt token p given the tokens before it (none for p = 0).
         self.prompt_logprobs: list[Logprob | None] | None = (
             [None] if params.prompt_logprobs is not None else None

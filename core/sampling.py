@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import msgspec
 
+from core.structured import Constraint
+
 MAX_LOGIT_BIAS = 300
 MAX_STOP_STRINGS = 16
 
@@ -33,6 +35,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, gc=False):
     prompt_logprobs: int | None = None  # the same for every prompt token
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    structured: Constraint | None = None  # the output must match this (core/structured.py)
 
     @property
     def greedy(self) -> bool:

@@ -98,7 +98,10 @@ class Scheduler:
         )  # back in its place, ahead of later ones
 
     def _held(self, request: Request) -> bool:
-        """A further sample of a prompt waits until the first one's prompt is in the cache."""
+        """A request whose grammar is still compiling waits (without holding the batch); a
+        further sample of a prompt waits until the first one's prompt is in the cache."""
+        if request.grammar_future is not None:
+            return True
         leader = request.leader
         if leader is None or not self.kv.enable_caching:
             return False
@@ -113,14 +116,17 @@ class Scheduler:
     @property
     def num_deferred(self) -> int:
         """Waiting requests held back by _held rather than by a lack of room."""
-        if not self.kv.enable_caching:
-            return 0
+        caching = self.kv.enable_caching
         return sum(
             1
             for r in self.waiting
-            if r.leader is not None
-            and r.leader.status not in (Status.FINISHED, Status.PREEMPTED)
-            and r.leader.num_computed_tokens < r.leader.num_prompt_tokens
+            if r.grammar_future is not None
+            or (
+                caching
+                and r.leader is not None
+                and r.leader.status not in (Status.FINISHED, Status.PREEMPTED)
+                and r.leader.num_computed_tokens < r.leader.num_prompt_tokens
+            )
         )
 
     def _seq(self, request: Request, num_new: int, table: list[int]) -> ScheduledSeq:

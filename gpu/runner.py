@@ -6,6 +6,7 @@ import torch
 
 from core.request import Logprob, StepResult
 from core.scheduler import SchedulerOutput
+from gpu import grammar_mask
 from gpu.attention.backend import AttentionBackend, AttentionMetadata
 from gpu.models.decoder import DecoderForCausalLM
 from gpu.sampler import Sampler, SamplingMetadata
@@ -31,6 +32,7 @@ class ModelRunner:
         self.eos_token_ids: set[int] = set()  # banned before a request's min_tokens
         self.last_logits: torch.Tensor | None = None  # kept for tests that compare logits
         self.graphs = None  # DecodeGraphs when decode steps replay CUDA graphs (see launch)
+        self.grammars = None  # core.structured.Grammars, set by the engine when first needed
 
     def _tensor(self, data, dtype) -> torch.Tensor:
         t = torch.tensor(data, dtype=dtype)
@@ -83,7 +85,7 @@ class ModelRunner:
             request.sampler_state = g
         return request.sampler_state
 
-    def prepare_sampling(self, out: SchedulerOutput) -> SamplingMetadata:
+    def prepare_sampling(self, out: SchedulerOutput, grammar=None) -> SamplingMetadata:
         requests = [s.request for s in out.seqs if s.sample]
         params = [r.sampling_params for r in requests]
         top_ks = [p.top_k if p.top_k > 0 else 0 for p in params]
@@ -101,6 +103,7 @@ class ModelRunner:
                 for i, r in enumerate(requests)
                 if r.sampling_params.seed is not None and not r.sampling_params.greedy
             ],
+            grammar=grammar,
         )
         bias_rows, bias_tokens, bias_values, ban_rows, ban_tokens = [], [], [], [], []
         for i, (r, p) in enumerate(zip(requests, params)):
@@ -194,6 +197,11 @@ class ModelRunner:
             hidden = self.graphs.run(input_ids, positions, meta)
         else:
             hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
+        # The grammars' masks are filled on the host while a GPU still runs the forward.
+        grammar = None
+        if self.grammars is not None:
+            sampled_requests = [s.request for s in out.seqs if s.sample]
+            grammar = grammar_mask.build(sampled_requests, self.grammars, self.device)
         prompt_lp = {}
         if any(s.request.prompt_logprobs is not None for s in out.seqs):
             prompt_lp = self._prompt_logprobs(out, hidden)
@@ -201,7 +209,7 @@ class ModelRunner:
             return StepResult([], [], prompt_lp)
         logits = self.model.compute_logits(hidden[logits_rows])
         self.last_logits = logits
-        sampled = self.sampler(logits, self.prepare_sampling(out))
+        sampled = self.sampler(logits, self.prepare_sampling(out, grammar))
         ids = sampled.token_ids.tolist()
         logprobs: list[Logprob | None] = [None] * len(ids)
         if sampled.logprobs is not None:

@@ -1,9 +1,9 @@
 """Sampler: logits processing and sampling for the whole batch, in tensors.
 
-Order, as vLLM applies it: logit bias, min_tokens bans, repetition/frequency/presence penalties,
-temperature, top-k/top-p/min-p filtering, then sampling (greedy rows take the argmax). Log-probs
-are of the distribution actually sampled from: after all of the above (greedy rows at
-temperature 1).
+Order, as vLLM applies it: the structured-output grammar's mask, logit bias, min_tokens bans,
+repetition/frequency/presence penalties, temperature, top-k/top-p/min-p filtering, then sampling
+(greedy rows take the argmax). Log-probs are of the distribution actually sampled from: after
+all of the above (greedy rows at temperature 1).
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
+from gpu import grammar_mask
 
 
 @dataclass
@@ -38,6 +40,8 @@ class SamplingMetadata:
     frequency: torch.Tensor | None = None
     repetition: torch.Tensor | None = None
     max_logprobs: int | None = None  # largest top-logprobs count asked for; None: nobody asked
+    # Structured outputs: (rows [k], bitmask [k, words] int32) of the constrained rows.
+    grammar: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass
@@ -122,11 +126,24 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, m: SamplingMetadata) -> SamplerOutput:
         """logits: [n, vocab] float32, one row per sampled sequence."""
+        grammar_only = None
+        if m.grammar is not None:
+            g_rows, g_mask = m.grammar
+            logits = grammar_mask.apply(logits, g_rows, g_mask)
+            if m.bias is not None or m.ban is not None:
+                grammar_only = logits.index_select(0, g_rows)
         if m.bias is not None:
             rows, tokens, values = m.bias
             logits = logits.index_put((rows, tokens), values, accumulate=True)
         if m.ban is not None:
             logits = logits.index_put(m.ban, torch.tensor(float("-inf"), device=logits.device))
+        if grammar_only is not None:
+            # A bias or a min_tokens ban can leave a constrained row nothing the grammar allows
+            # (EOS banned where the grammar must end): the grammar wins, the row goes back to
+            # its grammar-masked logits. No host sync: a where over the constrained rows.
+            sub = logits.index_select(0, g_rows)
+            dead = sub.amax(dim=-1, keepdim=True) == float("-inf")
+            logits = logits.index_copy(0, g_rows, torch.where(dead, grammar_only, sub))
         if m.output_counts is not None:
             logits = apply_penalties(
                 logits, m.output_counts, m.prompt_mask, m.presence, m.frequency, m.repetition

@@ -157,6 +157,7 @@ async def _load_engine(app: QuartTrio, st: ServerState) -> None:
                 loaded.generation_defaults,
                 loaded.core.kv.num_blocks,
                 loaded.kv_dtype,
+                loaded.core.runner.vocab_size,
             )
         cache = CacheInfo(
             st.config.block_size,
@@ -198,6 +199,7 @@ async def _load_engine(app: QuartTrio, st: ServerState) -> None:
     st.max_model_len = loaded.max_model_len
     st.generation_defaults = loaded.generation_defaults
     st.token_text = TokenText(loaded.tokenizer)
+    st.vocab_size = loaded.vocab_size
     if st.status == "loading":
         st.status, st.reason = "ready", "ok"
     log.info("serving %s", ", ".join(st.served_names))
@@ -218,6 +220,7 @@ class _Frontend(NamedTuple):
     generation_defaults: dict[str, Any]
     num_blocks: int
     kv_dtype: str
+    vocab_size: int
 
 
 def _launch(engine: EngineProcess) -> _Frontend:
@@ -233,6 +236,7 @@ def _launch(engine: EngineProcess) -> _Frontend:
         info.generation_defaults,
         info.num_blocks,
         info.kv_dtype,
+        info.vocab_size,
     )
 
 

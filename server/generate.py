@@ -10,7 +10,7 @@ import msgspec
 from quart import Blueprint, Response
 
 from core.request import Logprob
-from server import chat, sse
+from server import chat, sse, structured
 from server.errors import APIError
 from server.logprobs import CompletionLogprobsBuilder, chat_logprobs, prompt_logprobs
 from server.params import check_common, include_usage, sampling_params, tokens_as_ids
@@ -53,8 +53,9 @@ async def chat_completions() -> Response:
         req.tools,
     )
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    constraint = await structured.request_constraint(st, req)
     params = sampling_params(
-        st, req, req.max_completion_tokens or req.max_tokens, len(prompt), logprobs
+        st, req, req.max_completion_tokens or req.max_tokens, len(prompt), logprobs, constraint
     )
     sub = Submitted(st, engine, request_id("chatcmpl"), req.n, req.stream)
     sub.add([prompt], params, req.priority, req.cache_salt)
@@ -176,7 +177,10 @@ async def completions() -> Response:
     model = st.model_name(req.model)
     check_common(st, req)
     prompts = completion_prompts(st, req.prompt)
-    params = sampling_params(st, req, req.max_tokens, max(len(p) for p in prompts), req.logprobs)
+    constraint = await structured.request_constraint(st, req)
+    params = sampling_params(
+        st, req, req.max_tokens, max(len(p) for p in prompts), req.logprobs, constraint
+    )
     if req.echo and req.logprobs is not None:
         # Echoed prompt tokens carry log-probs too: ask the engine for them.
         want = max(req.logprobs, params.prompt_logprobs or 0)

@@ -4,6 +4,7 @@ from the model's generation config, logit_bias keys, --max-logprobs, stream opti
 from __future__ import annotations
 
 from core.sampling import InvalidParam, SamplingParams
+from core.structured import Constraint
 from server.errors import APIError
 from server.protocol import ChatCompletionRequest, SamplingFields
 from server.state import ServerState
@@ -26,6 +27,7 @@ def sampling_params(
     max_tokens: int | None,
     prompt_len: int,
     logprobs: int | None,
+    structured: Constraint | None = None,
 ) -> SamplingParams:
     defaults = st.generation_defaults
     values = {
@@ -73,6 +75,7 @@ def sampling_params(
         prompt_logprobs=req.prompt_logprobs,
         skip_special_tokens=req.skip_special_tokens,
         spaces_between_special_tokens=req.spaces_between_special_tokens,
+        structured=structured,
     )
     try:
         params.validate()

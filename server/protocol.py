@@ -42,6 +42,35 @@ class ChatMessage(msgspec.Struct):
     tool_call_id: str | None = None
 
 
+class JsonSchemaFormat(msgspec.Struct, kw_only=True):
+    name: str = "response"
+    description: str | None = None
+    schema: dict[str, Any] | bool | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(msgspec.Struct, kw_only=True):
+    """OpenAI's response_format: text (no constraint), json_object, or json_schema."""
+
+    type: str
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsParams(msgspec.Struct, kw_only=True):
+    """vLLM's structured_outputs: exactly one of json, regex, choice, grammar, json_object."""
+
+    json: str | dict[str, Any] | bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: Any = None
+    whitespace_pattern: str | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    disable_fallback: bool = False  # weir never falls back to another backend
+
+
 class SamplingFields(msgspec.Struct, kw_only=True):
     """Fields shared by chat and completion requests (OpenAI plus vLLM's extensions). None means
     unset: the model's generation config default applies, else OpenAI's."""
@@ -77,6 +106,14 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     cache_salt: str | None = None  # share cached prefixes only with requests of the same salt
     # Log-prob tokens as "token_id:N" (None: the server's --return-tokens-as-token-ids).
     return_tokens_as_token_ids: bool | None = None
+    # Structured outputs (server/structured.py): at most one constraint per request.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_json: str | dict[str, Any] | bool | None = None  # vLLM's older names, still enforced
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +28,9 @@ class ServerState:
     max_model_len: int = 0
     generation_defaults: dict[str, Any] = field(default_factory=dict)
     token_text: Any = None  # server.logprobs.TokenText for the tokenizer
+    vocab_size: int = 0  # the model's lm_head width (>= the tokenizer's vocabulary)
+    grammar_checker: Any = None  # core.structured.Grammars, built with the first constraint
+    checked_constraints: OrderedDict = field(default_factory=OrderedDict)  # Constraint -> error
     metrics: Any = None  # server.metrics.Metrics, once the model is loaded
     inflight: set = field(default_factory=set)  # generation requests being served
     idle: trio.Event = field(default_factory=trio.Event)  # set when inflight empties

@@ -205,6 +205,14 @@ FLAGS = (
         "weir serves plain HTTP; terminate TLS in a proxy or load balancer in front of it",
     ),
     Flag(
+        ("--structured-outputs-backend", "--guided-decoding-backend"),
+        str,
+        lambda v: v in ("auto", "guidance", "llguidance"),
+        None,
+        "weir enforces structured outputs with llguidance (auto or guidance); xgrammar, "
+        "outlines and lm-format-enforcer are not offered",
+    ),
+    Flag(
         ("--limit-mm-per-prompt",),
         str,
         _never,

@@ -1,0 +1,156 @@
+"""Structured outputs: a request's constraint (JSON schema, any JSON object, regex, choice, grammar)
+compiled by llguidance into a matcher that says, token by token, what may come next.
+
+Why llguidance: one abi3 wheel with no dependencies and no compile step; a matcher costs about a
+millisecond; the batched mask fill runs on its own threads without the interpreter lock; and on a
+byte-level BPE with a length-bounded string it produced no invalid output where xgrammar 0.2.8
+let raw control bytes through (see docs/benchmarks.md). A schema keyword it cannot enforce is an
+error, never silently ignored.
+
+The engine owns one `Grammars`: requests' constraints compile on a worker thread (the step never
+waits for a compile; the scheduler holds such a request back, "deferred"), compiled grammars are
+cached by constraint, and each request gets its own copy of the matcher, which advances with
+every token the request accepts. No torch here: gpu/ turns the bitmask into masked logits.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import msgspec
+
+KINDS = ("json", "json_object", "regex", "choice", "grammar")
+CACHE_SIZE = 256  # compiled grammars kept, least recently used dropped first
+
+
+class Constraint(msgspec.Struct, frozen=True, gc=False):
+    """What a request's output must match. `spec`: a JSON schema (text) for json, a regex, a
+    JSON list of strings for choice, a Lark or GBNF grammar; empty for json_object."""
+
+    kind: str
+    spec: str = ""
+    any_whitespace: bool = True  # JSON may hold whitespace between tokens (vLLM's default)
+    additional_properties: bool = True  # False: objects without the keyword allow no others
+
+
+def _close_objects(schema: Any) -> Any:
+    """additionalProperties: false on every object schema that leaves it unsaid."""
+    if isinstance(schema, list):
+        return [_close_objects(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _close_objects(v) for k, v in schema.items()}
+    if (out.get("type") == "object" or "properties" in out) and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
+def grammar_text(c: Constraint) -> str:
+    """The llguidance grammar for a constraint. Raises ValueError for input that is not even
+    well-formed (a schema that is not JSON); the grammar's own errors come from `check`."""
+    import llguidance as llg
+
+    if c.kind in ("json", "json_object"):
+        schema: Any = {"type": "object"} if c.kind == "json_object" else json.loads(c.spec)
+        if not isinstance(schema, dict | bool):
+            raise ValueError("a JSON schema must be an object")
+        if not c.additional_properties:
+            schema = _close_objects(schema)
+        options = {"whitespace_flexible": c.any_whitespace}
+        return llg.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=options)
+    if c.kind == "regex":
+        return llg.LLMatcher.grammar_from_regex(c.spec)
+    if c.kind == "choice":
+        choices = json.loads(c.spec)
+        if not choices or not all(isinstance(x, str) for x in choices):
+            raise ValueError("choice must be a non-empty list of strings")
+        return llg.LLMatcher.grammar_from_lark(
+            "start: " + " | ".join(json.dumps(x) for x in choices)
+        )
+    if c.kind == "grammar":
+        return llg.grammar_from("grammar", c.spec)  # Lark, or GBNF converted to Lark
+    raise ValueError(f"unknown constraint kind {c.kind!r}; one of {', '.join(KINDS)}")
+
+
+def llg_tokenizer(tokenizer_json: str, vocab_size: int, eos_token_ids: list[int]):
+    """llguidance's view of the model's fast tokenizer. `vocab_size` is the lm_head width, so
+    ids past the tokenizer's own vocabulary (padding rows) are masked too."""
+    import llguidance as llg
+
+    data = json.loads(tokenizer_json)
+    data["padding"] = data["truncation"] = None
+    return llg.LLTokenizer(json.dumps(data), n_vocab=vocab_size, eos_token=list(eos_token_ids))
+
+
+class Grammars:
+    """Compiles constraints for one tokenizer: `check` (errors, for the server's 400), `start`
+    (a request's matcher, compiled off the engine step), `fill` (the batch's bitmask)."""
+
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: list[int]) -> None:
+        self.vocab_size = vocab_size
+        self.words = (vocab_size + 31) // 32  # int32 words in one row of the bitmask
+        self._args = (tokenizer_json, vocab_size, list(eos_token_ids))
+        self._tokenizer = None
+        self._lock = threading.Lock()
+        self._cache: OrderedDict[Constraint, Any] = OrderedDict()  # pristine matchers
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="weir-grammar")
+        self._executor = None
+        self.done = threading.Event()  # set when a compile finishes (the engine may wait on it)
+
+    @property
+    def tokenizer(self):
+        with self._lock:
+            if self._tokenizer is None:
+                self._tokenizer = llg_tokenizer(*self._args)
+            return self._tokenizer
+
+    def check(self, c: Constraint) -> str | None:
+        """None if the constraint compiles, else the compiler's message."""
+        import llguidance as llg
+
+        try:
+            grammar = grammar_text(c)
+        except (ValueError, TypeError) as e:
+            return str(e)
+        error = llg.LLMatcher.validate_grammar(grammar, self.tokenizer)
+        return error or None
+
+    def _compile(self, c: Constraint):
+        import llguidance as llg
+
+        with self._lock:
+            hit = self._cache.get(c)
+            if hit is not None:
+                self._cache.move_to_end(c)
+        if hit is None:
+            hit = llg.LLMatcher(self.tokenizer, grammar_text(c), log_level=0)
+            if hit.is_error():
+                raise ValueError(hit.get_error())
+            with self._lock:
+                self._cache[c] = hit
+                while len(self._cache) > CACHE_SIZE:
+                    self._cache.popitem(last=False)
+        return hit.deep_copy()
+
+    def start(self, c: Constraint) -> Future:
+        """A future of a fresh matcher for `c`, compiled (or copied from the cache) on the
+        worker thread; `done` is set when it completes."""
+        future = self._pool.submit(self._compile, c)
+        future.add_done_callback(lambda _: self.done.set())
+        return future
+
+    def fill(self, rows: list[tuple[Any, int]], pointer: int, num_rows: int) -> None:
+        """Write each (matcher, row) pair's allowed-token bitmask into row `row` of the int32
+        array at `pointer` ([num_rows, words]); bit t of a row set: token t is allowed."""
+        import llguidance as llg
+
+        if self._executor is None:
+            self._executor = llg.LLExecutor()
+        self._executor.unsafe_compute_mask_ptr(rows, pointer, self.words * 4, num_rows)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
