@@ -302,9 +302,9 @@ class EngineCore:
         text = detok.step(token_id) if detok else ""
         reason = self._stop_reason(request, token_id)
         error = None
-        if request.grammar is not None:
+        if request.grammar is not None:  # the token was consumed in step(), all at once
             matcher = request.grammar
-            if not matcher.consume_token(token_id):
+            if matcher.is_error():
                 reason, error = "error", f"structured output: {matcher.get_error()}"
             elif matcher.is_stopped():
                 reason = "stop"  # the grammar is complete: nothing more may follow
@@ -349,6 +349,15 @@ class EngineCore:
         result = self.runner.execute(out)
         self.scheduler.commit(out)
         self.num_steps += 1
+        if self._grammars is not None:
+            # The constrained requests' matchers take their tokens in one call (on llguidance's
+            # threads, without the interpreter lock) rather than one call per request.
+            sampled = [s.request for s in out.seqs if s.sample]
+            taken = [
+                (r.grammar, t) for r, t in zip(sampled, result.token_ids) if r.grammar is not None
+            ]
+            if taken:
+                self._grammars.consume(taken)
         row = 0
         now = time.monotonic()
         for seq in out.seqs:

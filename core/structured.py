@@ -152,5 +152,14 @@ class Grammars:
             self._executor = llg.LLExecutor()
         self._executor.unsafe_compute_mask_ptr(rows, pointer, self.words * 4, num_rows)
 
+    def consume(self, pairs: list[tuple[Any, int]]) -> None:
+        """Advance each (matcher, token) pair; a matcher that refuses its token is left in its
+        error state, which the engine reads per request."""
+        import llguidance as llg
+
+        if self._executor is None:
+            self._executor = llg.LLExecutor()
+        self._executor.consume_token_par(pairs)
+
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -6,9 +6,12 @@ Unconstrained batches pay nothing: no mask is built unless a sampled request has
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
+
+log = logging.getLogger("weir.grammar_mask")
 
 # Bit b of an int32 word: token 32 * word + b. 1 << 31 wraps to the sign bit, which is the bit
 # that `&` must test.
@@ -50,8 +53,44 @@ def allowed(mask: torch.Tensor, vocab: int) -> torch.Tensor:
     return expanded.view(k, -1)[:, :vocab]
 
 
+_kernel: Any = None  # the compiled CPU kernel, False when it cannot be built
+
+
+def _cpu_kernel():
+    global _kernel
+    if _kernel is None:
+        from gpu.kernels import cpu_build
+
+        try:
+            _kernel = cpu_build.load().weir_apply_token_bitmask
+        except cpu_build.BuildError as e:
+            log.warning("grammar mask: the CPU kernel is unavailable (%s); using torch", e)
+            _kernel = False
+    return _kernel
+
+
 def apply(logits: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """-inf on every token the grammar does not allow, in the constrained rows."""
+    """-inf on every token the grammar does not allow, in the constrained rows (in place on a
+    contiguous float32 CPU tensor, through the compiled kernel; torch ops elsewhere)."""
+    vocab = logits.shape[1]
+    if (
+        logits.device.type == "cpu"
+        and logits.dtype == torch.float32
+        and logits.stride(1) == 1
+        and mask.is_contiguous()
+        and _cpu_kernel()
+    ):
+        _kernel(
+            logits.data_ptr(),
+            logits.stride(0),
+            rows.data_ptr(),
+            rows.numel(),
+            mask.data_ptr(),
+            mask.shape[1],
+            vocab,
+            torch.get_num_threads(),
+        )
+        return logits
     sub = logits.index_select(0, rows)
-    sub.masked_fill_(~allowed(mask, logits.shape[1]), float("-inf"))
+    sub.masked_fill_(~allowed(mask, vocab), float("-inf"))
     return logits.index_copy(0, rows, sub)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import torch
 
 from core.request import Logprob, StepResult
@@ -33,6 +35,7 @@ class ModelRunner:
         self.last_logits: torch.Tensor | None = None  # kept for tests that compare logits
         self.graphs = None  # DecodeGraphs when decode steps replay CUDA graphs (see launch)
         self.grammars = None  # core.structured.Grammars, set by the engine when first needed
+        self._mask_pool: ThreadPoolExecutor | None = None
 
     def _tensor(self, data, dtype) -> torch.Tensor:
         t = torch.tensor(data, dtype=dtype)
@@ -190,18 +193,30 @@ class ModelRunner:
             row += n
         return result
 
+    def _start_masks(self, out: SchedulerOutput):
+        """The grammars' bitmask for this step, filled while the forward runs: on CPU on a
+        helper thread (llguidance releases the GIL), on a GPU after the forward is launched."""
+        if self.grammars is None:
+            return None
+        requests = [s.request for s in out.seqs if s.sample]
+        if not any(r.grammar is not None for r in requests):
+            return None
+        if self.device.type != "cpu":
+            return lambda: grammar_mask.build(requests, self.grammars, self.device)
+        if self._mask_pool is None:
+            self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="weir-mask")
+        future = self._mask_pool.submit(grammar_mask.build, requests, self.grammars, self.device)
+        return future.result
+
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
         input_ids, positions, meta, logits_rows = self.prepare(out)
+        masks = self._start_masks(out)
         if self.graphs is not None and self.graphs.can_run(meta):
             hidden = self.graphs.run(input_ids, positions, meta)
         else:
             hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
-        # The grammars' masks are filled on the host while a GPU still runs the forward.
-        grammar = None
-        if self.grammars is not None:
-            sampled_requests = [s.request for s in out.seqs if s.sample]
-            grammar = grammar_mask.build(sampled_requests, self.grammars, self.device)
+        grammar = masks() if masks is not None else None
         prompt_lp = {}
         if any(s.request.prompt_logprobs is not None for s in out.seqs):
             prompt_lp = self._prompt_logprobs(out, hidden)

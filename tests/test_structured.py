@@ -317,10 +317,13 @@ def test_mask_in_tensors_matches_the_matcher(grammars):
     for i in ids:
         probe = matcher.deep_copy()
         assert probe.consume_token(i), tok.decode([i])
-    logits = torch.zeros(2, g.vocab_size)
-    out = grammar_mask.apply(logits, rows, mask)
-    assert (out[0] == 0).all() and torch.isinf(out[1][~allowed]).all()
-    assert (out[1][allowed] == 0).all()
+    # The compiled CPU kernel (float32, in place) and the torch ops (any other dtype or device)
+    # mask the same tokens.
+    for dtype in (torch.float32, torch.float64):
+        logits = torch.zeros(2, g.vocab_size, dtype=dtype)
+        out = grammar_mask.apply(logits, rows, mask)
+        assert (out[0] == 0).all() and torch.isinf(out[1][~allowed]).all()
+        assert (out[1][allowed] == 0).all()
 
 
 def test_sampler_grammar_wins_when_a_ban_leaves_nothing():

@@ -1,5 +1,5 @@
-"""Build and load the CPU kernels (cpu_attention.cpp, cpu_norm_rope.cpp) with the host's C++
-compiler.
+"""Build and load the CPU kernels (cpu_attention.cpp, cpu_norm_rope.cpp, cpu_mask.cpp) with the
+host's C++ compiler.
 
 The sources have a plain C ABI and no torch headers, so they compile in about a second. They are
 built once per source, compiler and CPU into one library in weir's cache ($WEIR_CACHE, default
@@ -18,7 +18,9 @@ import tempfile
 import threading
 from pathlib import Path
 
-SOURCES = [Path(__file__).with_name(n) for n in ("cpu_attention.cpp", "cpu_norm_rope.cpp")]
+SOURCES = [
+    Path(__file__).with_name(n) for n in ("cpu_attention.cpp", "cpu_norm_rope.cpp", "cpu_mask.cpp")
+]
 # -ffast-math lets g++ vectorize exp (glibc's libmvec) and reassociate the dot products; it is
 # given to the compile step only, so the link does not add crtfastmath.o, which would switch
 # denormals to zero for the whole process (torch included). The kernel never forms inf or NaN.
@@ -104,6 +106,9 @@ def load() -> ctypes.CDLL:
             fn.restype = ctypes.c_int
             fn = lib.weir_rms_norm_rope
             fn.argtypes = [p, i64, i64, i64, i64, p, ctypes.c_float, p, p, p, i64]
+            fn.restype = None
+            fn = lib.weir_apply_token_bitmask
+            fn.argtypes = [p, i64, p, i64, p, i64, i64, ctypes.c_int]
             fn.restype = None
             _lib = lib
         return _lib
