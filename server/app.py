@@ -21,6 +21,7 @@ from core.config import EngineConfig
 from core.engine import Engine
 from core.engine_process import EngineProcess
 from core.stats import StepStats
+from server import reasoning
 from server.chat import load_template
 from server.errors import APIError, error_response
 from server.generate import bp as generate_bp
@@ -200,6 +201,12 @@ async def _load_engine(app: QuartTrio, st: ServerState) -> None:
     st.generation_defaults = loaded.generation_defaults
     st.token_text = TokenText(loaded.tokenizer)
     st.vocab_size = loaded.vocab_size
+    template = st.chat_template or getattr(loaded.tokenizer, "chat_template", None)
+    st.reasoning_parser = reasoning.resolve(st.options.reasoning_parser, template)
+    if st.options.reasoning_parser is not None:
+        log.info(
+            "reasoning parser: %s", st.reasoning_parser or "none (the template has no <think>)"
+        )
     if st.status == "loading":
         st.status, st.reason = "ready", "ok"
     log.info("serving %s", ", ".join(st.served_names))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,27 @@ def _content(message: ChatMessage, index: int) -> str:
     return "\n".join(texts)
 
 
+def _tool_calls(calls: list[dict[str, Any]], index: int) -> list[dict[str, Any]]:
+    """Clients send `function.arguments` as a JSON string; Hugging Face templates expect an
+    object (they write it back with `tojson`): parse it, as vLLM does, so the model sees the
+    text it was trained on."""
+    out = []
+    for call in calls:
+        fn = call.get("function")
+        if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+            try:
+                args = json.loads(fn["arguments"]) if fn["arguments"].strip() else {}
+            except ValueError:
+                raise APIError(
+                    400,
+                    f"messages[{index}].tool_calls: function.arguments is not valid JSON",
+                    f"messages[{index}].tool_calls",
+                ) from None
+            call = {**call, "function": {**fn, "arguments": args}}
+        out.append(call)
+    return out
+
+
 def to_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     out = []
     for i, m in enumerate(messages):
@@ -47,14 +69,24 @@ def to_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         if m.name is not None:
             d["name"] = m.name
         if m.tool_calls is not None:
-            d["tool_calls"] = m.tool_calls
+            d["tool_calls"] = _tool_calls(m.tool_calls, i)
         if m.tool_call_id is not None:
             d["tool_call_id"] = m.tool_call_id
+        reasoning = m.reasoning_content if m.reasoning_content is not None else m.reasoning
+        if reasoning is not None:
+            d["reasoning_content"] = reasoning  # the name Qwen3's and DeepSeek's templates read
         out.append(d)
     return out
 
 
-def render(
+def render(*args, **kwargs) -> list[int]:
+    """Messages -> prompt token ids (see render_text)."""
+    tokenizer = args[0] if args else kwargs["tokenizer"]
+    # The template already wrote any BOS it wants; don't let the tokenizer add another.
+    return tokenizer.encode(render_text(*args, **kwargs), add_special_tokens=False)
+
+
+def render_text(
     tokenizer: Any,
     template: str | None,
     messages: list[ChatMessage],
@@ -62,7 +94,8 @@ def render(
     continue_final_message: bool = False,
     template_kwargs: dict[str, Any] | None = None,
     tools: list[dict[str, Any]] | None = None,
-) -> list[int]:
+) -> str:
+    """Messages -> the prompt text, through the chat template."""
     template = template or getattr(tokenizer, "chat_template", None)
     if not template:
         raise APIError(
@@ -106,5 +139,4 @@ def render(
         raise APIError(
             400, f"The chat template could not render these messages: {e}", "messages"
         ) from e
-    # The template already wrote any BOS it wants; don't let the tokenizer add another.
-    return tokenizer.encode(text, add_special_tokens=False)
+    return text

@@ -197,6 +197,13 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument(
         "--disable-log-requests", action="store_true", help="no log line per finished request"
     )
+    s.add_argument(
+        "--reasoning-parser",
+        default=None,
+        help="split a thinking model's output into `reasoning` (also sent as "
+        "`reasoning_content`) and `content`: qwen3, deepseek_r1, or auto (from the chat "
+        "template's <think> markup)",
+    )
     o.add_argument(
         "--disable-log-stats",
         action="store_true",
@@ -309,6 +316,7 @@ def options_from_args(args: argparse.Namespace):
         log_stats=not args.disable_log_stats,
         stats_interval=args.stats_interval,
         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+        reasoning_parser=args.reasoning_parser,
         exit_on_engine_error=args.exit_on_engine_error,
         engine_process=args.engine_process,
     )

@@ -10,7 +10,7 @@ import msgspec
 from quart import Blueprint, Response
 
 from core.request import Logprob
-from server import chat, sse, structured
+from server import chat, reasoning, sse, structured
 from server.errors import APIError
 from server.logprobs import CompletionLogprobsBuilder, chat_logprobs, prompt_logprobs
 from server.params import check_common, include_usage, sampling_params, tokens_as_ids
@@ -43,7 +43,7 @@ async def chat_completions() -> Response:
     check_common(st, req)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs to be true", "top_logprobs")
-    prompt = chat.render(
+    prompt_text = chat.render_text(
         st.tokenizer,
         st.chat_template,
         req.messages,
@@ -52,6 +52,9 @@ async def chat_completions() -> Response:
         req.chat_template_kwargs,
         req.tools,
     )
+    # The template already wrote any BOS it wants; don't let the tokenizer add another.
+    prompt = st.tokenizer.encode(prompt_text, add_special_tokens=False)
+    thinker = reasoning.PARSERS[st.reasoning_parser] if st.reasoning_parser else None
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     constraint = await structured.request_constraint(st, req)
     params = sampling_params(
@@ -90,17 +93,28 @@ async def chat_completions() -> Response:
                 )
             )
 
+        streams = [
+            reasoning.ReasoningStream(thinker(prompt_text)) if thinker else None for _ in sub.ids
+        ]
+
         async def events() -> AsyncIterator[bytes]:
             for i in range(len(sub.ids)):
                 yield chunk(i, Delta(role="assistant", content=""))
             async for i, out in sub.outputs():
                 usage.update(i, out)
+                stream = streams[i]
+                if stream is None:
+                    delta = Delta(content=out.new_text or None)
+                else:
+                    think, text = stream.feed(out.new_text, out.finished)
+                    delta = Delta(content=text or None, reasoning=think or None)
+                    delta.reasoning_content = delta.reasoning
                 if out.finished:
-                    yield chunk(
-                        i, Delta(content=out.new_text or None), out.finish_reason, out.logprobs
-                    )
-                elif out.new_text or (logprobs is not None and out.logprobs):
-                    yield chunk(i, Delta(content=out.new_text), None, out.logprobs)
+                    yield chunk(i, delta, out.finish_reason, out.logprobs)
+                elif delta.content or delta.reasoning or (logprobs is not None and out.logprobs):
+                    if stream is None:
+                        delta.content = out.new_text
+                    yield chunk(i, delta, None, out.logprobs)
             if want_usage:
                 yield sse.event(
                     ChatCompletionChunk(
@@ -112,6 +126,13 @@ async def chat_completions() -> Response:
         return stream_response(events(), sub)
 
     got = await collect(sub, usage)
+
+    def message(text: str) -> ResponseMessage:
+        if thinker is None:
+            return ResponseMessage("assistant", text)
+        think, answer = thinker(prompt_text).split(text, final=True)
+        return ResponseMessage("assistant", answer or None, think, think)
+
     return json_response(
         ChatCompletionResponse(
             id=sub.base,
@@ -120,7 +141,7 @@ async def chat_completions() -> Response:
             choices=[
                 ChatChoice(
                     index=i,
-                    message=ResponseMessage("assistant", "".join(got.text[i])),
+                    message=message("".join(got.text[i])),
                     finish_reason=got.finish[i],
                     logprobs=chat_logprobs(got.logprobs[i], text_of, as_ids)
                     if logprobs is not None

@@ -23,6 +23,7 @@ class ServerOptions(msgspec.Struct, kw_only=True):
     log_stats: bool = True  # a throughput/queue line every stats_interval seconds while busy
     stats_interval: float = 10.0
     return_tokens_as_token_ids: bool = False  # default of the request field of that name
+    reasoning_parser: str | None = None  # server/reasoning: a name, or auto (from the template)
     exit_on_engine_error: bool = True
     # The engine core in a child process (its own interpreter lock), or on a thread (False).
     engine_process: bool = True
@@ -46,5 +47,12 @@ class ServerOptions(msgspec.Struct, kw_only=True):
             raise ValueError("--stream-interval must be at least 1")
         if self.max_body_bytes < 1024:
             raise ValueError("--max-body-bytes must be at least 1024")
+        from server.reasoning import CHOICES
+
+        if self.reasoning_parser is not None and self.reasoning_parser not in CHOICES:
+            raise ValueError(
+                f"--reasoning-parser {self.reasoning_parser!r} is unknown; weir has "
+                + ", ".join(CHOICES)
+            )
         if not self.metrics_prefix.replace("_", "").isalnum():
             raise ValueError("--metrics-prefix must be letters, digits and underscores")

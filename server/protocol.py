@@ -40,6 +40,9 @@ class ChatMessage(msgspec.Struct):
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
+    # An earlier answer's reasoning (vLLM's `reasoning`, or DeepSeek's `reasoning_content`).
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
 
 class JsonSchemaFormat(msgspec.Struct, kw_only=True):
@@ -202,7 +205,11 @@ PromptLogprobs = list[dict[str, PromptLogprob] | None]
 
 class ResponseMessage(msgspec.Struct):
     role: str
-    content: str
+    content: str | None
+    # With a reasoning parser: the think text, under vLLM's name and DeepSeek's (which many
+    # clients still read); absent otherwise.
+    reasoning: str | None | msgspec.UnsetType = msgspec.UNSET
+    reasoning_content: str | None | msgspec.UnsetType = msgspec.UNSET
 
 
 class ChatChoice(msgspec.Struct):
@@ -225,6 +232,8 @@ class ChatCompletionResponse(msgspec.Struct):
 class Delta(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
 
 class ChunkChoice(msgspec.Struct):

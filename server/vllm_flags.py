@@ -90,13 +90,6 @@ FLAGS = (
         "reply comes back as text content",
     ),
     Flag(
-        ("--reasoning-parser",),
-        str,
-        _never,
-        None,
-        "weir has no reasoning parsers yet: a thinking model's reasoning stays in `content`",
-    ),
-    Flag(
         ("--swap-space",),
         float,
         _always,

@@ -310,7 +310,7 @@ def test_vllm_flags_that_work():
         (["-tp", "4"], "--tensor-parallel-size 4"),
         (["--enable-auto-tool-choice"], "--enable-auto-tool-choice"),
         (["--tool-call-parser", "hermes"], "--tool-call-parser hermes"),
-        (["--reasoning-parser", "qwen3"], "--reasoning-parser qwen3"),
+        (["--reasoning-parser", "bogus"], "--reasoning-parser 'bogus'"),
         (["--quantization", "awq"], "--quantization awq"),
         (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8"),
         (["--tokenizer", "other/tok"], "--tokenizer other/tok"),

@@ -1,0 +1,167 @@
+"""Reasoning parsers: think text split from the answer, whole and streamed in any chunking, through
+the server (non-streaming, streaming, n=2) with a random model forced to write the markup by a
+choice constraint; earlier answers' reasoning and tool-call arguments reach the template."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from server.cli import main
+from server.reasoning import PARSERS, ReasoningStream, detect, resolve
+from tests.conftest import LiveServer, tiny_config
+
+THINK = "<think>\nLet me think: 2 × 21 🤔\n</think>\n\nThe answer is 42."
+
+
+def split(name: str, text: str, prompt: str = "") -> tuple[str | None, str]:
+    return PARSERS[name](prompt).split(text, final=True)
+
+
+def test_qwen3_splits_think_blocks():
+    assert split("qwen3", THINK) == ("\nLet me think: 2 × 21 🤔\n", "\n\nThe answer is 42.")
+    assert split("qwen3", "Just an answer.") == (None, "Just an answer.")
+    # The thinking-only models' template opens the block in the prompt.
+    opened = "<|im_start|>assistant\n<think>\n"
+    assert split("qwen3", "hmm\n</think>\n\nYes.", opened) == ("hmm\n", "\n\nYes.")
+    # enable_thinking false: the template closes an empty block; the output is all answer.
+    closed = "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    assert split("qwen3", "Yes </think> no", closed) == (None, "Yes </think> no")
+    # Cut off while thinking: everything so far is reasoning.
+    assert split("qwen3", "<think>still going") == ("still going", "")
+
+
+def test_deepseek_r1_starts_in_reasoning():
+    assert split("deepseek_r1", "ponder</think>Done") == ("ponder", "Done")
+    assert split("deepseek_r1", "<think>ponder</think>Done") == ("ponder", "Done")
+    assert split("deepseek_r1", "no end marker at all") == ("no end marker at all", "")
+
+
+def test_auto_picks_from_the_template():
+    assert detect("{% if x %}<think>\n{{ r }}\n</think>{% endif %}") == "qwen3"
+    assert detect("<|im_start|>{{ m.role }}") is None and resolve(None, "<think></think>") is None
+    assert resolve("auto", "<think></think>") == "qwen3"
+    with pytest.raises(ValueError, match="unknown"):
+        resolve("nonsense", None)
+
+
+def stream(name: str, chunks: list[str], prompt: str = "") -> tuple[str, str]:
+    s = ReasoningStream(PARSERS[name](prompt))
+    think, text = "", ""
+    for j, piece in enumerate(chunks):
+        dr, dc = s.feed(piece, final=j == len(chunks) - 1)
+        think, text = think + dr, text + dc
+    return think, text
+
+
+PIECES = st.sampled_from(
+    ["<think>", "</think>", "<", "</", "think", ">", "\n", "a", "é", "🤔", " answer ", "<th"]
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    pieces=st.lists(PIECES, max_size=12),
+    cuts=st.lists(st.integers(0, 60), max_size=8),
+    name=st.sampled_from(sorted(PARSERS)),
+    opened=st.booleans(),
+)
+def test_streamed_deltas_reassemble_to_the_whole_split(pieces, cuts, name, opened):
+    """For any text and any chunking, the streamed reasoning and content are exactly the
+    whole-text split: markers split across chunks are never leaked or lost."""
+    text = "".join(pieces)
+    bounds = sorted({min(c, len(text)) for c in cuts} | {0, len(text)})
+    chunks = [text[a:b] for a, b in zip(bounds, bounds[1:])] or [""]
+    prompt = "<think>\n" if opened else ""
+    whole_think, whole_text = split(name, text, prompt)
+    assert stream(name, chunks, prompt) == (whole_think or "", whole_text)
+    assert stream(name, list(text) + [""], prompt) == (whole_think or "", whole_text)
+
+
+# ---------------------------------------------------------------- through the server
+@pytest.fixture(scope="module")
+def server(model_dir):
+    s = LiveServer(tiny_config(model_dir, num_kv_blocks=64), reasoning_parser="qwen3").start()
+    yield s
+    s.stop()
+
+
+def forced(**kw) -> dict:
+    """The random model writes exactly THINK: a choice constraint with one member."""
+    return {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "What is 2 x 21?"}],
+        "max_tokens": 100,
+        "extra_body": {"guided_choice": [THINK]},
+        **kw,
+    }
+
+
+def test_reasoning_through_the_sdk(server, client):
+    r = client.chat.completions.create(**forced(n=2, temperature=1.0))
+    for choice in r.choices:
+        msg = choice.message
+        assert msg.content == "\n\nThe answer is 42." and choice.finish_reason == "stop"
+        assert msg.model_extra["reasoning"] == msg.model_extra["reasoning_content"]
+        assert msg.model_extra["reasoning_content"] == "\nLet me think: 2 × 21 🤔\n"
+    chunks = list(client.chat.completions.create(**forced(n=2, stream=True)))
+    for i in range(2):
+        deltas = [c.choices[0].delta for c in chunks if c.choices and c.choices[0].index == i]
+        think = "".join(d.model_extra.get("reasoning_content") or "" for d in deltas)
+        also = "".join(d.model_extra.get("reasoning") or "" for d in deltas)
+        text = "".join(d.content or "" for d in deltas)
+        assert (think, also, text) == (
+            "\nLet me think: 2 × 21 🤔\n",
+            "\nLet me think: 2 × 21 🤔\n",
+            "\n\nThe answer is 42.",
+        )
+        assert not any("<think>" in (d.content or "") for d in deltas)
+
+
+def test_plain_answers_have_no_reasoning(server, client):
+    r = client.chat.completions.create(**forced(extra_body={"guided_choice": ["Plain answer."]}))
+    assert r.choices[0].message.content == "Plain answer."
+    assert r.choices[0].message.model_extra["reasoning_content"] is None
+
+
+def test_earlier_reasoning_and_tool_arguments_reach_the_template(model_dir):
+    template = (
+        "{% for m in messages %}[{{ m.role }}]"
+        "{% if m.reasoning_content %}(thought: {{ m.reasoning_content }}){% endif %}"
+        "{% for tc in m.tool_calls or [] %}(call {{ tc.function.name }} "
+        "city={{ tc.function.arguments.city }}){% endfor %}"
+        "{{ m.content }}{% endfor %}"
+    )
+    s = LiveServer(tiny_config(model_dir, num_kv_blocks=32, chat_template=template)).start()
+    try:
+        messages = [
+            {"role": "user", "content": "Weather?"},
+            {
+                "role": "assistant",
+                "content": "",
+                "reasoning": "check Paris",
+                "tool_calls": [
+                    {
+                        "id": "call_1",
+                        "type": "function",
+                        "function": {"name": "weather", "arguments": '{"city": "Paris"}'},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+        ]
+        ids = httpx.post(s.url + "/tokenize", json={"messages": messages}).json()["tokens"]
+        text = s.state.tokenizer.decode(ids)
+        assert "(thought: check Paris)" in text and "(call weather city=Paris)" in text
+        messages[1]["tool_calls"][0]["function"]["arguments"] = "{not json"
+        r = httpx.post(s.url + "/v1/chat/completions", json={"messages": messages})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages[1].tool_calls"
+    finally:
+        s.stop()
+
+
+def test_reasoning_parser_flag(capsys):
+    assert main(["serve", "--reasoning-parser", "bogus"]) == 2
+    assert "--reasoning-parser 'bogus' is unknown" in capsys.readouterr().err
