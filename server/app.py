@@ -21,7 +21,7 @@ from core.config import EngineConfig
 from core.engine import Engine
 from core.engine_process import EngineProcess
 from core.stats import StepStats
-from server import reasoning
+from server import reasoning, tool_parsers
 from server.chat import load_template
 from server.errors import APIError, error_response
 from server.generate import bp as generate_bp
@@ -203,6 +203,9 @@ async def _load_engine(app: QuartTrio, st: ServerState) -> None:
     st.vocab_size = loaded.vocab_size
     template = st.chat_template or getattr(loaded.tokenizer, "chat_template", None)
     st.reasoning_parser = reasoning.resolve(st.options.reasoning_parser, template)
+    st.tool_parser = tool_parsers.resolve(st.options.tool_call_parser, template)
+    if st.tool_parser is not None:
+        log.info("tool-call parser: %s", st.tool_parser)
     if st.options.reasoning_parser is not None:
         log.info(
             "reasoning parser: %s", st.reasoning_parser or "none (the template has no <think>)"

@@ -204,6 +204,17 @@ def build_parser() -> argparse.ArgumentParser:
         "`reasoning_content`) and `content`: qwen3, deepseek_r1, or auto (from the chat "
         "template's <think> markup)",
     )
+    s.add_argument(
+        "--tool-call-parser",
+        default="auto",
+        help="how a model's tool calls are read from its output: hermes, llama3_json, mistral, "
+        "or auto (default: the parser whose markup the chat template writes)",
+    )
+    s.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="accepted as vLLM spells it: tool_choice auto works whenever a parser is known",
+    )
     o.add_argument(
         "--disable-log-stats",
         action="store_true",
@@ -317,6 +328,7 @@ def options_from_args(args: argparse.Namespace):
         stats_interval=args.stats_interval,
         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
         reasoning_parser=args.reasoning_parser,
+        tool_call_parser=args.tool_call_parser,
         exit_on_engine_error=args.exit_on_engine_error,
         engine_process=args.engine_process,
     )

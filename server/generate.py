@@ -10,10 +10,11 @@ import msgspec
 from quart import Blueprint, Response
 
 from core.request import Logprob
-from server import chat, reasoning, sse, structured
+from server import chat, reasoning, sse, structured, tools
 from server.errors import APIError
 from server.logprobs import CompletionLogprobsBuilder, chat_logprobs, prompt_logprobs
 from server.params import check_common, include_usage, sampling_params, tokens_as_ids
+from server.reply import Reply
 from server.protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -24,7 +25,6 @@ from server.protocol import (
     CompletionRequest,
     CompletionResponse,
     Delta,
-    ResponseMessage,
 )
 from server.state import ServerState
 from server.submit import Submitted, UsageCounter, collect, request_id, stream_response
@@ -55,6 +55,7 @@ async def chat_completions() -> Response:
     # The template already wrote any BOS it wants; don't let the tokenizer add another.
     prompt = st.tokenizer.encode(prompt_text, add_special_tokens=False)
     thinker = reasoning.PARSERS[st.reasoning_parser] if st.reasoning_parser else None
+    call_parser = tools.tool_parser(st, req)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     constraint = await structured.request_constraint(st, req)
     params = sampling_params(
@@ -93,26 +94,24 @@ async def chat_completions() -> Response:
                 )
             )
 
-        streams = [
-            reasoning.ReasoningStream(thinker(prompt_text)) if thinker else None for _ in sub.ids
-        ]
+        replies = [Reply(thinker, prompt_text, call_parser) for _ in sub.ids]
 
         async def events() -> AsyncIterator[bytes]:
             for i in range(len(sub.ids)):
                 yield chunk(i, Delta(role="assistant", content=""))
             async for i, out in sub.outputs():
                 usage.update(i, out)
-                stream = streams[i]
-                if stream is None:
-                    delta = Delta(content=out.new_text or None)
-                else:
-                    think, text = stream.feed(out.new_text, out.finished)
-                    delta = Delta(content=text or None, reasoning=think or None)
-                    delta.reasoning_content = delta.reasoning
+                reply = replies[i]
+                delta = reply.delta(out.new_text, out.finished)
                 if out.finished:
-                    yield chunk(i, delta, out.finish_reason, out.logprobs)
-                elif delta.content or delta.reasoning or (logprobs is not None and out.logprobs):
-                    if stream is None:
+                    yield chunk(i, delta, reply.finish(out.finish_reason), out.logprobs)
+                elif (
+                    delta.content
+                    or delta.reasoning
+                    or delta.tool_calls
+                    or (logprobs is not None and out.logprobs)
+                ):
+                    if reply.plain:
                         delta.content = out.new_text
                     yield chunk(i, delta, None, out.logprobs)
             if want_usage:
@@ -126,13 +125,10 @@ async def chat_completions() -> Response:
         return stream_response(events(), sub)
 
     got = await collect(sub, usage)
-
-    def message(text: str) -> ResponseMessage:
-        if thinker is None:
-            return ResponseMessage("assistant", text)
-        think, answer = thinker(prompt_text).split(text, final=True)
-        return ResponseMessage("assistant", answer or None, think, think)
-
+    shaped = [
+        Reply(thinker, prompt_text, call_parser).whole("".join(got.text[i]), got.finish[i])
+        for i in range(len(sub.ids))
+    ]
     return json_response(
         ChatCompletionResponse(
             id=sub.base,
@@ -141,8 +137,8 @@ async def chat_completions() -> Response:
             choices=[
                 ChatChoice(
                     index=i,
-                    message=message("".join(got.text[i])),
-                    finish_reason=got.finish[i],
+                    message=shaped[i][0],
+                    finish_reason=shaped[i][1],
                     logprobs=chat_logprobs(got.logprobs[i], text_of, as_ids)
                     if logprobs is not None
                     else None,

@@ -24,6 +24,7 @@ class ServerOptions(msgspec.Struct, kw_only=True):
     stats_interval: float = 10.0
     return_tokens_as_token_ids: bool = False  # default of the request field of that name
     reasoning_parser: str | None = None  # server/reasoning: a name, or auto (from the template)
+    tool_call_parser: str = "auto"  # server/tool_parsers: a name, or auto (from the template)
     exit_on_engine_error: bool = True
     # The engine core in a child process (its own interpreter lock), or on a thread (False).
     engine_process: bool = True
@@ -53,6 +54,13 @@ class ServerOptions(msgspec.Struct, kw_only=True):
             raise ValueError(
                 f"--reasoning-parser {self.reasoning_parser!r} is unknown; weir has "
                 + ", ".join(CHOICES)
+            )
+        from server.tool_parsers import CHOICES as TOOL_CHOICES
+
+        if self.tool_call_parser not in TOOL_CHOICES:
+            raise ValueError(
+                f"--tool-call-parser {self.tool_call_parser!r} is unknown; weir has "
+                + ", ".join(TOOL_CHOICES)
             )
         if not self.metrics_prefix.replace("_", "").isalnum():
             raise ValueError("--metrics-prefix must be letters, digits and underscores")

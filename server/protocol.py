@@ -129,6 +129,8 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None  # none, auto, required, or a named function
+    parallel_tool_calls: bool = True
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
@@ -203,6 +205,29 @@ class PromptLogprob(msgspec.Struct):
 PromptLogprobs = list[dict[str, PromptLogprob] | None]
 
 
+class FunctionCall(msgspec.Struct):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallOut(msgspec.Struct):
+    id: str
+    function: FunctionCall
+    type: str = "function"
+
+
+class DeltaFunction(msgspec.Struct, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(msgspec.Struct, omit_defaults=True):
+    index: int
+    function: DeltaFunction
+    id: str | None = None
+    type: str | None = None
+
+
 class ResponseMessage(msgspec.Struct):
     role: str
     content: str | None
@@ -210,6 +235,7 @@ class ResponseMessage(msgspec.Struct):
     # clients still read); absent otherwise.
     reasoning: str | None | msgspec.UnsetType = msgspec.UNSET
     reasoning_content: str | None | msgspec.UnsetType = msgspec.UNSET
+    tool_calls: list[ToolCallOut] | msgspec.UnsetType = msgspec.UNSET
 
 
 class ChatChoice(msgspec.Struct):
@@ -234,6 +260,7 @@ class Delta(msgspec.Struct, omit_defaults=True):
     content: str | None = None
     reasoning: str | None = None
     reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChunkChoice(msgspec.Struct):

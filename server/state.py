@@ -30,6 +30,7 @@ class ServerState:
     token_text: Any = None  # server.logprobs.TokenText for the tokenizer
     vocab_size: int = 0  # the model's lm_head width (>= the tokenizer's vocabulary)
     reasoning_parser: str | None = None  # resolved --reasoning-parser (server/reasoning)
+    tool_parser: str | None = None  # resolved --tool-call-parser (server/tool_parsers)
     grammar_checker: Any = None  # core.structured.Grammars, built with the first constraint
     checked_constraints: OrderedDict = field(default_factory=OrderedDict)  # Constraint -> error
     metrics: Any = None  # server.metrics.Metrics, once the model is loaded

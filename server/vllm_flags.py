@@ -74,22 +74,6 @@ FLAGS = (
         "",
     ),
     Flag(
-        ("--enable-auto-tool-choice",),
-        "bool",
-        _never,
-        None,
-        "weir does not parse tool calls yet: `tools` reach the chat template and the model's "
-        "reply comes back as text content. Leave the flag out until tool calling lands",
-    ),
-    Flag(
-        ("--tool-call-parser",),
-        str,
-        _never,
-        None,
-        "weir has no tool-call parsers yet: `tools` reach the chat template and the model's "
-        "reply comes back as text content",
-    ),
-    Flag(
         ("--swap-space",),
         float,
         _always,

@@ -308,8 +308,7 @@ def test_vllm_flags_that_work():
     [
         (["--tensor-parallel-size", "2"], "--tensor-parallel-size 2"),
         (["-tp", "4"], "--tensor-parallel-size 4"),
-        (["--enable-auto-tool-choice"], "--enable-auto-tool-choice"),
-        (["--tool-call-parser", "hermes"], "--tool-call-parser hermes"),
+        (["--tool-call-parser", "bogus"], "--tool-call-parser 'bogus'"),
         (["--reasoning-parser", "bogus"], "--reasoning-parser 'bogus'"),
         (["--quantization", "awq"], "--quantization awq"),
         (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8"),

@@ -1,0 +1,39 @@
+"""Tool-call parsers: a model's own call markup into OpenAI `tool_calls`. One parser per file,
+one registry; `--tool-call-parser NAME`, or `auto` (the default) to pick from the chat
+template's markup. Streaming is the difference between successive whole-text parses
+(server/tool_parsers/stream.py), so it cannot disagree with the non-streamed answer."""
+
+from __future__ import annotations
+
+from server.tool_parsers.base import Call, Parsed, ToolParser
+from server.tool_parsers.hermes import HermesParser
+from server.tool_parsers.llama3_json import Llama3JsonParser
+from server.tool_parsers.mistral import MistralParser
+from server.tool_parsers.stream import ToolStream, tool_calls
+
+PARSERS: dict[str, type[ToolParser]] = {
+    p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser)
+}
+CHOICES = (*PARSERS, "auto")
+
+
+def detect(template: str | None) -> str | None:
+    """The parser whose markup the chat template writes (None: no tool-call markup found)."""
+    if not template:
+        return None
+    for name, parser in PARSERS.items():
+        if any(marker in template for marker in parser.markers):
+            return name
+    return None
+
+
+def resolve(name: str | None, template: str | None) -> str | None:
+    if name is None or name == "auto":
+        return detect(template)
+    if name not in PARSERS:
+        raise ValueError(f"--tool-call-parser {name!r} is unknown; weir has {', '.join(CHOICES)}")
+    return name
+
+
+__all__ = ["PARSERS", "CHOICES", "Call", "Parsed", "ToolParser", "ToolStream", "detect",
+           "resolve", "tool_calls"]  # fmt: skip

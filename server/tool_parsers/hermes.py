@@ -1,0 +1,45 @@
+"""Hermes-style calls (Qwen2.5, Qwen3, Hermes, and most templates that say `<tool_call>`):
+`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, any number, text around them."""
+
+from __future__ import annotations
+
+from server.tool_parsers.base import Parsed, ToolParser, call_from, held, partial_json
+
+
+class HermesParser(ToolParser):
+    name = "hermes"
+    markers = ("<tool_call>",)
+    open, close = "<tool_call>", "</tool_call>"
+
+    def parse(self, text: str, final: bool = False) -> Parsed:
+        out = Parsed()
+        content: list[str] = []
+        pos = 0
+        while True:
+            start = text.find(self.open, pos)
+            if start < 0:
+                tail = text[pos:]
+                keep = len(tail) if final else len(tail) - held(tail, self.open)
+                content.append(tail[:keep])
+                break
+            content.append(text[pos:start])
+            body_at = start + len(self.open)
+            end = text.find(self.close, body_at)
+            body = text[body_at : end if end >= 0 else len(text)]
+            done = end >= 0
+            call = call_from(partial_json(body), done)
+            if call is None and (done or final):
+                # Not a call after all (broken markup): its text is content, as written.
+                stop = end + len(self.close) if done else len(text)
+                content.append(text[start:stop])
+                pos = stop
+                if done:
+                    continue
+                break
+            if call is not None:
+                out.calls.append(call)
+            if not done:
+                break
+            pos = end + len(self.close)
+        out.content = "".join(content)
+        return out

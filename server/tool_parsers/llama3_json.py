@@ -1,0 +1,57 @@
+"""Llama 3.x JSON calls: the reply is the call itself, `{"name": ..., "parameters": {...}}`,
+optionally after `<|python_tag|>`, several separated by `;`. A reply that does not open with a
+call is plain content (decided on its first character, so streaming never has to take it back)."""
+
+from __future__ import annotations
+
+from server.tool_parsers.base import Parsed, ToolParser, call_from, partial_json
+
+TAG = "<|python_tag|>"
+
+
+def _split_top(text: str) -> list[str]:
+    """The top-level `;`-separated pieces of a sequence of JSON objects (outside strings)."""
+    pieces, depth, start, in_str, esc = [], 0, 0, False, False
+    for i, ch in enumerate(text):
+        if in_str:
+            esc = not esc and ch == "\\"
+            if ch == '"' and not esc:
+                in_str = False
+            continue
+        if ch == '"':
+            in_str = True
+        elif ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+        elif ch == ";" and depth == 0:
+            pieces.append(text[start:i])
+            start = i + 1
+    pieces.append(text[start:])
+    return pieces
+
+
+class Llama3JsonParser(ToolParser):
+    name = "llama3_json"
+    markers = (TAG, '"parameters"')
+
+    def parse(self, text: str, final: bool = False) -> Parsed:
+        body = text.lstrip()
+        if body.startswith(TAG):
+            body = body[len(TAG) :]
+        elif not final and TAG.startswith(body):
+            return Parsed()  # may still be the tag: hold it back
+        if not body.lstrip().startswith("{"):
+            if not final and not body.strip():
+                return Parsed()
+            return Parsed(content=text)
+        out = Parsed()
+        pieces = _split_top(body)
+        for j, piece in enumerate(pieces):
+            last = j == len(pieces) - 1
+            call = call_from(partial_json(piece), not last or final)
+            if call is not None:
+                out.calls.append(call)
+        if final and not out.calls:
+            return Parsed(content=text)  # it looked like JSON but held no call
+        return out

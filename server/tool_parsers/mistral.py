@@ -1,0 +1,46 @@
+"""Mistral calls: text, then `[TOOL_CALLS]` and a JSON list of `{"name", "arguments"}` objects
+(the v3 tokenizers), or `[TOOL_CALLS]name[ARGS]{...}` per call (v11 and later)."""
+
+from __future__ import annotations
+
+import re
+
+from server.tool_parsers.base import Call, Parsed, ToolParser, call_from, held, partial_json
+
+MARK = "[TOOL_CALLS]"
+ARGS = "[ARGS]"
+
+
+class MistralParser(ToolParser):
+    name = "mistral"
+    markers = (MARK,)
+
+    def parse(self, text: str, final: bool = False) -> Parsed:
+        at = text.find(MARK)
+        if at < 0:
+            keep = len(text) if final else len(text) - held(text, MARK)
+            return Parsed(content=text[:keep])
+        out = Parsed(content=text[:at])
+        rest = text[at + len(MARK) :]
+        if rest.lstrip().startswith("[") or (not final and not rest.strip()):
+            value = partial_json(rest)
+            for j, item in enumerate(value if isinstance(value, list) else []):
+                # The list's last item is complete only once the list is.
+                done = final or j < len(value) - 1 or rest.rstrip().endswith("]")
+                call = call_from(item, done)
+                if call is not None:
+                    out.calls.append(call)
+            return out
+        # name[ARGS]{json}, repeated with further [TOOL_CALLS] markers.
+        parts = rest.split(MARK)
+        for j, part in enumerate(parts):
+            name, sep, args = part.partition(ARGS)
+            if not sep:
+                break  # the name is still being written
+            name = name.strip()
+            if not re.fullmatch(r"[\w.\-]+", name):
+                continue
+            value = partial_json(args)
+            done = final or j < len(parts) - 1
+            out.calls.append(Call(name, value if isinstance(value, dict) else {}, done))
+        return out

@@ -1,0 +1,82 @@
+"""A chat request's `tools` and `tool_choice`: checked (a 400 naming the field), and turned into
+what the reply does with the model's output: `none` (text only), or `auto` (the model's own
+call markup parsed into `tool_calls` by the server's tool-call parser)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from server.errors import APIError
+from server.protocol import ChatCompletionRequest
+from server.state import ServerState
+from server.tool_parsers import PARSERS, Parsed, ToolParser
+
+
+def _bad(param: str, message: str) -> APIError:
+    return APIError(400, message, param, "invalid_value")
+
+
+def tool_names(tools: list[dict[str, Any]]) -> list[str]:
+    names = []
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function":
+            raise _bad(f"tools[{i}].type", f"tools[{i}]: only type function is offered")
+        fn = tool.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if not isinstance(name, str) or not name:
+            raise _bad(f"tools[{i}].function.name", f"tools[{i}]: a function needs a name")
+        params = fn.get("parameters")
+        if params is not None and not isinstance(params, dict):
+            raise _bad(
+                f"tools[{i}].function.parameters",
+                f"tools[{i}]: parameters must be a JSON schema object",
+            )
+        names.append(name)
+    return names
+
+
+class FirstCall(ToolParser):
+    """parallel_tool_calls false: the first call only."""
+
+    def __init__(self, inner: ToolParser) -> None:
+        self.inner = inner
+
+    def parse(self, text: str, final: bool = False) -> Parsed:
+        parsed = self.inner.parse(text, final)
+        parsed.calls = parsed.calls[:1]
+        return parsed
+
+
+def tool_parser(st: ServerState, req: ChatCompletionRequest) -> ToolParser | None:
+    """The parser for this request's reply (None: the reply is text only)."""
+    names = tool_names(req.tools or [])
+    choice = req.tool_choice
+    if isinstance(choice, dict):
+        fn = choice.get("function") if choice.get("type", "function") == "function" else None
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if name not in names:
+            raise _bad("tool_choice", f"tool_choice names {name!r}, which is not among the tools")
+        choice = "named"
+    elif choice not in (None, "none", "auto", "required"):
+        raise _bad("tool_choice", "tool_choice must be none, auto, required or a named function")
+    if choice in ("required", "named"):
+        if not names:
+            raise _bad("tool_choice", f"tool_choice {req.tool_choice!r} needs tools")
+        raise _bad(
+            "tool_choice",
+            "tool_choice required and named functions are not enforced yet; use auto with a "
+            "tool-call parser",
+        )
+    if not names or choice == "none":
+        return None
+    if st.tool_parser is None:
+        if choice == "auto":
+            raise _bad(
+                "tool_choice",
+                "tool_choice auto needs a tool-call parser: this model's chat template shows "
+                "no markup weir knows; start the server with --tool-call-parser NAME "
+                f"({', '.join(PARSERS)})",
+            )
+        return None  # tools left to the template, the reply returned as text
+    parser = PARSERS[st.tool_parser]()
+    return parser if req.parallel_tool_calls else FirstCall(parser)

@@ -1,0 +1,114 @@
+"""Tool-call parsers on text: single, parallel, nested, unicode and broken inputs, whole and in any
+chunking (streamed deltas reassemble to the whole-text result: a Hypothesis property)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from server.tool_parsers import PARSERS, ToolStream, detect, resolve
+from server.tool_parsers.base import dumps
+
+
+def whole(name: str, text: str):
+    parsed = PARSERS[name]().parse(text, final=True)
+    return parsed.content, [(c.name, dumps(c.arguments)) for c in parsed.calls]
+
+
+def streamed(name: str, chunks: list[str]):
+    s = ToolStream(PARSERS[name]())
+    content, calls = "", {}
+    for j, piece in enumerate(chunks):
+        text, deltas = s.feed(piece, final=j == len(chunks) - 1)
+        content += text
+        for d in deltas:
+            if d.id is not None:
+                assert d.index not in calls and d.type == "function" and d.function.name
+                calls[d.index] = [d.function.name, ""]
+            calls[d.index][1] += d.function.arguments or ""
+    return content, [tuple(calls[i]) for i in sorted(calls)]
+
+
+WEATHER = '{"name": "get_weather", "arguments": {"city": "Zürich", "days": [1, 2]}}'
+NESTED = '{"name": "plan", "arguments": {"steps": [{"do": "a", "then": {"x": null}}], "ok": true}}'
+
+
+def test_hermes():
+    text = f"Let me look.\n<tool_call>\n{WEATHER}\n</tool_call>\n<tool_call>{NESTED}</tool_call>"
+    content, calls = whole("hermes", text)
+    assert content == "Let me look.\n\n"
+    assert calls == [
+        ("get_weather", '{"city": "Zürich", "days": [1, 2]}'),
+        ("plan", '{"steps": [{"do": "a", "then": {"x": null}}], "ok": true}'),
+    ]
+    # Broken markup comes back as the text it was, never a half-parsed call or an error.
+    broken = "Hi <tool_call>not json at all</tool_call> bye"
+    assert whole("hermes", broken) == (broken, [])
+    assert whole("hermes", 'cut off <tool_call>{"na') == ('cut off <tool_call>{"na', [])
+    assert whole("hermes", "no calls, 5 < 6") == ("no calls, 5 < 6", [])
+    # Arguments written as a JSON string are read as JSON.
+    as_string = '<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>'
+    assert whole("hermes", as_string) == ("", [("f", '{"a": 1}')])
+
+
+def test_llama3_json():
+    one = '{"name": "get_weather", "parameters": {"city": "Oslo"}}'
+    assert whole("llama3_json", one) == ("", [("get_weather", '{"city": "Oslo"}')])
+    two = f'<|python_tag|>{one}; {{"name": "now", "parameters": {{}}}}'
+    assert whole("llama3_json", two)[1] == [("get_weather", '{"city": "Oslo"}'), ("now", "{}")]
+    assert whole("llama3_json", "Oslo is sunny.") == ("Oslo is sunny.", [])
+    assert whole("llama3_json", "{not a call}") == ("{not a call}", [])
+
+
+def test_mistral():
+    listed = (
+        'Sure. [TOOL_CALLS][{"name": "a", "arguments": {"x": 1}}, {"name": "b", "arguments": {}}]'
+    )
+    assert whole("mistral", listed) == ("Sure. ", [("a", '{"x": 1}'), ("b", "{}")])
+    v11 = '[TOOL_CALLS]get_weather[ARGS]{"city": "Lyon"}[TOOL_CALLS]now[ARGS]{}'
+    assert whole("mistral", v11) == ("", [("get_weather", '{"city": "Lyon"}'), ("now", "{}")])
+    assert whole("mistral", "plain [TOOL") == ("plain [TOOL", [])
+
+
+def test_auto_detects_from_the_template():
+    assert detect("{% for t in tools %}<tool_call>{{ t | tojson }}</tool_call>{% endfor %}") == (
+        "hermes"
+    )
+    assert detect("[TOOL_CALLS]") == "mistral" and detect("<|python_tag|>") == "llama3_json"
+    assert detect("{{ messages }}") is None and resolve("auto", None) is None
+    with pytest.raises(ValueError, match="unknown"):
+        resolve("bogus", None)
+
+
+FRAGMENTS = {
+    "hermes": [
+        "<tool_call>", "</tool_call>", WEATHER, NESTED, '{"name": "f"', ', "arguments": {"a": ',
+        '"ü", "b": [1, {"c": 2}]}}', "text ", "<tool", "_call>", "\n", "{", "}", "junk",
+    ],
+    "llama3_json": [
+        "<|python_tag|>", '{"name": "f", "parameters": ', '{"a": [1, 2]', "}}", "; ",
+        '{"name": "g", "parameters": {}}', "text", " ", "<|py", "{", '"x"',
+    ],
+    "mistral": [
+        "[TOOL_CALLS]", "[", '{"name": "a", "arguments": {"x": "é"}}', ", ", "]", "a[ARGS]",
+        '{"k": [1, {"z": null}]}', "text ", "[TOOL", "_CALLS]", "{",
+    ],
+}  # fmt: skip
+
+
+@settings(max_examples=250, deadline=None)
+@given(data=st.data(), name=st.sampled_from(sorted(FRAGMENTS)))
+def test_streamed_deltas_reassemble_to_the_whole_parse(data, name):
+    pieces = data.draw(st.lists(st.sampled_from(FRAGMENTS[name]), max_size=10))
+    text = "".join(pieces)
+    cuts = data.draw(st.lists(st.integers(0, len(text)), max_size=8))
+    bounds = sorted(set(cuts) | {0, len(text)})
+    chunks = [text[a:b] for a, b in zip(bounds, bounds[1:])] or [""]
+    expect = whole(name, text)
+    assert streamed(name, chunks) == expect, (text, chunks)
+    assert streamed(name, list(text) + [""]) == expect
+    for _, args in expect[1]:
+        json.loads(args)  # whatever was parsed is JSON

@@ -1,0 +1,163 @@
+"""Tool calling through the server and the OpenAI SDK: a random model forced (by a one-member
+choice constraint) to write hermes markup, read back as tool_calls whole and streamed (n=2),
+with reasoning before the calls, the multi-turn round trip, and the 400s for bad tool input."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from tests.conftest import LiveServer, tiny_config
+
+# ChatML with Qwen's hermes tool markup (a shortened Qwen2.5 template).
+CHATML_TOOLS = (
+    "{%- if tools %}<|im_start|>system\nYou may call functions: <tools>"
+    "{% for t in tools %}{{ t | tojson }}{% endfor %}</tools>\nAnswer with "
+    '<tool_call>{"name": ..., "arguments": ...}</tool_call>.<|im_end|>\n{% endif %}'
+    "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content or '' }}"
+    "{%- for tc in m.tool_calls or [] %}<tool_call>\n"
+    '{{ {"name": tc.function.name, "arguments": tc.function.arguments} | tojson }}'
+    "\n</tool_call>{% endfor %}<|im_end|>\n{% endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+CALLS = (
+    "Checking.\n<tool_call>\n"
+    '{"name": "get_weather", "arguments": {"city": "Zürich", "unit": "c"}}'
+    "\n</tool_call>\n<tool_call>\n"
+    '{"name": "get_time", "arguments": {}}'
+    "\n</tool_call>"
+)
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
+                "required": ["city"],
+            },
+        },
+    },
+    {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}},
+]
+USER = [{"role": "user", "content": "Weather and time in Zürich?"}]
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    config = tiny_config(
+        model_dir, max_model_len=2048, num_kv_blocks=512, chat_template=CHATML_TOOLS
+    )
+    s = LiveServer(config, reasoning_parser="qwen3").start()
+    yield s
+    s.stop()
+
+
+def ask(client, text: str = CALLS, **kw):
+    kw.setdefault("tools", TOOLS)
+    extra = {"guided_choice": [text]} | kw.pop("extra_body", {})
+    return client.chat.completions.create(
+        model="tiny", messages=kw.pop("messages", USER), max_tokens=200, extra_body=extra, **kw
+    )
+
+
+def test_the_template_selects_the_hermes_parser(server):
+    assert server.state.tool_parser == "hermes"
+
+
+def test_tool_calls_whole_and_streamed(client):
+    r = ask(client, n=2, temperature=1.0)
+    want = [("get_weather", {"city": "Zürich", "unit": "c"}), ("get_time", {})]
+    for choice in r.choices:
+        calls = choice.message.tool_calls
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == want
+        assert all(c.id.startswith("call_") and c.type == "function" for c in calls)
+        assert len({c.id for c in calls}) == 2
+        assert choice.message.content == "Checking.\n\n" and choice.finish_reason == "tool_calls"
+    whole_args = [c.function.arguments for c in r.choices[0].message.tool_calls]
+    chunks = list(ask(client, n=2, stream=True))
+    for i in range(2):
+        choices = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == i]
+        calls: dict[int, list[str]] = {}
+        for ch in choices:
+            for d in ch.delta.tool_calls or []:
+                if d.id:
+                    calls[d.index] = [d.id, d.function.name, ""]
+                calls[d.index][2] += d.function.arguments or ""
+        assert [(name, args) for _, name, args in calls.values()] == list(
+            zip(["get_weather", "get_time"], whole_args)
+        )
+        text = "".join(ch.delta.content or "" for ch in choices)
+        assert text == "Checking.\n\n" and "<tool_call>" not in text
+        assert choices[-1].finish_reason == "tool_calls"
+
+
+def test_one_call_when_not_parallel_and_none_when_told(client):
+    r = ask(client, parallel_tool_calls=False)
+    assert [c.function.name for c in r.choices[0].message.tool_calls] == ["get_weather"]
+    r = ask(client, tool_choice="none")
+    assert r.choices[0].message.content == CALLS and not r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "stop"
+
+
+def test_reasoning_then_calls(client):
+    r = ask(client, "<think>\nneeds a tool\n</think>\n\n" + CALLS)
+    msg = r.choices[0].message
+    assert msg.model_extra["reasoning_content"] == "\nneeds a tool\n"
+    assert [c.function.name for c in msg.tool_calls] == ["get_weather", "get_time"]
+    assert msg.content == "\n\nChecking.\n\n"
+
+
+def test_round_trip(client):
+    first = ask(client)
+    assistant = first.choices[0].message
+    messages = USER + [
+        {
+            "role": "assistant",
+            "content": assistant.content,
+            "tool_calls": [c.model_dump() for c in assistant.tool_calls],
+        },
+        {"role": "tool", "tool_call_id": assistant.tool_calls[0].id, "content": "12 C, sunny"},
+        {"role": "tool", "tool_call_id": assistant.tool_calls[1].id, "content": "14:05"},
+    ]
+    r = ask(client, "It is sunny and 14:05.", messages=messages)
+    assert r.choices[0].message.content == "It is sunny and 14:05."
+    assert not r.choices[0].message.tool_calls and r.choices[0].finish_reason == "stop"
+
+
+BAD = [
+    ({"tools": [{"type": "function", "function": {}}]}, "tools[0].function.name"),
+    ({"tools": [{"type": "retrieval"}]}, "tools[0].type"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("fields,param", BAD)
+def test_bad_tool_input(server, fields, param):
+    r = httpx.post(
+        server.url + "/v1/chat/completions", json={"messages": USER, "max_tokens": 2, **fields}
+    )
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+
+
+def test_auto_without_a_parser_is_a_400(model_dir):
+    s = LiveServer(tiny_config(model_dir, num_kv_blocks=32)).start()  # ChatML: no tool markup
+    try:
+        assert s.state.tool_parser is None
+        body = {"messages": USER, "max_tokens": 2, "tools": TOOLS}
+        r = httpx.post(s.url + "/v1/chat/completions", json=body | {"tool_choice": "auto"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
+        assert "--tool-call-parser" in r.json()["error"]["message"]
+        # Unasked, tools go to the template and the reply is text, as before.
+        assert httpx.post(s.url + "/v1/chat/completions", json=body).status_code == 200
+    finally:
+        s.stop()
