@@ -55,9 +55,9 @@ async def chat_completions() -> Response:
     # The template already wrote any BOS it wants; don't let the tokenizer add another.
     prompt = st.tokenizer.encode(prompt_text, add_special_tokens=False)
     thinker = reasoning.PARSERS[st.reasoning_parser] if st.reasoning_parser else None
-    call_parser = tools.tool_parser(st, req)
+    call_parser, call_constraint = tools.tool_parser(st, req)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    constraint = await structured.request_constraint(st, req)
+    constraint = await structured.request_constraint(st, req, call_constraint)
     params = sampling_params(
         st, req, req.max_completion_tokens or req.max_tokens, len(prompt), logprobs, constraint
     )

@@ -132,13 +132,9 @@ def _checker(st: ServerState) -> Grammars:
     return st.grammar_checker
 
 
-async def request_constraint(st: ServerState, req: SamplingFields) -> Constraint | None:
-    """The constraint, compiled once off the event loop to find errors (remembered per
-    constraint): a 400 with the compiler's message when it cannot be enforced."""
-    found = constraint_of(req)
-    if found is None:
-        return None
-    c, field = found
+async def check(st: ServerState, c: Constraint, field: str) -> Constraint:
+    """`c`, compiled once off the event loop to find errors (remembered per constraint): a 400
+    naming `field`, with the compiler's message, when it cannot be enforced."""
     checked: OrderedDict = st.checked_constraints
     if c in checked:
         checked.move_to_end(c)
@@ -152,3 +148,18 @@ async def request_constraint(st: ServerState, req: SamplingFields) -> Constraint
     if error is not None:
         raise _bad(field, f"the constraint cannot be enforced: {error}")
     return c
+
+
+async def request_constraint(
+    st: ServerState, req: SamplingFields, tool_constraint: Constraint | None = None
+) -> Constraint | None:
+    """The request's constraint, checked; `tool_constraint` is the one tool_choice required or
+    a named function imposes, which cannot be combined with another."""
+    found = constraint_of(req)
+    if tool_constraint is not None:
+        if found is not None:
+            raise _bad(found[1], "cannot be combined with tool_choice required or a named function")
+        return await check(st, tool_constraint, "tools")
+    if found is None:
+        return None
+    return await check(st, *found)

@@ -1,11 +1,13 @@
 """A chat request's `tools` and `tool_choice`: checked (a 400 naming the field), and turned into
-what the reply does with the model's output: `none` (text only), or `auto` (the model's own
-call markup parsed into `tool_calls` by the server's tool-call parser)."""
+what the reply does with the model's output: `none` (text only), `auto` (the model's own call
+markup parsed into `tool_calls` by the server's tool-call parser), or `required` / a named
+function (the same, with the markup enforced by a structured-output grammar)."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from core.structured import Constraint
 from server.errors import APIError
 from server.protocol import ChatCompletionRequest
 from server.state import ServerState
@@ -47,28 +49,39 @@ class FirstCall(ToolParser):
         return parsed
 
 
-def tool_parser(st: ServerState, req: ChatCompletionRequest) -> ToolParser | None:
-    """The parser for this request's reply (None: the reply is text only)."""
-    names = tool_names(req.tools or [])
+def tool_parser(
+    st: ServerState, req: ChatCompletionRequest
+) -> tuple[ToolParser | None, Constraint | None]:
+    """The parser for this request's reply (None: the reply is text only), and, for
+    tool_choice required or a named function, the constraint that makes the model write calls:
+    its own call markup (the server's parser's; hermes where the template shows none) holding
+    JSON that validates against the chosen tools' parameters."""
+    tools = req.tools or []
+    names = tool_names(tools)
     choice = req.tool_choice
+    chosen = tools
     if isinstance(choice, dict):
         fn = choice.get("function") if choice.get("type", "function") == "function" else None
         name = fn.get("name") if isinstance(fn, dict) else None
         if name not in names:
             raise _bad("tool_choice", f"tool_choice names {name!r}, which is not among the tools")
+        chosen = [tools[names.index(name)]]
         choice = "named"
     elif choice not in (None, "none", "auto", "required"):
         raise _bad("tool_choice", "tool_choice must be none, auto, required or a named function")
     if choice in ("required", "named"):
         if not names:
             raise _bad("tool_choice", f"tool_choice {req.tool_choice!r} needs tools")
-        raise _bad(
-            "tool_choice",
-            "tool_choice required and named functions are not enforced yet; use auto with a "
-            "tool-call parser",
-        )
+        parser = PARSERS[st.tool_parser or "hermes"](tools)
+        parallel = req.parallel_tool_calls and choice == "required"
+        try:
+            grammar = parser.call_grammar(chosen, parallel)
+        except NotImplementedError:  # no grammar for this markup (pythonic, XML): hermes's
+            parser = PARSERS["hermes"](tools)
+            grammar = parser.call_grammar(chosen, parallel)
+        return (parser if parallel else FirstCall(parser)), Constraint("grammar", grammar)
     if not names or choice == "none":
-        return None
+        return None, None
     if st.tool_parser is None:
         if choice == "auto":
             raise _bad(
@@ -77,6 +90,6 @@ def tool_parser(st: ServerState, req: ChatCompletionRequest) -> ToolParser | Non
                 "no markup weir knows; start the server with --tool-call-parser NAME "
                 f"({', '.join(PARSERS)})",
             )
-        return None  # tools left to the template, the reply returned as text
-    parser = PARSERS[st.tool_parser]()
-    return parser if req.parallel_tool_calls else FirstCall(parser)
+        return None, None  # tools left to the template, the reply returned as text
+    parser = PARSERS[st.tool_parser](tools)
+    return (parser if req.parallel_tool_calls else FirstCall(parser)), None

@@ -73,6 +73,33 @@ def test_mistral():
     assert whole("mistral", "plain [TOOL") == ("plain [TOOL", [])
 
 
+def test_pythonic():
+    text = '[get_weather(city="Oslo", days=3), get_time()]'
+    assert whole("pythonic", text) == ("", [("get_weather", '{"city": "Oslo", "days": 3}'),
+                                            ("get_time", "{}")])  # fmt: skip
+    assert whole("pythonic", "Oslo is sunny.") == ("Oslo is sunny.", [])
+    assert whole("pythonic", "[1, 2, 3]") == ("[1, 2, 3]", [])
+    nested = "[plan(steps=[{'do': 'a'}], note='é, ok')]"
+    assert whole("pythonic", nested)[1] == [("plan", '{"steps": [{"do": "a"}], "note": "é, ok"}')]
+
+
+def test_qwen3_coder():
+    text = (
+        "Sure.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nZürich\n</parameter>\n"
+        "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>"
+    )
+    assert whole("qwen3_coder", text) == (
+        "Sure.\n",
+        [("get_weather", '{"city": "Zürich", "days": 3}')],
+    )
+    typed = PARSERS["qwen3_coder"](
+        [{"function": {"name": "f", "parameters": {"properties": {"code": {"type": "string"}}}}}]
+    ).parse("<tool_call><function=f><parameter=code>123</parameter></function></tool_call>", True)
+    assert typed.calls[0].arguments == {"code": "123"}  # the schema says string
+    broken = "<tool_call>no function here</tool_call>"
+    assert whole("qwen3_coder", broken) == (broken, [])
+
+
 def test_auto_detects_from_the_template():
     assert detect("{% for t in tools %}<tool_call>{{ t | tojson }}</tool_call>{% endfor %}") == (
         "hermes"
@@ -91,6 +118,14 @@ FRAGMENTS = {
     "llama3_json": [
         "<|python_tag|>", '{"name": "f", "parameters": ', '{"a": [1, 2]', "}}", "; ",
         '{"name": "g", "parameters": {}}', "text", " ", "<|py", "{", '"x"',
+    ],
+    "pythonic": [
+        "[", "]", "get_weather(", 'city="Oslo"', ", ", "days=3", ")", "f()", "text", "'a, b'",
+        "[x", "(", "{'k': [1]}",
+    ],
+    "qwen3_coder": [
+        "<tool_call>", "</tool_call>", "<function=f>", "</function>", "<parameter=a>", "1",
+        "</parameter>", "<parameter=b>", "é x", "text ", "<tool", "\n", "<function=",
     ],
     "mistral": [
         "[TOOL_CALLS]", "[", '{"name": "a", "arguments": {"x": "é"}}', ", ", "]", "a[ARGS]",

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import httpx
+import jsonschema
 import pytest
 
 from tests.conftest import LiveServer, tiny_config
@@ -130,6 +131,74 @@ def test_round_trip(client):
     assert not r.choices[0].message.tool_calls and r.choices[0].finish_reason == "stop"
 
 
+BOUNDED = [  # a random model must be able to finish these
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string", "maxLength": 12},
+                    "unit": {"enum": ["c", "f"]},
+                    "days": {"type": "integer", "minimum": 1, "maximum": 7},
+                },
+                "required": ["city", "unit"],
+                "additionalProperties": False,
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "get_time",
+            "parameters": {
+                "type": "object",
+                "properties": {"zone": {"enum": ["UTC", "CET"]}},
+                "additionalProperties": False,
+            },
+        },
+    },
+]
+
+
+@pytest.mark.parametrize("choice", ["required", "named"])
+def test_required_and_named_calls_are_enforced(server, choice):
+    """The untrained model writes valid calls in its own (hermes) markup: 20 samples each."""
+    from tests.test_structured import close_bias, no_whitespace_bias
+
+    tok = server.state.tokenizer
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in BOUNDED}
+    tool_choice = (
+        "required"
+        if choice == "required"
+        else {"type": "function", "function": {"name": "get_time"}}
+    )
+    body = {
+        "messages": USER,
+        "tools": BOUNDED,
+        "tool_choice": tool_choice,
+        "max_tokens": 300,
+        "temperature": 1.0,
+        "n": 4,
+        "logit_bias": close_bias(tok) | no_whitespace_bias(tok),
+    }
+    seen = 0
+    for seed in range(5):
+        r = httpx.post(server.url + "/v1/chat/completions", json=body | {"seed": seed}, timeout=60)
+        assert r.status_code == 200, r.text
+        for c in r.json()["choices"]:
+            calls = c["message"]["tool_calls"]
+            assert c["finish_reason"] == "tool_calls" and calls, c
+            if choice == "named":
+                assert [call["function"]["name"] for call in calls] == ["get_time"]
+            for call in calls:
+                args = json.loads(call["function"]["arguments"])
+                jsonschema.validate(args, schemas[call["function"]["name"]])
+            seen += 1
+    assert seen == 20
+
+
 BAD = [
     ({"tools": [{"type": "function", "function": {}}]}, "tools[0].function.name"),
     ({"tools": [{"type": "retrieval"}]}, "tools[0].type"),
@@ -137,6 +206,9 @@ BAD = [
      "tool_choice"),
     ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "required", "guided_regex": "a"}, "guided_regex"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"not": {}}}}],
+      "tool_choice": "required"}, "tools"),
 ]  # fmt: skip
 
 
@@ -159,5 +231,10 @@ def test_auto_without_a_parser_is_a_400(model_dir):
         assert "--tool-call-parser" in r.json()["error"]["message"]
         # Unasked, tools go to the template and the reply is text, as before.
         assert httpx.post(s.url + "/v1/chat/completions", json=body).status_code == 200
+        # A named function is still enforced, in hermes markup, and read back as a call.
+        named = {"type": "function", "function": {"name": "get_time"}}
+        body |= {"tools": BOUNDED, "tool_choice": named, "max_tokens": 100, "seed": 1}
+        r = httpx.post(s.url + "/v1/chat/completions", json=body).json()
+        assert r["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "get_time"
     finally:
         s.stop()

@@ -12,6 +12,7 @@ carries several tokens cannot occur.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,42 +34,109 @@ class Parsed:
 
 
 _decoder = json.JSONDecoder()
+_NUMBER = re.compile(r"-?(0|[1-9][0-9]*)?(\.[0-9]*)?([eE][+-]?[0-9]*)?")
+_LITERALS = ("true", "false", "null")
+_ESCAPES = set('"\\/bfnrtu')
 
 
-def _partial(text: str) -> Any:
-    try:
-        return _decoder.raw_decode(text)[0]  # a whole value (anything after it is not ours)
-    except ValueError:
-        pass
-    try:
-        return _partial_loads(text, Allow.OBJ | Allow.ARR)
-    except (MalformedJSON, ValueError, IndexError, RecursionError, TypeError, AssertionError):
-        return _BAD  # the library asserts on some malformed input rather than raising its own
-
-
-_BAD = object()
+def json_prefix(text: str) -> int:
+    """The length of the longest prefix of `text` that some JSON value begins with (the
+    partial parser is lenient with what is not, so it only sees this prefix): a strict scan
+    of strings, numbers, literals and the nesting of objects and arrays."""
+    stack: list[str] = []  # "{" or "["
+    expect = "value"  # value | key | key_or_end | value_or_end | colon | comma_or_end | done
+    i, n = 0, len(text)
+    while i < n:
+        ch = text[i]
+        if ch in " \t\r\n":
+            i += 1
+            continue
+        if expect == "done":
+            return i
+        if ch == '"' and expect in ("value", "value_or_end", "key", "key_or_end"):
+            j, hexes = i + 1, 0
+            while j < n:
+                c = text[j]
+                if hexes:
+                    if c not in "0123456789abcdefABCDEF":
+                        return j
+                    hexes -= 1
+                elif c == "\\":
+                    if j + 1 < n and text[j + 1] not in _ESCAPES:
+                        return j
+                    hexes = 4 if j + 1 < n and text[j + 1] == "u" else 0
+                    j += 1
+                elif c == '"':
+                    break
+                elif ord(c) < 0x20:
+                    return j
+                j += 1
+            if j >= n:
+                return n  # an unfinished string
+            expect = "colon" if expect in ("key", "key_or_end") else "comma_or_end"
+            i = j + 1
+        elif expect in ("value", "value_or_end") and (ch == "-" or ch.isdigit()):
+            m = _NUMBER.match(text, i)
+            i = m.end()
+            if i < n and text[i] not in " \t\r\n,]}":
+                return i
+            expect = "comma_or_end"
+        elif expect in ("value", "value_or_end") and ch in "tfn":
+            for lit in _LITERALS:
+                if text.startswith(lit[: n - i], i) and lit[0] == ch:
+                    if n - i < len(lit):
+                        return n  # an unfinished literal
+                    i += len(lit)
+                    break
+            else:
+                return i
+            expect = "comma_or_end"
+        elif expect in ("value", "value_or_end") and ch in "{[":
+            stack.append(ch)
+            expect = "key_or_end" if ch == "{" else "value_or_end"
+            i += 1
+            continue
+        elif ch in "}]" and (
+            expect in ("comma_or_end", "key_or_end", "value_or_end")
+            and stack
+            and stack[-1] == ("{" if ch == "}" else "[")
+            and not (expect == "key_or_end" and ch == "]")
+            and not (expect == "value_or_end" and ch == "}")
+        ):
+            stack.pop()
+            i += 1
+            expect = "comma_or_end"
+        elif ch == ":" and expect == "colon":
+            expect = "value"
+            i += 1
+            continue
+        elif ch == "," and expect == "comma_or_end" and stack:
+            expect = "key" if stack[-1] == "{" else "value"
+            i += 1
+            continue
+        else:
+            return i
+        if not stack and expect == "comma_or_end":
+            expect = "done"
+    return n
 
 
 def partial_json(text: str) -> Any:
     """The JSON value `text` begins, with unfinished objects and arrays closed and unfinished
     strings, numbers and literals left out (so nothing in it changes later); None if `text`
     does not begin JSON. Where the text turns invalid part-way, the value is that of its
-    longest prefix that still begins JSON: being a valid start is kept by every shorter
-    prefix, so that prefix only ever grows, and a value found once is never lost."""
-    text = text.strip()
+    longest valid beginning, which only ever grows: a value found once is never lost."""
+    text = text[: json_prefix(text)].strip()
     if not text:
         return None
-    value = _partial(text)
-    if value is not _BAD:
-        return value
-    lo, hi = 0, len(text)  # text[:lo] begins JSON (or is empty); text[:hi] does not
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if _partial(text[:mid].rstrip()) is _BAD:
-            hi = mid
-        else:
-            lo = mid
-    return _partial(text[:lo].rstrip()) if lo else None
+    try:
+        return _decoder.raw_decode(text)[0]
+    except ValueError:
+        pass
+    try:
+        return _partial_loads(text, Allow.OBJ | Allow.ARR)
+    except (MalformedJSON, ValueError, IndexError, RecursionError, TypeError, AssertionError):
+        return None  # the library asserts on some input rather than raising its own error
 
 
 def whole_json(text: str) -> Any:
@@ -106,11 +174,43 @@ def stable_prefix(arguments: Any) -> str:
     return dumps(arguments).rstrip("]}")
 
 
+def call_schema(tools: list[dict[str, Any]], key: str = "arguments") -> dict[str, Any]:
+    """The JSON schema of one call object to any of `tools`: its name, and arguments that
+    validate against that tool's parameters."""
+    options = []
+    for tool in tools:
+        fn = tool["function"]
+        options.append(
+            {
+                "type": "object",
+                "properties": {
+                    "name": {"const": fn["name"]},
+                    key: fn.get("parameters") or {"type": "object"},
+                },
+                "required": ["name", key],
+                "additionalProperties": False,
+            }
+        )
+    return options[0] if len(options) == 1 else {"anyOf": options}
+
+
+def lark_json(schema: dict[str, Any]) -> str:
+    return "%json " + json.dumps(schema)
+
+
 class ToolParser:
-    """Subclasses implement parse(); `markers` is what `auto` looks for in a chat template."""
+    """Subclasses implement parse(), and call_grammar() for tool_choice required or a named
+    function: a Lark grammar (llguidance's, with embedded JSON schemas) of the model's own call
+    markup; `markers` is what `auto` looks for in a chat template."""
 
     name = ""
     markers: tuple[str, ...] = ()
 
+    def __init__(self, tools: list[dict[str, Any]] | None = None) -> None:
+        """`tools`: the request's tools, for parsers that type values by their schemas."""
+
     def parse(self, text: str, final: bool = False) -> Parsed:
+        raise NotImplementedError
+
+    def call_grammar(self, tools: list[dict[str, Any]], parallel: bool) -> str:
         raise NotImplementedError

@@ -3,7 +3,17 @@
 
 from __future__ import annotations
 
-from server.tool_parsers.base import Parsed, ToolParser, call_from, held, partial_json
+from typing import Any
+
+from server.tool_parsers.base import (
+    Parsed,
+    ToolParser,
+    call_from,
+    call_schema,
+    held,
+    lark_json,
+    partial_json,
+)
 
 
 class HermesParser(ToolParser):
@@ -43,3 +53,11 @@ class HermesParser(ToolParser):
             pos = end + len(self.close)
         out.content = "".join(content)
         return out
+
+    def call_grammar(self, tools: list[dict[str, Any]], parallel: bool) -> str:
+        more = ' ("\\n" call)*' if parallel else ""
+        return (
+            f"start: call{more}\n"
+            'call: "<tool_call>\\n" obj "\\n</tool_call>"\n'
+            f"obj: {lark_json(call_schema(tools))}"
+        )

@@ -4,7 +4,16 @@ call is plain content (decided on its first character, so streaming never has to
 
 from __future__ import annotations
 
-from server.tool_parsers.base import Parsed, ToolParser, call_from, partial_json
+from typing import Any
+
+from server.tool_parsers.base import (
+    Parsed,
+    ToolParser,
+    call_from,
+    call_schema,
+    lark_json,
+    partial_json,
+)
 
 TAG = "<|python_tag|>"
 
@@ -55,3 +64,7 @@ class Llama3JsonParser(ToolParser):
         if final and not out.calls:
             return Parsed(content=text)  # it looked like JSON but held no call
         return out
+
+    def call_grammar(self, tools: list[dict[str, Any]], parallel: bool) -> str:
+        more = ' ("; " obj)*' if parallel else ""
+        return f"start: obj{more}\nobj: {lark_json(call_schema(tools, 'parameters'))}"

@@ -5,7 +5,18 @@ from __future__ import annotations
 
 import re
 
-from server.tool_parsers.base import Call, Parsed, ToolParser, call_from, held, partial_json
+from typing import Any
+
+from server.tool_parsers.base import (
+    Call,
+    Parsed,
+    ToolParser,
+    call_from,
+    call_schema,
+    held,
+    lark_json,
+    partial_json,
+)
 
 MARK = "[TOOL_CALLS]"
 ARGS = "[ARGS]"
@@ -44,3 +55,9 @@ class MistralParser(ToolParser):
             done = final or j < len(parts) - 1
             out.calls.append(Call(name, value if isinstance(value, dict) else {}, done))
         return out
+
+    def call_grammar(self, tools: list[dict[str, Any]], parallel: bool) -> str:
+        calls: dict[str, Any] = {"type": "array", "items": call_schema(tools), "minItems": 1}
+        if not parallel:
+            calls["maxItems"] = 1
+        return f'start: "{MARK}" calls\ncalls: {lark_json(calls)}'
