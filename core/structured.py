@@ -35,6 +35,9 @@ class Constraint(msgspec.Struct, frozen=True, gc=False):
     spec: str = ""
     any_whitespace: bool = True  # JSON may hold whitespace between tokens (vLLM's default)
     additional_properties: bool = True  # False: objects without the keyword allow no others
+    # A thinking model reasons first, unconstrained: "open" when the prompt opened the think
+    # block (the output is reasoning up to </think>), "optional" when the output may open one.
+    think: str = ""
 
 
 def _close_objects(schema: Any) -> Any:
@@ -52,6 +55,30 @@ def _close_objects(schema: Any) -> Any:
 def grammar_text(c: Constraint) -> str:
     """The llguidance grammar for a constraint. Raises ValueError for input that is not even
     well-formed (a schema that is not JSON); the grammar's own errors come from `check`."""
+    inner = _inner_grammar(c)
+    return _after_think(inner, c.think) if c.think else inner
+
+
+def _after_think(inner: str, think: str) -> str:
+    """The constraint's grammar behind a free think block (to the first </think>, then any
+    whitespace), as vLLM applies constraints once the reasoning has ended."""
+    try:
+        top = json.loads(inner)
+    except ValueError:  # plain Lark text
+        top = {"grammars": [{"lark_grammar": inner}]}
+    answer = top["grammars"][0]
+    answer["name"] = name = answer.get("name") or "answer"
+    rules = 'body[stop="</think>"]: /(?s:.*)/\nws: /[ \\t\\r\\n]*/'
+    if think == "open":
+        lark = f"start: body ws @{name}\n{rules}"
+    elif think == "optional":
+        lark = f'start: think? @{name}\nthink: "<think>" body ws\n{rules}'
+    else:
+        raise ValueError(f"think must be open or optional, not {think!r}")
+    return json.dumps({"grammars": [{"name": "main", "lark_grammar": lark}, *top["grammars"]]})
+
+
+def _inner_grammar(c: Constraint) -> str:
     import llguidance as llg
 
     if c.kind in ("json", "json_object"):
@@ -76,6 +103,37 @@ def grammar_text(c: Constraint) -> str:
     raise ValueError(f"unknown constraint kind {c.kind!r}; one of {', '.join(KINDS)}")
 
 
+def _byte_level_alphabet() -> dict[int, str]:
+    """GPT-2's byte -> printable character table, which byte-level BPE vocabularies use."""
+    keep = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    table, extra = {b: chr(b) for b in keep}, 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+def _plain_added_tokens(data: dict[str, Any]) -> None:
+    """Added tokens that are not special (Qwen3's <think> and </think>, tool markup) are plain
+    text to the model and in its output, but llguidance would treat every added token as a
+    special one (bytes it never matches against a grammar's text), while still tokenizing
+    forced text into them: a grammar that forces "<think>" then refuses the very token it
+    forced. In a byte-level BPE they become ordinary vocabulary entries instead."""
+    model = data.get("model") or {}
+    if model.get("type") != "BPE" or "ByteLevel" not in json.dumps(data.get("pre_tokenizer")):
+        return
+    alphabet = _byte_level_alphabet()
+    kept = []
+    for tok in data.get("added_tokens") or []:
+        if tok.get("special", True):
+            kept.append(tok)
+            continue
+        piece = "".join(alphabet[b] for b in tok["content"].encode("utf-8"))
+        model["vocab"].setdefault(piece, tok["id"])
+    data["added_tokens"] = kept
+
+
 def llg_tokenizer(tokenizer_json: str, vocab_size: int, eos_token_ids: list[int]):
     """llguidance's view of the model's fast tokenizer. `vocab_size` is the lm_head width, so
     ids past the tokenizer's own vocabulary (padding rows) are masked too."""
@@ -83,6 +141,7 @@ def llg_tokenizer(tokenizer_json: str, vocab_size: int, eos_token_ids: list[int]
 
     data = json.loads(tokenizer_json)
     data["padding"] = data["truncation"] = None
+    _plain_added_tokens(data)
     return llg.LLTokenizer(json.dumps(data), n_vocab=vocab_size, eos_token=list(eos_token_ids))
 
 

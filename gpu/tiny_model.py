@@ -99,8 +99,11 @@ def build_tiny_model(
     head_dim: int | None = None,
     model_vocab_size: int | None = None,
     dtype: str = "float32",
+    added_tokens: tuple[str, ...] = (),
 ) -> Path:
-    """Write a random-weight model of the given shape with a trained tokenizer to `path`."""
+    """Write a random-weight model of the given shape with a trained tokenizer to `path`.
+    `added_tokens`: whole-text tokens added to the vocabulary, not special (as Qwen3's
+    `<think>` and `</think>` are: they stay in the decoded text)."""
     import torch
     from transformers import (
         AutoModelForCausalLM,
@@ -114,6 +117,8 @@ def build_tiny_model(
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = train_tokenizer(vocab_size, seed)
+    if added_tokens:
+        tokenizer.add_tokens(list(added_tokens))
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     common = dict(
         # A model may have more embedding rows than the tokenizer has tokens (Qwen pads to 151,936).

@@ -57,7 +57,11 @@ async def chat_completions() -> Response:
     thinker = reasoning.PARSERS[st.reasoning_parser] if st.reasoning_parser else None
     call_parser, call_constraint = tools.tool_parser(st, req)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    constraint = await structured.request_constraint(st, req, call_constraint)
+    think = ""
+    if thinker is not None:  # constraints hold once the reasoning has ended, as in vLLM
+        reader = thinker(prompt_text)
+        think = "open" if reader.in_reasoning else "" if reader.thinking_off else "optional"
+    constraint = await structured.request_constraint(st, req, call_constraint, think)
     params = sampling_params(
         st, req, req.max_completion_tokens or req.max_tokens, len(prompt), logprobs, constraint
     )

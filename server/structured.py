@@ -8,6 +8,7 @@ import json
 from collections import OrderedDict
 from typing import Any
 
+import msgspec
 import trio
 
 from core.structured import Constraint, Grammars
@@ -151,15 +152,22 @@ async def check(st: ServerState, c: Constraint, field: str) -> Constraint:
 
 
 async def request_constraint(
-    st: ServerState, req: SamplingFields, tool_constraint: Constraint | None = None
+    st: ServerState,
+    req: SamplingFields,
+    tool_constraint: Constraint | None = None,
+    think: str = "",
 ) -> Constraint | None:
     """The request's constraint, checked; `tool_constraint` is the one tool_choice required or
-    a named function imposes, which cannot be combined with another."""
+    a named function imposes, which cannot be combined with another. `think` ("open" or
+    "optional", for a thinking model) lets the reasoning run free before the constraint."""
     found = constraint_of(req)
     if tool_constraint is not None:
         if found is not None:
             raise _bad(found[1], "cannot be combined with tool_choice required or a named function")
-        return await check(st, tool_constraint, "tools")
+        found = (tool_constraint, "tools")
     if found is None:
         return None
-    return await check(st, *found)
+    c, field = found
+    if think:
+        c = msgspec.structs.replace(c, think=think)
+    return await check(st, c, field)

@@ -14,6 +14,16 @@ from server.reasoning import PARSERS, ReasoningStream, detect, resolve
 from tests.conftest import LiveServer, tiny_config
 
 THINK = "<think>\nLet me think: 2 × 21 🤔\n</think>\n\nThe answer is 42."
+# ChatML that, like Qwen3's template, closes an empty think block when enable_thinking is false
+# (then a constraint holds from the first token), or opens one when `think_first` is true (the
+# thinking-only models: the output starts inside the reasoning).
+THINKING_CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content or '' }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
+    "{% elif think_first is defined and think_first %}<think>\n{% endif %}{% endif %}"
+)
+NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
 
 
 def split(name: str, text: str, prompt: str = "") -> tuple[str | None, str]:
@@ -83,18 +93,23 @@ def test_streamed_deltas_reassemble_to_the_whole_split(pieces, cuts, name, opene
 # ---------------------------------------------------------------- through the server
 @pytest.fixture(scope="module")
 def server(model_dir):
-    s = LiveServer(tiny_config(model_dir, num_kv_blocks=64), reasoning_parser="qwen3").start()
+    # <think> and </think> are whole tokens, as in Qwen3's vocabulary.
+    config = tiny_config(model_dir, num_kv_blocks=64, chat_template=THINKING_CHATML)
+    config.model = str(model_dir("qwen3", added_tokens=("<think>", "</think>")))
+    s = LiveServer(config, reasoning_parser="qwen3").start()
     yield s
     s.stop()
 
 
 def forced(**kw) -> dict:
-    """The random model writes exactly THINK: a choice constraint with one member."""
+    """The random model writes exactly THINK: a choice constraint with one member (thinking
+    off in the template, so the constraint holds from the first token)."""
+    extra = {"guided_choice": [THINK], **NO_THINKING} | kw.pop("extra_body", {})
     return {
         "model": "tiny",
         "messages": [{"role": "user", "content": "What is 2 x 21?"}],
         "max_tokens": 100,
-        "extra_body": {"guided_choice": [THINK]},
+        "extra_body": extra,
         **kw,
     }
 
@@ -124,6 +139,37 @@ def test_plain_answers_have_no_reasoning(server, client):
     r = client.chat.completions.create(**forced(extra_body={"guided_choice": ["Plain answer."]}))
     assert r.choices[0].message.content == "Plain answer."
     assert r.choices[0].message.model_extra["reasoning_content"] is None
+
+
+def end_bias(tok) -> dict[str, float]:
+    """Inside a free think block a random model would write forever: favour the `</think>`
+    token so it ends (the grammar decides what follows)."""
+    ids = tok.encode("</think>", add_special_tokens=False)
+    assert len(ids) == 1
+    return {str(ids[0]): 6.0}
+
+
+@pytest.mark.parametrize("think_first", [False, True])
+def test_constraints_hold_once_the_reasoning_ends(server, think_first):
+    """A thinking model reasons freely, then answers inside the constraint: the template may
+    leave the think block to the model (optional) or open it in the prompt."""
+    kwargs = {"think_first": True} if think_first else {}
+    body = {
+        "messages": [{"role": "user", "content": "Yes or no?"}],
+        "max_tokens": 120,
+        "temperature": 1.0,
+        "n": 4,
+        "guided_choice": ["yes", "no"],
+        "logit_bias": end_bias(server.state.tokenizer),
+        "chat_template_kwargs": kwargs,
+    }
+    for seed in range(3):
+        r = httpx.post(server.url + "/v1/chat/completions", json=body | {"seed": seed}).json()
+        for c in r["choices"]:
+            msg = c["message"]
+            assert c["finish_reason"] == "stop" and msg["content"].strip() in ("yes", "no"), msg
+            if think_first:
+                assert msg["reasoning_content"] is not None
 
 
 def test_earlier_reasoning_and_tool_arguments_reach_the_template(model_dir):

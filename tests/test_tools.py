@@ -21,8 +21,12 @@ CHATML_TOOLS = (
     "{%- for tc in m.tool_calls or [] %}<tool_call>\n"
     '{{ {"name": tc.function.name, "arguments": tc.function.arguments} | tojson }}'
     "\n</tool_call>{% endfor %}<|im_end|>\n{% endfor %}"
-    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
+    "{% endif %}{% endif %}"
 )
+# The random model is forced (or enforced) from the first token: thinking off in the template.
+NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
 
 CALLS = (
     "Checking.\n<tool_call>\n"
@@ -61,7 +65,7 @@ def server(model_dir):
 
 def ask(client, text: str = CALLS, **kw):
     kw.setdefault("tools", TOOLS)
-    extra = {"guided_choice": [text]} | kw.pop("extra_body", {})
+    extra = {"guided_choice": [text], **NO_THINKING} | kw.pop("extra_body", {})
     return client.chat.completions.create(
         model="tiny", messages=kw.pop("messages", USER), max_tokens=200, extra_body=extra, **kw
     )
@@ -182,6 +186,7 @@ def test_required_and_named_calls_are_enforced(server, choice):
         "temperature": 1.0,
         "n": 4,
         "logit_bias": close_bias(tok) | no_whitespace_bias(tok),
+        **NO_THINKING,
     }
     seen = 0
     for seed in range(5):

@@ -23,6 +23,8 @@ class ThinkParser:
         # enable_thinking false writes an empty block) leaves no reasoning to find.
         opened, closed = prompt_text.rfind(self.start), prompt_text.rfind(self.end)
         self.in_reasoning = opened > closed or (self.assume_reasoning and opened == closed == -1)
+        # The template ended the prompt with a closed (empty) block: thinking is off.
+        self.thinking_off = prompt_text.rstrip().endswith(self.end)
 
     def split(self, text: str, final: bool = False) -> tuple[str | None, str]:
         """(reasoning, content): reasoning None when the output has none. Text that may still
