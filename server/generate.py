@@ -69,8 +69,14 @@ async def chat_completions() -> Response:
     sub.add([prompt], params, req.priority, req.cache_salt)
     created = int(time.time())
     usage = UsageCounter(req.n, len(sub.ids))
+    if thinker is not None:
+        usage.reasoning = [0] * len(sub.ids)
     text_of = st.token_text
     as_ids = tokens_as_ids(st, req)
+
+    def count(text: str) -> int:
+        """Reasoning tokens, by re-encoding the reasoning (the streamed deltas merge tokens)."""
+        return len(st.tokenizer.encode(text, add_special_tokens=False)) if text else 0
 
     if req.stream:
         want_usage, continuous = include_usage(req)
@@ -107,6 +113,8 @@ async def chat_completions() -> Response:
                 usage.update(i, out)
                 reply = replies[i]
                 delta = reply.delta(out.new_text, out.finished)
+                if out.finished and thinker is not None:
+                    usage.reasoning[i] = count(reply.reasoning_text())
                 if out.finished:
                     yield chunk(i, delta, reply.finish(out.finish_reason), out.logprobs)
                 elif (
@@ -129,10 +137,12 @@ async def chat_completions() -> Response:
         return stream_response(events(), sub)
 
     got = await collect(sub, usage)
-    shaped = [
-        Reply(thinker, prompt_text, call_parser).whole("".join(got.text[i]), got.finish[i])
-        for i in range(len(sub.ids))
-    ]
+    shaped = []
+    for i in range(len(sub.ids)):
+        reply, text = Reply(thinker, prompt_text, call_parser), "".join(got.text[i])
+        shaped.append(reply.whole(text, got.finish[i]))
+        if thinker is not None:
+            usage.reasoning[i] = count(reply.reasoning_text(text))
     return json_response(
         ChatCompletionResponse(
             id=sub.base,

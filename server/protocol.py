@@ -165,11 +165,17 @@ class PromptTokensDetails(msgspec.Struct):
     cached_tokens: int = 0
 
 
+class CompletionTokensDetails(msgspec.Struct):
+    reasoning_tokens: int = 0
+
+
 class Usage(msgspec.Struct):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
+    # With a reasoning parser: how many of the completion tokens were reasoning.
+    completion_tokens_details: CompletionTokensDetails | msgspec.UnsetType = msgspec.UNSET
 
 
 class TopLogprob(msgspec.Struct):

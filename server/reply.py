@@ -57,5 +57,14 @@ class Reply:
         delta.content = text or None
         return delta
 
+    def reasoning_text(self, text: str | None = None) -> str:
+        """The part of the output that was reasoning, its markers included (the whole text
+        streamed so far when `text` is None)."""
+        if self.thinker is None:
+            return ""
+        text = self.reasoning.text if text is None else text
+        think, content = self.thinker.split(text, final=True)
+        return "" if think is None else text[: len(text) - len(content)]
+
     def finish(self, reason: str | None) -> str | None:
         return finish_reason(reason, bool(self.calls and self.calls.ids))

@@ -19,7 +19,7 @@ from core.request import EngineRequest, Logprob, RequestOutput
 from core.sampling import InvalidParam, SamplingParams
 from server import sse
 from server.errors import APIError, error_body
-from server.protocol import PromptTokensDetails, Usage
+from server.protocol import CompletionTokensDetails, PromptTokensDetails, Usage
 from server.state import ServerState
 
 log = logging.getLogger("weir.requests")
@@ -193,6 +193,7 @@ class UsageCounter:
         self.prompt = self.cached = 0
         self.prompt_seen: set[int] = set()
         self.completion = [0] * choices
+        self.reasoning: list[int] | None = None  # per choice, when a reasoning parser counts
 
     def update(self, index: int, out: RequestOutput) -> None:
         self.completion[index] = out.num_output_tokens
@@ -204,9 +205,12 @@ class UsageCounter:
 
     def usage(self) -> Usage:
         done = sum(self.completion)
-        return Usage(
+        usage = Usage(
             self.prompt, done, self.prompt + done, PromptTokensDetails(cached_tokens=self.cached)
         )
+        if self.reasoning is not None:
+            usage.completion_tokens_details = CompletionTokensDetails(sum(self.reasoning))
+        return usage
 
 
 def stream_response(events: AsyncIterator[bytes], sub: Submitted) -> Response:

@@ -116,12 +116,20 @@ def forced(**kw) -> dict:
 
 def test_reasoning_through_the_sdk(server, client):
     r = client.chat.completions.create(**forced(n=2, temperature=1.0))
+    reasoning_part = THINK[: THINK.index("</think>") + len("</think>")]
+    per_choice = len(server.state.tokenizer.encode(reasoning_part, add_special_tokens=False))
+    assert r.usage.completion_tokens_details.reasoning_tokens == 2 * per_choice
     for choice in r.choices:
         msg = choice.message
         assert msg.content == "\n\nThe answer is 42." and choice.finish_reason == "stop"
         assert msg.model_extra["reasoning"] == msg.model_extra["reasoning_content"]
         assert msg.model_extra["reasoning_content"] == "\nLet me think: 2 × 21 🤔\n"
-    chunks = list(client.chat.completions.create(**forced(n=2, stream=True)))
+    chunks = list(
+        client.chat.completions.create(
+            **forced(n=2, stream=True, stream_options={"include_usage": True})
+        )
+    )
+    assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == 2 * per_choice
     for i in range(2):
         deltas = [c.choices[0].delta for c in chunks if c.choices and c.choices[0].index == i]
         think = "".join(d.model_extra.get("reasoning_content") or "" for d in deltas)
