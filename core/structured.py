@@ -103,7 +103,7 @@ def _inner_grammar(c: Constraint) -> str:
     raise ValueError(f"unknown constraint kind {c.kind!r}; one of {', '.join(KINDS)}")
 
 
-def _byte_level_alphabet() -> dict[int, str]:
+def byte_level_alphabet() -> dict[int, str]:
     """GPT-2's byte -> printable character table, which byte-level BPE vocabularies use."""
     keep = [*range(33, 127), *range(161, 173), *range(174, 256)]
     table, extra = {b: chr(b) for b in keep}, 0
@@ -123,7 +123,7 @@ def _plain_added_tokens(data: dict[str, Any]) -> None:
     model = data.get("model") or {}
     if model.get("type") != "BPE" or "ByteLevel" not in json.dumps(data.get("pre_tokenizer")):
         return
-    alphabet = _byte_level_alphabet()
+    alphabet = byte_level_alphabet()
     kept = []
     for tok in data.get("added_tokens") or []:
         if tok.get("special", True):
@@ -167,6 +167,15 @@ class Grammars:
                 self._tokenizer = llg_tokenizer(*self._args)
             return self._tokenizer
 
+    @property
+    def executor(self):
+        """llguidance's thread pool for the batch's masks and tokens (engine thread only)."""
+        if self._executor is None:
+            import llguidance as llg
+
+            self._executor = llg.LLExecutor()
+        return self._executor
+
     def check(self, c: Constraint) -> str | None:
         """None if the constraint compiles, else the compiler's message."""
         import llguidance as llg
@@ -205,20 +214,12 @@ class Grammars:
     def fill(self, rows: list[tuple[Any, int]], pointer: int, num_rows: int) -> None:
         """Write each (matcher, row) pair's allowed-token bitmask into row `row` of the int32
         array at `pointer` ([num_rows, words]); bit t of a row set: token t is allowed."""
-        import llguidance as llg
-
-        if self._executor is None:
-            self._executor = llg.LLExecutor()
-        self._executor.unsafe_compute_mask_ptr(rows, pointer, self.words * 4, num_rows)
+        self.executor.unsafe_compute_mask_ptr(rows, pointer, self.words * 4, num_rows)
 
     def consume(self, pairs: list[tuple[Any, int]]) -> None:
         """Advance each (matcher, token) pair; a matcher that refuses its token is left in its
         error state, which the engine reads per request."""
-        import llguidance as llg
-
-        if self._executor is None:
-            self._executor = llg.LLExecutor()
-        self._executor.consume_token_par(pairs)
+        self.executor.consume_token_par(pairs)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -7,6 +7,7 @@ from functools import lru_cache
 from typing import Any
 
 from core.request import Logprob
+from core.structured import byte_level_alphabet
 from server.protocol import (
     ChatLogprobs,
     CompletionLogprobs,
@@ -20,19 +21,7 @@ from server.protocol import (
 @lru_cache(maxsize=1)
 def _byte_decoder() -> dict[str, int]:
     """The inverse of byte-level BPE's byte -> printable character table (GPT-2's)."""
-    bs = (
-        list(range(ord("!"), ord("~") + 1))
-        + list(range(ord("¡"), ord("¬") + 1))
-        + list(range(ord("®"), ord("ÿ") + 1))
-    )
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {chr(c): b for b, c in zip(bs, cs)}
+    return {c: b for b, c in byte_level_alphabet().items()}
 
 
 class TokenText:

@@ -74,9 +74,8 @@ def tool_parser(
             raise _bad("tool_choice", f"tool_choice {req.tool_choice!r} needs tools")
         parser = PARSERS[st.tool_parser or "hermes"](tools)
         parallel = req.parallel_tool_calls and choice == "required"
-        try:
-            grammar = parser.call_grammar(chosen, parallel)
-        except NotImplementedError:  # no grammar for this markup (pythonic, XML): hermes's
+        grammar = parser.call_grammar(chosen, parallel)
+        if grammar is None:  # no grammar for this markup (pythonic, XML): hermes's
             parser = PARSERS["hermes"](tools)
             grammar = parser.call_grammar(chosen, parallel)
         return (parser if parallel else FirstCall(parser)), Constraint("grammar", grammar)

@@ -2,13 +2,7 @@
 
 from __future__ import annotations
 
-
-def _held(text: str, marker: str) -> int:
-    """How many trailing characters of `text` could be the start of `marker`."""
-    for k in range(min(len(marker) - 1, len(text)), 0, -1):
-        if text.endswith(marker[:k]):
-            return k
-    return 0
+from server.markers import held
 
 
 class ThinkParser:
@@ -46,7 +40,7 @@ class ThinkParser:
             return body[:i], body[i + len(self.end) :]
         if final:
             return body, ""
-        return body[: len(body) - _held(body, self.end)], ""
+        return body[: len(body) - held(body, self.end)], ""
 
 
 class ReasoningStream:

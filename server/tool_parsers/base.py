@@ -146,14 +146,6 @@ def whole_json(text: str) -> Any:
         return None
 
 
-def held(text: str, marker: str) -> int:
-    """How many trailing characters of `text` could be the start of `marker`."""
-    for k in range(min(len(marker) - 1, len(text)), 0, -1):
-        if text.endswith(marker[:k]):
-            return k
-    return 0
-
-
 def call_from(obj: Any, complete: bool) -> Call | None:
     """{"name": ..., "arguments" | "parameters": {...}} -> a Call (None without a whole name)."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
@@ -212,5 +204,6 @@ class ToolParser:
     def parse(self, text: str, final: bool = False) -> Parsed:
         raise NotImplementedError
 
-    def call_grammar(self, tools: list[dict[str, Any]], parallel: bool) -> str:
-        raise NotImplementedError
+    def call_grammar(self, tools: list[dict[str, Any]], parallel: bool) -> str | None:
+        """None: no grammar for this markup (enforced calls then use hermes's)."""
+        return None

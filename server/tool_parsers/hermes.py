@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from server.markers import held
 from server.tool_parsers.base import (
     Parsed,
     ToolParser,
     call_from,
     call_schema,
-    held,
     lark_json,
     partial_json,
 )

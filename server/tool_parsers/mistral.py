@@ -4,16 +4,15 @@
 from __future__ import annotations
 
 import re
-
 from typing import Any
 
+from server.markers import held
 from server.tool_parsers.base import (
     Call,
     Parsed,
     ToolParser,
     call_from,
     call_schema,
-    held,
     lark_json,
     partial_json,
 )

@@ -9,7 +9,8 @@ import json
 import re
 from typing import Any
 
-from server.tool_parsers.base import Call, Parsed, ToolParser, held
+from server.markers import held
+from server.tool_parsers.base import Call, Parsed, ToolParser
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 FUNCTION = re.compile(r"<function=([^>\n]+)>")
