@@ -25,6 +25,8 @@ from server import reasoning, tool_parsers
 from server.chat import load_template
 from server.errors import APIError, error_response
 from server.generate import bp as generate_bp
+from server.responses import bp as responses_bp
+from server.responses.registry import Runs
 from server.logprobs import TokenText
 from server.metrics import CacheInfo, Metrics
 from server.options import ServerOptions
@@ -49,6 +51,8 @@ def create_app(config: EngineConfig, options: ServerOptions | None = None) -> Qu
     app.weir_failed = None
     app.register_blueprint(bp)
     app.register_blueprint(generate_bp)
+    app.register_blueprint(responses_bp)
+    st.responses = Runs.from_options(options)
 
     def origin_allowed(origin: str) -> bool:
         return "*" in options.allowed_origins or origin in options.allowed_origins
@@ -71,7 +75,7 @@ def create_app(config: EngineConfig, options: ServerOptions | None = None) -> Qu
                 headers={
                     "Access-Control-Allow-Origin": origin,
                     "Access-Control-Allow-Methods": ", ".join(
-                        ["GET", "POST", "OPTIONS"]
+                        ["GET", "POST", "DELETE", "OPTIONS"]
                         if "*" in options.allowed_methods
                         else options.allowed_methods
                     ),
@@ -128,6 +132,7 @@ def create_app(config: EngineConfig, options: ServerOptions | None = None) -> Qu
             st.status, st.reason = "stopping", "shutting down"
         if st.engine is not None:
             await st.engine.shutdown()
+        st.responses.close()
 
     return app
 
@@ -351,6 +356,10 @@ async def serve(
                 if st.inflight:
                     log.warning("drain timeout: %d requests still in flight", len(st.inflight))
                 drain.cancel_scope.cancel()
+            # Background responses still running are stopped and stored as incomplete.
+            with trio.move_on_after(5):
+                for run in st.responses.interrupt():
+                    await run.saved.wait()
             if force.is_set():
                 nursery.cancel_scope.cancel()
             stop_http.set()

@@ -233,6 +233,30 @@ def build_parser() -> argparse.ArgumentParser:
         default=True,
         help="exit non-zero when the engine dies (default), or stay up, unhealthy",
     )
+    r = s.add_argument_group("responses API store")
+    r.add_argument(
+        "--responses-store",
+        metavar="PATH",
+        help="keep responses in this SQLite "
+        "file, so conversations survive a restart (default: in memory)",
+    )
+    r.add_argument(
+        "--responses-store-max-entries",
+        type=int,
+        default=10_000,
+        help="stored responses kept; the oldest finished ones go first",
+    )
+    r.add_argument(
+        "--responses-store-ttl",
+        type=float,
+        default=24 * 3600.0,
+        help="seconds a finished response is kept",
+    )
+    r.add_argument(
+        "--disable-responses-store",
+        action="store_true",
+        help="keep no responses (no previous_response_id, background or GET)",
+    )
     s.add_argument("--log-level", default="info")
     vllm_flags.add_arguments(s)
     return parser
@@ -332,6 +356,10 @@ def options_from_args(args: argparse.Namespace):
         tool_call_parser=args.tool_call_parser,
         exit_on_engine_error=args.exit_on_engine_error,
         engine_process=args.engine_process,
+        responses_store=args.responses_store,
+        responses_store_max_entries=args.responses_store_max_entries,
+        responses_store_ttl=args.responses_store_ttl,
+        disable_responses_store=args.disable_responses_store,
     )
 
 

@@ -56,7 +56,7 @@ def error_response(
     return Response(body, status=status, content_type="application/json", headers=headers)
 
 
-_PATH = re.compile(r"at `\$\.?([^`]*)`")
+_PATH = re.compile(r"(?:at|in) `\$\.?([^`]*)`")  # "in" for a dict key: "at `key` in `$.x`"
 
 
 def from_validation(e: msgspec.ValidationError | msgspec.DecodeError) -> APIError:

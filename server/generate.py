@@ -10,11 +10,11 @@ import msgspec
 from quart import Blueprint, Response
 
 from core.request import Logprob
-from server import chat, reasoning, sse, structured, tools
+from server import sse, structured
+from server.chat_job import prepare_chat
 from server.errors import APIError
 from server.logprobs import CompletionLogprobsBuilder, chat_logprobs, prompt_logprobs
 from server.params import check_common, include_usage, sampling_params, tokens_as_ids
-from server.reply import Reply
 from server.protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -41,42 +41,17 @@ async def chat_completions() -> Response:
     engine = st.ready_engine()
     model = st.model_name(req.model)
     check_common(st, req)
-    if req.top_logprobs is not None and not req.logprobs:
-        raise APIError(400, "top_logprobs needs logprobs to be true", "top_logprobs")
-    prompt_text = chat.render_text(
-        st.tokenizer,
-        st.chat_template,
-        req.messages,
-        req.add_generation_prompt and not req.continue_final_message,
-        req.continue_final_message,
-        req.chat_template_kwargs,
-        req.tools,
-    )
-    # The template already wrote any BOS it wants; don't let the tokenizer add another.
-    prompt = st.tokenizer.encode(prompt_text, add_special_tokens=False)
-    thinker = reasoning.PARSERS[st.reasoning_parser] if st.reasoning_parser else None
-    call_parser, call_constraint = tools.tool_parser(st, req)
-    logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    think = ""
-    if thinker is not None:  # constraints hold once the reasoning has ended, as in vLLM
-        reader = thinker(prompt_text)
-        think = "open" if reader.in_reasoning else "" if reader.thinking_off else "optional"
-    constraint = await structured.request_constraint(st, req, call_constraint, think)
-    params = sampling_params(
-        st, req, req.max_completion_tokens or req.max_tokens, len(prompt), logprobs, constraint
-    )
+    job = await prepare_chat(st, req)
+    thinker = job.thinker
+    logprobs = job.params.logprobs
     sub = Submitted(st, engine, request_id("chatcmpl"), req.n, req.stream)
-    sub.add([prompt], params, req.priority, req.cache_salt)
+    sub.add([job.prompt], job.params, req.priority, req.cache_salt)
     created = int(time.time())
     usage = UsageCounter(req.n, len(sub.ids))
     if thinker is not None:
         usage.reasoning = [0] * len(sub.ids)
     text_of = st.token_text
     as_ids = tokens_as_ids(st, req)
-
-    def count(text: str) -> int:
-        """Reasoning tokens, by re-encoding the reasoning (the streamed deltas merge tokens)."""
-        return len(st.tokenizer.encode(text, add_special_tokens=False)) if text else 0
 
     if req.stream:
         want_usage, continuous = include_usage(req)
@@ -104,7 +79,7 @@ async def chat_completions() -> Response:
                 )
             )
 
-        replies = [Reply(thinker, prompt_text, call_parser) for _ in sub.ids]
+        replies = [job.reply() for _ in sub.ids]
 
         async def events() -> AsyncIterator[bytes]:
             for i in range(len(sub.ids)):
@@ -114,7 +89,7 @@ async def chat_completions() -> Response:
                 reply = replies[i]
                 delta = reply.delta(out.new_text, out.finished)
                 if out.finished and thinker is not None:
-                    usage.reasoning[i] = count(reply.reasoning_text())
+                    usage.reasoning[i] = job.reasoning_tokens(st, reply)
                 if out.finished:
                     yield chunk(i, delta, reply.finish(out.finish_reason), out.logprobs)
                 elif (
@@ -139,10 +114,10 @@ async def chat_completions() -> Response:
     got = await collect(sub, usage)
     shaped = []
     for i in range(len(sub.ids)):
-        reply, text = Reply(thinker, prompt_text, call_parser), "".join(got.text[i])
+        reply, text = job.reply(), "".join(got.text[i])
         shaped.append(reply.whole(text, got.finish[i]))
         if thinker is not None:
-            usage.reasoning[i] = count(reply.reasoning_text(text))
+            usage.reasoning[i] = job.reasoning_tokens(st, reply, text)
     return json_response(
         ChatCompletionResponse(
             id=sub.base,

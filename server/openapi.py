@@ -22,6 +22,7 @@ from server.protocol import (
     TokenizeResponse,
     VersionResponse,
 )
+from server.responses.protocol import ItemList, ResponseDeleted, ResponseObject, ResponsesRequest
 
 # path, method, summary, request body Struct, success Struct, streams SSE
 ROUTES: list[tuple[str, str, str, type | None, type, bool]] = [
@@ -58,6 +59,39 @@ ROUTES: list[tuple[str, str, str, type | None, type, bool]] = [
         DetokenizeResponse,
         False,
     ),
+    ("/v1/responses", "post", "Create a response", ResponsesRequest, ResponseObject, True),
+    (
+        "/v1/responses/{response_id}",
+        "get",
+        "Retrieve a stored response (?stream=true&starting_after=N replays a background one)",
+        None,
+        ResponseObject,
+        True,
+    ),
+    (
+        "/v1/responses/{response_id}",
+        "delete",
+        "Delete a stored response",
+        None,
+        ResponseDeleted,
+        False,
+    ),
+    (
+        "/v1/responses/{response_id}/input_items",
+        "get",
+        "List a response's input items",
+        None,
+        ItemList,
+        False,
+    ),
+    (
+        "/v1/responses/{response_id}/cancel",
+        "post",
+        "Cancel a background response",
+        None,
+        ResponseObject,
+        False,
+    ),
     ("/version", "get", "The server's version", None, VersionResponse, False),
 ]
 
@@ -85,7 +119,9 @@ def openapi_document(version: str) -> dict[str, Any]:
             content["text/event-stream"] = {
                 "schema": {
                     "type": "string",
-                    "description": "`data: {chunk}` lines, then `data: [DONE]`",
+                    "description": "`data: {chunk}` lines, then `data: [DONE]` (responses: "
+                    "`event: type` and `data: {event}` lines, ending with the response's own "
+                    "final event)",
                 }
             }
         op: dict[str, Any] = {
@@ -102,7 +138,7 @@ def openapi_document(version: str) -> dict[str, Any]:
                 "required": True,
                 "content": {"application/json": {"schema": refs[req.__name__]}},
             }
-        paths[path] = {method: op}
+        paths.setdefault(path, {})[method] = op
     for path in ("/health", "/ping"):
         paths[path] = {
             "get": {

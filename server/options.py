@@ -26,6 +26,11 @@ class ServerOptions(msgspec.Struct, kw_only=True):
     reasoning_parser: str | None = None  # server/reasoning: a name, or auto (from the template)
     tool_call_parser: str = "auto"  # server/tool_parsers: a name, or auto (from the template)
     exit_on_engine_error: bool = True
+    # The Responses API's store (server/responses): in memory, or an SQLite file; or none.
+    responses_store: str | None = None
+    responses_store_max_entries: int = 10_000
+    responses_store_ttl: float | None = 24 * 3600.0  # seconds a finished response is kept
+    disable_responses_store: bool = False
     # The engine core in a child process (its own interpreter lock), or on a thread (False).
     engine_process: bool = True
 
@@ -44,6 +49,12 @@ class ServerOptions(msgspec.Struct, kw_only=True):
             v = getattr(self, name)
             if v is not None and v <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive")
+        if self.responses_store_max_entries < 1:
+            raise ValueError("--responses-store-max-entries must be at least 1")
+        if self.responses_store_ttl is not None and self.responses_store_ttl <= 0:
+            raise ValueError("--responses-store-ttl must be positive")
+        if self.disable_responses_store and self.responses_store:
+            raise ValueError("--responses-store and --disable-responses-store contradict")
         if self.stream_interval < 1:
             raise ValueError("--stream-interval must be at least 1")
         if self.max_body_bytes < 1024:

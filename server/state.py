@@ -34,6 +34,7 @@ class ServerState:
     grammar_checker: Any = None  # core.structured.Grammars, built with the first constraint
     checked_constraints: OrderedDict = field(default_factory=OrderedDict)  # Constraint -> error
     metrics: Any = None  # server.metrics.Metrics, once the model is loaded
+    responses: Any = None  # server.responses.registry.Runs: running and stored responses
     inflight: set = field(default_factory=set)  # generation requests being served
     idle: trio.Event = field(default_factory=trio.Event)  # set when inflight empties
 

@@ -23,7 +23,7 @@ def _bad(field: str, message: str) -> APIError:
     return APIError(400, f"{field}: {message}", field, "invalid_value")
 
 
-def _schema_text(field: str, schema: Any) -> str:
+def schema_text(field: str, schema: Any) -> str:
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
@@ -49,7 +49,7 @@ def _from_response_format(req: SamplingFields) -> Constraint | None:
     if rf.type == "json_schema":
         if rf.json_schema is None or rf.json_schema.schema is None:
             raise _bad("response_format", "type json_schema needs json_schema.schema")
-        return Constraint("json", _schema_text("response_format", rf.json_schema.schema))
+        return Constraint("json", schema_text("response_format", rf.json_schema.schema))
     raise _bad(
         "response_format",
         f"type {rf.type!r} is not supported; use text, json_object or json_schema",
@@ -77,7 +77,7 @@ def _from_structured_outputs(req: SamplingFields) -> Constraint | None:
         )
     kind = given[0]
     if kind == "json":
-        c = Constraint("json", _schema_text(field, so.json))
+        c = Constraint("json", schema_text(field, so.json))
     elif kind == "json_object":
         c = Constraint("json_object")
     elif kind == "choice":
@@ -97,7 +97,7 @@ def _from_guided(req: SamplingFields, name: str) -> Constraint | None:
     if value is None:
         return None
     if name == "guided_json":
-        return Constraint("json", _schema_text(name, value))
+        return Constraint("json", schema_text(name, value))
     if name == "guided_choice":
         return _choice(name, value)
     return Constraint(name.removeprefix("guided_"), value)
@@ -156,11 +156,19 @@ async def request_constraint(
     req: SamplingFields,
     tool_constraint: Constraint | None = None,
     think: str = "",
+    given: tuple[Constraint, str] | None = None,
 ) -> Constraint | None:
     """The request's constraint, checked; `tool_constraint` is the one tool_choice required or
     a named function imposes, which cannot be combined with another. `think` ("open" or
-    "optional", for a thinking model) lets the reasoning run free before the constraint."""
+    "optional", for a thinking model) lets the reasoning run free before the constraint.
+    `given` is one the route read from a field of its own (the Responses API's text.format)."""
     found = constraint_of(req)
+    if given is not None:
+        if found is not None:
+            raise _bad(
+                found[1], f"a request may carry one constraint, this one also has {given[1]}"
+            )
+        found = given
     if tool_constraint is not None:
         if found is not None:
             raise _bad(found[1], "cannot be combined with tool_choice required or a named function")

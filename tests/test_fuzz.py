@@ -25,6 +25,7 @@ BASE = {
     "/v1/completions": {"prompt": "hi", "max_tokens": 4},
     "/tokenize": {"prompt": "hi"},
     "/detokenize": {"tokens": [5, 6]},
+    "/v1/responses": {"input": "hi", "max_output_tokens": 4},
 }
 
 json_scalars = (
@@ -108,8 +109,12 @@ def check(server, path: str, body) -> None:
         err = json.loads(raw)["error"]
         assert err["message"] and "type" in err and "param" in err
     elif r.headers.get("content-type", "").startswith("text/event-stream"):
-        assert raw.rstrip().endswith(b"data: [DONE]"), raw[-200:]
-        assert b'"error"' not in raw, raw[-500:]
+        if path == "/v1/responses":  # ends with the response's own final event
+            last = json.loads(raw.rstrip().rsplit(b"data: ", 1)[1])
+            assert last["type"] in ("response.completed", "response.incomplete"), raw[-500:]
+        else:
+            assert raw.rstrip().endswith(b"data: [DONE]"), raw[-200:]
+            assert b'"error"' not in raw, raw[-500:]
 
 
 @pytest.mark.parametrize("path", sorted(BASE))

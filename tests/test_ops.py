@@ -146,6 +146,7 @@ def test_auth_and_cors(tiny):
             ("POST", "/v1/chat/completions", {"messages": USER, "max_tokens": 1}),
             ("POST", "/tokenize", {"prompt": "hi"}),
             ("POST", "/detokenize", {"tokens": [5]}),
+            ("POST", "/v1/responses", {"input": "hi", "max_output_tokens": 1}),
         ]
         for method, path, body in protected:
             for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekrit"}):

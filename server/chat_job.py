@@ -1,0 +1,66 @@
+"""A chat request made ready for the engine: its prompt rendered through the chat template, the
+reply's parsers (reasoning, tool calls), its constraint and sampling parameters. Chat
+completions and the Responses API (which builds a chat request from its items) share it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from core.sampling import SamplingParams
+from core.structured import Constraint
+from server import chat, reasoning, structured, tools
+from server.errors import APIError
+from server.params import sampling_params
+from server.protocol import ChatCompletionRequest
+from server.reasoning import ThinkParser
+from server.reply import Reply
+from server.state import ServerState
+from server.tool_parsers import ToolParser
+
+
+@dataclass
+class ChatJob:
+    prompt_text: str
+    prompt: list[int]
+    thinker: type[ThinkParser] | None
+    call_parser: ToolParser | None
+    params: SamplingParams
+
+    def reply(self) -> Reply:
+        return Reply(self.thinker, self.prompt_text, self.call_parser)
+
+    def reasoning_tokens(self, st: ServerState, reply: Reply, text: str | None = None) -> int:
+        """Reasoning tokens, by re-encoding the reasoning (the streamed deltas merge tokens)."""
+        think = reply.reasoning_text(text)
+        return len(st.tokenizer.encode(think, add_special_tokens=False)) if think else 0
+
+
+async def prepare_chat(
+    st: ServerState, req: ChatCompletionRequest, given: tuple[Constraint, str] | None = None
+) -> ChatJob:
+    """`given`: a constraint the caller read from its own fields, with the field's name."""
+    if req.top_logprobs is not None and not req.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs to be true", "top_logprobs")
+    prompt_text = chat.render_text(
+        st.tokenizer,
+        st.chat_template,
+        req.messages,
+        req.add_generation_prompt and not req.continue_final_message,
+        req.continue_final_message,
+        req.chat_template_kwargs,
+        req.tools,
+    )
+    # The template already wrote any BOS it wants; don't let the tokenizer add another.
+    prompt = st.tokenizer.encode(prompt_text, add_special_tokens=False)
+    thinker = reasoning.PARSERS[st.reasoning_parser] if st.reasoning_parser else None
+    call_parser, call_constraint = tools.tool_parser(st, req)
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    think = ""
+    if thinker is not None:  # constraints hold once the reasoning has ended, as in vLLM
+        reader = thinker(prompt_text)
+        think = "open" if reader.in_reasoning else "" if reader.thinking_off else "optional"
+    constraint = await structured.request_constraint(st, req, call_constraint, think, given)
+    params = sampling_params(
+        st, req, req.max_completion_tokens or req.max_tokens, len(prompt), logprobs, constraint
+    )
+    return ChatJob(prompt_text, prompt, thinker, call_parser, params)
