@@ -38,14 +38,15 @@ def tool_names(tools: list[dict[str, Any]]) -> list[str]:
 
 
 class FirstCall(ToolParser):
-    """parallel_tool_calls false: the first call only."""
+    """parallel_tool_calls false: the first call only (the first `limit`: max_tool_calls)."""
 
-    def __init__(self, inner: ToolParser) -> None:
+    def __init__(self, inner: ToolParser, limit: int = 1) -> None:
         self.inner = inner
+        self.limit = limit
 
     def parse(self, text: str, final: bool = False) -> Parsed:
         parsed = self.inner.parse(text, final)
-        parsed.calls = parsed.calls[:1]
+        parsed.calls = parsed.calls[: self.limit]
         return parsed
 
 

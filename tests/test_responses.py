@@ -13,7 +13,8 @@ import openai
 import pytest
 
 from tests.conftest import LiveServer, tiny_config, wait_for
-from tests.test_tools import CHATML_TOOLS
+from tests.test_tools import CALLS, CHATML_TOOLS
+from tests.test_tools import TOOLS as CHAT_TOOLS
 
 TOOLS = [
     {
@@ -206,6 +207,30 @@ def test_function_call_streamed(client, blank):
     jsonschema.validate(json.loads(fc.arguments), TOOLS[0]["parameters"])
 
 
+def test_parallel_calls_and_max_tool_calls(client):
+    flat = [{"type": "function", **t["function"]} for t in CHAT_TOOLS]
+    kw = dict(
+        model="tiny",
+        input="Weather and time?",
+        tools=flat,
+        reasoning=NO_THINKING,
+        max_output_tokens=200,
+        extra_body=forced(CALLS),
+    )
+    both = client.responses.create(**kw)
+    assert [i.type for i in both.output] == ["message", "function_call", "function_call"]
+    assert [i.name for i in both.output[1:]] == ["get_weather", "get_time"]
+    assert json.loads(both.output[1].arguments) == {"city": "Zürich", "unit": "c"}
+    assert len({i.call_id for i in both.output[1:]}) == 2
+    one = client.responses.create(**kw, max_tool_calls=1)
+    assert [i.type for i in one.output] == ["message", "function_call"]
+    single = client.responses.create(**kw, parallel_tool_calls=False)
+    assert [(i.type, getattr(i, "name", None)) for i in single.output] == [
+        ("message", None),
+        ("function_call", "get_weather"),
+    ]
+
+
 def test_text_format_json_schema(client, blank):
     schema = {
         "type": "object",
@@ -228,6 +253,32 @@ def test_text_format_json_schema(client, blank):
     assert r.status == "completed", r.output_text
     jsonschema.validate(json.loads(r.output_text), schema)
     assert r.text.format.type == "json_schema"
+
+
+def test_reasoning_items(client, server):
+    think = "<think>\nTwo times 21.\n</think>\n\nIt is 42."
+    kw = dict(
+        model="tiny",
+        input="2 x 21?",
+        reasoning=NO_THINKING,
+        max_output_tokens=80,
+        extra_body=forced(think),
+    )
+    whole = client.responses.create(**kw)
+    assert [i.type for i in whole.output] == ["reasoning", "message"]
+    assert whole.output[0].content[0].text == "\nTwo times 21.\n"
+    assert whole.output_text == "\n\nIt is 42."
+    part = think[: think.index("</think>") + len("</think>")]
+    want = len(server.state.tokenizer.encode(part, add_special_tokens=False))
+    assert whole.usage.output_tokens_details.reasoning_tokens == want
+    with client.responses.stream(**kw) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    deltas = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    done = [e.text for e in events if e.type == "response.reasoning_text.done"]
+    assert deltas == done[0] == final.output[0].content[0].text == "\nTwo times 21.\n"
+    assert final.output_text == whole.output_text
+    assert final.usage.output_tokens_details.reasoning_tokens == want
 
 
 def wait_status(client, rid: str, statuses: tuple[str, ...]) -> str:

@@ -25,6 +25,7 @@ from server.responses.protocol import (
 )
 from server.responses.registry import Runs
 from server.responses.run import Run, replay
+from server.tools import FirstCall
 from server.submit import Submitted, stream_response
 from server.wire import decode, json_response, state
 
@@ -108,6 +109,8 @@ async def create() -> Response:
     chat = chat_request(req, item_forms.to_messages(context, req.instructions))
     check_common(st, chat)
     job = await prepare_chat(st, chat, text_format(req.text))
+    if req.max_tool_calls is not None and job.call_parser is not None:
+        job.call_parser = FirstCall(job.call_parser, req.max_tool_calls)
     response = ResponseObject(
         id=item_forms.new_id("resp"),
         created_at=int(time.time()),
