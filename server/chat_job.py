@@ -25,6 +25,7 @@ class ChatJob:
     thinker: type[ThinkParser] | None
     call_parser: ToolParser | None
     params: SamplingParams
+    request: ChatCompletionRequest
 
     def reply(self) -> Reply:
         return Reply(self.thinker, self.prompt_text, self.call_parser)
@@ -63,4 +64,4 @@ async def prepare_chat(
     params = sampling_params(
         st, req, req.max_completion_tokens or req.max_tokens, len(prompt), logprobs, constraint
     )
-    return ChatJob(prompt_text, prompt, thinker, call_parser, params)
+    return ChatJob(prompt_text, prompt, thinker, call_parser, params, req)

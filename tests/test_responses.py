@@ -81,6 +81,42 @@ def test_single_turn_matches_chat(client):
     assert r.usage.output_tokens == 12 and r.usage.total_tokens == r.usage.input_tokens + 12
 
 
+def test_logprobs_match_chat(client):
+    kw = dict(
+        model="tiny",
+        input="Rivers?",
+        max_output_tokens=6,
+        temperature=0,
+        reasoning=NO_THINKING,
+        top_logprobs=2,
+        include=["message.output_text.logprobs"],
+    )
+    r = client.responses.create(**kw)
+    lps = r.output[0].content[0].logprobs
+    chat = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "Rivers?"}],
+        max_tokens=6,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+    )
+    want = chat.choices[0].logprobs.content
+    assert [(lp.token, lp.logprob) for lp in lps] == [(w.token, w.logprob) for w in want]
+    assert all(len(lp.top_logprobs) == 2 for lp in lps)
+    with client.responses.stream(**kw) as stream:
+        events = list(stream)
+    streamed = [lp for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    assert [lp.token for lp in streamed] == [lp.token for lp in lps]
+    assert (
+        not client.responses.create(**{**kw, "top_logprobs": None, "include": None})
+        .output[0]
+        .content[0]
+        .logprobs
+    )
+
+
 def test_streamed_events_build_the_same_response(client):
     kw = dict(
         model="tiny",
@@ -459,7 +495,7 @@ def test_an_engine_failure_mid_stream_is_an_error_event_then_failed():
         responses = Runs(MemoryStore(8, None))
 
     run = Run(ResponseObject(id="resp_x", created_at=0, status="in_progress", model="m"), [], False)
-    job = ChatJob("", [], None, None, SamplingParams())
+    job = ChatJob("", [], None, None, SamplingParams(), None)
     sub = Broken()
     State.responses.start(run)
 

@@ -20,6 +20,7 @@ class OutputBuilder:
         self.items: list[dict[str, Any]] = []
         self.open: dict[str, Any] | None = None
         self.text = ""  # the open item's text or arguments so far
+        self.logprobs: list[dict[str, Any]] = []  # the open message's token log-probs
         self.call_index: int | None = None
 
     @property
@@ -29,7 +30,7 @@ class OutputBuilder:
     def _start(self, item: dict[str, Any]) -> None:
         self.close()
         self.items.append(item)
-        self.open, self.text = item, ""
+        self.open, self.text, self.logprobs = item, "", []
         self.emit("response.output_item.added", output_index=self.index, item=dict(item))
 
     def _part(self, part: dict[str, Any]) -> None:
@@ -41,7 +42,8 @@ class OutputBuilder:
             part=part,
         )
 
-    def feed(self, delta: Delta) -> None:
+    def feed(self, delta: Delta, logprobs: list[dict[str, Any]] | None = None) -> None:
+        """`logprobs`: those of this step's tokens, given with its text (output_text only)."""
         if delta.reasoning:
             if self.open is None or self.open["type"] != "reasoning":
                 self._start(
@@ -67,7 +69,13 @@ class OutputBuilder:
                     }
                 )
                 self._part({"type": "output_text", "text": "", "annotations": [], "logprobs": []})
-            self._delta("response.output_text.delta", delta.content, content_index=0, logprobs=[])
+            self.logprobs += logprobs or []
+            self._delta(
+                "response.output_text.delta",
+                delta.content,
+                content_index=0,
+                logprobs=logprobs or [],
+            )
         for call in delta.tool_calls or []:
             if call.index != self.call_index:
                 self.call_index = call.index
@@ -101,8 +109,11 @@ class OutputBuilder:
             self.emit("response.content_part.done", **where, content_index=0, part=part)
             item["content"] = [part]
         elif item["type"] == "message":
-            part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-            self.emit("response.output_text.done", **where, content_index=0, text=text, logprobs=[])
+            lps = self.logprobs
+            part = {"type": "output_text", "text": text, "annotations": [], "logprobs": lps}
+            self.emit(
+                "response.output_text.done", **where, content_index=0, text=text, logprobs=lps
+            )
             self.emit("response.content_part.done", **where, content_index=0, part=part)
             item["content"] = [part]
         else:

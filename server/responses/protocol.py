@@ -36,7 +36,8 @@ class ResponsesRequest(SamplingFields, kw_only=True):
     background: bool = False
     prompt_cache_key: str | None = None
     metadata: MetadataMap | None = None
-    include: list[str] | None = None
+    include: list[str] | None = None  # "message.output_text.logprobs" is the one read
+    top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
     truncation: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
@@ -92,6 +93,7 @@ class ResponseObject(msgspec.Struct, kw_only=True):
     tool_choice: str | dict[str, Any] = "auto"
     tools: list[Any] = msgspec.field(default_factory=list)
     top_p: float | None = None
+    top_logprobs: int | None = None
     truncation: str = "disabled"
     usage: ResponseUsage | None = None
     user: str | None = None

@@ -30,6 +30,7 @@ from server.submit import Submitted, stream_response
 from server.wire import decode, json_response, state
 
 bp = Blueprint("responses", __name__)
+LOGPROBS = "message.output_text.logprobs"
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 
 
@@ -70,8 +71,11 @@ def template_kwargs(req: ResponsesRequest) -> dict[str, Any] | None:
 
 def chat_request(req: ResponsesRequest, messages: list[ChatMessage]) -> ChatCompletionRequest:
     shared = {name: getattr(req, name) for name in SamplingFields.__struct_fields__}
+    logprobs = LOGPROBS in (req.include or []) or req.top_logprobs is not None
     return ChatCompletionRequest(
         **shared,
+        logprobs=logprobs,
+        top_logprobs=(req.top_logprobs or 0) if logprobs else None,
         messages=messages,
         max_completion_tokens=req.max_output_tokens,
         chat_template_kwargs=template_kwargs(req),
@@ -131,10 +135,13 @@ async def create() -> Response:
         tool_choice=req.tool_choice,
         tools=req.tools or [],
         top_p=job.params.top_p,
+        top_logprobs=req.top_logprobs,
         user=req.user,
     )
     run = Run(response, context, record=req.background)
-    sub = Submitted(st, engine, response.id, 1, req.stream or req.background)
+    # Log-probs go with the text of the step that made them: read the outputs step by step.
+    stepwise = req.stream or req.background or job.params.logprobs is not None
+    sub = Submitted(st, engine, response.id, 1, stepwise)
     sub.add([job.prompt], job.params, req.priority, req.prompt_cache_key or req.cache_salt)
     runs.start(run)
     if req.background:

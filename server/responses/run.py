@@ -19,6 +19,8 @@ import trio
 from core.request import RequestOutput
 from server.chat_job import ChatJob
 from server.errors import APIError
+from server.logprobs import chat_logprobs
+from server.params import tokens_as_ids
 from server.responses.output import OutputBuilder
 from server.responses.protocol import (
     TERMINAL,
@@ -119,7 +121,12 @@ class Run:
     # ---------------------------------------------------------------- generation
     def _feed(self, progress: Progress, out: RequestOutput) -> None:
         progress.usage.update(0, out)
-        self.builder.feed(progress.reply.delta(out.new_text, out.finished))
+        logprobs = None
+        if progress.job.params.logprobs is not None and out.logprobs:
+            as_ids = tokens_as_ids(progress.st, progress.job.request)
+            entries = chat_logprobs(out.logprobs, progress.st.token_text, as_ids).content
+            logprobs = msgspec.to_builtins(entries)
+        self.builder.feed(progress.reply.delta(out.new_text, out.finished), logprobs)
         if out.finished:
             progress.finish = out.finish_reason
             if progress.job.thinker is not None:
