@@ -79,11 +79,17 @@ def to_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return out
 
 
-def render(*args, **kwargs) -> list[int]:
-    """Messages -> prompt token ids (see render_text)."""
-    tokenizer = args[0] if args else kwargs["tokenizer"]
-    # The template already wrote any BOS it wants; don't let the tokenizer add another.
-    return tokenizer.encode(render_text(*args, **kwargs), add_special_tokens=False)
+def request_text(tokenizer: Any, template: str | None, req: Any) -> str:
+    """A chat or tokenize request's messages -> the prompt text, with its template options."""
+    return render_text(
+        tokenizer,
+        template,
+        req.messages,
+        req.add_generation_prompt and not req.continue_final_message,
+        req.continue_final_message,
+        req.chat_template_kwargs,
+        req.tools,
+    )
 
 
 def render_text(

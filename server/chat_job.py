@@ -42,15 +42,7 @@ async def prepare_chat(
     """`given`: a constraint the caller read from its own fields, with the field's name."""
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs to be true", "top_logprobs")
-    prompt_text = chat.render_text(
-        st.tokenizer,
-        st.chat_template,
-        req.messages,
-        req.add_generation_prompt and not req.continue_final_message,
-        req.continue_final_message,
-        req.chat_template_kwargs,
-        req.tools,
-    )
+    prompt_text = chat.request_text(st.tokenizer, st.chat_template, req)
     # The template already wrote any BOS it wants; don't let the tokenizer add another.
     prompt = st.tokenizer.encode(prompt_text, add_special_tokens=False)
     thinker = reasoning.PARSERS[st.reasoning_parser] if st.reasoning_parser else None

@@ -71,15 +71,9 @@ async def tokenize() -> Response:
     if req.messages is not None:
         if not req.messages:
             raise APIError(400, "messages must not be empty", "messages")
-        ids = chat.render(
-            st.tokenizer,
-            st.chat_template,
-            req.messages,
-            req.add_generation_prompt and not req.continue_final_message,
-            req.continue_final_message,
-            req.chat_template_kwargs,
-            req.tools,
-        )
+        text = chat.request_text(st.tokenizer, st.chat_template, req)
+        # The template already wrote any BOS it wants; don't let the tokenizer add another.
+        ids = st.tokenizer.encode(text, add_special_tokens=False)
     else:
         ids = st.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
     strs = st.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None

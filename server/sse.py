@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+
 import msgspec
+from quart import Response
 
 _encoder = msgspec.json.Encoder()
 DONE = b"data: [DONE]\n\n"
@@ -10,3 +13,14 @@ DONE = b"data: [DONE]\n\n"
 
 def event(payload: msgspec.Struct) -> bytes:
     return b"data: " + _encoder.encode(payload) + b"\n\n"
+
+
+def response(body: AsyncIterator[bytes]) -> Response:
+    """An event stream, not buffered by proxies, ended by its body rather than a clock."""
+    out = Response(
+        body,
+        content_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
+    out.timeout = None
+    return out

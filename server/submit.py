@@ -234,13 +234,7 @@ def stream_response(events: AsyncIterator[bytes], sub: Submitted) -> Response:
     # If the client is gone before the body is ever iterated, the generator never runs its
     # `finally`: close the request when the generator object is dropped instead (idempotent).
     weakref.finalize(gen, sub.close)
-    response = Response(
-        gen,
-        content_type="text/event-stream",
-        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-    )
-    response.timeout = None
-    return response
+    return sse.response(gen)
 
 
 class Collected:

@@ -11,7 +11,7 @@ from typing import Any
 from quart import Blueprint, Response, current_app, request
 
 from core.structured import Constraint
-from server import structured
+from server import sse, structured
 from server.chat_job import prepare_chat
 from server.errors import APIError
 from server.params import check_common
@@ -148,7 +148,7 @@ async def create() -> Response:
         await runs.save(run)
         current_app.nursery.start_soon(run.background, st, sub, job)
         if req.stream:
-            return _sse(run.follow())
+            return sse.response(run.follow())
         return json_response(run.snapshot())
     events = run.foreground(st, sub, job)
     if req.stream:
@@ -158,16 +158,6 @@ async def create() -> Response:
     async for _ in events:
         pass
     return json_response(run.snapshot())
-
-
-def _sse(events) -> Response:
-    response = Response(
-        events,
-        content_type="text/event-stream",
-        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-    )
-    response.timeout = None
-    return response
 
 
 def _int_arg(name: str, default: int | None, low: int, high: int | None = None) -> int | None:
@@ -196,10 +186,10 @@ async def retrieve(rid: str) -> Response:
                 "only background responses can be streamed again; this one is "
                 "still being streamed to the request that created it",
             )
-        return _sse(found.follow(after))
+        return sse.response(found.follow(after))
     if found.events is None:
         raise _bad("stream", "only background responses keep their stream to replay")
-    return _sse(replay(found.events, after))
+    return sse.response(replay(found.events, after))
 
 
 @bp.get("/v1/responses/<rid>/input_items")
