@@ -49,6 +49,17 @@ def check_request(
     if n == 0:
         raise InvalidParam("prompt", "the prompt is empty")
     vocab = vocab_size
+    if req.pooling is not None:  # an embedding: the prompt alone, nothing generated
+        problem = _outside(req.prompt_token_ids, vocab)
+        if problem is not None:
+            raise InvalidParam("input", f"input: {problem}")
+        if n > max_model_len:
+            raise InvalidParam(
+                "input",
+                f"This model's maximum context length is {max_model_len} tokens, "
+                f"but the input has {n} tokens.",
+            )
+        return 0
     params = req.sampling_params
     for field, ids in (
         ("prompt", req.prompt_token_ids),
@@ -146,7 +157,7 @@ class EngineCore:
             raise InvalidParam("request_id", f"request id {req.request_id!r} is already running")
         max_tokens = self.check(req)
         detok = None
-        if self.tokenizer is not None:
+        if self.tokenizer is not None and req.pooling is None:
             detok = Detokenizer(
                 self.tokenizer, req.prompt_token_ids, req.sampling_params.skip_special_tokens
             )
@@ -326,6 +337,18 @@ class EngineCore:
         out.error = error
         return out
 
+    def _pooled(self, request: Request, vector: bytes, now: float) -> RequestOutput:
+        """A pooling request whose prompt is done: its vector is the output; it ends here."""
+        request.first_token_time = request.last_token_time = now
+        self.stats.ttft.append(now - request.arrival_time)
+        self.stats.prompt_tokens += request.num_prompt_tokens
+        self.scheduler.remove(request)
+        del self.requests[request.request_id]
+        self._finished(request, "stop", now)
+        out = self._output(request, [], "", "stop")
+        out.embedding = vector
+        return out
+
     def step(self) -> list[RequestOutput]:
         outputs: list[RequestOutput] = self._take_compiled() if self._compiling else []
         preemptions_before = self.scheduler.num_preemptions
@@ -372,7 +395,11 @@ class EngineCore:
                         request, seq.start, result.prompt_logprobs.get(request.request_id)
                     )
             if not seq.sample:
-                self.num_partial_prefills += 1
+                vector = result.pooled.get(request.request_id)
+                if vector is not None:
+                    outputs.append(self._pooled(request, vector, now))
+                else:
+                    self.num_partial_prefills += 1
                 continue
             token_id, logprob = result.token_ids[row], result.logprobs[row]
             row += 1

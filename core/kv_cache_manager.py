@@ -53,8 +53,12 @@ class KVCacheManager:
     def find_cached(self, request: Request) -> list[Block]:
         """The longest run of cached full blocks from the request's start, never covering its
         last token (that one must be computed so there are logits to sample)."""
-        if not self.enable_caching or request.prompt_logprobs is not None:
-            return []  # prompt logprobs need every prompt position computed
+        if (
+            not self.enable_caching
+            or request.prompt_logprobs is not None
+            or (request.pooling is not None and request.pooling.needs_every_position)
+        ):
+            return []  # prompt logprobs, mean and CLS pooling need every position computed
         n = (request.num_tokens - 1) // self.block_size
         hashes = self._hashes(request, n)
         bs = self.block_size

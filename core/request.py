@@ -7,6 +7,7 @@ import time
 
 import msgspec
 
+from core.pooling import PoolingParams
 from core.sampling import SamplingParams
 from core.stop import StopStrings
 
@@ -22,6 +23,8 @@ class EngineRequest(msgspec.Struct, gc=False):
     cache_salt: str | None = None  # requests share cached prefixes only with the same salt
     # Another sample of the same prompt (n > 1): wait until that request's prompt is cached.
     leader_id: str | None = None
+    # An embedding: the prompt's hidden states pooled into a vector, nothing sampled.
+    pooling: PoolingParams | None = None
 
 
 class Logprob(msgspec.Struct, array_like=True, gc=False):
@@ -41,6 +44,8 @@ class StepResult(msgspec.Struct, gc=False):
     logprobs: list[Logprob | None]  # aligned with token_ids; None where not asked for
     # Per request asking for prompt logprobs: entries for the prompt positions this step computed.
     prompt_logprobs: dict[str, list[Logprob]] = {}
+    # Per pooling request whose prompt this step finished: its vector, little-endian float32.
+    pooled: dict[str, bytes] = {}
 
 
 class RequestOutput(msgspec.Struct, omit_defaults=True, gc=False):
@@ -55,6 +60,7 @@ class RequestOutput(msgspec.Struct, omit_defaults=True, gc=False):
     num_output_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     logprobs: list[Logprob] = []  # one per new token, when asked for
+    embedding: bytes | None = None  # a pooling request's vector (little-endian float32)
     prompt_logprobs: list[Logprob | None] | None = None  # with the first output, when asked for
     error: str | None = None
 
@@ -96,6 +102,8 @@ class Request:
         "last_token_time",
         "grammar",
         "grammar_future",
+        "pooling",
+        "pool_state",
     )
 
     def __init__(
@@ -136,6 +144,8 @@ class Request:
         # Structured outputs: the matcher (llguidance), once its compile (the future) is done.
         self.grammar: object = None
         self.grammar_future: object = None
+        self.pooling = req.pooling
+        self.pool_state: object = None  # owned by the model runner (a running sum, a CLS row)
         # Index p: log-probability of prompt token p given the tokens before it (none for p = 0).
         self.prompt_logprobs: list[Logprob | None] | None = (
             [None] if params.prompt_logprobs is not None else None

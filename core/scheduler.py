@@ -25,7 +25,9 @@ class ScheduledSeq(msgspec.Struct, gc=False):
     start: int  # position of the first new token
     num_new_tokens: int
     block_table: list[int]
-    sample: bool  # the chunk reaches the end of the known tokens: its last row gives logits
+    # The chunk reaches the end of the known tokens: its last row gives logits (a pooling
+    # request is never sampled: the runner pools its rows instead).
+    sample: bool
 
     @property
     def token_ids(self) -> list[int]:
@@ -143,7 +145,7 @@ class Scheduler:
             start=start,
             num_new_tokens=num_new,
             block_table=table,
-            sample=start + num_new == request.num_tokens,
+            sample=start + num_new == request.num_tokens and request.pooling is None,
         )
 
     def schedule(self) -> SchedulerOutput:
@@ -167,7 +169,11 @@ class Scheduler:
                 # The common decode step: the new tokens fit in blocks the request already
                 # holds, so there is nothing to allocate (and nothing to preempt for).
                 scheduled[request.request_id] = ScheduledSeq(
-                    request, computed, num_new, table, computed + num_new == request.num_tokens
+                    request,
+                    computed,
+                    num_new,
+                    table,
+                    computed + num_new == request.num_tokens and request.pooling is None,
                 )
                 budget -= num_new
                 continue

@@ -9,6 +9,7 @@ import torch
 from core.request import Logprob, StepResult
 from core.scheduler import SchedulerOutput
 from gpu import grammar_mask
+from gpu.pooler import pool
 from gpu.attention.backend import AttentionBackend, AttentionMetadata
 from gpu.models.decoder import DecoderForCausalLM
 from gpu.sampler import Sampler, SamplingMetadata
@@ -220,8 +221,11 @@ class ModelRunner:
         prompt_lp = {}
         if any(s.request.prompt_logprobs is not None for s in out.seqs):
             prompt_lp = self._prompt_logprobs(out, hidden)
+        pooled = {}
+        if any(s.request.pooling is not None for s in out.seqs):
+            pooled = pool(out, hidden)
         if logits_rows.numel() == 0:
-            return StepResult([], [], prompt_lp)
+            return StepResult([], [], prompt_lp, pooled)
         logits = self.model.compute_logits(hidden[logits_rows])
         self.last_logits = logits
         sampled = self.sampler(logits, self.prepare_sampling(out, grammar))
@@ -238,4 +242,4 @@ class ModelRunner:
                     logprobs[i] = Logprob(
                         ids[i], chosen[i], top_ids[i][:k] if k else [], top_lps[i][:k] if k else []
                     )
-        return StepResult(ids, logprobs, prompt_lp)
+        return StepResult(ids, logprobs, prompt_lp, pooled)

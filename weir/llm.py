@@ -8,12 +8,14 @@ for out in llm.generate(["Hello", "The river"], SamplingParams(max_tokens=32)):
 
 from __future__ import annotations
 
+import array
 import itertools
 from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
 from core.config import EngineConfig
+from core.pooling import PoolingParams
 from core.request import EngineRequest
 from core.sampling import SamplingParams
 
@@ -37,6 +39,14 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return all(o.finish_reason is not None for o in self.outputs)
+
+
+@dataclass
+class EmbeddingOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    embedding: list[float]
+    num_cached_tokens: int = 0
 
 
 class LLM:
@@ -92,3 +102,31 @@ class LLM:
                         o.finish_reason = out.finish_reason
                         bar.update(1)
         return [results[rid] for rid in order]
+
+    def embed(
+        self,
+        prompts: str | list[str] | list[list[int]],
+        pooling: PoolingParams | None = None,
+        use_tqdm: bool = True,
+    ) -> list[EmbeddingOutput]:
+        """One vector per prompt (text or token ids), pooled from the model's final hidden
+        states; results in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        pooling = pooling or PoolingParams()
+        results: dict[str, EmbeddingOutput] = {}
+        for prompt in prompts:
+            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            rid = str(next(self._ids))
+            self.engine.add(EngineRequest(rid, ids, SamplingParams(), pooling=pooling))
+            results[rid] = EmbeddingOutput(rid, ids, [])
+        with tqdm(total=len(results), desc="Embedding", unit="req", disable=not use_tqdm) as bar:
+            while self.engine.has_work:
+                for out in self.engine.step():
+                    res = results[out.request_id]
+                    if out.error is not None or out.embedding is None:
+                        raise RuntimeError(f"request {out.request_id}: {out.error}")
+                    res.embedding = array.array("f", out.embedding).tolist()
+                    res.num_cached_tokens = out.num_cached_tokens
+                    bar.update(1)
+        return list(results.values())

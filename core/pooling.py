@@ -1,0 +1,20 @@
+"""PoolingParams: what an embedding request asks of the engine instead of sampling. The prompt is
+run through the model (chunked and scheduled like any prompt) and its final hidden states are
+pooled into one vector; nothing is generated."""
+
+from __future__ import annotations
+
+import msgspec
+
+KINDS = ("last", "mean", "cls")
+
+
+class PoolingParams(msgspec.Struct, frozen=True, gc=False):
+    kind: str = "last"  # last token (decoder models), mean of all tokens, or the first (CLS)
+    normalize: bool = True  # to unit length (after `dimensions`)
+    dimensions: int | None = None  # Matryoshka: keep the first N, then normalize
+
+    @property
+    def needs_every_position(self) -> bool:
+        """Mean and CLS pooling read hidden states the prefix cache cannot give back."""
+        return self.kind != "last"

@@ -1,0 +1,43 @@
+"""Pooling a step's final hidden states into embedding vectors (core/pooling.py's kinds): the last
+token's row, the mean of all rows (summed across a prompt's chunks), or the first (CLS) row;
+then Matryoshka truncation and unit normalisation. A vector leaves as little-endian float32."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from core.scheduler import SchedulerOutput
+
+
+def pool(out: SchedulerOutput, hidden: torch.Tensor) -> dict[str, bytes]:
+    """The vectors of the pooling requests whose prompt this step finished. Partial state (a
+    running sum, the CLS row) is kept on the request between chunks; a recompute after a
+    preemption starts again from position 0 and starts the state again too."""
+    pooled: dict[str, bytes] = {}
+    row = 0
+    for s in out.seqs:
+        r, n = s.request, s.num_new_tokens
+        p = r.pooling
+        if p is not None:
+            rows = hidden[row : row + n]
+            if p.kind == "mean":
+                part = rows.float().sum(0)
+                r.pool_state = part if s.start == 0 else r.pool_state + part
+            elif p.kind == "cls" and s.start == 0:
+                r.pool_state = rows[0].float()
+            if s.start + n == r.num_tokens:
+                if p.kind == "last":
+                    vector = rows[-1].float()
+                elif p.kind == "mean":
+                    vector = r.pool_state / r.num_tokens
+                else:
+                    vector = r.pool_state
+                if p.dimensions is not None:
+                    vector = vector[: p.dimensions]
+                if p.normalize:
+                    vector = F.normalize(vector, dim=0)
+                pooled[r.request_id] = vector.cpu().numpy().astype("<f4").tobytes()
+                r.pool_state = None
+        row += n
+    return pooled
