@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 import socket
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import trio
@@ -22,10 +23,12 @@ from core.engine import Engine
 from core.engine_process import EngineProcess
 from core.stats import StepStats
 from server import reasoning, tool_parsers
+from server import embedding_config
 from server.chat import load_template
+from server.embeddings import bp as embeddings_bp
 from server.errors import APIError, error_response
 from server.generate import bp as generate_bp
-from server.responses import bp as responses_bp
+from server.responses.routes import bp as responses_bp
 from server.responses.registry import Runs
 from server.logprobs import TokenText
 from server.metrics import CacheInfo, Metrics
@@ -52,6 +55,8 @@ def create_app(config: EngineConfig, options: ServerOptions | None = None) -> Qu
     app.register_blueprint(bp)
     app.register_blueprint(generate_bp)
     app.register_blueprint(responses_bp)
+    app.register_blueprint(embeddings_bp)
+    st.tasks = options.tasks
     st.responses = Runs.from_options(options)
 
     def origin_allowed(origin: str) -> bool:
@@ -164,6 +169,7 @@ async def _load_engine(app: QuartTrio, st: ServerState) -> None:
                 loaded.core.kv.num_blocks,
                 loaded.kv_dtype,
                 loaded.core.runner.vocab_size,
+                str(loaded.model_path),
             )
         cache = CacheInfo(
             st.config.block_size,
@@ -206,6 +212,13 @@ async def _load_engine(app: QuartTrio, st: ServerState) -> None:
     st.generation_defaults = loaded.generation_defaults
     st.token_text = TokenText(loaded.tokenizer)
     st.vocab_size = loaded.vocab_size
+    if "embed" in st.tasks:
+        st.embedding = embedding_config.resolve(
+            Path(loaded.model_path), st.options.pooling, st.options.normalize
+        )
+        log.info(
+            "embeddings: %s pooling%s", st.embedding.kind, ", normalized" * st.embedding.normalize
+        )
     template = st.chat_template or getattr(loaded.tokenizer, "chat_template", None)
     st.reasoning_parser = reasoning.resolve(st.options.reasoning_parser, template)
     st.tool_parser = tool_parsers.resolve(st.options.tool_call_parser, template)
@@ -236,6 +249,7 @@ class _Frontend(NamedTuple):
     num_blocks: int
     kv_dtype: str
     vocab_size: int
+    model_path: str
 
 
 def _launch(engine: EngineProcess) -> _Frontend:
@@ -252,6 +266,7 @@ def _launch(engine: EngineProcess) -> _Frontend:
         info.num_blocks,
         info.kv_dtype,
         info.vocab_size,
+        info.model_path,
     )
 
 

@@ -11,6 +11,8 @@ import trio
 
 from core.config import EngineConfig
 from server import vllm_flags
+from server.embedding_config import add_arguments as embedding_flags
+from server.responses.flags import add_arguments as responses_flags
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -233,30 +235,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=True,
         help="exit non-zero when the engine dies (default), or stay up, unhealthy",
     )
-    r = s.add_argument_group("responses API store")
-    r.add_argument(
-        "--responses-store",
-        metavar="PATH",
-        help="keep responses in this SQLite "
-        "file, so conversations survive a restart (default: in memory)",
-    )
-    r.add_argument(
-        "--responses-store-max-entries",
-        type=int,
-        default=10_000,
-        help="stored responses kept; the oldest finished ones go first",
-    )
-    r.add_argument(
-        "--responses-store-ttl",
-        type=float,
-        default=24 * 3600.0,
-        help="seconds a finished response is kept",
-    )
-    r.add_argument(
-        "--disable-responses-store",
-        action="store_true",
-        help="keep no responses (no previous_response_id, background or GET)",
-    )
+    responses_flags(s)
+    embedding_flags(s)
     s.add_argument("--log-level", default="info")
     vllm_flags.add_arguments(s)
     return parser
@@ -332,35 +312,17 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 
 def options_from_args(args: argparse.Namespace):
+    """ServerOptions from the flags of the same names, and the three that are spelt otherwise."""
     from server.options import ServerOptions
 
-    return ServerOptions(
+    given = vars(args)
+    fields = {name: given[name] for name in ServerOptions.__struct_fields__ if name in given}
+    fields.update(
         api_key=args.api_key or None,
-        allowed_origins=args.allowed_origins,
-        allowed_methods=args.allowed_methods,
-        allowed_headers=args.allowed_headers,
-        max_waiting_requests=args.max_waiting_requests,
-        shed_status=args.shed_status,
-        request_timeout=args.request_timeout,
-        drain_timeout=args.drain_timeout,
-        keep_alive_timeout=args.keep_alive_timeout,
-        tcp_user_timeout=args.tcp_user_timeout,
-        max_body_bytes=args.max_body_bytes,
-        stream_interval=args.stream_interval,
-        metrics_prefix=args.metrics_prefix,
         log_requests=not args.disable_log_requests,
         log_stats=not args.disable_log_stats,
-        stats_interval=args.stats_interval,
-        return_tokens_as_token_ids=args.return_tokens_as_token_ids,
-        reasoning_parser=args.reasoning_parser,
-        tool_call_parser=args.tool_call_parser,
-        exit_on_engine_error=args.exit_on_engine_error,
-        engine_process=args.engine_process,
-        responses_store=args.responses_store,
-        responses_store_max_entries=args.responses_store_max_entries,
-        responses_store_ttl=args.responses_store_ttl,
-        disable_responses_store=args.disable_responses_store,
     )
+    return ServerOptions(**fields)
 
 
 def main(argv: list[str] | None = None) -> int:

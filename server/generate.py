@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
-from typing import Any
 
 import msgspec
 from quart import Blueprint, Response
@@ -12,7 +11,7 @@ from quart import Blueprint, Response
 from core.request import Logprob
 from server import sse, structured
 from server.chat_job import prepare_chat
-from server.errors import APIError
+from server.prompts import token_lists
 from server.logprobs import CompletionLogprobsBuilder, chat_logprobs, prompt_logprobs
 from server.params import check_common, include_usage, sampling_params, tokens_as_ids
 from server.protocol import (
@@ -26,7 +25,6 @@ from server.protocol import (
     CompletionResponse,
     Delta,
 )
-from server.state import ServerState
 from server.submit import Submitted, UsageCounter, collect, request_id, stream_response
 from server.wire import decode, json_response, state
 
@@ -39,6 +37,7 @@ async def chat_completions() -> Response:
     st = state()
     req = await decode(ChatCompletionRequest)
     engine = st.ready_engine()
+    st.check_task("generate")
     model = st.model_name(req.model)
     check_common(st, req)
     job = await prepare_chat(st, req)
@@ -143,46 +142,15 @@ async def chat_completions() -> Response:
 
 
 # ---------------------------------------------------------------- completions
-def completion_prompts(st: ServerState, prompt: str | list[Any]) -> list[list[int]]:
-    """A string, list of strings, list of token ids or list of token-id lists -> token lists."""
-
-    def encode(text: str) -> list[int]:
-        return st.tokenizer.encode(text)
-
-    def is_ids(x: Any) -> bool:
-        return (
-            isinstance(x, list)
-            and bool(x)
-            and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
-        )
-
-    if isinstance(prompt, str):
-        return [encode(prompt)]
-    if not prompt:
-        raise APIError(400, "prompt must not be empty", "prompt", "invalid_value")
-    if all(isinstance(p, str) for p in prompt):
-        return [encode(p) for p in prompt]
-    if is_ids(prompt):
-        return [list(prompt)]
-    if all(is_ids(p) for p in prompt):
-        return [list(p) for p in prompt]
-    raise APIError(
-        400,
-        "prompt must be a string, a list of strings, a list of token ids or a "
-        "list of token-id lists",
-        "prompt",
-        "invalid_value",
-    )
-
-
 @bp.post("/v1/completions")
 async def completions() -> Response:
     st = state()
     req = await decode(CompletionRequest)
     engine = st.ready_engine()
+    st.check_task("generate")
     model = st.model_name(req.model)
     check_common(st, req)
-    prompts = completion_prompts(st, req.prompt)
+    prompts = token_lists(st, req.prompt, "prompt")
     constraint = await structured.request_constraint(st, req)
     params = sampling_params(
         st, req, req.max_tokens, max(len(p) for p in prompts), req.logprobs, constraint

@@ -22,6 +22,7 @@ from server.protocol import (
     TokenizeResponse,
     VersionResponse,
 )
+from server.embeddings import EmbeddingRequest, EmbeddingResponse
 from server.responses.protocol import ItemList, ResponseDeleted, ResponseObject, ResponsesRequest
 
 # path, method, summary, request body Struct, success Struct, streams SSE
@@ -60,6 +61,14 @@ ROUTES: list[tuple[str, str, str, type | None, type, bool]] = [
         False,
     ),
     ("/v1/responses", "post", "Create a response", ResponsesRequest, ResponseObject, True),
+    (
+        "/v1/embeddings",
+        "post",
+        "Embed inputs (--enable-embeddings or --runner pooling)",
+        EmbeddingRequest,
+        EmbeddingResponse,
+        False,
+    ),
     (
         "/v1/responses/{response_id}",
         "get",

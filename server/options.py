@@ -31,6 +31,19 @@ class ServerOptions(msgspec.Struct, kw_only=True):
     responses_store_max_entries: int = 10_000
     responses_store_ttl: float | None = 24 * 3600.0  # seconds a finished response is kept
     disable_responses_store: bool = False
+    # Embeddings (server/embeddings.py): served beside generation, or instead of it.
+    enable_embeddings: bool = False
+    runner: str = "generate"  # vLLM's --runner: generate, or pooling (embeddings only)
+    convert: str | None = None  # vLLM's --convert: embed means --runner pooling
+    pooling: str | None = None  # last, mean, cls (None: the checkpoint's, else last)
+    normalize: bool = True
+
+    @property
+    def tasks(self) -> tuple[str, ...]:
+        if self.runner == "pooling" or self.convert == "embed":
+            return ("embed",)
+        return ("generate", "embed") if self.enable_embeddings else ("generate",)
+
     # The engine core in a child process (its own interpreter lock), or on a thread (False).
     engine_process: bool = True
 
@@ -55,6 +68,14 @@ class ServerOptions(msgspec.Struct, kw_only=True):
             raise ValueError("--responses-store-ttl must be positive")
         if self.disable_responses_store and self.responses_store:
             raise ValueError("--responses-store and --disable-responses-store contradict")
+        if self.runner not in ("auto", "generate", "pooling"):
+            raise ValueError("--runner must be generate or pooling")
+        if self.convert not in (None, "none", "auto", "embed"):
+            raise ValueError(f"--convert {self.convert!r}: weir converts to embed only")
+        from core.pooling import KINDS
+
+        if self.pooling is not None and self.pooling not in KINDS:
+            raise ValueError(f"--pooling must be one of {', '.join(KINDS)}")
         if self.stream_interval < 1:
             raise ValueError("--stream-interval must be at least 1")
         if self.max_body_bytes < 1024:

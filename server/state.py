@@ -35,6 +35,8 @@ class ServerState:
     checked_constraints: OrderedDict = field(default_factory=OrderedDict)  # Constraint -> error
     metrics: Any = None  # server.metrics.Metrics, once the model is loaded
     responses: Any = None  # server.responses.registry.Runs: running and stored responses
+    tasks: tuple[str, ...] = ("generate",)  # and/or "embed" (--enable-embeddings, --runner)
+    embedding: Any = None  # server.embedding_config.EmbeddingConfig, when "embed" is served
     inflight: set = field(default_factory=set)  # generation requests being served
     idle: trio.Event = field(default_factory=trio.Event)  # set when inflight empties
 
@@ -65,6 +67,26 @@ class ServerState:
             raise APIError(503, f"The server is not ready: {reason}", None, "service_unavailable")
         assert self.engine is not None
         return self.engine
+
+    def check_task(self, task: str) -> None:
+        """A 400 that says how to start the server for a task it was not started for."""
+        if task in self.tasks:
+            return
+        if task == "embed":
+            raise APIError(
+                400,
+                "This server does not serve embeddings: start it with --enable-embeddings "
+                "(generation and embeddings) or --runner pooling (embeddings only)",
+                "model",
+                "embeddings_not_enabled",
+            )
+        raise APIError(
+            400,
+            "This server serves embeddings only (--runner pooling / --convert embed): "
+            "start it without those flags to generate",
+            "model",
+            "generation_not_enabled",
+        )
 
     def model_name(self, requested: str | None) -> str:
         if requested is None or requested == "":

@@ -15,6 +15,7 @@ from quart import Response, current_app, request
 
 from core.engine import Engine, EngineDeadError
 from core.outputs import RequestChannel
+from core.pooling import PoolingParams
 from core.request import EngineRequest, Logprob, RequestOutput
 from core.sampling import InvalidParam, SamplingParams
 from server import sse
@@ -67,6 +68,7 @@ class Submitted:
         params: SamplingParams,
         priority: int,
         cache_salt: str | None,
+        pooling: PoolingParams | None = None,
     ) -> None:
         limit = self.st.options.max_waiting_requests
         if limit is not None and self.engine.num_waiting >= limit:
@@ -103,6 +105,7 @@ class Submitted:
                             priority=priority,
                             cache_salt=cache_salt,
                             leader_id=leader,
+                            pooling=pooling,
                         ),
                         self.channel,
                     )

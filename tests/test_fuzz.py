@@ -26,6 +26,7 @@ BASE = {
     "/tokenize": {"prompt": "hi"},
     "/detokenize": {"tokens": [5, 6]},
     "/v1/responses": {"input": "hi", "max_output_tokens": 4},
+    "/v1/embeddings": {"input": ["hi", "there"]},
 }
 
 json_scalars = (
@@ -78,7 +79,8 @@ def server(model_dir):
             max_model_len=256,
             num_kv_blocks=512,
             check_integrity=True,
-        )
+        ),
+        enable_embeddings=True,
     ).start()
     yield s
     s.stop()

@@ -1,5 +1,1 @@
-"""The OpenAI Responses API (/v1/responses) on the chat generation path."""
-
-from server.responses.routes import bp
-
-__all__ = ["bp"]
+"""The OpenAI Responses API (/v1/responses) on the chat generation path: routes.py."""

@@ -94,6 +94,7 @@ async def create() -> Response:
     st = state()
     req = await decode(ResponsesRequest)
     engine = st.ready_engine()
+    st.check_task("generate")
     model = st.model_name(req.model)
     runs = _runs()
     if req.n != 1:
