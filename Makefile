@@ -34,6 +34,7 @@ bench: $(STAMP)
 	$(PY) -m benchmarks.offline $(BENCH_MODEL)
 	$(PY) -m benchmarks.serving $(BENCH_MODEL)
 	$(PY) -m benchmarks.overhead
+	$(PY) -m benchmarks.embeddings $(BENCH_MODEL)
 	$(PY) -m benchmarks.attention || true  # GPU only; says so and skips on CPU
 	$(PY) -m benchmarks.report
 

@@ -45,6 +45,18 @@ BENCH_SHAPES = {
         vocab_size=2048,
         max_position_embeddings=4096,
     ),
+    # The 6-layer shape of the CPU peer comparisons (hidden 512, 8 heads of 64, 2 KV heads,
+    # MLP 1,408), Qwen3-shaped as Qwen3-Embedding is.
+    "qwen3-6layer": dict(
+        hidden_size=512,
+        num_layers=6,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=64,
+        intermediate_size=1408,
+        vocab_size=2048,
+        max_position_embeddings=4096,
+    ),
     "qwen3-3layer": dict(
         hidden_size=128,
         num_layers=3,
