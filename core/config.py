@@ -20,7 +20,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     gpu_memory_utilization: float = 0.9
     attention_backend: str = "auto"
     enforce_eager: bool = False  # no CUDA graphs for decode steps
-    cpu_threads: int | None = None  # torch intra-op threads when running on CPU; None: torch's
+    # torch intra-op threads when running on CPU; None: torch's; 0: auto, from the model's size
+    # (gpu/launch.py auto_threads)
+    cpu_threads: int | None = None
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"  # fcfs | priority
     seed: int = 0
@@ -38,8 +40,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             )
         if self.block_size < 1 or self.block_size > 1024:
             raise ValueError("--block-size must be between 1 and 1024")
-        if self.cpu_threads is not None and self.cpu_threads < 1:
-            raise ValueError("--cpu-threads must be positive")
+        if self.cpu_threads is not None and self.cpu_threads < 0:
+            raise ValueError("--cpu-threads must be positive (or auto)")
         if self.max_num_seqs < 1:
             raise ValueError("--max-num-seqs must be positive")
         if self.max_num_batched_tokens < 1:

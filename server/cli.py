@@ -80,8 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--cpu-threads",
         default="auto",
-        help="torch threads for the model on CPU; auto: the cores this process may use, less "
-        "one left to the HTTP event loop (at least 1)",
+        help="torch threads for the model on CPU; auto: every core this process may use for a "
+        "model of 4M or more weights per token, else one left to the HTTP event loop",
     )
     s.add_argument(
         "--enforce-eager",
@@ -257,14 +257,10 @@ def human_int(value: str) -> int:
 
 
 def cpu_threads(value: str) -> int:
-    """--cpu-threads: a number, or auto = usable cores - 1. The engine thread's matrix products and
-    the event loop's HTTP work otherwise fight over the same cores. Measured on 2 cores: a 3-layer
-    model served 25-30% more tokens/s at 16 and 64 streams with 1 torch thread than with 2; a
-    77M-parameter one 19% fewer at 16 (its forward is big enough to use both cores), so a big
-    model on a machine this small wants --cpu-threads 2."""
+    """--cpu-threads: a number, or auto (0: chosen from the model's size when it is loaded,
+    gpu/launch.py auto_threads)."""
     if value == "auto":
-        usable = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
-        return max(1, (len(usable) if usable else os.cpu_count() or 1) - 1)
+        return 0
     try:
         n = int(value)
     except ValueError:

@@ -53,17 +53,35 @@ def test_flags_map_to_engine_config():
     assert config_from_args(build_parser().parse_args(["serve"])).model is None
 
 
-def test_cpu_threads_leave_a_core_to_the_event_loop():
+def test_cpu_threads_auto_follows_the_model_size():
+    from types import SimpleNamespace
+
+    from gpu.launch import auto_threads
+
     def threads(*flags):
         return config_from_args(build_parser().parse_args(["serve", *flags])).cpu_threads
 
-    assert threads() == max(1, len(os.sched_getaffinity(0)) - 1)
-    assert threads("--cpu-threads", "3") == 3 and threads("--enforce-eager") >= 1
+    assert threads() == 0  # auto: decided when the model is loaded
+    assert threads("--cpu-threads", "3") == 3
     for bad in ("0", "many"):
         with pytest.raises(SystemExit):
             threads("--cpu-threads", bad)
     with pytest.raises(ValueError, match="cpu-threads"):
-        EngineConfig(cpu_threads=0).validate()
+        EngineConfig(cpu_threads=-1).validate()
+    cores = len(os.sched_getaffinity(0))
+
+    def shape(hidden, layers, mlp, heads=8, kv=2):
+        return SimpleNamespace(
+            hidden_size=hidden,
+            num_attention_heads=heads,
+            num_key_value_heads=kv,
+            num_hidden_layers=layers,
+            intermediate_size=mlp,
+        )
+
+    # A small model leaves a core to the HTTP event loop; a 6-layer, 17M one takes them all.
+    assert auto_threads(shape(128, 3, 384, heads=4)) == max(1, cores - 1)
+    assert auto_threads(shape(512, 6, 1408)) == cores
 
 
 def test_engine_runs_in_its_own_process_unless_told_otherwise():
