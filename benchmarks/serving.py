@@ -58,8 +58,12 @@ def servers(
 ) -> dict[str, object]:
     """label -> a function of a port that gives the server's command line."""
     out: dict[str, object] = {}
-    for extra in variants:  # weir with other flags, e.g. "--cpu-threads 2"
-        out[f"weir {extra}"] = lambda port, extra=extra: weir_argv(model, port, *extra.split())
+    for extra in variants:  # weir with other flags, e.g. "--cpu-threads 2" or "OMP_X=1 --flag"
+        env = [w for w in extra.split() if "=" in w and not w.startswith("-")]
+        flags = [w for w in extra.split() if w not in env]
+        out[f"weir {extra}"] = lambda port, env=env, flags=flags: (
+            ["env", *env] if env else []
+        ) + weir_argv(model, port, *flags)
     if "process" in modes:  # the engine in a process of its own (the default)
         out["weir"] = lambda port: weir_argv(model, port)
     if "thread" in modes:  # the engine on a thread of the server process
