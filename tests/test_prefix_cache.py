@@ -169,8 +169,7 @@ def test_prompt_logprobs_survive_preemption_without_duplicates(model_dir):
                 if out.prompt_logprobs is not None:
                     assert out.request_id not in seen  # sent once, with the first token
                     seen[out.request_id] = [
-                        (e.token_id, round(e.logprob, 4)) if e else None
-                        for e in out.prompt_logprobs
+                        (e.token_id, e.logprob) if e else None for e in out.prompt_logprobs
                     ]
         return core, seen
 
@@ -180,4 +179,9 @@ def test_prompt_logprobs_survive_preemption_without_duplicates(model_dir):
     for rid, ids in zip(map(str, range(6)), prompts):
         assert len(want[rid]) == len(ids) and want[rid][0] is None
         assert [e[0] for e in want[rid][1:]] == ids[1:]
-    assert got == want
+    # the same entries, once each; values within float tolerance (chunks sum in another order)
+    assert got.keys() == want.keys()
+    for rid in want:
+        assert got[rid][0] is None and [e[0] for e in got[rid][1:]] == prompts[int(rid)][1:]
+        for g, w in zip(got[rid][1:], want[rid][1:]):
+            assert abs(g[1] - w[1]) < 1e-4, (rid, g, w)
