@@ -32,6 +32,11 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # Most log-probs (top alternatives) a request may ask for; -1: the whole vocabulary.
     max_logprobs: int = 20
     check_integrity: bool = False  # assert the block pool invariant after every step (tests)
+    # Tensor parallelism: the model split over this many worker processes (one per device).
+    tensor_parallel_size: int = 1
+    # Where the workers meet (torch.distributed's init_method): None, a free local TCP port;
+    # "tcp://HOST:PORT" to rendezvous at a given address.
+    distributed_init_method: str | None = None
 
     def validate(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -54,5 +59,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise ValueError("--scheduling-policy must be fcfs or priority")
         if self.max_logprobs < -1:
             raise ValueError("--max-logprobs must be -1 (no limit) or at least 0")
+        if self.tensor_parallel_size < 1:
+            raise ValueError("--tensor-parallel-size must be at least 1")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("--max-model-len must be at least 2")

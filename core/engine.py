@@ -202,3 +202,4 @@ class Engine:
             self._send(self._fail_all, self.error)
         finally:
             self.stopped = True
+            core.close()

@@ -144,6 +144,12 @@ class EngineCore:
     def has_work(self) -> bool:
         return self.scheduler.has_work
 
+    def close(self) -> None:
+        """Release what the runner holds outside this process (tensor-parallel workers)."""
+        close = getattr(self.runner, "close", None)
+        if close is not None:
+            close()
+
     def check(self, req: EngineRequest) -> int:
         """Validate a request against the model; return its resolved max_tokens.
 

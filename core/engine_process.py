@@ -147,6 +147,8 @@ def _engine_main(config_bytes: bytes, commands, replies, log_level: int) -> None
             replies.send_bytes(encode(Died(f"engine died: {type(e).__name__}: {e}")))
         except OSError:
             pass
+    finally:
+        core.close()  # tensor-parallel workers stop with the engine
 
 
 # ---- the server side ----

@@ -16,6 +16,8 @@ from core.engine_core import EngineCore
 from gpu import kv_cache
 from gpu.attention.backend import get_backend
 from gpu.loader import eos_token_ids, load_config, load_model, resolve_dtype, resolve_model_path
+from gpu.models.decoder import DecoderForCausalLM
+from gpu.parallel import TensorParallel
 from gpu.runner import ModelRunner
 
 log = logging.getLogger("weir.launch")
@@ -39,30 +41,104 @@ def resolve_device(name: str) -> torch.device:
 
 
 def load(config: EngineConfig) -> Loaded:
+    """Load the model (or, with --tensor-parallel-size N, start N workers that each load their
+    share: gpu/executor.py) and build the engine core over it."""
     from transformers import AutoTokenizer
 
     config.validate()
+    path, default_name = model_path(config)
+    device = resolve_device(config.device)
+    hf_config = load_config(path)
+    dtype = resolve_dtype(config.dtype, hf_config, device)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    eos = eos_token_ids(path, hf_config)
+    if tokenizer.eos_token_id is not None:
+        eos.add(tokenizer.eos_token_id)
+    if config.tensor_parallel_size > 1:
+        from gpu.executor import Executor
+
+        runner = Executor.launch(config, path, hf_config, device, eos)
+        num_blocks, max_model_len = runner.num_blocks, runner.max_model_len
+        where = f"{config.tensor_parallel_size} ranks on {runner.device_names}"
+    else:
+        torch.manual_seed(config.seed)
+        set_threads(config, hf_config, device)
+        model, num_blocks = load_shard(config, path, hf_config, dtype, device)
+        max_model_len = fit_model_len(config, model.spec.max_position_embeddings, num_blocks)
+        runner = build_runner(config, model, num_blocks, max_model_len, dtype, device, eos)
+        where = f"{device}, {torch.get_num_threads()} threads" if device.type == "cpu" else device
+    core = EngineCore(
+        runner,
+        tokenizer.backend_tokenizer,
+        num_blocks=num_blocks,
+        block_size=config.block_size,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        max_model_len=max_model_len,
+        eos_token_ids=eos,
+        check_integrity=config.check_integrity,
+        enable_prefix_caching=config.enable_prefix_caching,
+        scheduling_policy=config.scheduling_policy,
+        max_logprobs=config.max_logprobs,
+    )
+    log.info(
+        "loaded %s on %s (%s): %d KV blocks of %d tokens, max_model_len %d",
+        path,
+        where,
+        str(dtype).removeprefix("torch."),
+        num_blocks,
+        config.block_size,
+        max_model_len,
+    )
+    defaults = generation_defaults(path, config.generation_config)
+    if defaults:
+        log.info("sampling defaults from the generation config: %s", defaults)
+    return Loaded(
+        core,
+        tokenizer,
+        path,
+        config.served_model_name or [default_name],
+        max_model_len,
+        defaults,
+        str(dtype).removeprefix("torch."),
+    )
+
+
+def model_path(config: EngineConfig) -> tuple[Path, str]:
+    """The model's local directory (the built-in tiny model when none is named) and its name."""
     if config.model is None:
         from gpu.tiny_model import TINY_NAME, ensure_tiny_model
 
-        path = ensure_tiny_model()
-        default_name = TINY_NAME
-    else:
-        path = resolve_model_path(config.model, config.revision)
-        default_name = config.model
-    device = resolve_device(config.device)
-    torch.manual_seed(config.seed)
-    hf_config = load_config(path)
-    if device.type == "cpu" and config.cpu_threads is not None:
-        threads = config.cpu_threads or auto_threads(hf_config)
-        torch.set_num_threads(threads)  # process-wide; the engine is torch's only user
-    dtype = resolve_dtype(config.dtype, hf_config, device)
-    model = load_model(path, hf_config, dtype, device)
-    spec = model.spec
+        return ensure_tiny_model(), TINY_NAME
+    return resolve_model_path(config.model, config.revision), config.model
 
-    tokenizer = AutoTokenizer.from_pretrained(path)
+
+def set_threads(config: EngineConfig, hf_config: Any, device: torch.device, ranks: int = 1) -> None:
+    """torch's intra-op threads on CPU: --cpu-threads (0: auto), shared out among `ranks`
+    processes on one machine. Process-wide: the engine is torch's only user."""
+    if device.type != "cpu":
+        return
+    if config.cpu_threads is not None:
+        threads = config.cpu_threads or auto_threads(hf_config)
+    elif ranks > 1:
+        threads = torch.get_num_threads()
+    else:
+        return
+    torch.set_num_threads(max(1, threads // ranks))
+
+
+def load_shard(
+    config: EngineConfig,
+    path: Path,
+    hf_config: Any,
+    dtype: torch.dtype,
+    device: torch.device,
+    tp: TensorParallel | None = None,
+) -> tuple[DecoderForCausalLM, int]:
+    """The model (under `tp`, this rank's share of it) and how many KV blocks fit beside it."""
+    model = load_model(path, hf_config, dtype, device, tp)
     num_blocks = kv_cache.num_blocks_for(
-        spec,
+        model.local_spec,  # the KV heads this rank caches
         config.block_size,
         dtype,
         device,
@@ -70,8 +146,13 @@ def load(config: EngineConfig) -> Loaded:
         kv_cache_memory=config.kv_cache_memory,
         gpu_memory_utilization=config.gpu_memory_utilization,
     )
+    return model, num_blocks
+
+
+def fit_model_len(config: EngineConfig, max_positions: int, num_blocks: int) -> int:
+    """--max-model-len (or the model's own), cut to what the KV cache holds."""
     capacity = num_blocks * config.block_size
-    max_model_len = config.max_model_len or spec.max_position_embeddings
+    max_model_len = config.max_model_len or max_positions
     if max_model_len > capacity:
         log.warning(
             "max_model_len %d exceeds the KV cache (%d tokens); using %d",
@@ -80,7 +161,21 @@ def load(config: EngineConfig) -> Loaded:
             capacity,
         )
         max_model_len = capacity
-    caches = kv_cache.allocate(spec, num_blocks, config.block_size, dtype, device)
+    return max_model_len
+
+
+def build_runner(
+    config: EngineConfig,
+    model: DecoderForCausalLM,
+    num_blocks: int,
+    max_model_len: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    eos: set[int],
+) -> ModelRunner:
+    """The KV cache of `num_blocks` blocks and the runner over it, with its CUDA graphs
+    captured for contexts up to `max_model_len`."""
+    caches = kv_cache.allocate(model.local_spec, num_blocks, config.block_size, dtype, device)
     runner = ModelRunner(
         model,
         caches,
@@ -102,45 +197,8 @@ def load(config: EngineConfig) -> Loaded:
             default_capture_sizes(config.max_num_seqs),
         )
         runner.graphs.capture()
-    eos = eos_token_ids(path, hf_config)
-    if tokenizer.eos_token_id is not None:
-        eos.add(tokenizer.eos_token_id)
     runner.eos_token_ids = eos
-    core = EngineCore(
-        runner,
-        tokenizer.backend_tokenizer,
-        num_blocks=num_blocks,
-        block_size=config.block_size,
-        max_num_seqs=config.max_num_seqs,
-        max_num_batched_tokens=config.max_num_batched_tokens,
-        max_model_len=max_model_len,
-        eos_token_ids=eos,
-        check_integrity=config.check_integrity,
-        enable_prefix_caching=config.enable_prefix_caching,
-        scheduling_policy=config.scheduling_policy,
-        max_logprobs=config.max_logprobs,
-    )
-    log.info(
-        "loaded %s on %s (%s): %d KV blocks of %d tokens, max_model_len %d",
-        path,
-        f"{device}, {torch.get_num_threads()} threads" if device.type == "cpu" else device,
-        str(dtype).removeprefix("torch."),
-        num_blocks,
-        config.block_size,
-        max_model_len,
-    )
-    defaults = generation_defaults(path, config.generation_config)
-    if defaults:
-        log.info("sampling defaults from the generation config: %s", defaults)
-    return Loaded(
-        core,
-        tokenizer,
-        path,
-        config.served_model_name or [default_name],
-        max_model_len,
-        defaults,
-        str(dtype).removeprefix("torch."),
-    )
+    return runner
 
 
 # Weights a token multiplies through (per layer: Q/K/V/O and the MLP) from which every core is

@@ -15,6 +15,7 @@ from gpu import cpu_linear, cpu_norm
 from gpu.models.decoder import DecoderForCausalLM
 from gpu.models.rope import Rope
 from gpu.models.spec import ModelSpec
+from gpu.parallel import TensorParallel, shard
 
 log = logging.getLogger("weir.loader")
 
@@ -88,7 +89,10 @@ def weight_files(path: Path) -> list[Path]:
 
 
 def load_weights(model: DecoderForCausalLM, path: Path) -> None:
+    """Every parameter from the checkpoint by name; under tensor parallelism only this rank's
+    part of each tensor is read (a safetensors slice, gpu/parallel.py `shard`)."""
     params = dict(model.named_parameters())
+    tp = model.tp
     loaded: set[str] = set()
     files = weight_files(path)
     with tqdm(total=len(params), desc="Loading weights", unit="tensor", leave=False) as bar:
@@ -102,7 +106,10 @@ def load_weights(model: DecoderForCausalLM, path: Path) -> None:
                         if name.endswith("rotary_emb.inv_freq"):
                             continue
                         raise ValueError(f"unexpected weight {name!r} in {file.name}")
-                    tensor = f.get_tensor(name)
+                    if tp is None:
+                        tensor = f.get_tensor(name)
+                    else:
+                        tensor = shard(name, f.get_slice(name), model.spec, tp)
                     if tensor.shape != target.shape:
                         raise ValueError(
                             f"weight {name!r} has shape {tuple(tensor.shape)}, "
@@ -118,11 +125,15 @@ def load_weights(model: DecoderForCausalLM, path: Path) -> None:
 
 
 def load_model(
-    path: Path, config: Any, dtype: torch.dtype, device: torch.device
+    path: Path,
+    config: Any,
+    dtype: torch.dtype,
+    device: torch.device,
+    tp: TensorParallel | None = None,
 ) -> DecoderForCausalLM:
     spec = ModelSpec.from_hf_config(config)
     with torch.device("meta"):
-        model = DecoderForCausalLM(spec)
+        model = DecoderForCausalLM(spec, tp)
     model = model.to(dtype).to_empty(device=device)
     load_weights(model, path)
     if device.type == "cuda":

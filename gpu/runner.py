@@ -37,6 +37,9 @@ class ModelRunner:
         self.graphs = None  # DecodeGraphs when decode steps replay CUDA graphs (see launch)
         self.grammars = None  # core.structured.Grammars, set by the engine when first needed
         self._mask_pool: ThreadPoolExecutor | None = None
+        # False on tensor-parallel ranks other than 0: they run the forward (and its
+        # collectives) but leave sampling, pooling and the grammar masks to rank 0.
+        self.samples = True
 
     def _tensor(self, data, dtype) -> torch.Tensor:
         t = torch.tensor(data, dtype=dtype)
@@ -210,9 +213,12 @@ class ModelRunner:
         return future.result
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> StepResult:
+    def execute(self, out: SchedulerOutput, masks=None) -> StepResult:
+        """`masks`: a callable giving this step's grammar masks (rows, bitmask), for a runner
+        whose requests' matchers live elsewhere (a tensor-parallel worker: gpu/worker.py)."""
         input_ids, positions, meta, logits_rows = self.prepare(out)
-        masks = self._start_masks(out)
+        if masks is None and self.samples:
+            masks = self._start_masks(out)
         if self.graphs is not None and self.graphs.can_run(meta):
             hidden = self.graphs.run(input_ids, positions, meta)
         else:
@@ -222,12 +228,14 @@ class ModelRunner:
         if any(s.request.prompt_logprobs is not None for s in out.seqs):
             prompt_lp = self._prompt_logprobs(out, hidden)
         pooled = {}
-        if any(s.request.pooling is not None for s in out.seqs):
+        if self.samples and any(s.request.pooling is not None for s in out.seqs):
             pooled = pool(out, hidden)
         if logits_rows.numel() == 0:
             return StepResult([], [], prompt_lp, pooled)
         logits = self.model.compute_logits(hidden[logits_rows])
         self.last_logits = logits
+        if not self.samples:
+            return StepResult([], [])
         sampled = self.sampler(logits, self.prepare_sampling(out, grammar))
         ids = sampled.token_ids.tolist()
         logprobs: list[Logprob | None] = [None] * len(ids)

@@ -101,6 +101,20 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["fcfs", "priority"],
         help="priority: lower request `priority` runs first and is preempted last",
     )
+    s.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        help="split the model over this many worker processes, one per device (cuda:0..N-1, "
+        "or CPU), joined by torch.distributed (NCCL on GPUs, gloo on CPU)",
+    )
+    s.add_argument(
+        "--distributed-init-method",
+        default=None,
+        help="where the tensor-parallel workers meet (torch.distributed init_method, e.g. "
+        "tcp://10.0.0.1:29500); default: a free port on this machine",
+    )
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--chat-template", default=None, help="a Jinja template file or text")
     s.add_argument(
@@ -304,6 +318,8 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         chat_template=args.chat_template,
         generation_config=args.generation_config,
         max_logprobs=args.max_logprobs,
+        tensor_parallel_size=args.tensor_parallel_size,
+        distributed_init_method=args.distributed_init_method,
     )
 
 

@@ -44,19 +44,12 @@ FLAGS = (
         "",
     ),
     Flag(
-        ("--tensor-parallel-size", "-tp"),
-        int,
-        _one,
-        None,
-        "weir serves a model on one device for now (tensor parallelism is planned); use a "
-        "model that fits one device, or --dtype bfloat16 to halve its weights",
-    ),
-    Flag(
         ("--pipeline-parallel-size", "-pp"),
         int,
         _one,
         None,
-        "weir serves a model on one device; pipeline parallelism is not offered",
+        "weir splits a model over devices with --tensor-parallel-size; pipeline parallelism "
+        "is not offered",
     ),
     Flag(
         ("--data-parallel-size", "-dp"),
@@ -69,8 +62,8 @@ FLAGS = (
         ("--distributed-executor-backend",),
         str,
         _always,
-        "--distributed-executor-backend has no effect: weir runs the model in one engine "
-        "process (--no-engine-process: a thread)",
+        "--distributed-executor-backend has no effect: weir's engine process drives its "
+        "tensor-parallel workers itself (torch.distributed; --distributed-init-method)",
         "",
     ),
     Flag(

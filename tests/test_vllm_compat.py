@@ -294,6 +294,8 @@ def test_vllm_flags_that_work():
     config, options = config_from_args(args), options_from_args(args)
     assert config.model == "org/model" and config.dtype == "float16"
     assert config.max_model_len == 8000 and config.max_logprobs == -1
+    assert config.tensor_parallel_size == 1
+    assert config_from_args(parse("-tp", "2")).tensor_parallel_size == 2
     assert options.return_tokens_as_token_ids and not options.log_stats
     assert parse("--max-model-len", "32K").max_model_len == 32768
     assert config_from_args(parse("--dtype", "float")).dtype == "float32"
@@ -306,8 +308,7 @@ def test_vllm_flags_that_work():
 @pytest.mark.parametrize(
     "flags,named",
     [
-        (["--tensor-parallel-size", "2"], "--tensor-parallel-size 2"),
-        (["-tp", "4"], "--tensor-parallel-size 4"),
+        (["--pipeline-parallel-size", "2"], "--pipeline-parallel-size 2"),
         (["--tool-call-parser", "bogus"], "--tool-call-parser 'bogus'"),
         (["--reasoning-parser", "bogus"], "--reasoning-parser 'bogus'"),
         (["--quantization", "awq"], "--quantization awq"),
@@ -325,7 +326,7 @@ def test_vllm_flags_weir_cannot_honour_fail_at_start(flags, named, capsys):
 def test_vllm_flags_without_effect_are_logged():
     from server import vllm_flags
 
-    notes = vllm_flags.check(parse("--trust-remote-code", "--swap-space", "4", "-tp", "1"))
+    notes = vllm_flags.check(parse("--trust-remote-code", "--swap-space", "4", "-tp", "2"))
     assert len(notes) == 2
     assert "no code from model repositories" in notes[0] and "recomputed" in notes[1]
     assert vllm_flags.check(parse()) == []

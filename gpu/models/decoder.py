@@ -12,6 +12,7 @@ from torch import nn
 from gpu.attention.backend import AttentionBackend, AttentionMetadata
 from gpu.models.rope import Rope, apply_rope
 from gpu.models.spec import ModelSpec
+from gpu.parallel import TensorParallel, local_spec
 
 _ACTIVATIONS = {
     "silu": F.silu,
@@ -83,7 +84,7 @@ class Attention(nn.Module):
         del self.q_proj, self.k_proj, self.v_proj
 
     def forward(self, x, cos, sin, kv: tuple[torch.Tensor, torch.Tensor], meta, backend, residual):
-        """residual + attention(x)."""
+        """residual + attention(x) (attention(x) alone when residual is None)."""
         t = x.shape[0]
         if self.qkv_proj is not None:
             q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
@@ -105,6 +106,8 @@ class Attention(nn.Module):
         k_cache, v_cache = kv
         backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         o = backend.forward(q, k_cache, v_cache, meta, self.scale, self.sliding_window)
+        if residual is None:
+            return self.o_proj(o.reshape(t, -1))
         return add_product(self.o_proj, o.reshape(t, -1), residual)
 
 
@@ -134,33 +137,50 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.self_attn = Attention(spec)
         self.mlp = MLP(spec)
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.tp = tp
 
     def forward(self, x, cos, sin, kv, meta, backend):
-        x = self.self_attn(self.input_layernorm(x), cos, sin, kv, meta, backend, residual=x)
-        return self.mlp(self.post_attention_layernorm(x), residual=x)
+        tp = self.tp
+        if tp is None:
+            x = self.self_attn(self.input_layernorm(x), cos, sin, kv, meta, backend, residual=x)
+            return self.mlp(self.post_attention_layernorm(x), residual=x)
+        # Row-parallel O and down: each rank's product is a partial sum; rank 0 adds the
+        # residual as it writes its own, and one all-reduce per product completes both.
+        first = tp.rank == 0
+        h = self.self_attn(
+            self.input_layernorm(x), cos, sin, kv, meta, backend, residual=x if first else None
+        )
+        x = tp.all_reduce(h)
+        return tp.all_reduce(self.mlp(self.post_attention_layernorm(x), x if first else None))
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(spec.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(spec, tp) for _ in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
 
 class DecoderForCausalLM(nn.Module):
-    def __init__(self, spec: ModelSpec) -> None:
+    """`spec` is the checkpoint's; with `tp` (gpu/parallel.py) the modules hold one rank's
+    share (`local_spec`), and the embedding and logits are assembled across ranks."""
+
+    def __init__(self, spec: ModelSpec, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.spec = spec
-        self.model = DecoderModel(spec)
+        self.tp = tp if tp is not None and tp.world_size > 1 else None
+        self.local_spec = local_spec(spec, self.tp) if self.tp else spec
+        local = self.local_spec
+        self.model = DecoderModel(local, self.tp)
         if not spec.tie_word_embeddings:
-            self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+            self.lm_head = nn.Linear(local.hidden_size, local.vocab_size, bias=False)
         self.rope: Rope | None = None  # set after weights are on their device (see loader)
 
     def fuse_projections(self) -> None:
@@ -177,13 +197,28 @@ class DecoderForCausalLM(nn.Module):
         meta: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:
-        x = self.model.embed_tokens(input_ids)
+        x = self.embed(input_ids)
         cos, sin = self.rope.cos_sin(positions, x.dtype)
         for layer, kv in zip(self.model.layers, kv_caches):
             x = layer(x, cos, sin, kv, meta, backend)
         return self.model.norm(x)
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp is None:
+            return self.model.embed_tokens(input_ids)
+        # Vocabulary-parallel: this rank's rows give their embeddings, others zeros; the
+        # all-reduce sums in the one rank's non-zero row per token.
+        rows = self.model.embed_tokens.num_embeddings
+        local = input_ids - self.tp.rank * rows
+        outside = (local < 0) | (local >= rows)
+        x = self.model.embed_tokens(local.clamp(0, rows - 1))
+        return self.tp.all_reduce(x.masked_fill_(outside[:, None], 0))
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.spec.tie_word_embeddings:
-            return F.linear(hidden, self.model.embed_tokens.weight).float()
-        return self.lm_head(hidden).float()
+            logits = F.linear(hidden, self.model.embed_tokens.weight)
+        else:
+            logits = self.lm_head(hidden)
+        if self.tp is not None:  # each rank's vocabulary rows, side by side, less the padding
+            logits = self.tp.all_gather_last(logits)[..., : self.spec.vocab_size]
+        return logits.float()

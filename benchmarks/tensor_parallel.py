@@ -1,0 +1,104 @@
+"""Engine step time under tensor parallelism: the same batch at --tensor-parallel-size 1 and N.
+
+For each batch size, B requests of the same prompt length are added at once to an engine core
+(loaded as the server loads it); the prefill phase (every request's first token) and each
+following decode step are timed. The sizes run in alternated rounds in one process, and the
+medians are compared with TP=1, the baseline of the same run.
+
+    python -m benchmarks.tensor_parallel                       # CPU, gloo: 6-layer Llama
+    python -m benchmarks.tensor_parallel --device cuda --model qwen3-0.6b --tp 1,2,4 \\
+        --batch 1,16,64,256 --prompt-len 512                    # a multi-GPU machine, NCCL
+
+On a CPU the ranks share the machine's cores (each gets cores / N torch threads) and add two
+all-reduces per layer and a logits all-gather: expect TP=N to be slower than TP=1 there. It is
+for models larger than one device's memory; on GPUs it also adds memory bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from benchmarks.common import bench_model, machine, save
+from core.config import EngineConfig
+from core.request import EngineRequest
+from core.sampling import SamplingParams
+
+
+def run_once(core, batch: int, prompt_len: int, steps: int, seed: int) -> tuple[float, float]:
+    """(prefill seconds, median decode step seconds) for one batch."""
+    vocab = core.runner.vocab_size
+    for i in range(batch):
+        ids = [(seed * 7919 + i * 131 + j * 17) % (vocab - 1) + 1 for j in range(prompt_len)]
+        p = SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True)
+        core.add(EngineRequest(f"r{seed}-{i}", ids, p))
+    t0 = time.perf_counter()
+    started: set[str] = set()
+    while len(started) < batch:
+        started |= {o.request_id for o in core.step() if o.new_token_ids}
+    prefill = time.perf_counter() - t0
+    times = []
+    while core.has_work:
+        t = time.perf_counter()
+        core.step()
+        times.append(time.perf_counter() - t)
+    return prefill, statistics.median(times) if times else 0.0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="llama-6layer")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--tp", default="1,2", help="tensor-parallel sizes, the first the baseline")
+    ap.add_argument("--batch", default="1,16,64")
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=32, help="decode steps timed per batch")
+    ap.add_argument("--rounds", type=int, default=2)
+    args = ap.parse_args()
+
+    from gpu.launch import load
+
+    sizes = [int(x) for x in args.tp.split(",")]
+    batches = [int(x) for x in args.batch.split(",")]
+    model = bench_model(args.model)
+    results: dict[int, dict[int, list[tuple[float, float]]]] = {
+        tp: {b: [] for b in batches} for tp in sizes
+    }
+    for r in range(args.rounds):
+        for tp in sizes if r % 2 == 0 else reversed(sizes):
+            config = EngineConfig(
+                model=model,
+                device=args.device,
+                dtype=args.dtype,
+                tensor_parallel_size=tp,
+                cpu_threads=0,
+                max_num_seqs=max(batches),
+                enable_prefix_caching=False,
+            )
+            core = load(config).core
+            try:
+                run_once(core, 2, 16, 2, seed=-1)  # warm-up
+                for b in batches:
+                    results[tp][b].append(run_once(core, b, args.prompt_len, args.steps, r))
+            finally:
+                core.close()
+
+    base = sizes[0]
+    rows = []
+    print(f"\n{args.model} on {args.device}, prompt {args.prompt_len}, medians of {args.rounds}")
+    print("| TP | batch | prefill ms | decode step ms | decode vs TP=%d |" % base)
+    print("|---|---|---|---|---|")
+    for tp in sizes:
+        for b in batches:
+            prefill = statistics.median(x[0] for x in results[tp][b]) * 1e3
+            decode = statistics.median(x[1] for x in results[tp][b]) * 1e3
+            ref = statistics.median(x[1] for x in results[base][b]) * 1e3
+            rows.append(dict(tp=tp, batch=b, prefill_ms=prefill, decode_ms=decode))
+            print(f"| {tp} | {b} | {prefill:.1f} | {decode:.2f} | {decode / ref:.2f}x |")
+    save("tensor_parallel", {"machine": machine(), "args": vars(args), "rows": rows})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,160 @@
+"""Tensor parallelism: one rank's place in the group, its share of the model, and the collectives.
+
+Megatron-style sharding of the decoder (gpu/models/decoder.py) over `world_size` ranks joined by
+`torch.distributed` (gloo on CPU, NCCL on CUDA):
+
+- Q/K/V and gate/up are column-parallel: each rank holds its heads' rows (num_heads / world
+  query heads, and num_kv_heads / world KV heads, or one replicated KV head when there are
+  fewer KV heads than ranks) and intermediate / world MLP rows. A rank's attention and MLP
+  activation then need nothing from the others.
+- O and down are row-parallel: each rank holds the matching input columns and produces a partial
+  sum; one all-reduce per product adds them (the residual and any bias are added by rank 0
+  only, so they are counted once).
+- The embedding and the LM head are vocabulary-parallel: each rank holds ceil(vocab / world)
+  rows (the last padded with zeros). A lookup outside a rank's rows gives zeros there, and an
+  all-reduce assembles the embedding; the logits are all-gathered along the vocabulary.
+- Norms (and Qwen3's per-head Q/K norms) are small and replicated.
+
+The model's modules are built with the per-rank shapes (`local_spec`), so the decoder's code is the
+same at every world size; weights load shard by shard (`shard`), no rank reading a whole tensor it
+does not keep (safetensors slices).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from gpu.models.spec import ModelSpec
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    rank: int
+    world_size: int
+    group: Any = None  # a torch.distributed ProcessGroup; None: the default group
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's x side by side along the last dimension (same shape on every rank)."""
+        import torch.distributed as dist
+
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.world_size)]
+        dist.all_gather(parts, x, group=self.group)
+        return torch.cat(parts, dim=-1)
+
+
+def check(spec: ModelSpec, world_size: int) -> None:
+    """Raise ValueError when the model's shapes do not split over `world_size` ranks."""
+    if world_size < 1:
+        raise ValueError("--tensor-parallel-size must be at least 1")
+    if world_size == 1:
+        return
+    problems = []
+    if spec.num_heads % world_size:
+        problems.append(f"{spec.num_heads} attention heads")
+    kv = spec.num_kv_heads
+    if kv % world_size and world_size % kv:
+        problems.append(f"{kv} KV heads (neither a multiple nor a divisor of the ranks)")
+    if spec.intermediate_size % world_size:
+        problems.append(f"an MLP of {spec.intermediate_size}")
+    if problems:
+        raise ValueError(
+            f"--tensor-parallel-size {world_size} does not divide this model: "
+            + ", ".join(problems)
+        )
+
+
+def vocab_shard(spec: ModelSpec, world_size: int) -> int:
+    """Rows of the embedding and LM head each rank holds (the last rank's padded with zeros)."""
+    return -(-spec.vocab_size // world_size)
+
+
+def local_spec(spec: ModelSpec, tp: TensorParallel) -> ModelSpec:
+    """The shapes of one rank's modules."""
+    check(spec, tp.world_size)
+    w = tp.world_size
+    return dataclasses.replace(
+        spec,
+        num_heads=spec.num_heads // w,
+        num_kv_heads=max(1, spec.num_kv_heads // w),
+        intermediate_size=spec.intermediate_size // w,
+        vocab_size=vocab_shard(spec, w),
+    )
+
+
+def kv_head_range(spec: ModelSpec, tp: TensorParallel) -> tuple[int, int]:
+    """The checkpoint's KV heads [first, first + count) this rank keeps: its own share, or the
+    one KV head its query heads read when KV heads are replicated."""
+    kv, w = spec.num_kv_heads, tp.world_size
+    if kv >= w:
+        return tp.rank * (kv // w), kv // w
+    return tp.rank * kv // w, 1
+
+
+# Checkpoint names -> how the tensor splits: ("rows" | "cols", kind); anything not listed (norms,
+# Q/K norm weights) is replicated.
+_SPLITS = {
+    "self_attn.q_proj": "q",
+    "self_attn.k_proj": "kv",
+    "self_attn.v_proj": "kv",
+    "self_attn.o_proj": "o",
+    "mlp.gate_proj": "mlp",
+    "mlp.up_proj": "mlp",
+    "mlp.down_proj": "down",
+    "embed_tokens": "vocab",
+    "lm_head": "vocab",
+}
+
+
+def shard(name: str, full: Any, spec: ModelSpec, tp: TensorParallel) -> torch.Tensor:
+    """This rank's part of checkpoint tensor `name`; `full` is a safetensors slice (or a tensor)
+    indexed without reading the rest."""
+    shape = tuple(full.get_shape()) if hasattr(full, "get_shape") else tuple(full.shape)
+    kind = next((k for key, k in _SPLITS.items() if f"{key}." in name + "."), None)
+    if kind is None or tp.world_size == 1:
+        return full[:] if hasattr(full, "get_shape") else full
+    w, r, d = tp.world_size, tp.rank, spec.head_dim
+    is_weight = name.endswith(".weight")
+    if kind == "q":
+        n = spec.num_heads // w * d
+        return full[r * n : (r + 1) * n]
+    if kind == "kv":
+        first, count = kv_head_range(spec, tp)
+        return full[first * d : (first + count) * d]
+    if kind == "mlp":
+        n = spec.intermediate_size // w
+        return full[r * n : (r + 1) * n]
+    if kind in ("o", "down"):
+        if not is_weight:  # a row-parallel bias is added once: rank 0 keeps it, the rest zeros
+            return full[:] if r == 0 else torch.zeros(shape, dtype=full[:1].dtype)
+        n = shape[1] // w
+        return full[:, r * n : (r + 1) * n]
+    # vocab: rows [r * n, (r + 1) * n), the last rank's tail padded with zeros
+    n = vocab_shard(spec, w)
+    lo, hi = min(r * n, shape[0]), min((r + 1) * n, shape[0])
+    part = full[lo:hi]
+    if hi - lo < n:
+        pad = torch.zeros((n - (hi - lo), *shape[1:]), dtype=part.dtype)
+        part = torch.cat([part, pad])
+    return part
+
+
+def init(rank: int, world_size: int, init_method: str, device: torch.device) -> TensorParallel:
+    """Join the process group (NCCL on CUDA, gloo on CPU) as `rank` of `world_size`."""
+    import torch.distributed as dist
+
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
+    return TensorParallel(rank, world_size)

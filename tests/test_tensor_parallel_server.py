@@ -1,0 +1,132 @@
+"""`weir serve --tensor-parallel-size 2` as an operator runs it: streams served, a killed worker
+fails every stream and the server (exit 1), SIGTERM to every process drains, no process left."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import free_port, http_status, wait_for
+
+
+def descendants(pid: int) -> dict[int, str]:
+    """Every process below `pid`, with its command line."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(entry))
+    found: dict[int, str] = {}
+    todo = list(children.get(pid, []))
+    while todo:
+        p = todo.pop()
+        try:
+            found[p] = Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        todo += children.get(p, [])
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+@pytest.fixture
+def tp_server(model_dir, tmp_path):
+    """A `weir serve -tp 2` process in a session of its own (as systemd runs a service)."""
+    port = free_port()
+    log = open(tmp_path / "server.log", "wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "server", "serve", str(model_dir("qwen3")), "--port", str(port)]
+        + ["--device", "cpu", "--tensor-parallel-size", "2", "--num-kv-blocks", "256"]
+        + ["--max-model-len", "1024", "--drain-timeout", "60"],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    up = wait_for(lambda: proc.poll() is not None or http_status(url + "/health") == 200, 180)
+    assert up and proc.poll() is None, (tmp_path / "server.log").read_text()
+    workers = {p: c for p, c in descendants(proc.pid).items() if "gpu.worker" in c}
+    assert len(workers) == 2, descendants(proc.pid)
+    everything = list(descendants(proc.pid))
+    yield proc, url, sorted(workers), tmp_path / "server.log"
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    log.close()
+    # whatever happened, nothing the server started outlives it
+    assert wait_for(lambda: not any(alive(p) for p in everything), timeout=15)
+
+
+def stream(url: str, max_tokens: int, on_line=None) -> list[str]:
+    body = {"prompt": "the river", "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
+    body |= {"temperature": 0, "stream_options": {"include_usage": True}}
+    lines: list[str] = []
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line:
+                lines.append(line)
+                if on_line is not None:
+                    on_line(len(lines))
+    return lines
+
+
+def test_a_killed_worker_fails_every_stream_and_the_server_exits_1(tp_server):
+    proc, url, workers, log = tp_server
+    # served at all: greedy text equal to the same request without streaming
+    lines = stream(url, 8)
+    assert lines[-1] == "data: [DONE]"
+    assert json.loads(lines[-2][6:])["usage"]["completion_tokens"] == 8
+
+    def kill_rank_1(n: int) -> None:
+        if n == 3:
+            os.kill(workers[1], signal.SIGKILL)
+
+    lines = stream(url, 1000, kill_rank_1)
+    assert lines[-1] == "data: [DONE]"
+    assert '"error"' in lines[-2] and "exited (killed by signal 9)" in lines[-2], lines[-2]
+    assert proc.wait(60) == 1, log.read_text()[-3000:]
+
+
+def test_sigterm_to_every_process_drains_the_streams_then_exits_0(tp_server):
+    proc, url, workers, log = tp_server
+    started = threading.Barrier(3)
+    results: list[list[str]] = []
+
+    def one() -> None:
+        results.append(stream(url, 80, lambda n: n == 2 and started.wait(30)))
+
+    threads = [threading.Thread(target=one) for _ in range(2)]
+    for t in threads:
+        t.start()
+    started.wait(30)  # both are streaming
+    os.killpg(proc.pid, signal.SIGTERM)  # systemd's KillMode=control-group: all at once
+    assert wait_for(lambda: http_status(url + "/health") == 503, timeout=10)
+    for t in threads:
+        t.join(120)
+    assert len(results) == 2
+    for lines in results:
+        assert lines[-1] == "data: [DONE]"
+        assert json.loads(lines[-2][6:])["usage"]["completion_tokens"] == 80
+    assert proc.wait(60) == 0, log.read_text()[-3000:]
+    assert not any(alive(p) for p in workers)
