@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from pathlib import Path
 
 from benchmarks.common import bench_model, machine, save
 from core.config import EngineConfig
@@ -44,6 +45,45 @@ def run_once(core, batch: int, prompt_len: int, steps: int, seed: int) -> tuple[
         core.step()
         times.append(time.perf_counter() - t)
     return prefill, statistics.median(times) if times else 0.0
+
+
+def _collective(rank: int, world: int, init: str, rows: int, hidden: int, out) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    x = torch.randn(rows, hidden)
+    for _ in range(20):
+        dist.all_reduce(x)
+    t = time.perf_counter()
+    for _ in range(200):
+        dist.all_reduce(x)
+    if rank == 0:
+        out.put((time.perf_counter() - t) / 200)
+    dist.destroy_process_group()
+
+
+def all_reduce_seconds(world: int, rows: int, hidden: int) -> float:
+    """One gloo all-reduce of a [rows, hidden] float32 activation among `world` processes on
+    this machine: what each decoder layer pays twice per step on CPU."""
+    import torch.multiprocessing as mp
+
+    from gpu.executor import local_init_method
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    init = local_init_method()
+    procs = [
+        ctx.Process(target=_collective, args=(r, world, init, rows, hidden, out))
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    seconds = out.get(timeout=120)
+    for p in procs:
+        p.join()
+    return seconds
 
 
 def main() -> None:
@@ -87,6 +127,13 @@ def main() -> None:
 
     base = sizes[0]
     rows = []
+    collectives = {}
+    if args.device == "cpu":
+        import json
+
+        hidden = json.loads((Path(model) / "config.json").read_text())["hidden_size"]
+        for tp in sizes[1:]:
+            collectives[tp] = {b: all_reduce_seconds(tp, b, hidden) for b in batches}
     print(f"\n{args.model} on {args.device}, prompt {args.prompt_len}, medians of {args.rounds}")
     print("| TP | batch | prefill ms | decode step ms | decode vs TP=%d |" % base)
     print("|---|---|---|---|---|")
@@ -97,7 +144,13 @@ def main() -> None:
             ref = statistics.median(x[1] for x in results[base][b]) * 1e3
             rows.append(dict(tp=tp, batch=b, prefill_ms=prefill, decode_ms=decode))
             print(f"| {tp} | {b} | {prefill:.1f} | {decode:.2f} | {decode / ref:.2f}x |")
-    save("tensor_parallel", {"machine": machine(), "args": vars(args), "rows": rows})
+    for tp, by_batch in collectives.items():
+        for b, sec in by_batch.items():
+            print(f"gloo all-reduce of [{b}, hidden] among {tp} processes: {sec * 1e6:.0f} us")
+    save(
+        "tensor_parallel",
+        {"machine": machine(), "args": vars(args), "rows": rows, "all_reduce_s": collectives},
+    )
 
 
 if __name__ == "__main__":
