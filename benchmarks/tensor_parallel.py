@@ -69,7 +69,7 @@ def all_reduce_seconds(world: int, rows: int, hidden: int) -> float:
     this machine: what each decoder layer pays twice per step on CPU."""
     import torch.multiprocessing as mp
 
-    from gpu.executor import local_init_method
+    from gpu.node import local_init_method
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()

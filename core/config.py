@@ -35,8 +35,12 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # Tensor parallelism: the model split over this many worker processes (one per device).
     tensor_parallel_size: int = 1
     # Where the workers meet (torch.distributed's init_method): None, a free local TCP port;
-    # "tcp://HOST:PORT" to rendezvous at a given address.
+    # "tcp://HOST:PORT" to rendezvous at a given address (needed across machines).
     distributed_init_method: str | None = None
+    # Machines the ranks span (an equal share each), and which one this is: node 0 runs the
+    # server and rank 0, the others run `weir serve ... --headless`.
+    nnodes: int = 1
+    node_rank: int = 0
 
     def validate(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -61,5 +65,17 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise ValueError("--max-logprobs must be -1 (no limit) or at least 0")
         if self.tensor_parallel_size < 1:
             raise ValueError("--tensor-parallel-size must be at least 1")
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError("--node-rank must be between 0 and --nnodes - 1")
+        if self.tensor_parallel_size % self.nnodes:
+            raise ValueError(
+                f"--tensor-parallel-size {self.tensor_parallel_size} does not divide over "
+                f"--nnodes {self.nnodes}: every node runs the same number of ranks"
+            )
+        if self.nnodes > 1 and not self.distributed_init_method:
+            raise ValueError(
+                "--nnodes needs --distributed-init-method tcp://HOST:PORT (an address of node 0 "
+                "every node can reach)"
+            )
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("--max-model-len must be at least 2")

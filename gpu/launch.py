@@ -149,19 +149,19 @@ def load_shard(
     return model, num_blocks
 
 
-def fit_model_len(config: EngineConfig, max_positions: int, num_blocks: int) -> int:
-    """--max-model-len (or the model's own), cut to what the KV cache holds."""
+def fit_model_len(config: EngineConfig, max_positions: int, num_blocks: int, rank: int = 0) -> int:
+    """--max-model-len (or the model's own), cut to what the KV cache holds (said once: by
+    rank 0 under tensor parallelism)."""
     capacity = num_blocks * config.block_size
     max_model_len = config.max_model_len or max_positions
-    if max_model_len > capacity:
+    if max_model_len > capacity and rank == 0:
         log.warning(
             "max_model_len %d exceeds the KV cache (%d tokens); using %d",
             max_model_len,
             capacity,
             capacity,
         )
-        max_model_len = capacity
-    return max_model_len
+    return min(max_model_len, capacity)
 
 
 def build_runner(

@@ -1,13 +1,17 @@
 """A tensor-parallel worker: one rank's process, holding its share of the model and its KV cache.
 
-The executor (gpu/executor.py) in the engine process starts one per rank as
-`python -m gpu.worker CMD_FD REPLY_FD` and speaks to it over two pipes of msgspec msgpack frames:
+Each node starts one per local rank (gpu/node.py) as `python -m gpu.worker CMD_FD REPLY_FD` and
+speaks to it over two pipes of msgspec msgpack frames:
 
-    driver -> worker   Init (config, rank, world size, rendezvous), Allocate (the KV blocks every
-                       rank keeps), then one Step per engine step (Mask after it, to rank 0, when
-                       the step samples under a grammar), Stop
-    worker -> driver   Hello (blocks that fit here) once the shard is loaded, Ready once the cache
-                       is allocated, then rank 0 alone: one Sampled per Step; any rank: Failed
+    to the worker      Init (config, rank, world size, rendezvous), then, from the engine's
+                       executor (gpu/executor.py), one Step per engine step (Mask after it, to
+                       rank 0, when the step samples under a grammar), Stop
+    from the worker    Ready once its shard is loaded and its KV cache allocated (the ranks agree
+                       on the block count first: the smallest any rank has room for), then rank 0
+                       alone: one Sampled per Step; any rank: Failed
+
+Ranks on other nodes than the engine's have no pipe from it: rank 0 relays each Step and Stop to
+them through a gloo group (`Relay`), the frame's bytes broadcast as they came.
 
 Each worker mirrors the requests it has been shown (prompt, sampling parameters, tokens so far,
 block table), so a step's message carries only what changed: requests that finished, requests
@@ -36,7 +40,7 @@ from core.config import EngineConfig
 from core.request import EngineRequest, Request, StepResult
 from core.scheduler import ScheduledSeq, SchedulerOutput
 from gpu import parallel
-from gpu.launch import build_runner, load_shard, resolve_device, set_threads
+from gpu.launch import build_runner, fit_model_len, load_shard, resolve_device, set_threads
 from gpu.loader import load_config, resolve_dtype
 
 log = logging.getLogger("weir.worker")
@@ -44,18 +48,12 @@ log = logging.getLogger("weir.worker")
 
 # ---- messages ----
 class Init(msgspec.Struct, tag="init", gc=False):
-    config: EngineConfig
+    config: EngineConfig  # its tensor_parallel_size and nnodes give the layout
     rank: int
-    world_size: int
     init_method: str
     model_path: str
     eos_token_ids: list[int]  # banned before a request's min_tokens (rank 0 samples)
     log_level: int = logging.INFO
-
-
-class Allocate(msgspec.Struct, tag="allocate", gc=False):
-    num_blocks: int  # the fewest any rank has room for
-    max_model_len: int
 
 
 class SeqStep(msgspec.Struct, array_like=True, gc=False):
@@ -87,13 +85,10 @@ class Stop(msgspec.Struct, tag="stop", gc=False):
     pass
 
 
-class Hello(msgspec.Struct, tag="hello", gc=False):
-    num_blocks: int
-    device: str
-
-
 class Ready(msgspec.Struct, tag="ready", gc=False):
-    pass
+    num_blocks: int  # the KV blocks every rank keeps
+    max_model_len: int
+    device: str
 
 
 class Sampled(msgspec.Struct, tag="sampled", gc=False):
@@ -104,8 +99,8 @@ class Failed(msgspec.Struct, tag="failed", gc=False):
     message: str
 
 
-ToWorker = Init | Allocate | Step | Mask | Stop
-FromWorker = Hello | Ready | Sampled | Failed
+ToWorker = Init | Step | Mask | Stop
+FromWorker = Ready | Sampled | Failed
 
 
 # ---- the worker ----
@@ -144,38 +139,71 @@ def _watch_parent(parent: int) -> None:
             os._exit(1)
 
 
+class Relay:
+    """Frames from rank 0 to the ranks on other nodes: a length, then the bytes, broadcast over
+    a gloo group (a CPU transport even where the model's collectives use NCCL)."""
+
+    def __init__(self, group) -> None:
+        self.group = group
+        self._size = torch.zeros(1, dtype=torch.int64)
+
+    def send(self, frame: bytes) -> None:
+        self._size[0] = len(frame)
+        dist.broadcast(self._size, 0, group=self.group)
+        dist.broadcast(torch.frombuffer(bytearray(frame), dtype=torch.uint8), 0, group=self.group)
+
+    def recv(self) -> bytes:
+        dist.broadcast(self._size, 0, group=self.group)
+        buf = torch.empty(int(self._size[0]), dtype=torch.uint8)
+        dist.broadcast(buf, 0, group=self.group)
+        return buf.numpy().tobytes()
+
+
+def node_ranks(config: EngineConfig, node: int) -> range:
+    """The ranks node `node` runs: an equal share each, node 0 holding rank 0."""
+    per = config.tensor_parallel_size // config.nnodes
+    return range(node * per, (node + 1) * per)
+
+
 def serve(commands: Connection, replies: Connection) -> None:
     decode = msgspec.msgpack.Decoder(ToWorker).decode
     encode = msgspec.msgpack.Encoder().encode
     init = decode(commands.recv_bytes())
     assert isinstance(init, Init)
-    config, rank, world = init.config, init.rank, init.world_size
+    config, rank, world = init.config, init.rank, init.config.tensor_parallel_size
     logging.basicConfig(
         level=init.log_level, format=f"%(asctime)s %(levelname)s weir.rank{rank}: %(message)s"
     )
     try:
         device = resolve_device(config.device)
         if device.type == "cuda":
-            device = torch.device("cuda", rank)
+            device = torch.device("cuda", rank % len(node_ranks(config, 0)))
         torch.manual_seed(config.seed)
         tp = parallel.init(rank, world, init.init_method, device)
+        remote = [r for r in range(world) if r not in node_ranks(config, 0)]
+        # Every rank takes part in creating a group, members or not.
+        relay = Relay(dist.new_group([0, *remote], backend="gloo")) if remote else None
         path = Path(init.model_path)
         hf_config = load_config(path)
-        set_threads(config, hf_config, device, world)
+        set_threads(config, hf_config, device, len(node_ranks(config, 0)))
         dtype = resolve_dtype(config.dtype, hf_config, device)
         model, num_blocks = load_shard(config, path, hf_config, dtype, device, tp)
-        replies.send_bytes(encode(Hello(num_blocks, str(device))))
-        alloc = decode(commands.recv_bytes())
-        assert isinstance(alloc, Allocate)
+        # One block layout for all: the fewest blocks any rank has room for.
+        fewest = torch.tensor([num_blocks], device=device)
+        dist.all_reduce(fewest, op=dist.ReduceOp.MIN)
+        num_blocks = int(fewest.item())
+        max_model_len = fit_model_len(config, model.spec.max_position_embeddings, num_blocks, rank)
         eos = set(init.eos_token_ids)
-        runner = build_runner(
-            config, model, alloc.num_blocks, alloc.max_model_len, dtype, device, eos
-        )
+        runner = build_runner(config, model, num_blocks, max_model_len, dtype, device, eos)
         runner.samples = rank == 0
-        replies.send_bytes(encode(Ready()))
+        replies.send_bytes(encode(Ready(num_blocks, max_model_len, str(device))))
         mirror = Mirror()
+        from_relay = relay is not None and rank in remote
         while True:
-            msg = decode(commands.recv_bytes())
+            frame = relay.recv() if from_relay else commands.recv_bytes()
+            msg = decode(frame)
+            if rank == 0 and relay is not None:
+                relay.send(frame)  # a Step or Stop: rank 0's pipe carries nothing else here
             if isinstance(msg, Stop):
                 break
             out = mirror.apply(msg)

@@ -115,6 +115,24 @@ def build_parser() -> argparse.ArgumentParser:
         help="where the tensor-parallel workers meet (torch.distributed init_method, e.g. "
         "tcp://10.0.0.1:29500); default: a free port on this machine",
     )
+    s.add_argument(
+        "--nnodes",
+        type=int,
+        default=1,
+        help="machines the tensor-parallel ranks span (each runs an equal share)",
+    )
+    s.add_argument(
+        "--node-rank",
+        type=int,
+        default=0,
+        help="this machine's place among --nnodes (0: the server)",
+    )
+    s.add_argument(
+        "--headless",
+        action="store_true",
+        help="run this node's tensor-parallel ranks only, no server (a machine other than "
+        "node 0; it stops when node 0 does)",
+    )
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--chat-template", default=None, help="a Jinja template file or text")
     s.add_argument(
@@ -320,6 +338,8 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_logprobs=args.max_logprobs,
         tensor_parallel_size=args.tensor_parallel_size,
         distributed_init_method=args.distributed_init_method,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
     )
 
 
@@ -353,6 +373,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for note in notes:
         logging.getLogger("weir.server").info("%s", note)
+    if args.headless:
+        from gpu.node import run_headless  # the ranks of another machine: no server here
+
+        return run_headless(config)
+    if config.node_rank != 0:
+        print("weir: a node other than 0 runs with --headless", file=sys.stderr)
+        return 2
     from server.app import create_app, serve
 
     app = create_app(config, options)

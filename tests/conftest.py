@@ -110,7 +110,10 @@ class LiveServer:
 
     def stop(self) -> None:
         if self._token is not None and self._thread.is_alive():
-            self._token.run_sync_soon(self.app.weir_shutdown.set)
+            try:
+                self._token.run_sync_soon(self.app.weir_shutdown.set)
+            except trio.RunFinishedError:
+                pass  # it stopped by itself between the check and the call (a failed start)
         self._thread.join(60)
 
 

@@ -9,6 +9,10 @@ preemption; log-probs, grammars and embeddings cross the worker boundary too.
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -21,6 +25,7 @@ from core.structured import Constraint
 from gpu import parallel
 from gpu.launch import load
 from gpu.models.spec import ModelSpec
+from gpu.node import WorkerDied, local_init_method
 
 MAX_TOKENS = 12
 PROMPTS = [
@@ -143,6 +148,76 @@ def test_logprobs_grammars_and_embeddings_cross_the_workers(model_dir):
         assert two["gone"][-1].finish_reason == "abort"
     finally:
         core.close()
+
+
+def second_node(path, init: str) -> subprocess.Popen:
+    """`weir serve --headless --node-rank 1`: rank 1 on a "second machine" (this one)."""
+    flags = ["--device", "cpu", "--dtype", "float32", "-tp", "2", "--nnodes", "2"]
+    flags += ["--node-rank", "1", "--headless", "--distributed-init-method", init]
+    return subprocess.Popen([sys.executable, "-m", "server", "serve", str(path), *flags])
+
+
+def two_node_config(path, init: str) -> EngineConfig:
+    return EngineConfig(
+        model=str(path),
+        dtype="float32",
+        device="cpu",
+        tensor_parallel_size=2,
+        nnodes=2,
+        distributed_init_method=init,
+    )
+
+
+def test_ranks_on_a_second_node_take_their_steps_from_rank_0(model_dir):
+    from transformers import AutoTokenizer
+
+    path = model_dir("qwen3")
+    prompts = [AutoTokenizer.from_pretrained(path).encode(p) for p in PROMPTS]
+    init = local_init_method()
+    node1 = second_node(path, init)
+    try:
+        core = load(two_node_config(path, init)).core
+        try:
+            assert [w.rank for w in core.runner.workers] == [0]  # rank 1 is node 1's
+            assert generate(core, prompts) == reference(path, prompts)
+        finally:
+            core.close()
+        assert node1.wait(30) == 0  # rank 0 relayed the Stop; node 1 left cleanly
+    finally:
+        if node1.poll() is None:
+            node1.kill()
+
+
+def test_a_dead_rank_on_another_node_fails_the_next_step(model_dir):
+    path = model_dir("qwen3")
+    init = local_init_method()
+    node1 = second_node(path, init)
+    try:
+        core = load(two_node_config(path, init)).core
+        try:
+            assert generate(core, [[5, 6, 7]]) == generate(core, [[5, 6, 7]])  # served
+            (worker,) = [
+                int(pid)
+                for pid in os.listdir("/proc")
+                if pid.isdigit() and _parent(int(pid)) == node1.pid
+            ]
+            os.kill(worker, signal.SIGKILL)
+            with pytest.raises(WorkerDied, match="rank 0: .*(closed|reset|peer)"):
+                generate(core, [[5, 6, 7]])
+        finally:
+            core.close()
+        assert node1.wait(30) == 1  # its rank died: the node says so
+    finally:
+        if node1.poll() is None:
+            node1.kill()
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except OSError:
+        return None
 
 
 def test_a_model_that_does_not_split_is_refused_before_any_worker_starts(model_dir):

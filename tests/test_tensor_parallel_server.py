@@ -130,3 +130,35 @@ def test_sigterm_to_every_process_drains_the_streams_then_exits_0(tp_server):
         assert json.loads(lines[-2][6:])["usage"]["completion_tokens"] == 80
     assert proc.wait(60) == 0, log.read_text()[-3000:]
     assert not any(alive(p) for p in workers)
+
+
+@pytest.mark.parametrize(
+    "flags,said",
+    [
+        (["-tp", "2", "--nnodes", "2"], "--nnodes needs --distributed-init-method"),
+        (
+            ["-tp", "3", "--nnodes", "2", "--distributed-init-method", "tcp://127.0.0.1:1"],
+            "3 does not divide over --nnodes 2",
+        ),
+        (["-tp", "2", "--nnodes", "2", "--node-rank", "2"], "--node-rank must be between"),
+        (
+            [
+                "-tp",
+                "2",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                "1",
+                "--distributed-init-method",
+                "tcp://127.0.0.1:1",
+            ],
+            "runs with --headless",
+        ),
+        (["-tp", "0"], "--tensor-parallel-size must be at least 1"),
+    ],
+)
+def test_inconsistent_parallel_flags_are_refused_at_start(flags, said, capsys):
+    from server.cli import main
+
+    assert main(["serve", *flags]) == 2
+    assert said in capsys.readouterr().err
