@@ -64,17 +64,18 @@ def reference(path, prompts: list[list[int]]) -> dict[str, list[int]]:
     return out
 
 
+# A chunked prefill (budget 16) and a KV pool small enough to preempt.
+TIGHT = {"max_num_batched_tokens": 16, "num_kv_blocks": 12, "block_size": 4}
 CASES = [
     # arch, world size, model shape, engine settings
     ("llama", 2, {}, {}),
-    # Qwen2's Q/K/V biases, split with their rows; a chunked prefill (budget 16) and a KV
-    # pool small enough to preempt
-    ("qwen2", 2, {}, {"max_num_batched_tokens": 16, "num_kv_blocks": 12, "block_size": 4}),
+    # Qwen2's Q/K/V biases, split with their rows
+    ("qwen2", 2, {}, TIGHT),
     # Qwen3's Q/K norms and a head size other than hidden / heads; 2 KV heads on 4 ranks
     # (replicated, each rank keeping the one its query heads read)
-    ("qwen3", 4, {"head_dim": 24}, {}),
+    ("qwen3", 4, {"head_dim": 24}, TIGHT),
     # fewer KV heads than ranks, and a vocabulary that does not split evenly
-    ("qwen3", 2, {"num_kv_heads": 1, "model_vocab_size": 1031}, {}),
+    ("qwen3", 2, {"num_kv_heads": 1, "model_vocab_size": 1031}, TIGHT),
 ]
 
 
