@@ -11,7 +11,7 @@ from core.config import EngineConfig
 from core.request import EngineRequest
 from core.sampling import SamplingParams
 from gpu.launch import load
-from tests.conftest import ARCHS
+from tests.conftest import ARCHS, transformers_greedy
 
 PROMPTS = [
     "hello",
@@ -40,20 +40,7 @@ _reference: dict[str, list[list[int]]] = {}
 
 def reference(arch: str, path, prompts: list[list[int]]) -> list[list[int]]:
     if arch not in _reference:
-        from transformers import AutoModelForCausalLM
-
-        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-        outs = []
-        for ids in prompts:
-            gen = hf.generate(
-                torch.tensor([ids]),
-                max_new_tokens=MAX_TOKENS,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-            )
-            outs.append(gen[0, len(ids) :].tolist())
-        _reference[arch] = outs
+        _reference[arch] = transformers_greedy(path, prompts, MAX_TOKENS)
     return _reference[arch]
 
 

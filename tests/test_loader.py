@@ -12,6 +12,7 @@ from core.request import EngineRequest
 from core.sampling import SamplingParams
 from gpu.launch import load
 from gpu.loader import eos_token_ids, load_config, resolve_model_path, weight_files
+from tests.conftest import transformers_greedy
 
 
 def greedy(loaded, ids, n=8):
@@ -25,13 +26,7 @@ def greedy(loaded, ids, n=8):
 
 
 def hf_greedy(path, ids, n=8):
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    g = hf.generate(
-        torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0
-    )
-    return g[0, len(ids) :].tolist()
+    return transformers_greedy(path, [ids], n)[0]
 
 
 def test_sharded_checkpoint_loads_and_matches(model_dir):

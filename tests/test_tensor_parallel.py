@@ -26,6 +26,7 @@ from gpu import parallel
 from gpu.launch import load
 from gpu.models.spec import ModelSpec
 from gpu.node import WorkerDied, local_init_method
+from tests.conftest import transformers_greedy
 
 MAX_TOKENS = 12
 PROMPTS = [
@@ -48,20 +49,7 @@ def generate(core, prompts: list[list[int]], **params) -> dict[str, list[int]]:
 
 
 def reference(path, prompts: list[list[int]]) -> dict[str, list[int]]:
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    out = {}
-    for i, ids in enumerate(prompts):
-        gen = hf.generate(
-            torch.tensor([ids]),
-            max_new_tokens=MAX_TOKENS,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-        out[str(i)] = gen[0, len(ids) :].tolist()
-    return out
+    return {str(i): ids for i, ids in enumerate(transformers_greedy(path, prompts, MAX_TOKENS))}
 
 
 # A chunked prefill (budget 16) and a KV pool small enough to preempt.
