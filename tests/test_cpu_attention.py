@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu.attention.backend import get_backend
+from gpu.attention.backend import AttentionMetadata, get_backend
 from gpu.attention.cpu_backend import CpuAttention
 from gpu.attention.torch_ref import TorchAttention
 from gpu.kernels import cpu_build
@@ -79,6 +79,41 @@ def test_thread_count_does_not_change_the_result(threads):
     finally:
         torch.set_num_threads(before)
     assert torch.equal(one, many)  # each (sequence, row tile) is computed by one thread alone
+
+
+@pytest.mark.parametrize("window", [0, 700, 1536])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_long_decodes_split_into_parts_match_the_reference(window, dtype):
+    # Decodes past 512 keys are computed in aligned parts of 512 and merged: contexts that end
+    # on, just past and well past a part boundary, and windows that start mid-part.
+    specs = [(1, 511), (1, 512), (1, 1023), (1, 2000), (3, 900), (1, 40)]
+    query, k_cache, v_cache, meta = make_batch(specs, 16, 8, 2, 64, dtype, seed=3, device="cpu")
+    got = CpuAttention().forward(query * 8, k_cache, v_cache, meta, 0.125, window)
+    want = reference(query * 8, k_cache, v_cache, meta, 0.125, window)
+    tol = 1e-4 if dtype == torch.float32 else TOL[dtype]
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+
+
+def test_a_split_decode_is_the_same_in_any_batch_and_on_any_thread_count():
+    """A sequence's parts depend on its length alone: alone or beside others, on one thread or
+    three, its output is the same to the bit (the same seed gives the same tokens in any
+    batch)."""
+    specs = [(1, 1500), (1, 700), (4, 30), (1, 2500)]
+    query, k_cache, v_cache, meta = make_batch(specs, 16, 8, 2, 64, torch.float32, device="cpu")
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        together = CpuAttention().forward(query, k_cache, v_cache, meta, 0.125)
+        torch.set_num_threads(3)
+        again = CpuAttention().forward(query, k_cache, v_cache, meta, 0.125)
+        first = AttentionMetadata.build(
+            [0], meta.block_tables[:1].tolist(), [1], [1501], lambda d, t: torch.tensor(d, dtype=t)
+        )
+        alone = CpuAttention().forward(query[:1], k_cache, v_cache, first, 0.125)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(together, again)
+    assert torch.equal(alone[0], together[0])
 
 
 def test_rejects_what_it_cannot_run():

@@ -10,7 +10,8 @@
 //
 // Plain C ABI with raw pointers (no torch headers): compiled in about a second by gpu/kernels/
 // cpu_build.py with the host's g++ and -march=native, called through ctypes, which releases the
-// GIL for the call. Work items are (sequence, tile of query rows), spread over OpenMP threads.
+// GIL for the call. Work items are (sequence, tile of query rows), spread over OpenMP threads;
+// a decode row with a long context is split into parts of its keys, merged at the end (see run).
 //
 // Layouts (all contiguous): query/out [tokens, heads, dim]; caches [blocks, block_size, kv_heads,
 // dim]; block_tables [seqs, max_blocks] int32; query_start [seqs + 1] int32; seq_lens [seqs].
@@ -18,6 +19,7 @@
 #include <cmath>
 #include <cstdint>
 #include <algorithm>
+#include <climits>
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -189,9 +191,18 @@ inline void wsum16(const float*, int64_t, int64_t, const float*, int64_t, float*
 // One item: query rows [row0, row1) of one sequence, all heads. K and V are read chunk by chunk
 // (up to kKeys consecutive slots, all KV heads: contiguous in a block); each chunk serves every
 // query that shares its KV head while it is in L1.
+// A decode row's keys [k0, k1) only, when `part` is given (see run): the row's unnormalized
+// weighted sum of V goes to part->acc with the part's softmax max and sum, for the merge.
+struct Part {
+    float* acc;  // [heads, dim]
+    float* max;  // [heads]
+    float* sum;  // [heads]
+};
+
 template <typename T, int64_t DD>
 void run_item(const Args& a, int64_t seq, int64_t row0, int64_t row1, std::vector<float>& scores,
-              std::vector<float>& qbuf, std::vector<float>& acc, std::vector<float>& kvbuf) {
+              std::vector<float>& qbuf, std::vector<float>& acc, std::vector<float>& kvbuf,
+              int64_t k0 = 0, int64_t k1 = INT64_MAX, const Part* part = nullptr) {
     const T* q = static_cast<const T*>(a.query);
     const T* kc = static_cast<const T*>(a.k_cache);
     const T* vc = static_cast<const T*>(a.v_cache);
@@ -207,9 +218,10 @@ void run_item(const Args& a, int64_t seq, int64_t row0, int64_t row1, std::vecto
 
     // Query row r sits at position first_pos + r and sees keys [lo(r), first_pos + r].
     const int64_t first_pos = seq_len - q_len;
-    const int64_t hi_max = first_pos + row1;  // exclusive end for the tile's last row
+    const int64_t hi_max = std::min(first_pos + row1, k1);  // exclusive end for the last row
     int64_t lo_min = 0;
     if (a.sliding_window > 0) lo_min = std::max<int64_t>(0, first_pos + row0 + 1 - a.sliding_window);
+    lo_min = std::max(lo_min, k0);
     const int64_t span = hi_max - lo_min;
     const int64_t nrows = row1 - row0;
     const int64_t nq = G * nrows;    // queries per KV head
@@ -265,8 +277,10 @@ void run_item(const Args& a, int64_t seq, int64_t row0, int64_t row1, std::vecto
     });
     // Softmax per (row, head) over its own visible range; masked keys get probability 0.
     for (int64_t i = 0; i < rows; ++i) {
-        const int64_t hi = first_pos + row0 + i % nrows + 1;
-        const int64_t lo = a.sliding_window > 0 ? std::max<int64_t>(0, hi - a.sliding_window) : 0;
+        const int64_t end = first_pos + row0 + i % nrows + 1;
+        const int64_t hi = std::min(end, k1);
+        const int64_t lo = std::max(
+            k0, a.sliding_window > 0 ? std::max<int64_t>(0, end - a.sliding_window) : 0);
         float* s = scores.data() + i * span - lo_min;
         // A vector max: written as a plain loop g++ kept the running max in memory (a store
         // and reload per key: 40% of the kernel's time in decode).
@@ -281,6 +295,11 @@ void run_item(const Args& a, int64_t seq, int64_t row0, int64_t row1, std::vecto
             sum += s[t];
         }
         for (int64_t t = hi; t < hi_max; ++t) s[t] = 0.f;
+        if (part) {  // normalized in the merge, with the other parts' maxima and sums
+            part->max[i] = m;
+            part->sum[i] = sum;
+            continue;
+        }
         const float inv = 1.f / sum;
         for (int64_t t = lo; t < hi; ++t) s[t] *= inv;
     }
@@ -314,6 +333,10 @@ void run_item(const Args& a, int64_t seq, int64_t row0, int64_t row1, std::vecto
             }
         }
     });
+    if (part) {
+        std::memcpy(part->acc, acc.data(), sizeof(float) * rows * D);
+        return;
+    }
     for (int64_t r = 0; r < nrows; ++r)
         for (int64_t h = 0; h < H; ++h) {
             T* dst = out + ((qs + row0 + r) * H + h) * D;
@@ -322,25 +345,89 @@ void run_item(const Args& a, int64_t seq, int64_t row0, int64_t row1, std::vecto
         }
 }
 
+// The parts of one decode row, in order: out = sum_p e^(m_p - M) acc_p / sum_p e^(m_p - M) l_p.
+template <typename T>
+void merge_parts(const Args& a, int64_t token, const float* acc, const float* max,
+                 const float* sum, int64_t parts) {
+    const int64_t H = a.num_heads, D = a.head_dim;
+    T* out = static_cast<T*>(a.out);
+    std::vector<float> o(D);
+    for (int64_t h = 0; h < H; ++h) {
+        float m = max[h];
+        for (int64_t p = 1; p < parts; ++p) m = std::max(m, max[p * H + h]);
+        std::fill(o.begin(), o.end(), 0.f);
+        float l = 0.f;
+        for (int64_t p = 0; p < parts; ++p) {
+            const float w = std::exp(max[p * H + h] - m);
+            l += w * sum[p * H + h];
+            const float* ap = acc + (p * H + h) * D;
+            for (int64_t d = 0; d < D; ++d) o[d] += w * ap[d];
+        }
+        T* dst = out + (token * H + h) * D;
+        for (int64_t d = 0; d < D; ++d) store(dst + d, o[d] / l);
+    }
+}
+
+// A decode row whose context is longer than kPartKeys is split into parts of kPartKeys keys
+// (aligned, so a sequence is split the same way in any batch and on any number of threads: the
+// result never depends on either), computed as separate work items and merged: one sequence's
+// decode then reads its K/V on every thread, where it used to be one item on one thread. One
+// stream on a 2-core AVX-512 Xeon (6-layer Llama, 2 KV heads of 64): a layer at 4,096 keys
+// 304 -> 196 us; the engine's decode step at a 3,500-token context 17.7-18.3 -> 9.8-10.1 ms.
+constexpr int64_t kPartKeys = 512;
+
 template <typename T, int64_t DD>
 void run(const Args& a) {
     struct Item {
         int32_t seq, row0, row1;
+        int64_t k0, k1;  // the key part of a split decode row, else [0, max)
+        int64_t part;    // its first slot in the part buffers, or -1
+    };
+    struct Split {
+        int32_t seq;
+        int64_t first, parts;
     };
     std::vector<Item> items;
+    std::vector<Split> splits;
+    int64_t n_parts = 0;
     for (int32_t seq = 0; seq < a.num_seqs; ++seq) {
         const int32_t q_len = a.query_start[seq + 1] - a.query_start[seq];
+        const int64_t len = a.seq_lens[seq];
+        const int64_t lo = a.sliding_window > 0 ? std::max<int64_t>(0, len - a.sliding_window) : 0;
+        if (q_len == 1 && len - lo > kPartKeys) {
+            const int64_t first = n_parts;
+            for (int64_t k0 = lo - lo % kPartKeys; k0 < len; k0 += kPartKeys)
+                items.push_back({seq, 0, 1, std::max(k0, lo), k0 + kPartKeys, n_parts++});
+            splits.push_back({seq, first, n_parts - first});
+            continue;
+        }
         for (int32_t r = 0; r < q_len; r += kRowTile)
-            items.push_back({seq, r, std::min<int32_t>(q_len, r + kRowTile)});
+            items.push_back({seq, r, std::min<int32_t>(q_len, r + kRowTile), 0, INT64_MAX, -1});
     }
+    const int64_t H = a.num_heads, D = a.head_dim;
+    std::vector<float> part_acc(n_parts * H * D), part_max(n_parts * H), part_sum(n_parts * H);
     const int64_t n_items = int64_t(items.size());
+    const int64_t n_splits = int64_t(splits.size());
 #pragma omp parallel num_threads(a.num_threads)
     {
         std::vector<float> scores, qbuf, acc, kvbuf;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < n_items; ++i) {
             const Item& it = items[i];
-            run_item<T, DD>(a, it.seq, it.row0, it.row1, scores, qbuf, acc, kvbuf);
+            if (it.part < 0) {
+                run_item<T, DD>(a, it.seq, it.row0, it.row1, scores, qbuf, acc, kvbuf);
+                continue;
+            }
+            const Part part{part_acc.data() + it.part * H * D, part_max.data() + it.part * H,
+                            part_sum.data() + it.part * H};
+            run_item<T, DD>(a, it.seq, 0, 1, scores, qbuf, acc, kvbuf, it.k0, it.k1, &part);
+        }
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < n_splits; ++i) {
+            const Split& sp = splits[i];
+            merge_parts<T>(a, a.query_start[sp.seq], part_acc.data() + sp.first * H * D,
+                           part_max.data() + sp.first * H, part_sum.data() + sp.first * H,
+                           sp.parts);
         }
     }
 }

@@ -1,12 +1,13 @@
-"""Engine step time under tensor parallelism: the same batch at --tensor-parallel-size 1 and N.
+"""Engine step time: the prefill phase and the decode steps of a batch, per tensor-parallel size.
 
 For each batch size, B requests of the same prompt length are added at once to an engine core
 (loaded as the server loads it); the prefill phase (every request's first token) and each
 following decode step are timed. The sizes run in alternated rounds in one process, and the
-medians are compared with TP=1, the baseline of the same run.
+medians are compared with the first size (TP=1 by default), the baseline of the same run.
 
-    python -m benchmarks.tensor_parallel                       # CPU, gloo: 6-layer Llama
-    python -m benchmarks.tensor_parallel --device cuda --model qwen3-0.6b --tp 1,2,4 \\
+    python -m benchmarks.step_time --tp 1,2                    # CPU, gloo: 6-layer Llama
+    python -m benchmarks.step_time --tp 1 --batch 1 --prompt-len 3500   # one long stream
+    python -m benchmarks.step_time --device cuda --model qwen3-0.6b --tp 1,2,4 \\
         --batch 1,16,64,256 --prompt-len 512                    # a multi-GPU machine, NCCL
 
 On a CPU the ranks share the machine's cores (each gets cores / N torch threads) and add two
@@ -91,7 +92,7 @@ def main() -> None:
     ap.add_argument("--model", default="llama-6layer")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--tp", default="1,2", help="tensor-parallel sizes, the first the baseline")
+    ap.add_argument("--tp", default="1", help="tensor-parallel sizes, the first the baseline")
     ap.add_argument("--batch", default="1,16,64")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--steps", type=int, default=32, help="decode steps timed per batch")
@@ -148,7 +149,7 @@ def main() -> None:
         for b, sec in by_batch.items():
             print(f"gloo all-reduce of [{b}, hidden] among {tp} processes: {sec * 1e6:.0f} us")
     save(
-        "tensor_parallel",
+        "step_time",
         {"machine": machine(), "args": vars(args), "rows": rows, "all_reduce_s": collectives},
     )
 
