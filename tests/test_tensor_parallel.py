@@ -209,6 +209,28 @@ def _parent(pid: int) -> int | None:
         return None
 
 
+def test_a_rank_that_fails_to_load_fails_the_start_with_its_reason(model_dir):
+    config = EngineConfig(
+        model=str(model_dir("qwen3")), device="cpu", tensor_parallel_size=2, kv_cache_memory=10
+    )
+    with pytest.raises(WorkerDied, match="rank .: ValueError: no room for the KV cache"):
+        load(config)
+    workers = [
+        pid
+        for pid in os.listdir("/proc")
+        if pid.isdigit() and _parent(int(pid)) == os.getpid() and _is_worker(pid)
+    ]
+    assert not workers  # none left behind
+
+
+def _is_worker(pid: str) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"gpu.worker" in f.read()
+    except OSError:
+        return False
+
+
 def test_a_model_that_does_not_split_is_refused_before_any_worker_starts(model_dir):
     config = EngineConfig(model=str(model_dir("llama")), device="cpu", tensor_parallel_size=3)
     with pytest.raises(ValueError, match="--tensor-parallel-size 3 does not divide"):
