@@ -33,7 +33,7 @@ import trio
 
 from core.config import EngineConfig
 from core.engine import _SHUTDOWN, Engine
-from core.engine_core import check_request
+from core.request_check import check_request
 from core.request import EngineRequest, RequestOutput
 from core.stats import StepStats
 

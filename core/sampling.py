@@ -90,7 +90,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, gc=False):
                 )
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
-            # The upper bound is the server's --max-logprobs (core.engine_core.check_request).
+            # The upper bound is the server's --max-logprobs (core.request_check.check_request).
             if v is not None and v < 0:
                 raise InvalidParam(name, f"{name} must not be negative")
 

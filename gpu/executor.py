@@ -148,13 +148,11 @@ class Executor:
     def _wait_result(self) -> StepResult:
         """Rank 0's answer; any other rank speaking (it failed) or closing its pipe (it died)
         ends the step instead."""
-        first = self.workers[0]
-        while True:
-            for w in self.node.ready():
-                msg = self.node.receive(w)  # raises on a failure or an exit
-                if w is first and isinstance(msg, Sampled):
-                    return msg.result
-                raise WorkerDied(f"rank {w.rank} sent {type(msg).__name__} during a step")
+        w = self.node.ready()[0]
+        msg = self.node.receive(w)  # raises on a failure or an exit
+        if w is not self.workers[0] or not isinstance(msg, Sampled):
+            raise WorkerDied(f"rank {w.rank} sent {type(msg).__name__} during a step")
+        return msg.result
 
     # ---- the end ----
     def close(self, kill: bool = False) -> None:

@@ -1,0 +1,87 @@
+"""A request checked against the model and the server's limits before it is scheduled.
+
+Reads only what is fixed at start-up (vocabulary size, max_model_len, --max-logprobs), so the
+server process checks requests before they cross to the engine, and the engine checks again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from core.request import EngineRequest
+from core.sampling import InvalidParam
+
+
+def _outside(ids: Iterable[int], vocab: int) -> str | None:
+    """The ids a request names that the model has no row for, said with the vocabulary's size."""
+    bad = sorted({t for t in ids if not 0 <= t < vocab})
+    if not bad:
+        return None
+    shown = ", ".join(str(t) for t in bad[:8]) + (", ..." if len(bad) > 8 else "")
+    what = "token id {} is" if len(bad) == 1 else "token ids {} are"
+    return f"{what.format(shown)} outside the vocabulary (vocab_size={vocab}: ids 0..{vocab - 1})"
+
+
+def check_request(
+    req: EngineRequest, vocab_size: int, max_model_len: int, max_logprobs: int = 20
+) -> int:
+    """Validate a request against the model (vocabulary, context length) and the server's
+    --max-logprobs (-1: up to the vocabulary); return its resolved max_tokens. Raises
+    InvalidParam naming the offending field."""
+    n = len(req.prompt_token_ids)
+    if n == 0:
+        raise InvalidParam("prompt", "the prompt is empty")
+    vocab = vocab_size
+    if req.pooling is not None:  # an embedding: the prompt alone, nothing generated
+        problem = _outside(req.prompt_token_ids, vocab)
+        if problem is not None:
+            raise InvalidParam("input", f"input: {problem}")
+        if n > max_model_len:
+            raise InvalidParam(
+                "input",
+                f"This model's maximum context length is {max_model_len} tokens, "
+                f"but the input has {n} tokens.",
+            )
+        return 0
+    params = req.sampling_params
+    for field, ids in (
+        ("prompt", req.prompt_token_ids),
+        ("logit_bias", params.logit_bias),
+        ("stop_token_ids", params.stop_token_ids),
+    ):
+        problem = _outside(ids, vocab)
+        if problem is not None:
+            raise InvalidParam(field, f"{field}: {problem}")
+    limit = vocab if max_logprobs == -1 else min(max_logprobs, vocab)
+    for field in ("logprobs", "prompt_logprobs"):
+        asked = getattr(params, field)
+        if asked is not None and asked > limit:
+            raise InvalidParam(
+                field,
+                f"{field}={asked} is more than this server allows ({limit}; "
+                "the limit is set with --max-logprobs)",
+            )
+    room = max_model_len - n
+    if room < 1:
+        raise InvalidParam(
+            "messages",
+            f"This model's maximum context length is {max_model_len} tokens, "
+            f"but the prompt has {n} tokens, leaving no room for output.",
+        )
+    max_tokens = req.sampling_params.max_tokens
+    if max_tokens is None:
+        max_tokens = room
+    if params.min_tokens > max_tokens:
+        raise InvalidParam(
+            "min_tokens",
+            f"min_tokens ({params.min_tokens}) exceeds the "
+            f"{max_tokens} tokens this request may generate",
+        )
+    if max_tokens > room:
+        raise InvalidParam(
+            "max_tokens",
+            f"This model's maximum context length is {max_model_len} tokens. "
+            f"However, you requested {n + max_tokens} tokens ({n} in the prompt, "
+            f"{max_tokens} for the completion). Please reduce the prompt or max_tokens.",
+        )
+    return max_tokens
