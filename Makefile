@@ -10,7 +10,7 @@ PORT ?= 8000
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: run test bench bench-gpu peer-vllm-cpu install clean
+.PHONY: run test bench bench-gpu peer-vllm-cpu peer-llama-cpp install clean
 
 install: $(STAMP)
 
@@ -54,6 +54,11 @@ bench-gpu:
 # in a venv of its own (.peers/vllm-cpu).
 peer-vllm-cpu:
 	benchmarks/peers/vllm_cpu.sh install
+
+# llama.cpp's llama-server (`--peers llama-cpp`), built from source into .peers/llama-cpp
+# (~18 min on 2 cores, once).
+peer-llama-cpp:
+	benchmarks/peers/llama_cpp.sh install
 
 clean:
 	rm -rf $(VENV) *.egg-info

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import platform
@@ -68,8 +69,11 @@ BENCH_SHAPES = {
     ),
 }
 
-# The 6-layer Llama the CPU peer comparisons use (issues 18 and 22): the same shape.
-BENCH_SHAPES["llama-6layer"] = dict(BENCH_SHAPES["qwen3-6layer"], arch="llama")
+# The 6-layer Llama the CPU peer comparisons use (issues 18 and 22): the same shape, with
+# `<|endoftext|>` as a second EOS since llama.cpp stops on that token whatever the model says.
+BENCH_SHAPES["llama-6layer"] = dict(
+    BENCH_SHAPES["qwen3-6layer"], arch="llama", extra_eos=("<|endoftext|>",)
+)
 
 
 def bench_model(name: str) -> str:
@@ -79,7 +83,9 @@ def bench_model(name: str) -> str:
         return name
     from gpu.tiny_model import build_tiny_model, cache_dir
 
-    path = cache_dir() / f"bench-{name}"
+    # the shape in the name: a changed shape builds a new directory
+    digest = hashlib.sha1(json.dumps(BENCH_SHAPES[name], sort_keys=True).encode()).hexdigest()
+    path = cache_dir() / f"bench-{name}-{digest[:8]}"
     if not (path / "config.json").exists():
         tmp = path.with_name(path.name + ".tmp")
         shape = dict(BENCH_SHAPES[name])

@@ -4,7 +4,7 @@ The same chat prompts (rendered with the model's chat template), the same greedy
 max_tokens, at most `concurrency` running at once (`max_num_seqs`), driven straight through
 `EngineCore` with every core. What the engine could serve if the rest cost nothing: the ceiling
 the served figures are read against (benchmarks/serving.py `--engine-alone`). Prints one JSON
-line per level: {"concurrency", "output_tok_s", "output_tokens", "wall_s"}.
+line per level: {"concurrency", "output_tok_s", "output_tokens", "prompt_tokens", "wall_s"}.
 
     python -m benchmarks.engine_alone --model llama-6layer --concurrency 64 --requests 128
 """
@@ -48,6 +48,7 @@ def run(model: str, concurrency: int, texts: list[str], max_tokens: int) -> dict
         "concurrency": concurrency,
         "output_tok_s": tokens / wall,
         "output_tokens": tokens,
+        "prompt_tokens": sum(len(x) for x in ids),
         "wall_s": wall,
     }
 

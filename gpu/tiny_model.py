@@ -100,10 +100,12 @@ def build_tiny_model(
     model_vocab_size: int | None = None,
     dtype: str = "float32",
     added_tokens: tuple[str, ...] = (),
+    extra_eos: tuple[str, ...] = (),
 ) -> Path:
     """Write a random-weight model of the given shape with a trained tokenizer to `path`.
     `added_tokens`: whole-text tokens added to the vocabulary, not special (as Qwen3's
-    `<think>` and `</think>` are: they stay in the decoded text)."""
+    `<think>` and `</think>` are: they stay in the decoded text). `extra_eos`: tokens listed
+    after `<|im_end|>` in generation_config.json's eos_token_id (as Llama 3 lists two)."""
     import torch
     from transformers import (
         AutoModelForCausalLM,
@@ -156,7 +158,8 @@ def build_tiny_model(
     model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
     kwargs = {"max_shard_size": shard_bytes} if shard_bytes is not None else {}
     model.save_pretrained(path, **kwargs)
-    GenerationConfig(eos_token_id=[eos], bos_token_id=None).save_pretrained(path)
+    eos_ids = [eos, *tokenizer.convert_tokens_to_ids(list(extra_eos))]
+    GenerationConfig(eos_token_id=eos_ids, bos_token_id=None).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
 
