@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +12,8 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from gpu import cpu_linear, cpu_norm
+from gpu import cpu_gemm, cpu_linear, cpu_norm
+from gpu.kernels import cpu_build
 from gpu.models.decoder import DecoderForCausalLM
 from gpu.models.rope import Rope
 from gpu.models.spec import ModelSpec
@@ -124,6 +126,15 @@ def load_weights(model: DecoderForCausalLM, path: Path) -> None:
         raise ValueError(f"weights missing from the checkpoint: {sorted(missing)[:5]}")
 
 
+def cpu_matmul() -> str:
+    """Which kernel runs the CPU float32 products: "weir" (gpu/cpu_gemm.py) or "onednn"
+    (gpu/cpu_linear.py); WEIR_CPU_MATMUL overrides the default, for A/B benchmarks."""
+    choice = os.environ.get("WEIR_CPU_MATMUL", "weir")
+    if choice not in ("weir", "onednn"):
+        raise ValueError(f"WEIR_CPU_MATMUL must be weir or onednn, not {choice!r}")
+    return choice
+
+
 def load_model(
     path: Path,
     config: Any,
@@ -148,10 +159,20 @@ def load_model(
         # 0.57 ms). Gate/up stay apart: PackedGatedMLP applies the activation as a post-op.
         for layer in model.model.layers:
             layer.self_attn.fuse()
-        # oneDNN-prepacked weights: decode step at batch 64 on the 77M benchmark model 107 ->
-        # 82 ms, its prefill 14.4 -> 11.2 s (A/B in one process). An untied lm_head too; a tied
-        # one stays the embedding's plain weight (packing it would hold the matrix twice).
-        cpu_linear.pack_linears(model)
+        # Packed weights. An untied lm_head too; a tied one stays the embedding's plain weight
+        # (packing it would hold the matrix twice).
+        # weir's kernel (gpu/cpu_gemm.py): 6-layer Llama, 2-core AVX-512 Xeon, engine alone,
+        # alternated with oneDNN: 1 stream 258-264 vs 165-171 tok/s, 16 streams 1,355-1,504 vs
+        # 1,141-1,387, 64 streams 2,078-2,195 vs 2,020-2,075 (docs/benchmarks.md).
+        # oneDNN: decode step at batch 64 on the 77M benchmark model 107 -> 82 ms, its
+        # prefill 14.4 -> 11.2 s against MKL (A/B in one process).
+        try:
+            packed = cpu_matmul() == "weir" and cpu_gemm.use_gemm(model)
+        except cpu_build.BuildError as e:
+            log.warning("CPU matmul kernel unavailable, using oneDNN: %s", e)
+            packed = False
+        if not packed:
+            cpu_linear.pack_linears(model)
         # RMSNorm and Q/K norm + rotation in one pass per row: 77M benchmark model, offline
         # workload A/B in one process: see gpu/cpu_norm.py.
         cpu_norm.use_kernels(model)

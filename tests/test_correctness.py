@@ -124,12 +124,37 @@ def test_fused_projections_match_transformers(arch, model_dir, monkeypatch):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_cpu_linears_prepacked_match_transformers(arch, model_dir):
-    """oneDNN-prepacked linears (what the loader uses on CPU in float32 for weights big enough
-    to gain; these tiny models' are not, so pack all of them here) still give transformers'
-    greedy tokens and the checkpoint's products."""
+def test_cpu_linears_on_weirs_kernel_match_transformers(arch, model_dir):
+    """The default CPU float32 path: Q/K/V fused at load, every product on weir's own packed
+    kernel (gpu/cpu_gemm.py), the gated MLP in two products; transformers' greedy tokens."""
+    from gpu.cpu_gemm import GemmGatedMLP, GemmLinear
+
+    path = model_dir(arch)
+    loaded = load(EngineConfig(model=str(path), dtype="float32", device="cpu"))
+    model = loaded.core.runner.model
+    layer = model.model.layers[0]
+    assert isinstance(layer.self_attn.qkv_proj, GemmLinear)
+    assert isinstance(layer.self_attn.o_proj, GemmLinear)
+    assert isinstance(layer.mlp, GemmGatedMLP)
+    if not model.spec.tie_word_embeddings:
+        assert isinstance(model.lm_head, GemmLinear)
+    x = torch.randn(5, layer.mlp.down_proj.in_features)
+    torch.testing.assert_close(
+        layer.mlp.down_proj(x), model_weight_product(path, x), atol=1e-4, rtol=1e-4
+    )
+    prompts = [loaded.tokenizer.encode(p) for p in PROMPTS]
+    got, _ = run_all(loaded.core, prompts)
+    assert got == reference(arch, path, prompts)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_cpu_linears_prepacked_match_transformers(arch, model_dir, monkeypatch):
+    """oneDNN-prepacked linears (WEIR_CPU_MATMUL=onednn; weights big enough to gain, and these
+    tiny models' are not, so all of them are packed here) still give transformers' greedy
+    tokens and the checkpoint's products."""
     from gpu.cpu_linear import PackedGatedMLP, PackedLinear, pack_linears
 
+    monkeypatch.setenv("WEIR_CPU_MATMUL", "onednn")
     path = model_dir(arch)
     loaded = load(EngineConfig(model=str(path), dtype="float32", device="cpu"))
     model = loaded.core.runner.model

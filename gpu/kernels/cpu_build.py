@@ -1,5 +1,5 @@
-"""Build and load the CPU kernels (cpu_attention.cpp, cpu_norm_rope.cpp, cpu_mask.cpp) with the
-host's C++ compiler.
+"""Build and load the CPU kernels (cpu_attention.cpp, cpu_norm_rope.cpp, cpu_mask.cpp,
+cpu_gemm.cpp) with the host's C++ compiler.
 
 The sources have a plain C ABI and no torch headers, so they compile in about a second. They are
 built once per source, compiler and CPU into one library in weir's cache ($WEIR_CACHE, default
@@ -19,7 +19,8 @@ import threading
 from pathlib import Path
 
 SOURCES = [
-    Path(__file__).with_name(n) for n in ("cpu_attention.cpp", "cpu_norm_rope.cpp", "cpu_mask.cpp")
+    Path(__file__).with_name(n)
+    for n in ("cpu_attention.cpp", "cpu_norm_rope.cpp", "cpu_mask.cpp", "cpu_gemm.cpp")
 ]
 # -ffast-math lets g++ vectorize exp (glibc's libmvec) and reassociate the dot products; it is
 # given to the compile step only, so the link does not add crtfastmath.o, which would switch
@@ -109,6 +110,15 @@ def load() -> ctypes.CDLL:
             fn.restype = None
             fn = lib.weir_apply_token_bitmask
             fn.argtypes = [p, i64, p, i64, p, i64, i64, ctypes.c_int]
+            fn.restype = None
+            fn = lib.weir_gemm_packed_size
+            fn.argtypes = [i64, i64, ctypes.c_int]
+            fn.restype = i64
+            fn = lib.weir_gemm_pack
+            fn.argtypes = [p, p, i64, i64, ctypes.c_int, p]
+            fn.restype = None
+            fn = lib.weir_gemm
+            fn.argtypes = [p, i64, i64, i64, p, i64, ctypes.c_int, p, p, i64, p, i64, i64]
             fn.restype = None
             _lib = lib
         return _lib

@@ -1,0 +1,206 @@
+// Matrix products for the CPU forward: out = x @ W^T (+ bias) (+ residual), or the gated MLP's
+// silu(x @ G^T) * (x @ U^T), float32, on weights packed once at load time.
+//
+// Why not oneDNN (gpu/cpu_linear.py) for every product: a decode step is many small products
+// (1 to 64 rows), and oneDNN splits each one statically over the threads and joins them at a
+// barrier. When another process takes a core for a moment (the HTTP server, the client: a 2-core
+// box), the whole step waits for the descheduled thread's half (issue 18). Here each product is
+// cut into column panels taken from a shared counter (dynamic scheduling): a thread that is
+// descheduled holds up at most one panel, the other takes the rest. Each output is one sum over
+// k in order, whatever the batch, so a request's logits do not depend on what it is batched with.
+//
+// Packed layout: the N outputs in panels of NB columns (NB = 4 vector registers: 64 floats with
+// AVX-512, 32 with AVX2), each panel K rows of NB floats, zero-padded past N. A gated pair is
+// packed so that each panel holds NB/2 gate columns and the same NB/2 up columns: the panel's
+// product gives NB/2 finished outputs of silu(g) * u, and the [rows, 2m] intermediate is never
+// written. Micro-kernel: MR rows x NB columns of accumulators in registers, one broadcast of x
+// and NB/VW loads of the panel per k.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+#if defined(__AVX512F__)
+constexpr int VW = 16;  // floats per vector register
+constexpr int MR = 6;   // rows per micro-tile: 6 x 4 accumulators + 4 panel vectors <= 32 zmm
+#else
+constexpr int VW = 8;
+constexpr int MR = 3;   // 3 x 4 accumulators + 4 panel vectors <= 16 ymm
+#endif
+constexpr int NV = 4;
+constexpr int NB = VW * NV;
+typedef float vf __attribute__((vector_size(VW * 4)));
+typedef float vfu __attribute__((vector_size(VW * 4), aligned(4)));
+
+// Rows per task in large products: a block of x rows against one panel (both stay in L2).
+constexpr int64_t MB = MR * 8;
+// Panel rows per pass: KC x NB floats (32 KB with AVX-512) stay in L1 across the block's tiles.
+constexpr int64_t KC = 128;
+
+struct Args {
+    const float* x;
+    int64_t m, k, x_stride;
+    const float* packed;
+    int64_t n;      // outputs (of the gated pair: the up/gate width m, i.e. outputs written)
+    int gated;      // 0: a plain product; 1, 2, 3: a gated pair with SiLU, GELU, GELU (tanh)
+    const float* bias;
+    const float* residual;
+    int64_t res_stride;
+    float* out;
+    int64_t out_stride;
+};
+
+// exp clamped: -ffast-math assumes no infinities, and exp(-v) overflows below v = -88
+inline float silu(float v) { return v / (1.f + std::exp(std::min(-v, 80.f))); }
+inline float gelu(float v) { return 0.5f * v * (1.f + std::erf(v * 0.70710678118654752f)); }
+inline float gelu_tanh(float v) {
+    const float u = 0.7978845608028654f * (v + 0.044715f * v * v * v);
+    return 0.5f * v * (1.f + std::tanh(std::max(-20.f, std::min(u, 20.f))));
+}
+
+// acc[r * NB + j] += sum over k in [k0, k1) of x[row0 + r, k] * panel[k, j], in k order (so
+// the chunks of one sum add up in the same order as one pass would).
+template <int R>
+void tile(const Args& a, int64_t row0, const float* bp, int64_t k0, int64_t k1, float* acc,
+          bool first) {
+    const float* x = a.x + row0 * a.x_stride;
+    vf c[R][NV];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; ++v) c[r][v] = first ? vf{} : *(const vf*)(acc + r * NB + v * VW);
+    for (int64_t kk = k0; kk < k1; ++kk) {
+        vf b[NV];
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; ++v) b[v] = *(const vfu*)(bp + kk * NB + v * VW);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+            const float xv = x[r * a.x_stride + kk];
+#pragma GCC unroll 4
+            for (int v = 0; v < NV; ++v) c[r][v] += xv * b[v];
+        }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; ++v) *(vf*)(acc + r * NB + v * VW) = c[r][v];
+}
+
+template <int R>
+void tail(const Args& a, int64_t row, int64_t left, const float* bp, int64_t k0, int64_t k1,
+          float* acc, bool first) {
+    if constexpr (R > 0) {
+        if (left == R) return tile<R>(a, row, bp, k0, k1, acc, first);
+        tail<R - 1>(a, row, left, bp, k0, k1, acc, first);
+    }
+}
+
+// Rows [row0, row1) (at most MB) against one panel: the panel in chunks of KC rows that stay in
+// L1 while every micro-tile of the block passes over them, then the epilogue.
+void rows(const Args& a, int64_t row0, int64_t row1, int64_t panel) {
+    alignas(64) float acc[MB * NB];
+    const float* bp = a.packed + panel * a.k * NB;
+    for (int64_t k0 = 0; k0 < a.k || k0 == 0; k0 += KC) {
+        const int64_t k1 = std::min(a.k, k0 + KC);
+        int64_t r = row0;
+        for (; r + MR <= row1; r += MR) tile<MR>(a, r, bp, k0, k1, acc + (r - row0) * NB, k0 == 0);
+        tail<MR - 1>(a, r, row1 - r, bp, k0, k1, acc + (r - row0) * NB, k0 == 0);
+        if (k1 >= a.k) break;
+    }
+    if (!a.gated) {
+        const int64_t n0 = panel * NB, cols = std::min<int64_t>(NB, a.n - n0);
+        for (int64_t r = row0; r < row1; ++r) {
+            const float* c = acc + (r - row0) * NB;
+            float* o = a.out + r * a.out_stride + n0;
+            const float* res = a.residual ? a.residual + r * a.res_stride + n0 : nullptr;
+            const float* bias = a.bias ? a.bias + n0 : nullptr;
+#pragma omp simd
+            for (int64_t j = 0; j < cols; ++j) {
+                float v = c[j];
+                if (bias) v += bias[j];
+                if (res) v += res[j];
+                o[j] = v;
+            }
+        }
+        return;
+    }
+    constexpr int H = NB / 2;
+    const int64_t n0 = panel * H, cols = std::min<int64_t>(H, a.n - n0);
+    for (int64_t r = row0; r < row1; ++r) {
+        const float* c = acc + (r - row0) * NB;
+        float* o = a.out + r * a.out_stride + n0;
+        if (a.gated == 1) {
+#pragma omp simd
+            for (int64_t j = 0; j < cols; ++j) o[j] = silu(c[j]) * c[H + j];
+        } else if (a.gated == 2) {
+#pragma omp simd
+            for (int64_t j = 0; j < cols; ++j) o[j] = gelu(c[j]) * c[H + j];
+        } else {
+#pragma omp simd
+            for (int64_t j = 0; j < cols; ++j) o[j] = gelu_tanh(c[j]) * c[H + j];
+        }
+    }
+}
+
+int64_t panels_of(int64_t n, int gated) {
+    const int64_t cols = gated ? NB / 2 : NB;  // outputs a panel gives
+    return (n + cols - 1) / cols;
+}
+
+}  // namespace
+
+extern "C" {
+
+// The packed size in floats of an [n, k] weight (of a gated pair: n = the width m of each half).
+int64_t weir_gemm_packed_size(int64_t n, int64_t k, int gated) {
+    return panels_of(n, gated) * k * NB;
+}
+
+// w: [n, k] row-major (a gated pair: gate [n, k] and up [n, k], w2 = up). Writes the packed form.
+void weir_gemm_pack(const float* w, const float* w2, int64_t n, int64_t k, int gated,
+                    float* packed) {
+    const int64_t panels = panels_of(n, gated);
+#pragma omp parallel for schedule(static)
+    for (int64_t p = 0; p < panels; ++p) {
+        float* dst = packed + p * k * NB;
+        std::memset(dst, 0, sizeof(float) * k * NB);
+        for (int64_t j = 0; j < NB; ++j) {
+            const float* src;
+            if (!gated) {
+                const int64_t col = p * NB + j;
+                if (col >= n) continue;
+                src = w + col * k;
+            } else {
+                const int64_t col = p * (NB / 2) + j % (NB / 2);
+                if (col >= n) continue;
+                src = (j < NB / 2 ? w : w2) + col * k;
+            }
+            for (int64_t kk = 0; kk < k; ++kk) dst[kk * NB + j] = src[kk];
+        }
+    }
+}
+
+// out[m, n] = x[m, k] @ W^T (+ bias[n]) (+ residual[m, n]) -- or, gated, act(x G^T) * (x U^T)
+// with act SiLU (gated 1), GELU (2) or GELU's tanh form (3).
+// residual may be out itself. Strides are in floats between rows.
+void weir_gemm(const float* x, int64_t m, int64_t k, int64_t x_stride, const float* packed,
+               int64_t n, int gated, const float* bias, const float* residual,
+               int64_t res_stride, float* out, int64_t out_stride, int64_t num_threads) {
+    const Args a{x, m, k, x_stride, packed, n, gated, bias, residual, res_stride, out, out_stride};
+    const int64_t panels = panels_of(n, gated);
+    const int64_t blocks = (m + MB - 1) / MB;
+    const int64_t tasks = panels * blocks;
+    // A product too small to be worth waking the other threads runs here.
+    const bool parallel = num_threads > 1 && tasks > 1 && m * n * k > (1 << 15);
+#pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1) if (parallel)
+    for (int64_t t = 0; t < tasks; ++t) {
+        // block-major: consecutive tasks share an x block, the panels stream past it
+        const int64_t block = t / panels, panel = t % panels;
+        rows(a, block * MB, std::min(m, (block + 1) * MB), panel);
+    }
+}
+
+}  // extern "C"
