@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from gpu import cpu_gemm, cpu_linear, cpu_norm
+from gpu import cpu_forward, cpu_gemm, cpu_linear, cpu_norm
 from gpu.kernels import cpu_build
 from gpu.models.decoder import DecoderForCausalLM
 from gpu.models.rope import Rope
@@ -176,6 +176,8 @@ def load_model(
         # RMSNorm and Q/K norm + rotation in one pass per row: 77M benchmark model, offline
         # workload A/B in one process: see gpu/cpu_norm.py.
         cpu_norm.use_kernels(model)
+        # Then, when every layer runs on those kernels, the layer stack as one compiled call.
+        cpu_forward.attach(model)
     model.rope = Rope(config, spec.head_dim, device)
     return model.eval()
 

@@ -1,5 +1,5 @@
 """Build and load the CPU kernels (cpu_attention.cpp, cpu_norm_rope.cpp, cpu_mask.cpp,
-cpu_gemm.cpp) with the host's C++ compiler.
+cpu_gemm.cpp, cpu_forward.cpp) with the host's C++ compiler.
 
 The sources have a plain C ABI and no torch headers, so they compile in about a second. They are
 built once per source, compiler and CPU into one library in weir's cache ($WEIR_CACHE, default
@@ -20,7 +20,9 @@ from pathlib import Path
 
 SOURCES = [
     Path(__file__).with_name(n)
-    for n in ("cpu_attention.cpp", "cpu_norm_rope.cpp", "cpu_mask.cpp", "cpu_gemm.cpp")
+    for n in (
+        "cpu_attention.cpp", "cpu_norm_rope.cpp", "cpu_mask.cpp", "cpu_gemm.cpp", "cpu_forward.cpp"
+    )
 ]
 # -ffast-math lets g++ vectorize exp (glibc's libmvec) and reassociate the dot products; it is
 # given to the compile step only, so the link does not add crtfastmath.o, which would switch
@@ -120,5 +122,8 @@ def load() -> ctypes.CDLL:
             fn = lib.weir_gemm
             fn.argtypes = [p, i64, i64, i64, p, i64, ctypes.c_int, p, p, i64, p, i64, i64]
             fn.restype = None
+            fn = lib.weir_decoder_forward
+            fn.argtypes = [p, p]
+            fn.restype = ctypes.c_int
             _lib = lib
         return _lib

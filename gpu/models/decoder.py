@@ -182,6 +182,9 @@ class DecoderForCausalLM(nn.Module):
         if not spec.tie_word_embeddings:
             self.lm_head = nn.Linear(local.hidden_size, local.vocab_size, bias=False)
         self.rope: Rope | None = None  # set after weights are on their device (see loader)
+        # gpu/cpu_forward.py's CpuForward: all layers in one compiled call, set by the loader on
+        # CPU in float32 when every layer runs on the CPU kernels.
+        self.cpu_forward = None
 
     def fuse_projections(self) -> None:
         """Q/K/V into one matrix product and gate/up into another, per layer (after loading)."""
@@ -199,6 +202,8 @@ class DecoderForCausalLM(nn.Module):
     ) -> torch.Tensor:
         x = self.embed(input_ids)
         cos, sin = self.rope.cos_sin(positions, x.dtype)
+        if self.cpu_forward is not None and self.cpu_forward.usable(kv_caches, backend):
+            return self.cpu_forward(x, cos, sin, kv_caches, meta)
         for layer, kv in zip(self.model.layers, kv_caches):
             x = layer(x, cos, sin, kv, meta, backend)
         return self.model.norm(x)

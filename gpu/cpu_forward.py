@@ -1,0 +1,186 @@
+"""The CPU float32 forward in one compiled call (gpu/kernels/cpu_forward.cpp).
+
+After loading, a model whose every layer runs on the CPU kernels (weir's packed products, the
+norm/rotary kernel, the paged attention kernel) gets a CpuForward: DecoderForCausalLM.forward
+then embeds the tokens and computes the rotary tables in torch and hands the whole layer stack
+and the final norm to C++, which calls the same kernels in the same order as the modules do
+(bitwise the same hidden states) without a dozen op dispatches per layer in between.
+WEIR_CPU_FORWARD=modules keeps the module-by-module path (for A/B benchmarks).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+
+import torch
+
+from gpu.attention.backend import AttentionMetadata
+from gpu.kernels import cpu_build
+
+log = logging.getLogger("weir.cpu_forward")
+
+_p, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [
+        (name, _p)
+        for name in (
+            "input_norm", "post_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o", "gate_up",
+            "down", "k_cache", "v_cache",
+        )
+    ]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [
+        *[(n, _i64) for n in ("hidden", "heads", "kv_heads", "head_dim", "intermediate")],
+        *[(n, _i64) for n in ("num_layers", "block_size", "sliding_window")],
+        ("eps", _f32),
+        ("scale", _f32),
+        ("act", _i64),
+        ("layers", _p),
+        ("final_norm", _p),
+    ]
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [
+        ("tokens", _i64),
+        ("x", _p),
+        ("out", _p),
+        ("cos", _p),
+        ("sin", _p),
+        ("slots", _p),
+        ("block_tables", _p),
+        ("max_blocks", _i64),
+        ("query_start", _p),
+        ("seq_lens", _p),
+        ("num_seqs", _i64),
+        ("num_threads", _i64),
+    ]
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def unfit(model) -> str | None:
+    """Why `model` cannot run as one call (None when it can)."""
+    from gpu.cpu_gemm import GemmGatedMLP, GemmLinear
+
+    if os.environ.get("WEIR_CPU_FORWARD", "fused") == "modules":
+        return "WEIR_CPU_FORWARD=modules"
+    if model.tp is not None:
+        return "tensor parallel"
+    if model.model.norm.kernel is None:
+        return "no norm kernel"
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        if not isinstance(attn.qkv_proj, GemmLinear) or not isinstance(attn.o_proj, GemmLinear):
+            return "attention products not on weir's kernel"
+        if attn.o_proj.bias is not None:
+            return "an output projection bias"
+        if not isinstance(mlp, GemmGatedMLP):
+            return "MLP not a packed gated pair"
+        if attn.norm_rope is None or layer.input_layernorm.kernel is None:
+            return "no norm kernel"
+    if len({layer.self_attn.sliding_window for layer in model.model.layers}) > 1:
+        return "per-layer sliding windows"
+    return None
+
+
+class CpuForward:
+    def __init__(self, model) -> None:
+        self._lib = cpu_build.load()
+        self.model = model
+        self._caches: list | None = None  # the kv_caches list the layer table points into
+        self._layers = None
+        self._struct = None
+
+    def _bind(self, kv_caches) -> None:
+        model, spec = self.model, self.model.local_spec
+        layers = model.model.layers
+        table = (_Layer * len(layers))()
+        for entry, layer, (k, v) in zip(table, layers, kv_caches):
+            attn = layer.self_attn
+            entry.input_norm = _ptr(layer.input_layernorm.weight)
+            entry.post_norm = _ptr(layer.post_attention_layernorm.weight)
+            entry.qkv = _ptr(attn.qkv_proj.packed)
+            entry.qkv_bias = _ptr(attn.qkv_proj.bias)
+            entry.q_norm = _ptr(attn.q_norm.weight) if attn.qk_norm else None
+            entry.k_norm = _ptr(attn.k_norm.weight) if attn.qk_norm else None
+            entry.o = _ptr(attn.o_proj.packed)
+            entry.gate_up = _ptr(layer.mlp.gate_up)
+            entry.down = _ptr(layer.mlp.down_proj.packed)
+            entry.k_cache, entry.v_cache = _ptr(k), _ptr(v)
+        first = layers[0]
+        self._struct = _Model(
+            hidden=spec.hidden_size,
+            heads=spec.num_heads,
+            kv_heads=spec.num_kv_heads,
+            head_dim=spec.head_dim,
+            intermediate=first.mlp.width,
+            num_layers=len(layers),
+            block_size=kv_caches[0][0].shape[1],
+            sliding_window=first.self_attn.sliding_window or 0,
+            eps=model.model.norm.eps,
+            scale=first.self_attn.scale,
+            act=first.mlp.act,
+            layers=ctypes.addressof(table),
+            final_norm=_ptr(model.model.norm.weight),
+        )
+        self._layers, self._caches = table, kv_caches
+
+    def usable(self, kv_caches, backend) -> bool:
+        """The compiled path needs the CPU attention kernel's layout: float32 contiguous caches."""
+        if getattr(backend, "name", None) != "cpu":
+            return False
+        k, v = kv_caches[0]
+        return k.dtype == torch.float32 and k.is_contiguous() and v.is_contiguous()
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_caches,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """x: the embeddings [tokens, hidden] (updated in place); returns the final norm."""
+        if kv_caches is not self._caches:
+            self._bind(kv_caches)
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        tables = meta.block_tables
+        step = _Step(
+            tokens=x.shape[0],
+            x=x.data_ptr(),
+            out=out.data_ptr(),
+            cos=cos.data_ptr(),
+            sin=sin.data_ptr(),
+            slots=meta.slot_mapping.data_ptr(),
+            block_tables=tables.data_ptr(),
+            max_blocks=tables.shape[1],
+            query_start=meta.query_start_loc.data_ptr(),
+            seq_lens=meta.seq_lens.data_ptr(),
+            num_seqs=meta.num_seqs,
+            num_threads=torch.get_num_threads(),
+        )
+        rc = self._lib.weir_decoder_forward(ctypes.addressof(self._struct), ctypes.addressof(step))
+        if rc != 0:
+            raise RuntimeError(f"cpu forward failed ({rc})")
+        return out
+
+
+def attach(model) -> bool:
+    """Give `model` a CpuForward when all of it can run as one call; False (and why, logged)
+    when not."""
+    reason = unfit(model)
+    if reason is not None:
+        log.info("CPU forward layer by layer: %s", reason)
+        return False
+    model.cpu_forward = CpuForward(model)
+    return True

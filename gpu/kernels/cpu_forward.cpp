@@ -1,0 +1,124 @@
+// The decoder's layers in one call: every layer of a CPU float32 forward without returning to
+// Python between its steps.
+//
+// The same kernels the modules call one by one (cpu_norm_rope.cpp, cpu_gemm.cpp,
+// cpu_attention.cpp), called in the same order on the same buffers, so the result is bitwise
+// the module path's (tests/test_cpu_forward.py); what goes is the interpreter between them: a
+// dozen torch ops and ctypes calls per layer, each 5-20 us, which at one stream cost as much
+// as the layer's arithmetic (issue 22). K and V are written into the paged cache here too.
+//
+// Per layer, x the residual stream [tokens, hidden], updated in place:
+//   h = rms_norm(x); qkv = h Wqkv^T (+ b); q = rope(norm(q)); k = rope(norm(k)) -> cache;
+//   v -> cache; o = attention(q, cache); x += o Wo^T; h = rms_norm(x); g = act(h G^T) * (h U^T);
+//   x += g Wd^T
+// then out = rms_norm(x) with the final norm.
+
+#include <cstdint>
+#include <cstring>
+#include <memory>
+
+extern "C" {
+void weir_rms_norm_rope(const float* x, int64_t tokens, int64_t heads, int64_t dim,
+                        int64_t token_stride, const float* weight, float eps, const float* cos,
+                        const float* sin, float* out, int64_t num_threads);
+void weir_gemm(const float* x, int64_t m, int64_t k, int64_t x_stride, const float* packed,
+               int64_t n, int gated, const float* bias, const float* residual,
+               int64_t res_stride, float* out, int64_t out_stride, int64_t num_threads);
+int weir_paged_attention(const void* query, const void* k_cache, const void* v_cache, void* out,
+                         const int32_t* block_tables, const int32_t* query_start,
+                         const int32_t* seq_lens, int64_t num_seqs, int64_t max_blocks,
+                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                         int64_t block_size, float scale, int64_t sliding_window,
+                         int64_t num_threads, int dtype);
+}
+
+namespace {
+
+// Field order and types mirror gpu/cpu_forward.py's ctypes Structures.
+struct Layer {
+    const float* input_norm;  // [hidden]
+    const float* post_norm;   // [hidden]
+    const float* qkv;         // packed [q + 2 kv outputs, hidden]
+    const float* qkv_bias;    // or null
+    const float* q_norm;      // [head_dim] or null (no Q/K norm)
+    const float* k_norm;
+    const float* o;           // packed [hidden, heads * head_dim]
+    const float* gate_up;     // packed gated pair [intermediate, hidden] x 2
+    const float* down;        // packed [hidden, intermediate]
+    float* k_cache;           // [blocks, block_size, kv_heads, head_dim]
+    float* v_cache;
+};
+
+struct Model {
+    int64_t hidden, heads, kv_heads, head_dim, intermediate, num_layers;
+    int64_t block_size, sliding_window;
+    float eps, scale;
+    int64_t act;  // cpu_gemm.cpp's gated code: 1 SiLU, 2 GELU, 3 GELU (tanh)
+    const Layer* layers;
+    const float* final_norm;
+};
+
+struct Step {
+    int64_t tokens;
+    float* x;            // [tokens, hidden], the embeddings in, the residual stream after
+    float* out;          // [tokens, hidden], the final norm of x
+    const float* cos;    // [tokens, head_dim]
+    const float* sin;
+    const int64_t* slots;  // [tokens], -1: write nothing
+    const int32_t* block_tables;
+    int64_t max_blocks;
+    const int32_t* query_start;
+    const int32_t* seq_lens;
+    int64_t num_seqs;
+    int64_t num_threads;
+};
+
+void scatter(float* cache, const float* rows, int64_t row_stride, const int64_t* slots,
+             int64_t tokens, int64_t width) {
+    for (int64_t t = 0; t < tokens; ++t)
+        if (slots[t] >= 0)
+            std::memcpy(cache + slots[t] * width, rows + t * row_stride, sizeof(float) * width);
+}
+
+}  // namespace
+
+extern "C" {
+
+int weir_decoder_forward(const Model* m, const Step* s) {
+    const int64_t T = s->tokens, H = m->hidden, D = m->head_dim, nt = s->num_threads;
+    const int64_t qw = m->heads * D, kvw = m->kv_heads * D, qkvw = qw + 2 * kvw;
+    const int64_t I = m->intermediate;
+    if (T == 0) return 0;
+    std::unique_ptr<float[]> buf(new float[T * (H + qkvw + qw + kvw + qw + I)]);
+    float* h = buf.get();
+    float* qkv = h + T * H;
+    float* q = qkv + T * qkvw;
+    float* k = q + T * qw;
+    float* o = k + T * kvw;
+    float* g = o + T * qw;
+    float* x = s->x;
+    for (int64_t i = 0; i < m->num_layers; ++i) {
+        const Layer& L = m->layers[i];
+        weir_rms_norm_rope(x, T, 1, H, H, L.input_norm, m->eps, nullptr, nullptr, h, nt);
+        weir_gemm(h, T, H, H, L.qkv, qkvw, 0, L.qkv_bias, nullptr, 0, qkv, qkvw, nt);
+        const float eps = L.q_norm ? m->eps : 0.f;
+        weir_rms_norm_rope(qkv, T, m->heads, D, qkvw, L.q_norm, eps, s->cos, s->sin, q, nt);
+        weir_rms_norm_rope(qkv + qw, T, m->kv_heads, D, qkvw, L.k_norm, eps, s->cos, s->sin, k,
+                           nt);
+        scatter(L.k_cache, k, kvw, s->slots, T, kvw);
+        scatter(L.v_cache, qkv + qw + kvw, qkvw, s->slots, T, kvw);
+        const int rc = weir_paged_attention(q, L.k_cache, L.v_cache, o, s->block_tables,
+                                            s->query_start, s->seq_lens, s->num_seqs,
+                                            s->max_blocks, m->heads, m->kv_heads, D,
+                                            m->block_size, m->scale, m->sliding_window, nt, 0);
+        if (rc != 0) return rc;
+        weir_gemm(o, T, qw, qw, L.o, H, 0, nullptr, x, H, x, H, nt);
+        weir_rms_norm_rope(x, T, 1, H, H, L.post_norm, m->eps, nullptr, nullptr, h, nt);
+        weir_gemm(h, T, H, H, L.gate_up, I, int(m->act), nullptr, nullptr, 0, g, I, nt);
+        weir_gemm(g, T, I, I, L.down, H, 0, nullptr, x, H, x, H, nt);
+    }
+    weir_rms_norm_rope(x, T, 1, H, H, m->final_norm, m->eps, nullptr, nullptr, s->out, nt);
+    return 0;
+}
+
+}  // extern "C"

@@ -1,0 +1,67 @@
+"""All layers in one compiled call (gpu/cpu_forward.py) against the module-by-module path: the
+same kernels in the same order, so every step's logits are bitwise the same."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from core.config import EngineConfig
+from core.request import EngineRequest
+from core.sampling import SamplingParams
+from gpu.launch import load
+from tests.conftest import ARCHS
+
+PROMPTS = [
+    "hello",
+    "the model is a server " * 5,
+    "café naïve résumé 你好 世界 😀 🎉",
+    "token " * 40,
+    "x",
+]
+
+
+def load_both(path, monkeypatch, **pool):
+    config = EngineConfig(model=str(path), dtype="float32", device="cpu", **pool)
+    fused = load(config)
+    monkeypatch.setenv("WEIR_CPU_FORWARD", "modules")
+    modules = load(config)
+    monkeypatch.delenv("WEIR_CPU_FORWARD")
+    return fused, modules
+
+
+# Mistral with a sliding window of 8 under the prompts above: the window applies in the kernel.
+@pytest.mark.parametrize("arch,extra", [*((a, {}) for a in ARCHS), ("mistral", {"sliding_window": 8})])
+def test_one_call_forward_is_bitwise_the_module_path(arch, extra, model_dir, monkeypatch):
+    """Both engines get the same requests on a pool so tight that prompts are chunked and
+    requests preempted (mixed prefill and decode steps, padding-free slot writes); after every
+    step the logits are identical, and so are the tokens."""
+    path = model_dir(arch, **extra)
+    fused, modules = load_both(
+        path, monkeypatch, num_kv_blocks=48, block_size=4, max_num_batched_tokens=40
+    )
+    assert fused.core.runner.model.cpu_forward is not None
+    assert modules.core.runner.model.cpu_forward is None
+    for loaded in (fused, modules):
+        for i, text in enumerate(PROMPTS):
+            ids = loaded.tokenizer.encode(text)
+            p = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+            loaded.core.add(EngineRequest(str(i), ids, p))
+    steps = 0
+    tokens = {True: {}, False: {}}
+    while fused.core.has_work or modules.core.has_work:
+        for is_fused, loaded in ((True, fused), (False, modules)):
+            for out in loaded.core.step():
+                tokens[is_fused].setdefault(out.request_id, []).extend(out.new_token_ids)
+        a, b = fused.core.runner.last_logits, modules.core.runner.last_logits
+        assert a is not None and torch.equal(a, b), f"step {steps}"
+        steps += 1
+    assert tokens[True] == tokens[False] and len(tokens[True]) == len(PROMPTS)
+    assert steps > 20
+
+
+def test_not_attached_where_a_layer_is_off_the_kernels(model_dir, monkeypatch):
+    """oneDNN products (WEIR_CPU_MATMUL=onednn) leave the modules in charge."""
+    monkeypatch.setenv("WEIR_CPU_MATMUL", "onednn")
+    loaded = load(EngineConfig(model=str(model_dir("llama")), dtype="float32", device="cpu"))
+    assert loaded.core.runner.model.cpu_forward is None
