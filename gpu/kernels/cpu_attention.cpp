@@ -10,7 +10,8 @@
 //
 // Plain C ABI with raw pointers (no torch headers): compiled in about a second by gpu/kernels/
 // cpu_build.py with the host's g++ and -march=native, called through ctypes, which releases the
-// GIL for the call. Work items are (sequence, tile of query rows), spread over OpenMP threads;
+// GIL for the call. Work items are (sequence, tile of query rows), spread over weir's pool
+// (cpu_pool.h: claimed one at a time, no barrier waiting for a preempted thread);
 // a decode row with a long context is split into parts of its keys, merged at the end (see run).
 //
 // Layouts (all contiguous): query/out [tokens, heads, dim]; caches [blocks, block_size, kv_heads,
@@ -26,6 +27,8 @@
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
+
+#include "cpu_pool.h"
 
 namespace {
 
@@ -408,28 +411,22 @@ void run(const Args& a) {
     std::vector<float> part_acc(n_parts * H * D), part_max(n_parts * H), part_sum(n_parts * H);
     const int64_t n_items = int64_t(items.size());
     const int64_t n_splits = int64_t(splits.size());
-#pragma omp parallel num_threads(a.num_threads)
-    {
-        std::vector<float> scores, qbuf, acc, kvbuf;
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t i = 0; i < n_items; ++i) {
-            const Item& it = items[i];
-            if (it.part < 0) {
-                run_item<T, DD>(a, it.seq, it.row0, it.row1, scores, qbuf, acc, kvbuf);
-                continue;
-            }
-            const Part part{part_acc.data() + it.part * H * D, part_max.data() + it.part * H,
-                            part_sum.data() + it.part * H};
-            run_item<T, DD>(a, it.seq, 0, 1, scores, qbuf, acc, kvbuf, it.k0, it.k1, &part);
+    weir::parallel_for(n_items, a.num_threads, [&](int64_t i) {
+        thread_local std::vector<float> scores, qbuf, acc, kvbuf;  // grown once per thread
+        const Item& it = items[i];
+        if (it.part < 0) {
+            run_item<T, DD>(a, it.seq, it.row0, it.row1, scores, qbuf, acc, kvbuf);
+            return;
         }
-#pragma omp for schedule(static)
-        for (int64_t i = 0; i < n_splits; ++i) {
-            const Split& sp = splits[i];
-            merge_parts<T>(a, a.query_start[sp.seq], part_acc.data() + sp.first * H * D,
-                           part_max.data() + sp.first * H, part_sum.data() + sp.first * H,
-                           sp.parts);
-        }
-    }
+        const Part part{part_acc.data() + it.part * H * D, part_max.data() + it.part * H,
+                        part_sum.data() + it.part * H};
+        run_item<T, DD>(a, it.seq, 0, 1, scores, qbuf, acc, kvbuf, it.k0, it.k1, &part);
+    });
+    weir::parallel_for(n_splits, a.num_threads, [&](int64_t i) {
+        const Split& sp = splits[i];
+        merge_parts<T>(a, a.query_start[sp.seq], part_acc.data() + sp.first * H * D,
+                       part_max.data() + sp.first * H, part_sum.data() + sp.first * H, sp.parts);
+    });
 }
 
 template <typename T>

@@ -1,5 +1,5 @@
 """Build and load the CPU kernels (cpu_attention.cpp, cpu_norm_rope.cpp, cpu_mask.cpp,
-cpu_gemm.cpp, cpu_forward.cpp) with the host's C++ compiler.
+cpu_gemm.cpp, cpu_forward.cpp, on the thread pool of cpu_pool.cpp) with the host's C++ compiler.
 
 The sources have a plain C ABI and no torch headers, so they compile in about a second. They are
 built once per source, compiler and CPU into one library in weir's cache ($WEIR_CACHE, default
@@ -21,9 +21,15 @@ from pathlib import Path
 SOURCES = [
     Path(__file__).with_name(n)
     for n in (
-        "cpu_attention.cpp", "cpu_norm_rope.cpp", "cpu_mask.cpp", "cpu_gemm.cpp", "cpu_forward.cpp"
+        "cpu_pool.cpp",
+        "cpu_attention.cpp",
+        "cpu_norm_rope.cpp",
+        "cpu_mask.cpp",
+        "cpu_gemm.cpp",
+        "cpu_forward.cpp",
     )
 ]
+HEADERS = [Path(__file__).with_name("cpu_pool.h")]
 # -ffast-math lets g++ vectorize exp (glibc's libmvec) and reassociate the dot products; it is
 # given to the compile step only, so the link does not add crtfastmath.o, which would switch
 # denormals to zero for the whole process (torch included). The kernel never forms inf or NaN.
@@ -57,7 +63,7 @@ def library_path(cxx: str) -> Path:
 
     key = hashlib.sha256()
     for part in (
-        *(src.read_bytes() for src in SOURCES),
+        *(src.read_bytes() for src in SOURCES + HEADERS),
         cxx.encode(),
         " ".join(COMPILE + LINK).encode(),
         _cpu_id().encode(),

@@ -5,8 +5,8 @@
 // (1 to 64 rows), and oneDNN splits each one statically over the threads and joins them at a
 // barrier. When another process takes a core for a moment (the HTTP server, the client: a 2-core
 // box), the whole step waits for the descheduled thread's half (issue 18). Here each product is
-// cut into column panels taken from a shared counter (dynamic scheduling): a thread that is
-// descheduled holds up at most one panel, the other takes the rest. Each output is one sum over
+// cut into column panels taken from a shared counter by weir's pool (cpu_pool.h): a thread
+// that is descheduled holds up at most one panel, one that has not woken up none. Each output is one sum over
 // k in order, whatever the batch, so a request's logits do not depend on what it is batched with.
 //
 // Packed layout: the N outputs in panels of NB columns (NB = 4 vector registers: 64 floats with
@@ -20,6 +20,9 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <thread>
+
+#include "cpu_pool.h"
 
 namespace {
 
@@ -163,8 +166,7 @@ int64_t weir_gemm_packed_size(int64_t n, int64_t k, int gated) {
 void weir_gemm_pack(const float* w, const float* w2, int64_t n, int64_t k, int gated,
                     float* packed) {
     const int64_t panels = panels_of(n, gated);
-#pragma omp parallel for schedule(static)
-    for (int64_t p = 0; p < panels; ++p) {
+    weir::parallel_for(panels, int64_t(std::thread::hardware_concurrency()), [&](int64_t p) {
         float* dst = packed + p * k * NB;
         std::memset(dst, 0, sizeof(float) * k * NB);
         for (int64_t j = 0; j < NB; ++j) {
@@ -180,7 +182,7 @@ void weir_gemm_pack(const float* w, const float* w2, int64_t n, int64_t k, int g
             }
             for (int64_t kk = 0; kk < k; ++kk) dst[kk * NB + j] = src[kk];
         }
-    }
+    });
 }
 
 // out[m, n] = x[m, k] @ W^T (+ bias[n]) (+ residual[m, n]) -- or, gated, act(x G^T) * (x U^T)
@@ -195,12 +197,11 @@ void weir_gemm(const float* x, int64_t m, int64_t k, int64_t x_stride, const flo
     const int64_t tasks = panels * blocks;
     // A product too small to be worth waking the other threads runs here.
     const bool parallel = num_threads > 1 && tasks > 1 && m * n * k > (1 << 15);
-#pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1) if (parallel)
-    for (int64_t t = 0; t < tasks; ++t) {
+    weir::parallel_for(tasks, parallel ? num_threads : 1, [&](int64_t t) {
         // block-major: consecutive tasks share an x block, the panels stream past it
         const int64_t block = t / panels, panel = t % panels;
         rows(a, block * MB, std::min(m, (block + 1) * MB), panel);
-    }
+    });
 }
 
 }  // extern "C"

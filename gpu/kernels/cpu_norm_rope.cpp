@@ -12,8 +12,11 @@
 // null (no rotation); the rotation is the "rotate half" form transformers uses. At least one of
 // weight and cos is given (gpu/cpu_norm.py always passes a weight or a rotation).
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+
+#include "cpu_pool.h"
 
 extern "C" {
 
@@ -21,33 +24,37 @@ void weir_rms_norm_rope(const float* x, int64_t tokens, int64_t heads, int64_t d
                         int64_t token_stride, const float* weight, float eps, const float* cos,
                         const float* sin, float* out, int64_t num_threads) {
     const int64_t rows = tokens * heads, half = dim / 2;
-#pragma omp parallel for num_threads(num_threads) schedule(static) if (rows * dim > 32768)
-    for (int64_t r = 0; r < rows; ++r) {
-        const int64_t t = r / heads;
-        const float* src = x + t * token_stride + (r % heads) * dim;
-        float* dst = out + r * dim;
-        float inv = 1.f;
-        if (weight) {
-            float ss = 0.f;
+    // tasks of about 16k floats; fewer than 32k floats in all run on the caller alone
+    const int64_t chunk = std::max<int64_t>(1, 16384 / dim);
+    const int64_t tasks = (rows + chunk - 1) / chunk;
+    weir::parallel_for(tasks, rows * dim > 32768 ? num_threads : 1, [&](int64_t task) {
+        for (int64_t r = task * chunk; r < std::min(rows, (task + 1) * chunk); ++r) {
+            const int64_t t = r / heads;
+            const float* src = x + t * token_stride + (r % heads) * dim;
+            float* dst = out + r * dim;
+            float inv = 1.f;
+            if (weight) {
+                float ss = 0.f;
 #pragma omp simd reduction(+ : ss)
-            for (int64_t d = 0; d < dim; ++d) ss += src[d] * src[d];
-            inv = 1.f / std::sqrt(ss / float(dim) + eps);
-        }
-        if (!cos) {
+                for (int64_t d = 0; d < dim; ++d) ss += src[d] * src[d];
+                inv = 1.f / std::sqrt(ss / float(dim) + eps);
+            }
+            if (!cos) {
 #pragma omp simd
-            for (int64_t d = 0; d < dim; ++d) dst[d] = weight[d] * (src[d] * inv);
-            continue;
-        }
-        const float* c = cos + t * dim;
-        const float* s = sin + t * dim;
+                for (int64_t d = 0; d < dim; ++d) dst[d] = weight[d] * (src[d] * inv);
+                continue;
+            }
+            const float* c = cos + t * dim;
+            const float* s = sin + t * dim;
 #pragma omp simd
-        for (int64_t d = 0; d < half; ++d) {
-            float a = src[d] * inv, b = src[d + half] * inv;
-            if (weight) a *= weight[d], b *= weight[d + half];
-            dst[d] = a * c[d] - b * s[d];
-            dst[d + half] = b * c[d + half] + a * s[d + half];
+            for (int64_t d = 0; d < half; ++d) {
+                float a = src[d] * inv, b = src[d + half] * inv;
+                if (weight) a *= weight[d], b *= weight[d + half];
+                dst[d] = a * c[d] - b * s[d];
+                dst[d + half] = b * c[d + half] + a * s[d + half];
+            }
         }
-    }
+    });
 }
 
 }  // extern "C"
