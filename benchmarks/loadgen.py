@@ -143,6 +143,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def clean_env() -> dict[str, str]:
+    """This environment less what importing weir's gpu/ put in it (OMP_WAIT_POLICY, see
+    gpu/__init__.py): a peer's OpenMP threads must run as they would on their own, and a weir
+    server sets its own."""
+    env = dict(os.environ)
+    gpu = sys.modules.get("gpu")
+    if gpu is not None and getattr(gpu, "OMP_WAIT_POLICY_SET", False):
+        env.pop("OMP_WAIT_POLICY", None)
+    return env
+
+
 class ServerProcess:
     """A server started as a subprocess, waited on until /health answers 200."""
 
@@ -154,7 +165,7 @@ class ServerProcess:
             argv,
             stdout=self.log,
             stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            env={**clean_env(), "PYTHONUNBUFFERED": "1"},
         )
 
     def wait_ready(self, timeout: float = 300) -> None:

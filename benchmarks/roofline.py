@@ -5,10 +5,10 @@ take.
 A token costs 2 x (the weights it is multiplied by) FLOP: Q/K/V, O, gate/up and down of every
 layer and the LM head (attention's own products are left out: a few percent at these contexts,
 so the roofline is, if anything, generous to the servers). One pass of `rows` activations through
-every product of the model, each with weights of its own, is timed (the best of repeats), each
-shape on the faster of torch's MKL path and oneDNN's prepacked one (gpu/cpu_linear.py); decode
-tokens are costed at the level's batch (one row per stream), prompt tokens at a 512-row prefill
-chunk.
+every product of the model, each with weights of its own, is timed (the best of repeats) on
+torch's MKL path, on oneDNN's prepacked one (gpu/cpu_linear.py) and on weir's own kernel
+(gpu/cpu_gemm.py), each in a process of its own, and the fastest kept; decode tokens are costed
+at the level's batch (one row per stream), prompt tokens at a 512-row prefill chunk.
 
     python -m benchmarks.roofline --model llama-6layer --rows 1,16,64,512
 """
@@ -18,6 +18,9 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -51,37 +54,58 @@ def _best_seconds(fn, min_time: float = 0.2) -> float:
     return best
 
 
-def rate(model_dir: str, rows: int) -> float:
+WAYS = ("mkl", "onednn", "weir")
+
+
+def rate(model_dir: str, rows: int, way: str = "mkl") -> float:
     """FLOP/s of one pass of `rows` rows through all the model's products, each with its own
-    weights (so the pass reads them from wherever they live, as a forward does), each product
-    the faster of MKL and oneDNN packed (chosen per shape), every core in use."""
+    weights (so the pass reads them from wherever they live, as a forward does), on one
+    implementation: torch's MKL path, oneDNN prepacked (gpu/cpu_linear.py) or weir's kernel
+    (gpu/cpu_gemm.py); every core in use."""
     import torch
     import torch.nn.functional as F
 
-    from gpu import cpu_linear
+    from gpu import cpu_gemm, cpu_linear
 
     torch.manual_seed(0)
-    ops, best = [], {}
+    ops = []
     with torch.inference_mode():
         for out_f, in_f in weight_shapes(model_dir):
             w = torch.randn(out_f, in_f) * 0.02
             x = torch.randn(rows, in_f)
-            plain = functools.partial(F.linear, x, w)
-            if not cpu_linear.usable(torch.float32):
-                ops.append(plain)
-                continue
             linear = torch.nn.Linear(in_f, out_f, bias=False)
             linear.weight.data.copy_(w)
-            packed = functools.partial(cpu_linear.PackedLinear(linear), x)
-            if (out_f, in_f) not in best:
-                best[(out_f, in_f)] = _best_seconds(plain) <= _best_seconds(packed)
-            ops.append(plain if best[(out_f, in_f)] else packed)
+            if way == "mkl":
+                ops.append(functools.partial(F.linear, x, w))
+            elif way == "onednn":
+                ops.append(functools.partial(cpu_linear.PackedLinear(linear), x))
+            else:
+                ops.append(functools.partial(cpu_gemm.GemmLinear(linear), x))
 
         def one_pass() -> None:
             for op in ops:
                 op()
 
         return flops_per_token(model_dir) * rows / _best_seconds(one_pass, 0.5)
+
+
+def rates(model_dir: str, rows: list[int]) -> dict[int, float]:
+    """{rows: FLOP/s}, the fastest implementation at each, each timed in a fresh process as it
+    runs best: MKL and oneDNN with libgomp's threads spinning (OMP_WAIT_POLICY=ACTIVE), weir's
+    pool with torch's team passive (a spinning team takes the core the pool needs)."""
+    best: dict[int, float] = {}
+    for way in WAYS:
+        policy = "PASSIVE" if way == "weir" else "ACTIVE"
+        env = {**os.environ, "OMP_WAIT_POLICY": policy}
+        argv = [sys.executable, "-m", "benchmarks.roofline", "--model", model_dir, "--json"]
+        argv += ["--rows", ",".join(map(str, rows)), "--way", way]
+        try:
+            done = subprocess.run(argv, capture_output=True, text=True, check=True, env=env)
+        except subprocess.CalledProcessError:
+            continue  # oneDNN or the compiler missing here
+        for r, g in json.loads(done.stdout.splitlines()[-1]).items():
+            best[int(r)] = max(best.get(int(r), 0.0), g)
+    return best
 
 
 def fraction(
@@ -101,11 +125,18 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="llama-6layer")
     ap.add_argument("--rows", default="1,16,64,512")
+    ap.add_argument("--json", action="store_true", help="one line: {rows: FLOP/s}")
+    ap.add_argument("--way", choices=WAYS, help="one implementation, in this process")
     args = ap.parse_args()
     model = bench_model(args.model)
+    rows = [int(x) for x in args.rows.split(",")]
+    if args.json:
+        print(json.dumps({r: rate(model, r, args.way) for r in rows}))
+        return
     print(f"{flops_per_token(model) / 1e6:.1f} MFLOP a token")
-    for r in [int(x) for x in args.rows.split(",")]:
-        g = rate(model, r)
+    measured = rates(model, rows)
+    for r in rows:
+        g = measured[r]
         per_token = flops_per_token(model) * r / g
         print(f"rows {r:4d}: {g / 1e9:6.1f} GFLOP/s, {per_token * 1e3:6.3f} ms a pass")
 

@@ -206,7 +206,7 @@ def main() -> None:
         for label, runs in rounds.items()
     }
     # The roofline, timed now that no server runs: the least time each level's products take.
-    rates = {r: roofline.rate(model, r) for r in {*levels, roofline.PREFILL_ROWS}}
+    rates = roofline.rates(model, sorted({*levels, roofline.PREFILL_ROWS}))
     for per_level in results.values():
         for c, s in per_level.items():
             if s.get("prompt_tokens") is not None:

@@ -8,5 +8,9 @@ import os
 # need next (6-layer Llama, 64 rows on 2 cores: a decode step 25-27 ms spinning, 21-23.5 ms
 # passive). libgomp reads this when torch loads it, so it is set before gpu/ imports torch; an
 # explicit setting wins, and the oneDNN path (WEIR_CPU_MATMUL=onednn) keeps libgomp's default.
-if os.environ.get("WEIR_CPU_MATMUL", "weir") != "onednn":
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Child processes inherit it: OMP_WAIT_POLICY_SET says it was weir's doing (benchmarks/ take it
+# out again for the peers they start).
+OMP_WAIT_POLICY_SET = False
+if os.environ.get("WEIR_CPU_MATMUL", "weir") != "onednn" and "OMP_WAIT_POLICY" not in os.environ:
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    OMP_WAIT_POLICY_SET = True
