@@ -109,7 +109,11 @@ def rates(model_dir: str, rows: list[int]) -> dict[int, float]:
 
 
 def fraction(
-    model_dir: str, prompt_tokens: int, output_tokens: int, wall_s: float, rates: dict[int, float],
+    model_dir: str,
+    prompt_tokens: int,
+    output_tokens: int,
+    wall_s: float,
+    rates: dict[int, float],
     rows: int,
 ) -> dict:
     """The least time the load's products take at the measured rates, and the part of `wall_s`

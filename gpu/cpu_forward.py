@@ -28,8 +28,17 @@ class _Layer(ctypes.Structure):
     _fields_ = [
         (name, _p)
         for name in (
-            "input_norm", "post_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o", "gate_up",
-            "down", "k_cache", "v_cache",
+            "input_norm",
+            "post_norm",
+            "qkv",
+            "qkv_bias",
+            "q_norm",
+            "k_norm",
+            "o",
+            "gate_up",
+            "down",
+            "k_cache",
+            "v_cache",
         )
     ]
 

@@ -27,7 +27,11 @@ def _pack(first: torch.Tensor, second: torch.Tensor | None, lib) -> torch.Tensor
     second = None if second is None else second.detach().float().contiguous()
     packed = torch.empty(lib.weir_gemm_packed_size(n, k, gated), dtype=torch.float32)
     lib.weir_gemm_pack(
-        first.data_ptr(), None if second is None else second.data_ptr(), n, k, gated,
+        first.data_ptr(),
+        None if second is None else second.data_ptr(),
+        n,
+        k,
+        gated,
         packed.data_ptr(),
     )
     return packed
@@ -43,11 +47,19 @@ def _gemm(lib, x, packed, n, gated, bias, residual, out) -> None:
     if m == 0:
         return
     lib.weir_gemm(
-        x.data_ptr(), m, k, x.stride(0), packed.data_ptr(), n, gated,
+        x.data_ptr(),
+        m,
+        k,
+        x.stride(0),
+        packed.data_ptr(),
+        n,
+        gated,
         None if bias is None else bias.data_ptr(),
         None if residual is None else residual.data_ptr(),
         0 if residual is None else residual.stride(0),
-        out.data_ptr(), out.stride(0), torch.get_num_threads(),
+        out.data_ptr(),
+        out.stride(0),
+        torch.get_num_threads(),
     )
 
 

@@ -123,6 +123,17 @@ def test_fused_projections_match_transformers(arch, model_dir, monkeypatch):
     assert got == reference(arch, path, prompts)
 
 
+def assert_products_and_greedy(arch, path, loaded, layer) -> None:
+    """A layer's down product equals the checkpoint's weight product; greedy == transformers."""
+    x = torch.randn(5, layer.mlp.down_proj.in_features)
+    torch.testing.assert_close(
+        layer.mlp.down_proj(x), model_weight_product(path, x), atol=1e-4, rtol=1e-4
+    )
+    prompts = [loaded.tokenizer.encode(p) for p in PROMPTS]
+    got, _ = run_all(loaded.core, prompts)
+    assert got == reference(arch, path, prompts)
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_cpu_linears_on_weirs_kernel_match_transformers(arch, model_dir):
     """The default CPU float32 path: Q/K/V fused at load, every product on weir's own packed
@@ -138,13 +149,7 @@ def test_cpu_linears_on_weirs_kernel_match_transformers(arch, model_dir):
     assert isinstance(layer.mlp, GemmGatedMLP)
     if not model.spec.tie_word_embeddings:
         assert isinstance(model.lm_head, GemmLinear)
-    x = torch.randn(5, layer.mlp.down_proj.in_features)
-    torch.testing.assert_close(
-        layer.mlp.down_proj(x), model_weight_product(path, x), atol=1e-4, rtol=1e-4
-    )
-    prompts = [loaded.tokenizer.encode(p) for p in PROMPTS]
-    got, _ = run_all(loaded.core, prompts)
-    assert got == reference(arch, path, prompts)
+    assert_products_and_greedy(arch, path, loaded, layer)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -168,13 +173,7 @@ def test_cpu_linears_prepacked_match_transformers(arch, model_dir, monkeypatch):
         assert isinstance(linear, PackedLinear)
     if not model.spec.tie_word_embeddings:  # llama's tiny model: an untied head, packed too
         assert isinstance(model.lm_head, PackedLinear)
-    x = torch.randn(5, layer.mlp.down_proj.in_features)
-    torch.testing.assert_close(
-        layer.mlp.down_proj(x), model_weight_product(path, x), atol=1e-4, rtol=1e-4
-    )
-    prompts = [loaded.tokenizer.encode(p) for p in PROMPTS]
-    got, _ = run_all(loaded.core, prompts)
-    assert got == reference(arch, path, prompts)
+    assert_products_and_greedy(arch, path, loaded, layer)
 
 
 @pytest.mark.parametrize("act", ["silu", "gelu", "gelu_pytorch_tanh"])

@@ -31,7 +31,9 @@ def load_both(path, monkeypatch, **pool):
 
 
 # Mistral with a sliding window of 8 under the prompts above: the window applies in the kernel.
-@pytest.mark.parametrize("arch,extra", [*((a, {}) for a in ARCHS), ("mistral", {"sliding_window": 8})])
+@pytest.mark.parametrize(
+    "arch,extra", [*((a, {}) for a in ARCHS), ("mistral", {"sliding_window": 8})]
+)
 def test_one_call_forward_is_bitwise_the_module_path(arch, extra, model_dir, monkeypatch):
     """Both engines get the same requests on a pool so tight that prompts are chunked and
     requests preempted (mixed prefill and decode steps, padding-free slot writes); after every
