@@ -73,6 +73,13 @@ struct Args {
     int64_t num_threads;
 };
 
+// exp's argument is kept above -80 (e^-80 = 1.8e-35: next to a softmax sum of at least 1 it
+// is lost in float32 either way). Below about -87 the result is subnormal, and glibc's vector
+// exp (libmvec, what -ffast-math vectorizes std::exp to) then recomputes all 16 lanes with the
+// scalar exp: peaked attention rows, common in a real forward, made the decode kernel 3-5x
+// slower in the engine than on random data.
+constexpr float kExpFloor = -80.f;
+
 // Query rows per work item: rows of one tile share each K/V row read while it is in cache.
 constexpr int64_t kRowTile = 16;
 // Slots per chunk: a chunk's K (or V) rows, all KV heads, stay in L1 while every query of the
@@ -294,7 +301,7 @@ void run_item(const Args& a, int64_t seq, int64_t row0, int64_t row1, std::vecto
         for (int64_t t = lo_min; t < lo; ++t) s[t] = 0.f;
 #pragma omp simd reduction(+ : sum)
         for (int64_t t = lo; t < hi; ++t) {
-            s[t] = std::exp(s[t] - m);
+            s[t] = std::exp(std::max(s[t] - m, kExpFloor));
             sum += s[t];
         }
         for (int64_t t = hi; t < hi_max; ++t) s[t] = 0.f;
@@ -361,7 +368,7 @@ void merge_parts(const Args& a, int64_t token, const float* acc, const float* ma
         std::fill(o.begin(), o.end(), 0.f);
         float l = 0.f;
         for (int64_t p = 0; p < parts; ++p) {
-            const float w = std::exp(max[p * H + h] - m);
+            const float w = std::exp(std::max(max[p * H + h] - m, kExpFloor));
             l += w * sum[p * H + h];
             const float* ap = acc + (p * H + h) * D;
             for (int64_t d = 0; d < D; ++d) o[d] += w * ap[d];
