@@ -184,6 +184,17 @@ class CpuForward:
         return out
 
 
+PROFILE_OPS = ("norm", "qkv", "rope", "kv write", "attention", "o", "gate/up", "down")
+
+
+def profile(enable: bool = True) -> dict[str, float]:
+    """Seconds the compiled forward spent per kind of op since the last call (while enabled),
+    and zeroed; `enable` switches the timing on or off from here on (benchmarks only)."""
+    out = (ctypes.c_double * len(PROFILE_OPS))()
+    cpu_build.load().weir_forward_profile(out, int(enable))
+    return dict(zip(PROFILE_OPS, out))
+
+
 def attach(model) -> bool:
     """Give `model` a CpuForward when all of it can run as one call; False (and why, logged)
     when not."""

@@ -67,3 +67,18 @@ def test_not_attached_where_a_layer_is_off_the_kernels(model_dir, monkeypatch):
     monkeypatch.setenv("WEIR_CPU_MATMUL", "onednn")
     loaded = load(EngineConfig(model=str(model_dir("llama")), dtype="float32", device="cpu"))
     assert loaded.core.runner.model.cpu_forward is None
+
+
+def test_the_step_breakdown_counts_every_kind_of_op(model_dir):
+    """gpu.cpu_forward.profile: seconds per op kind while on, zeroed as read, nothing when off."""
+    from gpu import cpu_forward
+
+    loaded = load(EngineConfig(model=str(model_dir("llama")), dtype="float32", device="cpu"))
+    loaded.core.add(EngineRequest("a", [5, 6, 7, 8], SamplingParams(temperature=0, max_tokens=4)))
+    cpu_forward.profile(True)
+    while loaded.core.has_work:
+        loaded.core.step()
+    spent = cpu_forward.profile(False)
+    assert set(spent) == set(cpu_forward.PROFILE_OPS)
+    assert all(spent[op] > 0 for op in ("qkv", "attention", "o", "gate/up", "down"))
+    assert sum(cpu_forward.profile(False).values()) == 0.0

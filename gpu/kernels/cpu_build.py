@@ -131,5 +131,8 @@ def load() -> ctypes.CDLL:
             fn = lib.weir_decoder_forward
             fn.argtypes = [p, p]
             fn.restype = ctypes.c_int
+            fn = lib.weir_forward_profile
+            fn.argtypes = [p, ctypes.c_int]
+            fn.restype = None
             _lib = lib
         return _lib

@@ -13,6 +13,7 @@
 //   x += g Wd^T
 // then out = rms_norm(x) with the final norm.
 
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -73,6 +74,22 @@ struct Step {
     int64_t num_threads;
 };
 
+// Seconds spent in each kind of op since the last weir_forward_profile call, kept only while
+// weir_forward_profile(nullptr, 1) has switched it on (benchmarks: the breakdown of a step).
+enum Op { kNorm, kQkv, kRope, kKv, kAttention, kOut, kGateUp, kDown, kOps };
+bool profiling = false;
+double spent[kOps] = {};
+
+struct Timer {
+    std::chrono::steady_clock::time_point t0 = std::chrono::steady_clock::now();
+    void lap(Op op) {
+        if (!profiling) return;
+        const auto t1 = std::chrono::steady_clock::now();
+        spent[op] += std::chrono::duration<double>(t1 - t0).count();
+        t0 = t1;
+    }
+};
+
 void scatter(float* cache, const float* rows, int64_t row_stride, const int64_t* slots,
              int64_t tokens, int64_t width) {
     for (int64_t t = 0; t < tokens; ++t)
@@ -97,28 +114,47 @@ int weir_decoder_forward(const Model* m, const Step* s) {
     float* o = k + T * kvw;
     float* g = o + T * qw;
     float* x = s->x;
+    Timer timer;
     for (int64_t i = 0; i < m->num_layers; ++i) {
         const Layer& L = m->layers[i];
         weir_rms_norm_rope(x, T, 1, H, H, L.input_norm, m->eps, nullptr, nullptr, h, nt);
+        timer.lap(kNorm);
         weir_gemm(h, T, H, H, L.qkv, qkvw, 0, L.qkv_bias, nullptr, 0, qkv, qkvw, nt);
+        timer.lap(kQkv);
         const float eps = L.q_norm ? m->eps : 0.f;
         weir_rms_norm_rope(qkv, T, m->heads, D, qkvw, L.q_norm, eps, s->cos, s->sin, q, nt);
         weir_rms_norm_rope(qkv + qw, T, m->kv_heads, D, qkvw, L.k_norm, eps, s->cos, s->sin, k,
                            nt);
+        timer.lap(kRope);
         scatter(L.k_cache, k, kvw, s->slots, T, kvw);
         scatter(L.v_cache, qkv + qw + kvw, qkvw, s->slots, T, kvw);
+        timer.lap(kKv);
         const int rc = weir_paged_attention(q, L.k_cache, L.v_cache, o, s->block_tables,
                                             s->query_start, s->seq_lens, s->num_seqs,
                                             s->max_blocks, m->heads, m->kv_heads, D,
                                             m->block_size, m->scale, m->sliding_window, nt, 0);
         if (rc != 0) return rc;
+        timer.lap(kAttention);
         weir_gemm(o, T, qw, qw, L.o, H, 0, nullptr, x, H, x, H, nt);
+        timer.lap(kOut);
         weir_rms_norm_rope(x, T, 1, H, H, L.post_norm, m->eps, nullptr, nullptr, h, nt);
+        timer.lap(kNorm);
         weir_gemm(h, T, H, H, L.gate_up, I, int(m->act), nullptr, nullptr, 0, g, I, nt);
+        timer.lap(kGateUp);
         weir_gemm(g, T, I, I, L.down, H, 0, nullptr, x, H, x, H, nt);
+        timer.lap(kDown);
     }
     weir_rms_norm_rope(x, T, 1, H, H, m->final_norm, m->eps, nullptr, nullptr, s->out, nt);
+    timer.lap(kNorm);
     return 0;
+}
+
+// Copies the seconds per op kind (norm, qkv, rope, kv write, attention, o, gate/up, down) into
+// out (when given) and zeroes them; enable switches the timing on or off.
+void weir_forward_profile(double* out, int enable) {
+    if (out) std::memcpy(out, spent, sizeof spent);
+    std::memset(spent, 0, sizeof spent);
+    profiling = enable != 0;
 }
 
 }  // extern "C"
