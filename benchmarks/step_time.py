@@ -7,6 +7,7 @@ medians are compared with the first size (TP=1 by default), the baseline of the 
 
     python -m benchmarks.step_time --tp 1,2                    # CPU, gloo: 6-layer Llama
     python -m benchmarks.step_time --tp 1 --batch 1 --prompt-len 3500   # one long stream
+    python -m benchmarks.step_time --tp 1 --batch 1,64 --breakdown      # where a step goes
     python -m benchmarks.step_time --device cuda --model qwen3-0.6b --tp 1,2,4 \\
         --batch 1,16,64,256 --prompt-len 512                    # a multi-GPU machine, NCCL
 
@@ -28,8 +29,11 @@ from core.request import EngineRequest
 from core.sampling import SamplingParams
 
 
-def run_once(core, batch: int, prompt_len: int, steps: int, seed: int) -> tuple[float, float]:
-    """(prefill seconds, median decode step seconds) for one batch."""
+def run_once(
+    core, batch: int, prompt_len: int, steps: int, seed: int, breakdown: dict | None = None
+) -> tuple[float, float]:
+    """(prefill seconds, median decode step seconds) for one batch; with `breakdown`, the
+    compiled CPU forward's seconds per op kind over the decode steps are added into it."""
     vocab = core.runner.vocab_size
     for i in range(batch):
         ids = [(seed * 7919 + i * 131 + j * 17) % (vocab - 1) + 1 for j in range(prompt_len)]
@@ -41,10 +45,19 @@ def run_once(core, batch: int, prompt_len: int, steps: int, seed: int) -> tuple[
         started |= {o.request_id for o in core.step() if o.new_token_ids}
     prefill = time.perf_counter() - t0
     times = []
+    if breakdown is not None:
+        from gpu import cpu_forward
+
+        cpu_forward.profile(True)
     while core.has_work:
         t = time.perf_counter()
         core.step()
         times.append(time.perf_counter() - t)
+    if breakdown is not None:
+        breakdown["steps"] = breakdown.get("steps", 0) + len(times)
+        breakdown["step"] = breakdown.get("step", 0.0) + sum(times)
+        for op, seconds in cpu_forward.profile(False).items():
+            breakdown[op] = breakdown.get(op, 0.0) + seconds
     return prefill, statistics.median(times) if times else 0.0
 
 
@@ -97,6 +110,11 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--steps", type=int, default=32, help="decode steps timed per batch")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="CPU: where a decode step goes, per op kind of the compiled forward (TP=1)",
+    )
     args = ap.parse_args()
 
     from gpu.launch import load
@@ -107,6 +125,7 @@ def main() -> None:
     results: dict[int, dict[int, list[tuple[float, float]]]] = {
         tp: {b: [] for b in batches} for tp in sizes
     }
+    breakdowns: dict[int, dict] = {b: {} for b in batches}
     for r in range(args.rounds):
         for tp in sizes if r % 2 == 0 else reversed(sizes):
             config = EngineConfig(
@@ -122,7 +141,8 @@ def main() -> None:
             try:
                 run_once(core, 2, 16, 2, seed=-1)  # warm-up
                 for b in batches:
-                    results[tp][b].append(run_once(core, b, args.prompt_len, args.steps, r))
+                    into = breakdowns[b] if args.breakdown and tp == 1 else None
+                    results[tp][b].append(run_once(core, b, args.prompt_len, args.steps, r, into))
             finally:
                 core.close()
 
@@ -148,9 +168,27 @@ def main() -> None:
     for tp, by_batch in collectives.items():
         for b, sec in by_batch.items():
             print(f"gloo all-reduce of [{b}, hidden] among {tp} processes: {sec * 1e6:.0f} us")
+    per_step = {}
+    if args.breakdown:
+        print("\nDecode step breakdown (TP=1), ms a step: the compiled forward's ops, and the rest")
+        for b, d in breakdowns.items():
+            n = d.pop("steps", 0)
+            if not n:
+                continue
+            step = d.pop("step")
+            per_step[b] = {op: sec / n * 1e3 for op, sec in d.items()}
+            per_step[b]["rest of the step"] = (step - sum(d.values())) / n * 1e3
+            parts = ", ".join(f"{op} {ms:.2f}" for op, ms in per_step[b].items())
+            print(f"batch {b}: step {step / n * 1e3:.2f} = {parts}")
     save(
         "step_time",
-        {"machine": machine(), "args": vars(args), "rows": rows, "all_reduce_s": collectives},
+        {
+            "machine": machine(),
+            "args": vars(args),
+            "rows": rows,
+            "all_reduce_s": collectives,
+            "breakdown_ms": per_step,
+        },
     )
 
 
