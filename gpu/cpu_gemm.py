@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from gpu.cpu_linear import gated_parts  # what counts as a gated MLP, as on the oneDNN path
 from gpu.kernels import cpu_build
 
 
@@ -126,9 +127,8 @@ def use_gemm(module: nn.Module) -> int:
     GemmGatedMLP; returns how many weights were packed."""
     count = 0
     for name, child in list(module.named_children()):
-        parts = tuple(getattr(child, n, None) for n in ("gate_proj", "up_proj", "down_proj"))
-        gated = all(type(p) is nn.Linear for p in parts) and parts[0].bias is None
-        if gated and getattr(child, "hidden_act", None) in ACTIVATIONS and parts[1].bias is None:
+        parts = gated_parts(child)
+        if parts is not None:
             setattr(module, name, GemmGatedMLP(*parts, child.hidden_act))
             count += 3
         elif type(child) is nn.Linear:

@@ -104,7 +104,7 @@ def pack_linears(module: nn.Module, min_elements: int = MIN_ELEMENTS) -> int:
     how many linears were packed."""
     count = 0
     for name, child in list(module.named_children()):
-        parts = _gated_parts(child)
+        parts = gated_parts(child)
         if parts is not None and all(p.weight.numel() >= min_elements for p in parts):
             setattr(module, name, PackedGatedMLP(*parts, child.hidden_act))
             count += 3
@@ -117,7 +117,7 @@ def pack_linears(module: nn.Module, min_elements: int = MIN_ELEMENTS) -> int:
     return count
 
 
-def _gated_parts(module: nn.Module) -> tuple[nn.Linear, nn.Linear, nn.Linear] | None:
+def gated_parts(module: nn.Module) -> tuple[nn.Linear, nn.Linear, nn.Linear] | None:
     """A gated MLP's gate, up and down linears (unfused, bias-free, activation oneDNN has)."""
     parts = tuple(getattr(module, n, None) for n in ("gate_proj", "up_proj", "down_proj"))
     if getattr(module, "hidden_act", None) not in POST_OPS:

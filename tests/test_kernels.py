@@ -9,7 +9,7 @@ import torch
 from gpu.attention.backend import AttentionMetadata
 from gpu.attention.torch_ref import TorchAttention
 from gpu.attention.triton_backend import TritonAttention
-from gpu.kernels.paged_attention import decode_attention, num_splits_for
+from gpu.kernels.decode_attention import decode_attention, num_splits_for
 from gpu.kernels.store_kv import store_kv
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

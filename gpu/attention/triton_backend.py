@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from gpu.attention.backend import AttentionMetadata
-from gpu.kernels.paged_attention import decode_attention, prefill_attention
+from gpu.kernels.decode_attention import decode_attention
+from gpu.kernels.prefill_attention import prefill_attention
 from gpu.kernels.store_kv import store_kv
 
 

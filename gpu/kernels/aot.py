@@ -48,7 +48,8 @@ def compile_case(kind: str, dtype: str, head_dim: int, extra: dict, arch: int) -
     import triton
     from triton.backends.compiler import GPUTarget
 
-    from gpu.kernels import paged_attention as pa
+    from gpu.kernels import decode_attention as da
+    from gpu.kernels import prefill_attention as pa
     from gpu.kernels import store_kv as sk
 
     p = f"*{dtype}"
@@ -79,7 +80,7 @@ def compile_case(kind: str, dtype: str, head_dim: int, extra: dict, arch: int) -
             UPCAST=False,
         )
     elif kind == "decode":
-        fn = pa._decode_kernel
+        fn = da._decode_kernel
         ptrs = dict(
             out_ptr=p,
             part_out_ptr="*fp32",
@@ -101,7 +102,7 @@ def compile_case(kind: str, dtype: str, head_dim: int, extra: dict, arch: int) -
             UPCAST=False,
         )
     else:
-        fn = pa._reduce_kernel
+        fn = da._reduce_kernel
         ptrs = dict(
             out_ptr=p,
             part_out_ptr="*fp32",
