@@ -95,23 +95,28 @@ class ModelRunner:
     def prepare_sampling(self, out: SchedulerOutput, grammar=None) -> SamplingMetadata:
         requests = [s.request for s in out.seqs if s.sample]
         params = [r.sampling_params for r in requests]
-        top_ks = [p.top_k if p.top_k > 0 else 0 for p in params]
-        m = SamplingMetadata(
-            temperature=self._tensor([p.temperature for p in params], torch.float32),
-            top_k=self._tensor(top_ks, torch.int64),
-            top_p=self._tensor([p.top_p for p in params], torch.float32),
-            min_p=self._tensor([p.min_p for p in params], torch.float32),
-            all_greedy=all(p.greedy for p in params),
-            need_top_k=any(k > 0 for k in top_ks),
-            need_top_p=any(p.top_p < 1.0 for p in params),
-            need_min_p=any(p.min_p > 0.0 for p in params),
-            seeded=[
-                (i, self._generator(r))
-                for i, r in enumerate(requests)
-                if r.sampling_params.seed is not None and not r.sampling_params.greedy
-            ],
-            grammar=grammar,
-        )
+        asked = [p.logprobs for p in params if p.logprobs is not None]
+        all_greedy = all(p.greedy for p in params)
+        if all_greedy and not asked:  # the argmax alone: no per-row tensors to build
+            m = SamplingMetadata(all_greedy=True, grammar=grammar)
+        else:
+            top_ks = [p.top_k if p.top_k > 0 else 0 for p in params]
+            m = SamplingMetadata(
+                temperature=self._tensor([p.temperature for p in params], torch.float32),
+                top_k=self._tensor(top_ks, torch.int64),
+                top_p=self._tensor([p.top_p for p in params], torch.float32),
+                min_p=self._tensor([p.min_p for p in params], torch.float32),
+                all_greedy=all_greedy,
+                need_top_k=any(k > 0 for k in top_ks),
+                need_top_p=any(p.top_p < 1.0 for p in params),
+                need_min_p=any(p.min_p > 0.0 for p in params),
+                seeded=[
+                    (i, self._generator(r))
+                    for i, r in enumerate(requests)
+                    if r.sampling_params.seed is not None and not r.sampling_params.greedy
+                ],
+                grammar=grammar,
+            )
         bias_rows, bias_tokens, bias_values, ban_rows, ban_tokens = [], [], [], [], []
         for i, (r, p) in enumerate(zip(requests, params)):
             for token, value in p.logit_bias.items():
@@ -134,7 +139,6 @@ class ModelRunner:
             m.ban = (self._tensor(ban_rows, torch.int64), self._tensor(ban_tokens, torch.int64))
         if any(p.needs_penalties for p in params):
             self._penalties(m, requests, params)
-        asked = [p.logprobs for p in params if p.logprobs is not None]
         m.max_logprobs = max(asked) if asked else None
         return m
 
@@ -232,7 +236,9 @@ class ModelRunner:
             pooled = pool(out, hidden)
         if logits_rows.numel() == 0:
             return StepResult([], [], prompt_lp, pooled)
-        logits = self.model.compute_logits(hidden[logits_rows])
+        # Every row sampled (a step of decodes): the rows are 0..n-1, no gather needed.
+        last = hidden if logits_rows.numel() == hidden.shape[0] else hidden[logits_rows]
+        logits = self.model.compute_logits(last)
         self.last_logits = logits
         if not self.samples:
             return StepResult([], [])

@@ -19,11 +19,13 @@ from gpu import grammar_mask
 class SamplingMetadata:
     """Per-step sampling inputs, one row per sampled sequence (built by the model runner)."""
 
-    temperature: torch.Tensor  # [n] float32
-    top_k: torch.Tensor  # [n] int64, 0 = off
-    top_p: torch.Tensor  # [n] float32
-    min_p: torch.Tensor  # [n] float32
     all_greedy: bool
+    # None when every row is greedy and nobody asked for log-probs: only the argmax is taken,
+    # and neither temperature nor the filters move it (the most likely token always stays).
+    temperature: torch.Tensor | None = None  # [n] float32
+    top_k: torch.Tensor | None = None  # [n] int64, 0 = off
+    top_p: torch.Tensor | None = None  # [n] float32
+    min_p: torch.Tensor | None = None  # [n] float32
     need_top_k: bool = False
     need_top_p: bool = False
     need_min_p: bool = False
@@ -103,6 +105,37 @@ def filter_logits(
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
+_cpu_argmax = None  # gpu/kernels/cpu_sample.cpp's weir_argmax, once loaded; False: unavailable
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """torch.argmax over the last dimension (the first of equal maxima, NaN above all). On CPU
+    float32 rows through the compiled kernel: torch's wakes its OpenMP team for a 64-row step's
+    logits and took 0.14-0.5 ms of it."""
+    global _cpu_argmax
+    if logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.dim() != 2:
+        return logits.argmax(dim=-1)
+    if _cpu_argmax is None:
+        from gpu.kernels import cpu_build
+
+        try:
+            _cpu_argmax = cpu_build.load().weir_argmax
+        except cpu_build.BuildError:
+            _cpu_argmax = False
+    if not _cpu_argmax or logits.shape[1] == 0 or logits.stride(1) != 1:
+        return logits.argmax(dim=-1)
+    out = torch.empty(logits.shape[0], dtype=torch.int64)
+    _cpu_argmax(
+        logits.data_ptr(),
+        logits.shape[0],
+        logits.shape[1],
+        logits.stride(0),
+        out.data_ptr(),
+        torch.get_num_threads(),
+    )
+    return out
+
+
 class Sampler:
     def __init__(self, seed: int, device: torch.device) -> None:
         self.generator = torch.Generator(device=device)
@@ -148,14 +181,14 @@ class Sampler:
             logits = apply_penalties(
                 logits, m.output_counts, m.prompt_mask, m.presence, m.frequency, m.repetition
             )
-        greedy = m.temperature < 1e-5
         if not m.all_greedy:
+            greedy = m.temperature < 1e-5
             logits = logits / torch.where(greedy, 1.0, m.temperature)[:, None]
         if m.need_top_k or m.need_top_p or m.need_min_p:
             logits = filter_logits(
                 logits, m.top_k, m.top_p, m.min_p, m.need_top_k, m.need_top_p, m.need_min_p
             )
-        ids = logits.argmax(dim=-1)
+        ids = argmax(logits)
         if not m.all_greedy:
             ids = torch.where(greedy, ids, self._draw(logits.softmax(dim=-1), m.seeded))
         out = SamplerOutput(token_ids=ids)

@@ -75,3 +75,21 @@ def test_a_model_whose_kernel_cannot_build_keeps_torch_ops(monkeypatch):
     monkeypatch.setattr(cpu_build, "load", fail)
     norm = RMSNorm(8, 1e-6)
     assert use_kernels(norm) is False and norm.kernel is None
+
+
+@pytest.mark.parametrize("head_dim", [64, 72, 128])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_table_rows_are_bitwise_the_per_step_arithmetic(head_dim, dtype):
+    from types import SimpleNamespace
+
+    from gpu.models.rope import Rope
+
+    rope = Rope(SimpleNamespace(rope_theta=500000.0), head_dim, torch.device("cpu"))
+    for positions in (
+        torch.tensor([5]),
+        torch.arange(700),
+        torch.randint(0, 5000, (64,)),
+        torch.tensor([4095, 4096, 9000]),  # the table grows past its first size
+    ):
+        got, want = rope.cos_sin(positions, dtype), rope._compute(positions, dtype)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

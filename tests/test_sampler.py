@@ -144,3 +144,25 @@ def test_stop_strings_across_boundaries_and_hold_back():
     tail = StopStrings(["zzz"], include_in_output=False)
     text, _ = tail.feed("abz")
     assert text + tail.flush() == "abz"  # the request ended another way: release the tail
+
+
+def test_cpu_argmax_is_torchs_on_ties_nans_infs_and_views():
+    from gpu.sampler import argmax
+
+    torch.manual_seed(0)
+    x = torch.randn(70, 1876)
+    x[1, 5] = x[1, 900] = 50.0  # a tie: the first wins
+    x[2] = float("-inf")
+    x[3, 7] = float("nan")
+    x[3, 3] = float("nan")  # the first NaN wins over any number
+    x[4, 10] = float("inf")
+    x[5] = 0.0
+    x[5, 11] = -0.0
+    for logits in (x, x[:, :1000], x[:1], x[::2]):
+        assert torch.equal(argmax(logits), logits.argmax(dim=-1))
+
+
+def test_all_greedy_rows_need_no_sampling_tensors():
+    logits = torch.randn(4, 50)
+    m = SamplingMetadata(all_greedy=True)
+    assert torch.equal(Sampler(0, torch.device("cpu"))(logits, m).token_ids, logits.argmax(-1))

@@ -1,5 +1,6 @@
 """Build and load the CPU kernels (cpu_attention.cpp, cpu_norm_rope.cpp, cpu_mask.cpp,
-cpu_gemm.cpp, cpu_forward.cpp, on the thread pool of cpu_pool.cpp) with the host's C++ compiler.
+cpu_gemm.cpp, cpu_forward.cpp, cpu_sample.cpp, on the thread pool of cpu_pool.cpp) with the
+host's C++ compiler.
 
 The sources have a plain C ABI and no torch headers, so they compile in about a second. They are
 built once per source, compiler and CPU into one library in weir's cache ($WEIR_CACHE, default
@@ -27,6 +28,7 @@ SOURCES = [
         "cpu_mask.cpp",
         "cpu_gemm.cpp",
         "cpu_forward.cpp",
+        "cpu_sample.cpp",
     )
 ]
 HEADERS = [Path(__file__).with_name("cpu_pool.h")]
@@ -131,6 +133,9 @@ def load() -> ctypes.CDLL:
             fn = lib.weir_decoder_forward
             fn.argtypes = [p, p]
             fn.restype = ctypes.c_int
+            fn = lib.weir_argmax
+            fn.argtypes = [p, i64, i64, i64, p, i64]
+            fn.restype = None
             fn = lib.weir_forward_profile
             fn.argtypes = [p, ctypes.c_int]
             fn.restype = None

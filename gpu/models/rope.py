@@ -36,12 +36,28 @@ class Rope:
             inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, device)
         self.inv_freq = inv_freq.float().to(device)
         self.scaling = float(scaling)
+        # On CPU, cos/sin of positions [0, n) per dtype, grown on demand: a step's rows are
+        # looked up instead of computed (six torch ops a step, 40 us at 64 rows, down to two).
+        # The table's rows are bitwise what the same arithmetic gives per step (tested).
+        self._tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):
+    def _compute(self, positions: torch.Tensor, dtype: torch.dtype):
         # Same arithmetic as transformers (float32 angles, then cast) so logits match closely.
         freqs = positions[:, None].float() * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):
+        """cos and sin [tokens, head_dim] for `positions` [tokens]."""
+        if positions.device.type != "cpu" or positions.numel() == 0:
+            return self._compute(positions, dtype)  # on a GPU inside CUDA graphs: no host sync
+        table = self._tables.get(dtype)
+        top = int(positions.max())
+        if table is None or top >= table[0].shape[0]:
+            size = max(1024, 1 << top.bit_length())
+            table = self._compute(torch.arange(size, device=positions.device), dtype)
+            self._tables[dtype] = table
+        return table[0].index_select(0, positions), table[1].index_select(0, positions)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
