@@ -77,12 +77,9 @@ class ModelRunner:
             if s.sample:
                 logits_rows.append(len(input_ids) - 1)
         meta = AttentionMetadata.build(slots, tables, query_lens, seq_lens, self._tensor)
-        return (
-            self._tensor(input_ids, torch.int64),
-            self._tensor(positions, torch.int64),
-            meta,
-            self._tensor(logits_rows, torch.int64),
-        )
+        n = len(input_ids)
+        longs = self._tensor(input_ids + positions + logits_rows, torch.int64)  # one tensor
+        return longs[:n], longs[n : 2 * n], meta, longs[2 * n :]
 
     def _generator(self, request) -> torch.Generator:
         """A request's own generator, made from its seed on first use and kept on the request."""
