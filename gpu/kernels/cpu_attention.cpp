@@ -8,6 +8,8 @@
 // (GQA) and every query row of the work item while it is in L1, four keys per pass over each
 // query or accumulator row, and the next block is prefetched (block tables scatter blocks).
 //
+// The element conversions and the AVX-512 inner loops are in cpu_attention_simd.h.
+//
 // Plain C ABI with raw pointers (no torch headers): compiled in about a second by gpu/kernels/
 // cpu_build.py with the host's g++ and -march=native, called through ctypes, which releases the
 // GIL for the call. Work items are (sequence, tile of query rows), spread over weir's pool
@@ -24,35 +26,11 @@
 #include <cstring>
 #include <type_traits>
 #include <vector>
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
 
+#include "cpu_attention_simd.h"
 #include "cpu_pool.h"
 
 namespace {
-
-inline float to_f32(float x) { return x; }
-inline float to_f32(uint16_t bf16) {  // bfloat16 bits
-    uint32_t u = uint32_t(bf16) << 16;
-    float f;
-    std::memcpy(&f, &u, 4);
-    return f;
-}
-inline float to_f32(_Float16 h) { return float(h); }
-
-inline void store(float* p, float x) { *p = x; }
-inline void store(uint16_t* p, float x) {  // round to nearest even, as torch does
-    uint32_t u;
-    std::memcpy(&u, &x, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) {
-        *p = uint16_t((u >> 16) | 0x40);  // NaN stays NaN
-        return;
-    }
-    u += 0x7fffu + ((u >> 16) & 1u);
-    *p = uint16_t(u >> 16);
-}
-inline void store(_Float16* p, float x) { *p = _Float16(x); }
 
 struct Args {
     const void* query;
@@ -115,87 +93,6 @@ inline void for_each_chunk(const T* cache, const int32_t* table, int64_t bs, int
     }
 }
 
-#ifdef __AVX512F__
-// AVX-512 inner loops for head sizes that are a multiple of 16 (one zmm holds 16 floats).
-// Scores: one query against up to 16 keys as 16 vertical accumulators, then one transposed
-// reduction tree (45 shuffles and adds) gives the 16 dot products in order, instead of a
-// horizontal reduction per key (about 8 operations each). Weighted sum: 16 accumulator
-// registers held over a whole chunk, each value row loaded once for a group of queries. A decode
-// layer of 64 sequences x 180 keys (8 heads of 64, 2 KV heads, cache in L3) on a 2-core Zen 5:
-// 364 -> 316 us on 1 thread, 194 -> 157 us on 2, over the portable loops below.
-inline __m512 reduce16(__m512 a[16]) {
-    __m512 b[8], c[4];
-    for (int i = 0; i < 8; ++i)
-        b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
-                             _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
-    for (int i = 0; i < 4; ++i) {
-        const __m512d x = _mm512_castps_pd(b[2 * i]), y = _mm512_castps_pd(b[2 * i + 1]);
-        c[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
-                             _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
-    }
-    // c[k] holds, in each 128-bit lane l, the lane-l partial sums of keys 4k..4k+3.
-    const __m512 e01 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(1, 0, 1, 0)),
-                                     _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 2, 3, 2)));
-    const __m512 e23 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], _MM_SHUFFLE(1, 0, 1, 0)),
-                                     _mm512_shuffle_f32x4(c[2], c[3], _MM_SHUFFLE(3, 2, 3, 2)));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(e01, e23, _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_f32x4(e01, e23, _MM_SHUFFLE(3, 1, 3, 1)));
-}
-
-// st[j] = q . k_j for the n <= 16 keys k_j = k + j * slot.
-template <int64_t D>
-inline void scores16(const float* __restrict q, const float* k, int64_t slot, int64_t n,
-                     float* st) {
-    constexpr int C = D / 16;
-    __m512 qv[C], acc[16];
-    for (int c = 0; c < C; ++c) qv[c] = _mm512_loadu_ps(q + 16 * c);
-    for (int j = 0; j < 16; ++j) {
-        if (j < n) {
-            const float* kj = k + j * slot;
-            __m512 s = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kj));
-            for (int c = 1; c < C; ++c) s = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kj + 16 * c), s);
-            acc[j] = s;
-        } else {
-            acc[j] = _mm512_setzero_ps();
-        }
-    }
-    _mm512_mask_storeu_ps(st, __mmask16((1u << n) - 1u), reduce16(acc));
-}
-
-// acc_i += sum_j p_i[j] v_j for the nq queries i of one KV head and the n keys v_j = v + j * slot,
-// p_i = p + i * pstride; 16 accumulator registers at a time, each value row loaded once per
-// group of queries.
-template <int64_t D>
-inline void wsum16(const float* v, int64_t slot, int64_t n, const float* p, int64_t pstride,
-                   float* acc, int64_t nq) {
-    constexpr int C = D / 16;
-    constexpr int QG = C >= 16 ? 1 : 16 / C;  // queries per group: 16 accumulators
-    for (int64_t i0 = 0; i0 < nq; i0 += QG) {
-        const int qg = int(std::min<int64_t>(QG, nq - i0));
-        __m512 a[QG][C];
-        for (int i = 0; i < qg; ++i)
-            for (int c = 0; c < C; ++c) a[i][c] = _mm512_loadu_ps(acc + (i0 + i) * D + 16 * c);
-        for (int64_t j = 0; j < n; ++j) {
-            const float* vj = v + j * slot;
-            __m512 vr[C];
-            for (int c = 0; c < C; ++c) vr[c] = _mm512_loadu_ps(vj + 16 * c);
-            for (int i = 0; i < qg; ++i) {
-                const __m512 pj = _mm512_set1_ps(p[(i0 + i) * pstride + j]);
-                for (int c = 0; c < C; ++c) a[i][c] = _mm512_fmadd_ps(pj, vr[c], a[i][c]);
-            }
-        }
-        for (int i = 0; i < qg; ++i)
-            for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + (i0 + i) * D + 16 * c, a[i][c]);
-    }
-}
-constexpr bool kAvx512 = true;
-#else
-constexpr bool kAvx512 = false;
-template <int64_t D>
-inline void scores16(const float*, const float*, int64_t, int64_t, float*) {}
-template <int64_t D>
-inline void wsum16(const float*, int64_t, int64_t, const float*, int64_t, float*, int64_t) {}
-#endif
 
 // DD: the head size when known at compile time (32, 64, 128, 256), else 0 and a.head_dim is used.
 // One item: query rows [row0, row1) of one sequence, all heads. K and V are read chunk by chunk

@@ -31,7 +31,7 @@ SOURCES = [
         "cpu_sample.cpp",
     )
 ]
-HEADERS = [Path(__file__).with_name("cpu_pool.h")]
+HEADERS = [Path(__file__).with_name(n) for n in ("cpu_pool.h", "cpu_attention_simd.h")]
 # -ffast-math lets g++ vectorize exp (glibc's libmvec) and reassociate the dot products; it is
 # given to the compile step only, so the link does not add crtfastmath.o, which would switch
 # denormals to zero for the whole process (torch included). The kernel never forms inf or NaN.
