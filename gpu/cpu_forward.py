@@ -69,6 +69,13 @@ class _Step(ctypes.Structure):
         ("seq_lens", _p),
         ("num_seqs", _i64),
         ("num_threads", _i64),
+        ("input_ids", _p),
+        ("embed", _p),
+        ("vocab", _i64),
+        ("positions", _p),
+        ("cos_table", _p),
+        ("sin_table", _p),
+        ("table_rows", _i64),
     ]
 
 
@@ -86,6 +93,9 @@ def unfit(model) -> str | None:
         return "tensor parallel"
     if model.model.norm.kernel is None:
         return "no norm kernel"
+    embed = model.model.embed_tokens.weight
+    if embed.dtype != torch.float32 or not embed.is_contiguous():
+        return "embeddings not float32 and contiguous"
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         if not isinstance(attn.qkv_proj, GemmLinear) or not isinstance(attn.o_proj, GemmLinear):
@@ -152,24 +162,35 @@ class CpuForward:
 
     def __call__(
         self,
-        x: torch.Tensor,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        embed: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
         kv_caches,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        """x: the embeddings [tokens, hidden] (updated in place); returns the final norm."""
+        """The final norm [tokens, hidden] of the layer stack over the embeddings of input_ids
+        (rows of embed [vocab, hidden]) at `positions`, whose rotary rows are those of the
+        cos / sin tables [rows, head_dim] (gpu/models/rope.py Rope.tables)."""
         if kv_caches is not self._caches:
             self._bind(kv_caches)
-        x = x.contiguous()
+        ids = input_ids.to(torch.int64).contiguous()
+        pos = positions.to(torch.int64).contiguous()
+        x = torch.empty(ids.shape[0], embed.shape[1])
         out = torch.empty_like(x)
         tables = meta.block_tables
         step = _Step(
             tokens=x.shape[0],
             x=x.data_ptr(),
             out=out.data_ptr(),
-            cos=cos.data_ptr(),
-            sin=sin.data_ptr(),
+            input_ids=ids.data_ptr(),
+            embed=embed.data_ptr(),
+            vocab=embed.shape[0],
+            positions=pos.data_ptr(),
+            cos_table=cos.data_ptr(),
+            sin_table=sin.data_ptr(),
+            table_rows=cos.shape[0],
             slots=meta.slot_mapping.data_ptr(),
             block_tables=tables.data_ptr(),
             max_blocks=tables.shape[1],
@@ -179,6 +200,8 @@ class CpuForward:
             num_threads=torch.get_num_threads(),
         )
         rc = self._lib.weir_decoder_forward(ctypes.addressof(self._struct), ctypes.addressof(step))
+        if rc == 2:
+            raise IndexError("token id outside the vocabulary")  # as torch.embedding says
         if rc != 0:
             raise RuntimeError(f"cpu forward failed ({rc})")
         return out

@@ -82,3 +82,29 @@ def test_the_step_breakdown_counts_every_kind_of_op(model_dir):
     assert set(spent) == set(cpu_forward.PROFILE_OPS)
     assert all(spent[op] > 0 for op in ("qkv", "attention", "o", "gate/up", "down"))
     assert sum(cpu_forward.profile(False).values()) == 0.0
+
+
+def test_a_token_or_position_outside_its_table_is_refused(model_dir):
+    """The compiled call gathers embeddings and rotary rows itself: an id past the vocabulary
+    raises IndexError, as torch.embedding does, never a read past the table."""
+    from gpu.attention.backend import AttentionMetadata
+
+    loaded = load(EngineConfig(model=str(model_dir("llama")), dtype="float32", device="cpu"))
+    runner = loaded.core.runner
+    model = runner.model
+    meta = AttentionMetadata.build([-1], [[0]], [1], [1], lambda d, t: torch.tensor(d, dtype=t))
+    embed = model.model.embed_tokens.weight
+    cos, sin = model.rope.tables(1, torch.float32)
+    ok = model.cpu_forward(
+        torch.tensor([3]), torch.tensor([0]), embed, cos, sin, runner.kv_caches, meta
+    )
+    assert ok.shape == (1, embed.shape[1]) and torch.isfinite(ok).all()
+    for ids, positions, error in (
+        ([embed.shape[0]], [0], IndexError),
+        ([-1], [0], IndexError),
+        ([3], [cos.shape[0]], RuntimeError),
+    ):
+        with pytest.raises(error):
+            model.cpu_forward(
+                torch.tensor(ids), torch.tensor(positions), embed, cos, sin, runner.kv_caches, meta
+            )

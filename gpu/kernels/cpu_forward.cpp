@@ -72,6 +72,16 @@ struct Step {
     const int32_t* seq_lens;
     int64_t num_seqs;
     int64_t num_threads;
+    // When set, x is first filled with the rows input_ids of embed [vocab, hidden], and cos /
+    // sin (then unused) are the rows positions of cos_table / sin_table [table_rows, head_dim]:
+    // a step's gathers here instead of as torch ops from Python (tens of us a step at one row).
+    const int64_t* input_ids;
+    const float* embed;
+    int64_t vocab;
+    const int64_t* positions;
+    const float* cos_table;
+    const float* sin_table;
+    int64_t table_rows;
 };
 
 // Seconds spent in each kind of op since the last weir_forward_profile call, kept only while
@@ -106,7 +116,28 @@ int weir_decoder_forward(const Model* m, const Step* s) {
     const int64_t qw = m->heads * D, kvw = m->kv_heads * D, qkvw = qw + 2 * kvw;
     const int64_t I = m->intermediate;
     if (T == 0) return 0;
-    std::unique_ptr<float[]> buf(new float[T * (H + qkvw + qw + kvw + qw + I)]);
+    std::unique_ptr<float[]> buf(new float[T * (H + qkvw + qw + kvw + qw + I + 2 * D)]);
+    const float* cos = s->cos;
+    const float* sin = s->sin;
+    if (s->input_ids) {
+        for (int64_t t = 0; t < T; ++t) {
+            const int64_t id = s->input_ids[t];
+            if (id < 0 || id >= s->vocab) return 2;  // a token id outside the vocabulary
+            std::memcpy(s->x + t * H, s->embed + id * H, sizeof(float) * H);
+        }
+    }
+    if (s->positions) {
+        float* c = buf.get() + T * (H + qkvw + qw + kvw + qw + I);
+        float* n = c + T * D;
+        for (int64_t t = 0; t < T; ++t) {
+            const int64_t p = s->positions[t];
+            if (p < 0 || p >= s->table_rows) return 3;  // past the rotary table
+            std::memcpy(c + t * D, s->cos_table + p * D, sizeof(float) * D);
+            std::memcpy(n + t * D, s->sin_table + p * D, sizeof(float) * D);
+        }
+        cos = c;
+        sin = n;
+    }
     float* h = buf.get();
     float* qkv = h + T * H;
     float* q = qkv + T * qkvw;
@@ -122,8 +153,8 @@ int weir_decoder_forward(const Model* m, const Step* s) {
         weir_gemm(h, T, H, H, L.qkv, qkvw, 0, L.qkv_bias, nullptr, 0, qkv, qkvw, nt);
         timer.lap(kQkv);
         const float eps = L.q_norm ? m->eps : 0.f;
-        weir_rms_norm_rope(qkv, T, m->heads, D, qkvw, L.q_norm, eps, s->cos, s->sin, q, nt);
-        weir_rms_norm_rope(qkv + qw, T, m->kv_heads, D, qkvw, L.k_norm, eps, s->cos, s->sin, k,
+        weir_rms_norm_rope(qkv, T, m->heads, D, qkvw, L.q_norm, eps, cos, sin, q, nt);
+        weir_rms_norm_rope(qkv + qw, T, m->kv_heads, D, qkvw, L.k_norm, eps, cos, sin, k,
                            nt);
         timer.lap(kRope);
         scatter(L.k_cache, k, kvw, s->slots, T, kvw);

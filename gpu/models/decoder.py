@@ -200,10 +200,13 @@ class DecoderForCausalLM(nn.Module):
         meta: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:
+        if self.cpu_forward is not None and self.cpu_forward.usable(kv_caches, backend):
+            # The compiled call gathers the embeddings and rotary rows itself.
+            embed = self.model.embed_tokens.weight
+            cos, sin = self.rope.tables(max(meta.seq_lens_cpu, default=0), embed.dtype)
+            return self.cpu_forward(input_ids, positions, embed, cos, sin, kv_caches, meta)
         x = self.embed(input_ids)
         cos, sin = self.rope.cos_sin(positions, x.dtype)
-        if self.cpu_forward is not None and self.cpu_forward.usable(kv_caches, backend):
-            return self.cpu_forward(x, cos, sin, kv_caches, meta)
         for layer, kv in zip(self.model.layers, kv_caches):
             x = layer(x, cos, sin, kv, meta, backend)
         return self.model.norm(x)

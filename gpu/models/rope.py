@@ -47,17 +47,21 @@ class Rope:
         emb = torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
 
+    def tables(self, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """CPU cos and sin tables [rows, head_dim] of at least positions [0, n)."""
+        table = self._tables.get(dtype)
+        if table is None or n > table[0].shape[0]:
+            size = max(1024, 1 << max(n - 1, 0).bit_length())
+            table = self._compute(torch.arange(size, device=self.inv_freq.device), dtype)
+            self._tables[dtype] = table
+        return table
+
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):
         """cos and sin [tokens, head_dim] for `positions` [tokens]."""
         if positions.device.type != "cpu" or positions.numel() == 0:
             return self._compute(positions, dtype)  # on a GPU inside CUDA graphs: no host sync
-        table = self._tables.get(dtype)
-        top = int(positions.max())
-        if table is None or top >= table[0].shape[0]:
-            size = max(1024, 1 << top.bit_length())
-            table = self._compute(torch.arange(size, device=positions.device), dtype)
-            self._tables[dtype] = table
-        return table[0].index_select(0, positions), table[1].index_select(0, positions)
+        cos, sin = self.tables(int(positions.max()) + 1, dtype)
+        return cos.index_select(0, positions), sin.index_select(0, positions)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
