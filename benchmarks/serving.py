@@ -61,7 +61,8 @@ def bench(
         s["errors"] = sum(r["errors"] for r in runs)  # every run's: none may hide
         print(
             f"  c={c}: {s['output_tok_s']:.0f} tok/s (runs {[round(x) for x in s['tok_s_runs']]}), "
-            f"TTFT p50 {s['ttft_p50_ms']} ms, errors {s['errors']}",
+            f"TTFT p50 {s['ttft_p50_ms']} ms, errors {s['errors']}, "
+            f"tokens {[r['output_tokens'] for r in runs]}",
             flush=True,
         )
     return out
