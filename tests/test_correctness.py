@@ -83,6 +83,55 @@ def test_greedy_matches_transformers(arch, pool, model_dir):
     assert core.kv.num_free_blocks == core.kv.num_blocks
 
 
+# (pool, token budget, request cap, prefix caching): chunked prompts with preemption, a budget
+# smaller than most prompts, and everything at once with few slots.
+ARRIVALS = [("tight", 48, 5, True), ("roomy", 16, 16, False), ("roomy", 2048, 3, True)]
+
+
+@pytest.mark.parametrize("seed", range(len(ARRIVALS)))
+def test_greedy_tokens_do_not_depend_on_arrival_order_or_budget(seed, model_dir):
+    """The same greedy requests added in a random order at random steps, under other token
+    budgets, request caps, pools and prefix caching on or off: each request's tokens are still
+    transformers' (a served request never knows what it was batched with)."""
+    import random
+
+    rng = random.Random(seed)
+    pool, budget, cap, caching = ARRIVALS[seed]
+    path = model_dir("llama")
+    loaded = load(
+        EngineConfig(
+            model=str(path),
+            dtype="float32",
+            check_integrity=True,
+            max_num_seqs=cap,
+            enable_prefix_caching=caching,
+            **POOLS[pool] | {"max_num_batched_tokens": budget},
+        )
+    )
+    core = loaded.core
+    prompts = [loaded.tokenizer.encode(p) for p in PROMPTS]
+    want = reference("llama", path, prompts)
+    # Two long prompts again: with prefix caching on, their second copies start from cached
+    # blocks (or share them while the first copies still run).
+    prompts, want = prompts + [prompts[4], prompts[7]], want + [want[4], want[7]]
+    order = list(range(len(prompts)))
+    rng.shuffle(order)
+    got: dict[str, list[int]] = {str(i): [] for i in order}
+    while order or core.has_work:
+        for _ in range(rng.choice([0, 0, 1, 2])):
+            if order:
+                i = order.pop()
+                p = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+                core.add(EngineRequest(str(i), prompts[i], p))
+        if core.has_work:
+            for out in core.step():
+                got[out.request_id] += out.new_token_ids
+    assert [got[str(i)] for i in range(len(prompts))] == want
+    if caching:
+        assert core.kv.num_hit_tokens > 0, "expected prefix cache hits"
+    assert core.kv.num_free_blocks == core.kv.num_blocks
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_logits_match_transformers(arch, model_dir):
     from transformers import AutoModelForCausalLM
