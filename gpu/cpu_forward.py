@@ -60,8 +60,6 @@ class _Step(ctypes.Structure):
         ("tokens", _i64),
         ("x", _p),
         ("out", _p),
-        ("cos", _p),
-        ("sin", _p),
         ("slots", _p),
         ("block_tables", _p),
         ("max_blocks", _i64),

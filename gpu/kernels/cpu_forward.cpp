@@ -61,10 +61,8 @@ struct Model {
 
 struct Step {
     int64_t tokens;
-    float* x;            // [tokens, hidden], the embeddings in, the residual stream after
+    float* x;            // [tokens, hidden] scratch: the embeddings, then the residual stream
     float* out;          // [tokens, hidden], the final norm of x
-    const float* cos;    // [tokens, head_dim]
-    const float* sin;
     const int64_t* slots;  // [tokens], -1: write nothing
     const int32_t* block_tables;
     int64_t max_blocks;
@@ -72,9 +70,9 @@ struct Step {
     const int32_t* seq_lens;
     int64_t num_seqs;
     int64_t num_threads;
-    // When set, x is first filled with the rows input_ids of embed [vocab, hidden], and cos /
-    // sin (then unused) are the rows positions of cos_table / sin_table [table_rows, head_dim]:
-    // a step's gathers here instead of as torch ops from Python (tens of us a step at one row).
+    // x starts as the rows input_ids of embed [vocab, hidden]; each token's rotary rows are
+    // the rows positions of cos_table / sin_table [table_rows, head_dim]: the step's gathers
+    // here instead of as torch ops from Python (tens of us a step at one row).
     const int64_t* input_ids;
     const float* embed;
     int64_t vocab;
@@ -117,26 +115,15 @@ int weir_decoder_forward(const Model* m, const Step* s) {
     const int64_t I = m->intermediate;
     if (T == 0) return 0;
     std::unique_ptr<float[]> buf(new float[T * (H + qkvw + qw + kvw + qw + I + 2 * D)]);
-    const float* cos = s->cos;
-    const float* sin = s->sin;
-    if (s->input_ids) {
-        for (int64_t t = 0; t < T; ++t) {
-            const int64_t id = s->input_ids[t];
-            if (id < 0 || id >= s->vocab) return 2;  // a token id outside the vocabulary
-            std::memcpy(s->x + t * H, s->embed + id * H, sizeof(float) * H);
-        }
-    }
-    if (s->positions) {
-        float* c = buf.get() + T * (H + qkvw + qw + kvw + qw + I);
-        float* n = c + T * D;
-        for (int64_t t = 0; t < T; ++t) {
-            const int64_t p = s->positions[t];
-            if (p < 0 || p >= s->table_rows) return 3;  // past the rotary table
-            std::memcpy(c + t * D, s->cos_table + p * D, sizeof(float) * D);
-            std::memcpy(n + t * D, s->sin_table + p * D, sizeof(float) * D);
-        }
-        cos = c;
-        sin = n;
+    float* cos = buf.get() + T * (H + qkvw + qw + kvw + qw + I);
+    float* sin = cos + T * D;
+    for (int64_t t = 0; t < T; ++t) {
+        const int64_t id = s->input_ids[t], p = s->positions[t];
+        if (id < 0 || id >= s->vocab) return 2;       // a token id outside the vocabulary
+        if (p < 0 || p >= s->table_rows) return 3;     // past the rotary table
+        std::memcpy(s->x + t * H, s->embed + id * H, sizeof(float) * H);
+        std::memcpy(cos + t * D, s->cos_table + p * D, sizeof(float) * D);
+        std::memcpy(sin + t * D, s->sin_table + p * D, sizeof(float) * D);
     }
     float* h = buf.get();
     float* qkv = h + T * H;
