@@ -184,7 +184,11 @@ def build_runner(
         device,
         seed=config.seed,
     )
-    if device.type == "cuda" and not config.enforce_eager:
+    if (
+        device.type == "cuda"
+        and not config.enforce_eager
+        and runner.backend.graph_safe
+    ):
         from gpu.cuda_graph import DecodeGraphs, default_capture_sizes
 
         runner.graphs = DecodeGraphs(

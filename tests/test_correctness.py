@@ -145,7 +145,7 @@ def test_logits_match_transformers(arch, model_dir):
     while core.has_work:
         for out in core.step():
             outputs += out.new_token_ids
-        ours.append(core.runner.last_logits[0].clone())
+        ours.append(core.runner.last_logits[0].float().cpu())
 
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():

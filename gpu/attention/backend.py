@@ -84,6 +84,7 @@ class AttentionMetadata:
 
 class AttentionBackend(Protocol):
     name: str
+    graph_safe: bool  # no host syncs in write_kv/forward: decode steps may be CUDA-graph captured
 
     def write_kv(
         self,

@@ -19,6 +19,7 @@ class CpuAttention(TorchAttention):
     """K/V writes as the reference does them; attention through the compiled kernel."""
 
     name = "cpu"
+    graph_safe = False
 
     def __init__(self) -> None:
         self._lib = cpu_build.load()

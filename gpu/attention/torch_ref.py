@@ -18,6 +18,9 @@ def _gather(cache: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tens
 
 class TorchAttention:
     name = "torch"
+    # Host syncs (masks of valid slots, per-sequence lengths) that a CUDA graph cannot capture:
+    # decode steps on this backend run eagerly.
+    graph_safe = False
 
     def write_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
         valid = slot_mapping >= 0

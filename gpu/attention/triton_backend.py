@@ -12,6 +12,7 @@ from gpu.kernels.store_kv import store_kv
 
 class TritonAttention:
     name = "triton"
+    graph_safe = True
 
     def write_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
         store_kv(key.contiguous(), value.contiguous(), k_cache, v_cache, slot_mapping)

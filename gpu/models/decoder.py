@@ -80,6 +80,8 @@ class Attention(nn.Module):
         self.norm_rope = None
 
     def fuse(self) -> None:
+        if self.qkv_proj is not None:  # fused already (the loader fuses on CUDA)
+            return
         self.qkv_proj = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
         del self.q_proj, self.k_proj, self.v_proj
 
@@ -123,6 +125,8 @@ class MLP(nn.Module):
         self.gate_up_proj: nn.Linear | None = None  # set by fuse()
 
     def fuse(self) -> None:
+        if self.gate_up_proj is not None:
+            return
         self.gate_up_proj = fuse_linears([self.gate_proj, self.up_proj])
         del self.gate_proj, self.up_proj
 
