@@ -65,35 +65,52 @@ class FreeList:
 
 
 class BlockPool:
+    """The KV cache's blocks: reference counts, the LRU free list and the prefix-cache index.
+
+    Blocks come into being on first use: those never handed out are the range of ids from
+    `len(self.blocks)` up, which sits at the head of the free order (a fresh block is always
+    taken before a recycled one, as a list that started with every block in id order would
+    give). A small model on a large GPU has millions of blocks; making them all up front cost
+    seconds at start-up and every full garbage collection after it."""
+
     def __init__(self, num_blocks: int) -> None:
         if num_blocks < 1:
             raise ValueError("the KV cache needs at least one block")
         self.num_blocks = num_blocks
-        self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free = FreeList(self.blocks)
+        self.blocks: list[Block] = []  # every block handed out at least once, by id
+        self.free = FreeList([])  # recycled blocks, least recently freed first
         self.cached: dict[int, Block] = {}
         self.num_evictions = 0
 
     @property
+    def num_fresh(self) -> int:
+        """Blocks never handed out yet."""
+        return self.num_blocks - len(self.blocks)
+
+    @property
     def num_free(self) -> int:
         """Blocks that can be handed out now (cached ones included: they get evicted)."""
-        return len(self.free)
+        return self.num_fresh + len(self.free)
 
     @property
     def num_in_use(self) -> int:
-        return self.num_blocks - len(self.free)
+        return len(self.blocks) - len(self.free)
 
     def take(self, n: int) -> list[Block]:
-        """Take n blocks from the head of the free list. The caller checked `num_free >= n`."""
-        if n > len(self.free):
-            raise RuntimeError(f"asked for {n} blocks with only {len(self.free)} free")
+        """Take n blocks from the head of the free order. The caller checked `num_free >= n`."""
+        if n > self.num_free:
+            raise RuntimeError(f"asked for {n} blocks with only {self.num_free} free")
         out = []
         for _ in range(n):
-            block = self.free.popleft()
-            if block.hash is not None:
-                del self.cached[block.hash]
-                block.hash, block.parent_hash, block.token_ids = None, None, ()
-                self.num_evictions += 1
+            if len(self.blocks) < self.num_blocks:
+                block = Block(len(self.blocks))
+                self.blocks.append(block)
+            else:
+                block = self.free.popleft()
+                if block.hash is not None:
+                    del self.cached[block.hash]
+                    block.hash, block.parent_hash, block.token_ids = None, None, ()
+                    self.num_evictions += 1
             block.ref_cnt = 1
             out.append(block)
         return out
@@ -135,7 +152,8 @@ class BlockPool:
         return True
 
     def check_integrity(self) -> None:
-        """free + cached-and-free + in use == total, and every structure agrees with the others."""
+        """fresh + free + cached-and-free + in use == total, and every structure agrees with the
+        others."""
         seen: set[int] = set()
         free_cached = 0
         for block in self.free:
@@ -157,9 +175,12 @@ class BlockPool:
                 )
         if sum(b.hash is not None for b in self.blocks) != len(self.cached):
             raise AssertionError("a block has a hash the cache index does not know")
+        if any(b.block_id != i for i, b in enumerate(self.blocks)):
+            raise AssertionError("the blocks handed out are not ids 0.. in order")
         free_uncached = len(seen) - free_cached
-        if free_uncached + free_cached + len(in_use) != self.num_blocks:
+        total = self.num_fresh + free_uncached + free_cached + len(in_use)
+        if total != self.num_blocks:
             raise AssertionError(
-                f"free {free_uncached} + cached-and-free {free_cached} + in use {len(in_use)} "
-                f"!= total {self.num_blocks}"
+                f"fresh {self.num_fresh} + free {free_uncached} + cached-and-free {free_cached} "
+                f"+ in use {len(in_use)} != total {self.num_blocks}"
             )

@@ -45,6 +45,22 @@ def test_pool_take_and_give_back():
         pool.give_back(a)
 
 
+def test_blocks_are_made_on_first_use_in_the_eager_free_order():
+    """A pool of a hundred million blocks (a tiny model on an 80 GB GPU has millions) costs
+    nothing up front; never-used blocks are handed out first, in id order, then recycled ones
+    least recently freed first: the order of a free list that started with every block."""
+    big = BlockPool(100_000_000)
+    assert big.num_free == 100_000_000 and big.num_in_use == 0 and len(big.blocks) == 0
+    assert [b.block_id for b in big.take(3)] == [0, 1, 2]
+    big.check_integrity()
+    pool = BlockPool(4)
+    a = pool.take(3)
+    pool.give_back([a[1]])
+    assert pool.num_free == 2 and pool.num_in_use == 2
+    assert [b.block_id for b in pool.take(2)] == [3, 1]
+    pool.check_integrity()
+
+
 def test_free_list_is_lru_and_touch_takes_blocks_off_it():
     pool = BlockPool(4)
     blocks = pool.take(4)
