@@ -36,6 +36,8 @@ BENCH_SHAPES = {
         model_vocab_size=151936,
         max_position_embeddings=40960,
         dtype="bfloat16",
+        # Streamed text for every token (TTFT and ITL are per text event).
+        zero_padding_rows=True,
     ),
     "qwen3-1layer": dict(
         hidden_size=128,

@@ -14,6 +14,7 @@ minus model forward time, at the largest batch.
 from __future__ import annotations
 
 import argparse
+import gc
 import random
 import statistics
 import time
@@ -192,6 +193,26 @@ def report(weir: dict) -> None:
         )
 
 
+def release() -> None:
+    """Free a finished engine's device memory (its KV cache, CUDA graph pools): the next engine
+    in this process sizes its KV cache from what is free."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def meta(args, n: int, dtype: str) -> dict:
+    return {
+        **machine(),
+        "model": args.model,
+        "requests": n,
+        "dtype": dtype,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "repeats": args.repeats,
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument(
@@ -202,7 +223,9 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=None, help="default: 256 on GPU, 64 on CPU")
     ap.add_argument("--input-len", default="32,256")
     ap.add_argument("--output-len", default="32,128")
-    ap.add_argument("--hf-batch-sizes", default="8,16,32,64")
+    ap.add_argument(
+        "--hf-batch-sizes", default="8,16,32,64", help="transformers' batch sizes; none: skip it"
+    )
     ap.add_argument("--dtype", default=None, help="default: bfloat16 on GPU, float32 on CPU")
     ap.add_argument("--enforce-eager", action="store_true", help="weir without CUDA graphs")
     ap.add_argument(
@@ -232,16 +255,22 @@ def main() -> None:
     )
     print(f"{n} requests, {sum(map(len, prompts))} prompt tokens, {sum(outputs)} output tokens")
     weir = run_weir(model, prompts, outputs, n, device, dtype, args.enforce_eager)
+    release()
     report(weir)
     eager = None
     if args.compare_eager and device == "cuda" and not args.enforce_eager:
         eager = run_weir(model, prompts, outputs, n, device, dtype, enforce_eager=True)
+        release()
         report(eager)
+    hf_sizes = [int(b) for b in args.hf_batch_sizes.split(",") if b not in ("", "none")]
+    if not hf_sizes:  # weir alone (on a GPU, beside the published anchors)
+        save("offline", {"meta": meta(args, n, dtype), "weir": weir, "weir_eager": eager})
+        return
     hf = run_transformers(
         model,
         prompts,
         outputs,
-        [int(b) for b in args.hf_batch_sizes.split(",") if int(b) <= n],
+        [b for b in hf_sizes if b <= n],
         device,
         dtype,
     )
@@ -252,6 +281,7 @@ def main() -> None:
         weir_runs.append(
             run_weir(model, prompts, outputs, n, device, dtype, args.enforce_eager)["tok_s"]
         )
+        release()
         best = run_transformers(model, prompts, outputs, [hf["best_batch"]], device, dtype)
         hf_runs.append(best["tok_s"])
     weir["tok_s_runs"], hf["tok_s_runs"] = weir_runs, hf_runs
@@ -264,15 +294,7 @@ def main() -> None:
     save(
         "offline",
         {
-            "meta": {
-                **machine(),
-                "model": args.model,
-                "requests": n,
-                "dtype": dtype,
-                "input_len": args.input_len,
-                "output_len": args.output_len,
-                "repeats": args.repeats,
-            },
+            "meta": meta(args, n, dtype),
             "weir": weir,
             "weir_eager": eager,
             "transformers": hf,

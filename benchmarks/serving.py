@@ -189,6 +189,9 @@ def main() -> None:
     # every server's fraction.
     rows = sorted({*levels, roofline.PREFILL_ROWS})
     rates: dict[int, float] = {}
+    import torch
+
+    cuda = torch.cuda.is_available()
     for r in range(args.rounds):
         for label, argv in commands.items():
             port = free_port()
@@ -207,14 +210,16 @@ def main() -> None:
             rounds["weir engine alone"].append(
                 engine_alone(model, levels, args.max_tokens, args.requests)
             )
-        for n, g in roofline.rates(model, rows).items():
-            rates[n] = max(rates.get(n, 0.0), g)
+        # The roofline is the CPU's: on a CUDA machine the servers run on the GPU.
+        if not cuda:
+            for n, g in roofline.rates(model, rows).items():
+                rates[n] = max(rates.get(n, 0.0), g)
     results = {
         label: {c: median_run([run[c] for run in runs]) for c in levels}
         for label, runs in rounds.items()
     }
     # The roofline: the least time each level's products take at the rates above.
-    for per_level in results.values():
+    for per_level in results.values() if rates else ():
         for c, s in per_level.items():
             if s.get("prompt_tokens") is not None:
                 s.update(

@@ -101,11 +101,15 @@ def build_tiny_model(
     dtype: str = "float32",
     added_tokens: tuple[str, ...] = (),
     extra_eos: tuple[str, ...] = (),
+    zero_padding_rows: bool = False,
 ) -> Path:
     """Write a random-weight model of the given shape with a trained tokenizer to `path`.
     `added_tokens`: whole-text tokens added to the vocabulary, not special (as Qwen3's
     `<think>` and `</think>` are: they stay in the decoded text). `extra_eos`: tokens listed
-    after `<|im_end|>` in generation_config.json's eos_token_id (as Llama 3 lists two)."""
+    after `<|im_end|>` in generation_config.json's eos_token_id (as Llama 3 lists two).
+    `zero_padding_rows`: the output rows past the tokenizer's tokens zeroed, so that greedy
+    decoding (whose best logit over random rows is positive) never picks a token without text,
+    as a real model never does; the matrix products keep their full size."""
     import torch
     from transformers import (
         AutoModelForCausalLM,
@@ -156,6 +160,9 @@ def build_tiny_model(
         raise ValueError(f"unknown tiny architecture {arch!r}")
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    if zero_padding_rows:
+        with torch.no_grad():
+            model.get_output_embeddings().weight[len(tokenizer) :] = 0
     kwargs = {"max_shard_size": shard_bytes} if shard_bytes is not None else {}
     model.save_pretrained(path, **kwargs)
     eos_ids = [eos, *tokenizer.convert_tokens_to_ids(list(extra_eos))]

@@ -105,3 +105,18 @@ def test_mistral_sliding_window_matches_transformers(model_dir):
         ids = loaded.tokenizer.encode("the river flows over the stone and under the bridge")
         assert len(ids) > 8  # long enough that the window cuts
         assert greedy(loaded, ids, 12) == hf_greedy(path, ids, 12)
+
+
+def test_padded_vocabulary_rows_zeroed_keep_greedy_on_text_tokens(model_dir):
+    """A benchmark model padded past its tokenizer (Qwen's 151,936 rows) with those rows zeroed:
+    the matrix products keep their size, greedy only ever picks tokens that have text (so a
+    stream's TTFT and ITL count every token), and weir still equals transformers."""
+    path = model_dir("qwen3", model_vocab_size=4096, zero_padding_rows=True)
+    loaded = load(EngineConfig(model=str(path), dtype="float32", num_kv_blocks=64))
+    assert loaded.core.runner.vocab_size == 4096
+    text_tokens = len(loaded.tokenizer.get_vocab())
+    assert text_tokens < 4096
+    ids = loaded.tokenizer.encode("the river turns the mill wheel")
+    got = greedy(loaded, ids, 24)
+    assert got == hf_greedy(path, ids, 24)
+    assert all(t < text_tokens for t in got)

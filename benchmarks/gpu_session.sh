@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# One call on a lent GPU machine (the device tool): the project's Python dependencies from
+# wheels carried in .whl (that machine reaches no registry; its image has torch, triton and
+# transformers), then the named stages in order, each under its own time limit, so that one
+# slow stage cannot take the others' results with it. Logs and benchmark JSON go to
+# $OUT/gpu-logs.tgz, one line per stage to $OUT/summary.txt.
+#
+#   benchmarks/gpu_session.sh env kernels attention offline correctness   # first call
+#   benchmarks/gpu_session.sh suite serving overhead                      # second call
+#
+# Stage limits in seconds can be changed with LIMIT_<stage>=N.
+#
+# The wheels (Python 3.12, manylinux x86-64, no dependencies each; versions as in .venv), fetched
+# here before the call and carried with it (`carry: [".whl"]`):
+#   anyio trio outcome sniffio quart quart-trio hypercorn h2 hpack hyperframe priority wsproto
+#   flask werkzeug blinker itsdangerous msgspec llguidance partial-json-parser openai httpx2
+#   httpcore2 truststore jiter distro pydantic pydantic-core annotated-types typing-inspection
+#   typing-extensions jsonschema jsonschema-specifications referencing rpds-py
+#   e.g. python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#        --implementation cp --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 \
+#        --platform manylinux_2_31_x86_64 -d .whl trio==0.35.0 ...
+set -u
+OUT=${OUT:-/tmp/gpu-out}
+LOGS=$OUT/logs
+mkdir -p "$LOGS"
+export PYTHONUNBUFFERED=1
+if ls .whl/*.whl >/dev/null 2>&1 && [ ! -d /tmp/site ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl || exit 1
+fi
+export PYTHONPATH=/tmp/site:$PWD
+PY=${PY:-python3}
+
+finish() {
+    cp benchmarks/results/*.json "$LOGS"/ 2>/dev/null
+    tar czf "$OUT/gpu-logs.tgz" -C "$OUT" logs && rm -rf "$LOGS"
+}
+trap finish EXIT
+
+stage() {  # stage NAME DEFAULT_LIMIT COMMAND...
+    local name=$1 limit=$2 var="LIMIT_$1"
+    shift 2
+    limit=${!var:-$limit}
+    local start rc
+    start=$(date +%s)
+    timeout -k 10 "$limit" "$@" >"$LOGS/$name.log" 2>&1
+    rc=$?
+    echo "== $name rc=$rc $(($(date +%s) - start))s (limit $limit)" | tee -a "$OUT/summary.txt"
+    tail -n "${TAIL:-12}" "$LOGS/$name.log"
+}
+
+GPU_TESTS="tests/test_kernels.py tests/test_correctness.py"
+for s in "$@"; do
+    case $s in
+    env)
+        stage env 60 bash -c "nvidia-smi; nproc; $PY -c 'import torch, triton, transformers, \
+tokenizers; print(torch.__version__, torch.version.cuda, triton.__version__, \
+transformers.__version__, tokenizers.__version__, torch.cuda.get_device_name(0)); \
+import server.app, core.engine, gpu.runner; print(\"imports ok\")'; git log --oneline -1"
+        ;;
+    # pytest-timeout (in that machine's image) fails a hung test, so that the summary with every
+    # failure's name is printed before the stage's own limit kills the run.
+    kernels) stage kernels 120 $PY -m pytest -q -p no:cacheprovider --timeout 60 \
+        --durations 10 tests/test_kernels.py ;;
+    correctness)
+        stage correctness 200 $PY -m pytest -q -p no:cacheprovider --timeout 60 --durations 15 \
+            tests/test_correctness.py
+        ;;
+    attention) stage attention 90 $PY -m benchmarks.attention ;;
+    offline)
+        stage offline 240 $PY -m benchmarks.offline --model qwen3-0.6b --requests 256 \
+            --input-len 100,1024 --output-len 100,1024 --hf-batch-sizes none --compare-eager \
+            --repeats 1
+        ;;
+    suite)
+        stage suite 500 $PY -m pytest -q -p no:cacheprovider --timeout 60 --durations 20 \
+            $(for t in $GPU_TESTS; do echo "--ignore $t"; done)
+        ;;
+    serving)
+        stage serving 200 $PY -m benchmarks.serving --model qwen3-0.6b --peers none \
+            --weir process --concurrency 1,16,64,256 --max-tokens 128 --requests 32 --repeats 1
+        ;;
+    profile)  # where a GPU step's host time goes: cProfile over a smaller offline run
+        stage profile 120 bash -c "$PY -m cProfile -o $LOGS/offline.prof -m benchmarks.offline \
+--model qwen3-0.6b --requests 128 --input-len 100,400 --output-len 100,400 --hf-batch-sizes none \
+--repeats 1 && $PY -c \"import pstats; p = pstats.Stats('$LOGS/offline.prof'); \
+p.sort_stats('tottime').print_stats(40); p.sort_stats('cumulative').print_stats(60)\""
+        ;;
+    overhead) stage overhead 150 $PY -m benchmarks.overhead ;;
+    step) stage step 120 $PY -m benchmarks.step_time --model qwen3-0.6b --device cuda \
+        --batch 1,32,256 --prompt-len 512 --rounds 1 ;;
+    *) echo "unknown stage $s" ;;
+    esac
+done
