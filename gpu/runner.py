@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from array import array
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -11,6 +12,7 @@ from core.scheduler import SchedulerOutput
 from gpu import grammar_mask
 from gpu.pooler import pool
 from gpu.attention.backend import AttentionBackend, AttentionMetadata
+from gpu.block_tables import BlockTables
 from gpu.models.decoder import DecoderForCausalLM
 from gpu.sampler import Sampler, SamplingMetadata
 
@@ -40,9 +42,15 @@ class ModelRunner:
         # False on tensor-parallel ranks other than 0: they run the forward (and its
         # collectives) but leave sampling, pooling and the grammar masks to rank 0.
         self.samples = True
+        self.block_tables = BlockTables()  # the scheduled requests' tables, grown in place
 
     def _tensor(self, data, dtype) -> torch.Tensor:
-        t = torch.tensor(data, dtype=dtype)
+        # An array's memory is shared, not copied: the tensor keeps the array alive, and the
+        # callers never resize an array they passed (that would move its memory).
+        if isinstance(data, array) and data:
+            t = torch.frombuffer(data, dtype=dtype)
+        else:
+            t = torch.tensor(data, dtype=dtype)
         if self.device.type == "cuda":
             return t.pin_memory().to(self.device, non_blocking=True)
         return t
@@ -56,8 +64,6 @@ class ModelRunner:
         seq_lens: list[int] = []
         query_lens: list[int] = []
         logits_rows: list[int] = []
-        max_blocks = max(len(s.block_table) for s in out.seqs)
-        tables: list[list[int]] = []
         for s in out.seqs:
             n, start, table = s.num_new_tokens, s.start, s.block_table
             if n == 1:  # a decode: one token, one slot
@@ -71,11 +77,9 @@ class ModelRunner:
                 slots.extend(table[p // bs] * bs + p % bs for p in pos)
             query_lens.append(n)
             seq_lens.append(start + n)
-            tables.append(
-                table + [0] * (max_blocks - len(table)) if len(table) < max_blocks else table
-            )
             if s.sample:
                 logits_rows.append(len(input_ids) - 1)
+        tables = self.block_tables.gather(out.seqs)
         meta = AttentionMetadata.build(slots, tables, query_lens, seq_lens, self._tensor)
         n = len(input_ids)
         longs = self._tensor(input_ids + positions + logits_rows, torch.int64)  # one tensor

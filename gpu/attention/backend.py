@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-import itertools
 import logging
+from array import array
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+
+from gpu.block_tables import StepTables
 
 log = logging.getLogger("weir.attention")
 
@@ -43,26 +45,28 @@ class AttentionMetadata:
     def build(
         cls,
         slot_mapping: list[int],
-        block_tables: list[list[int]],
+        block_tables: StepTables | list[list[int]],
         query_lens: list[int],
         seq_lens: list[int],
         to_device,
     ) -> AttentionMetadata:
         """From host lists; `to_device(data, dtype)` makes a tensor on the model's device. The
-        int32 tensors are views of one: a step pays for one host tensor (and one copy to a GPU)
+        int32 tensors are views of one: a step pays for one host buffer (and one copy to a GPU)
         instead of five."""
+        if not isinstance(block_tables, StepTables):
+            block_tables = StepTables.from_lists(block_tables)
         query_start = [0]
         for q in query_lens:
             query_start.append(query_start[-1] + q)
         decodes = [i for i, q in enumerate(query_lens) if q == 1]
         prefills = [i for i, q in enumerate(query_lens) if q != 1]
-        n, width = len(block_tables), len(block_tables[0]) if block_tables else 0
-        ints = to_device(
-            [*itertools.chain.from_iterable(block_tables), *query_start, *seq_lens]
-            + decodes
-            + prefills,
-            torch.int32,
-        )
+        n, width = block_tables.num_rows, block_tables.width
+        ints = array("i", block_tables.flat)
+        ints.extend(query_start)
+        ints.extend(seq_lens)
+        ints.extend(decodes)
+        ints.extend(prefills)
+        ints = to_device(ints, torch.int32)
         tables, query_start_t, seq_lens_t, decodes_t, prefills_t = ints.split(
             [n * width, n + 1, len(seq_lens), len(decodes), len(prefills)]
         )
