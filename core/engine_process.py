@@ -20,6 +20,7 @@ thread dies.
 from __future__ import annotations
 
 import atexit
+import gc
 import logging
 import multiprocessing
 import os
@@ -98,6 +99,7 @@ def _engine_main(config_bytes: bytes, commands, replies, log_level: int) -> None
         replies.send_bytes(encode(Died(f"loading failed: {type(e).__name__}: {e}")))
         return
     core = loaded.core
+    gc.freeze()  # start-up's objects out of the collector's reach (see server/app.py)
     replies.send_bytes(
         encode(
             Ready(

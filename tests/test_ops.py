@@ -3,6 +3,7 @@ graceful drain on SIGTERM, and clients that stop reading."""
 
 from __future__ import annotations
 
+import gc
 import os
 import re
 import signal
@@ -125,8 +126,11 @@ def test_health_is_503_while_loading(tiny, monkeypatch):
         r = httpx.get(server.url + "/health")
         assert "loading" in r.json()["error"]["message"]
         assert httpx.post(server.url + "/v1/completions", json={"prompt": "hi"}).status_code == 503
+        frozen = gc.get_freeze_count()
         release.set()
         assert wait_for(lambda: http_status(server.url + "/health") == 200)
+        # Ready means start-up's objects were moved out of the garbage collector's reach.
+        assert gc.get_freeze_count() > frozen
     finally:
         release.set()
         server.stop()
