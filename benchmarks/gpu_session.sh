@@ -80,11 +80,10 @@ import server.app, core.engine, gpu.runner; print(\"imports ok\")'; git log --on
         stage serving 200 $PY -m benchmarks.serving --model qwen3-0.6b --peers none \
             --weir process --concurrency 1,16,64,256 --max-tokens 128 --requests 32 --repeats 1
         ;;
-    profile)  # where a GPU step's host time goes: cProfile over a smaller offline run
-        stage profile 120 bash -c "$PY -m cProfile -o $LOGS/offline.prof -m benchmarks.offline \
---model qwen3-0.6b --requests 128 --input-len 100,400 --output-len 100,400 --hf-batch-sizes none \
---repeats 1 && $PY -c \"import pstats; p = pstats.Stats('$LOGS/offline.prof'); \
-p.sort_stats('tottime').print_stats(40); p.sort_stats('cumulative').print_stats(60)\""
+    profile)  # where a GPU step's host time goes: cProfile of the measured run's steps only
+        stage profile 150 $PY -m benchmarks.offline --model qwen3-0.6b --requests 256 \
+            --input-len 100,1024 --output-len 100,1024 --hf-batch-sizes none --repeats 1 \
+            --profile "$LOGS/offline_steps.prof"
         ;;
     overhead) stage overhead 150 $PY -m benchmarks.overhead ;;
     step) stage step 120 $PY -m benchmarks.step_time --model qwen3-0.6b --device cuda \

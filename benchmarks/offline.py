@@ -14,7 +14,9 @@ minus model forward time, at the largest batch.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
+import pstats
 import random
 import statistics
 import time
@@ -57,7 +59,10 @@ def run_weir(
     device: str,
     dtype: str,
     enforce_eager: bool = False,
+    profile: str | None = None,
 ) -> dict:
+    """`profile`: a file to write a cProfile of the measured run to (steps only, no start-up);
+    its slowest functions are printed, and its tok/s is the profiler's, not weir's."""
     from core.sampling import SamplingParams
     from weir import LLM
 
@@ -108,9 +113,16 @@ def run_weir(
         return out
 
     core.step = timed_step
+    profiler = cProfile.Profile() if profile else None
     t0 = time.perf_counter()
+    if profiler is not None:
+        profiler.enable()
     results = llm.generate(prompts, params, use_tqdm=False)
+    if profiler is not None:
+        profiler.disable()
     elapsed = time.perf_counter() - t0
+    if profiler is not None:
+        print_profile(profiler, profile)
     generated = sum(len(r.outputs[0].token_ids) for r in results)
     assert generated == sum(outputs)
     # Overhead at the largest batch: decode steps with the most running requests.
@@ -193,6 +205,14 @@ def report(weir: dict) -> None:
         )
 
 
+def print_profile(profiler: cProfile.Profile, path: str, top: int = 35) -> None:
+    """Save the run's profile and print where its host time went, by own time and cumulative."""
+    profiler.dump_stats(path)
+    stats = pstats.Stats(profiler)
+    stats.sort_stats("tottime").print_stats(top)
+    stats.sort_stats("cumulative").print_stats(top)
+
+
 def release() -> None:
     """Free a finished engine's device memory (its KV cache, CUDA graph pools): the next engine
     in this process sizes its KV cache from what is free."""
@@ -235,6 +255,12 @@ def main() -> None:
         help="runs of weir and of transformers at its best batch size (medians reported)",
     )
     ap.add_argument(
+        "--profile",
+        default=None,
+        metavar="FILE",
+        help="profile weir's measured run (cProfile, steps only) into FILE and print its top",
+    )
+    ap.add_argument(
         "--compare-eager",
         action="store_true",
         help="on CUDA, also run weir with --enforce-eager and report both",
@@ -254,7 +280,7 @@ def main() -> None:
         vocab,
     )
     print(f"{n} requests, {sum(map(len, prompts))} prompt tokens, {sum(outputs)} output tokens")
-    weir = run_weir(model, prompts, outputs, n, device, dtype, args.enforce_eager)
+    weir = run_weir(model, prompts, outputs, n, device, dtype, args.enforce_eager, args.profile)
     release()
     report(weir)
     eager = None
