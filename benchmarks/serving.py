@@ -42,19 +42,36 @@ from benchmarks.loadgen import ServerProcess, free_port, prompts, run_level, sum
 
 
 def bench(
-    url: str, model: str, levels: list[int], max_tokens: int, per_level: int, repeats: int = 1
+    url: str,
+    model: str,
+    levels: list[int],
+    max_tokens: int,
+    per_level: int,
+    repeats: int = 1,
+    server: ServerProcess | None = None,
 ) -> dict:
     """Each level `repeats` times; the run with the median output tok/s is reported whole, with
-    every run's tok/s beside it (a level lasts seconds, and this machine is shared)."""
+    every run's tok/s beside it (a level lasts seconds, and this machine is shared). With the
+    `server` process at hand, each run also gets the CPU its HTTP process and its whole process
+    tree (the engine process too) spent per output token."""
     out = {}
     for c in levels:
         n = max(per_level, 2 * c)
         runs = []
         for _ in range(repeats):
+            cpu0 = (server.cpu_seconds(tree=False), server.cpu_seconds()) if server else None
             results, wall = trio.run(
                 functools.partial(run_level, url, model, prompts(n, seed=c), c, max_tokens)
             )
-            runs.append(summarize(results, wall))
+            run = summarize(results, wall)
+            if cpu0 is not None:
+                tokens = max(1, run["output_tokens"])
+                http = server.cpu_seconds(tree=False) - cpu0[0]
+                total = server.cpu_seconds() - cpu0[1]
+                run["http_cpu_us_per_token"] = http / tokens * 1e6
+                run["server_cpu_us_per_token"] = total / tokens * 1e6
+                run["http_cores"] = http / wall if wall else 0.0
+            runs.append(run)
         runs.sort(key=lambda r: r["output_tok_s"])
         s = out[c] = dict(runs[(len(runs) - 1) // 2])
         s["tok_s_runs"] = [r["output_tok_s"] for r in runs]
@@ -62,7 +79,13 @@ def bench(
         print(
             f"  c={c}: {s['output_tok_s']:.0f} tok/s (runs {[round(x) for x in s['tok_s_runs']]}), "
             f"TTFT p50 {s['ttft_p50_ms']} ms, errors {s['errors']}, "
-            f"tokens {[r['output_tokens'] for r in runs]}",
+            f"tokens {[r['output_tokens'] for r in runs]}"
+            + (
+                f", HTTP process {s['http_cpu_us_per_token']:.0f} µs CPU a token "
+                f"({s['http_cores']:.2f} cores), all processes {s['server_cpu_us_per_token']:.0f}"
+                if "http_cpu_us_per_token" in s
+                else ""
+            ),
             flush=True,
         )
     return out
@@ -201,7 +224,15 @@ def main() -> None:
                 server.wait_ready(600)
                 print(f"{label} (round {r + 1}):", flush=True)
                 rounds[label].append(
-                    bench(server.url, model, levels, args.max_tokens, args.requests, args.repeats)
+                    bench(
+                        server.url,
+                        model,
+                        levels,
+                        args.max_tokens,
+                        args.requests,
+                        args.repeats,
+                        server if label.startswith("weir") else None,
+                    )
                 )
             finally:
                 server.stop()
