@@ -286,22 +286,26 @@ class EngineProcess(Engine):
     async def _read_replies(self) -> None:
         fd = self._reply.fileno()
         buf = bytearray()
+        # Read into one buffer made once: os.read(fd, 1 MiB) allocates (and maps) a fresh MiB
+        # for every read, 15 µs against 1 µs for a step's few hundred bytes.
+        space = bytearray(1 << 20)
+        view = memoryview(space)
         decode = msgspec.msgpack.Decoder(Reply).decode
         try:
             while True:
                 await trio.lowlevel.wait_readable(fd)
                 try:
-                    chunk = os.read(fd, 1 << 20)
+                    n = os.readv(fd, [space])
                 except BlockingIOError:
                     continue
-                if not chunk:
+                if not n:
                     if self._closing:
                         return
                     await trio.to_thread.run_sync(self._proc.join, 1)
                     raise RuntimeError(
                         f"the engine process exited unexpectedly (code {self._proc.exitcode})"
                     )
-                buf += chunk
+                buf += view[:n]
                 for frame in _take_frames(buf):
                     msg = decode(frame)
                     if isinstance(msg, Died):
