@@ -78,7 +78,8 @@ def bench(
         s["errors"] = sum(r["errors"] for r in runs)  # every run's: none may hide
         print(
             f"  c={c}: {s['output_tok_s']:.0f} tok/s (runs {[round(x) for x in s['tok_s_runs']]}), "
-            f"TTFT p50 {s['ttft_p50_ms']} ms, errors {s['errors']}, "
+            f"TTFT p50 {s['ttft_p50_ms'] or 0:.1f} ms, ITL p50 {s['itl_p50_ms'] or 0:.2f} ms, "
+            f"errors {s['errors']}, "
             f"tokens {[r['output_tokens'] for r in runs]}"
             + (
                 f", HTTP process {s['http_cpu_us_per_token']:.0f} µs CPU a token "
