@@ -29,13 +29,11 @@ class Block:
 class FreeList:
     """Doubly linked list of blocks: O(1) append, pop from the head, and removal from the middle."""
 
-    def __init__(self, blocks: list[Block]) -> None:
+    def __init__(self) -> None:
         self._head = Block(-1)  # sentinels
         self._tail = Block(-1)
         self._head.next, self._tail.prev = self._tail, self._head
         self._len = 0
-        for b in blocks:
-            self.append(b)
 
     def __len__(self) -> int:
         return self._len
@@ -78,7 +76,7 @@ class BlockPool:
             raise ValueError("the KV cache needs at least one block")
         self.num_blocks = num_blocks
         self.blocks: list[Block] = []  # every block handed out at least once, by id
-        self.free = FreeList([])  # recycled blocks, least recently freed first
+        self.free = FreeList()  # recycled blocks, least recently freed first
         self.cached: dict[int, Block] = {}
         self.num_evictions = 0
 

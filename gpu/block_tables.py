@@ -14,7 +14,8 @@ from typing import NamedTuple
 
 
 class StepTables(NamedTuple):
-    """`num_rows` tables of `width` block ids each, row-major, padded with block 0."""
+    """`num_rows` tables of `width` block ids each, row-major, padded with block 0. `flat` is
+    made for one step: AttentionMetadata.build appends the step's other ints to it."""
 
     flat: array
     num_rows: int

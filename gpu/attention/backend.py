@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-from array import array
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -61,7 +60,7 @@ class AttentionMetadata:
         decodes = [i for i, q in enumerate(query_lens) if q == 1]
         prefills = [i for i, q in enumerate(query_lens) if q != 1]
         n, width = block_tables.num_rows, block_tables.width
-        ints = array("i", block_tables.flat)
+        ints = block_tables.flat  # a step's own buffer: the rest is appended to it
         ints.extend(query_start)
         ints.extend(seq_lens)
         ints.extend(decodes)
