@@ -8,6 +8,7 @@ medians are compared with the first size (TP=1 by default), the baseline of the 
     python -m benchmarks.step_time --tp 1,2                    # CPU, gloo: 6-layer Llama
     python -m benchmarks.step_time --tp 1 --batch 1 --prompt-len 3500   # one long stream
     python -m benchmarks.step_time --tp 1 --batch 1,64 --breakdown      # where a step goes
+    python -m benchmarks.step_time --batch 64 --kv-cache-dtype auto,bfloat16 --breakdown
     python -m benchmarks.step_time --device cuda --model qwen3-0.6b --tp 1,2,4 \\
         --batch 1,16,64,256 --prompt-len 512                    # a multi-GPU machine, NCCL
 
@@ -106,6 +107,11 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--tp", default="1", help="tensor-parallel sizes, the first the baseline")
+    ap.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        help="KV cache dtypes (auto,bfloat16,...), each with every TP size; the first the baseline",
+    )
     ap.add_argument("--batch", default="1,16,64")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--steps", type=int, default=32, help="decode steps timed per batch")
@@ -120,18 +126,21 @@ def main() -> None:
     from gpu.launch import load
 
     sizes = [int(x) for x in args.tp.split(",")]
+    kv_dtypes = args.kv_cache_dtype.split(",")
+    variants = [(tp, kv) for kv in kv_dtypes for tp in sizes]
     batches = [int(x) for x in args.batch.split(",")]
     model = bench_model(args.model)
-    results: dict[int, dict[int, list[tuple[float, float]]]] = {
-        tp: {b: [] for b in batches} for tp in sizes
+    results: dict[tuple, dict[int, list[tuple[float, float]]]] = {
+        v: {b: [] for b in batches} for v in variants
     }
-    breakdowns: dict[int, dict] = {b: {} for b in batches}
+    breakdowns: dict[tuple, dict] = {(v, b): {} for v in variants for b in batches}
     for r in range(args.rounds):
-        for tp in sizes if r % 2 == 0 else reversed(sizes):
+        for tp, kv in variants if r % 2 == 0 else reversed(variants):
             config = EngineConfig(
                 model=model,
                 device=args.device,
                 dtype=args.dtype,
+                kv_cache_dtype=kv,
                 tensor_parallel_size=tp,
                 cpu_threads=0,
                 max_num_seqs=max(batches),
@@ -141,12 +150,14 @@ def main() -> None:
             try:
                 run_once(core, 2, 16, 2, seed=-1)  # warm-up
                 for b in batches:
-                    into = breakdowns[b] if args.breakdown and tp == 1 else None
-                    results[tp][b].append(run_once(core, b, args.prompt_len, args.steps, r, into))
+                    into = breakdowns[(tp, kv), b] if args.breakdown and tp == 1 else None
+                    results[tp, kv][b].append(
+                        run_once(core, b, args.prompt_len, args.steps, r, into)
+                    )
             finally:
                 core.close()
 
-    base = sizes[0]
+    base = variants[0]
     rows = []
     collectives = {}
     if args.device == "cpu":
@@ -156,30 +167,31 @@ def main() -> None:
         for tp in sizes[1:]:
             collectives[tp] = {b: all_reduce_seconds(tp, b, hidden) for b in batches}
     print(f"\n{args.model} on {args.device}, prompt {args.prompt_len}, medians of {args.rounds}")
-    print("| TP | batch | prefill ms | decode step ms | decode vs TP=%d |" % base)
-    print("|---|---|---|---|---|")
-    for tp in sizes:
+    print("| TP | KV cache | batch | prefill ms | decode step ms | decode vs the first |")
+    print("|---|---|---|---|---|---|")
+    for tp, kv in variants:
         for b in batches:
-            prefill = statistics.median(x[0] for x in results[tp][b]) * 1e3
-            decode = statistics.median(x[1] for x in results[tp][b]) * 1e3
+            prefill = statistics.median(x[0] for x in results[tp, kv][b]) * 1e3
+            decode = statistics.median(x[1] for x in results[tp, kv][b]) * 1e3
             ref = statistics.median(x[1] for x in results[base][b]) * 1e3
-            rows.append(dict(tp=tp, batch=b, prefill_ms=prefill, decode_ms=decode))
-            print(f"| {tp} | {b} | {prefill:.1f} | {decode:.2f} | {decode / ref:.2f}x |")
+            rows.append(dict(tp=tp, kv_cache=kv, batch=b, prefill_ms=prefill, decode_ms=decode))
+            print(f"| {tp} | {kv} | {b} | {prefill:.1f} | {decode:.2f} | {decode / ref:.2f}x |")
     for tp, by_batch in collectives.items():
         for b, sec in by_batch.items():
             print(f"gloo all-reduce of [{b}, hidden] among {tp} processes: {sec * 1e6:.0f} us")
     per_step = {}
     if args.breakdown:
         print("\nDecode step breakdown (TP=1), ms a step: the compiled forward's ops, and the rest")
-        for b, d in breakdowns.items():
+        for ((tp, kv), b), d in breakdowns.items():
             n = d.pop("steps", 0)
             if not n:
                 continue
             step = d.pop("step")
-            per_step[b] = {op: sec / n * 1e3 for op, sec in d.items()}
-            per_step[b]["rest of the step"] = (step - sum(d.values())) / n * 1e3
-            parts = ", ".join(f"{op} {ms:.2f}" for op, ms in per_step[b].items())
-            print(f"batch {b}: step {step / n * 1e3:.2f} = {parts}")
+            key = f"{b}" if len(kv_dtypes) == 1 else f"{b} kv={kv}"
+            per_step[key] = {op: sec / n * 1e3 for op, sec in d.items()}
+            per_step[key]["rest of the step"] = (step - sum(d.values())) / n * 1e3
+            parts = ", ".join(f"{op} {ms:.2f}" for op, ms in per_step[key].items())
+            print(f"batch {key}: step {step / n * 1e3:.2f} = {parts}")
     save(
         "step_time",
         {

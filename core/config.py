@@ -17,6 +17,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_memory: int = 1 << 30  # bytes of KV cache on CPU
+    # The cache's elements: auto (the model's dtype), or bfloat16 / float16 under a float32
+    # model (half the bytes per token: twice the context, attention reading half as much).
+    kv_cache_dtype: str = "auto"
     gpu_memory_utilization: float = 0.9
     attention_backend: str = "auto"
     enforce_eager: bool = False  # no CUDA graphs for decode steps
@@ -46,6 +49,11 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(
                 f"--dtype must be auto, float32, bfloat16 or float16, not {self.dtype}"
+            )
+        if self.kv_cache_dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(
+                f"--kv-cache-dtype {self.kv_cache_dtype} is not offered: weir's KV cache holds "
+                "auto (the model's dtype), float32, bfloat16 or float16 (no fp8 caches)"
             )
         if self.block_size < 1 or self.block_size > 1024:
             raise ValueError("--block-size must be between 1 and 1024")

@@ -50,6 +50,7 @@ class _Model(ctypes.Structure):
         ("eps", _f32),
         ("scale", _f32),
         ("act", _i64),
+        ("cache_dtype", _i64),
         ("layers", _p),
         ("final_norm", _p),
     ]
@@ -75,6 +76,10 @@ class _Step(ctypes.Structure):
         ("sin_table", _p),
         ("table_rows", _i64),
     ]
+
+
+# The cache element codes of cpu_forward.cpp / cpu_attention.cpp.
+CACHE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -146,17 +151,19 @@ class CpuForward:
             eps=model.model.norm.eps,
             scale=first.self_attn.scale,
             act=first.mlp.act,
+            cache_dtype=CACHE_DTYPES[kv_caches[0][0].dtype],
             layers=ctypes.addressof(table),
             final_norm=_ptr(model.model.norm.weight),
         )
         self._layers, self._caches = table, kv_caches
 
     def usable(self, kv_caches, backend) -> bool:
-        """The compiled path needs the CPU attention kernel's layout: float32 contiguous caches."""
+        """The compiled path needs the CPU attention kernel's layout: contiguous caches of
+        float32, bfloat16 or float16."""
         if getattr(backend, "name", None) != "cpu":
             return False
         k, v = kv_caches[0]
-        return k.dtype == torch.float32 and k.is_contiguous() and v.is_contiguous()
+        return k.dtype in CACHE_DTYPES and k.is_contiguous() and v.is_contiguous()
 
     def __call__(
         self,

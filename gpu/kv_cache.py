@@ -11,6 +11,25 @@ from gpu.models.spec import ModelSpec
 log = logging.getLogger("weir.kv_cache")
 
 
+KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """--kv-cache-dtype for a model of `model_dtype`: auto is the model's own; a float32 model
+    may keep a 16-bit cache (the attention kernels widen it as they read). A cache wider than
+    the model, or 16-bit of the other kind, is refused."""
+    if name == "auto":
+        return model_dtype
+    dtype = KV_DTYPES[name]
+    if dtype != model_dtype and model_dtype != torch.float32:
+        model = str(model_dtype).removeprefix("torch.")
+        raise ValueError(
+            f"--kv-cache-dtype {name} under a {model} model: the cache is the model's dtype "
+            "(auto), or bfloat16 / float16 under a float32 model"
+        )
+    return dtype
+
+
 def bytes_per_block(spec: ModelSpec, block_size: int, dtype: torch.dtype) -> int:
     elem = torch.tensor([], dtype=dtype).element_size()
     return 2 * spec.num_layers * block_size * spec.num_kv_heads * spec.head_dim * elem

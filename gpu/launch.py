@@ -31,7 +31,7 @@ class Loaded:
     served_names: list[str]
     max_model_len: int
     generation_defaults: dict[str, Any]
-    kv_dtype: str = ""  # the KV cache's element type (the model's dtype)
+    kv_dtype: str = ""  # the KV cache's element type (--kv-cache-dtype)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -50,6 +50,7 @@ def load(config: EngineConfig) -> Loaded:
     device = resolve_device(config.device)
     hf_config = load_config(path)
     dtype = resolve_dtype(config.dtype, hf_config, device)
+    kv_dtype = str(kv_cache.cache_dtype(config.kv_cache_dtype, dtype)).removeprefix("torch.")
     tokenizer = AutoTokenizer.from_pretrained(path)
     eos = eos_token_ids(path, hf_config)
     if tokenizer.eos_token_id is not None:
@@ -82,12 +83,13 @@ def load(config: EngineConfig) -> Loaded:
         max_logprobs=config.max_logprobs,
     )
     log.info(
-        "loaded %s on %s (%s): %d KV blocks of %d tokens, max_model_len %d",
+        "loaded %s on %s (%s): %d KV blocks of %d tokens (%s), max_model_len %d",
         path,
         where,
         str(dtype).removeprefix("torch."),
         num_blocks,
         config.block_size,
+        kv_dtype,
         max_model_len,
     )
     defaults = generation_defaults(path, config.generation_config)
@@ -100,7 +102,7 @@ def load(config: EngineConfig) -> Loaded:
         config.served_model_name or [default_name],
         max_model_len,
         defaults,
-        str(dtype).removeprefix("torch."),
+        kv_dtype,
     )
 
 
@@ -140,7 +142,7 @@ def load_shard(
     num_blocks = kv_cache.num_blocks_for(
         model.local_spec,  # the KV heads this rank caches
         config.block_size,
-        dtype,
+        kv_cache.cache_dtype(config.kv_cache_dtype, dtype),
         device,
         num_kv_blocks=config.num_kv_blocks,
         kv_cache_memory=config.kv_cache_memory,
@@ -175,7 +177,8 @@ def build_runner(
 ) -> ModelRunner:
     """The KV cache of `num_blocks` blocks and the runner over it, with its CUDA graphs
     captured for contexts up to `max_model_len`."""
-    caches = kv_cache.allocate(model.local_spec, num_blocks, config.block_size, dtype, device)
+    kv_dtype = kv_cache.cache_dtype(config.kv_cache_dtype, dtype)
+    caches = kv_cache.allocate(model.local_spec, num_blocks, config.block_size, kv_dtype, device)
     runner = ModelRunner(
         model,
         caches,
@@ -184,11 +187,7 @@ def build_runner(
         device,
         seed=config.seed,
     )
-    if (
-        device.type == "cuda"
-        and not config.enforce_eager
-        and runner.backend.graph_safe
-    ):
+    if device.type == "cuda" and not config.enforce_eager and runner.backend.graph_safe:
         from gpu.cuda_graph import DecodeGraphs, default_capture_sizes
 
         runner.graphs = DecodeGraphs(

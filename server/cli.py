@@ -68,6 +68,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=1 << 30,
         help="bytes of KV cache on CPU (default 1 GiB)",
     )
+    s.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        help="the KV cache's elements: auto (the model's dtype), float32, bfloat16 or float16; "
+        "a 16-bit cache under a float32 model holds twice the tokens and attention reads half "
+        "the bytes (outputs can differ slightly from a float32 cache's)",
+    )
     s.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     s.add_argument(
         "--attention-backend",
@@ -326,6 +333,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks,
         kv_cache_memory=args.kv_cache_memory,
+        kv_cache_dtype=DTYPE_ALIASES.get(args.kv_cache_dtype, args.kv_cache_dtype),
         gpu_memory_utilization=args.gpu_memory_utilization,
         attention_backend=args.attention_backend,
         enforce_eager=args.enforce_eager,

@@ -75,14 +75,6 @@ FLAGS = (
         "",
     ),
     Flag(
-        ("--kv-cache-dtype",),
-        str,
-        lambda v: v == "auto",
-        None,
-        "weir keeps the KV cache in the model's dtype (choose it with --dtype); only "
-        "--kv-cache-dtype auto is accepted",
-    ),
-    Flag(
         ("--quantization", "-q"),
         str,
         lambda v: v in ("none", "None"),

@@ -94,6 +94,26 @@ def test_long_decodes_split_into_parts_match_the_reference(window, dtype):
     torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", [64, 80, 128])
+def test_a_16_bit_cache_under_a_float32_query(cache_dtype, head_dim):
+    """--kv-cache-dtype: the kernel widens each K/V element as it reads it and computes in
+    float32, so the result is the float32 reference's over the widened cache (split decodes,
+    prefill tiles and the generic head size included)."""
+    specs = batch_specs(16) + [(1, 1200), (20, 700)]
+    query, k_cache, v_cache, meta = make_batch(
+        specs, 16, 8, 2, head_dim, torch.float32, seed=7, device="cpu"
+    )
+    k16, v16 = k_cache.to(cache_dtype), v_cache.to(cache_dtype)
+    got = CpuAttention().forward(query, k16, v16, meta, head_dim**-0.5)
+    assert got.dtype == torch.float32
+    want = reference(query, k16, v16, meta, head_dim**-0.5)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    # and it differs from the float32 cache's by no more than the rounding of K and V
+    full = reference(query, k_cache, v_cache, meta, head_dim**-0.5)
+    torch.testing.assert_close(got, full, atol=TOL[cache_dtype], rtol=TOL[cache_dtype])
+
+
 def test_a_split_decode_is_the_same_in_any_batch_and_on_any_thread_count():
     """A sequence's parts depend on its length alone: alone or beside others, on one thread or
     three, its output is the same to the bit (the same seed gives the same tokens in any
@@ -122,8 +142,12 @@ def test_rejects_what_it_cannot_run():
     )
     with pytest.raises(ValueError, match="dtypes"):
         CpuAttention().forward(query.double(), k_cache.double(), v_cache.double(), meta, 0.125)
-    with pytest.raises(ValueError, match="dtypes"):
-        CpuAttention().forward(query, k_cache.half(), v_cache.half(), meta, 0.125)
+    with pytest.raises(ValueError, match="dtypes"):  # a cache wider than the query
+        CpuAttention().forward(query.bfloat16(), k_cache, v_cache, meta, 0.125)
+    with pytest.raises(ValueError, match="dtypes"):  # 16-bit of the other kind
+        CpuAttention().forward(query.bfloat16(), k_cache.half(), v_cache.half(), meta, 0.125)
+    with pytest.raises(ValueError, match="dtypes"):  # K and V of different kinds
+        CpuAttention().forward(query, k_cache.half(), v_cache.bfloat16(), meta, 0.125)
     with pytest.raises(ValueError, match="contiguous"):
         CpuAttention().forward(query, k_cache.transpose(1, 2), v_cache, meta, 0.125)
 

@@ -31,16 +31,28 @@ def load_both(path, monkeypatch, **pool):
 
 
 # Mistral with a sliding window of 8 under the prompts above: the window applies in the kernel.
+# A 16-bit KV cache (--kv-cache-dtype): K/V rounded as torch's .to() rounds, read widened.
 @pytest.mark.parametrize(
-    "arch,extra", [*((a, {}) for a in ARCHS), ("mistral", {"sliding_window": 8})]
+    "arch,extra,kv",
+    [
+        *((a, {}, "auto") for a in ARCHS),
+        ("mistral", {"sliding_window": 8}, "auto"),
+        ("llama", {}, "bfloat16"),
+        ("qwen3", {}, "float16"),
+    ],
 )
-def test_one_call_forward_is_bitwise_the_module_path(arch, extra, model_dir, monkeypatch):
+def test_one_call_forward_is_bitwise_the_module_path(arch, extra, kv, model_dir, monkeypatch):
     """Both engines get the same requests on a pool so tight that prompts are chunked and
     requests preempted (mixed prefill and decode steps, padding-free slot writes); after every
     step the logits are identical, and so are the tokens."""
     path = model_dir(arch, **extra)
     fused, modules = load_both(
-        path, monkeypatch, num_kv_blocks=48, block_size=4, max_num_batched_tokens=40
+        path,
+        monkeypatch,
+        num_kv_blocks=48,
+        block_size=4,
+        max_num_batched_tokens=40,
+        kv_cache_dtype=kv,
     )
     assert fused.core.runner.model.cpu_forward is not None
     assert modules.core.runner.model.cpu_forward is None

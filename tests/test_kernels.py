@@ -108,6 +108,31 @@ def test_split_kv_decode_matches_reference(splits):
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
+def test_a_16_bit_cache_under_a_float32_query(cache_dtype):
+    """--kv-cache-dtype: K/V stored rounded to 16 bits and widened as the kernels read them."""
+    query, k_cache, v_cache, meta = make_batch(
+        batch_specs(16) + [(1, 300)], 16, 8, 2, 64, torch.float32, seed=4
+    )
+    k16, v16 = (
+        torch.zeros_like(k_cache, dtype=cache_dtype),
+        torch.zeros_like(v_cache, dtype=cache_dtype),
+    )
+    flat = k_cache.view(-1, 2, 64)
+    slots = torch.arange(flat.shape[0], device=DEVICE)
+    TritonAttention().write_kv(flat, v_cache.view(-1, 2, 64), k16, v16, slots)
+    if DEVICE == "cuda" or cache_dtype == torch.float16:  # rounded as torch rounds
+        assert torch.equal(k16, k_cache.to(cache_dtype))
+        assert torch.equal(v16, v_cache.to(cache_dtype))
+    else:  # Triton's interpreter truncates float32 to bfloat16: within one unit of the last bit
+        torch.testing.assert_close(k16.float(), k_cache, atol=0, rtol=2**-7)
+        torch.testing.assert_close(v16.float(), v_cache, atol=0, rtol=2**-7)
+    got = TritonAttention().forward(query, k16, v16, meta, 0.125)
+    assert got.dtype == torch.float32
+    want = TorchAttention().forward(query, k16.float(), v16.float(), meta, 0.125)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
 def test_split_count_is_chosen_for_small_batches_and_long_contexts():
     assert num_splits_for(1, 8, 16384, 132, 64) > 1  # one long sequence: split it
     assert num_splits_for(256, 8, 16384, 132, 64) == 1  # plenty of programs already

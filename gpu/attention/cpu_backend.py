@@ -33,7 +33,13 @@ class CpuAttention(TorchAttention):
         scale: float,
         sliding_window: int = 0,
     ) -> torch.Tensor:
-        if query.dtype not in _DTYPES or k_cache.dtype != query.dtype:
+        # The cache is the query's dtype, or 16-bit under a float32 query (--kv-cache-dtype).
+        if (
+            query.dtype not in _DTYPES
+            or k_cache.dtype not in _DTYPES
+            or v_cache.dtype != k_cache.dtype
+            or (k_cache.dtype != query.dtype and query.dtype != torch.float32)
+        ):
             raise ValueError(f"cpu attention: unsupported dtypes {query.dtype}, {k_cache.dtype}")
         if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
             raise ValueError("cpu attention: caches must be contiguous")
@@ -59,6 +65,7 @@ class CpuAttention(TorchAttention):
             sliding_window,
             torch.get_num_threads(),
             _DTYPES[query.dtype],
+            _DTYPES[k_cache.dtype],
         )
         if rc != 0:
             raise RuntimeError(f"cpu attention kernel failed ({rc})")

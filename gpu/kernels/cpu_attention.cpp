@@ -66,7 +66,7 @@ constexpr int64_t kKeys = 16;
 
 // Calls fn(first, n, rows) for each chunk of at most kKeys consecutive cache slots in [lo, hi) of
 // one sequence (never crossing a block), with rows pointing at the chunk's first slot (all KV
-// heads, `slot` floats per slot: in place for float caches, converted into buf for 16-bit ones).
+// heads, `slot` floats per slot: in place for float caches, widened into buf for 16-bit ones).
 template <typename T, typename Fn>
 inline void for_each_chunk(const T* cache, const int32_t* table, int64_t bs, int64_t slot,
                            int64_t lo, int64_t hi, float* buf, Fn&& fn) {
@@ -86,7 +86,7 @@ inline void for_each_chunk(const T* cache, const int32_t* table, int64_t bs, int
             if constexpr (std::is_same_v<T, float>) {
                 fn(t, n, rows);
             } else {
-                for (int64_t e = 0; e < n * slot; ++e) buf[e] = to_f32(rows[e]);
+                widen(rows, n * slot, buf);
                 fn(t, n, static_cast<const float*>(buf));
             }
         }
@@ -106,13 +106,13 @@ struct Part {
     float* sum;  // [heads]
 };
 
-template <typename T, int64_t DD>
+template <typename T, typename C, int64_t DD>
 void run_item(const Args& a, int64_t seq, int64_t row0, int64_t row1, std::vector<float>& scores,
               std::vector<float>& qbuf, std::vector<float>& acc, std::vector<float>& kvbuf,
               int64_t k0 = 0, int64_t k1 = INT64_MAX, const Part* part = nullptr) {
     const T* q = static_cast<const T*>(a.query);
-    const T* kc = static_cast<const T*>(a.k_cache);
-    const T* vc = static_cast<const T*>(a.v_cache);
+    const C* kc = static_cast<const C*>(a.k_cache);
+    const C* vc = static_cast<const C*>(a.v_cache);
     T* out = static_cast<T*>(a.out);
     const int64_t D = DD ? DD : a.head_dim;
     const int64_t H = a.num_heads, Hkv = a.num_kv_heads, bs = a.block_size;
@@ -146,7 +146,7 @@ void run_item(const Args& a, int64_t seq, int64_t row0, int64_t row1, std::vecto
         }
 
     // Pass 1: scores for every key in the tile's range (masked per row below).
-    for_each_chunk<T>(kc, table, bs, slot, lo_min, hi_max, kvbuf.data(),
+    for_each_chunk<C>(kc, table, bs, slot, lo_min, hi_max, kvbuf.data(),
                       [&](int64_t t, int64_t n, const float* k) {
         for (int64_t g = 0; g < Hkv; ++g) {
             const float* kg = k + g * D;
@@ -211,7 +211,7 @@ void run_item(const Args& a, int64_t seq, int64_t row0, int64_t row1, std::vecto
         for (int64_t t = lo; t < hi; ++t) s[t] *= inv;
     }
     // Pass 2: weighted sum of values, four keys per update of each accumulator.
-    for_each_chunk<T>(vc, table, bs, slot, lo_min, hi_max, kvbuf.data(),
+    for_each_chunk<C>(vc, table, bs, slot, lo_min, hi_max, kvbuf.data(),
                       [&](int64_t t, int64_t n, const float* v) {
         for (int64_t g = 0; g < Hkv; ++g) {
             const float* vg = v + g * D;
@@ -283,7 +283,7 @@ void merge_parts(const Args& a, int64_t token, const float* acc, const float* ma
 // 304 -> 196 us; the engine's decode step at a 3,500-token context 17.7-18.3 -> 9.8-10.1 ms.
 constexpr int64_t kPartKeys = 512;
 
-template <typename T, int64_t DD>
+template <typename T, typename C, int64_t DD>
 void run(const Args& a) {
     struct Item {
         int32_t seq, row0, row1;
@@ -319,12 +319,12 @@ void run(const Args& a) {
         thread_local std::vector<float> scores, qbuf, acc, kvbuf;  // grown once per thread
         const Item& it = items[i];
         if (it.part < 0) {
-            run_item<T, DD>(a, it.seq, it.row0, it.row1, scores, qbuf, acc, kvbuf);
+            run_item<T, C, DD>(a, it.seq, it.row0, it.row1, scores, qbuf, acc, kvbuf);
             return;
         }
         const Part part{part_acc.data() + it.part * H * D, part_max.data() + it.part * H,
                         part_sum.data() + it.part * H};
-        run_item<T, DD>(a, it.seq, 0, 1, scores, qbuf, acc, kvbuf, it.k0, it.k1, &part);
+        run_item<T, C, DD>(a, it.seq, 0, 1, scores, qbuf, acc, kvbuf, it.k0, it.k1, &part);
     });
     weir::parallel_for(n_splits, a.num_threads, [&](int64_t i) {
         const Split& sp = splits[i];
@@ -333,14 +333,14 @@ void run(const Args& a) {
     });
 }
 
-template <typename T>
+template <typename T, typename C>
 void run_dim(const Args& a) {
     switch (a.head_dim) {
-        case 32: return run<T, 32>(a);
-        case 64: return run<T, 64>(a);
-        case 128: return run<T, 128>(a);
-        case 256: return run<T, 256>(a);
-        default: return run<T, 0>(a);
+        case 32: return run<T, C, 32>(a);
+        case 64: return run<T, C, 64>(a);
+        case 128: return run<T, C, 128>(a);
+        case 256: return run<T, C, 256>(a);
+        default: return run<T, C, 0>(a);
     }
 }
 
@@ -348,21 +348,26 @@ void run_dim(const Args& a) {
 
 extern "C" {
 
-// dtype: 0 float32, 1 bfloat16, 2 float16. Returns 0, or -1 for an unknown dtype.
+// dtype (query and out) and cache_dtype (K and V): 0 float32, 1 bfloat16, 2 float16; the cache
+// is the query's type, or 16-bit under a float32 query (--kv-cache-dtype). Returns 0, or -1 for
+// a pair not offered.
 int weir_paged_attention(const void* query, const void* k_cache, const void* v_cache, void* out,
                          const int32_t* block_tables, const int32_t* query_start,
                          const int32_t* seq_lens, int64_t num_seqs,
                          int64_t max_blocks, int64_t num_heads, int64_t num_kv_heads,
                          int64_t head_dim, int64_t block_size, float scale,
-                         int64_t sliding_window, int64_t num_threads, int dtype) {
+                         int64_t sliding_window, int64_t num_threads, int dtype,
+                         int cache_dtype) {
     const Args a{query,       k_cache,      v_cache,  out,        block_tables,
                  query_start, seq_lens,     num_seqs, max_blocks,
                  num_heads,   num_kv_heads, head_dim, block_size, scale,
                  sliding_window, num_threads};
-    switch (dtype) {
-        case 0: run_dim<float>(a); return 0;
-        case 1: run_dim<uint16_t>(a); return 0;
-        case 2: run_dim<_Float16>(a); return 0;
+    switch (dtype * 3 + cache_dtype) {
+        case 0: run_dim<float, float>(a); return 0;
+        case 1: run_dim<float, uint16_t>(a); return 0;
+        case 2: run_dim<float, _Float16>(a); return 0;
+        case 4: run_dim<uint16_t, uint16_t>(a); return 0;
+        case 8: run_dim<_Float16, _Float16>(a); return 0;
     }
     return -1;
 }

@@ -1,11 +1,13 @@
 // Element conversions and AVX-512 inner loops of the CPU paged attention (cpu_attention.cpp):
 // the algorithm there, the vector primitives here. Header-only, included in one translation
-// unit, so everything is inline in an anonymous namespace.
+// unit each (cpu_attention.cpp, cpu_forward.cpp's K/V writes), so everything is inline in an
+// anonymous namespace.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -32,6 +34,71 @@ inline void store(uint16_t* p, float x) {  // round to nearest even, as torch do
     *p = uint16_t(u >> 16);
 }
 inline void store(_Float16* p, float x) { *p = _Float16(x); }
+
+// dst[e] = float(src[e]) for e < n: a 16-bit K/V chunk widened for the float inner loops.
+inline void widen(const uint16_t* src, int64_t n, float* dst) {
+    int64_t e = 0;
+#if defined(__AVX512F__)
+    for (; e + 16 <= n; e += 16) {
+        const __m512i w = _mm512_cvtepu16_epi32(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + e)));
+        _mm512_storeu_ps(dst + e, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
+    }
+#elif defined(__AVX2__)
+    for (; e + 8 <= n; e += 8) {
+        const __m256i w = _mm256_cvtepu16_epi32(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + e)));
+        _mm256_storeu_ps(dst + e, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
+    }
+#endif
+    for (; e < n; ++e) dst[e] = to_f32(src[e]);
+}
+inline void widen(const _Float16* src, int64_t n, float* dst) {
+    int64_t e = 0;
+#if defined(__AVX512F__)
+    for (; e + 16 <= n; e += 16)
+        _mm512_storeu_ps(dst + e, _mm512_cvtph_ps(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + e))));
+#elif defined(__F16C__)
+    for (; e + 8 <= n; e += 8)
+        _mm256_storeu_ps(dst + e, _mm256_cvtph_ps(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + e))));
+#endif
+    for (; e < n; ++e) dst[e] = to_f32(src[e]);
+}
+
+// dst[e] = src[e] rounded to T, as torch's .to(dtype) rounds (nearest, ties to even): K/V rows
+// written into a 16-bit cache.
+inline void narrow(const float* src, int64_t n, float* dst) {
+    std::memcpy(dst, src, sizeof(float) * n);
+}
+inline void narrow(const float* src, int64_t n, uint16_t* dst) {
+    int64_t e = 0;
+#if defined(__AVX512F__)
+    const __m512i one = _mm512_set1_epi32(1), bias = _mm512_set1_epi32(0x7fff);
+    for (; e + 16 <= n; e += 16) {
+        const __m512 x = _mm512_loadu_ps(src + e);
+        const __m512i u = _mm512_castps_si512(x);
+        __m512i r = _mm512_add_epi32(
+            u, _mm512_add_epi32(bias, _mm512_and_si512(_mm512_srli_epi32(u, 16), one)));
+        r = _mm512_srli_epi32(r, 16);
+        // NaN stays NaN (quiet), as in the scalar store.
+        const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+        r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + e), _mm512_cvtepi32_epi16(r));
+    }
+#endif
+    for (; e < n; ++e) store(dst + e, src[e]);
+}
+inline void narrow(const float* src, int64_t n, _Float16* dst) {
+    int64_t e = 0;
+#if defined(__AVX512F__)
+    for (; e + 16 <= n; e += 16)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + e),
+                            _mm512_cvtps_ph(_mm512_loadu_ps(src + e), _MM_FROUND_TO_NEAREST_INT));
+#endif
+    for (; e < n; ++e) store(dst + e, src[e]);
+}
 
 #ifdef __AVX512F__
 // AVX-512 inner loops for head sizes that are a multiple of 16 (one zmm holds 16 floats).

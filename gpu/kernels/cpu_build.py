@@ -113,7 +113,7 @@ def load() -> ctypes.CDLL:
                 raise BuildError(f"could not load {path}: {e}") from e
             fn = lib.weir_paged_attention
             p, i64 = ctypes.c_void_p, ctypes.c_int64
-            fn.argtypes = [p] * 7 + [i64] * 6 + [ctypes.c_float, i64, i64, ctypes.c_int]
+            fn.argtypes = [p] * 7 + [i64] * 6 + [ctypes.c_float, i64, i64] + [ctypes.c_int] * 2
             fn.restype = ctypes.c_int
             fn = lib.weir_rms_norm_rope
             fn.argtypes = [p, i64, i64, i64, i64, p, ctypes.c_float, p, p, p, i64]

@@ -1,5 +1,5 @@
 // The decoder's layers in one call: every layer of a CPU float32 forward without returning to
-// Python between its steps.
+// Python between its steps. The K/V cache may be float32 or 16-bit (--kv-cache-dtype).
 //
 // The same kernels the modules call one by one (cpu_norm_rope.cpp, cpu_gemm.cpp,
 // cpu_attention.cpp), called in the same order on the same buffers, so the result is bitwise
@@ -18,6 +18,8 @@
 #include <cstring>
 #include <memory>
 
+#include "cpu_attention_simd.h"
+
 extern "C" {
 void weir_rms_norm_rope(const float* x, int64_t tokens, int64_t heads, int64_t dim,
                         int64_t token_stride, const float* weight, float eps, const float* cos,
@@ -30,7 +32,7 @@ int weir_paged_attention(const void* query, const void* k_cache, const void* v_c
                          const int32_t* seq_lens, int64_t num_seqs, int64_t max_blocks,
                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                          int64_t block_size, float scale, int64_t sliding_window,
-                         int64_t num_threads, int dtype);
+                         int64_t num_threads, int dtype, int cache_dtype);
 }
 
 namespace {
@@ -46,8 +48,8 @@ struct Layer {
     const float* o;           // packed [hidden, heads * head_dim]
     const float* gate_up;     // packed gated pair [intermediate, hidden] x 2
     const float* down;        // packed [hidden, intermediate]
-    float* k_cache;           // [blocks, block_size, kv_heads, head_dim]
-    float* v_cache;
+    void* k_cache;            // [blocks, block_size, kv_heads, head_dim], of Model::cache_dtype
+    void* v_cache;
 };
 
 struct Model {
@@ -55,6 +57,7 @@ struct Model {
     int64_t block_size, sliding_window;
     float eps, scale;
     int64_t act;  // cpu_gemm.cpp's gated code: 1 SiLU, 2 GELU, 3 GELU (tanh)
+    int64_t cache_dtype;  // the K/V cache's elements: 0 float32, 1 bfloat16, 2 float16
     const Layer* layers;
     const float* final_norm;
 };
@@ -98,11 +101,21 @@ struct Timer {
     }
 };
 
-void scatter(float* cache, const float* rows, int64_t row_stride, const int64_t* slots,
-             int64_t tokens, int64_t width) {
+// Rows of `width` floats into their cache slots (rounded as torch's .to() rounds for a 16-bit
+// cache); slot -1 writes nothing.
+template <typename C>
+void scatter_as(void* cache, const float* rows, int64_t row_stride, const int64_t* slots,
+                int64_t tokens, int64_t width) {
+    C* c = static_cast<C*>(cache);
     for (int64_t t = 0; t < tokens; ++t)
-        if (slots[t] >= 0)
-            std::memcpy(cache + slots[t] * width, rows + t * row_stride, sizeof(float) * width);
+        if (slots[t] >= 0) narrow(rows + t * row_stride, width, c + slots[t] * width);
+}
+
+void scatter(int64_t dtype, void* cache, const float* rows, int64_t row_stride,
+             const int64_t* slots, int64_t tokens, int64_t width) {
+    if (dtype == 1) return scatter_as<uint16_t>(cache, rows, row_stride, slots, tokens, width);
+    if (dtype == 2) return scatter_as<_Float16>(cache, rows, row_stride, slots, tokens, width);
+    scatter_as<float>(cache, rows, row_stride, slots, tokens, width);
 }
 
 }  // namespace
@@ -144,13 +157,14 @@ int weir_decoder_forward(const Model* m, const Step* s) {
         weir_rms_norm_rope(qkv + qw, T, m->kv_heads, D, qkvw, L.k_norm, eps, cos, sin, k,
                            nt);
         timer.lap(kRope);
-        scatter(L.k_cache, k, kvw, s->slots, T, kvw);
-        scatter(L.v_cache, qkv + qw + kvw, qkvw, s->slots, T, kvw);
+        scatter(m->cache_dtype, L.k_cache, k, kvw, s->slots, T, kvw);
+        scatter(m->cache_dtype, L.v_cache, qkv + qw + kvw, qkvw, s->slots, T, kvw);
         timer.lap(kKv);
         const int rc = weir_paged_attention(q, L.k_cache, L.v_cache, o, s->block_tables,
                                             s->query_start, s->seq_lens, s->num_seqs,
                                             s->max_blocks, m->heads, m->kv_heads, D,
-                                            m->block_size, m->scale, m->sliding_window, nt, 0);
+                                            m->block_size, m->scale, m->sliding_window, nt, 0,
+                                            int(m->cache_dtype));
         if (rc != 0) return rc;
         timer.lap(kAttention);
         weir_gemm(o, T, qw, qw, L.o, H, 0, nullptr, x, H, x, H, nt);

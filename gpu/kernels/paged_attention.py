@@ -75,7 +75,9 @@ def _attend(
 ):
     """One online-softmax step: fold a tile of keys/values (where `visible`) into the running
     max `m_i`, normalizer `l_i` and unnormalized output `acc`."""
+    # A 16-bit cache under a float32 query (--kv-cache-dtype) is widened as it is read.
     k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    k = k.to(q.dtype)
     s = _dot(q, tl.trans(k), PRECISION, UPCAST) * scale
     s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -84,6 +86,7 @@ def _attend(
     alpha = tl.exp(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, axis=1)
     v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    v = v.to(q.dtype)
     acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION, UPCAST)
     return m_new, l_i, acc
 
@@ -103,10 +106,14 @@ def _check(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, seq
         raise ValueError(f"{heads} query heads are not a multiple of {kv_heads} KV heads")
     if query.stride(-1) != 1 or k_cache.stride(-1) != 1:
         raise ValueError("the head_dim axis must be contiguous")
-    if query.dtype != k_cache.dtype or v_cache.dtype != k_cache.dtype:
-        raise ValueError(f"query {query.dtype} and cache {k_cache.dtype} dtypes differ")
-    if query.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise ValueError(f"unsupported dtype {query.dtype}")
+    if v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"k_cache {k_cache.dtype} and v_cache {v_cache.dtype} dtypes differ")
+    floats = (torch.float32, torch.float16, torch.bfloat16)
+    if query.dtype not in floats or k_cache.dtype not in floats:
+        raise ValueError(f"unsupported dtypes {query.dtype}, {k_cache.dtype}")
+    # The cache is the query's dtype, or 16-bit under a float32 query (--kv-cache-dtype).
+    if k_cache.dtype != query.dtype and query.dtype != torch.float32:
+        raise ValueError(f"unsupported dtypes: a {k_cache.dtype} cache under a {query.dtype} query")
     for name, t in (
         ("block_tables", block_tables),
         ("query_start_loc", query_start_loc),
