@@ -71,9 +71,10 @@ def test_same_greedy_text_as_the_in_thread_engine(proc_server, model_dir):
             want, _ = complete(thread_server.url, prompt, stream=False, ignore_eos=True)
             got, _ = complete(proc_server.url, prompt, stream=False, ignore_eos=True)
             streamed, lines = complete(proc_server.url, prompt, stream=True, ignore_eos=True)
-            # A first event, then the rest (merged into fewer events when the reader is behind
-            # the engine: 24 tokens of the tiny model take ~12 ms), then [DONE].
-            assert got == want == streamed and len(lines) >= 3
+            # Events, then [DONE]: a reader behind the engine (24 tokens of the tiny model take
+            # ~12 ms) gets deltas merged, down to one event on a busy machine; that a long
+            # stream comes as many events is checked under load below.
+            assert got == want == streamed and len(lines) >= 2
     finally:
         thread_server.stop()
 
