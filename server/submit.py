@@ -149,8 +149,11 @@ class Submitted:
         left = len(self.ids)
         while left:
             outs = None
-            with trio.move_on_at(self.deadline):
+            if self.deadline == float("inf"):  # no --request-timeout: no cancel scope per event
                 outs = await self.channel.get()
+            else:
+                with trio.move_on_at(self.deadline):
+                    outs = await self.channel.get()
             if outs is None:
                 for out in self.channel.take_nowait():  # what arrived but was not yet due
                     i = self.index[out.request_id]
