@@ -14,9 +14,10 @@ def exact(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return (x.double() @ w.double().T).float()
 
 
-# rows: 1 (decode), micro-tile tails, more than one row block; shapes: partial panels, K past
-# one L1 chunk and not a multiple of it, tiny K
-@pytest.mark.parametrize("rows", [0, 1, 5, 7, 13, 64, 130])
+# rows: 1 (decode), micro-tile tails, more than one row block, four or more (block-major, a
+# partial last block); shapes: partial panels, K past one L1 chunk and not a multiple of it,
+# tiny K
+@pytest.mark.parametrize("rows", [0, 1, 5, 7, 13, 64, 130, 400])
 @pytest.mark.parametrize("n,k", [(768, 512), (100, 37), (70, 300), (16, 1)])
 def test_linear_matches_torch(rows, n, k):
     torch.manual_seed(rows * 1000 + n + k)
@@ -50,11 +51,11 @@ def test_leading_dims_and_strided_rows():
 
 def test_a_row_does_not_depend_on_its_batch():
     """Each output is one sum over k in order: a row's result is bitwise the same alone, in a
-    batch of 7 or of 200, on any thread count (what keeps a request's logits independent of
-    what it is batched with)."""
+    batch of 7, of 200 or of 700 (taken block-major), on any thread count (what keeps a
+    request's logits independent of what it is batched with)."""
     torch.manual_seed(0)
     layer = GemmLinear(nn.Linear(512, 300, bias=False))
-    x = torch.randn(200, 512)
+    x = torch.randn(700, 512)
     with torch.no_grad():
         alone = layer(x[5:6])
         threads = torch.get_num_threads()
@@ -62,7 +63,9 @@ def test_a_row_does_not_depend_on_its_batch():
             for t in {1, max(2, threads)}:
                 torch.set_num_threads(t)
                 assert torch.equal(layer(x[:7])[5:6], alone)
+                assert torch.equal(layer(x[:200])[5:6], alone)
                 assert torch.equal(layer(x)[5:6], alone)
+                assert torch.equal(layer(x)[650:651], layer(x[650:651]))
         finally:
             torch.set_num_threads(threads)
 
