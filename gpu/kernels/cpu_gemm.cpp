@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <cstring>
 #include <thread>
+#include <vector>
 
 #include "cpu_pool.h"
 
@@ -60,6 +61,7 @@ struct Args {
     int64_t res_stride;
     float* out;
     int64_t out_stride;
+    const float* xp;  // x packed by micro-tile ([m / MR][k][MR]), or null: read x in place
 };
 
 // exp's argument clamped to [-80, 80]: -ffast-math assumes no infinities (exp(-v) overflows
@@ -74,10 +76,12 @@ inline float gelu_tanh(float v) {
 
 // acc[r * NB + j] += sum over k in [k0, k1) of x[row0 + r, k] * panel[k, j], in k order (so
 // the chunks of one sum add up in the same order as one pass would).
-template <int R>
+template <int R, bool P>
 void tile(const Args& a, int64_t row0, const float* bp, int64_t k0, int64_t k1, float* acc,
           bool first) {
-    const float* x = a.x + row0 * a.x_stride;
+    // element (r, kk) of the tile's rows: packed, x[kk * MR + r]; in place, x[r * stride + kk]
+    const float* x = P ? a.xp + row0 * a.k : a.x + row0 * a.x_stride;
+    const int64_t rs = P ? 1 : a.x_stride, ks = P ? MR : 1;
     vf c[R][NV];
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r)
@@ -89,7 +93,7 @@ void tile(const Args& a, int64_t row0, const float* bp, int64_t k0, int64_t k1, 
         for (int v = 0; v < NV; ++v) b[v] = *(const vfu*)(bp + kk * NB + v * VW);
 #pragma GCC unroll 8
         for (int r = 0; r < R; ++r) {
-            const float xv = x[r * a.x_stride + kk];
+            const float xv = x[r * rs + kk * ks];
 #pragma GCC unroll 4
             for (int v = 0; v < NV; ++v) c[r][v] += xv * b[v];
         }
@@ -100,12 +104,12 @@ void tile(const Args& a, int64_t row0, const float* bp, int64_t k0, int64_t k1, 
         for (int v = 0; v < NV; ++v) *(vf*)(acc + r * NB + v * VW) = c[r][v];
 }
 
-template <int R>
+template <int R, bool P>
 void tail(const Args& a, int64_t row, int64_t left, const float* bp, int64_t k0, int64_t k1,
           float* acc, bool first) {
     if constexpr (R > 0) {
-        if (left == R) return tile<R>(a, row, bp, k0, k1, acc, first);
-        tail<R - 1>(a, row, left, bp, k0, k1, acc, first);
+        if (left == R) return tile<R, P>(a, row, bp, k0, k1, acc, first);
+        tail<R - 1, P>(a, row, left, bp, k0, k1, acc, first);
     }
 }
 
@@ -137,10 +141,15 @@ void rows(const Args& a, int64_t row0, int64_t row1, int64_t panel, int64_t pane
         for (int64_t t = 0; r < row1; ++t, r += MR) {
             for (int64_t b = t * share; b < std::min(next_bytes, (t + 1) * share); b += 64)
                 __builtin_prefetch(next + b, 0, 2);
-            if (r + MR <= row1)
-                tile<MR>(a, r, bp, k0, k1, acc + (r - row0) * NB, k0 == 0);
+            float* c = acc + (r - row0) * NB;
+            if (a.xp && r + MR <= row1)
+                tile<MR, true>(a, r, bp, k0, k1, c, k0 == 0);
+            else if (a.xp)
+                tail<MR - 1, true>(a, r, row1 - r, bp, k0, k1, c, k0 == 0);
+            else if (r + MR <= row1)
+                tile<MR, false>(a, r, bp, k0, k1, c, k0 == 0);
             else
-                tail<MR - 1>(a, r, row1 - r, bp, k0, k1, acc + (r - row0) * NB, k0 == 0);
+                tail<MR - 1, false>(a, r, row1 - r, bp, k0, k1, c, k0 == 0);
         }
         if (k1 >= a.k) break;
     }
@@ -222,7 +231,6 @@ void weir_gemm_pack(const float* w, const float* w2, int64_t n, int64_t k, int g
 void weir_gemm(const float* x, int64_t m, int64_t k, int64_t x_stride, const float* packed,
                int64_t n, int gated, const float* bias, const float* residual,
                int64_t res_stride, float* out, int64_t out_stride, int64_t num_threads) {
-    const Args a{x, m, k, x_stride, packed, n, gated, bias, residual, res_stride, out, out_stride};
     const int64_t panels = panels_of(n, gated);
     const int64_t blocks = (m + MB - 1) / MB;
     const int64_t tasks = panels * blocks;
@@ -234,8 +242,32 @@ void weir_gemm(const float* x, int64_t m, int64_t k, int64_t x_stride, const flo
     // stream past it (prefetched, see rows), where panel-major re-read all of x from L3 for
     // every panel. The 6-layer Llama's products, alternated in one process on 2 threads:
     // 512 rows 168 -> 186, 1024 rows 187 -> 204, 2048 rows 179 -> 209 GFLOP/s; 128 and 192
-    // rows (two blocks) level either way. Each output's sum is the same either way.
+    // rows (two blocks) level either way.
     const bool block_major = blocks >= 4;
+    // Block-major, x is first copied micro-tile by micro-tile ([m / MR][k][MR], zero rows past
+    // m): a tile then reads one contiguous stream instead of MR rows k floats apart. One more
+    // pass over x; alternated as above, 512 / 1024 / 2048 rows +1-5% / +14% / +4-6% more.
+    // Each output is the same sum in the same order whichever way it goes.
+    static thread_local std::vector<float> xp;  // the caller's, grown once
+    if (block_major) {
+        const int64_t tiles = (m + MR - 1) / MR;
+        if (int64_t(xp.size()) < tiles * MR * k) xp.resize(tiles * MR * k);
+        float* base = xp.data();
+        weir::parallel_for(tiles, parallel ? num_threads : 1, [&](int64_t t) {
+            float* dst = base + t * MR * k;
+            const int64_t rows = std::min<int64_t>(MR, m - t * MR);
+            for (int64_t r = 0; r < MR; ++r) {
+                const float* src = x + (t * MR + r) * x_stride;
+                if (r < rows)
+                    for (int64_t kk = 0; kk < k; ++kk) dst[kk * MR + r] = src[kk];
+                else
+                    for (int64_t kk = 0; kk < k; ++kk) dst[kk * MR + r] = 0.f;
+            }
+        });
+    }
+    const Args a{x,        m,        k,          x_stride, packed,     n,
+                 gated,    bias,     residual,   res_stride, out,      out_stride,
+                 block_major ? xp.data() : nullptr};
     weir::parallel_for(tasks, parallel ? num_threads : 1, [&](int64_t t) {
         const int64_t panel = block_major ? t % panels : t / blocks;
         const int64_t block = block_major ? t / panels : t % blocks;
