@@ -53,6 +53,8 @@ class _Model(ctypes.Structure):
         ("cache_dtype", _i64),
         ("layers", _p),
         ("final_norm", _p),
+        ("lm_head", _p),
+        ("vocab", _i64),
     ]
 
 
@@ -75,6 +77,9 @@ class _Step(ctypes.Structure):
         ("cos_table", _p),
         ("sin_table", _p),
         ("table_rows", _i64),
+        ("logits_rows", _p),
+        ("num_logits", _i64),
+        ("logits", _p),
     ]
 
 
@@ -121,6 +126,14 @@ class CpuForward:
         self._caches: list | None = None  # the kv_caches list the layer table points into
         self._layers = None
         self._struct = None
+        # The LM head when the call can take it too: an untied, bias-free one on weir's kernel
+        # (a tied head multiplies by the embedding's plain weight, through torch).
+        from gpu.cpu_gemm import GemmLinear
+
+        head = getattr(model, "lm_head", None)
+        tied = model.spec.tie_word_embeddings
+        ok = isinstance(head, GemmLinear) and head.bias is None and not tied
+        self.lm_head = head if ok else None
 
     def _bind(self, kv_caches) -> None:
         model, spec = self.model, self.model.local_spec
@@ -154,6 +167,8 @@ class CpuForward:
             cache_dtype=CACHE_DTYPES[kv_caches[0][0].dtype],
             layers=ctypes.addressof(table),
             final_norm=_ptr(model.model.norm.weight),
+            lm_head=_ptr(self.lm_head.packed) if self.lm_head is not None else None,
+            vocab=self.lm_head.out_features if self.lm_head is not None else 0,
         )
         self._layers, self._caches = table, kv_caches
 
@@ -174,10 +189,14 @@ class CpuForward:
         sin: torch.Tensor,
         kv_caches,
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
+        logits_rows: torch.Tensor | None = None,
+    ):
         """The final norm [tokens, hidden] of the layer stack over the embeddings of input_ids
         (rows of embed [vocab, hidden]) at `positions`, whose rotary rows are those of the
-        cos / sin tables [rows, head_dim] (gpu/models/rope.py Rope.tables)."""
+        cos / sin tables [rows, head_dim] (gpu/models/rope.py Rope.tables).
+
+        With `logits_rows` (int64 row indices; needs self.lm_head), (that, the LM head's
+        logits [len(logits_rows), vocab] of those rows) instead."""
         if kv_caches is not self._caches:
             self._bind(kv_caches)
         ids = input_ids.to(torch.int64).contiguous()
@@ -204,15 +223,27 @@ class CpuForward:
             num_seqs=meta.num_seqs,
             num_threads=torch.get_num_threads(),
         )
+        logits = None
+        if logits_rows is not None:
+            if self.lm_head is None:
+                raise ValueError("this model's LM head is not on the compiled path")
+            n = logits_rows.shape[0]
+            logits = torch.empty(n, self.lm_head.out_features)
+            step.num_logits, step.logits = n, logits.data_ptr()
+            if n != x.shape[0]:  # the sampled rows only (all rows: 0..n-1, read in place)
+                logits_rows = logits_rows.to(torch.int64).contiguous()
+                step.logits_rows = logits_rows.data_ptr()
         rc = self._lib.weir_decoder_forward(ctypes.addressof(self._struct), ctypes.addressof(step))
         if rc == 2:
             raise IndexError("token id outside the vocabulary")  # as torch.embedding says
+        if rc == 4:
+            raise IndexError("a logits row outside the step's tokens")
         if rc != 0:
             raise RuntimeError(f"cpu forward failed ({rc})")
-        return out
+        return out if logits is None else (out, logits)
 
 
-PROFILE_OPS = ("norm", "qkv", "rope", "kv write", "attention", "o", "gate/up", "down")
+PROFILE_OPS = ("norm", "qkv", "rope", "kv write", "attention", "o", "gate/up", "down", "lm head")
 
 
 def profile(enable: bool = True) -> dict[str, float]:

@@ -224,10 +224,13 @@ class ModelRunner:
         input_ids, positions, meta, logits_rows = self.prepare(out)
         if masks is None and self.samples:
             masks = self._start_masks(out)
+        logits = None  # unless the compiled CPU forward computes them with the hidden states
         if self.graphs is not None and self.graphs.can_run(meta):
             hidden = self.graphs.run(input_ids, positions, meta)
         else:
-            hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
+            hidden, logits = self.model.forward_logits(
+                input_ids, positions, self.kv_caches, meta, self.backend, logits_rows
+            )
         grammar = masks() if masks is not None else None
         prompt_lp = {}
         if any(s.request.prompt_logprobs is not None for s in out.seqs):
@@ -237,9 +240,10 @@ class ModelRunner:
             pooled = pool(out, hidden)
         if logits_rows.numel() == 0:
             return StepResult([], [], prompt_lp, pooled)
-        # Every row sampled (a step of decodes): the rows are 0..n-1, no gather needed.
-        last = hidden if logits_rows.numel() == hidden.shape[0] else hidden[logits_rows]
-        logits = self.model.compute_logits(last)
+        if logits is None:
+            # Every row sampled (a step of decodes): the rows are 0..n-1, no gather needed.
+            last = hidden if logits_rows.numel() == hidden.shape[0] else hidden[logits_rows]
+            logits = self.model.compute_logits(last)
         self.last_logits = logits
         if not self.samples:
             return StepResult([], [])

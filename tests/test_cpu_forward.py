@@ -56,6 +56,9 @@ def test_one_call_forward_is_bitwise_the_module_path(arch, extra, kv, model_dir,
     )
     assert fused.core.runner.model.cpu_forward is not None
     assert modules.core.runner.model.cpu_forward is None
+    # the LM head in the same call where it is untied (the tiny models tie Qwen's)
+    tied = fused.core.runner.model.spec.tie_word_embeddings
+    assert (fused.core.runner.model.cpu_forward.lm_head is None) == tied
     for loaded in (fused, modules):
         for i, text in enumerate(PROMPTS):
             ids = loaded.tokenizer.encode(text)
@@ -120,3 +123,10 @@ def test_a_token_or_position_outside_its_table_is_refused(model_dir):
             model.cpu_forward(
                 torch.tensor(ids), torch.tensor(positions), embed, cos, sin, runner.kv_caches, meta
             )
+    # the LM head's rows, in the same call: as compute_logits gives them; a row past the
+    # step's tokens is refused
+    args = (torch.tensor([3]), torch.tensor([0]), embed, cos, sin, runner.kv_caches, meta)
+    hidden, logits = model.cpu_forward(*args, logits_rows=torch.tensor([0]))
+    assert torch.equal(hidden, ok) and torch.equal(logits, model.compute_logits(ok))
+    with pytest.raises(IndexError, match="logits row"):
+        model.cpu_forward(*args, logits_rows=torch.tensor([0, 1]))

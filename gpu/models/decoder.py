@@ -215,6 +215,29 @@ class DecoderForCausalLM(nn.Module):
             x = layer(x, cos, sin, kv, meta, backend)
         return self.model.norm(x)
 
+    def forward_logits(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+        logits_rows: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """forward(), and the logits of the rows `logits_rows` when the compiled CPU call can
+        take the LM head too (else None: the caller runs compute_logits)."""
+        cpu = self.cpu_forward
+        if (
+            cpu is not None
+            and cpu.lm_head is not None
+            and logits_rows.numel() > 0
+            and cpu.usable(kv_caches, backend)
+        ):
+            embed = self.model.embed_tokens.weight
+            cos, sin = self.rope.tables(max(meta.seq_lens_cpu, default=0), embed.dtype)
+            return cpu(input_ids, positions, embed, cos, sin, kv_caches, meta, logits_rows)
+        return self(input_ids, positions, kv_caches, meta, backend), None
+
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp is None:
             return self.model.embed_tokens(input_ids)
