@@ -228,7 +228,7 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.can_run(meta):
             hidden = self.graphs.run(input_ids, positions, meta)
         else:
-            hidden, logits = self.model.forward_logits(
+            hidden, logits = self.model(
                 input_ids, positions, self.kv_caches, meta, self.backend, logits_rows
             )
         grammar = masks() if masks is not None else None

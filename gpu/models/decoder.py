@@ -203,40 +203,28 @@ class DecoderForCausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
         backend: AttentionBackend,
-    ) -> torch.Tensor:
-        if self.cpu_forward is not None and self.cpu_forward.usable(kv_caches, backend):
+        logits_rows: torch.Tensor | None = None,
+    ):
+        """The final hidden states [tokens, hidden]. With `logits_rows`, (those, the logits of
+        those rows) when the compiled CPU call can take the LM head too, else (those, None):
+        the caller runs compute_logits."""
+        cpu = self.cpu_forward
+        if cpu is not None and cpu.usable(kv_caches, backend):
             # The compiled call gathers the embeddings and rotary rows itself.
             embed = self.model.embed_tokens.weight
             cos, sin = self.rope.tables(max(meta.seq_lens_cpu, default=0), embed.dtype)
-            return self.cpu_forward(input_ids, positions, embed, cos, sin, kv_caches, meta)
+            args = (input_ids, positions, embed, cos, sin, kv_caches, meta)
+            if logits_rows is None:
+                return cpu(*args)
+            if cpu.lm_head is not None and logits_rows.numel() > 0:
+                return cpu(*args, logits_rows)
+            return cpu(*args), None
         x = self.embed(input_ids)
         cos, sin = self.rope.cos_sin(positions, x.dtype)
         for layer, kv in zip(self.model.layers, kv_caches):
             x = layer(x, cos, sin, kv, meta, backend)
-        return self.model.norm(x)
-
-    def forward_logits(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        meta: AttentionMetadata,
-        backend: AttentionBackend,
-        logits_rows: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """forward(), and the logits of the rows `logits_rows` when the compiled CPU call can
-        take the LM head too (else None: the caller runs compute_logits)."""
-        cpu = self.cpu_forward
-        if (
-            cpu is not None
-            and cpu.lm_head is not None
-            and logits_rows.numel() > 0
-            and cpu.usable(kv_caches, backend)
-        ):
-            embed = self.model.embed_tokens.weight
-            cos, sin = self.rope.tables(max(meta.seq_lens_cpu, default=0), embed.dtype)
-            return cpu(input_ids, positions, embed, cos, sin, kv_caches, meta, logits_rows)
-        return self(input_ids, positions, kv_caches, meta, backend), None
+        hidden = self.model.norm(x)
+        return hidden if logits_rows is None else (hidden, None)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp is None:
