@@ -70,6 +70,20 @@ def test_a_row_does_not_depend_on_its_batch():
             torch.set_num_threads(threads)
 
 
+def test_a_product_past_the_packing_bound_runs_in_row_passes():
+    """More of x than the kernel packs at once (4M floats: here 5,000 x 1,000) runs as passes
+    over row ranges: the same result, a row's value the same as alone."""
+    torch.manual_seed(1)
+    linear = nn.Linear(1000, 70, bias=True)
+    layer = GemmLinear(linear)
+    x, residual = torch.randn(5000, 1000), torch.randn(5000, 70)
+    with torch.no_grad():
+        want = exact(x, linear.weight) + linear.bias
+        got = layer.forward_binary(x, residual, "add")
+        torch.testing.assert_close(got, want + residual, atol=1e-4, rtol=1e-4)
+        assert torch.equal(layer(x)[4500:4501], layer(x[4500:4501]))
+
+
 @pytest.mark.parametrize("act", list(_ACTIVATIONS))
 @pytest.mark.parametrize("rows", [1, 7, 300])
 def test_gated_mlp_matches_torch(act, rows):

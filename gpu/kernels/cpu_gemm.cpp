@@ -244,6 +244,22 @@ void weir_gemm(const float* x, int64_t m, int64_t k, int64_t x_stride, const flo
     // 512 rows 168 -> 186, 1024 rows 187 -> 204, 2048 rows 179 -> 209 GFLOP/s; 128 and 192
     // rows (two blocks) level either way.
     const bool block_major = blocks >= 4;
+    // The packed copy of x below is bounded: a product with more of x than kMaxPacked floats
+    // (a long prefill chunk through a wide MLP: 2,048 x 14,336 floats is 117 MB) runs as
+    // passes over row ranges of whole blocks, each the same per-row work as one pass.
+    constexpr int64_t kMaxPacked = int64_t(1) << 22;  // floats: 16 MB
+    if (block_major && m * k > kMaxPacked) {
+        const int64_t step = std::max<int64_t>(4, kMaxPacked / k / MB) * MB;
+        if (step < m) {
+            for (int64_t r0 = 0; r0 < m; r0 += step) {
+                const float* res = residual ? residual + r0 * res_stride : nullptr;
+                weir_gemm(x + r0 * x_stride, std::min(step, m - r0), k, x_stride, packed, n,
+                          gated, bias, res, res_stride, out + r0 * out_stride, out_stride,
+                          num_threads);
+            }
+            return;
+        }
+    }
     // Block-major, x is first copied micro-tile by micro-tile ([m / MR][k][MR], zero rows past
     // m): a tile then reads one contiguous stream instead of MR rows k floats apart. One more
     // pass over x; alternated as above, 512 / 1024 / 2048 rows +1-5% / +14% / +4-6% more.
