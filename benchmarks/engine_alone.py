@@ -16,6 +16,7 @@ forward's ops, the rest of the runner's execute and the engine around it.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import time
 from collections import Counter
@@ -44,6 +45,8 @@ def run(
         )
         for t in texts
     ]
+    gc.collect()
+    gc.freeze()  # as the server and its engine process do once loaded (core/engine_process.py)
     t0 = time.perf_counter()
     for i, x in enumerate(ids):
         core.add(EngineRequest(str(i), x, SamplingParams(temperature=0, max_tokens=max_tokens)))
