@@ -17,6 +17,7 @@ import os
 import torch
 
 from gpu.attention.backend import AttentionMetadata
+from gpu.attention.cpu_backend import DTYPES
 from gpu.kernels import cpu_build
 
 log = logging.getLogger("weir.cpu_forward")
@@ -81,10 +82,6 @@ class _Step(ctypes.Structure):
         ("num_logits", _i64),
         ("logits", _p),
     ]
-
-
-# The cache element codes of cpu_forward.cpp / cpu_attention.cpp.
-CACHE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -164,7 +161,7 @@ class CpuForward:
             eps=model.model.norm.eps,
             scale=first.self_attn.scale,
             act=first.mlp.act,
-            cache_dtype=CACHE_DTYPES[kv_caches[0][0].dtype],
+            cache_dtype=DTYPES[kv_caches[0][0].dtype],
             layers=ctypes.addressof(table),
             final_norm=_ptr(model.model.norm.weight),
             lm_head=_ptr(self.lm_head.packed) if self.lm_head is not None else None,
@@ -178,7 +175,7 @@ class CpuForward:
         if getattr(backend, "name", None) != "cpu":
             return False
         k, v = kv_caches[0]
-        return k.dtype in CACHE_DTYPES and k.is_contiguous() and v.is_contiguous()
+        return k.dtype in DTYPES and k.is_contiguous() and v.is_contiguous()
 
     def __call__(
         self,

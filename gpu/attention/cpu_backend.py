@@ -12,7 +12,8 @@ from gpu.attention.backend import AttentionMetadata
 from gpu.attention.torch_ref import TorchAttention
 from gpu.kernels import cpu_build
 
-_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+# Element codes of the compiled kernels (cpu_attention.cpp, and cpu_forward.cpp's K/V cache).
+DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 class CpuAttention(TorchAttention):
@@ -35,8 +36,8 @@ class CpuAttention(TorchAttention):
     ) -> torch.Tensor:
         # The cache is the query's dtype, or 16-bit under a float32 query (--kv-cache-dtype).
         if (
-            query.dtype not in _DTYPES
-            or k_cache.dtype not in _DTYPES
+            query.dtype not in DTYPES
+            or k_cache.dtype not in DTYPES
             or v_cache.dtype != k_cache.dtype
             or (k_cache.dtype != query.dtype and query.dtype != torch.float32)
         ):
@@ -64,8 +65,8 @@ class CpuAttention(TorchAttention):
             scale,
             sliding_window,
             torch.get_num_threads(),
-            _DTYPES[query.dtype],
-            _DTYPES[k_cache.dtype],
+            DTYPES[query.dtype],
+            DTYPES[k_cache.dtype],
         )
         if rc != 0:
             raise RuntimeError(f"cpu attention kernel failed ({rc})")
