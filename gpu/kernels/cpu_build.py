@@ -139,5 +139,8 @@ def load() -> ctypes.CDLL:
             fn = lib.weir_forward_profile
             fn.argtypes = [p, ctypes.c_int]
             fn.restype = None
+            fn = lib.weir_pool_selftest
+            fn.argtypes = [i64, i64, i64, i64, p]
+            fn.restype = None
             _lib = lib
         return _lib

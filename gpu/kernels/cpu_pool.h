@@ -12,6 +12,9 @@
 
 #include <cstdint>
 #include <type_traits>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 namespace weir {
 
@@ -25,6 +28,13 @@ void parallel_for(int64_t tasks, int64_t threads, F&& f) {
     using Fn = std::remove_reference_t<F>;
     parallel_for(tasks, threads, [](void* c, int64_t t) { (*static_cast<Fn*>(c))(t); },
                  static_cast<void*>(&f));
+}
+
+// A spin-wait's pause.
+inline void relax_cpu() {
+#if defined(__x86_64__)
+    _mm_pause();
+#endif
 }
 
 // The calling thread's index in the pool: 0 for the caller of a loop, 1.. for workers (for
