@@ -1,9 +1,12 @@
-"""`python -m benchmarks.bare_sse PORT`: the HTTP stack alone, for the overhead benchmark's floor.
+"""`python -m benchmarks.bare_sse PORT [TICK_MS]`: the HTTP stack alone, for the overhead
+benchmark's floor.
 
 A QuartTrio app on Hypercorn (weir's stack and settings: listen backlog, no access log) whose
 chat-completions route streams canned chunks of the same shape as weir's, with only a Trio
 checkpoint between them: no engine, no tokenizer. Its server CPU per SSE event is what the
-framework costs before weir does anything.
+framework costs before weir does anything. With TICK_MS, every open stream gets its next event
+together every TICK_MS milliseconds instead, as the engine's steps deliver them (one wake-up of
+the event loop, then one event per stream): benchmarks/http_floor.py.
 """
 
 from __future__ import annotations
@@ -21,6 +24,31 @@ from server.app import BACKLOG
 
 app = QuartTrio(__name__)
 _encode = msgspec.json.Encoder().encode
+TICK_S = float(sys.argv[2]) / 1000 if len(sys.argv) > 2 else 0.0
+_waiting: list[trio.Event] = []  # the streams waiting for the next tick
+
+
+@app.before_serving
+async def start_ticker() -> None:
+    async def ticker() -> None:
+        while True:
+            await trio.sleep(TICK_S)
+            ready = _waiting[:]
+            _waiting.clear()
+            for ev in ready:
+                ev.set()
+
+    if TICK_S:
+        app.nursery.start_soon(ticker)
+
+
+async def next_event() -> None:
+    if not TICK_S:
+        await trio.sleep(0)
+        return
+    ev = trio.Event()
+    _waiting.append(ev)
+    await ev.wait()
 
 
 @app.get("/health")
@@ -35,7 +63,7 @@ async def chat() -> Response:
 
     async def events():
         for _ in range(n):
-            await trio.sleep(0)
+            await next_event()
             yield (
                 b"data: "
                 + _encode(
