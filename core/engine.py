@@ -13,7 +13,9 @@ import traceback
 
 from collections.abc import Callable
 
+import msgspec
 import trio
+import trio.testing
 
 from core.engine_core import EngineCore
 from core.outputs import RequestChannel
@@ -24,6 +26,35 @@ from core.stats import StepStats
 log = logging.getLogger("weir.engine")
 
 _SHUTDOWN = object()
+
+
+class Hold(msgspec.Struct, frozen=True, gc=False):
+    """A test hook: when the engine stops stepping, so a test decides what a request can reach
+    instead of racing it. Asked before every step; a held engine still takes its commands
+    (add, abort, hold, shutdown), so a held request ends only by abort or shutdown.
+
+    `paused`: held until released. `gather`: held until this many requests are in the engine
+    (once: a batch gathers, then runs as it would). `at_output_tokens`: held once the engine
+    has requests and every one has written at least this many tokens."""
+
+    paused: bool = False
+    gather: int = 0
+    at_output_tokens: int = 0
+
+    def check(self, core: EngineCore) -> tuple[bool, Hold]:
+        """(held now, the rule from now on)."""
+        rule = self
+        requests = core.requests
+        if rule.gather:
+            if len(requests) < rule.gather:
+                return True, rule
+            rule = msgspec.structs.replace(rule, gather=0)
+        held = rule.paused or (
+            rule.at_output_tokens > 0
+            and len(requests) > 0
+            and all(r.num_output_tokens >= rule.at_output_tokens for r in requests.values())
+        )
+        return held, rule
 
 
 class EngineDeadError(RuntimeError):
@@ -47,6 +78,9 @@ class Engine:
         self.on_death: Callable[[str], None] | None = None
         self._adds_sent = 0  # Trio thread: requests put on the queue, ever
         self._last_stats = StepStats(num_free_blocks=num_free_blocks)
+        # Test hooks (ordering made explicit, never left to timing): see hold, lockstep.
+        self._hold: Hold | None = None  # engine side: the rule in force
+        self.lockstep = False
 
     # ---- Trio thread ----
     def start(self) -> None:
@@ -104,6 +138,36 @@ class Engine:
         self._commands.put((_SHUTDOWN, None))
         await trio.to_thread.run_sync(self._thread.join)
 
+    # ---- test hooks ----
+    def hold(self, rule: Hold) -> None:
+        """Test hook: step only while `rule` allows it (see Hold), until `release()`. Takes
+        effect before the engine's next step."""
+        self._submit("hold", rule)
+
+    def release(self) -> None:
+        self._submit("hold", None)
+
+    def _held(self) -> bool:
+        if self._hold is None:
+            return False
+        held, self._hold = self._hold.check(self.core)
+        return held
+
+    def _settle(self) -> None:
+        """Engine thread, under `lockstep`: wait until every Trio task has run as far as it can
+        with this step's outputs (each handler has taken what was due and written its events),
+        so the next step's outputs cannot merge into this one's for a reader that was late."""
+        settled = threading.Event()
+
+        async def wait_blocked() -> None:
+            try:
+                await trio.testing.wait_all_tasks_blocked()
+            finally:
+                settled.set()
+
+        if self._send(lambda _: trio.lowlevel.spawn_system_task(wait_blocked), None):
+            settled.wait()
+
     def _dispatch(self, step: tuple[list[RequestOutput], StepStats | None]) -> None:
         # Runs on the Trio thread; an exception here would end the whole Trio run, so none escapes.
         outputs, stats = step
@@ -151,6 +215,9 @@ class Engine:
         kind, arg = cmd
         if kind is _SHUTDOWN:
             return False
+        if kind == "hold":
+            self._hold = arg
+            return True
         if kind == "add":
             try:
                 self.core.add(arg)
@@ -177,8 +244,8 @@ class Engine:
         core = self.core
         try:
             while True:
-                # Block only when idle; otherwise take whatever has arrived and step.
-                cmd = self._commands.get() if not core.has_work else None
+                # Block only when idle (or held); otherwise take whatever has arrived and step.
+                cmd = self._commands.get() if not core.has_work or self._held() else None
                 if cmd is not None and not self._handle(cmd):
                     break
                 stop = False
@@ -192,10 +259,14 @@ class Engine:
                         break
                 if stop:
                     break
+                if self._held():
+                    continue
                 outputs = core.step()
                 # One hop per step: the outputs and the step's statistics together.
                 if not self._send(self._dispatch, (outputs, core.take_stats())):
                     break
+                if self.lockstep:
+                    self._settle()
         except BaseException as e:  # noqa: BLE001 - any death must reach every waiting client
             self.error = f"engine died: {type(e).__name__}: {e}"
             log.error("engine thread died\n%s", traceback.format_exc())

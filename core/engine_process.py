@@ -33,7 +33,7 @@ import msgspec
 import trio
 
 from core.config import EngineConfig
-from core.engine import _SHUTDOWN, Engine
+from core.engine import _SHUTDOWN, Engine, Hold
 from core.request_check import check_request
 from core.request import EngineRequest, RequestOutput
 from core.stats import StepStats
@@ -52,6 +52,12 @@ class Abort(msgspec.Struct, tag="abort", gc=False):
 
 class Shutdown(msgspec.Struct, tag="shutdown", gc=False):
     pass
+
+
+class SetHold(msgspec.Struct, tag="hold", gc=False):
+    """A test hook (core/engine.py Hold): the rule, or None to step freely again."""
+
+    rule: Hold | None
 
 
 class Ready(msgspec.Struct, tag="ready", gc=False):
@@ -74,7 +80,7 @@ class Died(msgspec.Struct, tag="died", gc=False):
     message: str
 
 
-Command = Add | Abort | Shutdown
+Command = Add | Abort | SetHold | Shutdown
 Reply = Ready | Step | Died
 
 
@@ -115,8 +121,13 @@ def _engine_main(config_bytes: bytes, commands, replies, log_level: int) -> None
         )
     )
 
+    hold: Hold | None = None
+
     def handle(cmd: Command) -> bool:
-        if isinstance(cmd, Add):
+        nonlocal hold
+        if isinstance(cmd, SetHold):
+            hold = cmd.rule
+        elif isinstance(cmd, Add):
             try:
                 core.add(cmd.request)
             except ValueError as e:  # raced past the server-side check: fail just this request
@@ -133,12 +144,19 @@ def _engine_main(config_bytes: bytes, commands, replies, log_level: int) -> None
 
     try:
         while True:
-            # Block only when idle; otherwise take whatever has arrived and step.
-            if not core.has_work and not handle(decode(commands.recv_bytes())):
+            # Block only when idle (or held); otherwise take whatever has arrived and step.
+            held = False
+            if hold is not None:
+                held, hold = hold.check(core)
+            if (not core.has_work or held) and not handle(decode(commands.recv_bytes())):
                 return
             while commands.poll():
                 if not handle(decode(commands.recv_bytes())):
                     return
+            if hold is not None:
+                held, hold = hold.check(core)
+                if held:
+                    continue
             outputs = core.step()
             replies.send_bytes(encode(Step(outputs, core.take_stats())))
     except (EOFError, BrokenPipeError):
@@ -244,6 +262,8 @@ class EngineProcess(Engine):
             msg = Shutdown()
         elif kind == "add":
             msg = Add(arg)
+        elif kind == "hold":
+            msg = SetHold(arg)
         else:
             msg = Abort(arg)
         frame = self._encode(msg)

@@ -145,6 +145,55 @@ def http_status(url: str) -> int | None:
         return None
 
 
+def descendants(pid: int) -> dict[int, str]:
+    """Every process below `pid`, with its command line."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(entry))
+    found: dict[int, str] = {}
+    todo = list(children.get(pid, []))
+    while todo:
+        p = todo.pop()
+        try:
+            found[p] = Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        todo += children.get(p, [])
+    return found
+
+
+def alive(pid: int) -> bool:
+    """Running (not gone, not a zombie)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def engine_process_of(pid: int) -> int:
+    """The engine process a `weir serve` process spawned (multiprocessing's spawn). Tests stop
+    it (SIGSTOP) to hold every request where it is, whatever the machine's speed."""
+    found = [p for p, cmd in descendants(pid).items() if "spawn_main" in cmd]
+    assert len(found) == 1, descendants(pid)
+    return found[0]
+
+
+def signal_pid(pid: int, sig: int) -> None:
+    """os.kill, for a process that may already have exited."""
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
 def check_engine_died(server: LiveServer, lines: list[str], reason: str, exits: bool) -> None:
     """What an engine death must look like from outside: the in-flight stream (its SSE `lines`)
     ends with the error, then [DONE], never silently cut; then the server exits 1 so the

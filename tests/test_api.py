@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from core.config import EngineConfig
+from core.engine import Hold
 from tests.conftest import LiveServer, tiny_config
 
 USER = [{"role": "user", "content": "Tell me about the river café 🌊 and the stone bridge"}]
@@ -157,7 +158,7 @@ def test_streaming_never_shows_half_a_stop_string(server):
     assert joined == plain["choices"][0]["message"]["content"]
 
 
-def test_same_seed_same_tokens_in_any_batch(client):
+def test_same_seed_same_tokens_in_any_batch(client, server):
     kw = dict(temperature=1.0, max_tokens=24, seed=1234, extra_body={"ignore_eos": True})
     alone = chat(client, **kw).choices[0].message.content
 
@@ -170,6 +171,7 @@ def test_same_seed_same_tokens_in_any_batch(client):
             messages=[{"role": "user", "content": f"noise {i} " * (i + 1)}],
         ).id
 
+    server.engine.hold(Hold(gather=6))  # the six start in one batch
     with ThreadPoolExecutor(6) as pool:
         futures = [pool.submit(other, i) for i in range(5)]
         busy = pool.submit(lambda: chat(client, **kw).choices[0].message.content).result()

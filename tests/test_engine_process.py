@@ -15,7 +15,8 @@ import httpx
 import pytest
 
 from core.config import EngineConfig
-from tests.conftest import LiveServer, check_engine_died, http_status, wait_for
+from core.engine import Hold
+from tests.conftest import LiveServer, aborted, check_engine_died, http_status, wait_for
 
 MESSAGES = [{"role": "user", "content": "Say hello to the river café 🌊"}]
 
@@ -93,6 +94,10 @@ def test_requests_are_checked_before_they_reach_the_engine(proc_server):
 def test_concurrent_streams_all_complete_and_a_disconnect_frees_blocks(proc_server):
     engine = proc_server.engine
     results: dict[int, str] = {}
+    aborted_before = aborted(proc_server)
+    # Held once every request in it has 30 tokens: the 24-token ones finish, the long one can
+    # only end by the abort its disconnect sends.
+    engine.hold(Hold(at_output_tokens=30))
 
     def ask(i: int) -> None:
         results[i], _ = complete(proc_server.url, f"request {i} " * (1 + i % 3), stream=True)
@@ -114,22 +119,30 @@ def test_concurrent_streams_all_complete_and_a_disconnect_frees_blocks(proc_serv
     for i, text in results.items():  # streamed under load == asked alone, not streamed
         assert text == complete(proc_server.url, f"request {i} " * (1 + i % 3), False)[0]
     # Closing the connection aborted the long request in the engine process: all blocks back.
+    assert wait_for(lambda: aborted(proc_server) == aborted_before + 1)
     assert wait_for(
         lambda: engine.last_stats.num_free_blocks == 256 and not engine.last_stats.num_running
     )
+    engine.release()
 
 
 def stream_signalling_the_engine(server: LiveServer, sig: int, max_tokens: int) -> list[str]:
-    """Stream a completion and send `sig` to the engine process after the third SSE line."""
+    """Stream a completion and send `sig` to the engine process after the first SSE line, while
+    the engine is held (at 2 tokens): the request cannot have finished before the signal."""
     body = {"model": "tiny", "prompt": "hi", "max_tokens": max_tokens, "stream": True}
     body.update(ignore_eos=True, stream_options={"include_usage": True})
     lines = []
-    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
-        for line in r.iter_lines():
-            if line:
-                lines.append(line)
-            if len(lines) == 3:
-                os.kill(server.engine._proc.pid, sig)
+    server.engine.hold(Hold(at_output_tokens=2))
+    try:
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line:
+                    lines.append(line)
+                if len(lines) == 1:
+                    os.kill(server.engine._proc.pid, sig)
+                    server.engine.release()
+    finally:
+        server.engine.release()
     return lines
 
 
@@ -139,6 +152,7 @@ def test_the_engine_process_ignores_sigterm_so_the_server_can_drain(proc_server)
     lines = stream_signalling_the_engine(proc_server, signal.SIGTERM, 60)
     assert lines[-1] == "data: [DONE]"
     assert json.loads(lines[-2][6:])["usage"]["completion_tokens"] == 60
+    assert proc_server.engine._proc.is_alive()
     assert proc_server.engine.alive and http_status(proc_server.url + "/health") == 200
 
 

@@ -18,7 +18,17 @@ import httpx
 import pytest
 
 from core.config import EngineConfig
-from tests.conftest import LiveServer, aborted, free_port, http_status, wait_for
+from core.engine import Hold
+from tests.conftest import (
+    LiveServer,
+    aborted,
+    alive,
+    engine_process_of,
+    free_port,
+    http_status,
+    signal_pid,
+    wait_for,
+)
 
 USER = [{"role": "user", "content": "Tell me about the river"}]
 
@@ -83,13 +93,18 @@ def test_metrics_count_a_known_workload(tiny):
         for g in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
             assert metric(text, f"vllm:{g}") == 0
 
-        # Streams cancelled mid-way: running, waiting and KV usage go back to 0.
+        # Streams cancelled mid-way: running, waiting and KV usage go back to 0. Held once
+        # each has 32 tokens, they can only end by their aborts.
+        server.engine.hold(Hold(at_output_tokens=32))
+
         def cancel_mid_stream(i: int) -> None:
             body = {"messages": USER, "max_tokens": 400, "stream": True, "ignore_eos": True}
             with httpx.stream("POST", url + "/v1/chat/completions", json=body) as r:
-                for n, _ in enumerate(r.iter_lines()):
-                    if n > 6:
-                        break
+                for line in r.iter_lines():
+                    if line.startswith("data: ") and '"content":"' in line and (
+                        '"content":""' not in line
+                    ):
+                        break  # the first tokens read, the rest not
 
         with ThreadPoolExecutor(4) as pool:
             list(pool.map(cancel_mid_stream, range(4)))
@@ -203,8 +218,6 @@ def test_load_shedding_refuses_the_excess_at_once(tiny):
                 timeout=120,
                 json={
                     "prompt": f"request {i}",
-                    # Long enough that an admitted request takes far longer than a refusal
-                    # even on a loaded machine (64 tokens once lost that race under load).
                     "max_tokens": 256,
                     "ignore_eos": True,
                     "temperature": 0,
@@ -213,23 +226,26 @@ def test_load_shedding_refuses_the_excess_at_once(tiny):
             return r, time.monotonic() - t
 
         with ThreadPoolExecutor(20) as pool:
-            # Two requests fill both running slots first; then a burst of 18: two may wait,
-            # the rest must be refused (fired all at once, they could all arrive before the
-            # engine admits any, and then only two would ever be served).
+            # Two requests fill both running slots first; then the engine is paused and a burst
+            # of 18 arrives: two may wait, the rest must be refused, all while the engine has not
+            # stepped again (refusals never wait for it).
             first = [pool.submit(ask, i) for i in range(2)]
             assert wait_for(lambda: server.engine.last_stats.num_running == 2)
-            burst = list(pool.map(ask, range(2, 20)))
-            results = [f.result() for f in first] + burst
+            server.engine.hold(Hold(paused=True))
+            burst = [pool.submit(ask, i) for i in range(2, 20)]
+            assert wait_for(lambda: sum(f.done() for f in burst) == 16)
+            refused_while_paused = [f.result()[0] for f in burst if f.done()]
+            server.engine.release()
+            results = [f.result() for f in first + burst]
         ok = [r for r, _ in results if r.status_code == 200]
-        shed = [(r, dt) for r, dt in results if r.status_code != 200]
-        assert len(ok) >= 4 and shed, [r.status_code for r, _ in results]
+        shed = [r for r, _ in results if r.status_code != 200]
+        assert len(ok) == 4 and len(shed) == 16, [r.status_code for r, _ in results]
+        assert all(r.status_code == 429 for r in refused_while_paused)
         for r in ok:
             assert r.json()["usage"]["completion_tokens"] == 256
-        for r, dt in shed:
+        for r in shed:
             assert r.status_code == 429 and r.headers["Retry-After"] == "1"
             assert r.json()["error"]["code"] == "overloaded"
-        # Refusals are immediate: faster than any admitted request.
-        assert max(dt for _, dt in shed) < min(dt for r, dt in results if r.status_code == 200)
         assert httpx.get(server.url + "/health").status_code == 200
     finally:
         server.stop()
@@ -240,16 +256,16 @@ def test_request_timeout_ends_with_length_and_frees_blocks(tiny):
         EngineConfig(model=tiny, num_kv_blocks=1024, max_model_len=4096), request_timeout=0.5
     ).start()
     try:
-        t = time.monotonic()
+        # Held at 5 tokens, the request can only end by its timeout.
+        server.engine.hold(Hold(at_output_tokens=5))
         r = httpx.post(
             server.url + "/v1/completions",
             timeout=60,
             json={"prompt": "hi", "max_tokens": 4000, "ignore_eos": True},
         )
-        assert time.monotonic() - t < 10
         c = r.json()["choices"][0]
         assert r.status_code == 200 and c["finish_reason"] == "length"
-        assert 0 < r.json()["usage"]["completion_tokens"] < 4000
+        assert r.json()["usage"]["completion_tokens"] == 5
         engine = server.engine
         assert wait_for(lambda: engine.last_stats.num_free_blocks == 1024)
     finally:
@@ -286,6 +302,7 @@ def start_process(tiny: str, *args: str) -> tuple[subprocess.Popen, str]:
 
 def test_sigterm_drains_in_flight_streams_then_exits_0(tiny):
     proc, url = start_process(tiny, "--drain-timeout", "60")
+    engine = engine_process_of(proc.pid)
     try:
         started = threading.Barrier(6)
         results: list[list[str]] = []
@@ -305,10 +322,13 @@ def test_sigterm_drains_in_flight_streams_then_exits_0(tiny):
         for t in threads:
             t.start()
         started.wait(30)  # all five are streaming
+        # The engine stopped: the streams are still in flight whatever the machine's speed.
+        os.kill(engine, signal.SIGSTOP)
         proc.send_signal(signal.SIGTERM)
-        assert wait_for(lambda: http_status(url + "/health") == 503, timeout=10)
+        assert wait_for(lambda: http_status(url + "/health") == 503, timeout=30)
         r = httpx.post(url + "/v1/completions", json={"prompt": "late", "max_tokens": 2})
         assert r.status_code == 503
+        os.kill(engine, signal.SIGCONT)
         for t in threads:
             t.join(120)
         assert len(results) == 5
@@ -317,12 +337,14 @@ def test_sigterm_drains_in_flight_streams_then_exits_0(tiny):
             assert '"finish_reason":"length"' in lines[-2]
         assert proc.wait(60) == 0
     finally:
+        signal_pid(engine, signal.SIGCONT)
         if proc.poll() is None:
             proc.kill()
 
 
 def test_second_signal_exits_at_once(tiny):
     proc, url = start_process(tiny, "--drain-timeout", "120")
+    engine = engine_process_of(proc.pid)
     try:
 
         def stream() -> None:
@@ -336,20 +358,22 @@ def test_second_signal_exits_at_once(tiny):
 
         t = threading.Thread(target=stream, daemon=True)
         t.start()
-        # The stream is running once the server's own gauge says so.
+        # The stream is running once the server's own gauge says so; the engine then stops, so
+        # only the second signal can end it.
         assert wait_for(
             lambda: metric(httpx.get(url + "/metrics").text, "weir:num_requests_running") == 1,
             timeout=30,
         )
+        os.kill(engine, signal.SIGSTOP)
         proc.send_signal(signal.SIGTERM)
-        assert wait_for(lambda: http_status(url + "/health") == 503, timeout=10)
-        t0 = time.monotonic()
+        assert wait_for(lambda: http_status(url + "/health") == 503, timeout=30)
         proc.send_signal(signal.SIGTERM)
-        code = proc.wait(30)
-        assert time.monotonic() - t0 < 15 and code != 0
+        assert proc.wait(60) != 0
     finally:
+        signal_pid(engine, signal.SIGCONT)  # it leaves when it reads the closed pipe
         if proc.poll() is None:
             proc.kill()
+        assert wait_for(lambda: not alive(engine), timeout=30)
 
 
 def test_client_that_stops_reading_is_dropped_and_aborted(tiny):
@@ -358,6 +382,9 @@ def test_client_that_stops_reading_is_dropped_and_aborted(tiny):
     ).start()
     try:
         engine = server.engine
+        # Held at 500 tokens (far more SSE than the window and the send buffer take), the
+        # request can only end by the abort the dropped connection sends.
+        engine.hold(Hold(at_output_tokens=500))
         aborted_before = aborted(server)
         sock = socket.socket()
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)  # a tiny receive window
@@ -417,6 +444,9 @@ def test_one_log_line_per_finished_request(tiny, caplog):
 
 def test_stream_interval_batches_tokens_per_event(tiny):
     server = LiveServer(EngineConfig(model=tiny, num_kv_blocks=64), stream_interval=4).start()
+    # Lockstep: the engine steps again only once the handler has taken what was due, so how
+    # many tokens an event carries is decided by the interval alone, never by a late reader.
+    server.engine.lockstep = True
     try:
         body = {
             "messages": USER,
@@ -439,11 +469,8 @@ def test_stream_interval_batches_tokens_per_event(tiny):
             for e in events
             if e["choices"] and e["choices"][0].get("logprobs")
         ]
-        assert sum(per_event) == 21, per_event
-        # The first token wakes the reader at once (a reader that is late may find a second one
-        # merged in, never the four an interval would hold back).
-        assert per_event[0] < 4, per_event
-        assert all(n >= 4 for n in per_event[1:-1]) and len(per_event) <= 7, per_event
+        # The first token wakes the reader at once; then every 4th; the end wakes it too.
+        assert per_event == [1, 4, 4, 4, 4, 4], per_event
         text = "".join(
             e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"]
         )

@@ -12,6 +12,7 @@ import jsonschema
 import openai
 import pytest
 
+from core.engine import Hold
 from tests.conftest import LiveServer, tiny_config, wait_for
 from tests.test_tools import CALLS, CHATML_TOOLS
 from tests.test_tools import TOOLS as CHAT_TOOLS
@@ -328,7 +329,7 @@ def wait_status(client, rid: str, statuses: tuple[str, ...]) -> str:
     return got["s"]
 
 
-def test_background_poll_replay_and_cancel(client):
+def test_background_poll_replay_and_cancel(client, server):
     r = client.responses.create(
         model="tiny",
         input="Go on.",
@@ -349,20 +350,24 @@ def test_background_poll_replay_and_cancel(client):
     assert text == done.output_text
     tail = list(client.responses.retrieve(r.id, stream=True, starting_after=5))
     assert [e.sequence_number for e in tail] == list(range(6, len(events)))
-    # A long one, cancelled while it runs.
-    long = client.responses.create(
-        model="tiny",
-        input="Go on.",
-        background=True,
-        max_output_tokens=900,
-        reasoning=NO_THINKING,
-        extra_body={"ignore_eos": True},
-    )
-    wait_status(client, long.id, ("in_progress",))
-    cancelled = client.responses.cancel(long.id)
-    assert cancelled.status == "cancelled"
-    assert client.responses.retrieve(long.id).status == "cancelled"
-    assert client.responses.cancel(long.id).status == "cancelled"  # again: the same answer
+    # A long one, cancelled while it runs: held at 3 tokens, it can end only by the cancel.
+    server.engine.hold(Hold(at_output_tokens=3))
+    try:
+        long = client.responses.create(
+            model="tiny",
+            input="Go on.",
+            background=True,
+            max_output_tokens=900,
+            reasoning=NO_THINKING,
+            extra_body={"ignore_eos": True},
+        )
+        wait_status(client, long.id, ("in_progress",))
+        cancelled = client.responses.cancel(long.id)
+        assert cancelled.status == "cancelled"
+        assert client.responses.retrieve(long.id).status == "cancelled"
+        assert client.responses.cancel(long.id).status == "cancelled"  # again: the same answer
+    finally:
+        server.engine.release()
 
 
 def test_background_stream_followed_live(client):

@@ -5,6 +5,7 @@ responses as incomplete; --disable-responses-store keeps nothing."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -14,9 +15,17 @@ import httpx
 import openai
 import pytest
 
+from core.engine import Hold
 from server.responses.sqlite_store import SqliteStore
 from server.responses.store import MemoryStore, Stored
-from tests.conftest import LiveServer, free_port, http_status, tiny_config, wait_for
+from tests.conftest import (
+    LiveServer,
+    engine_process_of,
+    free_port,
+    http_status,
+    tiny_config,
+    wait_for,
+)
 
 
 def rec(rid: str, status: str = "completed", created: float | None = None) -> Stored:
@@ -116,6 +125,10 @@ def test_sqlite_store_survives_sigkill(model_dir, tmp_path):
         first = client.responses.create(
             model="tiny", input="Remember the river.", max_output_tokens=6, temperature=0
         )
+        # The engine stopped first: the background response is still running when the server
+        # is killed, whatever the machine's speed. Then both go, as in a crash.
+        engine = engine_process_of(proc.pid)
+        os.kill(engine, signal.SIGSTOP)
         cut = client.responses.create(
             model="tiny",
             input="Go on.",
@@ -125,6 +138,7 @@ def test_sqlite_store_survives_sigkill(model_dir, tmp_path):
         )
         assert wait_for(lambda: client.responses.retrieve(cut.id).status == "in_progress")
         proc.send_signal(signal.SIGKILL)
+        os.kill(engine, signal.SIGKILL)
         proc.wait(30)
         proc = serve(model, port, db)
         assert wait_for(lambda: http_status(url + "/health") == 200, timeout=120)
@@ -146,8 +160,14 @@ def test_sqlite_store_survives_sigkill(model_dir, tmp_path):
 
 def test_drain_stops_background_responses_as_incomplete(model_dir):
     s = LiveServer(tiny_config(model_dir, max_model_len=2048), drain_timeout=1.0).start()
+    # The long response can only end by the drain: the engine stops stepping once every
+    # request in it has written 5 tokens (its commands, the drain's abort and shutdown among
+    # them, still run). The short one (3 tokens) ends before the long one starts.
+    s.engine.hold(Hold(at_output_tokens=5))
     client = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0)
     short = client.responses.create(model="tiny", input="x", background=True, max_output_tokens=3)
+    done = ("completed", "incomplete")  # 3 tokens: the limit, or an end of text before it
+    assert wait_for(lambda: client.responses.retrieve(short.id).status in done)
     long = client.responses.create(
         model="tiny",
         input="x",
@@ -155,14 +175,17 @@ def test_drain_stops_background_responses_as_incomplete(model_dir):
         max_output_tokens=2000,
         extra_body={"ignore_eos": True},
     )
-    assert wait_for(lambda: client.responses.retrieve(long.id).status == "in_progress")
+    assert wait_for(lambda: client.responses.retrieve(long.id).output_text)
     client.close()
     s.stop()
     store = s.state.responses.store
-    assert store.get(short.id).status in ("completed", "incomplete")
+    assert store.get(short.id).response["incomplete_details"] in (
+        None, {"reason": "max_output_tokens"}
+    )
     cut = store.get(long.id).response
     assert cut["status"] == "incomplete", cut["status"]
     assert cut["incomplete_details"]["reason"] == "interrupted"
+    assert cut["usage"]["output_tokens"] == 5, cut["usage"]
 
 
 def test_disabled_store_keeps_nothing(model_dir):

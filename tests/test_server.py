@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import threading
 
 import httpx
 import openai
 import pytest
 
 from core.config import EngineConfig
+from core.engine import Hold
 from tests.conftest import LiveServer, aborted, check_engine_died, wait_for
 
 MESSAGES = [
@@ -107,24 +107,12 @@ def test_sampling_with_temperature_runs(client):
     assert r.usage.completion_tokens >= 1
 
 
-def test_disconnect_aborts_and_frees_blocks(live_server, monkeypatch):
+def test_disconnect_aborts_and_frees_blocks(live_server):
     engine = live_server.engine
     total = 256  # the live_server fixture's pool
-    # After a few steps the engine waits (inside its step) until the client has gone: the tiny
-    # model could otherwise finish all 400 tokens, and free its blocks, before this client reads.
-    runner = engine.core.runner
-    execute = runner.execute
-    client_gone = threading.Event()
-    steps = 0
-
-    def gated_execute(out):
-        nonlocal steps
-        steps += 1
-        if steps > 4:
-            client_gone.wait(timeout=30)
-        return execute(out)
-
-    monkeypatch.setattr(runner, "execute", gated_execute)
+    # Held once it has 4 tokens, the request can only end by the abort the disconnect sends:
+    # the tiny model could otherwise finish all 400 tokens before this client reads.
+    engine.hold(Hold(at_output_tokens=4))
     aborted_before = aborted(live_server)
     body = {
         "model": "tiny",
@@ -142,12 +130,12 @@ def test_disconnect_aborts_and_frees_blocks(live_server, monkeypatch):
                 if seen >= 2:
                     break  # some of the stream read, the rest not
             assert engine.last_stats.num_free_blocks < total  # it holds blocks while streaming
+        # Closing the connection cancels the handler; the held engine takes the abort.
+        assert wait_for(lambda: aborted(live_server) > aborted_before)
+        assert wait_for(lambda: engine.last_stats.num_free_blocks == total)
+        assert not engine.last_stats.num_running and not engine.last_stats.num_waiting
     finally:
-        client_gone.set()
-    # Closing the connection cancels the handler; the engine aborts before its next step.
-    assert wait_for(lambda: aborted(live_server) > aborted_before)
-    assert wait_for(lambda: engine.last_stats.num_free_blocks == total)
-    assert not engine.last_stats.num_running and not engine.last_stats.num_waiting
+        engine.release()
 
 
 def test_malformed_bodies_and_unknown_routes(live_server):
@@ -263,6 +251,7 @@ def test_many_concurrent_streams_under_preemption_all_complete(model_dir):
 
         alone = [ask(i, False) for i in range(16)]  # one at a time: no batching, no preemption
         assert server.engine.core.scheduler.num_preemptions == 0
+        server.engine.hold(Hold(gather=16))  # all 16 start together: the pool must preempt
         with ThreadPoolExecutor(16) as pool:
             results = list(pool.map(lambda i: ask(i, True), range(16)))
         assert all(finish == "length" for _, finish in results)

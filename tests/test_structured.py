@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from core.config import EngineConfig
+from core.engine import Hold
 from core.request import EngineRequest
 from core.sampling import SamplingParams
 from core.structured import Constraint, Grammars
@@ -190,6 +191,7 @@ def test_constraints_hold_under_preemption(model_dir):
             "temperature": 1.0,
             **constraint_fields("json", tok),
         }
+        s.engine.hold(Hold(gather=8))  # the first eight start together: the pool must preempt
         with ThreadPoolExecutor(8) as pool:
             futures = [
                 pool.submit(texts_of, s, "/v1/chat/completions", body | {"seed": i})

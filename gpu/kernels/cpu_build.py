@@ -140,7 +140,7 @@ def load() -> ctypes.CDLL:
             fn.argtypes = [p, ctypes.c_int]
             fn.restype = None
             fn = lib.weir_pool_selftest
-            fn.argtypes = [i64, i64, i64, i64, p]
+            fn.argtypes = [i64, i64, i64, i64, p, p]
             fn.restype = None
             _lib = lib
         return _lib

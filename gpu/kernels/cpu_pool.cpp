@@ -170,21 +170,27 @@ int thread_index() { return tl_index; }
 
 }  // namespace weir
 
-// For the tests (tests/test_cpu_pool.py): runs `tasks` tasks on `threads` threads, each writing
-// ran[task] = 1 + the index of the thread that ran it; a task on the caller busy-waits
-// `caller_us`, one on a worker sleeps `worker_us` (a worker taken off its core mid-task, so the
-// caller's wait outlasts its spin and it sleeps until woken).
-extern "C" void weir_pool_selftest(int64_t tasks, int64_t threads, int64_t caller_us,
-                                   int64_t worker_us, int32_t* ran) {
+// For the tests (tests/test_cpu_pool.py): runs `tasks` tasks on `threads` threads; each task
+// adds one to runs[task] (atomically: a task run twice counts 2) and writes by[task] = 1 + the
+// index of the thread that ran it. With `hold`, the caller's first task waits until a worker has
+// started a task, so a worker always runs one, and a task on a worker sleeps `worker_us` (a
+// worker taken off its core mid-task: the caller's wait outlasts its spin and it sleeps until
+// woken). `hold` needs threads >= 2 and tasks >= 2 (the loop then runs on the pool).
+extern "C" void weir_pool_selftest(int64_t tasks, int64_t threads, int64_t hold, int64_t worker_us,
+                                   int32_t* runs, int32_t* by) {
+    std::atomic<int> worker_started{0};
+    std::atomic<int> caller_waited{0};
     weir::parallel_for(tasks, threads, [&](int64_t t) {
         const int index = weir::thread_index();
         if (index == 0) {
-            const auto until = std::chrono::steady_clock::now() +
-                               std::chrono::microseconds(caller_us);
-            while (std::chrono::steady_clock::now() < until) weir::relax_cpu();
+            if (hold && !caller_waited.exchange(1)) {
+                while (!worker_started.load(std::memory_order_acquire)) weir::relax_cpu();
+            }
         } else {
-            std::this_thread::sleep_for(std::chrono::microseconds(worker_us));
+            worker_started.store(1, std::memory_order_release);
+            if (hold) std::this_thread::sleep_for(std::chrono::microseconds(worker_us));
         }
-        ran[t] = 1 + index;
+        __atomic_fetch_add(&runs[t], 1, __ATOMIC_RELAXED);
+        by[t] = 1 + index;
     });
 }
