@@ -80,12 +80,15 @@ class Node:
         """Start this node's ranks and wait until every one has loaded its shard and allocated
         its KV cache (which takes the other nodes too: the ranks agree on the block count)."""
         node = cls([])
+        # Workers run from the repository root: a path the user gave relative to their own
+        # working directory is made absolute here, once, before any worker sees it.
+        where = str(Path(path).expanduser().resolve())
         try:
             for rank in node_ranks(config, node_rank):
                 node.workers.append(Worker(rank))
             level = logging.getLogger().getEffectiveLevel()
             for w in node.workers:
-                init = Init(config, w.rank, init_method, str(path), sorted(eos), level)
+                init = Init(config, w.rank, init_method, where, sorted(eos), level)
                 w.commands.send_bytes(node._encode(init))
             readies = [node.expect(w, Ready) for w in node.workers]
         except BaseException:

@@ -14,53 +14,34 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import free_port, http_status, wait_for
-
-
-def descendants(pid: int) -> dict[int, str]:
-    """Every process below `pid`, with its command line."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        children.setdefault(ppid, []).append(int(entry))
-    found: dict[int, str] = {}
-    todo = list(children.get(pid, []))
-    while todo:
-        p = todo.pop()
-        try:
-            found[p] = Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
-        todo += children.get(p, [])
-    return found
-
-
-def alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+from tests.conftest import (
+    alive,
+    descendants,
+    engine_process_of,
+    free_port,
+    http_status,
+    signal_pid,
+    wait_for,
+)
 
 
 @pytest.fixture
 def tp_server(model_dir, tmp_path):
-    """A `weir serve -tp 2` process in a session of its own (as systemd runs a service)."""
+    """A `weir serve -tp 2` process in a session of its own (as systemd runs a service), started
+    from a working directory of its own with the model's path relative to it (the workers run
+    from the repository root: the path must reach them resolved)."""
     port = free_port()
     log = open(tmp_path / "server.log", "wb")
+    model = os.path.relpath(model_dir("qwen3"), tmp_path)
+    assert not os.path.isabs(model) and not (Path(__file__).parent.parent / model).is_dir()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "server", "serve", str(model_dir("qwen3")), "--port", str(port)]
+        [sys.executable, "-m", "server", "serve", model, "--port", str(port)]
         + ["--device", "cpu", "--tensor-parallel-size", "2", "--num-kv-blocks", "256"]
         + ["--max-model-len", "1024", "--drain-timeout", "60"],
         stdout=log,
         stderr=subprocess.STDOUT,
         start_new_session=True,
+        cwd=tmp_path,
     )
     url = f"http://127.0.0.1:{port}"
     up = wait_for(lambda: proc.poll() is not None or http_status(url + "/health") == 200, 180)
@@ -120,8 +101,14 @@ def test_sigterm_to_every_process_drains_the_streams_then_exits_0(tp_server):
     for t in threads:
         t.start()
     started.wait(30)  # both are streaming
-    os.killpg(proc.pid, signal.SIGTERM)  # systemd's KillMode=control-group: all at once
-    assert wait_for(lambda: http_status(url + "/health") == 503, timeout=10)
+    # The engine stopped: the streams are still in flight whatever the machine's speed.
+    engine = engine_process_of(proc.pid)
+    os.kill(engine, signal.SIGSTOP)
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)  # systemd's KillMode=control-group: all at once
+        assert wait_for(lambda: http_status(url + "/health") == 503, timeout=30)
+    finally:
+        signal_pid(engine, signal.SIGCONT)
     for t in threads:
         t.join(120)
     assert len(results) == 2
