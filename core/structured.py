@@ -27,6 +27,12 @@ KINDS = ("json", "json_object", "regex", "choice", "grammar")
 CACHE_SIZE = 256  # compiled grammars kept, least recently used dropped first
 
 
+# Free whitespace between JSON tokens, by default: at most one line break, then at most 32
+# spaces or tabs. Compact JSON and ordinary pretty-printed JSON (indent 2 or 4, eight levels
+# deep at 4) both fit; a model cannot spend its token budget on blank lines or runs of spaces.
+WHITESPACE = r"(?:\r?\n)?[ \t]{0,32}"
+
+
 class Constraint(msgspec.Struct, frozen=True, gc=False):
     """What a request's output must match. `spec`: a JSON schema (text) for json, a regex, a
     JSON list of strings for choice, a Lark or GBNF grammar; empty for json_object."""
@@ -34,22 +40,59 @@ class Constraint(msgspec.Struct, frozen=True, gc=False):
     kind: str
     spec: str = ""
     any_whitespace: bool = True  # JSON may hold whitespace between tokens (vLLM's default)
-    additional_properties: bool = True  # False: objects without the keyword allow no others
+    # The whitespace allowed between JSON tokens when any_whitespace: a regex; None: WHITESPACE.
+    whitespace_pattern: str | None = None
+    # False (the default, as vLLM's xgrammar): an object schema that lists properties and
+    # leaves additionalProperties unsaid allows no other keys. True: JSON Schema's own default.
+    additional_properties: bool = False
     # A thinking model reasons first, unconstrained: "open" when the prompt opened the think
     # block (the output is reasoning up to </think>), "optional" when the output may open one.
     think: str = ""
 
 
-def _close_objects(schema: Any) -> Any:
-    """additionalProperties: false on every object schema that leaves it unsaid."""
-    if isinstance(schema, list):
-        return [_close_objects(s) for s in schema]
+# Where a JSON schema holds further schemas: keyword -> how (one schema, a list, a name map).
+_ONE = ("additionalProperties", "unevaluatedProperties", "items", "additionalItems", "contains",
+        "propertyNames", "not", "if", "then", "else")  # fmt: skip
+_MANY = ("prefixItems", "anyOf", "oneOf")
+_NAMED = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def close_objects(schema: Any, closable: bool = True) -> Any:
+    """`schema` with additionalProperties: false on every object schema that lists properties
+    and leaves the keyword unsaid (one that lists none, {"type": "object"}, still means any
+    object). Members of an allOf stay open: each lists only part of the object's keys."""
     if not isinstance(schema, dict):
         return schema
-    out = {k: _close_objects(v) for k, v in schema.items()}
-    if (out.get("type") == "object" or "properties" in out) and "additionalProperties" not in out:
+    out = dict(schema)
+    for key in _ONE:
+        if isinstance(out.get(key), dict):
+            out[key] = close_objects(out[key])
+        elif key == "items" and isinstance(out.get(key), list):
+            out[key] = [close_objects(s) for s in out[key]]
+    for key in _MANY:
+        if isinstance(out.get(key), list):
+            out[key] = [close_objects(s) for s in out[key]]
+    if isinstance(out.get("allOf"), list):
+        out["allOf"] = [close_objects(s, closable=False) for s in out["allOf"]]
+    for key in _NAMED:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: close_objects(s) for name, s in out[key].items()}
+    if (
+        closable
+        and "allOf" not in out
+        and isinstance(out.get("properties"), dict)
+        and "additionalProperties" not in out
+        and "unevaluatedProperties" not in out
+    ):
         out["additionalProperties"] = False
     return out
+
+
+def json_options(c: Constraint) -> dict[str, Any]:
+    """llguidance's JSON options for a constraint: the whitespace between tokens."""
+    if not c.any_whitespace:
+        return {"whitespace_flexible": False}
+    return {"whitespace_flexible": True, "whitespace_pattern": c.whitespace_pattern or WHITESPACE}
 
 
 def grammar_text(c: Constraint) -> str:
@@ -85,10 +128,9 @@ def _inner_grammar(c: Constraint) -> str:
         schema: Any = {"type": "object"} if c.kind == "json_object" else json.loads(c.spec)
         if not isinstance(schema, dict | bool):
             raise ValueError("a JSON schema must be an object")
-        if not c.additional_properties:
-            schema = _close_objects(schema)
-        options = {"whitespace_flexible": c.any_whitespace}
-        return llg.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=options)
+        if c.kind == "json" and not c.additional_properties:
+            schema = close_objects(schema)
+        return llg.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=json_options(c))
     if c.kind == "regex":
         return llg.LLMatcher.grammar_from_regex(c.spec)
     if c.kind == "choice":

@@ -68,9 +68,10 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True):
     grammar: str | None = None
     json_object: bool | None = None
     structural_tag: Any = None
-    whitespace_pattern: str | None = None
+    whitespace_pattern: str | None = None  # a regex: the whitespace allowed between JSON tokens
     disable_any_whitespace: bool = False
-    disable_additional_properties: bool = False
+    # None (unsaid): objects that list properties allow no others; false: any further keys.
+    disable_additional_properties: bool | None = None
     disable_fallback: bool = False  # weir never falls back to another backend
 
 

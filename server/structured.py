@@ -61,9 +61,8 @@ def _from_structured_outputs(req: SamplingFields) -> Constraint | None:
     if so is None:
         return None
     field = "structured_outputs"
-    for name in ("structural_tag", "whitespace_pattern"):
-        if getattr(so, name) is not None:
-            raise _bad(field, f"{name} is not supported by weir's backend (llguidance)")
+    if so.structural_tag is not None:
+        raise _bad(field, "structural_tag is not supported by weir's backend (llguidance)")
     given = [
         name
         for name in ("json", "regex", "choice", "grammar", "json_object")
@@ -84,11 +83,16 @@ def _from_structured_outputs(req: SamplingFields) -> Constraint | None:
         c = _choice(field, so.choice)
     else:
         c = Constraint(kind, getattr(so, kind))
+    if so.whitespace_pattern is not None and c.kind not in ("json", "json_object"):
+        raise _bad(field, "whitespace_pattern applies to json and json_object only")
     return Constraint(
         c.kind,
         c.spec,
         any_whitespace=not so.disable_any_whitespace,
-        additional_properties=not so.disable_additional_properties,
+        whitespace_pattern=so.whitespace_pattern,
+        # Unsaid: closed objects (weir's default, as vLLM's xgrammar); an explicit false keeps
+        # JSON Schema's own default, any further keys.
+        additional_properties=so.disable_additional_properties is False,
     )
 
 
@@ -97,7 +101,9 @@ def _from_guided(req: SamplingFields, name: str) -> Constraint | None:
     if value is None:
         return None
     if name == "guided_json":
-        return Constraint("json", schema_text(name, value))
+        return Constraint(
+            "json", schema_text(name, value), whitespace_pattern=req.guided_whitespace_pattern
+        )
     if name == "guided_choice":
         return _choice(name, value)
     return Constraint(name.removeprefix("guided_"), value)
@@ -105,8 +111,8 @@ def _from_guided(req: SamplingFields, name: str) -> Constraint | None:
 
 def constraint_of(req: SamplingFields) -> tuple[Constraint, str] | None:
     """The request's one constraint and the field it came from; a 400 for two at once."""
-    if req.guided_whitespace_pattern is not None:
-        raise _bad("guided_whitespace_pattern", "not supported by weir's backend (llguidance)")
+    if req.guided_whitespace_pattern is not None and req.guided_json is None:
+        raise _bad("guided_whitespace_pattern", "applies with guided_json only")
     found = []
     for field, make in (
         ("response_format", _from_response_format),
