@@ -19,6 +19,8 @@ from typing import Any
 from partial_json_parser import Allow, MalformedJSON
 from partial_json_parser import loads as _partial_loads
 
+from core.structured import Constraint, close_objects, json_options
+
 
 @dataclass
 class Call:
@@ -166,24 +168,66 @@ def stable_prefix(arguments: Any) -> str:
     return dumps(arguments).rstrip("]}")
 
 
+# JSON-schema keywords whose values are data, not schemas: a "$ref" inside them is not a reference.
+_DATA_KEYWORDS = frozenset(("const", "enum", "default", "examples"))
+
+
+def rebase_refs(schema: Any, base: str) -> Any:
+    """`schema` with its document-local references ("#", "#/...") re-rooted at `base`, a JSON
+    pointer to where the schema now sits inside a larger document."""
+    if isinstance(schema, list):
+        return [rebase_refs(s, base) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):
+            out[key] = base + value[1:]
+        elif key in _DATA_KEYWORDS:
+            out[key] = value
+        else:
+            out[key] = rebase_refs(value, base)
+    return out
+
+
 def call_schema(tools: list[dict[str, Any]], key: str = "arguments") -> dict[str, Any]:
     """The JSON schema of one call object to any of `tools`: its name, and arguments that
-    validate against that tool's parameters."""
+    validate against that tool's parameters (objects closed and whitespace bounded as for
+    response_format's schemas: core/structured.py).
+
+    Each tool's parameters sit whole under the call schema's `$defs` and are referenced from
+    its `key` property, their own local references ("#/$defs/Item", "#/definitions/...",
+    "#" for a recursive model) re-rooted there: embedded in place, one level down, they would
+    point at the call object instead. The result keeps `$defs` at its top; a caller that nests
+    it further lifts them with `lift_defs`."""
+    defs: dict[str, Any] = {}
     options = []
-    for tool in tools:
+    for i, tool in enumerate(tools):
         fn = tool["function"]
+        name = f"weir_tool_{i}"
+        params = rebase_refs(fn.get("parameters") or {"type": "object"}, f"#/$defs/{name}")
+        defs[name] = close_objects(params)
         options.append(
             {
                 "type": "object",
                 "properties": {
                     "name": {"const": fn["name"]},
-                    key: fn.get("parameters") or {"type": "object"},
+                    key: {"$ref": f"#/$defs/{name}"},
                 },
                 "required": ["name", key],
                 "additionalProperties": False,
             }
         )
-    return options[0] if len(options) == 1 else {"anyOf": options}
+    top = options[0] if len(options) == 1 else {"anyOf": options}
+    return {"x-guidance": json_options(Constraint("json")), "$defs": defs, **top}
+
+
+def lift_defs(inner: dict[str, Any], wrap) -> dict[str, Any]:
+    """`wrap(inner)` with `inner`'s `$defs` (and llguidance's options) moved to the new
+    document's top, where its references ("#/$defs/...") resolve."""
+    inner = dict(inner)
+    top = {key: inner.pop(key) for key in ("x-guidance", "$defs") if key in inner}
+    return {**top, **wrap(inner)}
 
 
 def lark_json(schema: dict[str, Any]) -> str:

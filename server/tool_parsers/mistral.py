@@ -13,6 +13,7 @@ from server.tool_parsers.base import (
     ToolParser,
     call_from,
     call_schema,
+    lift_defs,
     lark_json,
     partial_json,
 )
@@ -56,7 +57,8 @@ class MistralParser(ToolParser):
         return out
 
     def call_grammar(self, tools: list[dict[str, Any]], parallel: bool) -> str:
-        calls: dict[str, Any] = {"type": "array", "items": call_schema(tools), "minItems": 1}
-        if not parallel:
-            calls["maxItems"] = 1
+        bound = {} if parallel else {"maxItems": 1}
+        calls = lift_defs(
+            call_schema(tools), lambda one: {"type": "array", "items": one, "minItems": 1, **bound}
+        )
         return f'start: "{MARK}" calls\ncalls: {lark_json(calls)}'

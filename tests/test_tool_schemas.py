@@ -1,0 +1,194 @@
+"""Tool parameters as clients send them: Pydantic models with nested models (`$defs`), draft-07
+`definitions`, chained and recursive `$ref`s, `anyOf` with null. instructor's TOOLS mode and
+pydantic-ai's structured output force such a call (`tool_choice` required or named); each form
+is enforced in chat completions and the Responses API, and the call grammar is checked token by
+token against calls written by hand."""
+
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+import jsonschema
+import pytest
+from pydantic import BaseModel, Field
+
+from core.structured import Constraint
+from server.tool_parsers.hermes import HermesParser
+from server.tool_parsers.llama3_json import Llama3JsonParser
+from server.tool_parsers.mistral import MistralParser
+from tests.conftest import LiveServer, tiny_config
+from tests.test_structured import close_bias, no_whitespace_bias
+from tests.test_tools import CHATML_TOOLS, NO_THINKING, USER
+
+
+class Item(BaseModel):
+    sku: str = Field(max_length=6)
+    qty: int = Field(ge=1, le=99)
+
+
+class Order(BaseModel):  # nested: {"$defs": {"Item": ...}, ... {"$ref": "#/$defs/Item"}}
+    id: int = Field(ge=0, le=999)
+    items: list[Item] = Field(max_length=2)
+    note: Optional[str] = Field(default=None, max_length=8)  # anyOf string | null  # noqa: UP045
+
+
+class Tree(BaseModel):  # recursive: {"$defs": {"Tree": ...}, "$ref": "#/$defs/Tree"}
+    name: str = Field(max_length=6)
+    children: list[Tree] = Field(max_length=2)
+
+
+DRAFT7 = {  # draft-07 "definitions", a chain of references (point -> coord -> number)
+    "type": "object",
+    "definitions": {
+        "coord": {"$ref": "#/definitions/number"},
+        "number": {"type": "integer", "minimum": -9, "maximum": 9},
+        "point": {
+            "type": "object",
+            "properties": {"x": {"$ref": "#/definitions/coord"},
+                           "y": {"$ref": "#/definitions/coord"}},
+            "required": ["x", "y"],
+        },
+    },
+    "properties": {"at": {"$ref": "#/definitions/point"}},
+    "required": ["at"],
+}  # fmt: skip
+
+SCHEMAS = {
+    "make_order": Order.model_json_schema(),
+    "grow_tree": Tree.model_json_schema(),
+    "place": DRAFT7,
+}
+TOOLS = [
+    {"type": "function", "function": {"name": name, "parameters": schema}}
+    for name, schema in SCHEMAS.items()
+]
+VALID = {
+    "make_order": {"id": 7, "items": [{"sku": "ab", "qty": 2}], "note": None},
+    "grow_tree": {"name": "a", "children": [{"name": "b", "children": []}]},
+    "place": {"at": {"x": 1, "y": -2}},
+}
+INVALID = {  # each breaks a referenced definition, not the top level
+    "make_order": {"id": 7, "items": [{"sku": "ab", "qty": 0}], "note": None},
+    "grow_tree": {"name": "a", "children": [{"name": "b", "children": [{"name": 3}]}]},
+    "place": {"at": {"x": 1, "y": 20}},
+}
+
+
+def test_the_examples_are_what_they_say():
+    for name, schema in SCHEMAS.items():
+        jsonschema.validate(VALID[name], schema)
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(INVALID[name], schema)
+    assert "$defs" in SCHEMAS["make_order"] and "$ref" in SCHEMAS["grow_tree"]
+
+
+# ---------------------------------------------------------------- the grammar, token by token
+@pytest.fixture(scope="module")
+def grammars(model_dir):
+    from transformers import AutoTokenizer
+
+    from core.structured import Grammars
+
+    tok = AutoTokenizer.from_pretrained(model_dir("qwen3"))
+    return tok, Grammars(tok.backend_tokenizer.to_str(), len(tok), [tok.eos_token_id])
+
+
+def accepts(grammars, lark: str, text: str) -> bool:
+    tok, g = grammars
+    matcher = g.start(Constraint("grammar", lark)).result()
+    ok = matcher.consume_tokens(tok.encode(text, add_special_tokens=False))
+    return bool(ok) and not matcher.is_error() and matcher.is_accepting()
+
+
+MARKUP = {  # each parser's call markup for one call
+    HermesParser: lambda name, args: "<tool_call>\n"
+    + json.dumps({"name": name, "arguments": args})
+    + "\n</tool_call>",
+    MistralParser: lambda name, args: "[TOOL_CALLS]"
+    + json.dumps([{"name": name, "arguments": args}]),
+    Llama3JsonParser: lambda name, args: json.dumps({"name": name, "parameters": args}),
+}
+
+
+@pytest.mark.parametrize("parser", list(MARKUP), ids=lambda p: p.name)
+@pytest.mark.parametrize("name", list(SCHEMAS))
+def test_the_call_grammar_follows_the_references(grammars, parser, name):
+    lark = parser().call_grammar(TOOLS, parallel=False)
+    write = MARKUP[parser]
+    assert accepts(grammars, lark, write(name, VALID[name]))
+    assert not accepts(grammars, lark, write(name, INVALID[name]))
+    # objects that list properties are closed: no key the schema does not name
+    extra = {**VALID[name], "extra": 1}
+    assert not accepts(grammars, lark, write(name, extra))
+
+
+# ---------------------------------------------------------------- through the OpenAI SDK
+@pytest.fixture(scope="module")
+def server(model_dir):
+    config = tiny_config(
+        model_dir, max_model_len=2048, num_kv_blocks=512, chat_template=CHATML_TOOLS
+    )
+    s = LiveServer(config, reasoning_parser="qwen3").start()
+    yield s
+    s.stop()
+
+
+def bias(server) -> dict[str, float]:
+    """A random model ends its JSON when closing tokens are favoured and blanks are not."""
+    tok = server.state.tokenizer
+    return close_bias(tok) | no_whitespace_bias(tok)
+
+
+@pytest.mark.parametrize("choice", ["required", "named"])
+@pytest.mark.parametrize("name", list(SCHEMAS))
+def test_chat_completions_enforce_each_form(client, server, name, choice):
+    tool_choice = "required" if choice == "required" else {
+        "type": "function", "function": {"name": name}
+    }  # fmt: skip
+    tools = TOOLS if choice == "required" else [t for t in TOOLS if t["function"]["name"] == name]
+    r = client.chat.completions.create(
+        model="tiny",
+        messages=USER,
+        tools=tools,
+        tool_choice=tool_choice,
+        max_tokens=400,
+        temperature=1.0,
+        seed=1,
+        n=2,
+        logit_bias=bias(server),
+        extra_body=NO_THINKING,
+    )
+    for c in r.choices:
+        assert c.finish_reason == "tool_calls", c
+        for call in c.message.tool_calls:
+            if choice == "named":
+                assert call.function.name == name
+            jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+@pytest.mark.parametrize("choice", ["required", "named"])
+@pytest.mark.parametrize("name", list(SCHEMAS))
+def test_the_responses_api_enforces_each_form(client, server, name, choice):
+    tools = [
+        {"type": "function", "name": n, "parameters": s}
+        for n, s in SCHEMAS.items()
+        if choice == "required" or n == name
+    ]
+    tool_choice = "required" if choice == "required" else {"type": "function", "name": name}
+    r = client.responses.create(
+        model="tiny",
+        input="Call one.",
+        tools=tools,
+        tool_choice=tool_choice,
+        max_output_tokens=400,
+        temperature=1.0,
+        reasoning={"effort": "none"},
+        extra_body={"logit_bias": bias(server), "seed": 2},
+    )
+    calls = [item for item in r.output if item.type == "function_call"]
+    assert r.status == "completed" and calls, r.output
+    for call in calls:
+        if choice == "named":
+            assert call.name == name
+        jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
