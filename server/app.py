@@ -178,6 +178,8 @@ async def _load_engine(app: QuartTrio, st: ServerState) -> None:
             st.config.enable_prefix_caching,
             loaded.kv_dtype,
             st.config.gpu_memory_utilization,
+            loaded.num_blocks * st.config.block_size,
+            loaded.num_blocks * st.config.block_size / loaded.max_model_len,
         )
         metrics = Metrics(
             st.options.metrics_prefix, loaded.served_names[0], loaded.max_model_len, cache

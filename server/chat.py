@@ -79,6 +79,18 @@ def to_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return out
 
 
+def echo_text(req: Any) -> str:
+    """What chat's `echo` puts before the reply, as vLLM does: the last message's content when
+    its role is the reply's (the assistant's with a generation prompt, else the last message's
+    own, as with continue_final_message); otherwise nothing."""
+    if not req.echo:
+        return ""
+    last = req.messages[-1]
+    adds_prompt = req.add_generation_prompt and not req.continue_final_message
+    role = "assistant" if adds_prompt else last.role
+    return _content(last, len(req.messages) - 1) if last.role == role else ""
+
+
 def request_text(tokenizer: Any, template: str | None, req: Any) -> str:
     """A chat or tokenize request's messages -> the prompt text, with its template options."""
     return render_text(

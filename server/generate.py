@@ -10,6 +10,7 @@ from quart import Blueprint, Response
 
 from core.request import Logprob
 from server import sse, structured
+from server.chat import echo_text
 from server.chat_job import prepare_chat
 from server.prompts import token_lists
 from server.logprobs import CompletionLogprobsBuilder, chat_logprobs, prompt_logprobs
@@ -51,6 +52,7 @@ async def chat_completions() -> Response:
         usage.reasoning = [0] * len(sub.ids)
     text_of = st.token_text
     as_ids = tokens_as_ids(st, req)
+    echo = echo_text(req)
 
     if req.stream:
         want_usage, continuous = include_usage(req)
@@ -83,6 +85,8 @@ async def chat_completions() -> Response:
         async def events() -> AsyncIterator[bytes]:
             for i in range(len(sub.ids)):
                 yield chunk(i, Delta(role="assistant", content=""))
+            for i in range(len(sub.ids) if echo else 0):
+                yield chunk(i, Delta(content=echo))
             async for i, out in sub.outputs():
                 usage.update(i, out)
                 reply = replies[i]
@@ -114,7 +118,10 @@ async def chat_completions() -> Response:
     shaped = []
     for i in range(len(sub.ids)):
         reply, text = job.reply(), "".join(got.text[i])
-        shaped.append(reply.whole(text, got.finish[i]))
+        message, finish = reply.whole(text, got.finish[i])
+        if echo:
+            message.content = echo + (message.content or "")
+        shaped.append((message, finish))
         if thinker is not None:
             usage.reasoning[i] = job.reasoning_tokens(st, reply, text)
     return json_response(
@@ -155,9 +162,9 @@ async def completions() -> Response:
     params = sampling_params(
         st, req, req.max_tokens, max(len(p) for p in prompts), req.logprobs, constraint
     )
-    if req.echo and req.logprobs is not None:
+    if req.echo and params.logprobs is not None:
         # Echoed prompt tokens carry log-probs too: ask the engine for them.
-        want = max(req.logprobs, params.prompt_logprobs or 0)
+        want = max(params.logprobs, params.prompt_logprobs or 0)
         params = msgspec.structs.replace(params, prompt_logprobs=want)
     sub = Submitted(st, engine, request_id("cmpl"), req.n, req.stream)
     sub.add(prompts, params, req.priority, req.cache_salt)

@@ -104,6 +104,8 @@ class CacheInfo(NamedTuple):
     enable_prefix_caching: bool
     cache_dtype: str
     gpu_memory_utilization: float
+    kv_cache_size_tokens: int  # tokens the KV cache holds: blocks x block size
+    kv_cache_max_concurrency: float  # full-length requests that fit: tokens / max_model_len
 
 
 class Metrics:

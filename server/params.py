@@ -53,8 +53,10 @@ def sampling_params(
             "logit_bias",
             "invalid_value",
         )
+    logprobs = resolve_logprobs(st, logprobs)
+    prompt_logprobs = resolve_logprobs(st, req.prompt_logprobs)
     check_logprobs(st, logprobs_field(req), logprobs)
-    check_logprobs(st, "prompt_logprobs", req.prompt_logprobs)
+    check_logprobs(st, "prompt_logprobs", prompt_logprobs)
     params = SamplingParams(
         temperature=values["temperature"],
         top_p=values["top_p"],
@@ -72,7 +74,7 @@ def sampling_params(
         seed=req.seed,
         logit_bias=bias,
         logprobs=logprobs,
-        prompt_logprobs=req.prompt_logprobs,
+        prompt_logprobs=prompt_logprobs,
         skip_special_tokens=req.skip_special_tokens,
         spaces_between_special_tokens=req.spaces_between_special_tokens,
         structured=structured,
@@ -86,6 +88,15 @@ def sampling_params(
 
 def logprobs_field(req: SamplingFields) -> str:
     return "top_logprobs" if isinstance(req, ChatCompletionRequest) else "logprobs"
+
+
+def resolve_logprobs(st: ServerState, asked: int | None) -> int | None:
+    """-1 (vLLM's "as many as allowed"): the whole vocabulary under --max-logprobs -1, else the
+    server's limit."""
+    if asked != -1:
+        return asked
+    limit = st.config.max_logprobs
+    return st.vocab_size if limit == -1 else min(limit, st.vocab_size)
 
 
 def check_logprobs(st: ServerState, field: str, asked: int | None) -> None:

@@ -18,8 +18,9 @@ PositiveInt = Annotated[int, Meta(ge=1, le=MAX_TOKENS_BOUND)]
 Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
 TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
-# The upper bound is the server's --max-logprobs, checked per request (server/params.py).
-LogprobCount = Annotated[int, Meta(ge=0)]
+# The upper bound is the server's --max-logprobs, checked per request (server/params.py); -1
+# (vLLM's) asks for as many as the server allows.
+LogprobCount = Annotated[int, Meta(ge=-1)]
 
 
 class StreamOptions(msgspec.Struct):
@@ -132,6 +133,9 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None  # none, auto, required, or a named function
     parallel_tool_calls: bool = True
+    # vLLM's: the reply starts with the last message's content when that message has the
+    # reply's role (the assistant's, or the last message's own without a generation prompt).
+    echo: bool = False
 
 
 class CompletionRequest(SamplingFields, kw_only=True):

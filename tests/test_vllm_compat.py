@@ -245,6 +245,9 @@ def test_vllm_metric_families(server, client):
     assert len(info) == 1 and after[info[0]] == 1
     for want in ('block_size="16"', 'num_gpu_blocks="128"', 'enable_prefix_caching="True"'):
         assert want in info[0], info[0]
+    # vLLM 0.33's labels: tokens the cache holds (128 x 16), full-length requests that fit (/512)
+    assert 'kv_cache_size_tokens="2048"' in info[0], info[0]
+    assert 'kv_cache_max_concurrency="4.0"' in info[0], info[0]
 
 
 def test_admission_rejections_are_counted(model_dir):
