@@ -3,6 +3,7 @@ gateways and fuzzers see exactly what the server accepts."""
 
 from __future__ import annotations
 
+import re
 from functools import lru_cache
 from typing import Any
 
@@ -105,6 +106,35 @@ ROUTES: list[tuple[str, str, str, type | None, type, bool]] = [
 ]
 
 
+# Query parameters, by (path, method): name, JSON schema, description.
+QUERY: dict[tuple[str, str], list[tuple[str, dict[str, Any], str]]] = {
+    ("/v1/responses/{response_id}", "get"): [
+        ("stream", {"type": "boolean"}, "replay a background response's events as SSE"),
+        ("starting_after", {"type": "integer", "minimum": -1}, "the last event already seen"),
+    ],
+    ("/v1/responses/{response_id}/input_items", "get"): [
+        ("limit", {"type": "integer", "minimum": 1, "maximum": 100}, "items per page (20)"),
+        ("order", {"enum": ["asc", "desc"]}, "oldest or newest first (desc)"),
+        ("after", {"type": "string"}, "the item id to list after"),
+    ],
+}
+PATH_PARAMETER = re.compile(r"\{([^}]+)\}")
+
+
+def parameters(path: str, method: str) -> list[dict[str, Any]]:
+    """The operation's parameters: each {name} of the path, then its query parameters."""
+    params: list[dict[str, Any]] = [
+        {"name": name, "in": "path", "required": True, "schema": {"type": "string"}}
+        for name in PATH_PARAMETER.findall(path)
+    ]
+    for name, schema, description in QUERY.get((path, method), []):
+        params.append(
+            {"name": name, "in": "query", "required": False, "schema": schema,
+             "description": description}
+        )  # fmt: skip
+    return params
+
+
 @lru_cache(maxsize=1)
 def _components() -> tuple[dict[str, Any], dict[str, Any]]:
     types = [t for _, _, _, req, resp, _ in ROUTES for t in (req, resp) if t is not None]
@@ -142,6 +172,9 @@ def openapi_document(version: str) -> dict[str, Any]:
                 "503": error,
             },
         }
+        params = parameters(path, method)
+        if params:
+            op["parameters"] = params
         if req is not None:
             op["requestBody"] = {
                 "required": True,
@@ -155,6 +188,17 @@ def openapi_document(version: str) -> dict[str, Any]:
                 "responses": {"200": {"description": "healthy"}, "503": error},
             }
         }
+    paths["/metrics"] = {
+        "get": {
+            "summary": "Prometheus metrics (vLLM's names under --metrics-prefix vllm)",
+            "responses": {
+                "200": {
+                    "description": "the Prometheus text exposition format",
+                    "content": {"text/plain": {"schema": {"type": "string"}}},
+                }
+            },
+        }
+    }
     return {
         "openapi": "3.1.0",
         "info": {
