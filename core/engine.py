@@ -141,11 +141,22 @@ class Engine:
     # ---- test hooks ----
     def hold(self, rule: Hold) -> None:
         """Test hook: step only while `rule` allows it (see Hold), until `release()`. Takes
-        effect before the engine's next step."""
-        self._submit("hold", rule)
+        effect before the engine's next step. Callable from any thread (a test's own)."""
+        self._submit_from_any_thread("hold", rule)
 
     def release(self) -> None:
-        self._submit("hold", None)
+        self._submit_from_any_thread("hold", None)
+
+    def _submit_from_any_thread(self, kind, arg) -> None:
+        """_submit runs on the Trio thread (the engine process's writes to its pipe are not
+        thread-safe): from another thread, it is run there, and this waits for it."""
+        try:
+            trio.lowlevel.current_trio_token()
+        except RuntimeError:  # not on a Trio thread
+            if self._trio_token is not None:
+                trio.from_thread.run_sync(self._submit, kind, arg, trio_token=self._trio_token)
+                return
+        self._submit(kind, arg)
 
     def _held(self) -> bool:
         if self._hold is None:
