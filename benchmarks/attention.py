@@ -107,7 +107,7 @@ def main() -> int:
         return 2
 
     from gpu.attention.backend import AttentionMetadata
-    from gpu.attention.triton_backend import TritonAttention
+    from gpu.cuda.attention import TritonAttention
 
     device = torch.device("cuda")
     name = torch.cuda.get_device_name(device)

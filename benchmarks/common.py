@@ -83,7 +83,8 @@ def bench_model(name: str) -> str:
     or `name` itself when it is a path or hub id."""
     if name not in BENCH_SHAPES:
         return name
-    from gpu.tiny_model import build_tiny_model, cache_dir
+    from gpu.cache import cache_dir
+    from gpu.tiny_model import build_tiny_model
 
     # the shape in the name: a changed shape builds a new directory
     digest = hashlib.sha1(json.dumps(BENCH_SHAPES[name], sort_keys=True).encode()).hexdigest()

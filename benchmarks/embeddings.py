@@ -52,8 +52,8 @@ def flops_per_token(config: dict, context: float) -> float:
 def matmul_speed(config: dict, threads: int, tokens: int = 2048) -> float:
     """FLOP/s of one layer's products at the model's shapes (fused QKV, O, fused gate-up,
     down) on `tokens` rows: the best of ten timings, by MKL (torch's linear) or oneDNN with
-    prepacked weights (gpu/cpu_linear.py, what weir runs), whichever is faster here."""
-    from gpu import cpu_linear
+    prepacked weights (gpu/cpu/onednn.py, what weir runs), whichever is faster here."""
+    from gpu.cpu import onednn as cpu_linear
 
     torch.set_num_threads(threads)
     h, m = config["hidden_size"], config["intermediate_size"]

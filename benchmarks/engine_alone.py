@@ -74,9 +74,9 @@ def run(
 
 def _time_steps(core, spent: Counter) -> None:
     """Wrap the runner's execute: each step's kind (prefill: any prompt tokens; decode: one new
-    token per request), and in decode steps the compiled forward's ops (gpu/cpu_forward.py
+    token per request), and in decode steps the compiled forward's ops (gpu/cpu/forward.py
     profile) and the rest of execute."""
-    from gpu import cpu_forward
+    from gpu.cpu import forward as cpu_forward
 
     execute = core.runner.execute
 

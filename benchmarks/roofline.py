@@ -6,8 +6,8 @@ A token costs 2 x (the weights it is multiplied by) FLOP: Q/K/V, O, gate/up and 
 layer and the LM head (attention's own products are left out: a few percent at these contexts,
 so the roofline is, if anything, generous to the servers). One pass of `rows` activations through
 every product of the model, each with weights of its own, is timed (the best of repeats) on
-torch's MKL path, on oneDNN's prepacked one (gpu/cpu_linear.py) and on weir's own kernel
-(gpu/cpu_gemm.py), each in a process of its own, and the fastest kept; decode tokens are costed
+torch's MKL path, on oneDNN's prepacked one (gpu/cpu/onednn.py) and on weir's own kernel
+(gpu/cpu/gemm.py), each in a process of its own, and the fastest kept; decode tokens are costed
 at the level's batch (one row per stream), prompt tokens at a 512-row prefill chunk.
 
     python -m benchmarks.roofline --model llama-6layer --rows 1,16,64,512
@@ -60,12 +60,12 @@ WAYS = ("mkl", "onednn", "weir")
 def rate(model_dir: str, rows: int, way: str = "mkl") -> float:
     """FLOP/s of one pass of `rows` rows through all the model's products, each with its own
     weights (so the pass reads them from wherever they live, as a forward does), on one
-    implementation: torch's MKL path, oneDNN prepacked (gpu/cpu_linear.py) or weir's kernel
-    (gpu/cpu_gemm.py); every core in use."""
+    implementation: torch's MKL path, oneDNN prepacked (gpu/cpu/onednn.py) or weir's kernel
+    (gpu/cpu/gemm.py); every core in use."""
     import torch
     import torch.nn.functional as F
 
-    from gpu import cpu_gemm, cpu_linear
+    from gpu.cpu import gemm as cpu_gemm, onednn as cpu_linear
 
     torch.manual_seed(0)
     ops = []

@@ -47,7 +47,7 @@ def run_once(
     prefill = time.perf_counter() - t0
     times = []
     if breakdown is not None:
-        from gpu import cpu_forward
+        from gpu.cpu import forward as cpu_forward
 
         cpu_forward.profile(True)
     while core.has_work:
@@ -84,7 +84,7 @@ def all_reduce_seconds(world: int, rows: int, hidden: int) -> float:
     this machine: what each decoder layer pays twice per step on CPU."""
     import torch.multiprocessing as mp
 
-    from gpu.node import local_init_method
+    from gpu.dist.node import local_init_method
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()

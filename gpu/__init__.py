@@ -3,7 +3,7 @@
 import os
 
 # On CPU weir's own kernels run a step's heavy work on their own thread pool
-# (gpu/kernels/cpu_pool.h); torch's OpenMP team runs only the few small torch ops left around it,
+# (gpu/cpu/csrc/pool.h); torch's OpenMP team runs only the few small torch ops left around it,
 # and by default its threads spin for a while after each, taking the core the pool's workers
 # need next (6-layer Llama, 64 rows on 2 cores: a decode step 25-27 ms spinning, 21-23.5 ms
 # passive). libgomp reads this when torch loads it, so it is set before gpu/ imports torch; an

@@ -59,7 +59,7 @@ _kernel: Any = None  # the compiled CPU kernel, False when it cannot be built
 def _cpu_kernel():
     global _kernel
     if _kernel is None:
-        from gpu.kernels import cpu_build
+        from gpu.cpu import build as cpu_build
 
         try:
             _kernel = cpu_build.load().weir_apply_token_bitmask

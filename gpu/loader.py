@@ -12,12 +12,12 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from gpu import cpu_forward, cpu_gemm, cpu_linear, cpu_norm
-from gpu.kernels import cpu_build
+from gpu.cpu import forward as cpu_forward, gemm as cpu_gemm, onednn as cpu_linear, norm as cpu_norm
+from gpu.cpu import build as cpu_build
 from gpu.models.decoder import DecoderForCausalLM
 from gpu.models.rope import Rope
 from gpu.models.spec import ModelSpec
-from gpu.parallel import TensorParallel, shard
+from gpu.dist.parallel import TensorParallel, shard
 
 log = logging.getLogger("weir.loader")
 
@@ -92,7 +92,7 @@ def weight_files(path: Path) -> list[Path]:
 
 def load_weights(model: DecoderForCausalLM, path: Path) -> None:
     """Every parameter from the checkpoint by name; under tensor parallelism only this rank's
-    part of each tensor is read (a safetensors slice, gpu/parallel.py `shard`)."""
+    part of each tensor is read (a safetensors slice, gpu/dist/parallel.py `shard`)."""
     params = dict(model.named_parameters())
     tp = model.tp
     loaded: set[str] = set()
@@ -127,8 +127,8 @@ def load_weights(model: DecoderForCausalLM, path: Path) -> None:
 
 
 def cpu_matmul() -> str:
-    """Which kernel runs the CPU float32 products: "weir" (gpu/cpu_gemm.py) or "onednn"
-    (gpu/cpu_linear.py); WEIR_CPU_MATMUL overrides the default, for A/B benchmarks."""
+    """Which kernel runs the CPU float32 products: "weir" (gpu/cpu/gemm.py) or "onednn"
+    (gpu/cpu/onednn.py); WEIR_CPU_MATMUL overrides the default, for A/B benchmarks."""
     choice = os.environ.get("WEIR_CPU_MATMUL", "weir")
     if choice not in ("weir", "onednn"):
         raise ValueError(f"WEIR_CPU_MATMUL must be weir or onednn, not {choice!r}")
@@ -161,7 +161,7 @@ def load_model(
             layer.self_attn.fuse()
         # Packed weights. An untied lm_head too; a tied one stays the embedding's plain weight
         # (packing it would hold the matrix twice).
-        # weir's kernel (gpu/cpu_gemm.py): 6-layer Llama, 2-core AVX-512 Xeon, engine alone,
+        # weir's kernel (gpu/cpu/gemm.py): 6-layer Llama, 2-core AVX-512 Xeon, engine alone,
         # alternated with oneDNN: 1 stream 258-264 vs 165-171 tok/s, 16 streams 1,355-1,504 vs
         # 1,141-1,387, 64 streams 2,078-2,195 vs 2,020-2,075 (docs/benchmarks.md).
         # oneDNN: decode step at batch 64 on the 77M benchmark model 107 -> 82 ms, its
@@ -174,7 +174,7 @@ def load_model(
         if not packed:
             cpu_linear.pack_linears(model)
         # RMSNorm and Q/K norm + rotation in one pass per row: 77M benchmark model, offline
-        # workload A/B in one process: see gpu/cpu_norm.py.
+        # workload A/B in one process: see gpu/cpu/norm.py.
         cpu_norm.use_kernels(model)
         # Then, when every layer runs on those kernels, the layer stack as one compiled call.
         cpu_forward.attach(model)

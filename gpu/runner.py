@@ -220,7 +220,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, masks=None) -> StepResult:
         """`masks`: a callable giving this step's grammar masks (rows, bitmask), for a runner
-        whose requests' matchers live elsewhere (a tensor-parallel worker: gpu/worker.py)."""
+        whose requests' matchers live elsewhere (a tensor-parallel worker: gpu/dist/worker.py)."""
         input_ids, positions, meta, logits_rows = self.prepare(out)
         if masks is None and self.samples:
             masks = self._start_masks(out)

@@ -105,7 +105,7 @@ def filter_logits(
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
-_cpu_argmax = None  # gpu/kernels/cpu_sample.cpp's weir_argmax, once loaded; False: unavailable
+_cpu_argmax = None  # gpu/cpu/csrc/sample.cpp's weir_argmax, once loaded; False: unavailable
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:
@@ -116,7 +116,7 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     if logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.dim() != 2:
         return logits.argmax(dim=-1)
     if _cpu_argmax is None:
-        from gpu.kernels import cpu_build
+        from gpu.cpu import build as cpu_build
 
         try:
             _cpu_argmax = cpu_build.load().weir_argmax

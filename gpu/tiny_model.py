@@ -7,11 +7,12 @@ with a ChatML template) and then loaded like any checkpoint. Tests build their o
 
 from __future__ import annotations
 
-import os
 import random
 import shutil
 import tempfile
 from pathlib import Path
+
+from gpu.cache import cache_dir
 
 TINY_NAME = "weir-tiny"
 TINY_VERSION = 1
@@ -169,13 +170,6 @@ def build_tiny_model(
     GenerationConfig(eos_token_id=eos_ids, bos_token_id=None).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("WEIR_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "weir"
-    )
-    return Path(root)
 
 
 def ensure_tiny_model() -> Path:

@@ -382,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
     for note in notes:
         logging.getLogger("weir.server").info("%s", note)
     if args.headless:
-        from gpu.node import run_headless  # the ranks of another machine: no server here
+        from gpu.dist.node import run_headless  # the ranks of another machine: no server here
 
         return run_headless(config)
     if config.node_rank != 0:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 # Without a GPU the Triton kernels run in Triton's interpreter on CPU tensors. It is read when a
-# kernel is decorated, so it must be set before anything imports gpu.kernels.
+# kernel is decorated, so it must be set before anything imports gpu.cuda.kernels.
 if "TRITON_INTERPRET" not in os.environ:
     import torch
 

@@ -56,7 +56,7 @@ def test_flags_map_to_engine_config():
 def test_cpu_threads_auto_follows_the_model_size():
     from types import SimpleNamespace
 
-    from gpu.launch import auto_threads
+    from gpu.assemble import auto_threads
 
     def threads(*flags):
         return config_from_args(build_parser().parse_args(["serve", *flags])).cpu_threads

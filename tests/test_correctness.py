@@ -157,7 +157,7 @@ def test_logits_match_transformers(arch, model_dir):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_fused_projections_match_transformers(arch, model_dir, monkeypatch):
     """Q/K/V and gate/up fused into one matrix product each (what the loader does on CUDA)."""
-    from gpu import cpu_linear
+    from gpu.cpu import onednn as cpu_linear
 
     monkeypatch.setattr(cpu_linear, "usable", lambda dtype: False)  # plain nn.Linear to fuse
     path = model_dir(arch)
@@ -186,8 +186,8 @@ def assert_products_and_greedy(arch, path, loaded, layer) -> None:
 @pytest.mark.parametrize("arch", ARCHS)
 def test_cpu_linears_on_weirs_kernel_match_transformers(arch, model_dir):
     """The default CPU float32 path: Q/K/V fused at load, every product on weir's own packed
-    kernel (gpu/cpu_gemm.py), the gated MLP in two products; transformers' greedy tokens."""
-    from gpu.cpu_gemm import GemmGatedMLP, GemmLinear
+    kernel (gpu/cpu/gemm.py), the gated MLP in two products; transformers' greedy tokens."""
+    from gpu.cpu.gemm import GemmGatedMLP, GemmLinear
 
     path = model_dir(arch)
     loaded = load(EngineConfig(model=str(path), dtype="float32", device="cpu"))
@@ -206,7 +206,7 @@ def test_cpu_linears_prepacked_match_transformers(arch, model_dir, monkeypatch):
     """oneDNN-prepacked linears (WEIR_CPU_MATMUL=onednn; weights big enough to gain, and these
     tiny models' are not, so all of them are packed here) still give transformers' greedy
     tokens and the checkpoint's products."""
-    from gpu.cpu_linear import PackedGatedMLP, PackedLinear, pack_linears
+    from gpu.cpu.onednn import PackedGatedMLP, PackedLinear, pack_linears
 
     monkeypatch.setenv("WEIR_CPU_MATMUL", "onednn")
     path = model_dir(arch)
@@ -231,7 +231,7 @@ def test_packed_gated_mlp_fuses_activation_multiply_and_residual(act, rows):
     """The oneDNN post-ops compute exactly the unfused down(act(gate(x)) * up(x)) + residual."""
     from torch import nn
 
-    from gpu.cpu_linear import PackedGatedMLP
+    from gpu.cpu.onednn import PackedGatedMLP
     from gpu.models.decoder import _ACTIVATIONS
 
     torch.manual_seed(rows)
@@ -266,7 +266,7 @@ def test_decode_graphs_pad_and_replay_without_changing_tokens(pool, model_dir):
     forward again: decode-only steps that fit a captured size replay, padded up to it (ten
     sequences on 12 rows; with the tight pool, steps of up to 8 on 1/2/4/8 while larger ones and
     prefill steps run eagerly), and every token still matches transformers."""
-    from gpu.cuda_graph import DecodeGraphs, EagerGraph
+    from gpu.cuda.graphs import DecodeGraphs, EagerGraph
 
     path = model_dir("qwen3")
     loaded = load(
@@ -298,7 +298,7 @@ def test_decode_graphs_pad_and_replay_without_changing_tokens(pool, model_dir):
 
 
 def test_capture_sizes():
-    from gpu.cuda_graph import default_capture_sizes
+    from gpu.cuda.graphs import default_capture_sizes
 
     assert default_capture_sizes(1) == [1]
     assert default_capture_sizes(6) == [1, 2, 4, 6]

@@ -7,10 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu.attention.backend import AttentionMetadata, get_backend
-from gpu.attention.cpu_backend import CpuAttention
+from gpu.attention.backend import AttentionMetadata
+from gpu.attention.select import get_backend
+from gpu.cpu.attention import CpuAttention
 from gpu.attention.torch_ref import TorchAttention
-from gpu.kernels import cpu_build
+from gpu.cpu import build as cpu_build
 from tests.test_kernels import CASES, TOL, batch_specs, make_batch
 
 

@@ -1,4 +1,4 @@
-"""All layers in one compiled call (gpu/cpu_forward.py) against the module-by-module path: the
+"""All layers in one compiled call (gpu/cpu/forward.py) against the module-by-module path: the
 same kernels in the same order, so every step's logits are bitwise the same."""
 
 from __future__ import annotations
@@ -85,8 +85,8 @@ def test_not_attached_where_a_layer_is_off_the_kernels(model_dir, monkeypatch):
 
 
 def test_the_step_breakdown_counts_every_kind_of_op(model_dir):
-    """gpu.cpu_forward.profile: seconds per op kind while on, zeroed as read, nothing when off."""
-    from gpu import cpu_forward
+    """gpu.cpu.forward.profile: seconds per op kind while on, zeroed as read, nothing when off."""
+    from gpu.cpu import forward as cpu_forward
 
     loaded = load(EngineConfig(model=str(model_dir("llama")), dtype="float32", device="cpu"))
     loaded.core.add(EngineRequest("a", [5, 6, 7, 8], SamplingParams(temperature=0, max_tokens=4)))

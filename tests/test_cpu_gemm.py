@@ -1,4 +1,4 @@
-"""weir's CPU matrix-product kernel (gpu/cpu_gemm.py, gpu/kernels/cpu_gemm.cpp) against torch."""
+"""weir's CPU matrix-product kernel (gpu/cpu/gemm.py, gpu/cpu/csrc/gemm.cpp) against torch."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from gpu.cpu_gemm import GemmGatedMLP, GemmLinear, use_gemm
+from gpu.cpu.gemm import GemmGatedMLP, GemmLinear, use_gemm
 from gpu.models.decoder import _ACTIVATIONS
 
 

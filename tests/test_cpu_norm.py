@@ -1,11 +1,11 @@
-"""The compiled RMSNorm + rotary kernel (gpu/cpu_norm.py) against the torch ops it replaces."""
+"""The compiled RMSNorm + rotary kernel (gpu/cpu/norm.py) against the torch ops it replaces."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from gpu.cpu_norm import CpuNorm, use_kernels
+from gpu.cpu.norm import CpuNorm, use_kernels
 from gpu.models.decoder import RMSNorm
 from gpu.models.rope import apply_rope
 
@@ -67,7 +67,7 @@ def test_rejects_what_it_cannot_run(ops):
 
 
 def test_a_model_whose_kernel_cannot_build_keeps_torch_ops(monkeypatch):
-    from gpu.kernels import cpu_build
+    from gpu.cpu import build as cpu_build
 
     def fail():
         raise cpu_build.BuildError("no compiler")

@@ -1,4 +1,4 @@
-"""weir's CPU thread pool (gpu/kernels/cpu_pool.cpp): every task runs exactly once, whoever
+"""weir's CPU thread pool (gpu/cpu/csrc/pool.cpp): every task runs exactly once, whoever
 claims it and however long it is held."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import ctypes
 
 import pytest
 
-from gpu.kernels import cpu_build
+from gpu.cpu import build as cpu_build
 
 
 @pytest.fixture(scope="module")

@@ -8,9 +8,9 @@ import torch
 
 from gpu.attention.backend import AttentionMetadata
 from gpu.attention.torch_ref import TorchAttention
-from gpu.attention.triton_backend import TritonAttention
-from gpu.kernels.decode_attention import decode_attention, num_splits_for
-from gpu.kernels.store_kv import store_kv
+from gpu.cuda.attention import TritonAttention
+from gpu.cuda.kernels.decode_attention import decode_attention, num_splits_for
+from gpu.cuda.kernels.store_kv import store_kv
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 3e-2}
@@ -194,7 +194,7 @@ def test_kernels_compile_for_the_h200_without_a_gpu(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path)  # compile for real, not from a cache
     proc = subprocess.run(
-        [sys.executable, "-m", "gpu.kernels.aot", "--arch", "90"],
+        [sys.executable, "-m", "gpu.cuda.kernels.aot", "--arch", "90"],
         env=env,
         capture_output=True,
         text=True,

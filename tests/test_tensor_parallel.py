@@ -22,10 +22,10 @@ from core.pooling import PoolingParams
 from core.request import EngineRequest
 from core.sampling import SamplingParams
 from core.structured import Constraint
-from gpu import parallel
+from gpu.dist import parallel
 from gpu.launch import load
 from gpu.models.spec import ModelSpec
-from gpu.node import WorkerDied, local_init_method
+from gpu.dist.node import WorkerDied, local_init_method
 from tests.conftest import transformers_greedy
 
 MAX_TOKENS = 12
@@ -226,7 +226,7 @@ def test_a_rank_that_fails_to_load_fails_the_start_with_its_reason(model_dir):
 def _is_worker(pid: str) -> bool:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return b"gpu.worker" in f.read()
+            return b"gpu.dist.worker" in f.read()
     except OSError:
         return False
 

@@ -46,7 +46,7 @@ def tp_server(model_dir, tmp_path):
     url = f"http://127.0.0.1:{port}"
     up = wait_for(lambda: proc.poll() is not None or http_status(url + "/health") == 200, 180)
     assert up and proc.poll() is None, (tmp_path / "server.log").read_text()
-    workers = {p: c for p, c in descendants(proc.pid).items() if "gpu.worker" in c}
+    workers = {p: c for p, c in descendants(proc.pid).items() if "gpu.dist.worker" in c}
     assert len(workers) == 2, descendants(proc.pid)
     everything = list(descendants(proc.pid))
     yield proc, url, sorted(workers), tmp_path / "server.log"

@@ -12,7 +12,7 @@ from torch import nn
 from gpu.attention.backend import AttentionBackend, AttentionMetadata
 from gpu.models.rope import Rope, apply_rope
 from gpu.models.spec import ModelSpec
-from gpu.parallel import TensorParallel, local_spec
+from gpu.dist.parallel import TensorParallel, local_spec
 
 _ACTIVATIONS = {
     "silu": F.silu,
@@ -35,7 +35,7 @@ def fuse_linears(parts: list[nn.Linear]) -> nn.Linear:
 
 
 def add_product(linear: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-    """residual + linear(x); a layer that can add as it writes its product (gpu/cpu_linear.py's
+    """residual + linear(x); a layer that can add as it writes its product (gpu/cpu/onednn.py's
     PackedLinear) does, saving a pass over the output."""
     binary = getattr(linear, "forward_binary", None)
     if binary is not None:
@@ -48,7 +48,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
-        self.kernel = None  # gpu/cpu_norm.py's CpuNorm, set by the loader on CPU in float32
+        self.kernel = None  # gpu/cpu/norm.py's CpuNorm, set by the loader on CPU in float32
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None:
@@ -76,7 +76,7 @@ class Attention(nn.Module):
         self.sliding_window = spec.sliding_window
         self.qkv_proj: nn.Linear | None = None  # set by fuse()
         self.qkv_sizes = [spec.num_heads * d, spec.num_kv_heads * d, spec.num_kv_heads * d]
-        # Q/K norm and rotation in one pass (gpu/cpu_norm.py), set by the loader on CPU in float32.
+        # Q/K norm and rotation in one pass (gpu/cpu/norm.py), set by the loader on CPU in float32.
         self.norm_rope = None
 
     def fuse(self) -> None:
@@ -173,7 +173,7 @@ class DecoderModel(nn.Module):
 
 
 class DecoderForCausalLM(nn.Module):
-    """`spec` is the checkpoint's; with `tp` (gpu/parallel.py) the modules hold one rank's
+    """`spec` is the checkpoint's; with `tp` (gpu/dist/parallel.py) the modules hold one rank's
     share (`local_spec`), and the embedding and logits are assembled across ranks."""
 
     def __init__(self, spec: ModelSpec, tp: TensorParallel | None = None) -> None:
@@ -186,7 +186,7 @@ class DecoderForCausalLM(nn.Module):
         if not spec.tie_word_embeddings:
             self.lm_head = nn.Linear(local.hidden_size, local.vocab_size, bias=False)
         self.rope: Rope | None = None  # set after weights are on their device (see loader)
-        # gpu/cpu_forward.py's CpuForward: all layers in one compiled call, set by the loader on
+        # gpu/cpu/forward.py's CpuForward: all layers in one compiled call, set by the loader on
         # CPU in float32 when every layer runs on the CPU kernels.
         self.cpu_forward = None
 

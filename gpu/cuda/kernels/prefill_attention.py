@@ -1,12 +1,12 @@
 """Paged attention for prefill chunks: `_prefill_kernel` and its launcher (see
-gpu/kernels/paged_attention.py for the family and the shared pieces)."""
+gpu/cuda/kernels/paged_attention.py for the family and the shared pieces)."""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-from gpu.kernels.paged_attention import _attend, _check, _kv_offsets, _precision, _upcast
+from gpu.cuda.kernels.paged_attention import _attend, _check, _kv_offsets, _precision, _upcast
 
 
 @triton.jit

@@ -21,7 +21,7 @@
 #include <cstring>
 #include <memory>
 
-#include "cpu_attention_simd.h"
+#include "attention_simd.h"
 
 extern "C" {
 void weir_rms_norm_rope(const float* x, int64_t tokens, int64_t heads, int64_t dim,
@@ -40,7 +40,7 @@ int weir_paged_attention(const void* query, const void* k_cache, const void* v_c
 
 namespace {
 
-// Field order and types mirror gpu/cpu_forward.py's ctypes Structures.
+// Field order and types mirror gpu/cpu/forward.py's ctypes Structures.
 struct Layer {
     const float* input_norm;  // [hidden]
     const float* post_norm;   // [hidden]

@@ -1,7 +1,7 @@
 """The CPU attention backend: a compiled kernel that reads K/V in place from the paged cache.
 
 The torch reference copies each sequence's context out of the cache every layer and step; this
-calls gpu/kernels/cpu_attention.cpp once per layer, over all sequences, with no copy.
+calls gpu/cpu/csrc/attention.cpp once per layer, over all sequences, with no copy.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 
 from gpu.attention.backend import AttentionMetadata
 from gpu.attention.torch_ref import TorchAttention
-from gpu.kernels import cpu_build
+from gpu.cpu import build as cpu_build
 
 # Element codes of the compiled kernels (cpu_attention.cpp, and cpu_forward.cpp's K/V cache).
 DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}

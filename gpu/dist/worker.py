@@ -1,10 +1,10 @@
 """A tensor-parallel worker: one rank's process, holding its share of the model and its KV cache.
 
-Each node starts one per local rank (gpu/node.py) as `python -m gpu.worker CMD_FD REPLY_FD` and
+Each node starts one per local rank (gpu/dist/node.py) as `python -m gpu.dist.worker CMD_FD REPLY_FD` and
 speaks to it over two pipes of msgspec msgpack frames:
 
     to the worker      Init (config, rank, world size, rendezvous), then, from the engine's
-                       executor (gpu/executor.py), one Step per engine step (Mask after it, to
+                       executor (gpu/dist/executor.py), one Step per engine step (Mask after it, to
                        rank 0, when the step samples under a grammar), Stop
     from the worker    Ready once its shard is loaded and its KV cache allocated (the ranks agree
                        on the block count first: the smallest any rank has room for), then rank 0
@@ -39,8 +39,8 @@ import torch.distributed as dist
 from core.config import EngineConfig
 from core.request import EngineRequest, Request, StepResult
 from core.scheduler import ScheduledSeq, SchedulerOutput
-from gpu import parallel
-from gpu.launch import build_runner, fit_model_len, load_shard, resolve_device, set_threads
+from gpu.dist import parallel
+from gpu.assemble import build_runner, fit_model_len, load_shard, resolve_device, set_threads
 from gpu.loader import load_config, resolve_dtype
 
 log = logging.getLogger("weir.worker")

@@ -1,4 +1,4 @@
-"""RMSNorm and rotary embedding through the compiled CPU kernel (gpu/kernels/cpu_norm_rope.cpp).
+"""RMSNorm and rotary embedding through the compiled CPU kernel (gpu/cpu/csrc/norm_rope.cpp).
 
 On CPU in float32 the loader points the model's RMSNorm modules and attention layers here: each
 row is normalized (and, for Q and K, rotated) in one pass, instead of torch's ten element-wise
@@ -13,7 +13,7 @@ import logging
 import torch
 from torch import nn
 
-from gpu.kernels import cpu_build
+from gpu.cpu import build as cpu_build
 
 log = logging.getLogger("weir.cpu_norm")
 

@@ -11,8 +11,8 @@ Two kernels and a reduction:
 Both read K/V straight from the paged cache, so the batch can mix any number of each.
 
 This module holds what both share (the dot product, K/V addressing, the online-softmax step,
-the argument checks); the kernels are in gpu/kernels/prefill_attention.py and
-gpu/kernels/decode_attention.py.
+the argument checks); the kernels are in gpu/cuda/kernels/prefill_attention.py and
+gpu/cuda/kernels/decode_attention.py.
 """
 
 from __future__ import annotations

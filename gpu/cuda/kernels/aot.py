@@ -4,7 +4,7 @@ Triton's CPU interpreter checks what the kernels compute; this checks that they 
 control flow, tensor-core shapes) all the way to a cubin for the target, with the ptxas shipped in
 the triton wheel. Run it outside TRITON_INTERPRET:
 
-    python -m gpu.kernels.aot --arch 90        # sm_90: H100/H200
+    python -m gpu.cuda.kernels.aot --arch 90        # sm_90: H100/H200
 """
 
 from __future__ import annotations
@@ -48,9 +48,9 @@ def compile_case(kind: str, dtype: str, head_dim: int, extra: dict, arch: int) -
     import triton
     from triton.backends.compiler import GPUTarget
 
-    from gpu.kernels import decode_attention as da
-    from gpu.kernels import prefill_attention as pa
-    from gpu.kernels import store_kv as sk
+    from gpu.cuda.kernels import decode_attention as da
+    from gpu.cuda.kernels import prefill_attention as pa
+    from gpu.cuda.kernels import store_kv as sk
 
     p = f"*{dtype}"
     i32 = "*i32"

@@ -1,11 +1,11 @@
 // Matrix products for the CPU forward: out = x @ W^T (+ bias) (+ residual), or the gated MLP's
 // silu(x @ G^T) * (x @ U^T), float32, on weights packed once at load time.
 //
-// Why not oneDNN (gpu/cpu_linear.py) for every product: a decode step is many small products
+// Why not oneDNN (gpu/cpu/onednn.py) for every product: a decode step is many small products
 // (1 to 64 rows), and oneDNN splits each one statically over the threads and joins them at a
 // barrier. When another process takes a core for a moment (the HTTP server, the client: a 2-core
 // box), the whole step waits for the descheduled thread's half (issue 18). Here each product is
-// cut into column panels taken from a shared counter by weir's pool (cpu_pool.h): a thread
+// cut into column panels taken from a shared counter by weir's pool (pool.h): a thread
 // that is descheduled holds up at most one panel, one that has not woken up none. Each output is one sum over
 // k in order, whatever the batch, so a request's logits do not depend on what it is batched with.
 //
@@ -23,7 +23,7 @@
 #include <thread>
 #include <vector>
 
-#include "cpu_pool.h"
+#include "pool.h"
 
 namespace {
 

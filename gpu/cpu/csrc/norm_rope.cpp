@@ -10,13 +10,13 @@
 // [tokens, heads, dim] view whose token stride may be wider, as in a fused QKV output); out:
 // contiguous [tokens * heads, dim]. weight: [dim] or null (no norm). cos, sin: [tokens, dim] or
 // null (no rotation); the rotation is the "rotate half" form transformers uses. At least one of
-// weight and cos is given (gpu/cpu_norm.py always passes a weight or a rotation).
+// weight and cos is given (gpu/cpu/norm.py always passes a weight or a rotation).
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 
-#include "cpu_pool.h"
+#include "pool.h"
 
 extern "C" {
 

@@ -1,9 +1,9 @@
 """Node: the tensor-parallel workers of this machine, started, watched and stopped together.
 
-The engine's executor (gpu/executor.py) holds the node that runs rank 0. With `--nnodes K` each
+The engine's executor (gpu/dist/executor.py) holds the node that runs rank 0. With `--nnodes K` each
 other machine runs `weir serve MODEL ... --node-rank R --headless`: a node of its own ranks and no
 server (`run_headless`), whose workers meet the others at `--distributed-init-method` and take
-their steps from rank 0 over the relay (gpu/worker.py `Relay`).
+their steps from rank 0 over the relay (gpu/dist/worker.py `Relay`).
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ from typing import Any
 import msgspec
 
 from core.config import EngineConfig
-from gpu.worker import Failed, FromWorker, Init, Ready, Stop, node_ranks
+from gpu.dist.worker import Failed, FromWorker, Init, Ready, Stop, node_ranks
 
 log = logging.getLogger("weir.node")
 
-_ROOT = Path(__file__).resolve().parent.parent  # where `gpu` and `core` import from
+_ROOT = Path(__file__).resolve().parents[2]  # where `gpu` and `core` import from
 
 
 class WorkerDied(RuntimeError):
@@ -45,7 +45,7 @@ def local_init_method() -> str:
 
 
 class Worker:
-    """One worker process (`python -m gpu.worker`) and its two pipes."""
+    """One worker process (`python -m gpu.dist.worker`) and its two pipes."""
 
     def __init__(self, rank: int) -> None:
         cmd_read, cmd_write = os.pipe()
@@ -54,7 +54,7 @@ class Worker:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_ROOT), env.get("PYTHONPATH")]))
         self.rank = rank
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "gpu.worker", str(cmd_read), str(reply_write)],
+            [sys.executable, "-m", "gpu.dist.worker", str(cmd_read), str(reply_write)],
             pass_fds=(cmd_read, reply_write),
             env=env,
             cwd=_ROOT,
@@ -168,7 +168,7 @@ class Node:
 def run_headless(config: EngineConfig) -> int:
     """`--headless`: run this node's ranks until rank 0 stops them (or one fails); no server.
     Exit status 0 when every worker stopped cleanly."""
-    from gpu.launch import model_path
+    from gpu.assemble import model_path
     from gpu.loader import eos_token_ids, load_config
 
     config.validate()

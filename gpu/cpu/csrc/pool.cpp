@@ -1,4 +1,4 @@
-// weir's CPU thread pool (see cpu_pool.h).
+// weir's CPU thread pool (see pool.h).
 //
 // One loop at a time. `state` holds the loop's generation (high 32 bits) and the next unclaimed
 // task (low 32 bits); a thread claims a task by compare-and-swap on the whole word, so a claim
@@ -14,7 +14,7 @@
 // millisecond (3 ms on average) and were 80% of its waiting; asleep, its core goes to the HTTP
 // process or the stalled worker instead of to the spin.
 
-#include "cpu_pool.h"
+#include "pool.h"
 
 #include <unistd.h>
 

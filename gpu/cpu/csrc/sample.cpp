@@ -1,7 +1,7 @@
 // Greedy sampling's argmax on the CPU: for each row of float32 logits, the index torch.argmax
 // gives (the first of equal maxima; a NaN counts as larger than any number, the first NaN wins).
 // torch's own wakes its OpenMP team for a 64-row step's logits; here the rows go to weir's pool
-// (cpu_pool.h) when there are enough of them, else run on the calling thread.
+// (pool.h) when there are enough of them, else run on the calling thread.
 //
 // The library is built with -ffast-math, which lets the compiler assume no NaN: NaN is found
 // from the bits (exponent all ones, mantissa not zero), never by a float comparison.
@@ -9,7 +9,7 @@
 #include <cstdint>
 #include <cstring>
 
-#include "cpu_pool.h"
+#include "pool.h"
 
 namespace {
 

@@ -8,12 +8,12 @@
 // (GQA) and every query row of the work item while it is in L1, four keys per pass over each
 // query or accumulator row, and the next block is prefetched (block tables scatter blocks).
 //
-// The element conversions and the AVX-512 inner loops are in cpu_attention_simd.h.
+// The element conversions and the AVX-512 inner loops are in attention_simd.h.
 //
-// Plain C ABI with raw pointers (no torch headers): compiled in about a second by gpu/kernels/
+// Plain C ABI with raw pointers (no torch headers): compiled in about a second by gpu/cuda/kernels/
 // cpu_build.py with the host's g++ and -march=native, called through ctypes, which releases the
 // GIL for the call. Work items are (sequence, tile of query rows), spread over weir's pool
-// (cpu_pool.h: claimed one at a time, no barrier waiting for a preempted thread);
+// (pool.h: claimed one at a time, no barrier waiting for a preempted thread);
 // a decode row with a long context is split into parts of its keys, merged at the end (see run).
 //
 // Layouts (all contiguous): query/out [tokens, heads, dim]; caches [blocks, block_size, kv_heads,
@@ -27,8 +27,8 @@
 #include <type_traits>
 #include <vector>
 
-#include "cpu_attention_simd.h"
-#include "cpu_pool.h"
+#include "attention_simd.h"
+#include "pool.h"
 
 namespace {
 

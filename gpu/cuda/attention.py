@@ -1,13 +1,13 @@
-"""The Triton attention backend: the kernels in gpu/kernels/ behind the backend interface."""
+"""The Triton attention backend: the kernels in gpu/cuda/kernels/ behind the backend interface."""
 
 from __future__ import annotations
 
 import torch
 
 from gpu.attention.backend import AttentionMetadata
-from gpu.kernels.decode_attention import decode_attention
-from gpu.kernels.prefill_attention import prefill_attention
-from gpu.kernels.store_kv import store_kv
+from gpu.cuda.kernels.decode_attention import decode_attention
+from gpu.cuda.kernels.prefill_attention import prefill_attention
+from gpu.cuda.kernels.store_kv import store_kv
 
 
 class TritonAttention:

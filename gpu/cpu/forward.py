@@ -1,4 +1,4 @@
-"""The CPU float32 forward in one compiled call (gpu/kernels/cpu_forward.cpp).
+"""The CPU float32 forward in one compiled call (gpu/cpu/csrc/forward.cpp).
 
 After loading, a model whose every layer runs on the CPU kernels (weir's packed products, the
 norm/rotary kernel, the paged attention kernel) gets a CpuForward: DecoderForCausalLM.forward
@@ -17,8 +17,8 @@ import os
 import torch
 
 from gpu.attention.backend import AttentionMetadata
-from gpu.attention.cpu_backend import DTYPES
-from gpu.kernels import cpu_build
+from gpu.cpu.attention import DTYPES
+from gpu.cpu import build as cpu_build
 
 log = logging.getLogger("weir.cpu_forward")
 
@@ -90,7 +90,7 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 def unfit(model) -> str | None:
     """Why `model` cannot run as one call (None when it can)."""
-    from gpu.cpu_gemm import GemmGatedMLP, GemmLinear
+    from gpu.cpu.gemm import GemmGatedMLP, GemmLinear
 
     if os.environ.get("WEIR_CPU_FORWARD", "fused") == "modules":
         return "WEIR_CPU_FORWARD=modules"
@@ -125,7 +125,7 @@ class CpuForward:
         self._struct = None
         # The LM head when the call can take it too: an untied, bias-free one on weir's kernel
         # (a tied head multiplies by the embedding's plain weight, through torch).
-        from gpu.cpu_gemm import GemmLinear
+        from gpu.cpu.gemm import GemmLinear
 
         head = getattr(model, "lm_head", None)
         tied = model.spec.tie_word_embeddings

@@ -1,9 +1,9 @@
 """Executor: the engine's model runner under tensor parallelism, driving one worker per rank.
 
 The scheduler, block pool, detokenizer and grammar matchers stay single, in the engine process;
-the model lives in the workers (gpu/worker.py), each with its share of the weights and of every
+the model lives in the workers (gpu/dist/worker.py), each with its share of the weights and of every
 layer's KV heads, joined by torch.distributed (NCCL on CUDA, gloo on CPU). Each engine step is
-one Step frame written to every worker of this node (gpu/node.py; the same bytes: what changed
+one Step frame written to every worker of this node (gpu/dist/node.py; the same bytes: what changed
 since the last step; rank 0 relays it to other nodes' ranks), then, when constrained requests
 sample, their grammar bitmask to rank 0 while the forward runs; rank 0 answers with the sampled
 ids. A worker that dies or fails ends the engine like a dead engine process: `execute` raises,
@@ -22,10 +22,11 @@ import torch
 from core.config import EngineConfig
 from core.request import EngineRequest, Request, Status, StepResult
 from core.scheduler import SchedulerOutput
-from gpu import grammar_mask, parallel
+from gpu import grammar_mask
+from gpu.dist import parallel
 from gpu.models.spec import ModelSpec
-from gpu.node import Node, WorkerDied, WorkerFailed, local_init_method
-from gpu.worker import Mask, Sampled, SeqStep, Step, node_ranks
+from gpu.dist.node import Node, WorkerDied, WorkerFailed, local_init_method
+from gpu.dist.worker import Mask, Sampled, SeqStep, Step, node_ranks
 
 log = logging.getLogger("weir.executor")
 

@@ -1,5 +1,6 @@
 """Paged attention for single-token decodes: `_decode_kernel`, the split merge `_reduce_kernel`
-and their launcher (see gpu/kernels/paged_attention.py for the family and the shared pieces)."""
+and their launcher (see gpu/cuda/kernels/paged_attention.py for the family and the shared
+pieces)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gpu.kernels.paged_attention import _attend, _check, _kv_offsets, _precision, _upcast
+from gpu.cuda.kernels.paged_attention import _attend, _check, _kv_offsets, _precision, _upcast
 
 
 @triton.jit

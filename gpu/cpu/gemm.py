@@ -1,6 +1,6 @@
-"""Linear layers on weir's own CPU matrix-product kernel (gpu/kernels/cpu_gemm.cpp).
+"""Linear layers on weir's own CPU matrix-product kernel (gpu/cpu/csrc/gemm.cpp).
 
-Drop-ins for gpu/cpu_linear.py's oneDNN layers (same forward and forward_binary), for float32 on
+Drop-ins for gpu/cpu/onednn.py's oneDNN layers (same forward and forward_binary), for float32 on
 CPU: the weight is packed once into column panels, and each product hands its panels to the
 threads one at a time from a shared counter, so a thread that another process preempts holds up
 one panel rather than half the product (the barrier stalls of issue 18). The gated MLP's
@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from gpu.cpu_linear import gated_parts  # what counts as a gated MLP, as on the oneDNN path
-from gpu.kernels import cpu_build
+from gpu.cpu.onednn import gated_parts  # what counts as a gated MLP, as on the oneDNN path
+from gpu.cpu import build as cpu_build
 
 
 def _lib():

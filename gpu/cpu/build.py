@@ -19,19 +19,22 @@ import tempfile
 import threading
 from pathlib import Path
 
+from gpu.cache import cache_dir
+
+CSRC = Path(__file__).with_name("csrc")
 SOURCES = [
-    Path(__file__).with_name(n)
+    CSRC / n
     for n in (
-        "cpu_pool.cpp",
-        "cpu_attention.cpp",
-        "cpu_norm_rope.cpp",
-        "cpu_mask.cpp",
-        "cpu_gemm.cpp",
-        "cpu_forward.cpp",
-        "cpu_sample.cpp",
+        "pool.cpp",
+        "attention.cpp",
+        "norm_rope.cpp",
+        "mask.cpp",
+        "gemm.cpp",
+        "forward.cpp",
+        "sample.cpp",
     )
 ]
-HEADERS = [Path(__file__).with_name(n) for n in ("cpu_pool.h", "cpu_attention_simd.h")]
+HEADERS = [CSRC / n for n in ("pool.h", "attention_simd.h")]
 # -ffast-math lets g++ vectorize exp (glibc's libmvec) and reassociate the dot products; it is
 # given to the compile step only, so the link does not add crtfastmath.o, which would switch
 # denormals to zero for the whole process (torch included). The kernel never forms inf or NaN.
@@ -61,7 +64,6 @@ def _cpu_id() -> str:
 
 
 def library_path(cxx: str) -> Path:
-    from gpu.tiny_model import cache_dir
 
     key = hashlib.sha256()
     for part in (

@@ -1,0 +1,149 @@
+"""One rank's model, KV cache and runner, assembled from an EngineConfig (in the engine
+process, or in a tensor-parallel worker): the device, the threads, the model's folder."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from core.config import EngineConfig
+from gpu import kv_cache
+from gpu.attention.select import get_backend
+from gpu.dist.parallel import TensorParallel
+from gpu.loader import load_model, resolve_model_path
+from gpu.models.decoder import DecoderForCausalLM
+from gpu.runner import ModelRunner
+
+log = logging.getLogger("weir.launch")
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def model_path(config: EngineConfig) -> tuple[Path, str]:
+    """The model's local directory (the built-in tiny model when none is named) and its name."""
+    if config.model is None:
+        from gpu.tiny_model import TINY_NAME, ensure_tiny_model
+
+        return ensure_tiny_model(), TINY_NAME
+    return resolve_model_path(config.model, config.revision), config.model
+
+
+def set_threads(config: EngineConfig, hf_config: Any, device: torch.device, ranks: int = 1) -> None:
+    """torch's intra-op threads on CPU: --cpu-threads (0: auto), shared out among `ranks`
+    processes on one machine. Process-wide: the engine is torch's only user."""
+    if device.type != "cpu":
+        return
+    if config.cpu_threads is not None:
+        threads = config.cpu_threads or auto_threads(hf_config)
+    elif ranks > 1:
+        threads = torch.get_num_threads()
+    else:
+        return
+    torch.set_num_threads(max(1, threads // ranks))
+
+
+def load_shard(
+    config: EngineConfig,
+    path: Path,
+    hf_config: Any,
+    dtype: torch.dtype,
+    device: torch.device,
+    tp: TensorParallel | None = None,
+) -> tuple[DecoderForCausalLM, int]:
+    """The model (under `tp`, this rank's share of it) and how many KV blocks fit beside it."""
+    model = load_model(path, hf_config, dtype, device, tp)
+    num_blocks = kv_cache.num_blocks_for(
+        model.local_spec,  # the KV heads this rank caches
+        config.block_size,
+        kv_cache.cache_dtype(config.kv_cache_dtype, dtype),
+        device,
+        num_kv_blocks=config.num_kv_blocks,
+        kv_cache_memory=config.kv_cache_memory,
+        gpu_memory_utilization=config.gpu_memory_utilization,
+    )
+    return model, num_blocks
+
+
+def fit_model_len(config: EngineConfig, max_positions: int, num_blocks: int, rank: int = 0) -> int:
+    """--max-model-len (or the model's own), cut to what the KV cache holds (said once: by
+    rank 0 under tensor parallelism)."""
+    capacity = num_blocks * config.block_size
+    max_model_len = config.max_model_len or max_positions
+    if max_model_len > capacity and rank == 0:
+        log.warning(
+            "max_model_len %d exceeds the KV cache (%d tokens); using %d",
+            max_model_len,
+            capacity,
+            capacity,
+        )
+    return min(max_model_len, capacity)
+
+
+def build_runner(
+    config: EngineConfig,
+    model: DecoderForCausalLM,
+    num_blocks: int,
+    max_model_len: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    eos: set[int],
+) -> ModelRunner:
+    """The KV cache of `num_blocks` blocks and the runner over it, with its CUDA graphs
+    captured for contexts up to `max_model_len`."""
+    kv_dtype = kv_cache.cache_dtype(config.kv_cache_dtype, dtype)
+    caches = kv_cache.allocate(model.local_spec, num_blocks, config.block_size, kv_dtype, device)
+    runner = ModelRunner(
+        model,
+        caches,
+        config.block_size,
+        get_backend(config.attention_backend, device),
+        device,
+        seed=config.seed,
+    )
+    if device.type == "cuda" and not config.enforce_eager and runner.backend.graph_safe:
+        from gpu.cuda.graphs import DecodeGraphs, default_capture_sizes
+
+        runner.graphs = DecodeGraphs(
+            model,
+            caches,
+            runner.backend,
+            device,
+            config.block_size,
+            max_model_len,
+            default_capture_sizes(config.max_num_seqs),
+        )
+        runner.graphs.capture()
+    runner.eos_token_ids = eos
+    return runner
+
+
+# Weights a token multiplies through (per layer: Q/K/V/O and the MLP) from which every core is
+# worth giving to the model rather than leaving one to the HTTP event loop.
+AUTO_ALL_CORES_WEIGHTS = 4_000_000
+
+
+def auto_threads(hf_config: Any) -> int:
+    """--cpu-threads auto. The engine's matrix products and the event loop's HTTP work share the
+    cores; which should yield depends on how big a forward is. Measured on 2 cores, servers
+    alternated: a 3-layer model of 0.6M weights per token served 25-30% more tokens/s at 16 and
+    64 streams with 1 torch thread than with 2; a 6-layer one of 17M, 11-23% more at 1-64
+    streams with 2 (docs/benchmarks.md); a 77M one, 19% more at 16 with 2."""
+    usable = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    cores = len(usable) if usable else os.cpu_count() or 1
+    h = hf_config.hidden_size
+    heads = hf_config.num_attention_heads
+    d = getattr(hf_config, "head_dim", None) or h // heads
+    q, kv = heads * d, getattr(hf_config, "num_key_value_heads", heads) * d
+    per_layer = h * (q + 2 * kv) + q * h + 3 * h * hf_config.intermediate_size
+    weights = hf_config.num_hidden_layers * per_layer
+    return cores if weights >= AUTO_ALL_CORES_WEIGHTS else max(1, cores - 1)
+
+
