@@ -53,44 +53,15 @@ def allowed(mask: torch.Tensor, vocab: int) -> torch.Tensor:
     return expanded.view(k, -1)[:, :vocab]
 
 
-_kernel: Any = None  # the compiled CPU kernel, False when it cannot be built
-
-
-def _cpu_kernel():
-    global _kernel
-    if _kernel is None:
-        from gpu.cpu import build as cpu_build
-
-        try:
-            _kernel = cpu_build.load().weir_apply_token_bitmask
-        except cpu_build.BuildError as e:
-            log.warning("grammar mask: the CPU kernel is unavailable (%s); using torch", e)
-            _kernel = False
-    return _kernel
-
-
 def apply(logits: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """-inf on every token the grammar does not allow, in the constrained rows (in place on a
     contiguous float32 CPU tensor, through the compiled kernel; torch ops elsewhere)."""
     vocab = logits.shape[1]
-    if (
-        logits.device.type == "cpu"
-        and logits.dtype == torch.float32
-        and logits.stride(1) == 1
-        and mask.is_contiguous()
-        and _cpu_kernel()
-    ):
-        _kernel(
-            logits.data_ptr(),
-            logits.stride(0),
-            rows.data_ptr(),
-            rows.numel(),
-            mask.data_ptr(),
-            mask.shape[1],
-            vocab,
-            torch.get_num_threads(),
-        )
-        return logits
+    if logits.device.type == "cpu":
+        from gpu.cpu import sample
+
+        if sample.apply_token_bitmask(logits, rows, mask):
+            return logits
     sub = logits.index_select(0, rows)
     sub.masked_fill_(~allowed(mask, vocab), float("-inf"))
     return logits.index_copy(0, rows, sub)

@@ -105,35 +105,16 @@ def filter_logits(
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
-_cpu_argmax = None  # gpu/cpu/csrc/sample.cpp's weir_argmax, once loaded; False: unavailable
-
-
 def argmax(logits: torch.Tensor) -> torch.Tensor:
-    """torch.argmax over the last dimension (the first of equal maxima, NaN above all). On CPU
-    float32 rows through the compiled kernel: torch's wakes its OpenMP team for a 64-row step's
-    logits and took 0.14-0.5 ms of it."""
-    global _cpu_argmax
-    if logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.dim() != 2:
-        return logits.argmax(dim=-1)
-    if _cpu_argmax is None:
-        from gpu.cpu import build as cpu_build
+    """torch.argmax over the last dimension (the first of equal maxima, NaN above all); CPU
+    float32 rows through weir's kernel (gpu/cpu/sample.py)."""
+    if logits.device.type == "cpu":
+        from gpu.cpu import sample
 
-        try:
-            _cpu_argmax = cpu_build.load().weir_argmax
-        except cpu_build.BuildError:
-            _cpu_argmax = False
-    if not _cpu_argmax or logits.shape[1] == 0 or logits.stride(1) != 1:
-        return logits.argmax(dim=-1)
-    out = torch.empty(logits.shape[0], dtype=torch.int64)
-    _cpu_argmax(
-        logits.data_ptr(),
-        logits.shape[0],
-        logits.shape[1],
-        logits.stride(0),
-        out.data_ptr(),
-        torch.get_num_threads(),
-    )
-    return out
+        ids = sample.argmax(logits)
+        if ids is not None:
+            return ids
+    return logits.argmax(dim=-1)
 
 
 class Sampler:

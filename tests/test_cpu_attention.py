@@ -165,7 +165,7 @@ def test_auto_picks_the_kernel_on_cpu_and_builds_it_once(tmp_path, monkeypatch):
 def test_a_compiler_error_is_reported(tmp_path, monkeypatch):
     bad = tmp_path / "bad.cpp"
     bad.write_text("this is not C++\n")
-    monkeypatch.setattr(cpu_build, "SOURCES", [*cpu_build.SOURCES, bad])
+    monkeypatch.setattr(cpu_build, "KERNELS", [*cpu_build.KERNELS, bad])
     monkeypatch.setenv("WEIR_CACHE", str(tmp_path))
     with pytest.raises(cpu_build.BuildError, match="failed"):
         cpu_build.build()

@@ -12,7 +12,7 @@ from gpu.attention.backend import AttentionMetadata
 from gpu.attention.torch_ref import TorchAttention
 from gpu.cpu import build as cpu_build
 
-# Element codes of the compiled kernels (cpu_attention.cpp, and cpu_forward.cpp's K/V cache).
+# The element types the compiled attention takes (query and K/V cache; weir.h DType).
 DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
@@ -23,7 +23,7 @@ class CpuAttention(TorchAttention):
     graph_safe = False
 
     def __init__(self) -> None:
-        self._lib = cpu_build.load()
+        self._ops = cpu_build.load()
 
     def forward(
         self,
@@ -45,29 +45,13 @@ class CpuAttention(TorchAttention):
         if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
             raise ValueError("cpu attention: caches must be contiguous")
         query = query.contiguous()
-        out = torch.empty_like(query)
-        tables = meta.block_tables
-        _, bs, kv_heads, head_dim = k_cache.shape
-        rc = self._lib.weir_paged_attention(
-            query.data_ptr(),
-            k_cache.data_ptr(),
-            v_cache.data_ptr(),
-            out.data_ptr(),
-            tables.data_ptr(),
-            meta.query_start_loc.data_ptr(),
-            meta.seq_lens.data_ptr(),
-            meta.num_seqs,
-            tables.shape[1],
-            query.shape[1],
-            kv_heads,
-            head_dim,
-            bs,
+        return self._ops.paged_attention(
+            query,
+            k_cache,
+            v_cache,
+            meta.block_tables,
+            meta.query_start_loc,
+            meta.seq_lens,
             scale,
             sliding_window,
-            torch.get_num_threads(),
-            DTYPES[query.dtype],
-            DTYPES[k_cache.dtype],
         )
-        if rc != 0:
-            raise RuntimeError(f"cpu attention kernel failed ({rc})")
-        return out

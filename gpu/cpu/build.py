@@ -1,15 +1,17 @@
-"""Build and load the CPU kernels (cpu_attention.cpp, cpu_norm_rope.cpp, cpu_mask.cpp,
-cpu_gemm.cpp, cpu_forward.cpp, cpu_sample.cpp, on the thread pool of cpu_pool.cpp) with the
-host's C++ compiler.
+"""Build and load weir's CPU kernels as torch operators (torch.ops.weir, torch.classes.weir).
 
-The sources have a plain C ABI and no torch headers, so they compile in about a second. They are
-built once per source, compiler and CPU into one library in weir's cache ($WEIR_CACHE, default
-~/.cache/weir) with -march=native, and loaded with ctypes (whose calls release the GIL).
+The kernel sources (csrc/*.cpp, declared once in csrc/weir.h) include no torch header: they
+compile in about a second each with -O3 -march=native -ffast-math. One source, csrc/ops.cpp,
+registers the operators with TORCH_LIBRARY and checks every tensor before it reaches a kernel;
+it is compiled against torch's headers with the include and library paths, C++ ABI and C++
+standard torch.utils.cpp_extension gives, then everything is linked into one library that
+torch.ops.load_library loads. The build runs the compiler directly (in parallel, no ninja
+needed on a fresh machine) and is cached by the sources, compiler, flags, torch version and
+CPU in weir's cache folder (gpu/cache.py), so it happens once per machine.
 """
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import os
 import platform
@@ -19,10 +21,12 @@ import tempfile
 import threading
 from pathlib import Path
 
+import torch
+
 from gpu.cache import cache_dir
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = [
+KERNELS = [
     CSRC / n
     for n in (
         "pool.cpp",
@@ -34,15 +38,19 @@ SOURCES = [
         "sample.cpp",
     )
 ]
-HEADERS = [CSRC / n for n in ("pool.h", "attention_simd.h")]
+BINDINGS = CSRC / "ops.cpp"
+HEADERS = [CSRC / n for n in ("weir.h", "attention_simd.h")]
 # -ffast-math lets g++ vectorize exp (glibc's libmvec) and reassociate the dot products; it is
-# given to the compile step only, so the link does not add crtfastmath.o, which would switch
-# denormals to zero for the whole process (torch included). The kernel never forms inf or NaN.
+# given to the kernels' compile step only, so the link does not add crtfastmath.o, which would
+# switch denormals to zero for the whole process (torch included). The kernels never form inf
+# or NaN. OpenMP: mask.cpp's row loop and the kernels' simd loops.
 COMPILE = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fPIC", "-std=c++17"]
+# ops.cpp: torch's headers need C++20; nothing there is hot.
+COMPILE_BINDINGS = ["-O2", "-fPIC", "-std=c++20", "-w"]
 LINK = ["-shared", "-fopenmp"]
 
 _lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
+_loaded: Path | None = None
 
 
 class BuildError(RuntimeError):
@@ -63,17 +71,29 @@ def _cpu_id() -> str:
     return platform.processor() or platform.machine()
 
 
-def library_path(cxx: str) -> Path:
+def _torch_flags() -> tuple[list[str], list[str]]:
+    """(compile, link) flags for a source built against torch, as cpp_extension builds one."""
+    from torch.utils import cpp_extension
 
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    includes = [f"-I{p}" for p in cpp_extension.include_paths()]
+    libs = cpp_extension.library_paths()
+    link = [f"-L{p}" for p in libs] + [f"-Wl,-rpath,{p}" for p in libs]
+    link += ["-lc10", "-ltorch_cpu", "-ltorch"]
+    return [f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *includes], link
+
+
+def library_path(cxx: str) -> Path:
     key = hashlib.sha256()
     for part in (
-        *(src.read_bytes() for src in SOURCES + HEADERS),
+        *(src.read_bytes() for src in [*KERNELS, BINDINGS, *HEADERS]),
         cxx.encode(),
-        " ".join(COMPILE + LINK).encode(),
+        " ".join(COMPILE + COMPILE_BINDINGS + LINK).encode(),
+        torch.__version__.encode(),
         _cpu_id().encode(),
     ):
         key.update(part)
-    return cache_dir() / "kernels" / f"cpu_kernels-{key.hexdigest()[:16]}.so"
+    return cache_dir() / "kernels" / f"weir_ops-{key.hexdigest()[:16]}.so"
 
 
 def build() -> Path:
@@ -90,59 +110,53 @@ def build() -> Path:
         raise BuildError(f"could not build {path.name}: {e}") from e
 
 
+def _run_all(cmds: list[list[str]]) -> None:
+    """Run the compile commands side by side; the first failure is a BuildError."""
+    procs = [
+        subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        for cmd in cmds
+    ]
+    failed = None
+    for cmd, proc in zip(cmds, procs):
+        _, err = proc.communicate()
+        if proc.returncode != 0 and failed is None:
+            failed = f"{' '.join(cmd)} failed:\n{err[-4000:]}"
+    if failed:
+        raise BuildError(failed)
+
+
 def _compile(cxx: str, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
+    torch_compile, torch_link = _torch_flags()
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-        objs = [str(Path(tmp) / (src.stem + ".o")) for src in SOURCES]
+        objs = [str(Path(tmp) / (src.stem + ".o")) for src in [*KERNELS, BINDINGS]]
         out = Path(tmp) / path.name
-        compiles = [[cxx, *COMPILE, "-c", str(src), "-o", o] for src, o in zip(SOURCES, objs)]
-        for cmd in (*compiles, [cxx, *LINK, *objs, "-o", str(out)]):
-            proc = subprocess.run(cmd, capture_output=True, text=True)
-            if proc.returncode != 0:
-                raise BuildError(f"{' '.join(cmd)} failed:\n{proc.stderr[-4000:]}")
+        compiles = [[cxx, *COMPILE, "-c", str(src), "-o", o] for src, o in zip(KERNELS, objs)]
+        compiles.append(
+            [cxx, *COMPILE_BINDINGS, *torch_compile, "-c", str(BINDINGS), "-o", objs[-1]]
+        )
+        _run_all(compiles)
+        _run_all([[cxx, *LINK, *objs, "-o", str(out), *torch_link]])
         os.replace(out, path)  # atomic: concurrent builders each publish a whole file
     return path
 
 
-def load() -> ctypes.CDLL:
-    global _lib
+def load():
+    """torch.ops.weir, the library built and loaded on first use (BuildError when it cannot
+    be built here)."""
+    global _loaded
     with _lock:
-        if _lib is None:
+        if _loaded is None:
             path = build()
             try:
-                lib = ctypes.CDLL(str(path))
+                torch.ops.load_library(str(path))
             except OSError as e:
                 raise BuildError(f"could not load {path}: {e}") from e
-            fn = lib.weir_paged_attention
-            p, i64 = ctypes.c_void_p, ctypes.c_int64
-            fn.argtypes = [p] * 7 + [i64] * 6 + [ctypes.c_float, i64, i64] + [ctypes.c_int] * 2
-            fn.restype = ctypes.c_int
-            fn = lib.weir_rms_norm_rope
-            fn.argtypes = [p, i64, i64, i64, i64, p, ctypes.c_float, p, p, p, i64]
-            fn.restype = None
-            fn = lib.weir_apply_token_bitmask
-            fn.argtypes = [p, i64, p, i64, p, i64, i64, ctypes.c_int]
-            fn.restype = None
-            fn = lib.weir_gemm_packed_size
-            fn.argtypes = [i64, i64, ctypes.c_int]
-            fn.restype = i64
-            fn = lib.weir_gemm_pack
-            fn.argtypes = [p, p, i64, i64, ctypes.c_int, p]
-            fn.restype = None
-            fn = lib.weir_gemm
-            fn.argtypes = [p, i64, i64, i64, p, i64, ctypes.c_int, p, p, i64, p, i64, i64]
-            fn.restype = None
-            fn = lib.weir_decoder_forward
-            fn.argtypes = [p, p]
-            fn.restype = ctypes.c_int
-            fn = lib.weir_argmax
-            fn.argtypes = [p, i64, i64, i64, p, i64]
-            fn.restype = None
-            fn = lib.weir_forward_profile
-            fn.argtypes = [p, ctypes.c_int]
-            fn.restype = None
-            fn = lib.weir_pool_selftest
-            fn.argtypes = [i64, i64, i64, i64, p, p]
-            fn.restype = None
-            _lib = lib
-        return _lib
+            _loaded = path
+    return torch.ops.weir
+
+
+def classes():
+    """torch.classes.weir (DecoderStack), the library loaded first."""
+    load()
+    return torch.classes.weir

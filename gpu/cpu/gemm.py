@@ -1,4 +1,5 @@
-"""Linear layers on weir's own CPU matrix-product kernel (gpu/cpu/csrc/gemm.cpp).
+"""Linear layers on weir's own CPU matrix-product kernel (gpu/cpu/csrc/gemm.cpp, through
+torch.ops.weir.gemm).
 
 Drop-ins for gpu/cpu/onednn.py's oneDNN layers (same forward and forward_binary), for float32 on
 CPU: the weight is packed once into column panels, and each product hands its panels to the
@@ -17,25 +18,14 @@ from gpu.cpu.onednn import gated_parts  # what counts as a gated MLP, as on the 
 from gpu.cpu import build as cpu_build
 
 
-def _lib():
+def _ops():
     return cpu_build.load()
 
 
-def _pack(first: torch.Tensor, second: torch.Tensor | None, lib) -> torch.Tensor:
-    n, k = first.shape
-    gated = int(second is not None)
+def _pack(first: torch.Tensor, second: torch.Tensor | None) -> torch.Tensor:
     first = first.detach().float().contiguous()
     second = None if second is None else second.detach().float().contiguous()
-    packed = torch.empty(lib.weir_gemm_packed_size(n, k, gated), dtype=torch.float32)
-    lib.weir_gemm_pack(
-        first.data_ptr(),
-        None if second is None else second.data_ptr(),
-        n,
-        k,
-        gated,
-        packed.data_ptr(),
-    )
-    return packed
+    return _ops().gemm_pack(first, second)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -43,42 +33,19 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _gemm(lib, x, packed, n, gated, bias, residual, out) -> None:
-    m, k = x.shape
-    if m == 0:
-        return
-    lib.weir_gemm(
-        x.data_ptr(),
-        m,
-        k,
-        x.stride(0),
-        packed.data_ptr(),
-        n,
-        gated,
-        None if bias is None else bias.data_ptr(),
-        None if residual is None else residual.data_ptr(),
-        0 if residual is None else residual.stride(0),
-        out.data_ptr(),
-        out.stride(0),
-        torch.get_num_threads(),
-    )
-
-
 class GemmLinear(nn.Module):
     """An nn.Linear at inference on the packed kernel."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
-        self._lib = _lib()
+        self._ops = _ops()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.packed = _pack(linear.weight, None, self._lib)
+        self.packed = _pack(linear.weight, None)
         self.bias = None if linear.bias is None else linear.bias.detach().float().contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        rows = _rows(x)
-        out = torch.empty(rows.shape[0], self.out_features)
-        _gemm(self._lib, rows, self.packed, self.out_features, 0, self.bias, None, out)
+        out = self._ops.gemm(_rows(x), self.packed, self.out_features, 0, self.bias, None)
         return out.view(*shape[:-1], self.out_features)
 
     def forward_binary(self, x: torch.Tensor, other: torch.Tensor, op: str) -> torch.Tensor:
@@ -86,9 +53,7 @@ class GemmLinear(nn.Module):
         if op != "add":
             raise ValueError(f"cpu gemm: post-op {op!r} is not supported")
         shape = x.shape
-        rows, res = _rows(x), _rows(other)
-        out = torch.empty(rows.shape[0], self.out_features)
-        _gemm(self._lib, rows, self.packed, self.out_features, 0, self.bias, res, out)
+        out = self._ops.gemm(_rows(x), self.packed, self.out_features, 0, self.bias, _rows(other))
         return out.view(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
@@ -105,17 +70,15 @@ class GemmGatedMLP(nn.Module):
 
     def __init__(self, gate: nn.Linear, up: nn.Linear, down: nn.Linear, act: str) -> None:
         super().__init__()
-        self._lib = _lib()
+        self._ops = _ops()
         self.act = ACTIVATIONS[act]
         self.width = gate.out_features
-        self.gate_up = _pack(gate.weight, up.weight, self._lib)
+        self.gate_up = _pack(gate.weight, up.weight)
         self.down_proj = GemmLinear(down)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         shape = x.shape
-        rows = _rows(x)
-        h = torch.empty(rows.shape[0], self.width)
-        _gemm(self._lib, rows, self.gate_up, self.width, self.act, None, None, h)
+        h = self._ops.gemm(_rows(x), self.gate_up, self.width, self.act, None, None)
         h = h.view(*shape[:-1], self.width)
         if residual is None:
             return self.down_proj(h)

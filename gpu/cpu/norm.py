@@ -34,26 +34,11 @@ class CpuNorm:
     """Callables over the loaded kernel library."""
 
     def __init__(self) -> None:
-        self._fn = cpu_build.load().weir_rms_norm_rope
+        self._fn = cpu_build.load().rms_norm_rope
 
     def _run(self, x, weight, eps, cos, sin) -> torch.Tensor:
-        t, heads, d, stride = _rows_view(x)
-        out = torch.empty(x.shape, dtype=x.dtype)
-        if t:
-            self._fn(
-                x.data_ptr(),
-                t,
-                heads,
-                d,
-                stride,
-                None if weight is None else weight.data_ptr(),
-                eps,
-                None if cos is None else cos.data_ptr(),
-                None if sin is None else sin.data_ptr(),
-                out.data_ptr(),
-                torch.get_num_threads(),
-            )
-        return out
+        _rows_view(x)
+        return self._fn(x, weight, eps, cos, sin)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return self._run(x, weight, eps, None, None)

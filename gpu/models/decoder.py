@@ -213,7 +213,7 @@ class DecoderForCausalLM(nn.Module):
             # The compiled call gathers the embeddings and rotary rows itself.
             embed = self.model.embed_tokens.weight
             cos, sin = self.rope.tables(max(meta.seq_lens_cpu, default=0), embed.dtype)
-            args = (input_ids, positions, embed, cos, sin, kv_caches, meta)
+            args = (input_ids, positions, cos, sin, kv_caches, meta)
             if logits_rows is None:
                 return cpu(*args)
             if cpu.lm_head is not None and logits_rows.numel() > 0:

@@ -10,9 +10,7 @@
 //
 // The element conversions and the AVX-512 inner loops are in attention_simd.h.
 //
-// Plain C ABI with raw pointers (no torch headers): compiled in about a second by gpu/cuda/kernels/
-// cpu_build.py with the host's g++ and -march=native, called through ctypes, which releases the
-// GIL for the call. Work items are (sequence, tile of query rows), spread over weir's pool
+// Declared in weir.h, called by ops.cpp's torch operator and by forward.cpp. Work items are (sequence, tile of query rows), spread over weir's pool
 // (pool.h: claimed one at a time, no barrier waiting for a preempted thread);
 // a decode row with a long context is split into parts of its keys, merged at the end (see run).
 //
@@ -28,7 +26,7 @@
 #include <vector>
 
 #include "attention_simd.h"
-#include "pool.h"
+#include "weir.h"
 
 namespace {
 
@@ -346,18 +344,14 @@ void run_dim(const Args& a) {
 
 }  // namespace
 
-extern "C" {
+namespace weir {
 
-// dtype (query and out) and cache_dtype (K and V): 0 float32, 1 bfloat16, 2 float16; the cache
-// is the query's type, or 16-bit under a float32 query (--kv-cache-dtype). Returns 0, or -1 for
-// a pair not offered.
-int weir_paged_attention(const void* query, const void* k_cache, const void* v_cache, void* out,
-                         const int32_t* block_tables, const int32_t* query_start,
-                         const int32_t* seq_lens, int64_t num_seqs,
-                         int64_t max_blocks, int64_t num_heads, int64_t num_kv_heads,
-                         int64_t head_dim, int64_t block_size, float scale,
-                         int64_t sliding_window, int64_t num_threads, int dtype,
-                         int cache_dtype) {
+int paged_attention(const void* query, const void* k_cache, const void* v_cache, void* out,
+                    const int32_t* block_tables, const int32_t* query_start,
+                    const int32_t* seq_lens, int64_t num_seqs, int64_t max_blocks,
+                    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                    int64_t block_size, float scale, int64_t sliding_window, int64_t num_threads,
+                    int dtype, int cache_dtype) {
     const Args a{query,       k_cache,      v_cache,  out,        block_tables,
                  query_start, seq_lens,     num_seqs, max_blocks,
                  num_heads,   num_kv_heads, head_dim, block_size, scale,
@@ -372,4 +366,4 @@ int weir_paged_attention(const void* query, const void* k_cache, const void* v_c
     return -1;
 }
 
-}  // extern "C"
+}  // namespace weir

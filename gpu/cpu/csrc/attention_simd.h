@@ -1,6 +1,6 @@
-// Element conversions and AVX-512 inner loops of the CPU paged attention (cpu_attention.cpp):
+// Element conversions and AVX-512 inner loops of the CPU paged attention (attention.cpp):
 // the algorithm there, the vector primitives here. Header-only, included in one translation
-// unit each (cpu_attention.cpp, cpu_forward.cpp's K/V writes), so everything is inline in an
+// unit each (attention.cpp, forward.cpp's K/V writes), so everything is inline in an
 // anonymous namespace.
 #pragma once
 

@@ -1,11 +1,11 @@
 // The decoder's layers in one call: every layer of a CPU float32 forward without returning to
 // Python between its steps. The K/V cache may be float32 or 16-bit (--kv-cache-dtype).
 //
-// The same kernels the modules call one by one (cpu_norm_rope.cpp, cpu_gemm.cpp,
-// cpu_attention.cpp), called in the same order on the same buffers, so the result is bitwise
+// The same kernels the modules call one by one (norm_rope.cpp, gemm.cpp,
+// attention.cpp), called in the same order on the same buffers, so the result is bitwise
 // the module path's (tests/test_cpu_forward.py); what goes is the interpreter between them: a
-// dozen torch ops and ctypes calls per layer, each 5-20 us, which at one stream cost as much
-// as the layer's arithmetic (issue 22). K and V are written into the paged cache here too.
+// dozen torch ops and kernel calls per layer, which at one stream cost as much as the layer's
+// arithmetic. K and V are written into the paged cache here too.
 //
 // Per layer, x the residual stream [tokens, hidden], updated in place:
 //   h = rms_norm(x); qkv = h Wqkv^T (+ b); q = rope(norm(q)); k = rope(norm(k)) -> cache;
@@ -22,88 +22,22 @@
 #include <memory>
 
 #include "attention_simd.h"
-
-extern "C" {
-void weir_rms_norm_rope(const float* x, int64_t tokens, int64_t heads, int64_t dim,
-                        int64_t token_stride, const float* weight, float eps, const float* cos,
-                        const float* sin, float* out, int64_t num_threads);
-void weir_gemm(const float* x, int64_t m, int64_t k, int64_t x_stride, const float* packed,
-               int64_t n, int gated, const float* bias, const float* residual,
-               int64_t res_stride, float* out, int64_t out_stride, int64_t num_threads);
-int weir_paged_attention(const void* query, const void* k_cache, const void* v_cache, void* out,
-                         const int32_t* block_tables, const int32_t* query_start,
-                         const int32_t* seq_lens, int64_t num_seqs, int64_t max_blocks,
-                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                         int64_t block_size, float scale, int64_t sliding_window,
-                         int64_t num_threads, int dtype, int cache_dtype);
-}
+#include "weir.h"
 
 namespace {
 
-// Field order and types mirror gpu/cpu/forward.py's ctypes Structures.
-struct Layer {
-    const float* input_norm;  // [hidden]
-    const float* post_norm;   // [hidden]
-    const float* qkv;         // packed [q + 2 kv outputs, hidden]
-    const float* qkv_bias;    // or null
-    const float* q_norm;      // [head_dim] or null (no Q/K norm)
-    const float* k_norm;
-    const float* o;           // packed [hidden, heads * head_dim]
-    const float* gate_up;     // packed gated pair [intermediate, hidden] x 2
-    const float* down;        // packed [hidden, intermediate]
-    void* k_cache;            // [blocks, block_size, kv_heads, head_dim], of Model::cache_dtype
-    void* v_cache;
-};
+using weir::DecoderModel;
+using weir::DecoderStep;
+using weir::ProfileOp;
 
-struct Model {
-    int64_t hidden, heads, kv_heads, head_dim, intermediate, num_layers;
-    int64_t block_size, sliding_window;
-    float eps, scale;
-    int64_t act;  // cpu_gemm.cpp's gated code: 1 SiLU, 2 GELU, 3 GELU (tanh)
-    int64_t cache_dtype;  // the K/V cache's elements: 0 float32, 1 bfloat16, 2 float16
-    const Layer* layers;
-    const float* final_norm;
-    const float* lm_head;  // packed [vocab, hidden] (cpu_gemm.cpp), or null: no logits here
-    int64_t vocab;
-};
-
-struct Step {
-    int64_t tokens;
-    float* x;            // [tokens, hidden] scratch: the embeddings, then the residual stream
-    float* out;          // [tokens, hidden], the final norm of x
-    const int64_t* slots;  // [tokens], -1: write nothing
-    const int32_t* block_tables;
-    int64_t max_blocks;
-    const int32_t* query_start;
-    const int32_t* seq_lens;
-    int64_t num_seqs;
-    int64_t num_threads;
-    // x starts as the rows input_ids of embed [vocab, hidden]; each token's rotary rows are
-    // the rows positions of cos_table / sin_table [table_rows, head_dim]: the step's gathers
-    // here instead of as torch ops from Python (tens of us a step at one row).
-    const int64_t* input_ids;
-    const float* embed;
-    int64_t vocab;
-    const int64_t* positions;
-    const float* cos_table;
-    const float* sin_table;
-    int64_t table_rows;
-    // logits [num_logits, vocab] of out's rows logits_rows (null: rows 0..num_logits-1);
-    // logits null: none
-    const int64_t* logits_rows;
-    int64_t num_logits;
-    float* logits;
-};
-
-// Seconds spent in each kind of op since the last weir_forward_profile call, kept only while
-// weir_forward_profile(nullptr, 1) has switched it on (benchmarks: the breakdown of a step).
-enum Op { kNorm, kQkv, kRope, kKv, kAttention, kOut, kGateUp, kDown, kLogits, kOps };
+// Seconds spent in each kind of op since the last forward_profile call, kept only while
+// forward_profile(nullptr, true) has switched it on (benchmarks: the breakdown of a step).
 bool profiling = false;
-double spent[kOps] = {};
+double spent[weir::kOps] = {};
 
 struct Timer {
     std::chrono::steady_clock::time_point t0 = std::chrono::steady_clock::now();
-    void lap(Op op) {
+    void lap(ProfileOp op) {
         if (!profiling) return;
         const auto t1 = std::chrono::steady_clock::now();
         spent[op] += std::chrono::duration<double>(t1 - t0).count();
@@ -130,9 +64,11 @@ void scatter(int64_t dtype, void* cache, const float* rows, int64_t row_stride,
 
 }  // namespace
 
-extern "C" {
+namespace weir {
 
-int weir_decoder_forward(const Model* m, const Step* s) {
+int decoder_forward(const DecoderModel& model, const DecoderStep& step) {
+    const DecoderModel* m = &model;
+    const DecoderStep* s = &step;
     const int64_t T = s->tokens, H = m->hidden, D = m->head_dim, nt = s->num_threads;
     const int64_t qw = m->heads * D, kvw = m->kv_heads * D, qkvw = qw + 2 * kvw;
     const int64_t I = m->intermediate;
@@ -157,36 +93,36 @@ int weir_decoder_forward(const Model* m, const Step* s) {
     float* x = s->x;
     Timer timer;
     for (int64_t i = 0; i < m->num_layers; ++i) {
-        const Layer& L = m->layers[i];
-        weir_rms_norm_rope(x, T, 1, H, H, L.input_norm, m->eps, nullptr, nullptr, h, nt);
+        const DecoderLayer& L = m->layers[i];
+        rms_norm_rope(x, T, 1, H, H, L.input_norm, m->eps, nullptr, nullptr, h, nt);
         timer.lap(kNorm);
-        weir_gemm(h, T, H, H, L.qkv, qkvw, 0, L.qkv_bias, nullptr, 0, qkv, qkvw, nt);
+        gemm(h, T, H, H, L.qkv, qkvw, 0, L.qkv_bias, nullptr, 0, qkv, qkvw, nt);
         timer.lap(kQkv);
         const float eps = L.q_norm ? m->eps : 0.f;
-        weir_rms_norm_rope(qkv, T, m->heads, D, qkvw, L.q_norm, eps, cos, sin, q, nt);
-        weir_rms_norm_rope(qkv + qw, T, m->kv_heads, D, qkvw, L.k_norm, eps, cos, sin, k,
+        rms_norm_rope(qkv, T, m->heads, D, qkvw, L.q_norm, eps, cos, sin, q, nt);
+        rms_norm_rope(qkv + qw, T, m->kv_heads, D, qkvw, L.k_norm, eps, cos, sin, k,
                            nt);
         timer.lap(kRope);
         scatter(m->cache_dtype, L.k_cache, k, kvw, s->slots, T, kvw);
         scatter(m->cache_dtype, L.v_cache, qkv + qw + kvw, qkvw, s->slots, T, kvw);
         timer.lap(kKv);
-        const int rc = weir_paged_attention(q, L.k_cache, L.v_cache, o, s->block_tables,
+        const int rc = paged_attention(q, L.k_cache, L.v_cache, o, s->block_tables,
                                             s->query_start, s->seq_lens, s->num_seqs,
                                             s->max_blocks, m->heads, m->kv_heads, D,
                                             m->block_size, m->scale, m->sliding_window, nt, 0,
                                             int(m->cache_dtype));
         if (rc != 0) return rc;
         timer.lap(kAttention);
-        weir_gemm(o, T, qw, qw, L.o, H, 0, nullptr, x, H, x, H, nt);
+        gemm(o, T, qw, qw, L.o, H, 0, nullptr, x, H, x, H, nt);
         timer.lap(kOut);
-        weir_rms_norm_rope(x, T, 1, H, H, L.post_norm, m->eps, nullptr, nullptr, h, nt);
+        rms_norm_rope(x, T, 1, H, H, L.post_norm, m->eps, nullptr, nullptr, h, nt);
         timer.lap(kNorm);
-        weir_gemm(h, T, H, H, L.gate_up, I, int(m->act), nullptr, nullptr, 0, g, I, nt);
+        gemm(h, T, H, H, L.gate_up, I, int(m->act), nullptr, nullptr, 0, g, I, nt);
         timer.lap(kGateUp);
-        weir_gemm(g, T, I, I, L.down, H, 0, nullptr, x, H, x, H, nt);
+        gemm(g, T, I, I, L.down, H, 0, nullptr, x, H, x, H, nt);
         timer.lap(kDown);
     }
-    weir_rms_norm_rope(x, T, 1, H, H, m->final_norm, m->eps, nullptr, nullptr, s->out, nt);
+    rms_norm_rope(x, T, 1, H, H, m->final_norm, m->eps, nullptr, nullptr, s->out, nt);
     timer.lap(kNorm);
     if (s->logits && m->lm_head && s->num_logits > 0) {
         const float* rows = s->out;
@@ -201,19 +137,17 @@ int weir_decoder_forward(const Model* m, const Step* s) {
         } else if (s->num_logits > T) {
             return 4;
         }
-        weir_gemm(rows, s->num_logits, H, H, m->lm_head, m->vocab, 0, nullptr, nullptr, 0,
+        gemm(rows, s->num_logits, H, H, m->lm_head, m->vocab, 0, nullptr, nullptr, 0,
                   s->logits, m->vocab, nt);
         timer.lap(kLogits);
     }
     return 0;
 }
 
-// Copies the seconds per op kind (norm, qkv, rope, kv write, attention, o, gate/up, down, lm head) into
-// out (when given) and zeroes them; enable switches the timing on or off.
-void weir_forward_profile(double* out, int enable) {
+void forward_profile(double* out, bool enable) {
     if (out) std::memcpy(out, spent, sizeof spent);
     std::memset(spent, 0, sizeof spent);
-    profiling = enable != 0;
+    profiling = enable;
 }
 
-}  // extern "C"
+}  // namespace weir

@@ -23,7 +23,7 @@
 #include <thread>
 #include <vector>
 
-#include "pool.h"
+#include "weir.h"
 
 namespace {
 
@@ -195,18 +195,16 @@ int64_t panels_of(int64_t n, int gated) {
 
 }  // namespace
 
-extern "C" {
+namespace weir {
 
-// The packed size in floats of an [n, k] weight (of a gated pair: n = the width m of each half).
-int64_t weir_gemm_packed_size(int64_t n, int64_t k, int gated) {
+int64_t gemm_packed_size(int64_t n, int64_t k, bool gated) {
     return panels_of(n, gated) * k * NB;
 }
 
-// w: [n, k] row-major (a gated pair: gate [n, k] and up [n, k], w2 = up). Writes the packed form.
-void weir_gemm_pack(const float* w, const float* w2, int64_t n, int64_t k, int gated,
-                    float* packed) {
+void gemm_pack(const float* w, const float* w2, int64_t n, int64_t k, bool gated,
+               float* packed) {
     const int64_t panels = panels_of(n, gated);
-    weir::parallel_for(panels, int64_t(std::thread::hardware_concurrency()), [&](int64_t p) {
+    parallel_for(panels, int64_t(std::thread::hardware_concurrency()), [&](int64_t p) {
         float* dst = packed + p * k * NB;
         std::memset(dst, 0, sizeof(float) * k * NB);
         for (int64_t j = 0; j < NB; ++j) {
@@ -225,12 +223,10 @@ void weir_gemm_pack(const float* w, const float* w2, int64_t n, int64_t k, int g
     });
 }
 
-// out[m, n] = x[m, k] @ W^T (+ bias[n]) (+ residual[m, n]) -- or, gated, act(x G^T) * (x U^T)
-// with act SiLU (gated 1), GELU (2) or GELU's tanh form (3).
-// residual may be out itself. Strides are in floats between rows.
-void weir_gemm(const float* x, int64_t m, int64_t k, int64_t x_stride, const float* packed,
-               int64_t n, int gated, const float* bias, const float* residual,
-               int64_t res_stride, float* out, int64_t out_stride, int64_t num_threads) {
+// gated: act(x G^T) * (x U^T) with act SiLU (1), GELU (2) or GELU's tanh form (3).
+void gemm(const float* x, int64_t m, int64_t k, int64_t x_stride, const float* packed, int64_t n,
+          int gated, const float* bias, const float* residual, int64_t res_stride, float* out,
+          int64_t out_stride, int64_t num_threads) {
     const int64_t panels = panels_of(n, gated);
     const int64_t blocks = (m + MB - 1) / MB;
     const int64_t tasks = panels * blocks;
@@ -253,7 +249,7 @@ void weir_gemm(const float* x, int64_t m, int64_t k, int64_t x_stride, const flo
         if (step < m) {
             for (int64_t r0 = 0; r0 < m; r0 += step) {
                 const float* res = residual ? residual + r0 * res_stride : nullptr;
-                weir_gemm(x + r0 * x_stride, std::min(step, m - r0), k, x_stride, packed, n,
+                gemm(x + r0 * x_stride, std::min(step, m - r0), k, x_stride, packed, n,
                           gated, bias, res, res_stride, out + r0 * out_stride, out_stride,
                           num_threads);
             }
@@ -269,7 +265,7 @@ void weir_gemm(const float* x, int64_t m, int64_t k, int64_t x_stride, const flo
         const int64_t tiles = (m + MR - 1) / MR;
         if (int64_t(xp.size()) < tiles * MR * k) xp.resize(tiles * MR * k);
         float* base = xp.data();
-        weir::parallel_for(tiles, parallel ? num_threads : 1, [&](int64_t t) {
+        parallel_for(tiles, parallel ? num_threads : 1, [&](int64_t t) {
             float* dst = base + t * MR * k;
             const int64_t rows = std::min<int64_t>(MR, m - t * MR);
             for (int64_t r = 0; r < MR; ++r) {
@@ -284,11 +280,11 @@ void weir_gemm(const float* x, int64_t m, int64_t k, int64_t x_stride, const flo
     const Args a{x,        m,        k,          x_stride, packed,     n,
                  gated,    bias,     residual,   res_stride, out,      out_stride,
                  block_major ? xp.data() : nullptr};
-    weir::parallel_for(tasks, parallel ? num_threads : 1, [&](int64_t t) {
+    parallel_for(tasks, parallel ? num_threads : 1, [&](int64_t t) {
         const int64_t panel = block_major ? t % panels : t / blocks;
         const int64_t block = block_major ? t / panels : t % blocks;
         rows(a, block * MB, std::min(m, (block + 1) * MB), panel, panels);
     });
 }
 
-}  // extern "C"
+}  // namespace weir

@@ -6,9 +6,13 @@
 #include <cstdint>
 #include <cstring>
 
-extern "C" void weir_apply_token_bitmask(float* logits, int64_t row_stride, const int64_t* rows,
-                                         int64_t num_rows, const int32_t* mask, int64_t words,
-                                         int64_t vocab, int num_threads) {
+#include "weir.h"
+
+namespace weir {
+
+void apply_token_bitmask(float* logits, int64_t row_stride, const int64_t* rows,
+                         int64_t num_rows, const int32_t* mask, int64_t words, int64_t vocab,
+                         int64_t num_threads) {
     // -inf by its bit pattern: the sources build with -ffast-math, under which the compiler may
     // treat an infinity constant as undefined.
     const uint32_t neg_inf_bits = 0xFF800000u;
@@ -32,3 +36,5 @@ extern "C" void weir_apply_token_bitmask(float* logits, int64_t row_stride, cons
         }
     }
 }
+
+}  // namespace weir

@@ -4,30 +4,26 @@
 // rotary embedding as five more (two slices, negate, concatenate, multiply-add), each a pass over
 // memory; over Qwen3's per-head Q/K norms (tokens x heads rows of head_dim) those short rows cost
 // more than the attention. Here each row is read once, normalized and rotated in registers and
-// written once. Same plain C ABI and build as cpu_attention.cpp.
+// written once.
 //
-// x: rows of `dim` floats, row r at x + (r / heads) * token_stride + (r % heads) * dim (a
-// [tokens, heads, dim] view whose token stride may be wider, as in a fused QKV output); out:
-// contiguous [tokens * heads, dim]. weight: [dim] or null (no norm). cos, sin: [tokens, dim] or
-// null (no rotation); the rotation is the "rotate half" form transformers uses. At least one of
-// weight and cos is given (gpu/cpu/norm.py always passes a weight or a rotation).
+// The layouts are weir.h's (rms_norm_rope).
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 
-#include "pool.h"
+#include "weir.h"
 
-extern "C" {
+namespace weir {
 
-void weir_rms_norm_rope(const float* x, int64_t tokens, int64_t heads, int64_t dim,
-                        int64_t token_stride, const float* weight, float eps, const float* cos,
-                        const float* sin, float* out, int64_t num_threads) {
+void rms_norm_rope(const float* x, int64_t tokens, int64_t heads, int64_t dim,
+                   int64_t token_stride, const float* weight, float eps, const float* cos,
+                   const float* sin, float* out, int64_t num_threads) {
     const int64_t rows = tokens * heads, half = dim / 2;
     // tasks of about 16k floats; fewer than 32k floats in all run on the caller alone
     const int64_t chunk = std::max<int64_t>(1, 16384 / dim);
     const int64_t tasks = (rows + chunk - 1) / chunk;
-    weir::parallel_for(tasks, rows * dim > 32768 ? num_threads : 1, [&](int64_t task) {
+    parallel_for(tasks, rows * dim > 32768 ? num_threads : 1, [&](int64_t task) {
         for (int64_t r = task * chunk; r < std::min(rows, (task + 1) * chunk); ++r) {
             const int64_t t = r / heads;
             const float* src = x + t * token_stride + (r % heads) * dim;
@@ -57,4 +53,4 @@ void weir_rms_norm_rope(const float* x, int64_t tokens, int64_t heads, int64_t d
     });
 }
 
-}  // extern "C"
+}  // namespace weir

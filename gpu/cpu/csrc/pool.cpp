@@ -1,4 +1,4 @@
-// weir's CPU thread pool (see pool.h).
+// weir's CPU thread pool (declared in weir.h).
 //
 // One loop at a time. `state` holds the loop's generation (high 32 bits) and the next unclaimed
 // task (low 32 bits); a thread claims a task by compare-and-swap on the whole word, so a claim
@@ -14,7 +14,7 @@
 // millisecond (3 ms on average) and were 80% of its waiting; asleep, its core goes to the HTTP
 // process or the stalled worker instead of to the spin.
 
-#include "pool.h"
+#include "weir.h"
 
 #include <unistd.h>
 
@@ -170,21 +170,17 @@ int thread_index() { return tl_index; }
 
 }  // namespace weir
 
-// For the tests (tests/test_cpu_pool.py): runs `tasks` tasks on `threads` threads; each task
-// adds one to runs[task] (atomically: a task run twice counts 2) and writes by[task] = 1 + the
-// index of the thread that ran it. With `hold`, the caller's first task waits until a worker has
-// started a task, so a worker always runs one, and a task on a worker sleeps `worker_us` (a
-// worker taken off its core mid-task: the caller's wait outlasts its spin and it sleeps until
-// woken). `hold` needs threads >= 2 and tasks >= 2 (the loop then runs on the pool).
-extern "C" void weir_pool_selftest(int64_t tasks, int64_t threads, int64_t hold, int64_t worker_us,
-                                   int32_t* runs, int32_t* by) {
+namespace weir {
+
+void pool_selftest(int64_t tasks, int64_t threads, bool hold, int64_t worker_us, int32_t* runs,
+                   int32_t* by) {
     std::atomic<int> worker_started{0};
     std::atomic<int> caller_waited{0};
-    weir::parallel_for(tasks, threads, [&](int64_t t) {
-        const int index = weir::thread_index();
+    parallel_for(tasks, threads, [&](int64_t t) {
+        const int index = thread_index();
         if (index == 0) {
             if (hold && !caller_waited.exchange(1)) {
-                while (!worker_started.load(std::memory_order_acquire)) weir::relax_cpu();
+                while (!worker_started.load(std::memory_order_acquire)) relax_cpu();
             }
         } else {
             worker_started.store(1, std::memory_order_release);
@@ -194,3 +190,5 @@ extern "C" void weir_pool_selftest(int64_t tasks, int64_t threads, int64_t hold,
         by[t] = 1 + index;
     });
 }
+
+}  // namespace weir

@@ -9,7 +9,7 @@
 #include <cstdint>
 #include <cstring>
 
-#include "pool.h"
+#include "weir.h"
 
 namespace {
 
@@ -36,9 +36,13 @@ int64_t row_argmax(const float* x, int64_t n) {
 
 }  // namespace
 
-extern "C" void weir_argmax(const float* logits, int64_t rows, int64_t cols, int64_t stride,
-                            int64_t* out, int64_t num_threads) {
+namespace weir {
+
+void argmax(const float* logits, int64_t rows, int64_t cols, int64_t stride, int64_t* out,
+            int64_t num_threads) {
     const bool parallel = num_threads > 1 && rows > 1 && rows * cols > (1 << 16);
-    weir::parallel_for(rows, parallel ? num_threads : 1,
+    parallel_for(rows, parallel ? num_threads : 1,
                        [&](int64_t r) { out[r] = row_argmax(logits + r * stride, cols); });
 }
+
+}  // namespace weir

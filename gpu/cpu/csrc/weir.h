@@ -1,0 +1,177 @@
+// weir's CPU kernels: every function the sources define for another source or for the torch
+// operators (ops.cpp), declared once, here.
+//
+// The kernel sources include no torch header (they compile in about a second, with
+// -march=native and -ffast-math); ops.cpp alone does: it registers the torch operators
+// (torch.ops.weir.*), checks every tensor it is given (dtype, device, shape, layout) and calls
+// these functions with raw pointers. A definition that drifts from its declaration here does not
+// link, and Python never passes a pointer: a wrong argument is an exception, never memory
+// corruption.
+
+#pragma once
+
+#include <cstdint>
+#include <type_traits>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+namespace weir {
+
+// ---- the thread pool (pool.cpp) ----
+// An OpenMP parallel loop ends at a barrier every thread of the team must reach, so when the OS
+// deschedules one of them (another process needs the core: on a 2-core box the HTTP server and
+// the client) the others wait out its time slice, at every op of a step. Here the loop's tasks
+// are claimed one at a time from a shared counter by whichever threads are running, the caller
+// included, and the call returns as soon as every task has run: a thread that wakes late finds
+// nothing left and costs nothing. Idle workers spin briefly (the gap between two ops of a step),
+// then sleep.
+
+// Runs fn(ctx, task) for every task in [0, tasks), on at most `threads` threads (the caller is
+// one of them), and returns when all have run. One loop at a time: a call made while another
+// thread's loop is running runs its tasks on the caller alone.
+void parallel_for(int64_t tasks, int64_t threads, void (*fn)(void*, int64_t), void* ctx);
+
+template <typename F>
+void parallel_for(int64_t tasks, int64_t threads, F&& f) {
+    using Fn = std::remove_reference_t<F>;
+    parallel_for(tasks, threads, [](void* c, int64_t t) { (*static_cast<Fn*>(c))(t); },
+                 static_cast<void*>(&f));
+}
+
+// A spin-wait's pause.
+inline void relax_cpu() {
+#if defined(__x86_64__)
+    _mm_pause();
+#endif
+}
+
+// The calling thread's index in the pool: 0 for the caller of a loop, 1.. for workers (for
+// per-thread scratch space).
+int thread_index();
+
+// For the tests: runs `tasks` tasks on `threads` threads; each task adds one to runs[task]
+// (atomically: a task run twice counts 2) and writes by[task] = 1 + the index of the thread
+// that ran it. With `hold`, the caller's first task waits until a worker has started a task, so
+// a worker always runs one, and a task on a worker sleeps `worker_us` (a worker taken off its
+// core mid-task: the caller's wait outlasts its spin and it sleeps until woken). `hold` needs
+// threads >= 2 and tasks >= 2 (the loop then runs on the pool).
+void pool_selftest(int64_t tasks, int64_t threads, bool hold, int64_t worker_us, int32_t* runs,
+                   int32_t* by);
+
+// ---- element types of attention and the K/V cache ----
+enum DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
+
+// ---- RMSNorm and rotary embedding (norm_rope.cpp) ----
+// x: rows of `dim` floats, row r at x + (r / heads) * token_stride + (r % heads) * dim (a
+// [tokens, heads, dim] view whose token stride may be wider, as in a fused QKV output); out:
+// contiguous [tokens * heads, dim]. weight: [dim] or null (no norm). cos, sin: [tokens, dim] or
+// null (no rotation), the "rotate half" form transformers uses. At least one of weight and cos.
+void rms_norm_rope(const float* x, int64_t tokens, int64_t heads, int64_t dim,
+                   int64_t token_stride, const float* weight, float eps, const float* cos,
+                   const float* sin, float* out, int64_t num_threads);
+
+// ---- matrix products on packed weights (gemm.cpp) ----
+// Activations of a gated pair: the gated code of gemm and pack.
+enum Gated : int { kPlain = 0, kSilu = 1, kGelu = 2, kGeluTanh = 3 };
+
+// The packed size in floats of an [n, k] weight (of a gated pair: n = the width of each half).
+int64_t gemm_packed_size(int64_t n, int64_t k, bool gated);
+
+// w: [n, k] row-major (a gated pair: gate w and up w2, each [n, k]). Writes the packed form.
+void gemm_pack(const float* w, const float* w2, int64_t n, int64_t k, bool gated,
+               float* packed);
+
+// out[m, n] = x[m, k] @ W^T (+ bias[n]) (+ residual[m, n]), or, gated, act(x G^T) * (x U^T).
+// residual may be out itself. Strides are in floats between rows.
+void gemm(const float* x, int64_t m, int64_t k, int64_t x_stride, const float* packed, int64_t n,
+          int gated, const float* bias, const float* residual, int64_t res_stride, float* out,
+          int64_t out_stride, int64_t num_threads);
+
+// ---- paged attention (attention.cpp) ----
+// query/out [tokens, heads, dim] of `dtype`; caches [blocks, block_size, kv_heads, dim] of
+// `cache_dtype` (the query's, or 16-bit under a float32 query); block_tables [seqs, max_blocks];
+// query_start [seqs + 1]; seq_lens [seqs]. Returns 0, or -1 for a dtype pair not offered.
+int paged_attention(const void* query, const void* k_cache, const void* v_cache, void* out,
+                    const int32_t* block_tables, const int32_t* query_start,
+                    const int32_t* seq_lens, int64_t num_seqs, int64_t max_blocks,
+                    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                    int64_t block_size, float scale, int64_t sliding_window, int64_t num_threads,
+                    int dtype, int cache_dtype);
+
+// ---- sampling (sample.cpp, mask.cpp) ----
+// out[r] = the index torch.argmax gives for row r (first of equal maxima; NaN above all).
+void argmax(const float* logits, int64_t rows, int64_t cols, int64_t stride, int64_t* out,
+            int64_t num_threads);
+
+// -inf on every logit of rows[r] whose bit in mask row r ([num_rows, words] int32) is clear.
+void apply_token_bitmask(float* logits, int64_t row_stride, const int64_t* rows,
+                         int64_t num_rows, const int32_t* mask, int64_t words, int64_t vocab,
+                         int64_t num_threads);
+
+// ---- the layer stack in one call (forward.cpp) ----
+struct DecoderLayer {
+    const float* input_norm;  // [hidden]
+    const float* post_norm;   // [hidden]
+    const float* qkv;         // packed [q + 2 kv outputs, hidden]
+    const float* qkv_bias;    // or null
+    const float* q_norm;      // [head_dim] or null (no Q/K norm)
+    const float* k_norm;
+    const float* o;        // packed [hidden, heads * head_dim]
+    const float* gate_up;  // packed gated pair [intermediate, hidden] x 2
+    const float* down;     // packed [hidden, intermediate]
+    void* k_cache;         // [blocks, block_size, kv_heads, head_dim], of DecoderModel::cache_dtype
+    void* v_cache;
+};
+
+struct DecoderModel {
+    int64_t hidden, heads, kv_heads, head_dim, intermediate, num_layers;
+    int64_t block_size, sliding_window;
+    float eps, scale;
+    int64_t act;          // the Gated code of the MLP's activation
+    int64_t cache_dtype;  // the K/V cache's DType
+    const DecoderLayer* layers;
+    const float* final_norm;
+    const float* lm_head;  // packed [vocab, hidden], or null: no logits here
+    int64_t vocab;
+};
+
+struct DecoderStep {
+    int64_t tokens;
+    float* x;              // [tokens, hidden] scratch: the embeddings, then the residual stream
+    float* out;            // [tokens, hidden], the final norm of x
+    const int64_t* slots;  // [tokens], -1: write nothing
+    const int32_t* block_tables;
+    int64_t max_blocks;
+    const int32_t* query_start;
+    const int32_t* seq_lens;
+    int64_t num_seqs;
+    int64_t num_threads;
+    // x starts as the rows input_ids of embed [vocab, hidden]; each token's rotary rows are the
+    // rows positions of cos_table / sin_table [table_rows, head_dim].
+    const int64_t* input_ids;
+    const float* embed;
+    int64_t vocab;
+    const int64_t* positions;
+    const float* cos_table;
+    const float* sin_table;
+    int64_t table_rows;
+    // logits [num_logits, vocab] of out's rows logits_rows (null: rows 0..num_logits-1);
+    // logits null: none
+    const int64_t* logits_rows;
+    int64_t num_logits;
+    float* logits;
+};
+
+// Returns 0; 2 for a token id outside the vocabulary, 3 for a position past the rotary table, 4
+// for a logits row outside the step's tokens; else the attention's code.
+int decoder_forward(const DecoderModel& m, const DecoderStep& s);
+
+// The op kinds forward_profile times, in its order.
+enum ProfileOp { kNorm, kQkv, kRope, kKv, kAttention, kOut, kGateUp, kDown, kLogits, kOps };
+
+// Copies the seconds spent per op kind since the last call into out[kOps] (when given) and
+// zeroes them; `enable` switches the timing on or off (benchmarks: a step's breakdown).
+void forward_profile(double* out, bool enable);
+
+}  // namespace weir
