@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import functools
 import os
 import random
 import subprocess
@@ -63,7 +64,8 @@ def matmul_speed(config: dict, threads: int, tokens: int = 2048) -> float:
     linears = [torch.nn.Linear(k, n, bias=False) for k, n in shapes]
     ways = [linears]
     if cpu_linear.usable(torch.float32):
-        ways.append([cpu_linear.PackedLinear(lin) for lin in linears])
+        packed = [cpu_linear.prepare(lin.weight, None) for lin in linears]
+        ways.append([functools.partial(cpu_linear.linear, w=w) for w in packed])
     xs = [torch.randn(tokens, k) for k, _ in shapes]
     flops = sum(2 * tokens * k * n for k, n in shapes)
     best = float("inf")

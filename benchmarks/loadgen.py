@@ -211,12 +211,12 @@ def free_port() -> int:
 
 
 def clean_env() -> dict[str, str]:
-    """This environment less what importing weir's gpu/ put in it (OMP_WAIT_POLICY, see
-    gpu/__init__.py): a peer's OpenMP threads must run as they would on their own, and a weir
+    """This environment less what weir put in it to run an engine here (OMP_WAIT_POLICY, see
+    gpu/openmp.py): a peer's OpenMP threads must run as they would on their own, and a weir
     server sets its own."""
     env = dict(os.environ)
-    gpu = sys.modules.get("gpu")
-    if gpu is not None and getattr(gpu, "OMP_WAIT_POLICY_SET", False):
+    openmp = sys.modules.get("gpu.openmp")
+    if openmp is not None and openmp.SET_HERE:
         env.pop("OMP_WAIT_POLICY", None)
     return env
 

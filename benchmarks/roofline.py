@@ -78,9 +78,9 @@ def rate(model_dir: str, rows: int, way: str = "mkl") -> float:
             if way == "mkl":
                 ops.append(functools.partial(F.linear, x, w))
             elif way == "onednn":
-                ops.append(functools.partial(cpu_linear.PackedLinear(linear), x))
+                ops.append(functools.partial(cpu_linear.linear, x, cpu_linear.prepare(w, None)))
             else:
-                ops.append(functools.partial(cpu_gemm.GemmLinear(linear), x))
+                ops.append(functools.partial(cpu_gemm.linear, x, cpu_gemm.prepare(w, None)))
 
         def one_pass() -> None:
             for op in ops:

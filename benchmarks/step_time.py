@@ -205,4 +205,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from gpu import openmp
+
+    openmp.prepare(EngineConfig())  # as an engine process does, before torch is imported
     main()

@@ -161,6 +161,10 @@ def synthetic_vocab(size: int, seed: int = 0) -> str:
 
 
 def mask_times(tokenizer_json: str, vocab: int, eos: list[int], batches, iters: int) -> dict:
+    from gpu.attention.select import get_backend
+    from gpu.cpu.backend import CpuBackend
+
+    backend = CpuBackend(get_backend("auto", torch.device("cpu")))
     g = Grammars(tokenizer_json, vocab, eos)
     matcher = g.start(Constraint("json", json.dumps(ONE_STRING), any_whitespace=False)).result()
     for t in g.tokenizer.tokenize_str('{"text": "The river'):
@@ -175,7 +179,7 @@ def mask_times(tokenizer_json: str, vocab: int, eos: list[int], batches, iters: 
             rows, mask = grammar_mask.build(requests, g, torch.device("cpu"))
             fill.append(time.perf_counter() - t)
             t = time.perf_counter()
-            grammar_mask.apply(logits, rows, mask)
+            backend.apply_token_bitmask(logits, rows, mask)
             apply.append(time.perf_counter() - t)
         out[b] = {
             "fill_ms": 1000 * statistics.median(fill),

@@ -26,6 +26,11 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # torch intra-op threads when running on CPU; None: torch's; 0: auto, from the model's size
     # (gpu/launch.py auto_threads)
     cpu_threads: int | None = None
+    # A float32 model on CPU: its products on weir's packed kernel, or oneDNN's ("onednn");
+    # the layer stack as one compiled call when the model fits ("auto"), always ("fused": refuse
+    # to start otherwise) or layer by layer ("modules"). For A/B benchmarks and debugging.
+    cpu_matmul: str = "weir"
+    cpu_forward: str = "auto"
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"  # fcfs | priority
     seed: int = 0
@@ -57,6 +62,12 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             )
         if self.block_size < 1 or self.block_size > 1024:
             raise ValueError("--block-size must be between 1 and 1024")
+        if self.cpu_matmul not in ("weir", "onednn"):
+            raise ValueError(f"--cpu-matmul must be weir or onednn, not {self.cpu_matmul}")
+        if self.cpu_forward not in ("auto", "fused", "modules"):
+            raise ValueError(
+                f"--cpu-forward must be auto, fused or modules, not {self.cpu_forward}"
+            )
         if self.cpu_threads is not None and self.cpu_threads < 0:
             raise ValueError("--cpu-threads must be positive (or auto)")
         if self.max_num_seqs < 1:

@@ -97,9 +97,13 @@ def _engine_main(config_bytes: bytes, commands, replies, log_level: int) -> None
     encode = msgspec.msgpack.Encoder().encode
     decode = msgspec.msgpack.Decoder(Command).decode
     try:
-        from gpu.launch import load  # the one place core/ reaches into gpu/: in the child only
+        config = msgspec.msgpack.decode(config_bytes, type=EngineConfig)
+        from gpu import openmp  # the one place core/ reaches into gpu/: in the child only
 
-        loaded = load(msgspec.msgpack.decode(config_bytes, type=EngineConfig))
+        openmp.prepare(config)  # before torch is imported (gpu/openmp.py)
+        from gpu.launch import load
+
+        loaded = load(config)
     except BaseException as e:  # noqa: BLE001 - reported to the server, which fails its startup
         log.error("loading failed\n%s", traceback.format_exc())
         replies.send_bytes(encode(Died(f"loading failed: {type(e).__name__}: {e}")))

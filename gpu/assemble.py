@@ -13,6 +13,7 @@ import torch
 from core.config import EngineConfig
 from gpu import kv_cache
 from gpu.attention.select import get_backend
+from gpu.backend import TorchBackend
 from gpu.dist.parallel import TensorParallel
 from gpu.loader import load_model, resolve_model_path
 from gpu.models.decoder import DecoderForCausalLM
@@ -50,6 +51,29 @@ def set_threads(config: EngineConfig, hf_config: Any, device: torch.device, rank
     torch.set_num_threads(max(1, threads // ranks))
 
 
+def choose_backend(config: EngineConfig, device: torch.device, dtype: torch.dtype):
+    """What the model's layers run on (gpu/backend.py), chosen once: torch's ops with Q/K/V and
+    gate/up fused on CUDA; weir's compiled kernels for a float32 model on CPU (oneDNN's products
+    and torch's ops where they cannot be built here); torch's ops for 16-bit weights on CPU."""
+    from gpu.cpu import onednn
+
+    attention = get_backend(config.attention_backend, device)
+    if device.type == "cuda":
+        return TorchBackend(attention, fuse=True, name="cuda")
+    if not onednn.usable(dtype):
+        return TorchBackend(attention, fuse=False, name="cpu, torch")
+    from gpu.cpu import build as cpu_build
+    from gpu.cpu.backend import CpuBackend, OneDnnBackend
+
+    try:
+        return CpuBackend(attention, config.cpu_matmul, config.cpu_forward)
+    except cpu_build.BuildError as e:
+        if config.cpu_forward == "fused":
+            raise ValueError(f"--cpu-forward fused: weir's CPU kernels cannot be built: {e}")
+        log.warning("weir's CPU kernels cannot be built (%s): oneDNN products, torch ops", e)
+        return OneDnnBackend(attention)
+
+
 def load_shard(
     config: EngineConfig,
     path: Path,
@@ -59,7 +83,8 @@ def load_shard(
     tp: TensorParallel | None = None,
 ) -> tuple[DecoderForCausalLM, int]:
     """The model (under `tp`, this rank's share of it) and how many KV blocks fit beside it."""
-    model = load_model(path, hf_config, dtype, device, tp)
+    backend = choose_backend(config, device, dtype)
+    model = load_model(path, hf_config, dtype, device, backend, tp)
     num_blocks = kv_cache.num_blocks_for(
         model.local_spec,  # the KV heads this rank caches
         config.block_size,
@@ -100,21 +125,13 @@ def build_runner(
     captured for contexts up to `max_model_len`."""
     kv_dtype = kv_cache.cache_dtype(config.kv_cache_dtype, dtype)
     caches = kv_cache.allocate(model.local_spec, num_blocks, config.block_size, kv_dtype, device)
-    runner = ModelRunner(
-        model,
-        caches,
-        config.block_size,
-        get_backend(config.attention_backend, device),
-        device,
-        seed=config.seed,
-    )
-    if device.type == "cuda" and not config.enforce_eager and runner.backend.graph_safe:
+    runner = ModelRunner(model, caches, config.block_size, device, seed=config.seed)
+    if device.type == "cuda" and not config.enforce_eager and model.backend.attention.graph_safe:
         from gpu.cuda.graphs import DecodeGraphs, default_capture_sizes
 
         runner.graphs = DecodeGraphs(
             model,
             caches,
-            runner.backend,
             device,
             config.block_size,
             max_model_len,

@@ -1,5 +1,6 @@
 """Structured outputs in tensors: the batch's allowed-token bitmask (filled by llguidance for the
-constrained rows only) and its application to the logits, before any other logits processor.
+constrained rows only); the backend (gpu/backend.py) applies it to the logits, before any other
+logits processor.
 
 Unconstrained batches pay nothing: no mask is built unless a sampled request has a grammar.
 """
@@ -51,17 +52,3 @@ def allowed(mask: torch.Tensor, vocab: int) -> torch.Tensor:
     k = mask.shape[0]
     expanded = mask.unsqueeze(-1).bitwise_and(_bits(mask.device)) != 0
     return expanded.view(k, -1)[:, :vocab]
-
-
-def apply(logits: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """-inf on every token the grammar does not allow, in the constrained rows (in place on a
-    contiguous float32 CPU tensor, through the compiled kernel; torch ops elsewhere)."""
-    vocab = logits.shape[1]
-    if logits.device.type == "cpu":
-        from gpu.cpu import sample
-
-        if sample.apply_token_bitmask(logits, rows, mask):
-            return logits
-    sub = logits.index_select(0, rows)
-    sub.masked_fill_(~allowed(mask, vocab), float("-inf"))
-    return logits.index_copy(0, rows, sub)

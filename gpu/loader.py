@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
@@ -12,8 +11,6 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from gpu.cpu import forward as cpu_forward, gemm as cpu_gemm, onednn as cpu_linear, norm as cpu_norm
-from gpu.cpu import build as cpu_build
 from gpu.models.decoder import DecoderForCausalLM
 from gpu.models.rope import Rope
 from gpu.models.spec import ModelSpec
@@ -126,58 +123,21 @@ def load_weights(model: DecoderForCausalLM, path: Path) -> None:
         raise ValueError(f"weights missing from the checkpoint: {sorted(missing)[:5]}")
 
 
-def cpu_matmul() -> str:
-    """Which kernel runs the CPU float32 products: "weir" (gpu/cpu/gemm.py) or "onednn"
-    (gpu/cpu/onednn.py); WEIR_CPU_MATMUL overrides the default, for A/B benchmarks."""
-    choice = os.environ.get("WEIR_CPU_MATMUL", "weir")
-    if choice not in ("weir", "onednn"):
-        raise ValueError(f"WEIR_CPU_MATMUL must be weir or onednn, not {choice!r}")
-    return choice
-
-
 def load_model(
     path: Path,
     config: Any,
     dtype: torch.dtype,
     device: torch.device,
+    backend,
     tp: TensorParallel | None = None,
 ) -> DecoderForCausalLM:
+    """The model built on `backend` (gpu/backend.py), its weights read and prepared."""
     spec = ModelSpec.from_hf_config(config)
     with torch.device("meta"):
-        model = DecoderForCausalLM(spec, tp)
+        model = DecoderForCausalLM(spec, backend, tp)
     model = model.to(dtype).to_empty(device=device)
     load_weights(model, path)
-    if device.type == "cuda":
-        # One launch instead of three (and two) per layer. Not on CPU: there the fused gate/up
-        # product measured ~5% slower per step on the 77M benchmark model, Q/K/V no faster.
-        model.fuse_projections()
-    elif cpu_linear.usable(dtype):
-        # Q/K/V as one product: with 2 KV heads of 64 the K and V weights (512x128) are too
-        # small to pack and ran on MKL, which is slow on AMD; fused they are one packed
-        # 512x768 product. 6-layer Llama (hidden 512), decode step on a 2-core Zen 5: 64 rows
-        # 12.7 -> 12.0 ms, 1 row 3.7 -> 3.0 ms (Q/K/V/O products 2.2 -> 1.7 ms and 0.83 ->
-        # 0.57 ms). Gate/up stay apart: PackedGatedMLP applies the activation as a post-op.
-        for layer in model.model.layers:
-            layer.self_attn.fuse()
-        # Packed weights. An untied lm_head too; a tied one stays the embedding's plain weight
-        # (packing it would hold the matrix twice).
-        # weir's kernel (gpu/cpu/gemm.py): 6-layer Llama, 2-core AVX-512 Xeon, engine alone,
-        # alternated with oneDNN: 1 stream 258-264 vs 165-171 tok/s, 16 streams 1,355-1,504 vs
-        # 1,141-1,387, 64 streams 2,078-2,195 vs 2,020-2,075 (docs/benchmarks.md).
-        # oneDNN: decode step at batch 64 on the 77M benchmark model 107 -> 82 ms, its
-        # prefill 14.4 -> 11.2 s against MKL (A/B in one process).
-        try:
-            packed = cpu_matmul() == "weir" and cpu_gemm.use_gemm(model)
-        except cpu_build.BuildError as e:
-            log.warning("CPU matmul kernel unavailable, using oneDNN: %s", e)
-            packed = False
-        if not packed:
-            cpu_linear.pack_linears(model)
-        # RMSNorm and Q/K norm + rotation in one pass per row: 77M benchmark model, offline
-        # workload A/B in one process: see gpu/cpu/norm.py.
-        cpu_norm.use_kernels(model)
-        # Then, when every layer runs on those kernels, the layer stack as one compiled call.
-        cpu_forward.attach(model)
+    model.prepare()
     model.rope = Rope(config, spec.head_dim, device)
     return model.eval()
 

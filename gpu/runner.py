@@ -11,7 +11,7 @@ from core.request import Logprob, StepResult
 from core.scheduler import SchedulerOutput
 from gpu import grammar_mask
 from gpu.pooler import pool
-from gpu.attention.backend import AttentionBackend, AttentionMetadata
+from gpu.attention.backend import AttentionMetadata
 from gpu.block_tables import BlockTables
 from gpu.models.decoder import DecoderForCausalLM
 from gpu.sampler import Sampler, SamplingMetadata
@@ -23,17 +23,15 @@ class ModelRunner:
         model: DecoderForCausalLM,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         block_size: int,
-        backend: AttentionBackend,
         device: torch.device,
         seed: int = 0,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
-        self.backend = backend
         self.device = device
         self.vocab_size = model.spec.vocab_size
-        self.sampler = Sampler(seed, device)
+        self.sampler = Sampler(seed, device, model.backend)
         self.eos_token_ids: set[int] = set()  # banned before a request's min_tokens
         self.last_logits: torch.Tensor | None = None  # kept for tests that compare logits
         self.graphs = None  # DecodeGraphs when decode steps replay CUDA graphs (see launch)
@@ -224,13 +222,11 @@ class ModelRunner:
         input_ids, positions, meta, logits_rows = self.prepare(out)
         if masks is None and self.samples:
             masks = self._start_masks(out)
-        logits = None  # unless the compiled CPU forward computes them with the hidden states
         if self.graphs is not None and self.graphs.can_run(meta):
             hidden = self.graphs.run(input_ids, positions, meta)
+            logits = self.model.logits(hidden, logits_rows)
         else:
-            hidden, logits = self.model(
-                input_ids, positions, self.kv_caches, meta, self.backend, logits_rows
-            )
+            hidden, logits = self.model(input_ids, positions, self.kv_caches, meta, logits_rows)
         grammar = masks() if masks is not None else None
         prompt_lp = {}
         if any(s.request.prompt_logprobs is not None for s in out.seqs):
@@ -240,10 +236,6 @@ class ModelRunner:
             pooled = pool(out, hidden)
         if logits_rows.numel() == 0:
             return StepResult([], [], prompt_lp, pooled)
-        if logits is None:
-            # Every row sampled (a step of decodes): the rows are 0..n-1, no gather needed.
-            last = hidden if logits_rows.numel() == hidden.shape[0] else hidden[logits_rows]
-            logits = self.model.compute_logits(last)
         self.last_logits = logits
         if not self.samples:
             return StepResult([], [])

@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from gpu import grammar_mask
 
 
 @dataclass
@@ -105,20 +104,10 @@ def filter_logits(
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
-def argmax(logits: torch.Tensor) -> torch.Tensor:
-    """torch.argmax over the last dimension (the first of equal maxima, NaN above all); CPU
-    float32 rows through weir's kernel (gpu/cpu/sample.py)."""
-    if logits.device.type == "cpu":
-        from gpu.cpu import sample
-
-        ids = sample.argmax(logits)
-        if ids is not None:
-            return ids
-    return logits.argmax(dim=-1)
-
-
 class Sampler:
-    def __init__(self, seed: int, device: torch.device) -> None:
+    def __init__(self, seed: int, device: torch.device, backend) -> None:
+        """`backend` (gpu/backend.py) runs the argmax and applies the grammar's bitmask."""
+        self.backend = backend
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
 
@@ -143,7 +132,7 @@ class Sampler:
         grammar_only = None
         if m.grammar is not None:
             g_rows, g_mask = m.grammar
-            logits = grammar_mask.apply(logits, g_rows, g_mask)
+            logits = self.backend.apply_token_bitmask(logits, g_rows, g_mask)
             if m.bias is not None or m.ban is not None:
                 grammar_only = logits.index_select(0, g_rows)
         if m.bias is not None:
@@ -169,7 +158,7 @@ class Sampler:
             logits = filter_logits(
                 logits, m.top_k, m.top_p, m.min_p, m.need_top_k, m.need_top_p, m.need_min_p
             )
-        ids = argmax(logits)
+        ids = self.backend.argmax(logits)
         if not m.all_greedy:
             ids = torch.where(greedy, ids, self._draw(logits.softmax(dim=-1), m.seeded))
         out = SamplerOutput(token_ids=ids)

@@ -103,6 +103,7 @@ def build_tiny_model(
     added_tokens: tuple[str, ...] = (),
     extra_eos: tuple[str, ...] = (),
     zero_padding_rows: bool = False,
+    mlp_bias: bool = False,
 ) -> Path:
     """Write a random-weight model of the given shape with a trained tokenizer to `path`.
     `added_tokens`: whole-text tokens added to the vocabulary, not special (as Qwen3's
@@ -110,7 +111,8 @@ def build_tiny_model(
     after `<|im_end|>` in generation_config.json's eos_token_id (as Llama 3 lists two).
     `zero_padding_rows`: the output rows past the tokenizer's tokens zeroed, so that greedy
     decoding (whose best logit over random rows is positive) never picks a token without text,
-    as a real model never does; the matrix products keep their full size."""
+    as a real model never does; the matrix products keep their full size. `mlp_bias`: biases
+    on the MLP's products (Llama's config option)."""
     import torch
     from transformers import (
         AutoModelForCausalLM,
@@ -144,7 +146,9 @@ def build_tiny_model(
     if rope_scaling is not None:
         common["rope_parameters"] = {"rope_theta": 10000.0, **rope_scaling}
     if arch == "llama":
-        config = LlamaConfig(**common, tie_word_embeddings=bool(tie_word_embeddings))
+        config = LlamaConfig(
+            **common, tie_word_embeddings=bool(tie_word_embeddings), mlp_bias=mlp_bias
+        )
     elif arch == "mistral":
         config = MistralConfig(
             **common, tie_word_embeddings=bool(tie_word_embeddings), sliding_window=sliding_window

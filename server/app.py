@@ -241,6 +241,9 @@ async def _load_engine(app: QuartTrio, st: ServerState) -> None:
 
 
 def _load(config: EngineConfig):
+    from gpu import openmp
+
+    openmp.prepare(config)  # before torch is imported (gpu/openmp.py)
     from gpu.launch import load  # the only place the server reaches into gpu/
 
     return load(config)

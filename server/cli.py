@@ -91,6 +91,21 @@ def build_parser() -> argparse.ArgumentParser:
         "model of 4M or more weights per token, else one left to the HTTP event loop",
     )
     s.add_argument(
+        "--cpu-matmul",
+        default="weir",
+        choices=["weir", "onednn"],
+        help="a float32 model on CPU: its products on weir's packed kernel, or on "
+        "oneDNN-prepacked weights (for A/B measurements)",
+    )
+    s.add_argument(
+        "--cpu-forward",
+        default="auto",
+        choices=["auto", "fused", "modules"],
+        help="a float32 model on CPU: auto runs the layer stack as one compiled call when the "
+        "model fits it (else layer by layer, saying why); fused refuses to start otherwise; "
+        "modules always goes layer by layer",
+    )
+    s.add_argument(
         "--enforce-eager",
         action="store_true",
         help="run every step eagerly (on CUDA, decode steps are otherwise replayed as CUDA "
@@ -297,7 +312,7 @@ def human_int(value: str) -> int:
 
 def cpu_threads(value: str) -> int:
     """--cpu-threads: a number, or auto (0: chosen from the model's size when it is loaded,
-    gpu/launch.py auto_threads)."""
+    gpu/assemble.py auto_threads)."""
     if value == "auto":
         return 0
     try:
@@ -338,6 +353,8 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         attention_backend=args.attention_backend,
         enforce_eager=args.enforce_eager,
         cpu_threads=cpu_threads(args.cpu_threads),
+        cpu_matmul=args.cpu_matmul,
+        cpu_forward=args.cpu_forward,
         enable_prefix_caching=args.enable_prefix_caching,
         scheduling_policy=args.scheduling_policy,
         seed=args.seed,

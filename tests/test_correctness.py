@@ -69,7 +69,8 @@ def test_greedy_matches_transformers(arch, pool, model_dir):
         EngineConfig(model=str(path), dtype="float32", check_integrity=True, **POOLS[pool])
     )
     core = loaded.core
-    assert core.runner.backend.name == ("triton" if torch.cuda.is_available() else "cpu")
+    attention = core.runner.model.backend.attention.name
+    assert attention == ("triton" if torch.cuda.is_available() else "cpu")
     prompts = [loaded.tokenizer.encode(p) for p in PROMPTS]
     assert len({len(p) for p in prompts}) >= 8  # prompts of different lengths
 
@@ -156,17 +157,22 @@ def test_logits_match_transformers(arch, model_dir):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_fused_projections_match_transformers(arch, model_dir, monkeypatch):
-    """Q/K/V and gate/up fused into one matrix product each (what the loader does on CUDA)."""
-    from gpu.cpu import onednn as cpu_linear
+    """Q/K/V and gate/up fused into one matrix product each, on torch's ops (the CUDA backend's
+    layout, run here on the CPU)."""
+    from gpu import assemble
+    from gpu.attention.select import get_backend
+    from gpu.backend import TorchBackend
 
-    monkeypatch.setattr(cpu_linear, "usable", lambda dtype: False)  # plain nn.Linear to fuse
+    def torch_fused(config, device, dtype):
+        return TorchBackend(get_backend("auto", device), fuse=True, name="torch, fused")
+
+    monkeypatch.setattr(assemble, "choose_backend", torch_fused)
     path = model_dir(arch)
     loaded = load(EngineConfig(model=str(path), dtype="float32"))
     model = loaded.core.runner.model
-    model.fuse_projections()
     attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
-    assert attn.qkv_proj is not None and not hasattr(attn, "q_proj")
-    assert mlp.gate_up_proj is not None and not hasattr(mlp, "up_proj")
+    assert attn.qkv is not None and not hasattr(attn, "q_proj")
+    assert mlp.gate_up[0] == "fused" and not hasattr(mlp, "up_proj")
     prompts = [loaded.tokenizer.encode(p) for p in PROMPTS]
     got, _ = run_all(loaded.core, prompts)
     assert got == reference(arch, path, prompts)
@@ -174,9 +180,10 @@ def test_fused_projections_match_transformers(arch, model_dir, monkeypatch):
 
 def assert_products_and_greedy(arch, path, loaded, layer) -> None:
     """A layer's down product equals the checkpoint's weight product; greedy == transformers."""
-    x = torch.randn(5, layer.mlp.down_proj.in_features)
+    backend = loaded.core.runner.model.backend
+    x = torch.randn(5, loaded.core.runner.model.spec.intermediate_size)
     torch.testing.assert_close(
-        layer.mlp.down_proj(x), model_weight_product(path, x), atol=1e-4, rtol=1e-4
+        backend.linear(x, layer.mlp.down), model_weight_product(path, x), atol=1e-4, rtol=1e-4
     )
     prompts = [loaded.tokenizer.encode(p) for p in PROMPTS]
     got, _ = run_all(loaded.core, prompts)
@@ -187,41 +194,41 @@ def assert_products_and_greedy(arch, path, loaded, layer) -> None:
 def test_cpu_linears_on_weirs_kernel_match_transformers(arch, model_dir):
     """The default CPU float32 path: Q/K/V fused at load, every product on weir's own packed
     kernel (gpu/cpu/gemm.py), the gated MLP in two products; transformers' greedy tokens."""
-    from gpu.cpu.gemm import GemmGatedMLP, GemmLinear
+    from gpu.cpu.gemm import GemmGated, GemmWeight
 
     path = model_dir(arch)
     loaded = load(EngineConfig(model=str(path), dtype="float32", device="cpu"))
     model = loaded.core.runner.model
     layer = model.model.layers[0]
-    assert isinstance(layer.self_attn.qkv_proj, GemmLinear)
-    assert isinstance(layer.self_attn.o_proj, GemmLinear)
-    assert isinstance(layer.mlp, GemmGatedMLP)
+    assert isinstance(layer.self_attn.qkv, GemmWeight)
+    assert isinstance(layer.self_attn.o, GemmWeight)
+    assert isinstance(layer.mlp.gate_up, GemmGated) and isinstance(layer.mlp.down, GemmWeight)
     if not model.spec.tie_word_embeddings:
-        assert isinstance(model.lm_head, GemmLinear)
+        assert isinstance(model.lm_head.w, GemmWeight)
     assert_products_and_greedy(arch, path, loaded, layer)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_cpu_linears_prepacked_match_transformers(arch, model_dir, monkeypatch):
-    """oneDNN-prepacked linears (WEIR_CPU_MATMUL=onednn; weights big enough to gain, and these
-    tiny models' are not, so all of them are packed here) still give transformers' greedy
-    tokens and the checkpoint's products."""
-    from gpu.cpu.onednn import PackedGatedMLP, PackedLinear, pack_linears
+    """oneDNN-prepacked products (--cpu-matmul onednn; weights big enough to gain, and these
+    tiny models' are not: every one is packed here) still give transformers' greedy tokens and
+    the checkpoint's products; too small ones stay on MKL."""
+    from gpu.cpu import onednn
 
-    monkeypatch.setenv("WEIR_CPU_MATMUL", "onednn")
     path = model_dir(arch)
-    loaded = load(EngineConfig(model=str(path), dtype="float32", device="cpu"))
+    config = EngineConfig(model=str(path), dtype="float32", device="cpu", cpu_matmul="onednn")
+    layer = load(config).core.runner.model.model.layers[0]
+    assert not isinstance(layer.mlp.down, onednn.OneDnnWeight)  # too small to gain
+    monkeypatch.setattr(onednn, "MIN_ELEMENTS", 0)
+    loaded = load(config)
     model = loaded.core.runner.model
     layer = model.model.layers[0]
-    assert not isinstance(layer.mlp.down_proj, PackedLinear)  # too small to gain
-    # Q/K/V are one product on CPU (fused at load), then packed with O, gate, up and down.
-    assert layer.self_attn.qkv_proj is not None
-    assert pack_linears(model, min_elements=0) >= 5 * len(model.model.layers)
-    assert isinstance(layer.mlp, PackedGatedMLP)  # activation, multiply, residual add fused
-    for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.down_proj):
-        assert isinstance(linear, PackedLinear)
+    # Q/K/V are one product on CPU (fused at load), packed with O, gate, up and down.
+    for w in (layer.self_attn.qkv, layer.self_attn.o, layer.mlp.down):
+        assert isinstance(w, onednn.OneDnnWeight)
+    assert isinstance(layer.mlp.gate_up, onednn.OneDnnGated)  # activation, multiply fused
     if not model.spec.tie_word_embeddings:  # llama's tiny model: an untied head, packed too
-        assert isinstance(model.lm_head, PackedLinear)
+        assert isinstance(model.lm_head.w, onednn.OneDnnWeight)
     assert_products_and_greedy(arch, path, loaded, layer)
 
 
@@ -231,8 +238,8 @@ def test_packed_gated_mlp_fuses_activation_multiply_and_residual(act, rows):
     """The oneDNN post-ops compute exactly the unfused down(act(gate(x)) * up(x)) + residual."""
     from torch import nn
 
-    from gpu.cpu.onednn import PackedGatedMLP
-    from gpu.models.decoder import _ACTIVATIONS
+    from gpu.backend import ACTIVATIONS
+    from gpu.cpu import onednn
 
     torch.manual_seed(rows)
     gate, up, down = (
@@ -240,10 +247,15 @@ def test_packed_gated_mlp_fuses_activation_multiply_and_residual(act, rows):
         nn.Linear(64, 96, bias=False),
         nn.Linear(96, 64, bias=False),
     )
-    mlp = PackedGatedMLP(gate, up, down, act)
+    pair = onednn.prepare_gated(gate.weight, up.weight, act)
+    packed_down = onednn.prepare(down.weight, None)
+
+    def mlp(x, residual=None):
+        return onednn.linear(onednn.gated(x, pair), packed_down, residual)
+
     x, residual = torch.randn(rows, 64), torch.randn(rows, 64)
     with torch.no_grad():
-        want = down(_ACTIVATIONS[act](gate(x)) * up(x))
+        want = down(ACTIVATIONS[act](gate(x)) * up(x))
         torch.testing.assert_close(mlp(x), want, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(mlp(x, residual), want + residual, atol=1e-5, rtol=1e-5)
         # A residual that is a view of a wider tensor (as a layer's input can be) is read right.
@@ -282,7 +294,6 @@ def test_decode_graphs_pad_and_replay_without_changing_tokens(pool, model_dir):
     graphs = DecodeGraphs(
         runner.model,
         runner.kv_caches,
-        runner.backend,
         runner.device,
         runner.block_size,
         loaded.max_model_len,
@@ -322,7 +333,7 @@ def test_greedy_matches_transformers_with_other_backends(arch, backend, model_di
             **POOLS["tight"],
         )
     )
-    assert loaded.core.runner.backend.name == backend
+    assert loaded.core.runner.model.backend.attention.name == backend
     prompts = [loaded.tokenizer.encode(p) for p in PROMPTS]
     got, _ = run_all(loaded.core, prompts)
     assert got == reference(arch, path, prompts)

@@ -3,6 +3,7 @@ same kernels in the same order, so every step's logits are bitwise the same."""
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 import torch
 
@@ -21,12 +22,10 @@ PROMPTS = [
 ]
 
 
-def load_both(path, monkeypatch, **pool):
+def load_both(path, **pool):
     config = EngineConfig(model=str(path), dtype="float32", device="cpu", **pool)
-    fused = load(config)
-    monkeypatch.setenv("WEIR_CPU_FORWARD", "modules")
-    modules = load(config)
-    monkeypatch.delenv("WEIR_CPU_FORWARD")
+    fused = load(msgspec.structs.replace(config, cpu_forward="fused"))
+    modules = load(msgspec.structs.replace(config, cpu_forward="modules"))
     return fused, modules
 
 
@@ -41,24 +40,23 @@ def load_both(path, monkeypatch, **pool):
         ("qwen3", {}, "float16"),
     ],
 )
-def test_one_call_forward_is_bitwise_the_module_path(arch, extra, kv, model_dir, monkeypatch):
+def test_one_call_forward_is_bitwise_the_module_path(arch, extra, kv, model_dir):
     """Both engines get the same requests on a pool so tight that prompts are chunked and
     requests preempted (mixed prefill and decode steps, padding-free slot writes); after every
     step the logits are identical, and so are the tokens."""
     path = model_dir(arch, **extra)
     fused, modules = load_both(
         path,
-        monkeypatch,
         num_kv_blocks=48,
         block_size=4,
         max_num_batched_tokens=40,
         kv_cache_dtype=kv,
     )
-    assert fused.core.runner.model.cpu_forward is not None
-    assert modules.core.runner.model.cpu_forward is None
+    assert fused.core.runner.model.stack is not None
+    assert modules.core.runner.model.stack is None
     # the LM head in the same call where it is untied (the tiny models tie Qwen's)
     tied = fused.core.runner.model.spec.tie_word_embeddings
-    assert (fused.core.runner.model.cpu_forward.lm_head is None) == tied
+    assert (fused.core.runner.model.stack.lm_head is None) == tied
     for loaded in (fused, modules):
         for i, text in enumerate(PROMPTS):
             ids = loaded.tokenizer.encode(text)
@@ -77,11 +75,29 @@ def test_one_call_forward_is_bitwise_the_module_path(arch, extra, kv, model_dir,
     assert steps > 20
 
 
-def test_not_attached_where_a_layer_is_off_the_kernels(model_dir, monkeypatch):
-    """oneDNN products (WEIR_CPU_MATMUL=onednn) leave the modules in charge."""
-    monkeypatch.setenv("WEIR_CPU_MATMUL", "onednn")
-    loaded = load(EngineConfig(model=str(model_dir("llama")), dtype="float32", device="cpu"))
-    assert loaded.core.runner.model.cpu_forward is None
+def test_what_the_stack_refuses_is_said(model_dir, caplog):
+    """oneDNN products leave the modules in charge, with a log line naming why; with
+    --cpu-forward fused the server refuses to start instead."""
+    import logging
+
+    path = str(model_dir("llama"))
+    with caplog.at_level(logging.INFO, logger="weir.cpu"):
+        loaded = load(EngineConfig(model=path, dtype="float32", cpu_matmul="onednn"))
+    assert loaded.core.runner.model.stack is None
+    assert any("layer by layer: --cpu-matmul onednn" in m for m in caplog.messages)
+    with pytest.raises(ValueError, match="cannot run as one call: an MLP bias"):
+        load(EngineConfig(model=str(model_dir("llama", mlp_bias=True)), cpu_forward="fused"))
+
+
+def test_every_spec_field_is_stated():
+    """A field added to ModelSpec (a decoder feature) must say how the compiled stack treats
+    it: never a feature silently dropped on the fused path."""
+    import dataclasses
+
+    from gpu.cpu.forward import HANDLED
+    from gpu.models.spec import ModelSpec
+
+    assert set(HANDLED) == {f.name for f in dataclasses.fields(ModelSpec)}
 
 
 def test_the_step_breakdown_counts_every_kind_of_op(model_dir):
@@ -110,7 +126,7 @@ def test_a_token_or_position_outside_its_table_is_refused(model_dir):
     meta = AttentionMetadata.build([-1], [[0]], [1], [1], lambda d, t: torch.tensor(d, dtype=t))
     embed = model.model.embed_tokens.weight
     cos, sin = model.rope.tables(1, torch.float32)
-    ok = model.cpu_forward(torch.tensor([3]), torch.tensor([0]), cos, sin, runner.kv_caches, meta)
+    ok, _ = model.stack(torch.tensor([3]), torch.tensor([0]), cos, sin, runner.kv_caches, meta)
     assert ok.shape == (1, embed.shape[1]) and torch.isfinite(ok).all()
     for ids, positions, error in (
         ([embed.shape[0]], [0], IndexError),
@@ -118,13 +134,13 @@ def test_a_token_or_position_outside_its_table_is_refused(model_dir):
         ([3], [cos.shape[0]], IndexError),
     ):
         with pytest.raises(error):
-            model.cpu_forward(
+            model.stack(
                 torch.tensor(ids), torch.tensor(positions), cos, sin, runner.kv_caches, meta
             )
     # the LM head's rows, in the same call: as compute_logits gives them; a row past the
     # step's tokens is refused
     args = (torch.tensor([3]), torch.tensor([0]), cos, sin, runner.kv_caches, meta)
-    hidden, logits = model.cpu_forward(*args, logits_rows=torch.tensor([0]))
+    hidden, logits = model.stack(*args, logits_rows=torch.tensor([0]))
     assert torch.equal(hidden, ok) and torch.equal(logits, model.compute_logits(ok))
     with pytest.raises(IndexError, match="logits row"):
-        model.cpu_forward(*args, logits_rows=torch.tensor([0, 1]))
+        model.stack(*args, logits_rows=torch.tensor([0, 1]))

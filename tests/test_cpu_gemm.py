@@ -6,8 +6,18 @@ import pytest
 import torch
 from torch import nn
 
-from gpu.cpu.gemm import GemmGatedMLP, GemmLinear, use_gemm
-from gpu.models.decoder import _ACTIVATIONS
+from gpu.backend import ACTIVATIONS as _ACTIVATIONS
+from gpu.cpu import gemm
+
+
+class GemmLinear:
+    """An nn.Linear's weight on the kernel, called as the layer was."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        self.w = gemm.prepare(linear.weight, linear.bias)
+
+    def __call__(self, x, residual=None):
+        return gemm.linear(x, self.w, residual)
 
 
 def exact(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -29,9 +39,7 @@ def test_linear_matches_torch(rows, n, k):
         got = layer(x)
         assert got.shape == (rows, n)
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(
-            layer.forward_binary(x, residual, "add"), want + residual, atol=1e-4, rtol=1e-4
-        )
+        torch.testing.assert_close(layer(x, residual), want + residual, atol=1e-4, rtol=1e-4)
 
 
 def test_leading_dims_and_strided_rows():
@@ -45,8 +53,6 @@ def test_leading_dims_and_strided_rows():
         torch.testing.assert_close(layer(x), linear(x), atol=1e-5, rtol=1e-5)
         x3 = torch.randn(2, 3, 40)
         torch.testing.assert_close(layer(x3), linear(x3), atol=1e-5, rtol=1e-5)
-    with pytest.raises(ValueError, match="post-op"):
-        layer.forward_binary(x, x, "mul")
 
 
 def test_a_row_does_not_depend_on_its_batch():
@@ -79,7 +85,7 @@ def test_a_product_past_the_packing_bound_runs_in_row_passes():
     x, residual = torch.randn(5000, 1000), torch.randn(5000, 70)
     with torch.no_grad():
         want = exact(x, linear.weight) + linear.bias
-        got = layer.forward_binary(x, residual, "add")
+        got = layer(x, residual)
         torch.testing.assert_close(got, want + residual, atol=1e-4, rtol=1e-4)
         assert torch.equal(layer(x)[4500:4501], layer(x[4500:4501]))
 
@@ -90,7 +96,11 @@ def test_gated_mlp_matches_torch(act, rows):
     torch.manual_seed(rows)
     gate, up = nn.Linear(64, 96, bias=False), nn.Linear(64, 96, bias=False)
     down = nn.Linear(96, 64, bias=False)
-    mlp = GemmGatedMLP(gate, up, down, act)
+    pair, packed_down = gemm.prepare_gated(gate.weight, up.weight, act), GemmLinear(down)
+
+    def mlp(x, residual=None):
+        return packed_down(gemm.gated(x, pair), residual)
+
     # large inputs: the activation sees values far past exp's float range
     x, residual = torch.randn(rows, 64) * 20, torch.randn(rows, 64)
     with torch.no_grad():
@@ -101,29 +111,20 @@ def test_gated_mlp_matches_torch(act, rows):
         torch.testing.assert_close(mlp(x, residual), want + residual, atol=1e-3, rtol=1e-4)
 
 
-class Gated(nn.Module):
-    def __init__(self, bias: bool) -> None:
-        super().__init__()
-        self.gate_proj, self.up_proj = nn.Linear(32, 48, bias=bias), nn.Linear(32, 48, bias=bias)
-        self.down_proj = nn.Linear(48, 32, bias=bias)
-        self.hidden_act = "silu"
+def test_the_backend_packs_a_bias_free_gated_mlp_and_keeps_biased_ones_apart():
+    """CpuBackend: a bias-free gated MLP becomes one gated product; one with biases keeps its
+    gate and up products apart (each packed) and torch's activation."""
+    from gpu.attention.select import get_backend
+    from gpu.cpu.backend import CpuBackend
 
-    def forward(self, x):
-        return self.down_proj(torch.nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-def test_use_gemm_replaces_linears_and_gated_mlps():
-    """A bias-free gated MLP becomes one GemmGatedMLP; one with biases keeps its three products
-    (each a GemmLinear) and torch's activation; any other Linear becomes a GemmLinear."""
+    backend = CpuBackend(get_backend("auto", torch.device("cpu")))
     torch.manual_seed(1)
-    holder = nn.Module()
-    holder.mlp, holder.biased, holder.head = Gated(False), Gated(True), nn.Linear(32, 50)
     x = torch.randn(3, 32)
-    with torch.no_grad():
-        want = [holder.mlp(x), holder.biased(x), holder.head(x)]
-        assert use_gemm(holder) == 7
-        assert isinstance(holder.mlp, GemmGatedMLP) and isinstance(holder.head, GemmLinear)
-        assert isinstance(holder.biased.gate_proj, GemmLinear)
-        got = [holder.mlp(x), holder.biased(x), holder.head(x)]
-    for g, w in zip(got, want):
-        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+    for bias in (False, True):
+        g, u, d = nn.Linear(32, 48, bias=bias), nn.Linear(32, 48, bias=bias), nn.Linear(48, 32)
+        parts = [(m.weight.detach(), None if m.bias is None else m.bias.detach()) for m in (g, u)]
+        gated, down = backend.prepare_mlp(*parts, (d.weight.detach(), None), "silu")
+        assert isinstance(gated, gemm.GemmGated) != bias and isinstance(down, gemm.GemmWeight)
+        with torch.no_grad():
+            want = torch.nn.functional.silu(g(x)) * u(x)
+            torch.testing.assert_close(backend.gated(x, gated), want, atol=1e-5, rtol=1e-5)

@@ -5,14 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu.cpu.norm import CpuNorm, use_kernels
-from gpu.models.decoder import RMSNorm
+from gpu.backend import TorchBackend
+from gpu.cpu import norm as cpu_norm
 from gpu.models.rope import apply_rope
+
+TORCH = TorchBackend(None, fuse=False)  # the torch ops the kernel replaces
 
 
 @pytest.fixture(scope="module")
 def ops():
-    return CpuNorm()
+    return cpu_norm
 
 
 def rope_tables(tokens: int, dim: int):
@@ -27,13 +29,10 @@ def rope_tables(tokens: int, dim: int):
 @pytest.mark.parametrize("dim", [64, 96, 768])
 def test_rms_norm_matches_torch(ops, tokens, dim):
     torch.manual_seed(dim + tokens)
-    norm = RMSNorm(dim, 1e-6)
-    norm.weight.data = torch.randn(dim)
+    weight = torch.randn(dim)
     x = torch.randn(tokens, dim) * 3
-    with torch.no_grad():
-        want = norm(x)
-        norm.kernel = ops
-        got = norm(x)
+    want = TORCH.rms_norm(x, weight, 1e-6)
+    got = ops.rms_norm(x, weight, 1e-6)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
@@ -45,11 +44,9 @@ def test_norm_rope_matches_torch_on_strided_views(ops, with_norm, tokens, heads,
     qkv = torch.randn(tokens, (heads + 2) * dim) * 2
     q = qkv[:, : heads * dim].view(tokens, heads, dim)
     cos, sin = rope_tables(tokens, dim)
-    norm = RMSNorm(dim, 1e-6)
-    norm.weight.data = torch.randn(dim)
-    with torch.no_grad():
-        want = apply_rope(norm(q) if with_norm else q, cos, sin)
-        got = ops.norm_rope(q, norm.weight if with_norm else None, 1e-6, cos, sin)
+    weight = torch.randn(dim)
+    want = apply_rope(TORCH.rms_norm(q, weight, 1e-6) if with_norm else q, cos, sin)
+    got = ops.norm_rope(q, weight if with_norm else None, 1e-6, cos, sin)
     assert got.shape == q.shape and got.is_contiguous()
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert torch.equal(q, qkv[:, : heads * dim].view(tokens, heads, dim))  # input untouched
@@ -66,15 +63,26 @@ def test_rejects_what_it_cannot_run(ops):
         ops.norm_rope(x.view(4, 1, 64), None, 0.0, cos.t().contiguous().t(), sin)
 
 
-def test_a_model_whose_kernel_cannot_build_keeps_torch_ops(monkeypatch):
+def test_where_the_kernels_cannot_build_a_float32_model_runs_on_onednn_and_torch(monkeypatch):
+    """The backend choice, once: no compiler, so oneDNN's products and torch's norms (a warning
+    says so); --cpu-forward fused refuses to start instead."""
+    from core.config import EngineConfig
+    from gpu import assemble
     from gpu.cpu import build as cpu_build
+    from gpu.cpu.backend import CpuBackend, OneDnnBackend
 
     def fail():
         raise cpu_build.BuildError("no compiler")
 
     monkeypatch.setattr(cpu_build, "load", fail)
-    norm = RMSNorm(8, 1e-6)
-    assert use_kernels(norm) is False and norm.kernel is None
+    cpu = torch.device("cpu")
+    config = EngineConfig(attention_backend="torch")
+    backend = assemble.choose_backend(config, cpu, torch.float32)
+    assert type(backend) is OneDnnBackend and not isinstance(backend, CpuBackend)
+    x, w = torch.randn(3, 8), torch.randn(8)
+    assert torch.equal(backend.rms_norm(x, w, 1e-6), TORCH.rms_norm(x, w, 1e-6))
+    with pytest.raises(ValueError, match="cannot be built"):
+        assemble.choose_backend(EngineConfig(cpu_forward="fused"), cpu, torch.float32)
 
 
 @pytest.mark.parametrize("head_dim", [64, 72, 128])

@@ -47,7 +47,7 @@ def test_a_16_bit_cache_holds_twice_the_tokens_and_decodes_close(kv, model_dir):
     k, v = half.core.runner.kv_caches[0]
     assert k.dtype == v.dtype == getattr(torch, kv)
     assert half.kv_dtype == kv and full.kv_dtype == "float32"
-    assert half.core.runner.model.cpu_forward is not None  # the compiled path takes it
+    assert half.core.runner.model.stack is not None  # the compiled path takes it
     want, want_steps = run_greedy(full)
     got, got_steps = run_greedy(half)
     assert len(got) == len(PROMPTS) and all(len(t) == 16 for t in got.values())

@@ -7,7 +7,13 @@ import math
 import torch
 
 from core.stop import StopStrings
-from gpu.sampler import Sampler, SamplingMetadata, apply_penalties, filter_logits
+from gpu.backend import TorchBackend
+from gpu.sampler import Sampler as _Sampler
+from gpu.sampler import SamplingMetadata, apply_penalties, filter_logits
+
+
+def Sampler(seed: int, device: torch.device) -> _Sampler:  # noqa: N802 - the class, on torch ops
+    return _Sampler(seed, device, TorchBackend(None, fuse=False))
 
 
 def meta(n, **kw):
@@ -147,7 +153,10 @@ def test_stop_strings_across_boundaries_and_hold_back():
 
 
 def test_cpu_argmax_is_torchs_on_ties_nans_infs_and_views():
-    from gpu.sampler import argmax
+    from gpu.attention.select import get_backend
+    from gpu.cpu.backend import CpuBackend
+
+    argmax = CpuBackend(get_backend("auto", torch.device("cpu"))).argmax
 
     torch.manual_seed(0)
     x = torch.randn(70, 1876)

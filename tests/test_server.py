@@ -334,7 +334,7 @@ def test_server_runs_on_the_triton_backend(model_dir):
         EngineConfig(model=str(model_dir("qwen3")), num_kv_blocks=64, attention_backend="triton")
     ).start()
     try:
-        assert server.engine.core.runner.backend.name == "triton"
+        assert server.engine.core.runner.model.backend.attention.name == "triton"
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
         chunks = list(
             client.chat.completions.create(

@@ -21,6 +21,7 @@ from core.request import EngineRequest
 from core.sampling import SamplingParams
 from core.structured import Constraint, Grammars
 from gpu import grammar_mask
+from gpu.backend import TorchBackend
 from gpu.launch import load
 from gpu.sampler import Sampler, SamplingMetadata
 from tests.conftest import LiveServer, tiny_config
@@ -321,9 +322,13 @@ def test_mask_in_tensors_matches_the_matcher(grammars):
         assert probe.consume_token(i), tok.decode([i])
     # The compiled CPU kernel (float32, in place) and the torch ops (any other dtype or device)
     # mask the same tokens.
+    from gpu.attention.select import get_backend
+    from gpu.cpu.backend import CpuBackend
+
+    backend = CpuBackend(get_backend("auto", torch.device("cpu")))
     for dtype in (torch.float32, torch.float64):
         logits = torch.zeros(2, g.vocab_size, dtype=dtype)
-        out = grammar_mask.apply(logits, rows, mask)
+        out = backend.apply_token_bitmask(logits, rows, mask)
         assert (out[0] == 0).all() and torch.isinf(out[1][~allowed]).all()
         assert (out[1][allowed] == 0).all()
 
@@ -341,7 +346,7 @@ def test_sampler_grammar_wins_when_a_ban_leaves_nothing():
         ban=(torch.tensor([1]), torch.tensor([5])),
         grammar=(torch.tensor([1]), mask),
     )
-    out = Sampler(0, torch.device("cpu"))(torch.randn(2, vocab), m)
+    out = Sampler(0, torch.device("cpu"), TorchBackend(None, fuse=False))(torch.randn(2, vocab), m)
     assert out.token_ids[1].item() == 5
 
 

@@ -54,9 +54,12 @@ class LLM:
     arguments are EngineConfig fields (max_num_seqs, num_kv_blocks, dtype, ...)."""
 
     def __init__(self, model: str | None = None, **engine_args) -> None:
-        from gpu.launch import load
+        from gpu import openmp
 
         self.config = EngineConfig(model=model, **engine_args)
+        openmp.prepare(self.config)  # before torch is imported (gpu/openmp.py)
+        from gpu.launch import load
+
         loaded = load(self.config)
         self.engine = loaded.core
         self.tokenizer = loaded.tokenizer

@@ -50,7 +50,7 @@ COMPILE_BINDINGS = ["-O2", "-fPIC", "-std=c++20", "-w"]
 LINK = ["-shared", "-fopenmp"]
 
 _lock = threading.Lock()
-_loaded: Path | None = None
+_ops = None  # torch.ops.weir once the library is loaded
 
 
 class BuildError(RuntimeError):
@@ -144,16 +144,18 @@ def _compile(cxx: str, path: Path) -> Path:
 def load():
     """torch.ops.weir, the library built and loaded on first use (BuildError when it cannot
     be built here)."""
-    global _loaded
+    global _ops
+    if _ops is not None:
+        return _ops
     with _lock:
-        if _loaded is None:
+        if _ops is None:
             path = build()
             try:
                 torch.ops.load_library(str(path))
             except OSError as e:
                 raise BuildError(f"could not load {path}: {e}") from e
-            _loaded = path
-    return torch.ops.weir
+            _ops = torch.ops.weir
+    return _ops
 
 
 def classes():

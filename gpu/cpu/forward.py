@@ -1,57 +1,83 @@
-"""The CPU float32 forward in one compiled call (gpu/cpu/csrc/forward.cpp, through
+"""The CPU float32 layer stack in one compiled call (gpu/cpu/csrc/forward.cpp, through
 torch.classes.weir.DecoderStack).
 
-After loading, a model whose every layer runs on the CPU kernels (weir's packed products, the
-norm/rotary kernel, the paged attention kernel) gets a CpuForward: DecoderForCausalLM.forward
-then embeds the tokens and computes the rotary tables in torch and hands the whole layer stack
-and the final norm to C++, which calls the same kernels in the same order as the modules do
-(bitwise the same hidden states) without a dozen op dispatches per layer in between.
-WEIR_CPU_FORWARD=modules keeps the module-by-module path (for A/B benchmarks).
+DecoderForCausalLM.forward hands the whole layer stack, the final norm and, for an untied head on
+weir's kernel, the LM head's sampled rows to C++, which gathers the embeddings and rotary rows
+and calls the same kernels in the same order as the modules do (bitwise the same hidden states),
+without a dozen op dispatches per layer in between.
+
+What it implements is stated here, field by field of the model's spec (HANDLED); `unfit` names
+what a model has that it does not, and the backend then runs the model layer by layer and says so
+(or refuses to start, with --cpu-forward fused). A field added to ModelSpec fails
+tests/test_cpu_forward.py until this table says how the compiled stack treats it.
 """
 
 from __future__ import annotations
 
-import logging
-import os
+import dataclasses
 
 import torch
 
 from gpu.attention.backend import AttentionMetadata
 from gpu.cpu import build as cpu_build
-from gpu.cpu.attention import DTYPES
+from gpu.cpu import gemm
+from gpu.models.spec import ARCHITECTURES, ModelSpec
 
-log = logging.getLogger("weir.cpu_forward")
+# ModelSpec field -> what the compiled stack does with it (None: every value; else a predicate
+# over the value and the reason a model is refused when it fails).
+HANDLED: dict[str, tuple | None] = {
+    "architecture": (lambda v: v in ARCHITECTURES, "an architecture it does not know"),
+    "vocab_size": None,
+    "hidden_size": None,
+    "num_layers": None,
+    "num_heads": None,
+    "num_kv_heads": None,
+    "head_dim": (lambda v: v % 2 == 0, "an odd head size"),
+    "intermediate_size": None,
+    "rms_norm_eps": None,
+    "tie_word_embeddings": None,  # a tied head is computed through torch after the call
+    "qkv_bias": None,
+    "mlp_bias": (lambda v: not v, "an MLP bias"),
+    "qk_norm": None,
+    "hidden_act": (lambda v: v in gemm.ACTIVATIONS, "an activation the kernel has not"),
+    "max_position_embeddings": None,
+    "sliding_window": None,  # one window for every layer, or none
+}
 
 
-def unfit(model) -> str | None:
-    """Why `model` cannot run as one call (None when it can)."""
-    from gpu.cpu.gemm import GemmGatedMLP, GemmLinear
-
-    if os.environ.get("WEIR_CPU_FORWARD", "fused") == "modules":
-        return "WEIR_CPU_FORWARD=modules"
+def unfit(model, backend) -> str | None:
+    """Why `model` (built on `backend`, its weights prepared) cannot run as one call; None when
+    it can."""
+    if backend.forward_mode == "modules":
+        return "--cpu-forward modules"
+    if backend.matmul != "weir":
+        return f"--cpu-matmul {backend.matmul}: the stack runs weir's products"
+    if getattr(backend.attention, "name", None) != "cpu":
+        return f"attention backend {backend.attention.name}: the stack runs weir's CPU attention"
     if model.tp is not None:
         return "tensor parallel"
-    if model.model.norm.kernel is None:
-        return "no norm kernel"
+    spec: ModelSpec = model.local_spec
+    fields = {f.name for f in dataclasses.fields(ModelSpec)}
+    if fields != set(HANDLED):
+        return f"spec fields it does not state: {', '.join(sorted(fields ^ set(HANDLED)))}"
+    for name, rule in HANDLED.items():
+        if rule is not None and not rule[0](getattr(spec, name)):
+            return rule[1]
     embed = model.model.embed_tokens.weight
     if embed.dtype != torch.float32 or not embed.is_contiguous():
         return "embeddings not float32 and contiguous"
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        if not isinstance(attn.qkv_proj, GemmLinear) or not isinstance(attn.o_proj, GemmLinear):
+        if not isinstance(attn.qkv, gemm.GemmWeight) or not isinstance(attn.o, gemm.GemmWeight):
             return "attention products not on weir's kernel"
-        if attn.o_proj.bias is not None:
+        if attn.o.bias is not None:
             return "an output projection bias"
-        if not isinstance(mlp, GemmGatedMLP):
+        if not isinstance(mlp.gate_up, gemm.GemmGated):
             return "MLP not a packed gated pair"
-        if attn.norm_rope is None or layer.input_layernorm.kernel is None:
-            return "no norm kernel"
-    if len({layer.self_attn.sliding_window for layer in model.model.layers}) > 1:
-        return "per-layer sliding windows"
     return None
 
 
-class CpuForward:
+class FusedStack:
     def __init__(self, model) -> None:
         self._classes = cpu_build.classes()
         self.model = model
@@ -59,11 +85,8 @@ class CpuForward:
         self._stack = None
         # The LM head when the call can take it too: an untied, bias-free one on weir's kernel
         # (a tied head multiplies by the embedding's plain weight, through torch).
-        from gpu.cpu.gemm import GemmLinear
-
-        head = getattr(model, "lm_head", None)
-        tied = model.spec.tie_word_embeddings
-        ok = isinstance(head, GemmLinear) and head.bias is None and not tied
+        head = None if model.spec.tie_word_embeddings else model.lm_head.w
+        ok = isinstance(head, gemm.GemmWeight) and head.bias is None
         self.lm_head = head if ok else None
 
     def _bind(self, kv_caches) -> None:
@@ -78,13 +101,13 @@ class CpuForward:
                 [
                     layer.input_layernorm.weight.detach(),
                     layer.post_attention_layernorm.weight.detach(),
-                    attn.qkv_proj.packed,
-                    none if attn.qkv_proj.bias is None else attn.qkv_proj.bias,
+                    attn.qkv.packed,
+                    none if attn.qkv.bias is None else attn.qkv.bias,
                     attn.q_norm.weight.detach() if attn.qk_norm else none,
                     attn.k_norm.weight.detach() if attn.qk_norm else none,
-                    attn.o_proj.packed,
-                    layer.mlp.gate_up,
-                    layer.mlp.down_proj.packed,
+                    attn.o.packed,
+                    layer.mlp.gate_up.packed,
+                    layer.mlp.down.packed,
                     k,
                     v,
                 ]
@@ -96,9 +119,9 @@ class CpuForward:
             spec.num_heads,
             spec.num_kv_heads,
             spec.head_dim,
-            first.mlp.width,
+            first.mlp.gate_up.width,
             first.self_attn.sliding_window or 0,
-            first.mlp.act,
+            first.mlp.gate_up.act,
             head.out_features if head is not None else 0,
         ]
         self._stack = self._classes.DecoderStack(
@@ -112,14 +135,6 @@ class CpuForward:
         )
         self._caches = kv_caches
 
-    def usable(self, kv_caches, backend) -> bool:
-        """The compiled path needs the CPU attention kernel's layout: contiguous caches of
-        float32, bfloat16 or float16."""
-        if getattr(backend, "name", None) != "cpu":
-            return False
-        k, v = kv_caches[0]
-        return k.dtype in DTYPES and k.is_contiguous() and v.is_contiguous()
-
     def __call__(
         self,
         input_ids: torch.Tensor,
@@ -129,17 +144,16 @@ class CpuForward:
         kv_caches,
         meta: AttentionMetadata,
         logits_rows: torch.Tensor | None = None,
-    ):
-        """The final norm [tokens, hidden] of the layer stack over the embeddings of input_ids
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(the final norm [tokens, hidden] of the layer stack over the embeddings of input_ids
         at `positions`, whose rotary rows are those of the cos / sin tables [rows, head_dim]
-        (gpu/models/rope.py Rope.tables).
-
-        With `logits_rows` (int64 row indices; needs self.lm_head), (that, the LM head's
-        logits [len(logits_rows), vocab] of those rows) instead."""
+        (gpu/models/rope.py Rope.tables); the LM head's logits of `logits_rows` when the head
+        is on this path and rows are asked for, else None)."""
         if kv_caches is not self._caches:
             self._bind(kv_caches)
-        if logits_rows is not None and self.lm_head is None:
-            raise ValueError("this model's LM head is not on the compiled path")
+        rows = None
+        if logits_rows is not None and self.lm_head is not None and logits_rows.numel() > 0:
+            rows = logits_rows.to(torch.int64).contiguous()
         out, logits = self._stack.run(
             input_ids.to(torch.int64).contiguous(),
             positions.to(torch.int64).contiguous(),
@@ -149,9 +163,9 @@ class CpuForward:
             meta.block_tables,
             meta.query_start_loc,
             meta.seq_lens,
-            None if logits_rows is None else logits_rows.to(torch.int64).contiguous(),
+            rows,
         )
-        return out if logits_rows is None else (out, logits)
+        return out, (logits if rows is not None else None)
 
 
 PROFILE_OPS = ("norm", "qkv", "rope", "kv write", "attention", "o", "gate/up", "down", "lm head")
@@ -161,14 +175,3 @@ def profile(enable: bool = True) -> dict[str, float]:
     """Seconds the compiled forward spent per kind of op since the last call (while enabled),
     and zeroed; `enable` switches the timing on or off from here on (benchmarks only)."""
     return dict(zip(PROFILE_OPS, cpu_build.load().forward_profile(enable)))
-
-
-def attach(model) -> bool:
-    """Give `model` a CpuForward when all of it can run as one call; False (and why, logged)
-    when not."""
-    reason = unfit(model)
-    if reason is not None:
-        log.info("CPU forward layer by layer: %s", reason)
-        return False
-    model.cpu_forward = CpuForward(model)
-    return True

@@ -1,31 +1,39 @@
-"""Linear layers on weir's own CPU matrix-product kernel (gpu/cpu/csrc/gemm.cpp, through
-torch.ops.weir.gemm).
+"""Products on weir's own CPU matrix-product kernel (gpu/cpu/csrc/gemm.cpp, torch.ops.weir.gemm),
+float32.
 
-Drop-ins for gpu/cpu/onednn.py's oneDNN layers (same forward and forward_binary), for float32 on
-CPU: the weight is packed once into column panels, and each product hands its panels to the
-threads one at a time from a shared counter, so a thread that another process preempts holds up
-one panel rather than half the product (the barrier stalls of issue 18). The gated MLP's
-activation and multiply happen as the gate/up panels are written, and a residual is added in the
-same pass, as with oneDNN's post-ops.
+A weight is packed once into column panels; each product hands its panels to the threads one at
+a time from a shared counter, so a thread that another process preempts holds up one panel
+rather than half the product. A gated MLP's gate and up weights are packed side by side in each
+panel, and the activation and the multiply are applied as the panel is written; a residual is
+added in the same pass as the product.
 """
 
 from __future__ import annotations
 
-import torch
-from torch import nn
+from typing import NamedTuple
 
-from gpu.cpu.onednn import gated_parts  # what counts as a gated MLP, as on the oneDNN path
+import torch
+
 from gpu.cpu import build as cpu_build
 
+# The kernel's code for each activation a gated MLP may use (transformers' hidden_act names).
+ACTIVATIONS = {"silu": 1, "gelu": 2, "gelu_pytorch_tanh": 3}
 
-def _ops():
-    return cpu_build.load()
+
+class GemmWeight(NamedTuple):
+    """An [out_features, in_features] weight packed for the kernel, and its bias."""
+
+    packed: torch.Tensor
+    out_features: int
+    bias: torch.Tensor | None
 
 
-def _pack(first: torch.Tensor, second: torch.Tensor | None) -> torch.Tensor:
-    first = first.detach().float().contiguous()
-    second = None if second is None else second.detach().float().contiguous()
-    return _ops().gemm_pack(first, second)
+class GemmGated(NamedTuple):
+    """A gated MLP's gate and up weights [width, in_features] each, packed as one pair."""
+
+    packed: torch.Tensor
+    width: int
+    act: int
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -33,70 +41,29 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-class GemmLinear(nn.Module):
-    """An nn.Linear at inference on the packed kernel."""
-
-    def __init__(self, linear: nn.Linear) -> None:
-        super().__init__()
-        self._ops = _ops()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.packed = _pack(linear.weight, None)
-        self.bias = None if linear.bias is None else linear.bias.detach().float().contiguous()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        out = self._ops.gemm(_rows(x), self.packed, self.out_features, 0, self.bias, None)
-        return out.view(*shape[:-1], self.out_features)
-
-    def forward_binary(self, x: torch.Tensor, other: torch.Tensor, op: str) -> torch.Tensor:
-        """other + (x @ W.T + b): the residual added as the product is written."""
-        if op != "add":
-            raise ValueError(f"cpu gemm: post-op {op!r} is not supported")
-        shape = x.shape
-        out = self._ops.gemm(_rows(x), self.packed, self.out_features, 0, self.bias, _rows(other))
-        return out.view(*shape[:-1], self.out_features)
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, weir packed"
+def prepare(weight: torch.Tensor, bias: torch.Tensor | None) -> GemmWeight:
+    packed = cpu_build.load().gemm_pack(weight.detach().float().contiguous(), None)
+    bias = None if bias is None else bias.detach().float().contiguous()
+    return GemmWeight(packed, weight.shape[0], bias)
 
 
-# The kernel's code for each activation a gated MLP may use (transformers' hidden_act names).
-ACTIVATIONS = {"silu": 1, "gelu": 2, "gelu_pytorch_tanh": 3}
+def linear(x: torch.Tensor, w: GemmWeight, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T + b (+ residual, added as the product is written)."""
+    shape = x.shape
+    res = None if residual is None else _rows(residual)
+    out = cpu_build.load().gemm(_rows(x), w.packed, w.out_features, 0, w.bias, res)
+    return out.view(*shape[:-1], w.out_features)
 
 
-class GemmGatedMLP(nn.Module):
-    """down(act(gate(x)) * up(x)) [+ residual] in two products: gate and up packed side by
-    side in each panel, the activation and the multiply applied as their panel is written."""
-
-    def __init__(self, gate: nn.Linear, up: nn.Linear, down: nn.Linear, act: str) -> None:
-        super().__init__()
-        self._ops = _ops()
-        self.act = ACTIVATIONS[act]
-        self.width = gate.out_features
-        self.gate_up = _pack(gate.weight, up.weight)
-        self.down_proj = GemmLinear(down)
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        shape = x.shape
-        h = self._ops.gemm(_rows(x), self.gate_up, self.width, self.act, None, None)
-        h = h.view(*shape[:-1], self.width)
-        if residual is None:
-            return self.down_proj(h)
-        return self.down_proj.forward_binary(h, residual, "add")
+def prepare_gated(gate: torch.Tensor, up: torch.Tensor, act: str) -> GemmGated:
+    packed = cpu_build.load().gemm_pack(
+        gate.detach().float().contiguous(), up.detach().float().contiguous()
+    )
+    return GemmGated(packed, gate.shape[0], ACTIVATIONS[act])
 
 
-def use_gemm(module: nn.Module) -> int:
-    """Replace every nn.Linear below `module` by a GemmLinear and every bias-free gated MLP by a
-    GemmGatedMLP; returns how many weights were packed."""
-    count = 0
-    for name, child in list(module.named_children()):
-        parts = gated_parts(child)
-        if parts is not None:
-            setattr(module, name, GemmGatedMLP(*parts, child.hidden_act))
-            count += 3
-        elif type(child) is nn.Linear:
-            setattr(module, name, GemmLinear(child))
-            count += 1
-        else:
-            count += use_gemm(child)
-    return count
+def gated(x: torch.Tensor, w: GemmGated) -> torch.Tensor:
+    """act(x G^T) * (x U^T), in one product."""
+    shape = x.shape
+    h = cpu_build.load().gemm(_rows(x), w.packed, w.width, w.act, None, None)
+    return h.view(*shape[:-1], w.width)

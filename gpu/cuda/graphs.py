@@ -66,14 +66,13 @@ class DecodeGraphs:
         self,
         model,
         kv_caches,
-        backend,
         device: torch.device,
         block_size: int,
         max_model_len: int,
         capture_sizes: list[int],
         graph_factory=None,
     ) -> None:
-        self.model, self.kv_caches, self.backend = model, kv_caches, backend
+        self.model, self.kv_caches = model, kv_caches
         self.device = device
         self.max_model_len = max_model_len
         self.sizes = sorted(capture_sizes)
@@ -115,12 +114,8 @@ class DecodeGraphs:
             meta = self._meta(size)
 
             def forward(size=size, meta=meta):
-                return self.model(
-                    self.input_ids[:size],
-                    self.positions[:size],
-                    self.kv_caches,
-                    meta,
-                    self.backend,
+                return self.model.hidden_states(
+                    self.input_ids[:size], self.positions[:size], self.kv_caches, meta
                 )
 
             if self.device.type == "cuda":

@@ -22,6 +22,7 @@ from typing import Any
 import msgspec
 
 from core.config import EngineConfig
+from gpu import openmp
 from gpu.dist.worker import Failed, FromWorker, Init, Ready, Stop, node_ranks
 
 log = logging.getLogger("weir.node")
@@ -47,11 +48,12 @@ def local_init_method() -> str:
 class Worker:
     """One worker process (`python -m gpu.dist.worker`) and its two pipes."""
 
-    def __init__(self, rank: int) -> None:
+    def __init__(self, rank: int, config: EngineConfig) -> None:
         cmd_read, cmd_write = os.pipe()
         reply_read, reply_write = os.pipe()
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_ROOT), env.get("PYTHONPATH")]))
+        openmp.prepare(config, env)
         self.rank = rank
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "gpu.dist.worker", str(cmd_read), str(reply_write)],
@@ -85,7 +87,7 @@ class Node:
         where = str(Path(path).expanduser().resolve())
         try:
             for rank in node_ranks(config, node_rank):
-                node.workers.append(Worker(rank))
+                node.workers.append(Worker(rank, config))
             level = logging.getLogger().getEffectiveLevel()
             for w in node.workers:
                 init = Init(config, w.rank, init_method, where, sorted(eos), level)

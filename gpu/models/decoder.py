@@ -1,200 +1,200 @@
-"""One decoder-only transformer that covers Llama, Mistral, Qwen2 and Qwen3.
+"""One decoder-only transformer that covers Llama, Mistral, Qwen2 and Qwen3, built on a backend.
 
-Module names follow the Hugging Face checkpoints, so weights load by name without a mapping.
+Module and parameter names follow the Hugging Face checkpoints, so weights load by name without
+a mapping. The model is built with one backend (gpu/backend.py), which every layer computes
+through; once the checkpoint is read, `prepare` puts each weight in the backend's form (packed,
+fused, ...) and asks the backend whether it runs the whole layer stack in one call.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from gpu.attention.backend import AttentionBackend, AttentionMetadata
-from gpu.models.rope import Rope, apply_rope
-from gpu.models.spec import ModelSpec
+from gpu.attention.backend import AttentionMetadata
 from gpu.dist.parallel import TensorParallel, local_spec
-
-_ACTIVATIONS = {
-    "silu": F.silu,
-    "gelu": F.gelu,
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-}
+from gpu.models.rope import Rope
+from gpu.models.spec import ModelSpec
 
 
-def fuse_linears(parts: list[nn.Linear]) -> nn.Linear:
-    """One Linear whose output is the parts' outputs side by side: one matrix product instead of
-    several, on the same weights (used after loading, which goes by the checkpoint's names)."""
-    weight = torch.cat([p.weight.detach() for p in parts])
-    has_bias = parts[0].bias is not None
-    with torch.device("meta"):
-        fused = nn.Linear(weight.shape[1], weight.shape[0], bias=has_bias)
-    fused.weight = nn.Parameter(weight, requires_grad=False)
-    if has_bias:
-        fused.bias = nn.Parameter(torch.cat([p.bias.detach() for p in parts]), requires_grad=False)
-    return fused
+class Linear(nn.Module):
+    """y = x W^T + b (+ residual) on the backend. Holds the checkpoint's weight (found by its name
+    when loading) until `prepare`, then only the backend's form of it."""
 
+    def __init__(self, backend, in_features: int, out_features: int, bias: bool) -> None:
+        super().__init__()
+        self.backend = backend
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
+        else:
+            self.register_parameter("bias", None)
+        self.w = None
 
-def add_product(linear: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-    """residual + linear(x); a layer that can add as it writes its product (gpu/cpu/onednn.py's
-    PackedLinear) does, saving a pass over the output."""
-    binary = getattr(linear, "forward_binary", None)
-    if binary is not None:
-        return binary(x, residual, "add")
-    return residual + linear(x)
+    def take(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The loaded (weight, bias), given up: the module keeps only what is prepared from them."""
+        weight = self.weight.detach()
+        bias = None if self.bias is None else self.bias.detach()
+        del self.weight, self.bias
+        self.weight = self.bias = None
+        return weight, bias
+
+    def prepare(self) -> None:
+        self.w = self.backend.prepare_linear(*self.take())
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        return self.backend.linear(x, self.w, residual)
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, backend) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
-        self.kernel = None  # gpu/cpu/norm.py's CpuNorm, set by the loader on CPU in float32
+        self.backend = backend
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel is not None:
-            return self.kernel.rms_norm(x, self.weight, self.eps)
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return self.backend.rms_norm(x, self.weight, self.eps)
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, backend) -> None:
         super().__init__()
         h, d = spec.hidden_size, spec.head_dim
+        self.backend = backend
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, d
-        self.q_proj = nn.Linear(h, spec.num_heads * d, bias=spec.qkv_bias)
-        self.k_proj = nn.Linear(h, spec.num_kv_heads * d, bias=spec.qkv_bias)
-        self.v_proj = nn.Linear(h, spec.num_kv_heads * d, bias=spec.qkv_bias)
-        self.o_proj = nn.Linear(spec.num_heads * d, h, bias=False)
+        self.q_proj = Linear(backend, h, spec.num_heads * d, spec.qkv_bias)
+        self.k_proj = Linear(backend, h, spec.num_kv_heads * d, spec.qkv_bias)
+        self.v_proj = Linear(backend, h, spec.num_kv_heads * d, spec.qkv_bias)
+        self.o_proj = Linear(backend, spec.num_heads * d, h, False)
         if spec.qk_norm:
-            self.q_norm = RMSNorm(d, spec.rms_norm_eps)
-            self.k_norm = RMSNorm(d, spec.rms_norm_eps)
+            self.q_norm = RMSNorm(d, spec.rms_norm_eps, backend)
+            self.k_norm = RMSNorm(d, spec.rms_norm_eps, backend)
         self.qk_norm = spec.qk_norm
         self.scale = d**-0.5
         self.sliding_window = spec.sliding_window
-        self.qkv_proj: nn.Linear | None = None  # set by fuse()
         self.qkv_sizes = [spec.num_heads * d, spec.num_kv_heads * d, spec.num_kv_heads * d]
-        # Q/K norm and rotation in one pass (gpu/cpu/norm.py), set by the loader on CPU in float32.
-        self.norm_rope = None
+        self.qkv = None  # Q/K/V as one product, when the backend fuses them
+        self.o = None
 
-    def fuse(self) -> None:
-        if self.qkv_proj is not None:  # fused already (the loader fuses on CUDA)
-            return
-        self.qkv_proj = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
-        del self.q_proj, self.k_proj, self.v_proj
+    def prepare(self) -> None:
+        parts = (self.q_proj, self.k_proj, self.v_proj)
+        if self.backend.fuse_qkv:
+            taken = [p.take() for p in parts]
+            weight = torch.cat([w for w, _ in taken])
+            bias = None if taken[0][1] is None else torch.cat([b for _, b in taken])
+            self.qkv = self.backend.prepare_linear(weight, bias)
+            del self.q_proj, self.k_proj, self.v_proj
+        else:
+            for p in parts:
+                p.prepare()
+        self.o = self.backend.prepare_linear(*self.o_proj.take())
+        del self.o_proj
 
-    def forward(self, x, cos, sin, kv: tuple[torch.Tensor, torch.Tensor], meta, backend, residual):
+    def forward(self, x, cos, sin, kv: tuple[torch.Tensor, torch.Tensor], meta, residual):
         """residual + attention(x) (attention(x) alone when residual is None)."""
-        t = x.shape[0]
-        if self.qkv_proj is not None:
-            q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
+        b, t = self.backend, x.shape[0]
+        if self.qkv is not None:
+            q, k, v = b.linear(x, self.qkv).split(self.qkv_sizes, dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.norm_rope is not None:
-            if self.qk_norm:
-                qw, kw, eps = self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
-            else:
-                qw, kw, eps = None, None, 0.0
-            q, k = self.norm_rope(q, qw, eps, cos, sin), self.norm_rope(k, kw, eps, cos, sin)
+        if self.qk_norm:
+            qw, kw, eps = self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
         else:
-            if self.qk_norm:
-                q, k = self.q_norm(q), self.k_norm(k)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            qw, kw, eps = None, None, 0.0
+        q, k = b.norm_rope(q, qw, eps, cos, sin), b.norm_rope(k, kw, eps, cos, sin)
         k_cache, v_cache = kv
-        backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        o = backend.forward(q, k_cache, v_cache, meta, self.scale, self.sliding_window)
-        if residual is None:
-            return self.o_proj(o.reshape(t, -1))
-        return add_product(self.o_proj, o.reshape(t, -1), residual)
+        b.attention.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        o = b.attention.forward(q, k_cache, v_cache, meta, self.scale, self.sliding_window)
+        return b.linear(o.reshape(t, -1), self.o, residual)
 
 
 class MLP(nn.Module):
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, backend) -> None:
         super().__init__()
         h, m = spec.hidden_size, spec.intermediate_size
-        self.gate_proj = nn.Linear(h, m, bias=spec.mlp_bias)
-        self.up_proj = nn.Linear(h, m, bias=spec.mlp_bias)
-        self.down_proj = nn.Linear(m, h, bias=spec.mlp_bias)
+        self.backend = backend
+        self.gate_proj = Linear(backend, h, m, spec.mlp_bias)
+        self.up_proj = Linear(backend, h, m, spec.mlp_bias)
+        self.down_proj = Linear(backend, m, h, spec.mlp_bias)
         self.hidden_act = spec.hidden_act
-        self.act = _ACTIVATIONS[spec.hidden_act]
-        self.gate_up_proj: nn.Linear | None = None  # set by fuse()
+        self.gate_up = None  # the backend's gated form of gate and up
+        self.down = None
 
-    def fuse(self) -> None:
-        if self.gate_up_proj is not None:
-            return
-        self.gate_up_proj = fuse_linears([self.gate_proj, self.up_proj])
-        del self.gate_proj, self.up_proj
+    def prepare(self) -> None:
+        self.gate_up, self.down = self.backend.prepare_mlp(
+            self.gate_proj.take(), self.up_proj.take(), self.down_proj.take(), self.hidden_act
+        )
+        del self.gate_proj, self.up_proj, self.down_proj
 
     def forward(self, x, residual=None):
         """mlp(x), plus residual when given."""
-        if self.gate_up_proj is not None:
-            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
-        h = self.act(gate) * up
-        return self.down_proj(h) if residual is None else add_product(self.down_proj, h, residual)
+        h = self.backend.gated(x, self.gate_up)
+        return self.backend.linear(h, self.down, residual)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, tp: TensorParallel | None = None) -> None:
+    def __init__(self, spec: ModelSpec, backend, tp: TensorParallel | None = None) -> None:
         super().__init__()
-        self.self_attn = Attention(spec)
-        self.mlp = MLP(spec)
-        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.self_attn = Attention(spec, backend)
+        self.mlp = MLP(spec, backend)
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, backend)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, backend)
         self.tp = tp
 
-    def forward(self, x, cos, sin, kv, meta, backend):
+    def forward(self, x, cos, sin, kv, meta):
         tp = self.tp
         if tp is None:
-            x = self.self_attn(self.input_layernorm(x), cos, sin, kv, meta, backend, residual=x)
+            x = self.self_attn(self.input_layernorm(x), cos, sin, kv, meta, residual=x)
             return self.mlp(self.post_attention_layernorm(x), residual=x)
         # Row-parallel O and down: each rank's product is a partial sum; rank 0 adds the
         # residual as it writes its own, and one all-reduce per product completes both.
         first = tp.rank == 0
         h = self.self_attn(
-            self.input_layernorm(x), cos, sin, kv, meta, backend, residual=x if first else None
+            self.input_layernorm(x), cos, sin, kv, meta, residual=x if first else None
         )
         x = tp.all_reduce(h)
         return tp.all_reduce(self.mlp(self.post_attention_layernorm(x), x if first else None))
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, spec: ModelSpec, tp: TensorParallel | None = None) -> None:
+    def __init__(self, spec: ModelSpec, backend, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(spec, tp) for _ in range(spec.num_layers))
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(spec, backend, tp) for _ in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, backend)
 
 
 class DecoderForCausalLM(nn.Module):
     """`spec` is the checkpoint's; with `tp` (gpu/dist/parallel.py) the modules hold one rank's
     share (`local_spec`), and the embedding and logits are assembled across ranks."""
 
-    def __init__(self, spec: ModelSpec, tp: TensorParallel | None = None) -> None:
+    def __init__(self, spec: ModelSpec, backend, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.spec = spec
+        self.backend = backend
         self.tp = tp if tp is not None and tp.world_size > 1 else None
         self.local_spec = local_spec(spec, self.tp) if self.tp else spec
         local = self.local_spec
-        self.model = DecoderModel(local, self.tp)
+        self.model = DecoderModel(local, backend, self.tp)
         if not spec.tie_word_embeddings:
-            self.lm_head = nn.Linear(local.hidden_size, local.vocab_size, bias=False)
+            self.lm_head = Linear(backend, local.hidden_size, local.vocab_size, False)
         self.rope: Rope | None = None  # set after weights are on their device (see loader)
-        # gpu/cpu/forward.py's CpuForward: all layers in one compiled call, set by the loader on
-        # CPU in float32 when every layer runs on the CPU kernels.
-        self.cpu_forward = None
+        self.stack = None  # the backend's whole-stack call, when it runs this model so
 
-    def fuse_projections(self) -> None:
-        """Q/K/V into one matrix product and gate/up into another, per layer (after loading)."""
+    def prepare(self) -> None:
+        """After loading: every weight in the backend's form; then the stack, if the backend
+        runs this model as one call (it logs why not)."""
         for layer in self.model.layers:
-            layer.self_attn.fuse()
-            layer.mlp.fuse()
+            layer.self_attn.prepare()
+            layer.mlp.prepare()
+        if not self.spec.tie_word_embeddings:
+            self.lm_head.prepare()
+        self.stack = self.backend.stack(self)
 
     def forward(
         self,
@@ -202,29 +202,38 @@ class DecoderForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
-        backend: AttentionBackend,
-        logits_rows: torch.Tensor | None = None,
-    ):
-        """The final hidden states [tokens, hidden]. With `logits_rows`, (those, the logits of
-        those rows) when the compiled CPU call can take the LM head too, else (those, None):
-        the caller runs compute_logits."""
-        cpu = self.cpu_forward
-        if cpu is not None and cpu.usable(kv_caches, backend):
-            # The compiled call gathers the embeddings and rotary rows itself.
+        logits_rows: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the final hidden states [tokens, hidden], the logits [len(logits_rows), vocab] of
+        the rows `logits_rows`)."""
+        if self.stack is not None:
+            # The compiled call gathers the embeddings and rotary rows itself, and takes the LM
+            # head's rows too when the head is on its path.
             embed = self.model.embed_tokens.weight
             cos, sin = self.rope.tables(max(meta.seq_lens_cpu, default=0), embed.dtype)
-            args = (input_ids, positions, cos, sin, kv_caches, meta)
-            if logits_rows is None:
-                return cpu(*args)
-            if cpu.lm_head is not None and logits_rows.numel() > 0:
-                return cpu(*args, logits_rows)
-            return cpu(*args), None
+            hidden, logits = self.stack(
+                input_ids, positions, cos, sin, kv_caches, meta, logits_rows
+            )
+            if logits is None:
+                logits = self.logits(hidden, logits_rows)
+            return hidden, logits
+        hidden = self.hidden_states(input_ids, positions, kv_caches, meta)
+        return hidden, self.logits(hidden, logits_rows)
+
+    def hidden_states(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
+        """The final hidden states, layer by layer (what CUDA graphs capture)."""
         x = self.embed(input_ids)
         cos, sin = self.rope.cos_sin(positions, x.dtype)
         for layer, kv in zip(self.model.layers, kv_caches):
-            x = layer(x, cos, sin, kv, meta, backend)
-        hidden = self.model.norm(x)
-        return hidden if logits_rows is None else (hidden, None)
+            x = layer(x, cos, sin, kv, meta)
+        return self.model.norm(x)
+
+    def logits(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """The logits of `rows` of hidden (all of them, 0..n-1, read in place)."""
+        if rows.numel() == 0:
+            return torch.empty(0, self.spec.vocab_size, device=hidden.device)
+        last = hidden if rows.numel() == hidden.shape[0] else hidden[rows]
+        return self.compute_logits(last)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp is None:
@@ -239,7 +248,7 @@ class DecoderForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.spec.tie_word_embeddings:
-            logits = F.linear(hidden, self.model.embed_tokens.weight)
+            logits = torch.nn.functional.linear(hidden, self.model.embed_tokens.weight)
         else:
             logits = self.lm_head(hidden)
         if self.tp is not None:  # each rank's vocabulary rows, side by side, less the padding

@@ -1,0 +1,121 @@
+"""Backend: what a model's layers run on, chosen once, when the model is built.
+
+A decoder is built with one backend (gpu/models/decoder.py): every linear layer holds its weight
+in the backend's own form (`prepare_linear`, `prepare_gated`, after the checkpoint is read) and
+runs its product through it; norms, rotary embedding, attention and the sampler's argmax and
+grammar mask go through it too. Nothing is patched or swapped after loading. The backend may
+also run the whole layer stack in one call (`stack`), and says so, or why not, when the model is
+built.
+
+TorchBackend is torch's own ops: CUDA (Q/K/V and gate/up each one product, the Triton attention
+kernels, CUDA graphs around it) and the CPU where weir's kernels do not apply (16-bit weights,
+or no compiler). gpu/cpu/backend.py's CpuBackend is weir's compiled CPU kernels, layer by layer
+or in one call.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from gpu.attention.backend import AttentionBackend
+from gpu.models.rope import apply_rope
+
+log = logging.getLogger("weir.backend")
+
+ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
+
+
+class TorchBackend:
+    """torch's ops. `fuse`: Q/K/V as one product and gate/up as another (one launch instead of
+    three, and two, per layer on CUDA; on CPU the fused gate/up product measured slower)."""
+
+    def __init__(self, attention: AttentionBackend, fuse: bool, name: str = "torch") -> None:
+        self.name = name
+        self.attention = attention
+        self.fuse_qkv = fuse
+        self.fuse_gate_up = fuse
+
+    # ---- products ----
+    def prepare_linear(self, weight: torch.Tensor, bias: torch.Tensor | None) -> Any:
+        """The backend's form of an [out, in] weight (and bias), made once after loading."""
+        return weight, bias
+
+    def linear(
+        self, x: torch.Tensor, w: Any, residual: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x W^T + b, plus `residual` when given."""
+        weight, bias = w
+        y = F.linear(x, weight, bias)
+        return y if residual is None else residual + y
+
+    def prepare_mlp(self, gate, up, down, act: str) -> tuple[Any, Any]:
+        """A gated MLP's (weight, bias) pairs, gate and up [intermediate, hidden] and down
+        [hidden, intermediate]: (its gated form, for `gated`; down's form, for `linear`)."""
+        fn = ACTIVATIONS[act]
+        if self.fuse_gate_up:
+            bias = None if gate[1] is None else torch.cat([gate[1], up[1]])
+            pair = ("fused", self.prepare_linear(torch.cat([gate[0], up[0]]), bias), fn)
+        else:
+            pair = ("pair", (self.prepare_linear(*gate), self.prepare_linear(*up)), fn)
+        return pair, self.prepare_linear(*down)
+
+    def gated(self, x: torch.Tensor, w: Any) -> torch.Tensor:
+        """act(x G^T + g) * (x U^T + u)."""
+        kind, weights, act = w
+        if kind == "fused":
+            g, u = self.linear(x, weights).chunk(2, dim=-1)
+        else:
+            g, u = self.linear(x, weights[0]), self.linear(x, weights[1])
+        return act(g) * u
+
+    # ---- norms and rotation ----
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * x.to(dtype)
+
+    def norm_rope(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor | None,
+        eps: float,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> torch.Tensor:
+        """x [tokens, heads, head_dim]: RMSNorm per head row with `weight` (none if None), then
+        the rotation by cos/sin [tokens, head_dim]."""
+        if weight is not None:
+            x = self.rms_norm(x, weight, eps)
+        return apply_rope(x, cos, sin)
+
+    # ---- sampling ----
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """Over the last dimension: the first of equal maxima, NaN above all."""
+        return logits.argmax(dim=-1)
+
+    def apply_token_bitmask(
+        self, logits: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        """-inf on every token of `rows` whose bit in `mask` [rows, words] is clear."""
+        from gpu.grammar_mask import allowed
+
+        sub = logits.index_select(0, rows)
+        sub.masked_fill_(~allowed(mask, logits.shape[1]), float("-inf"))
+        return logits.index_copy(0, rows, sub)
+
+    # ---- the whole stack ----
+    def stack(self, model) -> Any:
+        """The layer stack in one call for `model`, or None (layer by layer)."""
+        return None
+
+    def describe(self) -> str:
+        return self.name
