@@ -81,7 +81,7 @@ def _time_steps(core, spent: Counter) -> None:
     execute = core.runner.execute
 
     def timed(out, *args, **kwargs):
-        decode = out.num_tokens == len(out.seqs)
+        decode = out.num_tokens == len(out.scheduled)
         spent["kind"] = "decode" if decode else "prefill"
         if decode:
             spent["decode step count"] += 1

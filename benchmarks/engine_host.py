@@ -29,8 +29,8 @@ class InstantRunner:
         self._ids = [rng.randrange(10, vocab_size) for _ in range(4096)]
         self._at = 0
 
-    def execute(self, out) -> StepResult:
-        n = sum(1 for s in out.seqs if s.sample)
+    def execute(self, out, grammar=None) -> StepResult:
+        n = sum(1 for s in out.scheduled if s.sample)
         at = self._at
         self._at = (at + n) % 3072
         return StepResult(self._ids[at : at + n], [None] * n)

@@ -12,30 +12,29 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from types import SimpleNamespace
 
 import torch
 
 from gpu.runner import ModelRunner
 
 
-def step(num_seqs: int, context: int, block_size: int = 16) -> SimpleNamespace:
-    """One decode step: every sequence `context` tokens long, each with its own blocks."""
+def step(num_seqs: int, context: int, block_size: int = 16):
+    """One decode step: every sequence `context` tokens long, each with its own blocks, and the
+    runner's copy of them (gpu/runner_state.py) made once, as a running engine has it."""
+    from core.runner_step import NewRequest, ScheduledRequest, SchedulerOutput
+    from core.sampling import SamplingParams
+    from gpu.runner_state import RunnerRequests
+
     blocks = -(-context // block_size)
-    seqs = []
-    for i in range(num_seqs):
-        request = SimpleNamespace(request_id=str(i), all_token_ids=list(range(context)))
-        seqs.append(
-            SimpleNamespace(
-                num_new_tokens=1,
-                start=context - 1,
-                block_table=list(range(i * blocks, (i + 1) * blocks)),
-                request=request,
-                token_ids=None,
-                sample=True,
-            )
-        )
-    return SimpleNamespace(seqs=seqs)
+    state = RunnerRequests()
+    new = [NewRequest(str(i), list(range(context)), SamplingParams()) for i in range(num_seqs)]
+    first = [
+        ScheduledRequest(str(i), context - 1, 1, True, [], list(range(i * b, (i + 1) * b)))
+        for i, b in ((i, blocks) for i in range(num_seqs))
+    ]
+    state.update(SchedulerOutput([], new, [], [], first))
+    entries = [ScheduledRequest(str(i), context - 1, 1, True, [], []) for i in range(num_seqs)]
+    return state, SchedulerOutput([], [], [], [], entries)
 
 
 def main() -> None:
@@ -45,19 +44,13 @@ def main() -> None:
     args = ap.parse_args()
     runner = ModelRunner.__new__(ModelRunner)  # prepare() needs no model
     runner.block_size, runner.device = 16, torch.device("cpu")
-    try:
-        from gpu.block_tables import BlockTables
-
-        runner.block_tables = BlockTables()
-    except ImportError:  # a commit before the grown-in-place tables
-        pass
     for shape in args.shapes.split(","):
         n, ctx = map(int, shape.split("x"))
-        out = step(n, ctx)
+        runner.state, out = step(n, ctx)
         times = []
         for _ in range(args.repeats):
             t = time.perf_counter()
-            runner.prepare(out)
+            runner.prepare(out, runner.state.update(out))
             times.append(time.perf_counter() - t)
         print(f"{n} sequences x {ctx} tokens: prepare {statistics.median(times) * 1e3:.3f} ms")
 

@@ -29,6 +29,7 @@ from core.config import EngineConfig
 from core.request import EngineRequest
 from core.sampling import SamplingParams
 from core.structured import Constraint, Grammars
+from core.runner_step import GrammarBatch
 from gpu import grammar_mask
 
 ONE_STRING = {
@@ -171,12 +172,13 @@ def mask_times(tokenizer_json: str, vocab: int, eos: list[int], batches, iters: 
         matcher.consume_token(t)  # mid-string: most of the vocabulary is allowed
     out = {}
     for b in batches:
-        requests = [type("R", (), {"grammar": matcher.deep_copy()})() for _ in range(b)]
+        pairs = [(matcher.deep_copy(), j) for j in range(b)]
+        batch = GrammarBatch(list(range(b)), g.words, lambda p, pairs=pairs: g.fill(pairs, p, b))
         logits = torch.randn(b, vocab)
         fill, apply = [], []
         for _ in range(iters):
             t = time.perf_counter()
-            rows, mask = grammar_mask.build(requests, g, torch.device("cpu"))
+            rows, mask = grammar_mask.build(batch, torch.device("cpu"))
             fill.append(time.perf_counter() - t)
             t = time.perf_counter()
             backend.apply_token_bitmask(logits, rows, mask)

@@ -1,7 +1,12 @@
-"""Engine: the dedicated thread that owns EngineCore, fed by a command queue, answering in one hop.
+"""The engine as the server's Trio thread sees it: add, abort, and one dispatch per engine step
+into per-request channels.
 
-Handlers on the Trio thread call `add` and `abort`; each step's outputs come back through a single
-`TrioToken.run_sync_soon(dispatch, outputs)`, and dispatch puts them in per-request channels.
+`Engine` is that front: it validates and queues requests, registers each one's RequestChannel,
+and dispatches each step's outputs and statistics (never raising on the Trio thread). Where the
+engine runs is the subclass's: `EngineThread` here, an EngineCore on a dedicated thread of this
+process driven by the one engine loop (core/engine_loop.py), its commands on a queue and each
+step's outputs coming back through one `TrioToken.run_sync_soon`; core/engine_process.py's
+EngineProcess, the same loop in a child process.
 """
 
 from __future__ import annotations
@@ -10,14 +15,14 @@ import logging
 import queue
 import threading
 import traceback
-
 from collections.abc import Callable
 
-import msgspec
 import trio
 import trio.testing
 
 from core.engine_core import EngineCore
+from core.engine_loop import EngineLoop
+from core.engine_messages import AbortRequest, AddRequest, Hold, SetHold, Shutdown
 from core.outputs import RequestChannel
 from core.request import EngineRequest, RequestOutput
 from core.sampling import InvalidParam
@@ -25,36 +30,7 @@ from core.stats import StepStats
 
 log = logging.getLogger("weir.engine")
 
-_SHUTDOWN = object()
-
-
-class Hold(msgspec.Struct, frozen=True, gc=False):
-    """A test hook: when the engine stops stepping, so a test decides what a request can reach
-    instead of racing it. Asked before every step; a held engine still takes its commands
-    (add, abort, hold, shutdown), so a held request ends only by abort or shutdown.
-
-    `paused`: held until released. `gather`: held until this many requests are in the engine
-    (once: a batch gathers, then runs as it would). `at_output_tokens`: held once the engine
-    has requests and every one has written at least this many tokens."""
-
-    paused: bool = False
-    gather: int = 0
-    at_output_tokens: int = 0
-
-    def check(self, core: EngineCore) -> tuple[bool, Hold]:
-        """(held now, the rule from now on)."""
-        rule = self
-        requests = core.requests
-        if rule.gather:
-            if len(requests) < rule.gather:
-                return True, rule
-            rule = msgspec.structs.replace(rule, gather=0)
-        held = rule.paused or (
-            rule.at_output_tokens > 0
-            and len(requests) > 0
-            and all(r.num_output_tokens >= rule.at_output_tokens for r in requests.values())
-        )
-        return held, rule
+__all__ = ["Engine", "EngineDeadError", "EngineThread", "Hold"]
 
 
 class EngineDeadError(RuntimeError):
@@ -62,36 +38,40 @@ class EngineDeadError(RuntimeError):
 
 
 class Engine:
-    def __init__(self, core: EngineCore) -> None:
-        self.core = core
-        self._init_trio_side(core.kv.num_free_blocks)
+    """The front: what handlers call, on the Trio thread. Subclasses run the engine somewhere
+    and implement start, alive, shutdown, _check and _submit."""
 
-    def _init_trio_side(self, num_free_blocks: int) -> None:
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+    def __init__(self, num_free_blocks: int) -> None:
         self._channels: dict[str, RequestChannel] = {}  # Trio thread only
-        self._thread: threading.Thread | None = None
         self._trio_token: trio.lowlevel.TrioToken | None = None
-        self.error: str | None = None  # set once if the engine thread dies
+        self.error: str | None = None  # set once if the engine dies
         self.stopped = False
         # Trio-thread hooks: each step's StepStats, and the engine's death.
         self.on_stats: Callable[[StepStats], None] | None = None
         self.on_death: Callable[[str], None] | None = None
         self._adds_sent = 0  # Trio thread: requests put on the queue, ever
         self._last_stats = StepStats(num_free_blocks=num_free_blocks)
-        # Test hooks (ordering made explicit, never left to timing): see hold, lockstep.
-        self._hold: Hold | None = None  # engine side: the rule in force
-        self.lockstep = False
 
-    # ---- Trio thread ----
     def start(self) -> None:
-        self._trio_token = trio.lowlevel.current_trio_token()
-        self._thread = threading.Thread(target=self._run, name="weir-engine", daemon=True)
-        self._thread.start()
+        raise NotImplementedError
 
     @property
     def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and self.error is None
+        raise NotImplementedError
 
+    async def shutdown(self) -> None:
+        raise NotImplementedError
+
+    def _check(self, req: EngineRequest) -> None:
+        """Validate against the model (raises InvalidParam)."""
+        raise NotImplementedError
+
+    def _submit(self, cmd) -> None:
+        """Hand a command to the engine (synchronous and non-blocking: it runs in `finally`
+        blocks of cancelled handlers too)."""
+        raise NotImplementedError
+
+    # ---- Trio thread ----
     def add(self, req: EngineRequest, channel: RequestChannel | None = None) -> RequestChannel:
         """Validate (raises InvalidParam) and queue a request; returns the channel to read.
 
@@ -104,17 +84,9 @@ class Engine:
             raise InvalidParam("request_id", f"request id {req.request_id!r} is already in use")
         channel = channel if channel is not None else RequestChannel()
         self._channels[req.request_id] = channel
-        self._submit("add", req)
+        self._submit(AddRequest(req))
         self._adds_sent += 1
         return channel
-
-    def _check(self, req: EngineRequest) -> None:
-        self.core.check(req)
-
-    def _submit(self, kind, arg) -> None:
-        """Hand a command to the engine (synchronous and non-blocking: it runs in `finally`
-        blocks of cancelled handlers too)."""
-        self._commands.put((kind, arg))
 
     @property
     def num_waiting(self) -> int:
@@ -130,54 +102,27 @@ class Engine:
     def abort(self, request_id: str) -> None:
         """Synchronous, so it is safe in a `finally` of a cancelled handler."""
         if self._channels.pop(request_id, None) is not None:
-            self._submit("abort", request_id)
-
-    async def shutdown(self) -> None:
-        if self._thread is None:
-            return
-        self._commands.put((_SHUTDOWN, None))
-        await trio.to_thread.run_sync(self._thread.join)
+            self._submit(AbortRequest(request_id))
 
     # ---- test hooks ----
     def hold(self, rule: Hold) -> None:
         """Test hook: step only while `rule` allows it (see Hold), until `release()`. Takes
         effect before the engine's next step. Callable from any thread (a test's own)."""
-        self._submit_from_any_thread("hold", rule)
+        self._submit_from_any_thread(SetHold(rule))
 
     def release(self) -> None:
-        self._submit_from_any_thread("hold", None)
+        self._submit_from_any_thread(SetHold(None))
 
-    def _submit_from_any_thread(self, kind, arg) -> None:
+    def _submit_from_any_thread(self, cmd) -> None:
         """_submit runs on the Trio thread (the engine process's writes to its pipe are not
         thread-safe): from another thread, it is run there, and this waits for it."""
         try:
             trio.lowlevel.current_trio_token()
         except RuntimeError:  # not on a Trio thread
             if self._trio_token is not None:
-                trio.from_thread.run_sync(self._submit, kind, arg, trio_token=self._trio_token)
+                trio.from_thread.run_sync(self._submit, cmd, trio_token=self._trio_token)
                 return
-        self._submit(kind, arg)
-
-    def _held(self) -> bool:
-        if self._hold is None:
-            return False
-        held, self._hold = self._hold.check(self.core)
-        return held
-
-    def _settle(self) -> None:
-        """Engine thread, under `lockstep`: wait until every Trio task has run as far as it can
-        with this step's outputs (each handler has taken what was due and written its events),
-        so the next step's outputs cannot merge into this one's for a reader that was late."""
-        settled = threading.Event()
-
-        async def wait_blocked() -> None:
-            try:
-                await trio.testing.wait_all_tasks_blocked()
-            finally:
-                settled.set()
-
-        if self._send(lambda _: trio.lowlevel.spawn_system_task(wait_blocked), None):
-            settled.wait()
+        self._submit(cmd)
 
     def _dispatch(self, step: tuple[list[RequestOutput], StepStats | None]) -> None:
         # Runs on the Trio thread; an exception here would end the whole Trio run, so none escapes.
@@ -214,6 +159,41 @@ class Engine:
         except Exception:  # noqa: BLE001 - runs on the Trio thread, must not raise
             log.exception("failing in-flight requests failed")
 
+
+
+class EngineThread(Engine):
+    """The engine on a dedicated thread of this process (--no-engine-process)."""
+
+    def __init__(self, core: EngineCore) -> None:
+        super().__init__(core.kv.num_free_blocks)
+        self.core = core
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        # A test hook: after each step the engine waits until every Trio task has run as far as
+        # it can with that step's outputs, so how outputs merge never depends on timing.
+        self.lockstep = False
+
+    def start(self) -> None:
+        self._trio_token = trio.lowlevel.current_trio_token()
+        self._thread = threading.Thread(target=self._run, name="weir-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.error is None
+
+    def _check(self, req: EngineRequest) -> None:
+        self.core.check(req)
+
+    def _submit(self, cmd) -> None:
+        self._commands.put(cmd)
+
+    async def shutdown(self) -> None:
+        if self._thread is None:
+            return
+        self._commands.put(Shutdown())
+        await trio.to_thread.run_sync(self._thread.join)
+
     # ---- engine thread ----
     def _send(self, fn, arg) -> bool:
         try:
@@ -222,62 +202,39 @@ class Engine:
         except trio.RunFinishedError:
             return False
 
-    def _handle(self, cmd) -> bool:
-        kind, arg = cmd
-        if kind is _SHUTDOWN:
-            return False
-        if kind == "hold":
-            self._hold = arg
-            return True
-        if kind == "add":
+    def _take(self, block: bool):
+        try:
+            return self._commands.get(block)
+        except queue.Empty:
+            return None
+
+    def _settle(self) -> None:
+        """Under `lockstep`: wait until every Trio task has run as far as it can with this
+        step's outputs (each handler has taken what was due and written its events), so the
+        next step's outputs cannot merge into this one's for a reader that was late."""
+        if not self.lockstep:
+            return
+        settled = threading.Event()
+
+        async def wait_blocked() -> None:
             try:
-                self.core.add(arg)
-            except ValueError as e:  # raced past the Trio-side check: fail just this request
-                self._send(
-                    self._dispatch,
-                    (
-                        [
-                            RequestOutput(
-                                request_id=arg.request_id,
-                                finished=True,
-                                finish_reason="error",
-                                error=str(e),
-                            )
-                        ],
-                        None,
-                    ),
-                )
-        elif kind == "abort":
-            self.core.abort(arg)
-        return True
+                await trio.testing.wait_all_tasks_blocked()
+            finally:
+                settled.set()
+
+        if self._send(lambda _: trio.lowlevel.spawn_system_task(wait_blocked), None):
+            settled.wait()
 
     def _run(self) -> None:
         core = self.core
+        loop = EngineLoop(
+            core,
+            publish=lambda outputs, stats: self._send(self._dispatch, (outputs, stats)),
+            refuse=lambda out: self._send(self._dispatch, ([out], None)),
+            after_step=self._settle,
+        )
         try:
-            while True:
-                # Block only when idle (or held); otherwise take whatever has arrived and step.
-                cmd = self._commands.get() if not core.has_work or self._held() else None
-                if cmd is not None and not self._handle(cmd):
-                    break
-                stop = False
-                while True:
-                    try:
-                        cmd = self._commands.get_nowait()
-                    except queue.Empty:
-                        break
-                    if not self._handle(cmd):
-                        stop = True
-                        break
-                if stop:
-                    break
-                if self._held():
-                    continue
-                outputs = core.step()
-                # One hop per step: the outputs and the step's statistics together.
-                if not self._send(self._dispatch, (outputs, core.take_stats())):
-                    break
-                if self.lockstep:
-                    self._settle()
+            loop.run(self._take)
         except BaseException as e:  # noqa: BLE001 - any death must reach every waiting client
             self.error = f"engine died: {type(e).__name__}: {e}"
             log.error("engine thread died\n%s", traceback.format_exc())

@@ -15,18 +15,20 @@ from core.kv_cache_manager import KVCacheManager
 from core.request import EngineRequest, Logprob, Request, RequestOutput, StepResult
 from core.request_check import check_request
 from core.sampling import InvalidParam
-from core.scheduler import Scheduler, SchedulerOutput
+from core.runner_step import GrammarBatch, SchedulerOutput
+from core.scheduler import Scheduler, ScheduledSeq
 from core.stats import FinishedStats, StepStats
 from core.structured import Grammars
 
 
 class ModelRunner(Protocol):
-    """What the engine needs from gpu/: run one scheduled step, return one sampled id per seq
-    whose `sample` flag is set, in order."""
+    """What the engine needs from gpu/: run one step (core/runner_step.py), return one sampled
+    id per scheduled request whose `sample` flag is set, in order; `grammar`: the constrained
+    rows' bitmask, to fill while the forward runs."""
 
     vocab_size: int
 
-    def execute(self, out: SchedulerOutput) -> StepResult: ...
+    def execute(self, out: SchedulerOutput, grammar: GrammarBatch | None) -> StepResult: ...
 
 
 class EngineCore:
@@ -113,7 +115,6 @@ class EngineCore:
             self._grammars = Grammars(
                 self.tokenizer.to_str(), self.runner.vocab_size, sorted(self.eos_token_ids)
             )
-            self.runner.grammars = self._grammars
         return self._grammars
 
     def _take_compiled(self) -> list[RequestOutput]:
@@ -280,6 +281,20 @@ class EngineCore:
         out.embedding = vector
         return out
 
+    def _grammar_batch(self, seqs: list[ScheduledSeq]) -> GrammarBatch | None:
+        """The sampled rows whose request has a grammar, and their matchers' mask fill."""
+        sampled = [s.request for s in seqs if s.sample]
+        constrained = [(r.grammar, i) for i, r in enumerate(sampled) if r.grammar is not None]
+        if not constrained:
+            return None
+        grammars = self._grammars
+        pairs = [(m, j) for j, (m, _) in enumerate(constrained)]
+        return GrammarBatch(
+            [i for _, i in constrained],
+            grammars.words,
+            lambda pointer: grammars.fill(pairs, pointer, len(pairs)),
+        )
+
     def step(self) -> list[RequestOutput]:
         outputs: list[RequestOutput] = self._take_compiled() if self._compiling else []
         preemptions_before = self.scheduler.num_preemptions
@@ -300,7 +315,8 @@ class EngineCore:
             if seq.request.first_scheduled_time is None:
                 seq.request.first_scheduled_time = now
         stats.iteration_tokens.append(out.num_tokens)
-        result = self.runner.execute(out)
+        grammar = self._grammar_batch(out.seqs) if self._grammars is not None else None
+        result = self.runner.execute(out.output, grammar)
         self.scheduler.commit(out)
         self.num_steps += 1
         if self._grammars is not None:

@@ -2,19 +2,20 @@
 
 In one process the HTTP side (Hypercorn, Quart, Trio: pure Python, one SSE event per token) and
 the engine thread share one interpreter lock: at 64 and more streams the engine spent much of
-each step waiting for it while the event loop wrote events. Here the engine runs in a spawned
-child with its own interpreter; the server keeps the same `Engine` interface (add, abort, one
-dispatch per step into per-request channels), so handlers cannot tell the difference.
+each step waiting for it while the event loop wrote events. Here the engine runs in a child
+(`python -m core.engine_process`, started as weir starts every child: core/child.py) with its own
+interpreter, driven by the one engine loop (core/engine_loop.py); the server keeps the same
+`Engine` front (add, abort, one dispatch per step into per-request channels), so handlers cannot
+tell the difference.
 
-Wire: two one-way pipes carrying msgspec msgpack frames. Server -> engine: Add, Abort, Shutdown.
-Engine -> server: Ready once the model is loaded (what the server needs to validate requests and
-build prompts), then one Step per engine step (its outputs and statistics), or Died with the
-reason. On the server side both pipes are non-blocking and served by the Trio thread itself: a
-system task waits for the reply pipe to be readable and dispatches each Step as it is decoded;
-commands are written at once, or by a task that waits for room when the pipe is full (the
-engine reads commands only between steps). A child that exits or is killed shows up as end of
-file on the reply pipe: every in-flight request then ends with an error, as when the engine
-thread dies.
+Wire (core/engine_messages.py): two one-way pipes of msgspec msgpack frames. Server -> engine:
+EngineInit, then AddRequest, AbortRequest, SetHold, Shutdown. Engine -> server: EngineReady once
+the model is loaded, then one StepOutputs per engine step, or EngineDied with the reason. On the
+server side both pipes are non-blocking and served by the Trio thread itself: a system task waits
+for the reply pipe to be readable and dispatches each step as it is decoded; commands are written
+at once, or by a task that waits for room when the pipe is full (the engine reads commands only
+between steps). A child that exits or is killed shows up as end of file on the reply pipe: every
+in-flight request then ends with an error, as when the engine thread dies.
 """
 
 from __future__ import annotations
@@ -22,97 +23,74 @@ from __future__ import annotations
 import atexit
 import gc
 import logging
-import multiprocessing
 import os
 import signal
 import struct
+import subprocess
+import sys
 import traceback
-from typing import Any
 
 import msgspec
 import trio
 
+from core.child import Child, pipes, watch_parent
 from core.config import EngineConfig
-from core.engine import _SHUTDOWN, Engine, Hold
+from core.engine import Engine
+from core.engine_loop import EngineLoop
+from core.engine_messages import (
+    EngineCommand,
+    EngineDied,
+    EngineInit,
+    EngineReady,
+    EngineReply,
+    Shutdown,
+    StepOutputs,
+)
+from core.request import EngineRequest
 from core.request_check import check_request
-from core.request import EngineRequest, RequestOutput
 from core.stats import StepStats
 
 log = logging.getLogger("weir.engine")
 
 
-# ---- messages ----
-class Add(msgspec.Struct, tag="add", gc=False):
-    request: EngineRequest
-
-
-class Abort(msgspec.Struct, tag="abort", gc=False):
-    request_id: str
-
-
-class Shutdown(msgspec.Struct, tag="shutdown", gc=False):
-    pass
-
-
-class SetHold(msgspec.Struct, tag="hold", gc=False):
-    """A test hook (core/engine.py Hold): the rule, or None to step freely again."""
-
-    rule: Hold | None
-
-
-class Ready(msgspec.Struct, tag="ready", gc=False):
-    model_path: str
-    served_names: list[str]
-    max_model_len: int
-    vocab_size: int
-    num_free_blocks: int
-    generation_defaults: dict[str, Any]
-    num_blocks: int = 0
-    kv_dtype: str = ""
-
-
-class Step(msgspec.Struct, tag="step", gc=False):
-    outputs: list[RequestOutput]
-    stats: StepStats | None
-
-
-class Died(msgspec.Struct, tag="died", gc=False):
-    message: str
-
-
-Command = Add | Abort | SetHold | Shutdown
-Reply = Ready | Step | Died
-
-
 # ---- the engine process ----
-def _engine_main(config_bytes: bytes, commands, replies, log_level: int) -> None:
-    """Entry point of the spawned process: load the model, then step until told to stop or the
-    server goes away (end of file on the command pipe)."""
+def main() -> None:
+    """`python -m core.engine_process CMD_FD REPLY_FD`: load the model, then step until told to
+    stop or the server goes away (end of file on the command pipe, or the parent gone)."""
     # Ctrl-C reaches the whole process group, and systemd's default KillMode sends SIGTERM to
     # every process of the service: the server drains first, then sends Shutdown. The engine
-    # still stops when the server goes away (end of file on the command pipe), or on SIGKILL.
+    # still stops when the server goes away, or on SIGKILL.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    watch_parent()
+    commands, replies = pipes(sys.argv)
     encode = msgspec.msgpack.Encoder().encode
-    decode = msgspec.msgpack.Decoder(Command).decode
+    decode = msgspec.msgpack.Decoder(EngineCommand).decode
     try:
-        config = msgspec.msgpack.decode(config_bytes, type=EngineConfig)
+        init = decode(commands.recv_bytes())
+    except EOFError:
+        return
+    if not isinstance(init, EngineInit):
+        raise SystemExit(f"the engine process expected EngineInit, got {type(init).__name__}")
+    logging.basicConfig(
+        level=init.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
         from gpu import openmp  # the one place core/ reaches into gpu/: in the child only
 
-        openmp.prepare(config)  # before torch is imported (gpu/openmp.py)
+        openmp.prepare(init.config)  # before torch is imported (gpu/openmp.py)
         from gpu.launch import load
 
-        loaded = load(config)
+        loaded = load(init.config)
     except BaseException as e:  # noqa: BLE001 - reported to the server, which fails its startup
         log.error("loading failed\n%s", traceback.format_exc())
-        replies.send_bytes(encode(Died(f"loading failed: {type(e).__name__}: {e}")))
+        replies.send_bytes(encode(EngineDied(f"loading failed: {type(e).__name__}: {e}")))
         return
     core = loaded.core
     gc.freeze()  # start-up's objects out of the collector's reach (see server/app.py)
     replies.send_bytes(
         encode(
-            Ready(
+            EngineReady(
                 str(loaded.model_path),
                 loaded.served_names,
                 loaded.max_model_len,
@@ -125,50 +103,24 @@ def _engine_main(config_bytes: bytes, commands, replies, log_level: int) -> None
         )
     )
 
-    hold: Hold | None = None
-
-    def handle(cmd: Command) -> bool:
-        nonlocal hold
-        if isinstance(cmd, SetHold):
-            hold = cmd.rule
-        elif isinstance(cmd, Add):
-            try:
-                core.add(cmd.request)
-            except ValueError as e:  # raced past the server-side check: fail just this request
-                rid = cmd.request.request_id
-                out = RequestOutput(
-                    request_id=rid, finished=True, finish_reason="error", error=str(e)
-                )
-                replies.send_bytes(encode(Step([out], None)))
-        elif isinstance(cmd, Abort):
-            core.abort(cmd.request_id)
-        else:
-            return False
+    def publish(outputs, stats) -> bool:
+        replies.send_bytes(encode(StepOutputs(outputs, stats)))
         return True
 
+    def take(block: bool):
+        if not block and not commands.poll():
+            return None
+        return decode(commands.recv_bytes())
+
+    loop = EngineLoop(core, publish, refuse=lambda out: publish([out], None))
     try:
-        while True:
-            # Block only when idle (or held); otherwise take whatever has arrived and step.
-            held = False
-            if hold is not None:
-                held, hold = hold.check(core)
-            if (not core.has_work or held) and not handle(decode(commands.recv_bytes())):
-                return
-            while commands.poll():
-                if not handle(decode(commands.recv_bytes())):
-                    return
-            if hold is not None:
-                held, hold = hold.check(core)
-                if held:
-                    continue
-            outputs = core.step()
-            replies.send_bytes(encode(Step(outputs, core.take_stats())))
+        loop.run(take)
     except (EOFError, BrokenPipeError):
         return  # the server is gone: nobody is left to serve
     except BaseException as e:  # noqa: BLE001 - any death must reach every waiting client
         log.error("engine process died\n%s", traceback.format_exc())
         try:
-            replies.send_bytes(encode(Died(f"engine died: {type(e).__name__}: {e}")))
+            replies.send_bytes(encode(EngineDied(f"engine died: {type(e).__name__}: {e}")))
         except OSError:
             pass
     finally:
@@ -177,60 +129,55 @@ def _engine_main(config_bytes: bytes, commands, replies, log_level: int) -> None
 
 # ---- the server side ----
 class EngineProcess(Engine):
-    """The server-side handle: the same add/abort/channels as the in-process Engine."""
+    """The server-side front of the engine process."""
 
     def __init__(self, config: EngineConfig) -> None:
+        super().__init__(0)
         self.config = config
         self.core = None
-        self.info: Ready | None = None
-        self._proc: multiprocessing.process.BaseProcess | None = None
+        self.info: EngineReady | None = None
+        self._child: Child | None = None
         self._closing = False
         self._outbox = bytearray()  # command frames the pipe has not taken yet
         self._flush_done: trio.Event | None = None  # set while a task waits for room to write
         self._encode = msgspec.msgpack.Encoder().encode
-        self._init_trio_side(0)
 
-    def launch(self) -> Ready:
-        """Blocking (call it from a worker thread): spawn the engine process and wait until its
+    @property
+    def pid(self) -> int | None:
+        return self._child.proc.pid if self._child is not None else None
+
+    def process_alive(self) -> bool:
+        return self._child is not None and self._child.proc.poll() is None
+
+    def launch(self) -> EngineReady:
+        """Blocking (call it from a worker thread): start the engine process and wait until its
         model is loaded. Raises RuntimeError when loading fails or the process dies first."""
-        ctx = multiprocessing.get_context("spawn")  # never fork a process that runs threads
-        cmd_read, cmd_write = ctx.Pipe(duplex=False)
-        reply_read, reply_write = ctx.Pipe(duplex=False)
-        proc = ctx.Process(
-            target=_engine_main,
-            args=(
-                msgspec.msgpack.encode(self.config),
-                cmd_read,
-                reply_write,
-                logging.getLogger().getEffectiveLevel(),
-            ),
-            name="weir-engine",
-            daemon=True,  # never outlives the server
-        )
-        proc.start()
-        self._proc = proc
-        # Drop our copies of the child's ends, so its death reads as end of file here.
-        cmd_read.close()
-        reply_write.close()
-        self._cmd, self._reply = cmd_write, reply_read
+        self._child = child = Child("core.engine_process")
+        self._cmd, self._reply = child.commands, child.replies
         # On any exit that skipped shutdown(), close the command pipe first: the engine ignores
-        # SIGTERM, so multiprocessing's own exit hook (terminate, then join) would wait forever.
+        # SIGTERM, and leaves on end of file.
         atexit.register(self._stop_at_exit)
+        level = logging.getLogger().getEffectiveLevel()
+        self._cmd.send_bytes(self._encode(EngineInit(self.config, level)))
         try:
-            msg = msgspec.msgpack.decode(self._reply.recv_bytes(), type=Reply)
+            msg = msgspec.msgpack.decode(self._reply.recv_bytes(), type=EngineReply)
         except EOFError:
-            self._proc.join(timeout=5)
-            raise RuntimeError(
-                f"the engine process exited (code {self._proc.exitcode}) before loading"
-            ) from None
-        if isinstance(msg, Died):
-            self._proc.join(timeout=5)
+            code = self._wait(5)
+            raise RuntimeError(f"the engine process exited (code {code}) before loading") from None
+        if isinstance(msg, EngineDied):
+            self._wait(5)
             raise RuntimeError(msg.message)
-        if not isinstance(msg, Ready):
-            raise RuntimeError(f"the engine process sent {type(msg).__name__} before Ready")
+        if not isinstance(msg, EngineReady):
+            raise RuntimeError(f"the engine process sent {type(msg).__name__} before EngineReady")
         self.info = msg
         self._last_stats = StepStats(num_free_blocks=msg.num_free_blocks)
         return msg
+
+    def _wait(self, timeout: float) -> int | None:
+        try:
+            return self._child.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
 
     # ---- Trio thread ----
     def start(self) -> None:
@@ -247,12 +194,7 @@ class EngineProcess(Engine):
 
     @property
     def alive(self) -> bool:
-        return (
-            self._proc is not None
-            and self._proc.is_alive()
-            and self._replies_running
-            and self.error is None
-        )
+        return self.process_alive() and self._replies_running and self.error is None
 
     @property
     def _replies_running(self) -> bool:
@@ -261,16 +203,8 @@ class EngineProcess(Engine):
     def _check(self, req: EngineRequest) -> None:
         check_request(req, self.info.vocab_size, self.info.max_model_len, self.config.max_logprobs)
 
-    def _submit(self, kind, arg) -> None:
-        if kind is _SHUTDOWN:
-            msg = Shutdown()
-        elif kind == "add":
-            msg = Add(arg)
-        elif kind == "hold":
-            msg = SetHold(arg)
-        else:
-            msg = Abort(arg)
-        frame = self._encode(msg)
+    def _submit(self, cmd) -> None:
+        frame = self._encode(cmd)
         # multiprocessing.Connection's framing, which the engine reads with recv_bytes.
         self._outbox += struct.pack("!i", len(frame))
         self._outbox += frame
@@ -314,7 +248,7 @@ class EngineProcess(Engine):
         # for every read, 15 µs against 1 µs for a step's few hundred bytes.
         space = bytearray(1 << 20)
         view = memoryview(space)
-        decode = msgspec.msgpack.Decoder(Reply).decode
+        decode = msgspec.msgpack.Decoder(EngineReply).decode
         try:
             while True:
                 await trio.lowlevel.wait_readable(fd)
@@ -325,16 +259,14 @@ class EngineProcess(Engine):
                 if not n:
                     if self._closing:
                         return
-                    await trio.to_thread.run_sync(self._proc.join, 1)
-                    raise RuntimeError(
-                        f"the engine process exited unexpectedly (code {self._proc.exitcode})"
-                    )
+                    code = await trio.to_thread.run_sync(self._wait, 1)
+                    raise RuntimeError(f"the engine process exited unexpectedly (code {code})")
                 buf += view[:n]
                 for frame in _take_frames(buf):
                     msg = decode(frame)
-                    if isinstance(msg, Died):
+                    if isinstance(msg, EngineDied):
                         raise RuntimeError(msg.message)
-                    if isinstance(msg, Step):
+                    if isinstance(msg, StepOutputs):
                         self._dispatch((msg.outputs, msg.stats))
         except trio.Cancelled:
             raise  # the Trio run is ending
@@ -347,11 +279,11 @@ class EngineProcess(Engine):
             self.stopped = True
 
     async def shutdown(self) -> None:
-        if self._proc is None:
+        if self._child is None:
             return
         self._closing = True
         if self._replies_running:
-            self._submit(_SHUTDOWN, None)
+            self._submit(Shutdown())
             done = self._flush_done
             if done is not None:  # the pipe was full: let it take the rest before joining
                 with trio.move_on_after(5):
@@ -361,20 +293,18 @@ class EngineProcess(Engine):
         await trio.to_thread.run_sync(self._reap)
 
     def _reap(self) -> None:
-        self._proc.join(timeout=10)
-        if self._proc.is_alive():
+        if self._wait(10) is None:
             log.warning("the engine process did not stop in 10 s: killing it")
-            self._proc.kill()
-            self._proc.join()
+            self._child.proc.kill()
+            self._child.proc.wait()
         atexit.unregister(self._stop_at_exit)
 
     def _stop_at_exit(self) -> None:
         self._closing = True
         self._cmd.close()  # end of file: the engine leaves its loop after the current step
-        self._proc.join(timeout=5)
-        if self._proc.is_alive():
-            self._proc.kill()
-            self._proc.join()
+        if self._wait(5) is None:
+            self._child.proc.kill()
+            self._child.proc.wait()
 
 
 def _take_frames(buf: bytearray) -> list[bytes]:
@@ -398,3 +328,7 @@ def _take_frames(buf: bytearray) -> list[bytes]:
         pos += head + n
     del buf[:pos]
     return frames
+
+
+if __name__ == "__main__":
+    main()

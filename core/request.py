@@ -94,7 +94,9 @@ class Request:
         "num_cached_tokens",
         "leader",
         "seq_no",
-        "sampler_state",
+        "shown",
+        "runner_tokens",
+        "runner_blocks",
         "stop",
         "prompt_logprobs",
         "first_scheduled_time",
@@ -103,7 +105,6 @@ class Request:
         "grammar",
         "grammar_future",
         "pooling",
-        "pool_state",
     )
 
     def __init__(
@@ -133,7 +134,11 @@ class Request:
         self.num_cached_tokens = 0
         self.leader = leader
         self.seq_no = seq_no  # arrival order, for FCFS ties
-        self.sampler_state: object = None  # owned by the model runner (e.g. a seeded generator)
+        # What the model runner holds of this request (core/runner_step.py): whether it has been
+        # shown, and how many of its token ids and block ids it has been given.
+        self.shown = False
+        self.runner_tokens = 0
+        self.runner_blocks = 0
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
@@ -145,7 +150,6 @@ class Request:
         self.grammar: object = None
         self.grammar_future: object = None
         self.pooling = req.pooling
-        self.pool_state: object = None  # owned by the model runner (a running sum, a CLS row)
         # Index p: log-probability of prompt token p given the tokens before it (none for p = 0).
         self.prompt_logprobs: list[Logprob | None] | None = (
             [None] if params.prompt_logprobs is not None else None

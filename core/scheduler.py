@@ -16,6 +16,7 @@ import msgspec
 
 from core.kv_cache_manager import KVCacheManager
 from core.request import Request, Status
+from core.runner_step import NewRequest, ScheduledRequest, SchedulerOutput
 
 
 class ScheduledSeq(msgspec.Struct, gc=False):
@@ -34,9 +35,13 @@ class ScheduledSeq(msgspec.Struct, gc=False):
         return self.request.all_token_ids[self.start : self.start + self.num_new_tokens]
 
 
-class SchedulerOutput(msgspec.Struct, gc=False):
+class ScheduledStep(msgspec.Struct, gc=False):
+    """One step as the engine sees it: the scheduled requests themselves (`seqs`, row order),
+    and `output`, the same step for the model runner (core/runner_step.py)."""
+
     seqs: list[ScheduledSeq]
     preempted: list[str]
+    output: SchedulerOutput
 
     @property
     def num_tokens(self) -> int:
@@ -69,6 +74,8 @@ class Scheduler:
         self._may_defer: set[Request] = set()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        # Requests the runner holds that have finished since the last step: it forgets them.
+        self._forget: list[str] = []
 
     def _key(self, request: Request) -> tuple[int, ...]:
         if self.policy == "priority":
@@ -94,12 +101,15 @@ class Scheduler:
             self._may_defer.discard(request)
         self.kv.free(request)
         request.status = Status.FINISHED
+        if request.shown:
+            self._forget.append(request.request_id)
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         self.kv.free(request)
         request.num_computed_tokens = 0
         request.status = Status.PREEMPTED
+        request.runner_blocks = 0  # the runner's table starts over when it is resumed
         request.num_preemptions += 1
         self.num_preemptions += 1
         bisect.insort(
@@ -148,7 +158,7 @@ class Scheduler:
             sample=start + num_new == request.num_tokens and request.pooling is None,
         )
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self) -> ScheduledStep:
         budget = self.max_num_batched_tokens
         scheduled: dict[str, ScheduledSeq] = {}
         preempted: list[str] = []
@@ -216,9 +226,43 @@ class Scheduler:
                 scheduled[request.request_id] = self._seq(request, num_new, table)
                 budget -= num_new
 
-        return SchedulerOutput(seqs=list(scheduled.values()), preempted=preempted)
+        seqs = list(scheduled.values())
+        return ScheduledStep(seqs, preempted, self._runner_output(seqs, preempted))
 
-    def commit(self, out: SchedulerOutput) -> None:
+    def _runner_output(self, seqs: list[ScheduledSeq], preempted: list[str]) -> SchedulerOutput:
+        """The step for the model runner: what changed since it last saw each request. A step
+        that schedules nothing does not reach the runner: what it would forget waits."""
+        if not seqs:
+            return SchedulerOutput([], [], [], [], [])
+        finished, self._forget = self._forget, []
+        new, resumed, entries = [], [], []
+        for s in seqs:
+            r = s.request
+            if not r.shown:
+                r.shown = True
+                new.append(
+                    NewRequest(r.request_id, r.prompt_token_ids, r.sampling_params, r.pooling)
+                )
+                r.runner_tokens = r.num_prompt_tokens
+            elif r.runner_blocks == 0:
+                resumed.append(r.request_id)
+            tokens = r.all_token_ids
+            table = s.block_table
+            entries.append(
+                ScheduledRequest(
+                    r.request_id,
+                    s.start,
+                    s.num_new_tokens,
+                    s.sample,
+                    tokens[r.runner_tokens :] if r.runner_tokens < len(tokens) else [],
+                    table[r.runner_blocks :],
+                )
+            )
+            r.runner_tokens, r.runner_blocks = len(tokens), len(table)
+        # Every preempted request was running, so the runner has seen it.
+        return SchedulerOutput(finished, new, list(preempted), resumed, entries)
+
+    def commit(self, out: ScheduledStep) -> None:
         """After the forward pass: the scheduled tokens now have KV in the cache."""
         bs = self.kv.block_size
         for s in out.seqs:

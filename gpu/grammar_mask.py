@@ -8,9 +8,10 @@ Unconstrained batches pay nothing: no mask is built unless a sampled request has
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import torch
+
+from core.runner_step import GrammarBatch
 
 log = logging.getLogger("weir.grammar_mask")
 
@@ -30,18 +31,15 @@ def _bits(device: torch.device) -> torch.Tensor:
     return bits
 
 
-def build(requests: list[Any], grammars: Any, device: torch.device):
-    """(rows, bitmask) for the requests (one per sampled row) that have a grammar, else None:
-    rows [k] int64 on `device`, bitmask [k, words] int32 on `device`."""
-    constrained = [(r.grammar, i) for i, r in enumerate(requests) if r.grammar is not None]
-    if not constrained:
-        return None
-    k = len(constrained)
-    mask = torch.empty((k, grammars.words), dtype=torch.int32)
+def build(grammar: GrammarBatch, device: torch.device):
+    """(rows, bitmask) of a step's constrained rows: rows [k] int64 and bitmask [k, words]
+    int32 on `device`, the bitmask filled by the engine's matchers (GrammarBatch.fill)."""
+    k = len(grammar.rows)
+    mask = torch.empty((k, grammar.words), dtype=torch.int32)
     if device.type == "cuda":
         mask = mask.pin_memory()
-    grammars.fill([(m, j) for j, (m, _) in enumerate(constrained)], mask.data_ptr(), k)
-    rows = torch.tensor([i for _, i in constrained], dtype=torch.int64)
+    grammar.fill(mask.data_ptr())
+    rows = torch.tensor(grammar.rows, dtype=torch.int64)
     if device.type == "cuda":
         return rows.to(device, non_blocking=True), mask.to(device, non_blocking=True)
     return rows, mask

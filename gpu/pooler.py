@@ -7,17 +7,20 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from core.scheduler import SchedulerOutput
+from core.runner_step import SchedulerOutput
+from gpu.runner_state import RunnerRequest
 
 
-def pool(out: SchedulerOutput, hidden: torch.Tensor) -> dict[str, bytes]:
+def pool(
+    out: SchedulerOutput, scheduled: list[RunnerRequest], hidden: torch.Tensor
+) -> dict[str, bytes]:
     """The vectors of the pooling requests whose prompt this step finished. Partial state (a
-    running sum, the CLS row) is kept on the request between chunks; a recompute after a
-    preemption starts again from position 0 and starts the state again too."""
+    running sum, the CLS row) is kept with the runner's request between chunks; a recompute
+    after a preemption starts again from position 0 and starts the state again too."""
     pooled: dict[str, bytes] = {}
     row = 0
-    for s in out.seqs:
-        r, n = s.request, s.num_new_tokens
+    for s, r in zip(out.scheduled, scheduled):
+        n = s.num_new_tokens
         p = r.pooling
         if p is not None:
             rows = hidden[row : row + n]

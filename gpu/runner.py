@@ -1,4 +1,8 @@
-"""ModelRunner: a scheduler step -> flat tensors -> one forward pass -> sampled token ids."""
+"""ModelRunner: a step (core/runner_step.py) -> flat tensors -> one forward pass -> sampled ids.
+
+The runner keeps its own copy of its requests (gpu/runner_state.py), updated from each step's
+SchedulerOutput; the same runner runs in the engine's process and on every tensor-parallel rank.
+"""
 
 from __future__ import annotations
 
@@ -8,12 +12,12 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from core.request import Logprob, StepResult
-from core.scheduler import SchedulerOutput
+from core.runner_step import GrammarBatch, SchedulerOutput
 from gpu import grammar_mask
-from gpu.pooler import pool
 from gpu.attention.backend import AttentionMetadata
-from gpu.block_tables import BlockTables
 from gpu.models.decoder import DecoderForCausalLM
+from gpu.pooler import pool
+from gpu.runner_state import RunnerRequest, RunnerRequests
 from gpu.sampler import Sampler, SamplingMetadata
 
 
@@ -35,12 +39,11 @@ class ModelRunner:
         self.eos_token_ids: set[int] = set()  # banned before a request's min_tokens
         self.last_logits: torch.Tensor | None = None  # kept for tests that compare logits
         self.graphs = None  # DecodeGraphs when decode steps replay CUDA graphs (see launch)
-        self.grammars = None  # core.structured.Grammars, set by the engine when first needed
         self._mask_pool: ThreadPoolExecutor | None = None
         # False on tensor-parallel ranks other than 0: they run the forward (and its
         # collectives) but leave sampling, pooling and the grammar masks to rank 0.
         self.samples = True
-        self.block_tables = BlockTables()  # the scheduled requests' tables, grown in place
+        self.state = RunnerRequests()  # the requests as this runner knows them
 
     def _tensor(self, data, dtype) -> torch.Tensor:
         # An array's memory is shared, not copied: the tensor keeps the array alive, and the
@@ -53,7 +56,7 @@ class ModelRunner:
             return t.pin_memory().to(self.device, non_blocking=True)
         return t
 
-    def prepare(self, out: SchedulerOutput):
+    def prepare(self, out: SchedulerOutput, scheduled: list[RunnerRequest]):
         """Flatten the step: input ids, positions, slot mapping, block tables, logits rows."""
         bs = self.block_size
         input_ids: list[int] = []
@@ -62,14 +65,14 @@ class ModelRunner:
         seq_lens: list[int] = []
         query_lens: list[int] = []
         logits_rows: list[int] = []
-        for s in out.seqs:
-            n, start, table = s.num_new_tokens, s.start, s.block_table
+        for s, r in zip(out.scheduled, scheduled):
+            n, start, table = s.num_new_tokens, s.start, r.table
             if n == 1:  # a decode: one token, one slot
-                input_ids.append(s.request.all_token_ids[start])
+                input_ids.append(r.token_ids[start])
                 positions.append(start)
                 slots.append(table[start // bs] * bs + start % bs)
             else:
-                input_ids.extend(s.token_ids)
+                input_ids.extend(r.token_ids[start : start + n])
                 pos = range(start, start + n)
                 positions.extend(pos)
                 slots.extend(table[p // bs] * bs + p % bs for p in pos)
@@ -77,22 +80,22 @@ class ModelRunner:
             seq_lens.append(start + n)
             if s.sample:
                 logits_rows.append(len(input_ids) - 1)
-        tables = self.block_tables.gather(out.seqs)
+        tables = self.state.tables(scheduled)
         meta = AttentionMetadata.build(slots, tables, query_lens, seq_lens, self._tensor)
         n = len(input_ids)
         longs = self._tensor(input_ids + positions + logits_rows, torch.int64)  # one tensor
         return longs[:n], longs[n : 2 * n], meta, longs[2 * n :]
 
-    def _generator(self, request) -> torch.Generator:
-        """A request's own generator, made from its seed on first use and kept on the request."""
-        if request.sampler_state is None:
+    def _generator(self, request: RunnerRequest) -> torch.Generator:
+        """A request's own generator, made from its seed on first use and kept with it."""
+        if request.generator is None:
             g = torch.Generator(device=self.device)
             g.manual_seed(request.sampling_params.seed)
-            request.sampler_state = g
-        return request.sampler_state
+            request.generator = g
+        return request.generator
 
-    def prepare_sampling(self, out: SchedulerOutput, grammar=None) -> SamplingMetadata:
-        requests = [s.request for s in out.seqs if s.sample]
+    def prepare_sampling(self, sampled: list[RunnerRequest], grammar=None) -> SamplingMetadata:
+        requests = sampled
         params = [r.sampling_params for r in requests]
         asked = [p.logprobs for p in params if p.logprobs is not None]
         all_greedy = all(p.greedy for p in params)
@@ -170,20 +173,20 @@ class ModelRunner:
         m.repetition = self._tensor([p.repetition_penalty for p in params], torch.float32)
 
     def _prompt_logprobs(
-        self, out: SchedulerOutput, hidden: torch.Tensor
+        self, out: SchedulerOutput, scheduled: list[RunnerRequest], hidden: torch.Tensor
     ) -> dict[str, list[Logprob]]:
         """Raw log-probs of the prompt tokens this step computed, for requests asking for them."""
         result: dict[str, list[Logprob]] = {}
         row = 0
-        for s in out.seqs:
-            r, n = s.request, s.num_new_tokens
+        for s, r in zip(out.scheduled, scheduled):
+            n = s.num_new_tokens
             k = r.sampling_params.prompt_logprobs
             # Row j predicts position start + j + 1; only prompt positions are scored.
             last = min(s.start + n, r.num_prompt_tokens - 1)
             if k is not None and s.start < last:
                 count = last - s.start
                 logprobs = self.model.compute_logits(hidden[row : row + count]).log_softmax(-1)
-                targets = torch.tensor(r.all_token_ids[s.start + 1 : last + 1], device=self.device)
+                targets = torch.tensor(r.token_ids[s.start + 1 : last + 1], device=self.device)
                 chosen = logprobs.gather(1, targets[:, None]).squeeze(1).tolist()
                 top_v, top_i = logprobs.topk(k, dim=-1) if k else (None, None)
                 entries = []
@@ -200,53 +203,52 @@ class ModelRunner:
             row += n
         return result
 
-    def _start_masks(self, out: SchedulerOutput):
+    def _start_masks(self, grammar: GrammarBatch):
         """The grammars' bitmask for this step, filled while the forward runs: on CPU on a
         helper thread (llguidance releases the GIL), on a GPU after the forward is launched."""
-        if self.grammars is None:
-            return None
-        requests = [s.request for s in out.seqs if s.sample]
-        if not any(r.grammar is not None for r in requests):
-            return None
         if self.device.type != "cpu":
-            return lambda: grammar_mask.build(requests, self.grammars, self.device)
+            return lambda: grammar_mask.build(grammar, self.device)
         if self._mask_pool is None:
             self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="weir-mask")
-        future = self._mask_pool.submit(grammar_mask.build, requests, self.grammars, self.device)
+        future = self._mask_pool.submit(grammar_mask.build, grammar, self.device)
         return future.result
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, masks=None) -> StepResult:
-        """`masks`: a callable giving this step's grammar masks (rows, bitmask), for a runner
-        whose requests' matchers live elsewhere (a tensor-parallel worker: gpu/dist/worker.py)."""
-        input_ids, positions, meta, logits_rows = self.prepare(out)
-        if masks is None and self.samples:
-            masks = self._start_masks(out)
+    def execute(
+        self, out: SchedulerOutput, grammar: GrammarBatch | None = None, masks=None
+    ) -> StepResult:
+        """`grammar`: the constrained rows and their mask fill (the engine's matchers); `masks`
+        instead: a callable giving this step's (rows, bitmask) tensors, for a rank that
+        receives them (gpu/dist/worker.py)."""
+        scheduled = self.state.update(out)
+        input_ids, positions, meta, logits_rows = self.prepare(out, scheduled)
+        if grammar is not None and self.samples:
+            masks = self._start_masks(grammar)
         if self.graphs is not None and self.graphs.can_run(meta):
             hidden = self.graphs.run(input_ids, positions, meta)
             logits = self.model.logits(hidden, logits_rows)
         else:
             hidden, logits = self.model(input_ids, positions, self.kv_caches, meta, logits_rows)
-        grammar = masks() if masks is not None else None
+        grammar_rows = masks() if masks is not None else None
         prompt_lp = {}
-        if any(s.request.prompt_logprobs is not None for s in out.seqs):
-            prompt_lp = self._prompt_logprobs(out, hidden)
+        if any(r.sampling_params.prompt_logprobs is not None for r in scheduled):
+            prompt_lp = self._prompt_logprobs(out, scheduled, hidden)
         pooled = {}
-        if self.samples and any(s.request.pooling is not None for s in out.seqs):
-            pooled = pool(out, hidden)
+        if self.samples and any(r.pooling is not None for r in scheduled):
+            pooled = pool(out, scheduled, hidden)
         if logits_rows.numel() == 0:
             return StepResult([], [], prompt_lp, pooled)
         self.last_logits = logits
         if not self.samples:
             return StepResult([], [])
-        sampled = self.sampler(logits, self.prepare_sampling(out, grammar))
+        requests = [r for s, r in zip(out.scheduled, scheduled) if s.sample]
+        sampled = self.sampler(logits, self.prepare_sampling(requests, grammar_rows))
         ids = sampled.token_ids.tolist()
         logprobs: list[Logprob | None] = [None] * len(ids)
         if sampled.logprobs is not None:
             chosen = sampled.logprobs.tolist()
             top_ids = sampled.top_ids.tolist() if sampled.top_ids is not None else None
             top_lps = sampled.top_logprobs.tolist() if sampled.top_ids is not None else None
-            requests = [s.request for s in out.seqs if s.sample]
             for i, r in enumerate(requests):
                 k = r.sampling_params.logprobs
                 if k is not None:

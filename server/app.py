@@ -20,7 +20,7 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
 from core.config import EngineConfig
-from core.engine import Engine
+from core.engine import EngineThread
 from core.engine_process import EngineProcess
 from core.stats import StepStats
 from server import reasoning, tool_parsers
@@ -161,7 +161,7 @@ async def _load_engine(app: QuartTrio, st: ServerState) -> None:
                 raise
         else:
             loaded = await trio.to_thread.run_sync(_load, st.config)
-            engine = Engine(loaded.core)
+            engine = EngineThread(loaded.core)
             loaded = _Frontend(
                 loaded.tokenizer,
                 loaded.served_names,

@@ -179,9 +179,9 @@ def alive(pid: int) -> bool:
 
 
 def engine_process_of(pid: int) -> int:
-    """The engine process a `weir serve` process spawned (multiprocessing's spawn). Tests stop
-    it (SIGSTOP) to hold every request where it is, whatever the machine's speed."""
-    found = [p for p, cmd in descendants(pid).items() if "spawn_main" in cmd]
+    """The engine process a `weir serve` process started (python -m core.engine_process).
+    Tests stop it (SIGSTOP) to hold every request where it is, whatever the machine's speed."""
+    found = [p for p, cmd in descendants(pid).items() if "core.engine_process" in cmd]
     assert len(found) == 1, descendants(pid)
     return found[0]
 

@@ -4,7 +4,6 @@ in-thread engine, requests checked before they cross, aborts and deaths handled,
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import signal
 import subprocess
@@ -16,7 +15,14 @@ import pytest
 
 from core.config import EngineConfig
 from core.engine import Hold
-from tests.conftest import LiveServer, aborted, check_engine_died, http_status, wait_for
+from tests.conftest import (
+    LiveServer,
+    aborted,
+    check_engine_died,
+    descendants,
+    http_status,
+    wait_for,
+)
 
 MESSAGES = [{"role": "user", "content": "Say hello to the river café 🌊"}]
 
@@ -37,12 +43,12 @@ def config(model_dir, **kw) -> EngineConfig:
 @pytest.fixture(scope="module")
 def proc_server(model_dir):
     server = LiveServer(config(model_dir), engine_process=True).start()
-    assert server.engine.core is None and server.engine._proc.is_alive()
+    assert server.engine.core is None and server.engine.process_alive()
     yield server
     server.stop()
-    proc = server.engine._proc
+    proc = server.engine._child.proc
     # Shut down by message, not killed: it exits by itself with 0.
-    assert not proc.is_alive() and proc.exitcode == 0
+    assert proc.poll() == 0
 
 
 def complete(url: str, prompt, stream: bool, **kw) -> tuple[str, list[str]]:
@@ -139,7 +145,7 @@ def stream_signalling_the_engine(server: LiveServer, sig: int, max_tokens: int) 
                 if line:
                     lines.append(line)
                 if len(lines) == 1:
-                    os.kill(server.engine._proc.pid, sig)
+                    os.kill(server.engine.pid, sig)
                     server.engine.release()
     finally:
         server.engine.release()
@@ -152,7 +158,7 @@ def test_the_engine_process_ignores_sigterm_so_the_server_can_drain(proc_server)
     lines = stream_signalling_the_engine(proc_server, signal.SIGTERM, 60)
     assert lines[-1] == "data: [DONE]"
     assert json.loads(lines[-2][6:])["usage"]["completion_tokens"] == 60
-    assert proc_server.engine._proc.is_alive()
+    assert proc_server.engine.process_alive()
     assert proc_server.engine.alive and http_status(proc_server.url + "/health") == 200
 
 
@@ -169,7 +175,8 @@ def test_a_killed_engine_process_fails_requests_and_health(model_dir, exit_on_er
 
 
 def engine_children() -> int:
-    return sum(p.name == "weir-engine" for p in multiprocessing.active_children())
+    """Engine processes of this test process (python -m core.engine_process), running."""
+    return sum("core.engine_process" in cmd for cmd in descendants(os.getpid()).values())
 
 
 def test_a_model_that_fails_to_load_fails_startup_and_leaves_no_process(tmp_path):
@@ -183,15 +190,15 @@ def test_a_model_that_fails_to_load_fails_startup_and_leaves_no_process(tmp_path
 
 
 def test_a_server_that_exits_without_shutdown_takes_its_engine_process_along(model_dir):
-    # The engine ignores SIGTERM; multiprocessing's exit hook would terminate and then join it
-    # forever. weir's own exit hook closes the command pipe first, so the engine leaves.
+    # The engine ignores SIGTERM: weir's exit hook closes the command pipe, so the engine
+    # leaves (and it would anyway: it watches its parent).
     model = str(model_dir("qwen3"))
     code = (
         "from core.config import EngineConfig\n"
         "from core.engine_process import EngineProcess\n"
         f"engine = EngineProcess(EngineConfig(model={model!r}, num_kv_blocks=32))\n"
         "engine.launch()\n"
-        "print(engine._proc.pid, flush=True)\n"
+        "print(engine.pid, flush=True)\n"
     )
     done = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True

@@ -10,30 +10,47 @@ import pytest
 from core.engine_core import EngineCore
 from core.request import EngineRequest, StepResult
 from core.sampling import InvalidParam, SamplingParams
-from core.scheduler import SchedulerOutput
+from core.runner_step import SchedulerOutput
 
 VOCAB = 1000
 
 
 class FakeRunner:
     """Next token = a hash of every token so far: a recompute after preemption must see the same
-    history to produce the same tokens. Records every step for the assertions."""
+    history to produce the same tokens. It knows the requests only from the step protocol (its
+    own copy of tokens and block tables, as gpu/runner_state.py keeps them), so a token or block
+    the protocol loses changes the tokens or fails an assertion. Records every step."""
 
     vocab_size = VOCAB
 
     def __init__(self) -> None:
         self.steps: list[list[tuple[str, int, int, bool]]] = []
+        self.tokens: dict[str, list[int]] = {}
+        self.tables: dict[str, list[int]] = {}
 
-    def execute(self, out: SchedulerOutput) -> list[int]:
+    def execute(self, out: SchedulerOutput, grammar=None) -> list[int]:
+        for rid in out.finished:
+            del self.tokens[rid], self.tables[rid]
+        for new in out.new:
+            assert new.request_id not in self.tokens
+            self.tokens[new.request_id] = list(new.prompt_token_ids)
+            self.tables[new.request_id] = []
+        for rid in out.preempted + out.resumed:
+            self.tables[rid] = []
         self.steps.append(
-            [(s.request.request_id, s.start, s.num_new_tokens, s.sample) for s in out.seqs]
+            [(s.request_id, s.start, s.num_new_tokens, s.sample) for s in out.scheduled]
         )
         ids = []
-        for s in out.seqs:
-            # Every new token's KV must go to a slot the block table covers.
-            assert len(s.block_table) * 4 >= s.start + s.num_new_tokens
+        for s in out.scheduled:
+            self.tokens[s.request_id] += s.new_token_ids
+            self.tables[s.request_id] += s.new_block_ids
+            table = self.tables[s.request_id]
+            # Every new token's KV must go to a slot the block table covers, in distinct blocks.
+            assert len(table) * 4 >= s.start + s.num_new_tokens and len(set(table)) == len(table)
+            # The runner holds every token up to those it computes now.
+            assert len(self.tokens[s.request_id]) >= s.start + s.num_new_tokens
             if s.sample:
-                history = s.request.all_token_ids[: s.start + s.num_new_tokens]
+                history = self.tokens[s.request_id][: s.start + s.num_new_tokens]
                 digest = hashlib.sha256(repr(history).encode()).digest()
                 ids.append(int.from_bytes(digest[:4], "little") % (VOCAB - 10) + 10)
         return StepResult(ids, [None] * len(ids))
@@ -144,7 +161,7 @@ def test_no_admission_in_a_step_that_preempted():
             # "c" never starts in a step that preempted someone.
             assert "c" not in admitted
         if out.seqs:
-            sampled = core.runner.execute(out)
+            sampled = core.runner.execute(out.output)
             core.scheduler.commit(out)
             it = iter(sampled.token_ids)
             for s in out.seqs:
@@ -260,7 +277,7 @@ def test_priority_preempts_the_lowest_priority_running_request():
         out = core.scheduler.schedule()
         victims += out.preempted
         if out.seqs:
-            sampled = iter(core.runner.execute(out).token_ids)
+            sampled = iter(core.runner.execute(out.output).token_ids)
             core.scheduler.commit(out)
             for s in out.seqs:
                 if s.sample:

@@ -177,11 +177,11 @@ def break_engine_after(engine, calls: int) -> None:
     real = engine.core.runner.execute
     count = {"n": 0}
 
-    def flaky(out):
+    def flaky(out, grammar=None):
         count["n"] += 1
         if count["n"] > calls:
             raise RuntimeError("simulated device failure")
-        return real(out)
+        return real(out, grammar)
 
     engine.core.runner.execute = flaky
 

@@ -19,6 +19,7 @@ from core.config import EngineConfig
 from core.engine import Hold
 from core.request import EngineRequest
 from core.sampling import SamplingParams
+from core.runner_step import GrammarBatch
 from core.structured import Constraint, Grammars
 from gpu import grammar_mask
 from gpu.backend import TorchBackend
@@ -311,8 +312,9 @@ def test_mask_in_tensors_matches_the_matcher(grammars):
     past the tokenizer (padded lm_head rows) are never allowed."""
     tok, g = grammars
     matcher = g.start(Constraint("regex", r"ab?c")).result()
-    requests = [type("R", (), {"grammar": None})(), type("R", (), {"grammar": matcher})()]
-    rows, mask = grammar_mask.build(requests, g, torch.device("cpu"))
+    # row 1 of a step's two sampled rows is constrained
+    batch = GrammarBatch([1], g.words, lambda pointer: g.fill([(matcher, 0)], pointer, 1))
+    rows, mask = grammar_mask.build(batch, torch.device("cpu"))
     assert rows.tolist() == [1] and mask.shape == (1, g.words)
     allowed = grammar_mask.allowed(mask, g.vocab_size)[0]
     ids = allowed.nonzero().flatten().tolist()

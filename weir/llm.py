@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import array
 import itertools
+from collections import deque
 from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
 from core.config import EngineConfig
+from core.engine_loop import EngineLoop
+from core.engine_messages import AddRequest
 from core.pooling import PoolingParams
 from core.request import EngineRequest
 from core.sampling import SamplingParams
@@ -81,11 +84,14 @@ class LLM:
             raise ValueError("one SamplingParams per prompt, or one for all")
         results: dict[str, RequestOutput] = {}
         order: list[str] = []
+        adds: deque[AddRequest] = deque()
         for prompt, p in zip(prompts, params_list):
             p.validate()
             ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
             rid = str(next(self._ids))
-            self.engine.add(EngineRequest(rid, ids, p))
+            req = EngineRequest(rid, ids, p)
+            self.engine.check(req)  # a bad request raises here, before any runs
+            adds.append(AddRequest(req))
             results[rid] = RequestOutput(
                 rid,
                 prompt if isinstance(prompt, str) else None,
@@ -94,8 +100,9 @@ class LLM:
             )
             order.append(rid)
         with tqdm(total=len(order), desc="Generating", unit="req", disable=not use_tqdm) as bar:
-            while self.engine.has_work:
-                for out in self.engine.step():
+
+            def publish(outputs, stats) -> bool:
+                for out in outputs:
                     res = results[out.request_id]
                     o = res.outputs[0]
                     o.text += out.new_text
@@ -104,7 +111,19 @@ class LLM:
                     if out.finished:
                         o.finish_reason = out.finish_reason
                         bar.update(1)
+                return True
+
+            self._run(adds, publish)
         return [results[rid] for rid in order]
+
+    def _run(self, adds: deque, publish) -> None:
+        """The engine loop (core/engine_loop.py) over `adds`, until every request has ended."""
+
+        def refuse(out) -> None:
+            raise RuntimeError(f"request {out.request_id}: {out.error}")
+
+        loop = EngineLoop(self.engine, publish, refuse)
+        loop.run(lambda block: adds.popleft() if adds else None, until_idle=True)
 
     def embed(
         self,
@@ -118,18 +137,25 @@ class LLM:
             prompts = [prompts]
         pooling = pooling or PoolingParams()
         results: dict[str, EmbeddingOutput] = {}
+        adds: deque[AddRequest] = deque()
         for prompt in prompts:
             ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
             rid = str(next(self._ids))
-            self.engine.add(EngineRequest(rid, ids, SamplingParams(), pooling=pooling))
+            req = EngineRequest(rid, ids, SamplingParams(), pooling=pooling)
+            self.engine.check(req)
+            adds.append(AddRequest(req))
             results[rid] = EmbeddingOutput(rid, ids, [])
         with tqdm(total=len(results), desc="Embedding", unit="req", disable=not use_tqdm) as bar:
-            while self.engine.has_work:
-                for out in self.engine.step():
+
+            def publish(outputs, stats) -> bool:
+                for out in outputs:
                     res = results[out.request_id]
                     if out.error is not None or out.embedding is None:
                         raise RuntimeError(f"request {out.request_id}: {out.error}")
                     res.embedding = array.array("f", out.embedding).tolist()
                     res.num_cached_tokens = out.num_cached_tokens
                     bar.update(1)
+                return True
+
+            self._run(adds, publish)
         return list(results.values())

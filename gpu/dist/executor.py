@@ -3,11 +3,11 @@
 The scheduler, block pool, detokenizer and grammar matchers stay single, in the engine process;
 the model lives in the workers (gpu/dist/worker.py), each with its share of the weights and of every
 layer's KV heads, joined by torch.distributed (NCCL on CUDA, gloo on CPU). Each engine step is
-one Step frame written to every worker of this node (gpu/dist/node.py; the same bytes: what changed
-since the last step; rank 0 relays it to other nodes' ranks), then, when constrained requests
-sample, their grammar bitmask to rank 0 while the forward runs; rank 0 answers with the sampled
-ids. A worker that dies or fails ends the engine like a dead engine process: `execute` raises,
-every worker is stopped, and the server fails every request.
+one RunStep frame written to every worker of this node (gpu/dist/node.py; the same bytes: the
+step protocol's SchedulerOutput as the engine made it; rank 0 relays it to other nodes' ranks),
+then, when constrained requests sample, their grammar bitmask to rank 0 while the forward runs;
+rank 0 answers with the sampled ids. A worker that dies or fails ends the engine like a dead
+engine process: `execute` raises, every worker is stopped, and the server fails every request.
 """
 
 from __future__ import annotations
@@ -20,42 +20,27 @@ import msgspec
 import torch
 
 from core.config import EngineConfig
-from core.request import EngineRequest, Request, Status, StepResult
-from core.scheduler import SchedulerOutput
+from core.request import StepResult
+from core.runner_step import GrammarBatch, SchedulerOutput
 from gpu import grammar_mask
 from gpu.dist import parallel
 from gpu.models.spec import ModelSpec
 from gpu.dist.node import Node, WorkerDied, WorkerFailed, local_init_method
-from gpu.dist.worker import Mask, Sampled, SeqStep, Step, node_ranks
+from gpu.dist.worker import GrammarMask, RunStep, SampledTokens, node_ranks
 
 log = logging.getLogger("weir.executor")
 
 
-class _Shown:
-    """What the workers know of one request: how many of its outputs and block ids."""
-
-    __slots__ = ("request", "outputs", "blocks", "preemptions")
-
-    def __init__(self, request: Request) -> None:
-        self.request = request
-        self.outputs = 0  # the workers build it from its prompt
-        self.blocks = 0
-        self.preemptions = request.num_preemptions
-
-
 class Executor:
-    """The ModelRunner interface (vocab_size, eos_token_ids, grammars, execute, close) over the
-    workers."""
+    """The ModelRunner interface (vocab_size, eos_token_ids, execute, close) over the workers."""
 
     def __init__(self, spec: ModelSpec, node: Node) -> None:
         self.vocab_size = spec.vocab_size
         self.eos_token_ids: set[int] = set()
-        self.grammars = None  # core.structured.Grammars, set by the engine when first needed
         self.node = node
         self.num_blocks = 0
         self.max_model_len = 0
         self.device_names = ""
-        self._shown: dict[str, _Shown] = {}
         self._encode = msgspec.msgpack.Encoder().encode
 
     @property
@@ -90,50 +75,13 @@ class Executor:
         return executor
 
     # ---- each step ----
-    def _step_message(self, out: SchedulerOutput) -> Step:
-        shown = self._shown
-        finished = [rid for rid, s in shown.items() if s.request.status is Status.FINISHED]
-        for rid in finished:
-            del shown[rid]
-        new = []
-        seqs = []
-        for seq in out.seqs:
-            request = seq.request
-            s = shown.get(request.request_id)
-            if s is None or s.request is not request:
-                if s is not None:  # a new request under a finished one's id, in one step
-                    finished.append(request.request_id)
-                s = shown[request.request_id] = _Shown(request)
-                new.append(_engine_request(request))
-            if s.preemptions != request.num_preemptions:  # its blocks were freed and retaken
-                s.preemptions, s.blocks = request.num_preemptions, 0
-            table = seq.block_table
-            outputs = request.output_token_ids[s.outputs :]
-            seqs.append(
-                SeqStep(
-                    request.request_id,
-                    seq.start,
-                    seq.num_new_tokens,
-                    seq.sample,
-                    s.blocks,
-                    table[s.blocks :],
-                    outputs,
-                )
-            )
-            s.blocks = len(table)
-            s.outputs = request.num_output_tokens
-        return Step(finished, new, seqs)
-
-    def execute(self, out: SchedulerOutput) -> StepResult:
-        step = self._step_message(out)
-        requests = [s.request for s in out.seqs if s.sample]
-        constrained = self.grammars is not None and any(r.grammar is not None for r in requests)
-        step.masked = constrained
+    def execute(self, out: SchedulerOutput, grammar: GrammarBatch | None = None) -> StepResult:
         try:
-            self.node.send(self._encode(step))  # rank 0 relays it to other nodes' ranks
-            if constrained:  # filled while the workers run the forward
-                rows, mask = grammar_mask.build(requests, self.grammars, torch.device("cpu"))
-                msg = Mask(rows.tolist(), mask.shape[1], mask.numpy().tobytes())
+            # rank 0 relays it to other nodes' ranks
+            self.node.send(self._encode(RunStep(out, masked=grammar is not None)))
+            if grammar is not None:  # filled while the workers run the forward
+                rows, mask = grammar_mask.build(grammar, torch.device("cpu"))
+                msg = GrammarMask(rows.tolist(), mask.shape[1], mask.numpy().tobytes())
                 self.node.send(self._encode(msg), self.workers[:1])
             return self._wait_result()
         except (WorkerDied, OSError) as e:
@@ -151,7 +99,7 @@ class Executor:
         ends the step instead."""
         w = self.node.ready()[0]
         msg = self.node.receive(w)  # raises on a failure or an exit
-        if w is not self.workers[0] or not isinstance(msg, Sampled):
+        if w is not self.workers[0] or not isinstance(msg, SampledTokens):
             raise WorkerDied(f"rank {w.rank} sent {type(msg).__name__} during a step")
         return msg.result
 
@@ -159,12 +107,3 @@ class Executor:
     def close(self, kill: bool = False) -> None:
         """Stop every worker; with `kill`, at once (see Node.stop)."""
         self.node.stop(kill)
-
-
-def _engine_request(request: Request) -> EngineRequest:
-    return EngineRequest(
-        request.request_id,
-        request.prompt_token_ids,
-        request.sampling_params,
-        pooling=request.pooling,
-    )

@@ -13,21 +13,27 @@ import logging
 import os
 import socket
 import subprocess
-import sys
 import time
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
+from core.child import Child
 from core.config import EngineConfig
 from gpu import openmp
-from gpu.dist.worker import Failed, FromWorker, Init, Ready, Stop, node_ranks
+from gpu.dist.worker import (
+    FromWorker,
+    RankFailed,
+    StopWorker,
+    WorkerInit,
+    WorkerReady,
+    node_ranks,
+)
 
 log = logging.getLogger("weir.node")
 
-_ROOT = Path(__file__).resolve().parents[2]  # where `gpu` and `core` import from
 
 
 class WorkerDied(RuntimeError):
@@ -46,25 +52,14 @@ def local_init_method() -> str:
 
 
 class Worker:
-    """One worker process (`python -m gpu.dist.worker`) and its two pipes."""
+    """One rank's process (`python -m gpu.dist.worker`, core/child.py) and its two pipes."""
 
     def __init__(self, rank: int, config: EngineConfig) -> None:
-        cmd_read, cmd_write = os.pipe()
-        reply_read, reply_write = os.pipe()
         env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_ROOT), env.get("PYTHONPATH")]))
         openmp.prepare(config, env)
         self.rank = rank
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "gpu.dist.worker", str(cmd_read), str(reply_write)],
-            pass_fds=(cmd_read, reply_write),
-            env=env,
-            cwd=_ROOT,
-        )
-        os.close(cmd_read)  # the child's ends: closing ours makes its death an end of file here
-        os.close(reply_write)
-        self.commands = Connection(cmd_write, readable=False)
-        self.replies = Connection(reply_read, writable=False)
+        started = Child("gpu.dist.worker", env)
+        self.proc, self.commands, self.replies = started.proc, started.commands, started.replies
 
 
 class Node:
@@ -78,7 +73,7 @@ class Node:
     @classmethod
     def start(
         cls, config: EngineConfig, path: Path, eos: set[int], node_rank: int, init_method: str
-    ) -> tuple[Node, list[Ready]]:
+    ) -> tuple[Node, list[WorkerReady]]:
         """Start this node's ranks and wait until every one has loaded its shard and allocated
         its KV cache (which takes the other nodes too: the ranks agree on the block count)."""
         node = cls([])
@@ -90,9 +85,9 @@ class Node:
                 node.workers.append(Worker(rank, config))
             level = logging.getLogger().getEffectiveLevel()
             for w in node.workers:
-                init = Init(config, w.rank, init_method, where, sorted(eos), level)
+                init = WorkerInit(config, w.rank, init_method, where, sorted(eos), level)
                 w.commands.send_bytes(node._encode(init))
-            readies = [node.expect(w, Ready) for w in node.workers]
+            readies = [node.expect(w, WorkerReady) for w in node.workers]
         except BaseException:
             node.stop(kill=True)
             raise
@@ -116,7 +111,7 @@ class Node:
             raise WorkerDied(
                 self.exited(5) or f"tensor-parallel rank {w.rank} closed its pipe"
             ) from None
-        if isinstance(msg, Failed):
+        if isinstance(msg, RankFailed):
             raise WorkerFailed(msg.message)
         return msg
 
@@ -143,7 +138,7 @@ class Node:
             time.sleep(0.01)
 
     def stop(self, kill: bool = False) -> None:
-        """Stop every worker (Stop, then a kill for any that does not leave in 10 s); with
+        """Stop every worker (StopWorker, then a kill for any that does not leave in 10 s); with
         `kill`, at once: a worker may be blocked in a collective a dead peer never joins."""
         if self._closed:
             return
@@ -152,7 +147,7 @@ class Node:
         for w in self.workers:
             if not kill:
                 try:
-                    w.commands.send_bytes(self._encode(Stop()))
+                    w.commands.send_bytes(self._encode(StopWorker()))
                 except OSError:
                     pass
             w.commands.close()
@@ -197,11 +192,11 @@ def run_headless(config: EngineConfig) -> int:
                     msg = node.decode(conn.recv_bytes())
                 except (EOFError, OSError):
                     del watching[conn]
-                    if w.proc.wait() != 0:  # stopped by rank 0's Stop: 0
+                    if w.proc.wait() != 0:  # stopped by rank 0's StopWorker: 0
                         log.error("tensor-parallel rank %d exited (%d)", w.rank, w.proc.returncode)
                         failed = True
                     continue
-                if isinstance(msg, Failed):  # a worker speaks here only to fail
+                if isinstance(msg, RankFailed):  # a worker speaks here only to fail
                     log.error("%s", msg.message)
                     failed = True
     finally:

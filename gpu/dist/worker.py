@@ -1,32 +1,28 @@
 """A tensor-parallel worker: one rank's process, holding its share of the model and its KV cache.
 
-Each node starts one per local rank (gpu/dist/node.py) as `python -m gpu.dist.worker CMD_FD REPLY_FD` and
-speaks to it over two pipes of msgspec msgpack frames:
+Each node starts one per local rank (gpu/dist/node.py) as `python -m gpu.dist.worker CMD_FD
+REPLY_FD` and speaks to it over two pipes of msgspec msgpack frames:
 
-    to the worker      Init (config, rank, world size, rendezvous), then, from the engine's
-                       executor (gpu/dist/executor.py), one Step per engine step (Mask after it, to
-                       rank 0, when the step samples under a grammar), Stop
-    from the worker    Ready once its shard is loaded and its KV cache allocated (the ranks agree
-                       on the block count first: the smallest any rank has room for), then rank 0
-                       alone: one Sampled per Step; any rank: Failed
+    to the worker      WorkerInit (config, rank, rendezvous), then, from the engine's executor
+                       (gpu/dist/executor.py), one RunStep per engine step (a GrammarMask after
+                       it, to rank 0, when the step samples under a grammar), StopWorker
+    from the worker    WorkerReady once its shard is loaded and its KV cache allocated (the ranks
+                       agree on the block count first: the smallest any rank has room for), then
+                       rank 0 alone: one SampledTokens per RunStep; any rank: RankFailed
 
-Ranks on other nodes than the engine's have no pipe from it: rank 0 relays each Step and Stop to
-them through a gloo group (`Relay`), the frame's bytes broadcast as they came.
+Ranks on other nodes than the engine's have no pipe from it: rank 0 relays each RunStep and
+StopWorker to them through a gloo group (`Relay`), the frame's bytes broadcast as they came.
 
-Each worker mirrors the requests it has been shown (prompt, sampling parameters, tokens so far,
-block table), so a step's message carries only what changed: requests that finished, requests
-seen for the first time, and per scheduled request its new block ids and the tokens sampled since
-it was last scheduled. The mirror feeds the same ModelRunner that runs an unsharded model.
+A RunStep carries the engine's SchedulerOutput as it is (core/runner_step.py): the same step
+protocol the engine's own runner consumes, so each rank's ModelRunner keeps its copy of the
+requests exactly as a single-process runner does.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import sys
-import threading
-import time
 import traceback
 from multiprocessing.connection import Connection
 
@@ -36,9 +32,11 @@ import msgspec
 import torch
 import torch.distributed as dist
 
+from core import child, engine_loop
+from core.child import watch_parent
 from core.config import EngineConfig
-from core.request import EngineRequest, Request, StepResult
-from core.scheduler import ScheduledSeq, SchedulerOutput
+from core.request import StepResult
+from core.runner_step import SchedulerOutput
 from gpu.dist import parallel
 from gpu.assemble import build_runner, fit_model_len, load_shard, resolve_device, set_threads
 from gpu.loader import load_config, resolve_dtype
@@ -47,7 +45,7 @@ log = logging.getLogger("weir.worker")
 
 
 # ---- messages ----
-class Init(msgspec.Struct, tag="init", gc=False):
+class WorkerInit(msgspec.Struct, tag="init", gc=False):
     config: EngineConfig  # its tensor_parallel_size and nnodes give the layout
     rank: int
     init_method: str
@@ -56,89 +54,40 @@ class Init(msgspec.Struct, tag="init", gc=False):
     log_level: int = logging.INFO
 
 
-class SeqStep(msgspec.Struct, array_like=True, gc=False):
-    """One scheduled request: ScheduledSeq less what the worker already knows."""
-
-    request_id: str
-    start: int
-    num_new_tokens: int
-    sample: bool
-    table_from: int  # keep this many of the block table's entries, then append new_blocks
-    new_blocks: list[int]
-    new_outputs: list[int]  # tokens sampled since the request was last scheduled
+class RunStep(msgspec.Struct, tag="step", gc=False):
+    output: SchedulerOutput
+    masked: bool = False  # a GrammarMask frame follows for rank 0
 
 
-class Step(msgspec.Struct, tag="step", gc=False):
-    finished: list[str]  # requests to forget (finished or aborted)
-    new: list[EngineRequest]  # requests scheduled for the first time
-    seqs: list[SeqStep]
-    masked: bool = False  # a Mask frame follows for rank 0
-
-
-class Mask(msgspec.Struct, tag="mask", gc=False):
+class GrammarMask(msgspec.Struct, tag="mask", gc=False):
     rows: list[int]
     words: int
     bitmask: bytes  # [len(rows), words] int32, native order
 
 
-class Stop(msgspec.Struct, tag="stop", gc=False):
+class StopWorker(msgspec.Struct, tag="stop", gc=False):
     pass
 
 
-class Ready(msgspec.Struct, tag="ready", gc=False):
+class WorkerReady(msgspec.Struct, tag="ready", gc=False):
     num_blocks: int  # the KV blocks every rank keeps
     max_model_len: int
     device: str
 
 
-class Sampled(msgspec.Struct, tag="sampled", gc=False):
+class SampledTokens(msgspec.Struct, tag="sampled", gc=False):
     result: StepResult
 
 
-class Failed(msgspec.Struct, tag="failed", gc=False):
+class RankFailed(msgspec.Struct, tag="failed", gc=False):
     message: str
 
 
-ToWorker = Init | Step | Mask | Stop
-FromWorker = Ready | Sampled | Failed
+ToWorker = WorkerInit | RunStep | GrammarMask | StopWorker
+FromWorker = WorkerReady | SampledTokens | RankFailed
 
 
 # ---- the worker ----
-class Mirror:
-    """The requests as this rank knows them, rebuilt into SchedulerOutputs for the runner."""
-
-    def __init__(self) -> None:
-        self.requests: dict[str, Request] = {}
-        self.tables: dict[str, list[int]] = {}
-
-    def apply(self, step: Step) -> SchedulerOutput:
-        for rid in step.finished:
-            self.requests.pop(rid, None)
-            self.tables.pop(rid, None)
-        for req in step.new:
-            self.requests[req.request_id] = Request(req, 0)
-            self.tables[req.request_id] = []
-        seqs = []
-        for s in step.seqs:
-            request = self.requests[s.request_id]
-            for token in s.new_outputs:
-                request.append_output(token)
-            table = self.tables[s.request_id]
-            del table[s.table_from :]
-            table += s.new_blocks
-            seqs.append(ScheduledSeq(request, s.start, s.num_new_tokens, table, s.sample))
-        return SchedulerOutput(seqs, [])
-
-
-def _watch_parent(parent: int) -> None:
-    """Leave when the engine process is gone, even from inside a collective that will never
-    complete (a worker blocked there would not see its pipe close)."""
-    while True:
-        time.sleep(0.5)
-        if os.getppid() != parent:
-            os._exit(1)
-
-
 class Relay:
     """Frames from rank 0 to the ranks on other nodes: a length, then the bytes, broadcast over
     a gloo group (a CPU transport even where the model's collectives use NCCL)."""
@@ -165,11 +114,11 @@ def node_ranks(config: EngineConfig, node: int) -> range:
     return range(node * per, (node + 1) * per)
 
 
-def serve(commands: Connection, replies: Connection) -> None:
+def run_rank(commands: Connection, replies: Connection) -> None:
     decode = msgspec.msgpack.Decoder(ToWorker).decode
     encode = msgspec.msgpack.Encoder().encode
     init = decode(commands.recv_bytes())
-    assert isinstance(init, Init)
+    assert isinstance(init, WorkerInit)
     config, rank, world = init.config, init.rank, init.config.tensor_parallel_size
     logging.basicConfig(
         level=init.log_level, format=f"%(asctime)s %(levelname)s weir.rank{rank}: %(message)s"
@@ -196,29 +145,36 @@ def serve(commands: Connection, replies: Connection) -> None:
         eos = set(init.eos_token_ids)
         runner = build_runner(config, model, num_blocks, max_model_len, dtype, device, eos)
         runner.samples = rank == 0
-        replies.send_bytes(encode(Ready(num_blocks, max_model_len, str(device))))
-        mirror = Mirror()
+        replies.send_bytes(encode(WorkerReady(num_blocks, max_model_len, str(device))))
         from_relay = relay is not None and rank in remote
-        while True:
+
+        def take(block: bool) -> RunStep | StopWorker | None:
+            if not block and not from_relay and not commands.poll():
+                return None
             frame = relay.recv() if from_relay else commands.recv_bytes()
-            msg = decode(frame)
             if rank == 0 and relay is not None:
-                relay.send(frame)  # a Step or Stop: rank 0's pipe carries nothing else here
-            if isinstance(msg, Stop):
-                break
-            out = mirror.apply(msg)
+                relay.send(frame)  # a RunStep or StopWorker: nothing else reaches rank 0 here
+            return decode(frame)
+
+        def handle(msg: RunStep | StopWorker) -> bool:
+            """A rank has no step of its own: each command is a step to run (or the end)."""
+            if isinstance(msg, StopWorker):
+                return False
             masks = None
             if msg.masked and rank == 0:
                 masks = lambda: _read_mask(commands, decode, device)  # noqa: E731
-            result = runner.execute(out, masks)
+            result = runner.execute(msg.output, masks=masks)
             if rank == 0:
-                replies.send_bytes(encode(Sampled(result)))
+                replies.send_bytes(encode(SampledTokens(result)))
+            return True
+
+        engine_loop.serve(take, handle)
     except (EOFError, BrokenPipeError):
         pass  # the engine is gone
     except BaseException as e:  # noqa: BLE001 - the driver fails the engine with this message
         log.error("rank %d failed\n%s", rank, traceback.format_exc())
         try:
-            replies.send_bytes(encode(Failed(f"rank {rank}: {type(e).__name__}: {e}")))
+            replies.send_bytes(encode(RankFailed(f"rank {rank}: {type(e).__name__}: {e}")))
         except OSError:
             pass
         raise SystemExit(1) from None
@@ -229,7 +185,7 @@ def serve(commands: Connection, replies: Connection) -> None:
 
 def _read_mask(commands: Connection, decode, device: torch.device):
     msg = decode(commands.recv_bytes())
-    assert isinstance(msg, Mask)
+    assert isinstance(msg, GrammarMask)
     rows = torch.tensor(msg.rows, dtype=torch.int64)
     mask = torch.frombuffer(bytearray(msg.bitmask), dtype=torch.int32).view(len(msg.rows), -1)
     return rows.to(device), mask.to(device)
@@ -240,9 +196,8 @@ def main() -> None:
     # and the engine stops the workers, as it does itself (core/engine_process.py).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
-    cmd_fd, reply_fd = int(sys.argv[1]), int(sys.argv[2])
-    serve(Connection(cmd_fd, writable=False), Connection(reply_fd, readable=False))
+    watch_parent()
+    run_rank(*child.pipes(sys.argv))
 
 
 if __name__ == "__main__":

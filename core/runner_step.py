@@ -1,0 +1,69 @@
+"""The step protocol: what the scheduler hands the model runner each step, and nothing else.
+
+One msgspec Struct, the same object for the runner in the engine's process and for every
+tensor-parallel rank (the executor sends it as it is). It carries no engine object: the runner
+keeps its own copy of each request (gpu/runner_state.py), built from `new` and grown from each
+step's `scheduled` entries, so a field the runner reads reaches every rank or none.
+
+Per step, applied in this order:
+- `finished`: requests the runner has seen that have since finished or been aborted: forget.
+- `new`: requests scheduled for the first time: their prompt, sampling and pooling parameters.
+- `preempted`: requests whose blocks were freed this step (their tokens stay known).
+- `resumed`: preempted requests scheduled again: their block table starts over (the entry's
+  `new_block_ids` is the whole table).
+- `scheduled`: the batch, in row order: where each request's new tokens start, how many, whether
+  its last row is sampled, the tokens the runner has not been given yet (those sampled since
+  the request last ran) and its new block ids.
+
+Grammar state stays with the engine (llguidance's matchers): it hands the runner a GrammarBatch,
+which fills the constrained rows' bitmask while the forward runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import msgspec
+
+from core.pooling import PoolingParams
+from core.sampling import SamplingParams
+
+
+class NewRequest(msgspec.Struct, gc=False):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    pooling: PoolingParams | None = None
+
+
+class ScheduledRequest(msgspec.Struct, array_like=True, gc=False):
+    request_id: str
+    start: int  # position of the first token computed this step
+    num_new_tokens: int
+    sample: bool  # the chunk reaches the end of the known tokens: its last row gives logits
+    new_token_ids: list[int]  # appended to the runner's tokens before this step runs
+    new_block_ids: list[int]  # appended to its block table (the whole table when resumed)
+
+
+class SchedulerOutput(msgspec.Struct, gc=False):
+    finished: list[str]
+    new: list[NewRequest]
+    preempted: list[str]
+    resumed: list[str]
+    scheduled: list[ScheduledRequest]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class GrammarBatch:
+    """The sampled rows this step that have a grammar, and how to fill their bitmask: `fill`
+    writes [len(rows), words] int32 at a pointer (llguidance, off the interpreter lock)."""
+
+    __slots__ = ("rows", "words", "fill")
+
+    def __init__(self, rows: list[int], words: int, fill: Callable[[int], None]) -> None:
+        self.rows = rows
+        self.words = words
+        self.fill = fill
