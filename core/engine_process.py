@@ -184,7 +184,7 @@ class EngineProcess(Engine):
         """Read the engine's replies and write commands on the Trio thread itself: no reader or
         writer thread that would have to win the interpreter lock back from the busy event loop
         for every frame (with threads, at 64 streams the reader fell behind, the reply pipe
-        filled and the engine spent 11% of its time blocked in write)."""
+        filled and the engine blocked in write; figures: docs/benchmarks.md)."""
         if self.info is None:
             raise RuntimeError("launch() the engine process first")
         self._trio_token = trio.lowlevel.current_trio_token()
@@ -245,7 +245,7 @@ class EngineProcess(Engine):
         fd = self._reply.fileno()
         buf = bytearray()
         # Read into one buffer made once: os.read(fd, 1 MiB) allocates (and maps) a fresh MiB
-        # for every read, 15 µs against 1 µs for a step's few hundred bytes.
+        # for every read, many times a step's few hundred bytes' cost.
         space = bytearray(1 << 20)
         view = memoryview(space)
         decode = msgspec.msgpack.Decoder(EngineReply).decode

@@ -149,10 +149,9 @@ AUTO_ALL_CORES_WEIGHTS = 4_000_000
 
 def auto_threads(hf_config: Any) -> int:
     """--cpu-threads auto. The engine's matrix products and the event loop's HTTP work share the
-    cores; which should yield depends on how big a forward is. Measured on 2 cores, servers
-    alternated: a 3-layer model of 0.6M weights per token served 25-30% more tokens/s at 16 and
-    64 streams with 1 torch thread than with 2; a 6-layer one of 17M, 11-23% more at 1-64
-    streams with 2 (docs/benchmarks.md); a 77M one, 19% more at 16 with 2."""
+    cores; which should yield depends on how big a forward is: below AUTO_ALL_CORES_WEIGHTS a
+    model served more with one core left to the event loop, above it with every core
+    (figures: docs/benchmarks.md, "Figures moved out of the code")."""
     usable = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
     cores = len(usable) if usable else os.cpu_count() or 1
     h = hf_config.hidden_size

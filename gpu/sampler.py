@@ -115,9 +115,9 @@ class Sampler:
         """One token per row from `probs` by inverse CDF: one uniform number per row, found in
         the row's running sum. Needs no CPU sync and draws one random number per row, not one
         per vocabulary entry (the exponential race, argmax(p / E), did: on CPU its per-element
-        `exponential_` cost 14 ms a step at 256 x 2,048 and 240 ms at 64 x 151,936, against
-        1.5 and 27 ms here). A request with its own seed draws its number from its own
-        generator, so its tokens do not depend on the rest of the batch."""
+        `exponential_` cost about ten times this; figures: docs/benchmarks.md). A request with
+        its own seed draws its number from its own generator, so its tokens do not depend on
+        the rest of the batch."""
         cdf = probs.cumsum(dim=-1)
         u = torch.rand(probs.shape[0], 1, generator=self.generator, device=probs.device)
         for row, generator in seeded:

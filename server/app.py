@@ -233,7 +233,8 @@ async def _load_engine(app: QuartTrio, st: ServerState) -> None:
         )
     # What start-up made (torch, transformers, the model, the tokenizer) lives as long as the
     # process: out of the collector's reach, a full collection while serving walks only what
-    # serving made (one of ~350k objects took 120-170 ms on a 2-core box, a stall of every stream).
+    # serving made (a full collection of start-up's objects stalled every stream: figures in
+    # docs/benchmarks.md).
     gc.freeze()
     if st.status == "loading":
         st.status, st.reason = "ready", "ok"

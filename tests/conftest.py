@@ -242,6 +242,42 @@ def tiny_config(model_dir, **kw) -> EngineConfig:
     return EngineConfig(model=str(model_dir("qwen3")), **kw)
 
 
+def tools_server(model_dir, **options) -> LiveServer:
+    """The tiny Qwen3 with hermes tool markup in its template (tests/test_tools.py CHATML_TOOLS)
+    and the qwen3 reasoning parser: what the tool, Responses and schema tests serve."""
+    from tests.test_tools import CHATML_TOOLS
+
+    config = tiny_config(
+        model_dir, max_model_len=2048, num_kv_blocks=512, chat_template=CHATML_TOOLS
+    )
+    return LiveServer(config, reasoning_parser="qwen3", **options).start()
+
+
+def api_server(model_dir) -> LiveServer:
+    """The tiny Qwen3, its engine in its own process: the product default, so every API case
+    crosses the process boundary."""
+    return LiveServer(tiny_config(model_dir), engine_process=True).start()
+
+
+class GrammarProbe:
+    """The tiny Qwen3's tokenizer and a Grammars over it: whether a constraint accepts a text,
+    token by token, to its end."""
+
+    def __init__(self, model_dir) -> None:
+        from transformers import AutoTokenizer
+
+        from core.structured import Grammars
+
+        self.tok = AutoTokenizer.from_pretrained(model_dir("qwen3"))
+        tok = self.tok
+        self.grammars = Grammars(tok.backend_tokenizer.to_str(), len(tok), [tok.eos_token_id])
+
+    def accepts(self, constraint, text: str) -> bool:
+        matcher = self.grammars.start(constraint).result()
+        ok = matcher.consume_tokens(self.tok.encode(text, add_special_tokens=False))
+        return bool(ok) and not matcher.is_error() and matcher.is_accepting()
+
+
 @pytest.fixture(scope="module")
 def client(server):
     """The OpenAI SDK pointed at the module's `server` fixture."""

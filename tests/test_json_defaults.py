@@ -14,7 +14,7 @@ import jsonschema
 import pytest
 
 from core.structured import Constraint, close_objects
-from tests.conftest import LiveServer, tiny_config
+from tests.conftest import GrammarProbe, LiveServer, tiny_config
 from tests.test_structured import close_bias, no_whitespace_bias
 
 SCHEMA = {
@@ -38,19 +38,11 @@ VALUE = {"id": 7, "status": "paid", "items": [{"sku": "a1", "qty": 2}]}
 
 @pytest.fixture(scope="module")
 def grammars(model_dir):
-    from transformers import AutoTokenizer
-
-    from core.structured import Grammars
-
-    tok = AutoTokenizer.from_pretrained(model_dir("qwen3"))
-    return tok, Grammars(tok.backend_tokenizer.to_str(), len(tok), [tok.eos_token_id])
+    return GrammarProbe(model_dir)
 
 
 def accepts(grammars, c: Constraint, text: str) -> bool:
-    tok, g = grammars
-    matcher = g.start(c).result()
-    ok = matcher.consume_tokens(tok.encode(text, add_special_tokens=False))
-    return bool(ok) and not matcher.is_error() and matcher.is_accepting()
+    return grammars.accepts(c, text)
 
 
 def json_constraint(schema=SCHEMA, **kw) -> Constraint:

@@ -6,10 +6,7 @@ from __future__ import annotations
 import gc
 import os
 import re
-import signal
-import socket
 import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -21,12 +18,7 @@ from core.config import EngineConfig
 from core.engine import Hold
 from tests.conftest import (
     LiveServer,
-    aborted,
-    alive,
-    engine_process_of,
-    free_port,
     http_status,
-    signal_pid,
     wait_for,
 )
 
@@ -267,138 +259,6 @@ def test_request_timeout_ends_with_length_and_frees_blocks(tiny):
         assert r.json()["usage"]["completion_tokens"] == 5
         engine = server.engine
         assert wait_for(lambda: engine.last_stats.num_free_blocks == 1024)
-    finally:
-        server.stop()
-
-
-def start_process(tiny: str, *args: str) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "server",
-            "serve",
-            tiny,
-            "--port",
-            str(port),
-            "--num-kv-blocks",
-            "1024",
-            "--max-model-len",
-            "2048",
-            *args,
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-    )
-    url = f"http://127.0.0.1:{port}"
-    assert wait_for(
-        lambda: proc.poll() is not None or http_status(url + "/health") == 200, timeout=120
-    )
-    assert proc.poll() is None, proc.stdout.read().decode()
-    return proc, url
-
-
-def test_sigterm_drains_in_flight_streams_then_exits_0(tiny):
-    proc, url = start_process(tiny, "--drain-timeout", "60")
-    engine = engine_process_of(proc.pid)
-    try:
-        started = threading.Barrier(6)
-        results: list[list[str]] = []
-
-        def stream(i: int) -> None:
-            body = {"prompt": f"stream {i}", "max_tokens": 600, "stream": True, "ignore_eos": True}
-            lines = []
-            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
-                for n, line in enumerate(r.iter_lines()):
-                    if n == 2:
-                        started.wait(30)
-                    if line:
-                        lines.append(line)
-            results.append(lines)
-
-        threads = [threading.Thread(target=stream, args=(i,)) for i in range(5)]
-        for t in threads:
-            t.start()
-        started.wait(30)  # all five are streaming
-        # The engine stopped: the streams are still in flight whatever the machine's speed.
-        os.kill(engine, signal.SIGSTOP)
-        proc.send_signal(signal.SIGTERM)
-        assert wait_for(lambda: http_status(url + "/health") == 503, timeout=30)
-        r = httpx.post(url + "/v1/completions", json={"prompt": "late", "max_tokens": 2})
-        assert r.status_code == 503
-        os.kill(engine, signal.SIGCONT)
-        for t in threads:
-            t.join(120)
-        assert len(results) == 5
-        for lines in results:
-            assert lines[-1] == "data: [DONE]"
-            assert '"finish_reason":"length"' in lines[-2]
-        assert proc.wait(60) == 0
-    finally:
-        signal_pid(engine, signal.SIGCONT)
-        if proc.poll() is None:
-            proc.kill()
-
-
-def test_second_signal_exits_at_once(tiny):
-    proc, url = start_process(tiny, "--drain-timeout", "120")
-    engine = engine_process_of(proc.pid)
-    try:
-
-        def stream() -> None:
-            body = {"prompt": "long", "max_tokens": 2000, "stream": True, "ignore_eos": True}
-            try:
-                with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
-                    for _ in r.iter_lines():
-                        pass
-            except httpx.HTTPError:
-                pass
-
-        t = threading.Thread(target=stream, daemon=True)
-        t.start()
-        # The stream is running once the server's own gauge says so; the engine then stops, so
-        # only the second signal can end it.
-        assert wait_for(
-            lambda: metric(httpx.get(url + "/metrics").text, "weir:num_requests_running") == 1,
-            timeout=30,
-        )
-        os.kill(engine, signal.SIGSTOP)
-        proc.send_signal(signal.SIGTERM)
-        assert wait_for(lambda: http_status(url + "/health") == 503, timeout=30)
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(60) != 0
-    finally:
-        signal_pid(engine, signal.SIGCONT)  # it leaves when it reads the closed pipe
-        if proc.poll() is None:
-            proc.kill()
-        assert wait_for(lambda: not alive(engine), timeout=30)
-
-
-def test_client_that_stops_reading_is_dropped_and_aborted(tiny):
-    server = LiveServer(
-        EngineConfig(model=tiny, num_kv_blocks=2048, max_model_len=8192), tcp_user_timeout=1.0
-    ).start()
-    try:
-        engine = server.engine
-        # Held at 500 tokens (far more SSE than the window and the send buffer take), the
-        # request can only end by the abort the dropped connection sends.
-        engine.hold(Hold(at_output_tokens=500))
-        aborted_before = aborted(server)
-        sock = socket.socket()
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)  # a tiny receive window
-        sock.connect(("127.0.0.1", server.port))
-        body = b'{"prompt": "hi", "max_tokens": 8000, "stream": true, "ignore_eos": true}'
-        sock.sendall(
-            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
-            b"application/json\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
-        )
-        assert wait_for(lambda: engine.last_stats.num_running == 1, timeout=10)
-        # Never read. The window closes, sent data goes unacknowledged, the kernel drops the
-        # connection after TCP_USER_TIMEOUT, and the handler's cancellation aborts the request.
-        assert wait_for(lambda: aborted(server) > aborted_before, timeout=30)
-        assert wait_for(lambda: engine.last_stats.num_free_blocks == 2048)
-        sock.close()
     finally:
         server.stop()
 

@@ -7,14 +7,11 @@ from __future__ import annotations
 
 import json
 
-import httpx
 import jsonschema
-import openai
 import pytest
 
-from core.engine import Hold
-from tests.conftest import LiveServer, tiny_config, wait_for
-from tests.test_tools import CALLS, CHATML_TOOLS
+from tests.conftest import tools_server
+from tests.test_tools import CALLS
 from tests.test_tools import TOOLS as CHAT_TOOLS
 
 TOOLS = [
@@ -36,10 +33,7 @@ NO_THINKING = {"effort": "none"}
 
 @pytest.fixture(scope="module")
 def server(model_dir):
-    config = tiny_config(
-        model_dir, max_model_len=1024, num_kv_blocks=512, chat_template=CHATML_TOOLS
-    )
-    s = LiveServer(config, reasoning_parser="qwen3", responses_store_max_entries=64).start()
+    s = tools_server(model_dir, responses_store_max_entries=64)
     yield s
     s.stop()
 
@@ -316,207 +310,3 @@ def test_reasoning_items(client, server):
     assert deltas == done[0] == final.output[0].content[0].text == "\nTwo times 21.\n"
     assert final.output_text == whole.output_text
     assert final.usage.output_tokens_details.reasoning_tokens == want
-
-
-def wait_status(client, rid: str, statuses: tuple[str, ...]) -> str:
-    got = {}
-
-    def check() -> bool:
-        got["s"] = client.responses.retrieve(rid).status
-        return got["s"] in statuses
-
-    assert wait_for(check, timeout=60, interval=0.05), got
-    return got["s"]
-
-
-def test_background_poll_replay_and_cancel(client, server):
-    r = client.responses.create(
-        model="tiny",
-        input="Go on.",
-        background=True,
-        max_output_tokens=24,
-        temperature=0,
-        reasoning=NO_THINKING,
-        extra_body={"ignore_eos": True},
-    )
-    assert r.status == "queued" and r.background
-    wait_status(client, r.id, ("incomplete",))
-    done = client.responses.retrieve(r.id)
-    assert done.usage.output_tokens == 24
-    events = list(client.responses.retrieve(r.id, stream=True))
-    assert [e.sequence_number for e in events] == list(range(len(events)))
-    assert events[-1].type == "response.incomplete"
-    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
-    assert text == done.output_text
-    tail = list(client.responses.retrieve(r.id, stream=True, starting_after=5))
-    assert [e.sequence_number for e in tail] == list(range(6, len(events)))
-    # A long one, cancelled while it runs: held at 3 tokens, it can end only by the cancel.
-    server.engine.hold(Hold(at_output_tokens=3))
-    try:
-        long = client.responses.create(
-            model="tiny",
-            input="Go on.",
-            background=True,
-            max_output_tokens=900,
-            reasoning=NO_THINKING,
-            extra_body={"ignore_eos": True},
-        )
-        wait_status(client, long.id, ("in_progress",))
-        cancelled = client.responses.cancel(long.id)
-        assert cancelled.status == "cancelled"
-        assert client.responses.retrieve(long.id).status == "cancelled"
-        assert client.responses.cancel(long.id).status == "cancelled"  # again: the same answer
-    finally:
-        server.engine.release()
-
-
-def test_background_stream_followed_live(client):
-    stream = client.responses.create(
-        model="tiny",
-        input="Hi.",
-        background=True,
-        stream=True,
-        max_output_tokens=40,
-        reasoning=NO_THINKING,
-        extra_body=forced("Hello from the background."),
-    )
-    events = list(stream)
-    assert events[0].type == "response.created" and events[0].response.status == "queued"
-    assert events[-1].type == "response.completed"
-    assert events[-1].response.output_text == "Hello from the background."
-
-
-def test_input_items_pages(client):
-    inputs = [{"role": "user", "content": f"part {i}"} for i in range(5)]
-    r = client.responses.create(model="tiny", input=inputs, max_output_tokens=2)
-    asc = client.responses.input_items.list(r.id, order="asc", limit=2)
-    assert asc.has_more and len(asc.data) == 2
-    seen = [item.content[0].text for item in client.responses.input_items.list(r.id, order="asc")]
-    assert seen == [f"part {i}" for i in range(5)]
-    paged = []  # the SDK's auto-pagination follows `after`
-    for item in client.responses.input_items.list(r.id, order="desc", limit=2):
-        paged.append(item.content[0].text)
-    assert paged == [f"part {i}" for i in reversed(range(5))]
-
-
-def test_delete(client):
-    r = client.responses.create(model="tiny", input="x", max_output_tokens=2)
-    client.responses.delete(r.id)
-    with pytest.raises(openai.NotFoundError):
-        client.responses.retrieve(r.id)
-    with pytest.raises(openai.NotFoundError):
-        client.responses.delete(r.id)
-
-
-def test_store_false_keeps_nothing(client):
-    r = client.responses.create(model="tiny", input="x", max_output_tokens=2, store=False)
-    assert r.store is False
-    with pytest.raises(openai.NotFoundError):
-        client.responses.retrieve(r.id)
-
-
-BAD = [
-    ({"previous_response_id": "resp_nope"}, 400, "previous_response_id"),
-    ({"tools": [{"type": "web_search"}]}, 400, "tools[0].type"),
-    ({"tools": [{"type": "function"}]}, 400, "tools[0].name"),
-    ({"background": True, "store": False}, 400, "background"),
-    (
-        {"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]},
-        400,
-        "input[0].call_id",
-    ),
-    (
-        {"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{"}]},
-        400,
-        "input[0].arguments",
-    ),
-    ({"input": [{"role": "robot", "content": "hi"}]}, 400, "input[0].role"),
-    (
-        {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
-        400,
-        "input[0].content[0].type",
-    ),
-    ({"input": [{"type": "item_reference", "id": "x"}]}, 400, "input[0].type"),
-    ({"input": [3]}, 400, "input[0]"),
-    ({"input": []}, 400, "input"),
-    ({"text": {"format": {"type": "yaml"}}}, 400, "text.format.type"),
-    ({"text": {"format": {"type": "json_schema", "name": "x"}}}, 400, "text.format.schema"),
-    ({"reasoning": {"effort": "max"}}, 400, "reasoning.effort"),
-    ({"tool_choice": {"type": "web_search"}}, 400, "tool_choice"),
-    ({"tool_choice": "required"}, 400, "tool_choice"),
-    ({"n": 2}, 400, "n"),
-    ({"max_output_tokens": 0}, 400, "max_output_tokens"),
-    ({"metadata": {"k": "v" * 600}}, 400, "metadata"),
-    ({"metadata": {"k" * 65: "v"}}, 400, "metadata"),
-]
-
-
-@pytest.mark.parametrize("fields,status,param", BAD, ids=[b[2] + str(i) for i, b in enumerate(BAD)])
-def test_bad_input(server, fields, status, param):
-    body = {"model": "tiny", "input": "hi", "max_output_tokens": 4, **fields}
-    r = httpx.post(server.url + "/v1/responses", json=body, timeout=30)
-    assert r.status_code == status, r.text
-    error = r.json()["error"]
-    assert error["param"] is not None and error["param"].startswith(param), error
-    assert error["message"] and error["type"]
-
-
-def test_unknown_ids_are_404(server):
-    for method, path in (("GET", ""), ("GET", "/input_items"), ("DELETE", ""), ("POST", "/cancel")):
-        r = httpx.request(method, f"{server.url}/v1/responses/resp_missing{path}", timeout=10)
-        assert r.status_code == 404 and r.json()["error"]["code"] == "response_not_found"
-
-
-def test_cancel_refuses_a_foreground_response(client, server):
-    r = client.responses.create(model="tiny", input="x", max_output_tokens=2)
-    got = httpx.post(f"{server.url}/v1/responses/{r.id}/cancel", timeout=10)
-    assert got.status_code == 400 and "background" in got.json()["error"]["message"]
-
-
-def test_an_engine_failure_mid_stream_is_an_error_event_then_failed():
-    """Run.foreground over outputs that break after the first token (a fake Submitted)."""
-    import trio
-
-    from core.request import RequestOutput
-    from core.sampling import SamplingParams
-    from server.chat_job import ChatJob
-    from server.errors import APIError
-    from server.responses.protocol import ResponseObject
-    from server.responses.registry import Runs
-    from server.responses.run import Run
-    from server.responses.store import MemoryStore
-
-    class Broken:
-        closed = False
-
-        async def outputs(self):
-            yield 0, RequestOutput("r", [5], "Hel", num_prompt_tokens=3, num_output_tokens=1)
-            raise APIError(500, "The engine failed: boom", None, "engine_error")
-
-        def close(self):
-            self.closed = True
-
-    class State:
-        responses = Runs(MemoryStore(8, None))
-
-    run = Run(ResponseObject(id="resp_x", created_at=0, status="in_progress", model="m"), [], False)
-    job = ChatJob("", [], None, None, SamplingParams(), None)
-    sub = Broken()
-    State.responses.start(run)
-
-    async def main():
-        return [e async for e in run.foreground(State, sub, job)]
-
-    events = [json.loads(e.split(b"data: ", 1)[1]) for e in trio.run(main)]
-    assert [e["sequence_number"] for e in events] == list(range(len(events)))
-    assert [e["type"] for e in events][-3:] == [
-        "response.output_item.done",
-        "error",
-        "response.failed",
-    ]
-    assert [e["type"] for e in events].count("error") == 1
-    assert events[-2]["code"] == "engine_error" and "boom" in events[-2]["message"]
-    failed = events[-1]["response"]
-    assert failed["status"] == "failed" and failed["error"]["code"] == "engine_error"
-    assert failed["output"][0]["content"][0]["text"] == "Hel"
-    assert sub.closed and State.responses.store.get("resp_x").status == "failed"

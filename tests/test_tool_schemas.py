@@ -17,9 +17,9 @@ from core.structured import Constraint
 from server.tool_parsers.hermes import HermesParser
 from server.tool_parsers.llama3_json import Llama3JsonParser
 from server.tool_parsers.mistral import MistralParser
-from tests.conftest import LiveServer, tiny_config
+from tests.conftest import GrammarProbe, tools_server
 from tests.test_structured import close_bias, no_whitespace_bias
-from tests.test_tools import CHATML_TOOLS, NO_THINKING, USER
+from tests.test_tools import NO_THINKING, USER
 
 
 class Item(BaseModel):
@@ -86,19 +86,11 @@ def test_the_examples_are_what_they_say():
 # ---------------------------------------------------------------- the grammar, token by token
 @pytest.fixture(scope="module")
 def grammars(model_dir):
-    from transformers import AutoTokenizer
-
-    from core.structured import Grammars
-
-    tok = AutoTokenizer.from_pretrained(model_dir("qwen3"))
-    return tok, Grammars(tok.backend_tokenizer.to_str(), len(tok), [tok.eos_token_id])
+    return GrammarProbe(model_dir)
 
 
 def accepts(grammars, lark: str, text: str) -> bool:
-    tok, g = grammars
-    matcher = g.start(Constraint("grammar", lark)).result()
-    ok = matcher.consume_tokens(tok.encode(text, add_special_tokens=False))
-    return bool(ok) and not matcher.is_error() and matcher.is_accepting()
+    return grammars.accepts(Constraint("grammar", lark), text)
 
 
 MARKUP = {  # each parser's call markup for one call
@@ -126,10 +118,7 @@ def test_the_call_grammar_follows_the_references(grammars, parser, name):
 # ---------------------------------------------------------------- through the OpenAI SDK
 @pytest.fixture(scope="module")
 def server(model_dir):
-    config = tiny_config(
-        model_dir, max_model_len=2048, num_kv_blocks=512, chat_template=CHATML_TOOLS
-    )
-    s = LiveServer(config, reasoning_parser="qwen3").start()
+    s = tools_server(model_dir)
     yield s
     s.stop()
 

@@ -10,7 +10,7 @@ import httpx
 import jsonschema
 import pytest
 
-from tests.conftest import LiveServer, tiny_config
+from tests.conftest import LiveServer, tiny_config, tools_server
 
 # ChatML with Qwen's hermes tool markup (a shortened Qwen2.5 template).
 CHATML_TOOLS = (
@@ -55,10 +55,7 @@ USER = [{"role": "user", "content": "Weather and time in Zürich?"}]
 
 @pytest.fixture(scope="module")
 def server(model_dir):
-    config = tiny_config(
-        model_dir, max_model_len=2048, num_kv_blocks=512, chat_template=CHATML_TOOLS
-    )
-    s = LiveServer(config, reasoning_parser="qwen3").start()
+    s = tools_server(model_dir)
     yield s
     s.stop()
 

@@ -1,13 +1,14 @@
 """Build and load weir's CPU kernels as torch operators (torch.ops.weir, torch.classes.weir).
 
 The kernel sources (csrc/*.cpp, declared once in csrc/weir.h) include no torch header: they
-compile in about a second each with -O3 -march=native -ffast-math. One source, csrc/ops.cpp,
-registers the operators with TORCH_LIBRARY and checks every tensor before it reaches a kernel;
-it is compiled against torch's headers with the include and library paths, C++ ABI and C++
-standard torch.utils.cpp_extension gives, then everything is linked into one library that
-torch.ops.load_library loads. The build runs the compiler directly (in parallel, no ninja
-needed on a fresh machine) and is cached by the sources, compiler, flags, torch version and
-CPU in weir's cache folder (gpu/cache.py), so it happens once per machine.
+compile in about a second each with -O3 -march=native -ffast-math. Two sources, csrc/ops.cpp and
+csrc/stack.cpp, register the operators and the stack's class with TORCH_LIBRARY and check every
+tensor before it reaches a kernel (csrc/checks.h); they are compiled against torch's headers
+with the include and library paths, C++ ABI and C++ standard torch.utils.cpp_extension gives,
+then everything is linked into one library that torch.ops.load_library loads. The build runs
+the compiler directly (in parallel, no ninja needed on a fresh machine) and is cached by the
+sources, compiler, flags, torch version and CPU in weir's cache folder (gpu/cache.py), so it
+happens once per machine.
 """
 
 from __future__ import annotations
@@ -38,14 +39,14 @@ KERNELS = [
         "sample.cpp",
     )
 ]
-BINDINGS = CSRC / "ops.cpp"
-HEADERS = [CSRC / n for n in ("weir.h", "attention_simd.h")]
+BINDINGS = [CSRC / "ops.cpp", CSRC / "stack.cpp"]  # the torch operators and the stack's class
+HEADERS = [CSRC / n for n in ("weir.h", "attention_simd.h", "checks.h")]
 # -ffast-math lets g++ vectorize exp (glibc's libmvec) and reassociate the dot products; it is
 # given to the kernels' compile step only, so the link does not add crtfastmath.o, which would
 # switch denormals to zero for the whole process (torch included). The kernels never form inf
 # or NaN. OpenMP: mask.cpp's row loop and the kernels' simd loops.
 COMPILE = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fPIC", "-std=c++17"]
-# ops.cpp: torch's headers need C++20; nothing there is hot.
+# ops.cpp, stack.cpp: torch's headers need C++20; nothing there is hot.
 COMPILE_BINDINGS = ["-O2", "-fPIC", "-std=c++20", "-w"]
 LINK = ["-shared", "-fopenmp"]
 
@@ -86,7 +87,7 @@ def _torch_flags() -> tuple[list[str], list[str]]:
 def library_path(cxx: str) -> Path:
     key = hashlib.sha256()
     for part in (
-        *(src.read_bytes() for src in [*KERNELS, BINDINGS, *HEADERS]),
+        *(src.read_bytes() for src in [*KERNELS, *BINDINGS, *HEADERS]),
         cxx.encode(),
         " ".join(COMPILE + COMPILE_BINDINGS + LINK).encode(),
         torch.__version__.encode(),
@@ -129,12 +130,14 @@ def _compile(cxx: str, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     torch_compile, torch_link = _torch_flags()
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-        objs = [str(Path(tmp) / (src.stem + ".o")) for src in [*KERNELS, BINDINGS]]
+        sources = [*KERNELS, *BINDINGS]
+        objs = [str(Path(tmp) / (src.stem + ".o")) for src in sources]
         out = Path(tmp) / path.name
-        compiles = [[cxx, *COMPILE, "-c", str(src), "-o", o] for src, o in zip(KERNELS, objs)]
-        compiles.append(
-            [cxx, *COMPILE_BINDINGS, *torch_compile, "-c", str(BINDINGS), "-o", objs[-1]]
-        )
+        compiles = [
+            [cxx, *(COMPILE if src in KERNELS else [*COMPILE_BINDINGS, *torch_compile])]
+            + ["-c", str(src), "-o", o]
+            for src, o in zip(sources, objs)
+        ]
         _run_all(compiles)
         _run_all([[cxx, *LINK, *objs, "-o", str(out), *torch_link]])
         os.replace(out, path)  # atomic: concurrent builders each publish a whole file

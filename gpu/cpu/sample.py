@@ -28,8 +28,8 @@ def ops():
 
 def argmax(logits: torch.Tensor) -> torch.Tensor | None:
     """torch.argmax over the last dimension of [rows, vocab] float32 CPU logits (the first of
-    equal maxima, NaN above all), on weir's pool: torch's wakes its OpenMP team for a 64-row
-    step's logits and took 0.14-0.5 ms of it. None where the kernel does not apply."""
+    equal maxima, NaN above all), on weir's pool: torch's wakes its OpenMP team for a step's
+    logits. None where the kernel does not apply."""
     if (
         logits.dtype != torch.float32
         or logits.dim() != 2

@@ -188,7 +188,7 @@ void run_item(const Args& a, int64_t seq, int64_t row0, int64_t row1, std::vecto
             k0, a.sliding_window > 0 ? std::max<int64_t>(0, end - a.sliding_window) : 0);
         float* s = scores.data() + i * span - lo_min;
         // A vector max: written as a plain loop g++ kept the running max in memory (a store
-        // and reload per key: 40% of the kernel's time in decode).
+        // and reload per key, a large share of the kernel's time in decode).
         float m = s[lo];
 #pragma omp simd reduction(max : m)
         for (int64_t t = lo; t < hi; ++t) m = m > s[t] ? m : s[t];
@@ -276,9 +276,8 @@ void merge_parts(const Args& a, int64_t token, const float* acc, const float* ma
 // A decode row whose context is longer than kPartKeys is split into parts of kPartKeys keys
 // (aligned, so a sequence is split the same way in any batch and on any number of threads: the
 // result never depends on either), computed as separate work items and merged: one sequence's
-// decode then reads its K/V on every thread, where it used to be one item on one thread. One
-// stream on a 2-core AVX-512 Xeon (6-layer Llama, 2 KV heads of 64): a layer at 4,096 keys
-// 304 -> 196 us; the engine's decode step at a 3,500-token context 17.7-18.3 -> 9.8-10.1 ms.
+// decode then reads its K/V on every thread, where it used to be one item on one thread
+// (figures: docs/benchmarks.md, "Figures moved out of the code").
 constexpr int64_t kPartKeys = 512;
 
 template <typename T, typename C, int64_t DD>

@@ -105,9 +105,8 @@ inline void narrow(const float* src, int64_t n, _Float16* dst) {
 // Scores: one query against up to 16 keys as 16 vertical accumulators, then one transposed
 // reduction tree (45 shuffles and adds) gives the 16 dot products in order, instead of a
 // horizontal reduction per key (about 8 operations each). Weighted sum: 16 accumulator
-// registers held over a whole chunk, each value row loaded once for a group of queries. A decode
-// layer of 64 sequences x 180 keys (8 heads of 64, 2 KV heads, cache in L3) on a 2-core Zen 5:
-// 364 -> 316 us on 1 thread, 194 -> 157 us on 2, over the portable loops below.
+// registers held over a whole chunk, each value row loaded once for a group of queries: faster
+// than the portable loops below (figures: docs/benchmarks.md, "Figures moved out of the code").
 inline __m512 reduce16(__m512 a[16]) {
     __m512 b[8], c[4];
     for (int i = 0; i < 8; ++i)

@@ -40,14 +40,12 @@ typedef float vf __attribute__((vector_size(VW * 4)));
 typedef float vfu __attribute__((vector_size(VW * 4), aligned(4)));
 
 // Rows per task in large products: a block of x rows against one panel (both stay in L2). 16
-// micro-tiles (96 rows with AVX-512) measured best of 8, 11, 16, 24, 32 and 48 over the 6-layer
-// Llama's products at 64 and 512 rows; a decode step of up to 96 rows is one block.
+// micro-tiles (96 rows with AVX-512) measured best of the sizes tried; a decode step of up to
+// 96 rows is one block (figures: docs/benchmarks.md, "Figures moved out of the code").
 constexpr int64_t MB = MR * 16;
 // Panel rows per pass: KC x NB floats (8 KB with AVX-512) stay in L1 across the block's tiles
-// while the next KC rows are prefetched (see rows). With the prefetch, 32 measured best of 16,
-// 32, 48, 64, 96, 128 and 256 over the 6-layer Llama's products, each with its own weights
-// (weights from L3 or memory, as in a forward), alternated in one process: 2 threads, 64 rows
-// 203-222 (128) -> 235-245 GFLOP/s, 16 rows 104-123 -> 127-150, 512 rows level.
+// while the next KC rows are prefetched (see rows). With the prefetch, 32 measured best of the
+// sizes tried, weights from L3 or memory as in a forward (figures: docs/benchmarks.md).
 constexpr int64_t KC = 32;
 
 struct Args {
@@ -236,9 +234,7 @@ void gemm(const float* x, int64_t m, int64_t k, int64_t x_stride, const float* p
     // from memory once, then from cache for each block. Four or more (a prefill chunk) go
     // block-major: the threads share one x block, which stays in their L2 while the panels
     // stream past it (prefetched, see rows), where panel-major re-read all of x from L3 for
-    // every panel. The 6-layer Llama's products, alternated in one process on 2 threads:
-    // 512 rows 168 -> 186, 1024 rows 187 -> 204, 2048 rows 179 -> 209 GFLOP/s; 128 and 192
-    // rows (two blocks) level either way.
+    // every panel: faster from four blocks up, level at two (figures: docs/benchmarks.md).
     const bool block_major = blocks >= 4;
     // The packed copy of x below is bounded: a product with more of x than kMaxPacked floats
     // (a long prefill chunk through a wide MLP: 2,048 x 14,336 floats is 117 MB) runs as
@@ -258,7 +254,7 @@ void gemm(const float* x, int64_t m, int64_t k, int64_t x_stride, const float* p
     }
     // Block-major, x is first copied micro-tile by micro-tile ([m / MR][k][MR], zero rows past
     // m): a tile then reads one contiguous stream instead of MR rows k floats apart. One more
-    // pass over x; alternated as above, 512 / 1024 / 2048 rows +1-5% / +14% / +4-6% more.
+    // pass over x, and faster at every size measured (figures: docs/benchmarks.md).
     // Each output is the same sum in the same order whichever way it goes.
     static thread_local std::vector<float> xp;  // the caller's, grown once
     if (block_major) {

@@ -2,7 +2,8 @@
 // One row of the int32 bitmask covers the vocabulary, bit b of word w standing for token
 // 32 * w + b. Words with every bit set (all 32 tokens allowed) are skipped, so a row mid-string
 // (most of the vocabulary allowed) costs a scan of vocab / 32 words; a row with few allowed
-// tokens writes the rest. torch's bit expansion took 92 ms for 64 rows of 151,936 tokens.
+// tokens writes the rest. torch's bit expansion over a large vocabulary took far longer
+// (figures: docs/benchmarks.md, "Figures moved out of the code").
 #include <cstdint>
 #include <cstring>
 

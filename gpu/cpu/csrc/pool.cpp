@@ -10,9 +10,9 @@
 // The caller waits for the last claimed tasks by spinning, then asleep: a worker the OS took
 // off its core in the middle of a task (the HTTP process wanted it) holds that task until it
 // runs again, and a caller spinning on the other core keeps the scheduler from moving the
-// worker there. Served at 64 streams on 2 cores, 1.4% of the caller's waits lasted over a
-// millisecond (3 ms on average) and were 80% of its waiting; asleep, its core goes to the HTTP
-// process or the stalled worker instead of to the spin.
+// worker there. Served at 64 streams on 2 cores, a few long waits were most of the caller's
+// waiting; asleep, its core goes to the HTTP process or the stalled worker instead of to the
+// spin (figures: docs/benchmarks.md).
 
 #include "weir.h"
 
@@ -31,8 +31,8 @@ namespace {
 constexpr uint64_t kExhausted = 0xffffffffu;
 constexpr auto kSpin = std::chrono::microseconds(50);  // then sleep until the next loop
 // The caller's wait for the last claimed tasks, spun before sleeping: most end within a task's
-// length (94-96% of the waits above under 50 us); sleeping after 50 us was slower served (a
-// sleeping caller gave its core away for the time a wake-up takes, hundreds of times a second)
+// length; sleeping sooner was slower served (a sleeping caller gave its core away for the time a
+// wake-up takes, hundreds of times a second)
 constexpr auto kWaitSpin = std::chrono::microseconds(300);
 
 thread_local int tl_index = 0;

@@ -1,0 +1,104 @@
+// Checks of the tensors a torch operator is given, before a kernel sees a pointer (ops.cpp,
+// stack.cpp): dtype, device, rank, sizes, strides, and the indexes the kernels follow.
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+
+#include "weir.h"
+
+namespace weir_ops {
+
+using at::Tensor;
+using c10::optional;
+
+inline int64_t threads() { return at::get_num_threads(); }
+
+inline void check_cpu(const Tensor& t, const char* name) {
+    TORCH_CHECK(t.defined(), name, ": missing");
+    TORCH_CHECK(t.device().is_cpu(), name, ": needs a CPU tensor, got ", t.device());
+}
+
+inline void check_f32(const Tensor& t, const char* name) {
+    check_cpu(t, name);
+    TORCH_CHECK_VALUE(t.scalar_type() == at::kFloat, name, ": needs float32, got ",
+                      t.scalar_type());
+}
+
+// A contiguous tensor of `type` with `numel` elements.
+inline void check_flat(const Tensor& t, at::ScalarType type, int64_t numel, const char* name) {
+    check_cpu(t, name);
+    TORCH_CHECK_VALUE(t.scalar_type() == type, name, ": needs ", type, ", got ", t.scalar_type());
+    TORCH_CHECK_VALUE(t.is_contiguous(), name, ": must be contiguous");
+    TORCH_CHECK_VALUE(t.numel() == numel, name, ": needs ", numel, " elements, got ", t.numel());
+}
+
+// A [rows, cols] float32 matrix whose rows are contiguous (any row stride >= cols).
+inline void check_rows(const Tensor& t, int64_t rows, int64_t cols, const char* name) {
+    check_f32(t, name);
+    TORCH_CHECK_VALUE(t.dim() == 2 && t.size(0) == rows && t.size(1) == cols, name, ": needs [",
+                      rows, ", ", cols, "], got ", t.sizes());
+    TORCH_CHECK_VALUE(rows == 0 || (t.stride(1) == 1 && t.stride(0) >= cols), name,
+                      ": rows must be contiguous");
+}
+
+inline int dtype_code(at::ScalarType t) {
+    switch (t) {
+        case at::kFloat: return weir::kFloat32;
+        case at::kBFloat16: return weir::kBFloat16;
+        case at::kHalf: return weir::kFloat16;
+        default: return -1;
+    }
+}
+
+// ---- the paged cache's step layout: the indexes the attention and K/V writes follow ----
+struct Paged {
+    int64_t num_blocks, block_size, num_seqs, max_blocks;
+};
+
+// k_cache [blocks, block_size, kv_heads, dim]; block_tables [seqs, max_blocks] int32;
+// query_start [seqs + 1] int32 (0, ..., tokens, non-decreasing); seq_lens [seqs] int32, each at
+// least its query length and within its table; every block id a sequence reaches in range.
+inline Paged check_paged(const Tensor& k_cache, const Tensor& v_cache, const Tensor& block_tables,
+                  const Tensor& query_start, const Tensor& seq_lens, int64_t tokens) {
+    check_cpu(k_cache, "k_cache");
+    check_cpu(v_cache, "v_cache");
+    TORCH_CHECK_VALUE(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
+                      "caches: need two [blocks, block_size, kv_heads, dim] tensors, got ",
+                      k_cache.sizes(), " and ", v_cache.sizes());
+    TORCH_CHECK_VALUE(k_cache.is_contiguous() && v_cache.is_contiguous(),
+                      "caches must be contiguous");
+    check_cpu(block_tables, "block_tables");
+    TORCH_CHECK_VALUE(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 &&
+                          block_tables.is_contiguous(),
+                      "block_tables: needs a contiguous [seqs, max_blocks] int32 tensor");
+    const int64_t seqs = block_tables.size(0), width = block_tables.size(1);
+    check_flat(query_start, at::kInt, seqs + 1, "query_start");
+    check_flat(seq_lens, at::kInt, seqs, "seq_lens");
+    const Paged p{k_cache.size(0), k_cache.size(1), seqs, width};
+    const int32_t* qs = query_start.data_ptr<int32_t>();
+    const int32_t* lens = seq_lens.data_ptr<int32_t>();
+    const int32_t* tables = block_tables.data_ptr<int32_t>();
+    TORCH_CHECK_INDEX(qs[0] == 0 && qs[seqs] == tokens, "query_start must run from 0 to ",
+                      tokens);
+    for (int64_t s = 0; s < seqs; ++s) {
+        const int64_t q = qs[s + 1] - qs[s], len = lens[s];
+        TORCH_CHECK_INDEX(q >= 0 && len >= q, "sequence ", s, ": ", q, " query rows, ", len,
+                          " keys");
+        TORCH_CHECK_INDEX(len <= width * p.block_size, "sequence ", s, ": ", len,
+                          " keys past its block table");
+        for (int64_t b = 0; b < (len + p.block_size - 1) / p.block_size; ++b) {
+            const int64_t id = tables[s * width + b];
+            TORCH_CHECK_INDEX(id >= 0 && id < p.num_blocks, "block id ", id, " outside the ",
+                              p.num_blocks, " blocks of the cache");
+        }
+    }
+    return p;
+}
+
+
+inline void check_packed(const Tensor& packed, int64_t n, int64_t k, bool gated) {
+    check_flat(packed, at::kFloat, weir::gemm_packed_size(n, k, gated), "packed");
+}
+
+}  // namespace weir_ops

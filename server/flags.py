@@ -1,0 +1,306 @@
+"""Every flag of `weir serve`: the argument parser (server/cli.py turns what it parses into the
+engine's and the server's settings)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from server import vllm_flags
+from server.embedding_config import add_arguments as embedding_flags
+from server.responses.flags import add_arguments as responses_flags
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="weir", description="OpenAI-compatible LLM server")
+    sub = parser.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("serve", help="serve a model over the OpenAI API")
+    s.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        help="local Hugging Face directory or hub id (default: the built-in tiny model)",
+    )
+    s.add_argument(
+        "--model",
+        dest="model_flag",
+        default=None,
+        help="the model, as vLLM's --model (same as the positional MODEL)",
+    )
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=[],
+        help="name(s) clients use for the model (default: the MODEL argument)",
+    )
+    s.add_argument("--revision", default=None, help="hub revision")
+    s.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16", "half", "float"],
+        help="auto: the checkpoint's; half and float are vLLM's names for float16 and float32",
+    )
+    s.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    s.add_argument(
+        "--max-model-len",
+        type=human_int,
+        default=None,
+        help="context length; as in vLLM also 8k (8,000), 8K (8,192), 1.5m, 1M",
+    )
+    s.add_argument("--max-num-seqs", type=int, default=256)
+    s.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    s.add_argument("--block-size", type=int, default=16)
+    s.add_argument(
+        "--num-kv-blocks",
+        type=int,
+        default=None,
+        help="KV cache blocks (default: from --kv-cache-memory or memory utilization)",
+    )
+    s.add_argument(
+        "--kv-cache-memory",
+        type=int,
+        default=1 << 30,
+        help="bytes of KV cache on CPU (default 1 GiB)",
+    )
+    s.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        help="the KV cache's elements: auto (the model's dtype), float32, bfloat16 or float16; "
+        "a 16-bit cache under a float32 model holds twice the tokens and attention reads half "
+        "the bytes (outputs can differ slightly from a float32 cache's)",
+    )
+    s.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    s.add_argument(
+        "--attention-backend",
+        default="auto",
+        choices=["auto", "cpu", "torch", "triton"],
+        help="auto: triton on CUDA; on CPU the compiled cpu kernel (built with the host's g++; "
+        "torch when it cannot be built). torch is the reference; triton on CPU needs "
+        "TRITON_INTERPRET=1",
+    )
+    s.add_argument(
+        "--cpu-threads",
+        default="auto",
+        help="torch threads for the model on CPU; auto: every core this process may use for a "
+        "model of 4M or more weights per token, else one left to the HTTP event loop",
+    )
+    s.add_argument(
+        "--cpu-matmul",
+        default="weir",
+        choices=["weir", "onednn"],
+        help="a float32 model on CPU: its products on weir's packed kernel, or on "
+        "oneDNN-prepacked weights (for A/B measurements)",
+    )
+    s.add_argument(
+        "--cpu-forward",
+        default="auto",
+        choices=["auto", "fused", "modules"],
+        help="a float32 model on CPU: auto runs the layer stack as one compiled call when the "
+        "model fits it (else layer by layer, saying why); fused refuses to start otherwise; "
+        "modules always goes layer by layer",
+    )
+    s.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="run every step eagerly (on CUDA, decode steps are otherwise replayed as CUDA "
+        "graphs captured at startup for batch sizes 1, 2, 4, 8, 16, ... up to --max-num-seqs)",
+    )
+    s.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse the KV of shared prompt prefixes (on by default)",
+    )
+    s.add_argument(
+        "--scheduling-policy",
+        default="fcfs",
+        choices=["fcfs", "priority"],
+        help="priority: lower request `priority` runs first and is preempted last",
+    )
+    s.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        help="split the model over this many worker processes, one per device (cuda:0..N-1, "
+        "or CPU), joined by torch.distributed (NCCL on GPUs, gloo on CPU)",
+    )
+    s.add_argument(
+        "--distributed-init-method",
+        default=None,
+        help="where the tensor-parallel workers meet (torch.distributed init_method, e.g. "
+        "tcp://10.0.0.1:29500); default: a free port on this machine",
+    )
+    s.add_argument(
+        "--nnodes",
+        type=int,
+        default=1,
+        help="machines the tensor-parallel ranks span (each runs an equal share)",
+    )
+    s.add_argument(
+        "--node-rank",
+        type=int,
+        default=0,
+        help="this machine's place among --nnodes (0: the server)",
+    )
+    s.add_argument(
+        "--headless",
+        action="store_true",
+        help="run this node's tensor-parallel ranks only, no server (a machine other than "
+        "node 0; it stops when node 0 does)",
+    )
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--chat-template", default=None, help="a Jinja template file or text")
+    s.add_argument(
+        "--generation-config",
+        default="auto",
+        help="request defaults: auto (the model's generation_config.json), vllm (none) "
+        "or a folder holding a generation_config.json",
+    )
+    s.add_argument(
+        "--max-logprobs",
+        type=int,
+        default=20,
+        help="most log-probs a request may ask for (logprobs, top_logprobs, prompt_logprobs); "
+        "-1: the whole vocabulary",
+    )
+    s.add_argument(
+        "--return-tokens-as-token-ids",
+        action="store_true",
+        help="write log-prob tokens as token_id:N (a request's return_tokens_as_token_ids "
+        "overrides it)",
+    )
+    s.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=32 * 1024 * 1024,
+        help="largest request body accepted (413 above it)",
+    )
+    o = s.add_argument_group("operations")
+    o.add_argument(
+        "--api-key",
+        default=os.environ.get("WEIR_API_KEY"),
+        help="require `Authorization: Bearer KEY` on /v1/*, /tokenize, /detokenize "
+        "(default: $WEIR_API_KEY)",
+    )
+    o.add_argument("--allowed-origins", nargs="+", default=["*"], help="CORS origins")
+    o.add_argument("--allowed-methods", nargs="+", default=["*"], help="CORS methods")
+    o.add_argument("--allowed-headers", nargs="+", default=["*"], help="CORS headers")
+    o.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=None,
+        help="refuse a request that would wait behind this many others",
+    )
+    o.add_argument(
+        "--shed-status",
+        type=int,
+        default=503,
+        choices=[503, 429],
+        help="status for refused requests (with Retry-After)",
+    )
+    o.add_argument(
+        "--request-timeout",
+        type=float,
+        default=None,
+        help="seconds a request may run; then it ends with finish_reason length",
+    )
+    o.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="seconds in-flight requests get to finish after SIGTERM/SIGINT",
+    )
+    o.add_argument(
+        "--keep-alive-timeout",
+        type=float,
+        default=75.0,
+        help="idle keep-alive seconds (above common load-balancer idle timeouts)",
+    )
+    o.add_argument(
+        "--tcp-user-timeout",
+        type=float,
+        default=30.0,
+        help="seconds sent data may go unacknowledged before a stalled client is "
+        "dropped and its request aborted",
+    )
+    o.add_argument(
+        "--stream-interval",
+        type=int,
+        default=1,
+        help="send an SSE event every N tokens (the first and last at once): fewer, "
+        "larger writes when serving many streams",
+    )
+    o.add_argument(
+        "--engine-process",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run the engine core in its own process (as vLLM does), so HTTP work and the "
+        "engine do not share one interpreter lock; --no-engine-process runs it on a thread "
+        "of the server process",
+    )
+    o.add_argument(
+        "--metrics-prefix",
+        default="weir",
+        help="metric name prefix; `vllm` makes vLLM dashboards work unchanged",
+    )
+    o.add_argument(
+        "--disable-log-requests", action="store_true", help="no log line per finished request"
+    )
+    s.add_argument(
+        "--reasoning-parser",
+        default=None,
+        help="split a thinking model's output into `reasoning` (also sent as "
+        "`reasoning_content`) and `content`: qwen3, deepseek_r1, or auto (from the chat "
+        "template's <think> markup)",
+    )
+    s.add_argument(
+        "--tool-call-parser",
+        default="auto",
+        help="how a model's tool calls are read from its output: hermes, llama3_json, mistral, "
+        "pythonic, qwen3_coder, or auto (default: the parser whose markup the chat template "
+        "writes)",
+    )
+    s.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="accepted as vLLM spells it: tool_choice auto works whenever a parser is known",
+    )
+    o.add_argument(
+        "--disable-log-stats",
+        action="store_true",
+        help="no periodic stats line (throughput, queue, KV cache) in the log",
+    )
+    o.add_argument(
+        "--stats-interval",
+        type=float,
+        default=10.0,
+        help="seconds between stats lines while the engine has work",
+    )
+    o.add_argument(
+        "--exit-on-engine-error",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="exit non-zero when the engine dies (default), or stay up, unhealthy",
+    )
+    responses_flags(s)
+    embedding_flags(s)
+    s.add_argument("--log-level", default="info")
+    vllm_flags.add_arguments(s)
+    return parser
+
+
+def human_int(value: str) -> int:
+    """An integer, or vLLM's readable form: k/m/g thousands, K/M/G powers of 1,024 (8k, 1.5M)."""
+    scales = {"k": 10**3, "m": 10**6, "g": 10**9, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    text = value.strip()
+    try:
+        if text and text[-1] in scales:
+            return int(float(text[:-1]) * scales[text[-1]])
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is not a number of tokens (e.g. 4096, 8k, 32K)"
+        ) from None

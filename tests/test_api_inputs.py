@@ -1,0 +1,164 @@
+"""Chat input through the API (roles, content parts, templates and their overrides, the
+generation config's defaults) and the plain endpoints: tokenize, version, OpenAPI, body limits."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from core.config import EngineConfig
+from tests.conftest import LiveServer, api_server
+
+
+USER = [{"role": "user", "content": "Tell me about the river café 🌊 and the stone bridge"}]
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    s = api_server(model_dir)
+    yield s
+    s.stop()
+
+
+def chat(client, **kw):
+    kw.setdefault("model", "tiny")
+    kw.setdefault("messages", USER)
+    return client.chat.completions.create(**kw)
+
+
+# ---------------------------------------------------------------- chat input
+def test_chat_inputs(client, server):
+    history = [
+        {"role": "developer", "content": "Be brief."},
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "part one"}, {"type": "text", "text": "part two"}],
+            "name": "ann",
+        },
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "look", "arguments": "{}"}}
+            ],
+        },
+        {"role": "tool", "content": "42", "tool_call_id": "c1"},
+        {"role": "assistant", "content": "The answer is"},
+    ]
+    r = chat(
+        client,
+        messages=history,
+        max_tokens=3,
+        extra_body={"continue_final_message": True, "add_generation_prompt": False},
+    )
+    assert r.choices[0].message.content is not None
+    tokens = httpx.post(
+        server.url + "/tokenize",
+        json={"messages": history, "continue_final_message": True, "add_generation_prompt": False},
+    )
+    assert tokens.json()["count"] == r.usage.prompt_tokens
+    r = chat(client, max_tokens=2, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert r.choices[0].finish_reason is not None
+
+
+def test_chat_template_override_and_missing_template(model_dir, tmp_path):
+    import shutil
+
+    src = model_dir("qwen3")
+    bare = tmp_path / "bare"
+    shutil.copytree(src, bare)
+    (bare / "chat_template.jinja").unlink()
+    cfg = json.loads((bare / "tokenizer_config.json").read_text())
+    cfg.pop("chat_template", None)
+    (bare / "tokenizer_config.json").write_text(json.dumps(cfg))
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}")
+    for tpl, status in ((None, 400), (str(template), 200)):
+        s = LiveServer(EngineConfig(model=str(bare), num_kv_blocks=32, chat_template=tpl)).start()
+        try:
+            r = httpx.post(
+                s.url + "/v1/chat/completions",
+                json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+            )
+            assert r.status_code == status, r.text
+            if status == 400:
+                assert r.json()["error"]["code"] == "no_chat_template"
+            else:
+                count = httpx.post(
+                    s.url + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}
+                ).json()["count"]
+                assert count == len(s.state.tokenizer.encode("<<hi>>", add_special_tokens=False))
+        finally:
+            s.stop()
+
+
+def test_generation_config_defaults_apply_when_unset(model_dir, tmp_path):
+    import shutil
+
+    path = tmp_path / "gen"
+    shutil.copytree(model_dir("qwen3"), path)
+    gen = json.loads((path / "generation_config.json").read_text())
+    gen.update({"temperature": 0.0, "max_new_tokens": 7})
+    (path / "generation_config.json").write_text(json.dumps(gen))
+    s = LiveServer(EngineConfig(model=str(path), num_kv_blocks=64)).start()
+    try:
+        body = {"messages": USER, "ignore_eos": True}
+        a = httpx.post(s.url + "/v1/chat/completions", json=body).json()
+        b = httpx.post(s.url + "/v1/chat/completions", json=body).json()
+        assert a["usage"]["completion_tokens"] == 7  # max_new_tokens became the default
+        assert a["choices"][0]["message"] == b["choices"][0]["message"]  # temperature 0: greedy
+        c = httpx.post(s.url + "/v1/chat/completions", json={**body, "max_tokens": 3}).json()
+        assert c["usage"]["completion_tokens"] == 3  # the request's own value wins
+    finally:
+        s.stop()
+
+
+# ---------------------------------------------------------------- endpoints
+def test_tokenize_detokenize_round_trip(server, client):
+    text = "café naïve 你好 😀 the river"
+    t = httpx.post(server.url + "/tokenize", json={"prompt": text}).json()
+    assert t["count"] == len(t["tokens"]) and t["max_model_len"] == 512
+    d = httpx.post(server.url + "/detokenize", json={"tokens": t["tokens"]}).json()
+    assert d["prompt"] == text
+    m = httpx.post(server.url + "/tokenize", json={"messages": USER}).json()
+    r = chat(client, max_tokens=1)
+    assert m["count"] == r.usage.prompt_tokens
+    strs = httpx.post(
+        server.url + "/tokenize", json={"prompt": "hi there", "return_token_strs": True}
+    ).json()
+    assert len(strs["token_strs"]) == strs["count"]
+
+
+def test_version_openapi_docs_and_request_id(server):
+    assert httpx.get(server.url + "/version").json()["version"]
+    doc = httpx.get(server.url + "/openapi.json").json()
+    assert doc["openapi"].startswith("3.")
+    for path in ("/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize"):
+        assert path in doc["paths"]
+    schema = doc["components"]["schemas"]["ChatCompletionRequest"]
+    assert "messages" in schema["required"] and "top_logprobs" in schema["properties"]
+    assert "openapi.json" in httpx.get(server.url + "/docs").text
+    r = httpx.post(
+        server.url + "/v1/chat/completions",
+        headers={"X-Request-Id": "my-id-123"},
+        json={"messages": USER, "max_tokens": 2},
+    )
+    assert r.headers["X-Request-Id"] == "my-id-123" and r.json()["id"] == "my-id-123"
+    assert httpx.get(server.url + "/ping").status_code == 200
+
+
+def test_oversized_body_gets_413(model_dir):
+    s = LiveServer(
+        EngineConfig(model=str(model_dir("qwen3")), num_kv_blocks=32), max_body_bytes=2048
+    ).start()
+    try:
+        r = httpx.post(
+            s.url + "/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": "x" * 5000}]},
+        )
+        assert r.status_code == 413 and r.json()["error"]["message"]
+        assert httpx.get(s.url + "/health").status_code == 200
+    finally:
+        s.stop()
