@@ -39,8 +39,29 @@ KERNELS = [
         "sample.cpp",
     )
 ]
-BINDINGS = [CSRC / "ops.cpp", CSRC / "stack.cpp"]  # the torch operators and the stack's class
-HEADERS = [CSRC / n for n in ("weir.h", "attention_simd.h", "checks.h")]
+# The block- and 16-bit-format products: exact integer arithmetic and float operations in one
+# order on every path, so no -ffast-math; the x86 paths are built for their instruction sets
+# whatever this CPU has (quant.cpp runs each only where the CPU has it).
+QUANT = [CSRC / "quant.cpp", CSRC / "quant_pack.cpp"]
+QUANT_PATHS = {
+    CSRC / "quant_avx2.cpp": ["-mavx2", "-mfma", "-mf16c"],
+    CSRC / "quant_avx512.cpp": [
+        "-mavx512f",
+        "-mavx512bw",
+        "-mavx512vl",
+        "-mavx512dq",
+        "-mavx512vnni",
+        "-mavx512bf16",
+        "-mfma",
+        "-mf16c",
+    ],
+}
+X86 = platform.machine().lower() in ("x86_64", "amd64")
+# the torch operators and the stack's class
+BINDINGS = [CSRC / "ops.cpp", CSRC / "quant_ops.cpp", CSRC / "stack.cpp"]
+HEADERS = [
+    CSRC / n for n in ("weir.h", "attention_simd.h", "checks.h", "activation.h", "quant_layout.h")
+]
 # -ffast-math lets g++ vectorize exp (glibc's libmvec) and reassociate the dot products; it is
 # given to the kernels' compile step only, so the link does not add crtfastmath.o, which would
 # switch denormals to zero for the whole process (torch included). The kernels never form inf
@@ -48,6 +69,7 @@ HEADERS = [CSRC / n for n in ("weir.h", "attention_simd.h", "checks.h")]
 COMPILE = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fPIC", "-std=c++17"]
 # ops.cpp, stack.cpp: torch's headers need C++20; nothing there is hot.
 COMPILE_BINDINGS = ["-O2", "-fPIC", "-std=c++20", "-w"]
+COMPILE_QUANT = ["-O3", "-fopenmp", "-fPIC", "-std=c++17", "-ffp-contract=off"]
 LINK = ["-shared", "-fopenmp"]
 
 _lock = threading.Lock()
@@ -87,9 +109,10 @@ def _torch_flags() -> tuple[list[str], list[str]]:
 def library_path(cxx: str) -> Path:
     key = hashlib.sha256()
     for part in (
-        *(src.read_bytes() for src in [*KERNELS, *BINDINGS, *HEADERS]),
+        *(src.read_bytes() for src in [*KERNELS, *QUANT, *QUANT_PATHS, *BINDINGS, *HEADERS]),
         cxx.encode(),
-        " ".join(COMPILE + COMPILE_BINDINGS + LINK).encode(),
+        " ".join(COMPILE + COMPILE_BINDINGS + COMPILE_QUANT + LINK).encode(),
+        str(QUANT_PATHS).encode(),
         torch.__version__.encode(),
         _cpu_id().encode(),
     ):
@@ -130,14 +153,15 @@ def _compile(cxx: str, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     torch_compile, torch_link = _torch_flags()
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-        sources = [*KERNELS, *BINDINGS]
+        flags = {src: COMPILE for src in KERNELS}
+        flags.update({src: [*COMPILE_QUANT, "-march=native"] for src in QUANT})
+        if X86:
+            flags.update({src: [*COMPILE_QUANT, *isa] for src, isa in QUANT_PATHS.items()})
+        flags.update({src: [*COMPILE_BINDINGS, *torch_compile] for src in BINDINGS})
+        sources = list(flags)
         objs = [str(Path(tmp) / (src.stem + ".o")) for src in sources]
         out = Path(tmp) / path.name
-        compiles = [
-            [cxx, *(COMPILE if src in KERNELS else [*COMPILE_BINDINGS, *torch_compile])]
-            + ["-c", str(src), "-o", o]
-            for src, o in zip(sources, objs)
-        ]
+        compiles = [[cxx, *flags[src], "-c", str(src), "-o", o] for src, o in zip(sources, objs)]
         _run_all(compiles)
         _run_all([[cxx, *LINK, *objs, "-o", str(out), *torch_link]])
         os.replace(out, path)  # atomic: concurrent builders each publish a whole file

@@ -23,9 +23,14 @@
 #include <thread>
 #include <vector>
 
+#include "activation.h"
 #include "weir.h"
 
 namespace {
+
+using weir::gelu;
+using weir::gelu_tanh;
+using weir::silu;
 
 #if defined(__AVX512F__)
 constexpr int VW = 16;  // floats per vector register
@@ -61,16 +66,6 @@ struct Args {
     int64_t out_stride;
     const float* xp;  // x packed by micro-tile ([m / MR][k][MR]), or null: read x in place
 };
-
-// exp's argument clamped to [-80, 80]: -ffast-math assumes no infinities (exp(-v) overflows
-// below v = -88), and above v = 87 exp(-v) is subnormal, which sends glibc's vector exp to its
-// scalar fallback for all 16 lanes; at +-80 the results are the same in float32.
-inline float silu(float v) { return v / (1.f + std::exp(std::max(-80.f, std::min(-v, 80.f)))); }
-inline float gelu(float v) { return 0.5f * v * (1.f + std::erf(v * 0.70710678118654752f)); }
-inline float gelu_tanh(float v) {
-    const float u = 0.7978845608028654f * (v + 0.044715f * v * v * v);
-    return 0.5f * v * (1.f + std::tanh(std::max(-20.f, std::min(u, 20.f))));
-}
 
 // acc[r * NB + j] += sum over k in [k0, k1) of x[row0 + r, k] * panel[k, j], in k order (so
 // the chunks of one sum add up in the same order as one pass would).

@@ -109,6 +109,54 @@ void apply_token_bitmask(float* logits, int64_t row_stride, const int64_t* rows,
                          int64_t num_rows, const int32_t* mask, int64_t words, int64_t vocab,
                          int64_t num_threads);
 
+// ---- weights in 16-bit and block formats (quant.cpp; quant_avx512.cpp, quant_avx2.cpp) ----
+// Formats by ggml's type ids (gpu/quant/formats.py). A weight [n, k] is held in weir's panels of
+// kPanel output columns, each panel's bytes in k order: for 16-bit formats k pairs of each column
+// side by side; for block formats, per 32 weights of k (and per 256 for the k-quants' headers),
+// every column's scales, then its integers laid out for a 4-byte-per-lane integer dot product.
+enum WFormat : int {
+    kWF16 = 1,
+    kWQ4_0 = 2,
+    kWQ8_0 = 8,
+    kWQ4_K = 12,
+    kWQ5_K = 13,
+    kWQ6_K = 14,
+    kWBF16 = 30,
+};
+constexpr int64_t kPanel = 16;
+
+// The kernels for a product: the portable reference, AVX2, AVX-512 (with VNNI and BF16 where the
+// CPU has them). kPathAuto: the best this CPU runs.
+enum QPath : int { kPathAuto = 0, kPathRef = 1, kPathAvx2 = 2, kPathAvx512 = 3 };
+
+// Whether `format` is one of the above, and whether this CPU runs `path`.
+bool wformat_known(int format);
+bool qpath_available(int path);
+int qpath_best();
+
+// The bytes of GGUF's rows of k weights (k a multiple of the format's block), and of weir's packed
+// form of an [n, k] weight (of a gated pair: n = the width of each half).
+int64_t wformat_row_bytes(int format, int64_t k);
+int64_t wformat_block(int format);  // k must be a multiple of this: 256, 32, or 2 (16-bit)
+int64_t wpacked_size(int format, int64_t n, int64_t k, bool gated);
+
+// GGUF rows [n][row_bytes] -> weir's panels (n padded to panels with zero weights); a gated pair,
+// gate rows and up rows2, as alternate panels.
+void wpack(int format, const uint8_t* rows, const uint8_t* rows2, int64_t n, int64_t k,
+           uint8_t* packed, int64_t num_threads);
+
+// The float weights [n, k] a packed (plain) weight stands for: exactly the GGUF dequantization.
+void wdequant(int format, const uint8_t* packed, int64_t n, int64_t k, float* out);
+
+// out[m, n] = x[m, k] @ W^T (+ bias) (+ residual) on a packed weight, or, gated (kSilu...),
+// act(x G^T) * (x U^T). Block formats quantize each row of x to int8 per 32 (scale amax / 127)
+// and take integer dot products; BF16 takes x rounded to bfloat16, F16 x as it is. Each output is
+// the same sum in the same order whatever the batch and the path. residual may be out itself;
+// strides in floats between rows.
+void wgemm(int format, const float* x, int64_t m, int64_t k, int64_t x_stride,
+           const uint8_t* packed, int64_t n, int gated, const float* bias, const float* residual,
+           int64_t res_stride, float* out, int64_t out_stride, int64_t num_threads, int path);
+
 // ---- the layer stack in one call (forward.cpp) ----
 struct DecoderLayer {
     const float* input_norm;  // [hidden]

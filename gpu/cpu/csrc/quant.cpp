@@ -1,0 +1,235 @@
+// Products on weights in 16-bit and block formats (GGUF's F16, BF16, Q8_0, Q4_0, Q4_K, Q5_K,
+// Q6_K) packed into weir's panels (quant_pack.cpp): the reference product, the quantization of
+// the activations, and the dispatch to the fastest path this CPU runs (quant_avx512.cpp with
+// VNNI and BF16, quant_avx2.cpp), each tested against the reference. The layout and the
+// arithmetic every path shares: quant_layout.h.
+//
+// A product streams each panel once per chunk of up to kRowChunk rows: a decode step or a
+// prefill chunk reads every weight block once for all its rows, so many streams cost arithmetic,
+// not memory bandwidth.
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "activation.h"
+#include "quant_layout.h"
+#include "weir.h"
+
+namespace weir {
+
+using namespace q;
+
+namespace q {
+
+void panel_ref(int format, const uint8_t* panel, const Acts& a, const void* x16,
+               int64_t x16_stride, int64_t rows, float* out) {
+    if (is_half(format)) {
+        const uint16_t* w = reinterpret_cast<const uint16_t*>(panel);
+        for (int64_t r = 0; r < rows; ++r) {
+            float e[kHalfSums][kPanel] = {};
+            for (int64_t p = 0; p < a.k / 2; ++p) {
+                float x0, x1;
+                if (format == kWBF16) {
+                    const uint16_t* xb = static_cast<const uint16_t*>(x16) + r * x16_stride;
+                    x0 = bf16_to_float(xb[2 * p]);
+                    x1 = bf16_to_float(xb[2 * p + 1]);
+                } else {
+                    const float* xf = static_cast<const float*>(x16) + r * x16_stride;
+                    x0 = xf[2 * p];
+                    x1 = xf[2 * p + 1];
+                }
+                float* o = e[p % kHalfSums];
+                for (int c = 0; c < kPanel; ++c) {
+                    const uint16_t* wc = w + (p * kPanel + c) * 2;
+                    const float w0 = format == kWBF16 ? bf16_to_float(wc[0]) : half_to_float(wc[0]);
+                    const float w1 = format == kWBF16 ? bf16_to_float(wc[1]) : half_to_float(wc[1]);
+                    o[c] = std::fma(x1, w1, o[c]);
+                    o[c] = std::fma(x0, w0, o[c]);
+                }
+            }
+            for (int c = 0; c < kPanel; ++c)
+                out[r * kPanel + c] = (e[0][c] + e[1][c]) + (e[2][c] + e[3][c]);
+        }
+        return;
+    }
+    const Geometry g = geometry(format);
+    const int64_t blocks = a.k / 32;
+    const uint8_t* at = panel;
+    const uint8_t* header = nullptr;
+    std::vector<float> sums(rows * 2 * kPanel, 0.f);  // [row][b % 2][column]
+    BlockView v;
+    for (int64_t b = 0; b < blocks; ++b) {
+        if (g.header && b % 8 == 0) {
+            header = at;
+            at += g.header;
+        }
+        read_block(format, header, at, at + g.scales, v);
+        at += g.scales + g.ints;
+        for (int64_t r = 0; r < rows; ++r) {
+            const int8_t* xq = a.xq + r * a.k + b * 32;
+            const int64_t blk = r * blocks + b;
+            for (int c = 0; c < kPanel; ++c) {
+                float& e = sums[(r * 2 + b % 2) * kPanel + c];
+                if (g.halves == 2) {
+                    for (int h = 0; h < 2; ++h) {
+                        int32_t dot = 0;
+                        for (int kk = 16 * h; kk < 16 * h + 16; ++kk) dot += int32_t(xq[kk]) * v.u[c][kk];
+                        e = update(e, dot, v.alpha[c][h], v.beta[c][h], a.dx[blk],
+                                   a.xs16[2 * blk + h]);
+                    }
+                } else {
+                    int32_t dot = 0;
+                    for (int kk = 0; kk < 32; ++kk) dot += int32_t(xq[kk]) * v.u[c][kk];
+                    e = update(e, dot, v.alpha[c][0], v.beta[c][0], a.dx[blk], a.xs[blk]);
+                }
+            }
+        }
+    }
+    for (int64_t r = 0; r < rows; ++r)
+        for (int c = 0; c < kPanel; ++c)
+            out[r * kPanel + c] = sums[(r * 2) * kPanel + c] + sums[(r * 2 + 1) * kPanel + c];
+}
+
+}  // namespace q
+namespace {
+
+// Rows of x, per 32: dx = amax / 127, xq = x / dx rounded to nearest even, the sums.
+void quantize_rows(const float* x, int64_t rows, int64_t k, int64_t stride, int8_t* xq,
+                   float* dx, int32_t* sum, float* xs, float* xs16) {
+    const int64_t blocks = k / 32;
+    for (int64_t r = 0; r < rows; ++r) {
+        const float* xr = x + r * stride;
+        for (int64_t b = 0; b < blocks; ++b) {
+            const float* v = xr + 32 * b;
+            float amax = 0.f;
+            for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(v[i]));
+            const float d = amax / 127.f;
+            const float id = d > 0.f ? 1.f / d : 0.f;
+            int8_t* q = xq + r * k + 32 * b;
+            int32_t s[2] = {0, 0};
+            for (int i = 0; i < 32; ++i) {
+                const int32_t qi = int32_t(std::nearbyint(v[i] * id));
+                q[i] = int8_t(std::max(-127, std::min(127, qi)));
+                s[i / 16] += q[i];
+            }
+            const int64_t blk = r * blocks + b;
+            dx[blk] = d;
+            sum[blk] = s[0] + s[1];
+            xs[blk] = d * float(s[0] + s[1]);
+            xs16[2 * blk] = d * float(s[0]);
+            xs16[2 * blk + 1] = d * float(s[1]);
+        }
+    }
+}
+
+bool cpu_has(const char* feature) {
+#if defined(__x86_64__)
+    __builtin_cpu_init();
+    if (!std::strcmp(feature, "avx2")) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    if (!std::strcmp(feature, "avx512"))
+        return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+               __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") &&
+               __builtin_cpu_supports("avx512bf16");
+#endif
+    (void)feature;
+    return false;
+}
+
+}  // namespace
+bool qpath_available(int path) {
+    switch (path) {
+        case kPathRef: return true;
+        case kPathAvx2: return cpu_has("avx2");
+        case kPathAvx512: return cpu_has("avx512");
+        default: return false;
+    }
+}
+
+int qpath_best() {
+    static const int best = qpath_available(kPathAvx512) ? kPathAvx512
+                            : qpath_available(kPathAvx2) ? kPathAvx2
+                                                         : kPathRef;
+    return best;
+}
+
+void wgemm(int format, const float* x, int64_t m, int64_t k, int64_t x_stride,
+           const uint8_t* packed, int64_t n, int gated, const float* bias, const float* residual,
+           int64_t res_stride, float* out, int64_t out_stride, int64_t num_threads, int path) {
+    if (m <= 0) return;
+    if (path == kPathAuto) path = qpath_best();
+    PanelFn fn = panel_ref;
+#if defined(__x86_64__)
+    if (path == kPathAvx512) fn = panel_avx512;
+    if (path == kPathAvx2) fn = panel_avx2;
+#endif
+    const bool half = is_half(format);
+    const int64_t panels = (n + kPanel - 1) / kPanel, bytes = panel_bytes(format, k);
+    const int64_t chunks = (m + kRowChunk - 1) / kRowChunk;
+    const int64_t parts = gated ? 2 : 1;  // a gated pair: gate and up panels side by side
+    // the activations, in the form the weight's products take them
+    std::vector<int8_t> xq;
+    std::vector<float> dx, xs, xs16;
+    std::vector<int32_t> sums;
+    std::vector<uint16_t> xb;
+    if (format == kWBF16) {
+        xb.resize(m * k);
+        parallel_for(m, m > 8 ? num_threads : 1, [&](int64_t r) {
+            for (int64_t kk = 0; kk < k; ++kk) xb[r * k + kk] = float_to_bf16(x[r * x_stride + kk]);
+        });
+    } else if (!half) {
+        xq.resize(m * k);
+        dx.resize(m * k / 32);
+        sums.resize(m * k / 32);
+        xs.resize(m * k / 32);
+        xs16.resize(m * k / 16);
+        parallel_for(chunks, num_threads, [&](int64_t c) {
+            const int64_t r0 = c * kRowChunk, rows = std::min(kRowChunk, m - r0);
+            quantize_rows(x + r0 * x_stride, rows, k, x_stride, xq.data() + r0 * k,
+                          dx.data() + r0 * k / 32, sums.data() + r0 * k / 32,
+                          xs.data() + r0 * k / 32, xs16.data() + r0 * k / 16);
+        });
+    }
+    const int64_t tasks = panels * chunks;
+    parallel_for(tasks, tasks > 1 ? num_threads : 1, [&](int64_t t) {
+        const int64_t p = t % panels, c = t / panels;
+        const int64_t r0 = c * kRowChunk, rows = std::min(kRowChunk, m - r0);
+        alignas(64) float acc[2][kRowChunk * kPanel];
+        Acts a{nullptr, nullptr, nullptr, nullptr, nullptr, k};
+        const void* x16 = nullptr;
+        int64_t x16_stride = 0;
+        if (format == kWBF16) {
+            x16 = xb.data() + r0 * k;
+            x16_stride = k;
+        } else if (half) {
+            x16 = x + r0 * x_stride;
+            x16_stride = x_stride;
+        } else {
+            a = Acts{xq.data() + r0 * k, dx.data() + r0 * k / 32, sums.data() + r0 * k / 32,
+                     xs.data() + r0 * k / 32, xs16.data() + r0 * k / 16, k};
+        }
+        for (int64_t part = 0; part < parts; ++part) {
+            fn(format, packed + (p * parts + part) * bytes, a, x16, x16_stride, rows, acc[part]);
+        }
+        const int64_t n0 = p * kPanel, cols = std::min(kPanel, n - n0);
+        for (int64_t r = 0; r < rows; ++r) {
+            float* o = out + (r0 + r) * out_stride + n0;
+            const float* g = acc[0] + r * kPanel;
+            if (gated) {
+                const float* u = acc[1] + r * kPanel;
+                for (int64_t j = 0; j < cols; ++j) o[j] = activate(gated, g[j]) * u[j];
+                continue;
+            }
+            const float* res = residual ? residual + (r0 + r) * res_stride + n0 : nullptr;
+            for (int64_t j = 0; j < cols; ++j) {
+                float v = g[j];
+                if (bias) v += bias[n0 + j];
+                if (res) v += res[j];
+                o[j] = v;
+            }
+        }
+    });
+}
+
+}  // namespace weir

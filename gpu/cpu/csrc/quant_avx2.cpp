@@ -1,0 +1,211 @@
+// The AVX2 path of the block- and 16-bit-format products (quant.cpp), for x86 CPUs without
+// AVX-512: maddubs (unsigned 8-bit weights times int8 activations, pairs summed to int16) and
+// madd (pairs of those summed to int32) make the 4-byte dot product per 32-bit lane that VNNI
+// does in one instruction. Built with AVX2, FMA and F16C whatever the build machine has; called
+// only where the CPU has them. Same integers and float operations as the reference
+// (quant_layout.h update): tests/test_cpu_quant.py holds it to the reference.
+//
+// A 16-column panel is two halves of 8 columns, one register each. No int16 sum can saturate:
+// 4-, 5- and 6-bit weights times |x| <= 127 stay within 2 * 63 * 127; Q8_0's weights (0..255)
+// are taken signed (q = u - 128), their magnitude against x with q's sign (maddubs(|q|,
+// sign(x, q)), exact for every q in -128..127 as |x| <= 127), and A = sum x q + 128 sum x.
+
+#if defined(__x86_64__)
+
+#include <immintrin.h>
+
+#include "quant_layout.h"
+
+namespace weir::q {
+
+namespace {
+
+inline __m256i bcast4(const int8_t* p) {
+    int32_t v;
+    std::memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+}
+
+inline __m256i load(const uint8_t* p) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
+
+// Half c of the block's integers, one register per quad of k (t = 0..7); Q8_0's as |q| in w and
+// q in sign, q = u - 128.
+inline void decode(int bits, const uint8_t* ints, int c, __m256i w[8], __m256i sign[8]) {
+    if (bits == 8) {
+        const __m256i flip = _mm256_set1_epi8(char(0x80));
+        for (int t = 0; t < 8; ++t) {
+            sign[t] = _mm256_xor_si256(load(ints + 64 * t + 32 * c), flip);
+            w[t] = _mm256_abs_epi8(sign[t]);
+        }
+        return;
+    }
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    for (int t = 0; t < 4; ++t) {
+        const __m256i v = load(ints + 64 * t + 32 * c);
+        w[t] = _mm256_and_si256(v, low4);
+        w[t + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+    }
+    if (bits == 5) {
+        const __m256i hb = load(ints + 256 + 32 * c);
+        const __m256i one = _mm256_set1_epi8(1);
+        for (int t = 0; t < 8; ++t) {
+            const __m256i bit = _mm256_and_si256(_mm256_srli_epi16(hb, t), one);
+            w[t] = _mm256_or_si256(w[t], _mm256_slli_epi16(bit, 4));
+        }
+    } else if (bits == 6) {
+        const __m256i three = _mm256_set1_epi8(3);
+        for (int h = 0; h < 2; ++h) {
+            const __m256i hb = load(ints + 256 + 64 * h + 32 * c);
+            for (int j = 0; j < 4; ++j) {
+                const __m256i two = _mm256_and_si256(_mm256_srli_epi16(hb, 2 * j), three);
+                w[4 * h + j] = _mm256_or_si256(w[4 * h + j], _mm256_slli_epi16(two, 4));
+            }
+        }
+    }
+}
+
+inline __m256 f16x8(const uint8_t* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+inline __m256 u8x8(const uint8_t* p, bool is_signed) {
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+    return _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b));
+}
+
+// dot += the 4-byte dot products of quads t0..t1 of w against the row's quads.
+inline __m256i dots(const __m256i* w, const __m256i* sign, const int8_t* xq, int t0, int t1,
+                    bool signed_w, __m256i dot) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int t = t0; t < t1; ++t) {
+        const __m256i x = bcast4(xq + 4 * t);
+        const __m256i p = _mm256_maddubs_epi16(w[t], signed_w ? _mm256_sign_epi8(x, sign[t]) : x);
+        dot = _mm256_add_epi32(dot, _mm256_madd_epi16(p, ones));
+    }
+    return dot;
+}
+
+inline __m256 update(__m256 acc, __m256i dot, __m256 alpha, __m256 beta, float dx, float xs) {
+    const __m256 ad = _mm256_mul_ps(alpha, _mm256_set1_ps(dx));
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), ad, acc);
+    return _mm256_fnmadd_ps(beta, _mm256_set1_ps(xs), acc);
+}
+
+// Sums kept in memory (L1) per row, [row][chain][8 columns]: AVX2's 16 registers hold one
+// half panel's decoded block, not the rows' sums as well.
+void blocks(int format, const uint8_t* panel, const Acts& a, int64_t rows, float* out) {
+    const Geometry g = geometry(format);
+    const int64_t nb = a.k / 32;
+    const bool q8 = format == kWQ8_0;
+    alignas(32) float e[kRowChunk][2][2][8];  // [row][half c][b % 2][column]
+    std::memset(e, 0, sizeof(float) * rows * 32);
+    const uint8_t* at = panel;
+    const uint8_t* header = nullptr;
+    __m256i w[8], sign[8] = {};
+    for (int64_t b = 0; b < nb; ++b) {
+        if (g.header && b % 8 == 0) {
+            header = at;
+            at += g.header;
+        }
+        const uint8_t* scales = at;
+        const uint8_t* ints = at + g.scales;
+        at += g.scales + g.ints;
+        for (int c = 0; c < 2; ++c) {
+            __m256 alpha[2], beta[2];
+            if (format == kWQ8_0 || format == kWQ4_0) {
+                alpha[0] = f16x8(scales + 16 * c);
+                beta[0] = _mm256_mul_ps(_mm256_set1_ps(q8 ? 128.f : 8.f), alpha[0]);
+            } else if (format == kWQ6_K) {
+                const __m256 d = f16x8(header + 16 * c);
+                for (int h = 0; h < 2; ++h) {
+                    alpha[h] = _mm256_mul_ps(d, u8x8(scales + 16 * h + 8 * c, true));
+                    beta[h] = _mm256_mul_ps(_mm256_set1_ps(32.f), alpha[h]);
+                }
+            } else {
+                alpha[0] = _mm256_mul_ps(f16x8(header + 16 * c), u8x8(scales + 8 * c, false));
+                beta[0] = _mm256_mul_ps(f16x8(header + 32 + 16 * c), u8x8(scales + 16 + 8 * c, false));
+            }
+            decode(g.bits, ints, c, w, sign);
+            for (int64_t r = 0; r < rows; ++r) {
+                const int8_t* xq = a.xq + r * a.k + b * 32;
+                const int64_t blk = r * nb + b;
+                float* o = e[r][c][b % 2];
+                __m256 sum = _mm256_load_ps(o);
+                if (g.halves == 2) {
+                    for (int h = 0; h < 2; ++h) {
+                        const __m256i dot = dots(w, sign, xq, 4 * h, 4 * h + 4, false, _mm256_setzero_si256());
+                        sum = update(sum, dot, alpha[h], beta[h], a.dx[blk], a.xs16[2 * blk + h]);
+                    }
+                } else {
+                    // Q8_0: sum x u = sum x q + 128 sum x
+                    const __m256i start = _mm256_set1_epi32(q8 ? 128 * a.s[blk] : 0);
+                    const __m256i dot = dots(w, sign, xq, 0, 8, q8, start);
+                    sum = update(sum, dot, alpha[0], beta[0], a.dx[blk], a.xs[blk]);
+                }
+                _mm256_store_ps(o, sum);
+            }
+        }
+    }
+    for (int64_t r = 0; r < rows; ++r)
+        for (int c = 0; c < 2; ++c)
+            _mm256_storeu_ps(out + r * kPanel + 8 * c,
+                             _mm256_add_ps(_mm256_load_ps(e[r][c][0]), _mm256_load_ps(e[r][c][1])));
+}
+
+// Columns of a 16-bit half panel as (even k, odd k) floats: w holds 8 columns' pairs.
+inline void bf16_pairs(const uint8_t* p, __m256& w0, __m256& w1) {
+    const __m256i v = load(p);
+    w0 = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+    w1 = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(int(0xFFFF0000u))));
+}
+
+inline void f16_pairs(const uint8_t* p, __m256& w0, __m256& w1) {
+    const __m256 lo = f16x8(p), hi = f16x8(p + 16);  // columns 0..3, 4..7, each (even, odd)
+    const __m256 e = _mm256_shuffle_ps(lo, hi, 0x88), o = _mm256_shuffle_ps(lo, hi, 0xDD);
+    w0 = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(e), 0xD8));
+    w1 = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(o), 0xD8));
+}
+
+// One row, one half panel c: four sums in registers, pair p into sum p % 4.
+void halves_row(int format, const uint8_t* panel, int64_t k, const void* x, int c, float* out) {
+    __m256 s[kHalfSums];
+    for (auto& v : s) v = _mm256_setzero_ps();
+    for (int64_t p = 0; p < k / 2; ++p) {
+        __m256 w0, w1;
+        float x0, x1;
+        if (format == kWBF16) {
+            bf16_pairs(panel + 64 * p + 32 * c, w0, w1);
+            const uint16_t* xb = static_cast<const uint16_t*>(x);
+            x0 = bf16_to_float(xb[2 * p]);
+            x1 = bf16_to_float(xb[2 * p + 1]);
+        } else {
+            f16_pairs(panel + 64 * p + 32 * c, w0, w1);
+            const float* xf = static_cast<const float*>(x);
+            x0 = xf[2 * p];
+            x1 = xf[2 * p + 1];
+        }
+        __m256& acc = s[p % kHalfSums];
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(x1), w1, acc);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(x0), w0, acc);
+    }
+    _mm256_storeu_ps(out + 8 * c, _mm256_add_ps(_mm256_add_ps(s[0], s[1]), _mm256_add_ps(s[2], s[3])));
+}
+
+}  // namespace
+
+void panel_avx2(int format, const uint8_t* panel, const Acts& a, const void* x16,
+                int64_t x16_stride, int64_t rows, float* out) {
+    if (!is_half(format)) return blocks(format, panel, a, rows, out);
+    const int64_t size = format == kWBF16 ? 2 : 4;  // bytes of an element of x
+    for (int64_t r = 0; r < rows; ++r)
+        for (int c = 0; c < 2; ++c)
+            halves_row(format, panel, a.k,
+                       static_cast<const uint8_t*>(x16) + r * x16_stride * size, c,
+                       out + r * kPanel);
+}
+
+}  // namespace weir::q
+
+#endif

@@ -1,0 +1,253 @@
+// The AVX-512 path of the block- and 16-bit-format products (quant.cpp): VNNI's 8-bit dot product
+// (vpdpbusd, 64 multiply-adds an instruction: the weight's unsigned integers against the
+// activations' int8, one 32-bit lane a column) and AVX-512 BF16's pair dot product (vdpbf16ps).
+// Built with these instruction sets whatever the build machine has; called only where the CPU
+// has them (quant.cpp qpath_available). Same integers and float operations in the same order as
+// the reference (quant_layout.h): tests/test_cpu_quant.py holds it to the reference bit for bit.
+//
+// Up to four rows at a time keep their sums in registers across the whole of k: each block (32
+// weights of k) of the panel (16 columns) is decoded once into eight registers, one per quad of
+// k, and run against each of the rows; a row's two sums (even and odd blocks) are two
+// independent chains.
+
+#if defined(__x86_64__)
+
+#include <immintrin.h>
+
+#include "quant_layout.h"
+
+namespace weir::q {
+
+namespace {
+
+constexpr int kRows = 4;  // rows held in registers at a time
+
+inline __m512i bcast4(const int8_t* p) {
+    int32_t v;
+    std::memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+}
+
+inline __m512 f16x16(const uint8_t* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+inline __m512 u8x16(const uint8_t* p, bool is_signed) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm512_cvtepi32_ps(is_signed ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b));
+}
+
+// The block's integers, one register per quad of k (t = 0..7).
+template <int F>
+inline void decode(const uint8_t* ints, __m512i w[8]) {
+    constexpr int bits = geometry(F).bits;
+    if constexpr (bits == 8) {
+        for (int t = 0; t < 8; ++t) w[t] = _mm512_loadu_si512(ints + 64 * t);
+        return;
+    }
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    for (int t = 0; t < 4; ++t) {
+        const __m512i v = _mm512_loadu_si512(ints + 64 * t);
+        w[t] = _mm512_and_si512(v, low4);
+        w[t + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+    }
+    if constexpr (bits == 5) {
+        const __m512i hb = _mm512_loadu_si512(ints + 256);
+        const __m512i bit4 = _mm512_set1_epi8(0x10);
+        for (int t = 0; t < 8; ++t) {
+            // bit t of each byte, moved to bit 4
+            const __m512i moved = t <= 4 ? _mm512_slli_epi16(hb, 4 - t) : _mm512_srli_epi16(hb, t - 4);
+            w[t] = _mm512_or_si512(w[t], _mm512_and_si512(moved, bit4));
+        }
+    } else if constexpr (bits == 6) {
+        const __m512i bits45 = _mm512_set1_epi8(0x30);
+        for (int h = 0; h < 2; ++h) {
+            const __m512i hb = _mm512_loadu_si512(ints + 256 + 64 * h);
+            for (int j = 0; j < 4; ++j) {
+                // bits 2j, 2j + 1 of each byte, moved to bits 4, 5
+                const __m512i moved = j <= 2 ? _mm512_slli_epi16(hb, 4 - 2 * j) : _mm512_srli_epi16(hb, 2);
+                w[4 * h + j] = _mm512_or_si512(w[4 * h + j], _mm512_and_si512(moved, bits45));
+            }
+        }
+    }
+}
+
+// The 4-byte dot products of quads t0..t0+3 of w against a row's quads, as two chains.
+inline __m512i dot4(const __m512i* w, const int8_t* xq, int t0) {
+    __m512i a = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[t0], bcast4(xq + 4 * t0));
+    __m512i b = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[t0 + 1], bcast4(xq + 4 * t0 + 4));
+    a = _mm512_dpbusd_epi32(a, w[t0 + 2], bcast4(xq + 4 * t0 + 8));
+    b = _mm512_dpbusd_epi32(b, w[t0 + 3], bcast4(xq + 4 * t0 + 12));
+    return _mm512_add_epi32(a, b);
+}
+
+inline __m512 update(__m512 e, __m512i dot, __m512 alpha, __m512 beta, float dx, float xs) {
+    const __m512 ad = _mm512_mul_ps(alpha, _mm512_set1_ps(dx));
+    e = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), ad, e);
+    return _mm512_fnmadd_ps(beta, _mm512_set1_ps(xs), e);
+}
+
+// Walks a panel's blocks: the k-quants' headers, each block's scales and integers.
+struct Cursor {
+    const uint8_t* at;
+    __m512 d = _mm512_setzero_ps(), dmin = _mm512_setzero_ps();
+};
+
+// Block b of the panel into the rows' sums e (one of the two chains).
+template <int F, int R>
+inline void block(Cursor& cur, int64_t b, const Acts& a, int64_t r0, int64_t nb, __m512 (&e)[R]) {
+    constexpr Geometry g = geometry(F);
+    if constexpr (g.header != 0) {
+        if (b % 8 == 0) {
+            cur.d = f16x16(cur.at);
+            if constexpr (F != kWQ6_K) cur.dmin = f16x16(cur.at + 32);
+            cur.at += g.header;
+        }
+    }
+    const uint8_t* scales = cur.at;
+    const uint8_t* ints = cur.at + g.scales;
+    cur.at += g.scales + g.ints;
+    __m512 alpha[2], beta[2];
+    if constexpr (F == kWQ8_0 || F == kWQ4_0) {
+        alpha[0] = f16x16(scales);
+        beta[0] = _mm512_mul_ps(_mm512_set1_ps(F == kWQ8_0 ? 128.f : 8.f), alpha[0]);
+    } else if constexpr (F == kWQ6_K) {
+        for (int h = 0; h < 2; ++h) {
+            alpha[h] = _mm512_mul_ps(cur.d, u8x16(scales + 16 * h, true));
+            beta[h] = _mm512_mul_ps(_mm512_set1_ps(32.f), alpha[h]);
+        }
+    } else {
+        alpha[0] = _mm512_mul_ps(cur.d, u8x16(scales, false));
+        beta[0] = _mm512_mul_ps(cur.dmin, u8x16(scales + 16, false));
+    }
+    __m512i w[8];
+    decode<F>(ints, w);
+    for (int r = 0; r < R; ++r) {
+        const int8_t* xq = a.xq + (r0 + r) * a.k + b * 32;
+        const int64_t blk = (r0 + r) * nb + b;
+        if constexpr (g.halves == 2) {
+            e[r] = update(e[r], dot4(w, xq, 0), alpha[0], beta[0], a.dx[blk], a.xs16[2 * blk]);
+            e[r] = update(e[r], dot4(w, xq, 4), alpha[1], beta[1], a.dx[blk], a.xs16[2 * blk + 1]);
+        } else {
+            const __m512i dot = _mm512_add_epi32(dot4(w, xq, 0), dot4(w, xq, 4));
+            e[r] = update(e[r], dot, alpha[0], beta[0], a.dx[blk], a.xs[blk]);
+        }
+    }
+}
+
+template <int F, int R>
+void blocks(const uint8_t* panel, const Acts& a, int64_t r0, float* out) {
+    const int64_t nb = a.k / 32;
+    __m512 even[R], odd[R];
+    for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm512_setzero_ps();
+    Cursor cur{panel};
+    int64_t b = 0;
+    for (; b + 2 <= nb; b += 2) {
+        block<F, R>(cur, b, a, r0, nb, even);
+        block<F, R>(cur, b + 1, a, r0, nb, odd);
+    }
+    if (b < nb) block<F, R>(cur, b, a, r0, nb, even);
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + (r0 + r) * kPanel, _mm512_add_ps(even[r], odd[r]));
+}
+
+template <int F>
+void blocks_rows(const uint8_t* panel, const Acts& a, int64_t rows, float* out) {
+    int64_t r0 = 0;
+    for (; r0 + kRows <= rows; r0 += kRows) blocks<F, kRows>(panel, a, r0, out);
+    switch (rows - r0) {
+        case 1: blocks<F, 1>(panel, a, r0, out); break;
+        case 2: blocks<F, 2>(panel, a, r0, out); break;
+        case 3: blocks<F, 3>(panel, a, r0, out); break;
+        default: break;
+    }
+}
+
+// ---- 16-bit formats: four sums per row, pair p of k into sum p % 4 ----
+inline __m512 pair_bcast(const uint16_t* x) {
+    uint32_t v;
+    std::memcpy(&v, x, 4);
+    return _mm512_castsi512_ps(_mm512_set1_epi32(int(v)));
+}
+
+// Pair p of an F16 panel as (even k, odd k) floats for its 16 columns.
+inline void f16_pair(const uint8_t* wp, __m512& w0, __m512& w1) {
+    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+    const __m512 lo = f16x16(wp), hi = f16x16(wp + 32);
+    w0 = _mm512_permutex2var_ps(lo, even, hi);
+    w1 = _mm512_permutex2var_ps(lo, odd, hi);
+}
+
+template <bool BF, int R>
+inline void pair(const uint8_t* panel, int64_t p, const void* x, int64_t stride, int64_t r0,
+                 __m512 (&e)[R]) {
+    if constexpr (BF) {
+        const __m512bh wp = (__m512bh)_mm512_loadu_si512(panel + 64 * p);
+        for (int r = 0; r < R; ++r) {
+            const uint16_t* xr = static_cast<const uint16_t*>(x) + (r0 + r) * stride + 2 * p;
+            e[r] = _mm512_dpbf16_ps(e[r], wp, (__m512bh)pair_bcast(xr));
+        }
+    } else {
+        __m512 w0, w1;
+        f16_pair(panel + 64 * p, w0, w1);
+        for (int r = 0; r < R; ++r) {
+            const float* xr = static_cast<const float*>(x) + (r0 + r) * stride + 2 * p;
+            e[r] = _mm512_fmadd_ps(_mm512_set1_ps(xr[1]), w1, e[r]);
+            e[r] = _mm512_fmadd_ps(_mm512_set1_ps(xr[0]), w0, e[r]);
+        }
+    }
+}
+
+template <bool BF, int R>
+void halves(const uint8_t* panel, int64_t k, const void* x, int64_t stride, int64_t r0,
+            float* out) {
+    __m512 e0[R], e1[R], e2[R], e3[R];
+    for (int r = 0; r < R; ++r) e0[r] = e1[r] = e2[r] = e3[r] = _mm512_setzero_ps();
+    const int64_t pairs = k / 2;
+    int64_t p = 0;
+    for (; p + 4 <= pairs; p += 4) {
+        pair<BF, R>(panel, p, x, stride, r0, e0);
+        pair<BF, R>(panel, p + 1, x, stride, r0, e1);
+        pair<BF, R>(panel, p + 2, x, stride, r0, e2);
+        pair<BF, R>(panel, p + 3, x, stride, r0, e3);
+    }
+    if (p < pairs) pair<BF, R>(panel, p++, x, stride, r0, e0);
+    if (p < pairs) pair<BF, R>(panel, p++, x, stride, r0, e1);
+    if (p < pairs) pair<BF, R>(panel, p++, x, stride, r0, e2);
+    for (int r = 0; r < R; ++r)
+        _mm512_storeu_ps(out + (r0 + r) * kPanel,
+                         _mm512_add_ps(_mm512_add_ps(e0[r], e1[r]), _mm512_add_ps(e2[r], e3[r])));
+}
+
+template <bool BF>
+void halves_rows(const uint8_t* panel, int64_t k, const void* x, int64_t stride, int64_t rows,
+                 float* out) {
+    int64_t r0 = 0;
+    for (; r0 + kRows <= rows; r0 += kRows) halves<BF, kRows>(panel, k, x, stride, r0, out);
+    switch (rows - r0) {
+        case 1: halves<BF, 1>(panel, k, x, stride, r0, out); break;
+        case 2: halves<BF, 2>(panel, k, x, stride, r0, out); break;
+        case 3: halves<BF, 3>(panel, k, x, stride, r0, out); break;
+        default: break;
+    }
+}
+
+}  // namespace
+
+void panel_avx512(int format, const uint8_t* panel, const Acts& a, const void* x16,
+                  int64_t x16_stride, int64_t rows, float* out) {
+    switch (format) {
+        case kWBF16: return halves_rows<true>(panel, a.k, x16, x16_stride, rows, out);
+        case kWF16: return halves_rows<false>(panel, a.k, x16, x16_stride, rows, out);
+        case kWQ8_0: return blocks_rows<kWQ8_0>(panel, a, rows, out);
+        case kWQ4_0: return blocks_rows<kWQ4_0>(panel, a, rows, out);
+        case kWQ4_K: return blocks_rows<kWQ4_K>(panel, a, rows, out);
+        case kWQ5_K: return blocks_rows<kWQ5_K>(panel, a, rows, out);
+        case kWQ6_K: return blocks_rows<kWQ6_K>(panel, a, rows, out);
+        default: return;
+    }
+}
+
+}  // namespace weir::q
+
+#endif

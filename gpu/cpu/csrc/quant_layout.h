@@ -1,0 +1,143 @@
+// weir's packed layout of a weight in a block or 16-bit format, and the quantized activations,
+// shared by the paths of quant.cpp (reference), quant_avx2.cpp and quant_avx512.cpp. Header-only,
+// no torch; every path computes the same integers and the same float operations in the same
+// order (update() below), so a path's results are the reference's.
+//
+// A weight [n, k] is ceil(n / 16) panels of 16 output columns (zero columns pad the last), each
+// panel's bytes in k order.
+//
+// Block formats, per 32 weights of k ("a block"), every column's part side by side:
+//   k-quants, before each 256 (8 blocks): a header, per column f16 d (and for Q4_K/Q5_K f16 dmin)
+//   scales: Q8_0/Q4_0 f16 d per column; Q4_K/Q5_K u8 sc[16] then u8 m[16]; Q6_K int8 sc of the
+//           block's first 16 weights [16], then of its second 16 [16]
+//   integers, each an unsigned value u (Q8_0: q + 128 in 0..255; Q4_0, Q4_K: 0..15; Q5_K: 0..31;
+//   Q6_K: 0..63) laid out for a dot product that takes 4 consecutive k of a column per 32-bit
+//   lane ("quad" t: k = 4t..4t+3, t = 0..7):
+//     8-bit: [t 0..7][column 16][4 bytes]
+//     4-bit: [t 0..3][column 16][4 bytes], low nibble quad t, high nibble quad t + 4
+//     Q5_K: the 4-bit part of u as above, then [column 16][4 bytes] whose bit t is u's bit 4 in
+//           quad t
+//     Q6_K: the 4-bit part, then two [column 16][4 bytes] regions h = 0, 1 whose bits 2j, 2j + 1
+//           are u's bits 4, 5 in quad 4h + j
+// Weight value: Q8_0 d (u - 128); Q4_0 d (u - 8); Q4_K/Q5_K d sc u - dmin m; Q6_K d sc (u - 32)
+// with sc the scale of the weight's 16. So a block's sum over k of x w is
+//   dx (alpha A - beta S)
+// per column, with x = dx xq (xq int8, per 32 weights of a row of x), A = sum xq u and
+// S = sum xq: alpha = d, beta = 128 d (Q8_0) or 8 d (Q4_0); alpha = d sc, beta = dmin m (Q4_K,
+// Q5_K); for Q6_K the same per half with alpha = d sc, beta = 32 d sc.
+//
+// 16-bit formats: [k / 2][column 16][2 elements]: each 32-bit lane one column's two weights of k.
+
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "weir.h"
+
+namespace weir::q {
+
+struct Geometry {
+    int64_t header;  // bytes before each 256 weights of k (k-quants), per panel
+    int64_t scales;  // bytes of scales per block, per panel
+    int64_t ints;    // bytes of integers per block, per panel
+    int bits;        // bits of u
+    int halves;      // 2: scales per 16 weights (Q6_K); 1: per 32
+    int block;       // GGUF's block: 32 or 256 weights
+    int block_bytes;  // GGUF's bytes per block
+};
+
+constexpr Geometry geometry(int format) {
+    switch (format) {
+        case kWQ8_0: return {0, 32, 512, 8, 1, 32, 34};
+        case kWQ4_0: return {0, 32, 256, 4, 1, 32, 18};
+        case kWQ4_K: return {64, 32, 256, 4, 1, 256, 144};
+        case kWQ5_K: return {64, 32, 320, 5, 1, 256, 176};
+        case kWQ6_K: return {32, 32, 384, 6, 2, 256, 210};
+        default: return {0, 0, 0, 0, 0, 0, 0};
+    }
+}
+
+constexpr bool is_block(int format) { return geometry(format).bits != 0; }
+constexpr bool is_half(int format) { return format == kWF16 || format == kWBF16; }
+
+// Bytes of one panel for k weights of k.
+inline int64_t panel_bytes(int format, int64_t k) {
+    if (is_half(format)) return k * kPanel * 2;
+    const Geometry g = geometry(format);
+    return k / 32 * (g.scales + g.ints) + k / 256 * g.header;
+}
+
+inline float half_to_float(uint16_t h) {
+    _Float16 v;
+    std::memcpy(&v, &h, 2);
+    return float(v);
+}
+
+inline float bf16_to_float(uint16_t b) {
+    const uint32_t u = uint32_t(b) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+
+// Round to nearest even, as torch does (the activations of a bf16 product).
+inline uint16_t float_to_bf16(float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);  // NaN
+    return uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+// Rows of x, quantized for block formats: xq [rows][k] int8; per 32 weights of a row dx (x =
+// dx xq), s = sum(xq), xs = dx * s; per 16, xs16 = dx * sum of those 16 xq.
+struct Acts {
+    const int8_t* xq;
+    const float* dx;
+    const int32_t* s;
+    const float* xs;
+    const float* xs16;
+    int64_t k;
+};
+
+// The float part of one block's contribution, the same in every path: ad = alpha dx;
+// e = fma(A, ad, e); e = fma(-beta, xs, e). Each output keeps two such sums, block b adding to
+// e[b % 2] (Q6_K: its first half, then its second), and is e[0] + e[1]: two chains of float
+// operations a core can run side by side, in one order every path and every batch size shares.
+inline float update(float e, int32_t a, float alpha, float beta, float dx, float xs) {
+    const float ad = alpha * dx;
+    e = std::fma(float(a), ad, e);
+    return std::fma(-beta, xs, e);
+}
+
+// A block of a panel decoded (quant_pack.cpp read_block): the reference's view of the weights.
+struct BlockView {
+    uint8_t u[kPanel][32];
+    float alpha[kPanel][2], beta[kPanel][2];  // per half (equal halves unless Q6_K)
+};
+void read_block(int format, const uint8_t* header, const uint8_t* scales, const uint8_t* ints,
+                BlockView& v);
+
+// A product takes up to this many rows of x per pass over a panel (wgemm's chunk).
+constexpr int64_t kRowChunk = 64;
+
+// 16-bit formats: each output keeps four sums, pair p of k (k = 2p, 2p + 1) adding to e[p % 4]
+// fma(x[2p + 1], w[2p + 1], .) then fma(x[2p], w[2p], .) (AVX-512 BF16's pair order), and is
+// (e[0] + e[1]) + (e[2] + e[3]).
+constexpr int kHalfSums = 4;
+
+// One panel's product over rows [0, rows) of `acts` (block formats) or of bf16/f32 x rows
+// (16-bit formats): out[rows][kPanel] gets the sums. One per path.
+using PanelFn = void (*)(int format, const uint8_t* panel, const Acts& acts, const void* x16,
+                         int64_t x16_stride, int64_t rows, float* out);
+
+void panel_ref(int format, const uint8_t* panel, const Acts& acts, const void* x16,
+               int64_t x16_stride, int64_t rows, float* out);
+void panel_avx2(int format, const uint8_t* panel, const Acts& acts, const void* x16,
+                int64_t x16_stride, int64_t rows, float* out);
+void panel_avx512(int format, const uint8_t* panel, const Acts& acts, const void* x16,
+                  int64_t x16_stride, int64_t rows, float* out);
+
+}  // namespace weir::q

@@ -1,0 +1,88 @@
+// The torch operators over the block- and 16-bit-format kernels (quant.cpp): torch.ops.weir.
+// wpack, wdequant, wgemm, qpath_available, qpath_best. Built with torch's headers like ops.cpp;
+// every tensor and size is checked here before a kernel sees a pointer.
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include "checks.h"
+#include "weir.h"
+
+namespace {
+
+using namespace weir_ops;
+
+// The format is known and k fits its blocks.
+void check_format(int64_t format, int64_t k) {
+    TORCH_CHECK_VALUE(weir::wformat_known(int(format)), "format: unknown block format ", format);
+    const int64_t block = weir::wformat_block(int(format));
+    TORCH_CHECK_VALUE(k > 0 && k % block == 0, "k: ", k, " is not a multiple of the format's ",
+                      block, "-weight blocks");
+}
+
+void check_packed_w(const Tensor& packed, int64_t format, int64_t n, int64_t k, bool gated) {
+    check_flat(packed, at::kByte, weir::wpacked_size(int(format), n, k, gated), "packed");
+}
+
+Tensor wpack(const Tensor& rows, const optional<Tensor>& rows2, int64_t format, int64_t n,
+             int64_t k) {
+    check_format(format, k);
+    TORCH_CHECK_VALUE(n > 0, "n: needs at least one row");
+    const int64_t bytes = n * weir::wformat_row_bytes(int(format), k);
+    check_flat(rows, at::kByte, bytes, "rows");
+    if (rows2) check_flat(*rows2, at::kByte, bytes, "rows2");
+    Tensor packed =
+        at::empty({weir::wpacked_size(int(format), n, k, rows2.has_value())}, rows.options());
+    weir::wpack(int(format), rows.data_ptr<uint8_t>(), rows2 ? rows2->data_ptr<uint8_t>() : nullptr,
+                n, k, packed.data_ptr<uint8_t>(), threads());
+    return packed;
+}
+
+Tensor wdequant(const Tensor& packed, int64_t format, int64_t n, int64_t k) {
+    check_format(format, k);
+    TORCH_CHECK_VALUE(n > 0, "n: needs at least one row");
+    check_packed_w(packed, format, n, k, false);
+    Tensor out = at::empty({n, k}, packed.options().dtype(at::kFloat));
+    weir::wdequant(int(format), packed.data_ptr<uint8_t>(), n, k, out.data_ptr<float>());
+    return out;
+}
+
+Tensor wgemm(const Tensor& x, const Tensor& packed, int64_t format, int64_t n, int64_t gated,
+             const optional<Tensor>& bias, const optional<Tensor>& residual, int64_t path) {
+    check_f32(x, "x");
+    TORCH_CHECK_VALUE(x.dim() == 2, "x: needs [rows, k], got ", x.sizes());
+    const int64_t m = x.size(0), k = x.size(1);
+    check_rows(x, m, k, "x");
+    check_format(format, k);
+    TORCH_CHECK_VALUE(gated >= weir::kPlain && gated <= weir::kGeluTanh, "gated: 0 to 3");
+    TORCH_CHECK_VALUE(!(gated && (bias || residual)), "a gated pair takes no bias or residual");
+    TORCH_CHECK_VALUE(path >= weir::kPathAuto && path <= weir::kPathAvx512, "path: 0 to 3");
+    TORCH_CHECK_VALUE(weir::qpath_available(int(path)) || path == weir::kPathAuto, "path ", path,
+                      " does not run on this CPU");
+    check_packed_w(packed, format, n, k, gated != weir::kPlain);
+    if (bias) check_flat(*bias, at::kFloat, n, "bias");
+    if (residual) check_rows(*residual, m, n, "residual");
+    Tensor out = at::empty({m, n}, x.options());
+    weir::wgemm(int(format), x.data_ptr<float>(), m, k, x.stride(0), packed.data_ptr<uint8_t>(),
+                n, int(gated), bias ? bias->data_ptr<float>() : nullptr,
+                residual ? residual->data_ptr<float>() : nullptr,
+                residual ? residual->stride(0) : 0, out.data_ptr<float>(), n, threads(),
+                int(path));
+    return out;
+}
+
+bool qpath_available(int64_t path) { return weir::qpath_available(int(path)); }
+int64_t qpath_best() { return weir::qpath_best(); }
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(weir, m) {
+    m.def("wpack(Tensor rows, Tensor? rows2, int format, int n, int k) -> Tensor", &wpack);
+    m.def("wdequant(Tensor packed, int format, int n, int k) -> Tensor", &wdequant);
+    m.def("wgemm(Tensor x, Tensor packed, int format, int n, int gated, Tensor? bias, "
+          "Tensor? residual, int path) -> Tensor",
+          &wgemm);
+    m.def("qpath_available(int path) -> bool", &qpath_available);
+    m.def("qpath_best() -> int", &qpath_best);
+}

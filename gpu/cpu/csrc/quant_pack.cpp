@@ -1,0 +1,285 @@
+// Packing GGUF's rows of 16-bit and block-format weights into weir's panels (quant_layout.h),
+// and reading a panel's blocks back out: the reference dequantization (wdequant, exactly the
+// `gguf` package's) and the reference product's view of a block (quant.cpp panel_ref).
+
+#include <algorithm>
+#include <cstring>
+
+#include "quant_layout.h"
+#include "weir.h"
+
+namespace weir {
+
+using namespace q;
+
+namespace {
+
+// ---- GGUF blocks -> unsigned integers and scales ----
+struct Parsed {  // one GGUF block of one row
+    uint8_t u[256];
+    float d, dmin;        // f16 values as floats
+    uint16_t d16, dmin16;  // their bits
+    uint8_t sc[16];       // Q4_K/Q5_K: 8 scales; Q6_K: 16 (int8 bits)
+    uint8_t mn[8];
+};
+
+uint16_t load16(const uint8_t* p) {
+    uint16_t v;
+    std::memcpy(&v, p, 2);
+    return v;
+}
+
+void parse(int format, const uint8_t* b, Parsed& p) {
+    switch (format) {
+        case kWQ8_0:
+            p.d16 = load16(b);
+            for (int i = 0; i < 32; ++i) p.u[i] = uint8_t(int8_t(b[2 + i]) + 128);
+            return;
+        case kWQ4_0:
+            p.d16 = load16(b);
+            for (int i = 0; i < 16; ++i) {
+                p.u[i] = b[2 + i] & 0x0F;
+                p.u[16 + i] = b[2 + i] >> 4;
+            }
+            return;
+        case kWQ4_K:
+        case kWQ5_K: {
+            p.d16 = load16(b);
+            p.dmin16 = load16(b + 2);
+            const uint8_t* s = b + 4;
+            for (int j = 0; j < 4; ++j) {
+                p.sc[j] = s[j] & 63;
+                p.mn[j] = s[4 + j] & 63;
+                p.sc[4 + j] = (s[8 + j] & 0x0F) | ((s[j] >> 6) << 4);
+                p.mn[4 + j] = (s[8 + j] >> 4) | ((s[4 + j] >> 6) << 4);
+            }
+            const uint8_t* qh = format == kWQ5_K ? b + 16 : nullptr;
+            const uint8_t* qs = format == kWQ5_K ? b + 48 : b + 16;
+            for (int c = 0; c < 4; ++c)
+                for (int l = 0; l < 32; ++l) {
+                    const uint8_t v = qs[32 * c + l];
+                    p.u[64 * c + l] = v & 0x0F;
+                    p.u[64 * c + 32 + l] = v >> 4;
+                }
+            if (qh)
+                for (int s2 = 0; s2 < 8; ++s2)
+                    for (int l = 0; l < 32; ++l)
+                        p.u[32 * s2 + l] |= ((qh[l] >> s2) & 1) << 4;
+            return;
+        }
+        case kWQ6_K: {
+            const uint8_t* ql = b;
+            const uint8_t* qh = b + 128;
+            std::memcpy(p.sc, b + 192, 16);
+            p.d16 = load16(b + 208);
+            for (int h = 0; h < 2; ++h)
+                for (int t = 0; t < 4; ++t)
+                    for (int j = 0; j < 32; ++j) {
+                        const uint8_t lo = ql[64 * h + 32 * (t % 2) + j];
+                        const uint8_t nib = t < 2 ? (lo & 0x0F) : (lo >> 4);
+                        const uint8_t hi = (qh[32 * h + j] >> (2 * t)) & 3;
+                        p.u[128 * h + 32 * t + j] = nib | (hi << 4);
+                    }
+            return;
+        }
+    }
+}
+
+// One column's block (32 weights of k, values u[0..31]) into the panel's integer layout.
+void put_ints(int bits, const uint8_t* u, int col, uint8_t* ints) {
+    if (bits == 8) {
+        for (int t = 0; t < 8; ++t)
+            for (int i = 0; i < 4; ++i) ints[(t * kPanel + col) * 4 + i] = u[4 * t + i];
+        return;
+    }
+    for (int t = 0; t < 4; ++t)
+        for (int i = 0; i < 4; ++i)
+            ints[(t * kPanel + col) * 4 + i] = (u[4 * t + i] & 0x0F) | ((u[16 + 4 * t + i] & 0x0F) << 4);
+    uint8_t* hb = ints + 256;
+    if (bits == 5) {
+        for (int i = 0; i < 4; ++i) {
+            uint8_t v = 0;
+            for (int t = 0; t < 8; ++t) v |= ((u[4 * t + i] >> 4) & 1) << t;
+            hb[col * 4 + i] = v;
+        }
+    } else if (bits == 6) {
+        for (int h = 0; h < 2; ++h)
+            for (int i = 0; i < 4; ++i) {
+                uint8_t v = 0;
+                for (int j = 0; j < 4; ++j) v |= ((u[4 * (4 * h + j) + i] >> 4) & 3) << (2 * j);
+                hb[64 * h + col * 4 + i] = v;
+            }
+    }
+}
+
+void pack_block_panel(int format, const uint8_t* rows, int64_t row_bytes, int64_t n, int64_t k,
+                      int64_t panel, uint8_t* out) {
+    const Geometry g = geometry(format);
+    const int64_t blocks = k / 32;
+    Parsed p;
+    uint8_t* w = out;
+    for (int64_t b = 0; b < blocks; ++b) {
+        uint8_t* header = nullptr;
+        if (g.header && b % 8 == 0) {
+            header = w;
+            std::memset(header, 0, g.header);
+            w += g.header;
+        }
+        uint8_t* scales = w;
+        uint8_t* ints = w + g.scales;
+        std::memset(w, 0, g.scales + g.ints);
+        w += g.scales + g.ints;
+        for (int col = 0; col < kPanel; ++col) {
+            const int64_t row = panel * kPanel + col;
+            if (row >= n) break;  // zero weights: scales and integers 0 (Q8_0's u 0: scale 0)
+            const int64_t gb = b * 32 / g.block;  // the GGUF block holding these 32
+            parse(format, rows + row * row_bytes + gb * g.block_bytes, p);
+            const int64_t off = (b * 32) % g.block;  // where they start in it
+            put_ints(g.bits, p.u + off, col, ints);
+            const int64_t sub = off / 32;
+            if (format == kWQ8_0 || format == kWQ4_0) {
+                std::memcpy(scales + 2 * col, &p.d16, 2);
+            } else if (format == kWQ6_K) {
+                scales[col] = p.sc[2 * sub];
+                scales[kPanel + col] = p.sc[2 * sub + 1];
+                if (header) std::memcpy(header + 2 * col, &p.d16, 2);
+            } else {
+                scales[col] = p.sc[sub];
+                scales[kPanel + col] = p.mn[sub];
+                if (header) {
+                    std::memcpy(header + 2 * col, &p.d16, 2);
+                    std::memcpy(header + 2 * (kPanel + col), &p.dmin16, 2);
+                }
+            }
+        }
+    }
+}
+
+void pack_half_panel(const uint8_t* rows, int64_t n, int64_t k, int64_t panel, uint8_t* out) {
+    uint16_t* o = reinterpret_cast<uint16_t*>(out);
+    std::memset(out, 0, panel_bytes(kWBF16, k));
+    for (int col = 0; col < kPanel; ++col) {
+        const int64_t row = panel * kPanel + col;
+        if (row >= n) break;
+        const uint16_t* src = reinterpret_cast<const uint16_t*>(rows + row * k * 2);
+        for (int64_t kk = 0; kk < k; ++kk) o[(kk / 2 * kPanel + col) * 2 + kk % 2] = src[kk];
+    }
+}
+
+}  // namespace
+
+namespace q {
+
+void read_block(int format, const uint8_t* header, const uint8_t* scales, const uint8_t* ints,
+                BlockView& v) {
+    const Geometry g = geometry(format);
+    for (int col = 0; col < kPanel; ++col) {
+        for (int kk = 0; kk < 32; ++kk) {
+            const int t = kk / 4, i = kk % 4;
+            uint8_t u;
+            if (g.bits == 8) {
+                u = ints[(t * kPanel + col) * 4 + i];
+            } else {
+                const uint8_t byte = ints[((t % 4) * kPanel + col) * 4 + i];
+                u = t < 4 ? (byte & 0x0F) : (byte >> 4);
+                if (g.bits == 5) u |= ((ints[256 + col * 4 + i] >> t) & 1) << 4;
+                if (g.bits == 6) u |= ((ints[256 + 64 * (t / 4) + col * 4 + i] >> (2 * (t % 4))) & 3) << 4;
+            }
+            v.u[col][kk] = u;
+        }
+        if (format == kWQ8_0 || format == kWQ4_0) {
+            const float d = half_to_float(load16(scales + 2 * col));
+            const float beta = (format == kWQ8_0 ? 128.f : 8.f) * d;
+            v.alpha[col][0] = v.alpha[col][1] = d;
+            v.beta[col][0] = v.beta[col][1] = beta;
+        } else if (format == kWQ6_K) {
+            const float d = half_to_float(load16(header + 2 * col));
+            for (int h = 0; h < 2; ++h) {
+                v.alpha[col][h] = d * float(int8_t(scales[h * kPanel + col]));
+                v.beta[col][h] = 32.f * v.alpha[col][h];
+            }
+        } else {
+            const float d = half_to_float(load16(header + 2 * col));
+            const float dmin = half_to_float(load16(header + 2 * (kPanel + col)));
+            v.alpha[col][0] = v.alpha[col][1] = d * float(scales[col]);
+            v.beta[col][0] = v.beta[col][1] = dmin * float(scales[kPanel + col]);
+        }
+    }
+}
+
+}  // namespace q
+
+bool wformat_known(int format) { return is_block(format) || is_half(format); }
+int64_t wformat_row_bytes(int format, int64_t k) {
+    if (is_half(format)) return 2 * k;
+    const Geometry g = geometry(format);
+    return k / g.block * g.block_bytes;
+}
+
+int64_t wformat_block(int format) { return is_half(format) ? 2 : geometry(format).block; }
+
+int64_t wpacked_size(int format, int64_t n, int64_t k, bool gated) {
+    return (gated ? 2 : 1) * ((n + kPanel - 1) / kPanel) * panel_bytes(format, k);
+}
+
+void wpack(int format, const uint8_t* rows, const uint8_t* rows2, int64_t n, int64_t k,
+           uint8_t* packed, int64_t num_threads) {
+    const int64_t panels = (n + kPanel - 1) / kPanel, bytes = panel_bytes(format, k);
+    const int64_t row_bytes = wformat_row_bytes(format, k);
+    const int64_t parts = rows2 ? 2 : 1;
+    parallel_for(panels * parts, num_threads, [&](int64_t t) {
+        const int64_t p = t / parts;
+        const uint8_t* src = t % parts ? rows2 : rows;
+        if (is_half(format))
+            pack_half_panel(src, n, k, p, packed + t * bytes);
+        else
+            pack_block_panel(format, src, row_bytes, n, k, p, packed + t * bytes);
+    });
+}
+
+void wdequant(int format, const uint8_t* packed, int64_t n, int64_t k, float* out) {
+    const int64_t bytes = panel_bytes(format, k);
+    for (int64_t p = 0; p * kPanel < n; ++p) {
+        const uint8_t* panel = packed + p * bytes;
+        const int cols = int(std::min<int64_t>(kPanel, n - p * kPanel));
+        if (is_half(format)) {
+            const uint16_t* w = reinterpret_cast<const uint16_t*>(panel);
+            for (int c = 0; c < cols; ++c)
+                for (int64_t kk = 0; kk < k; ++kk) {
+                    const uint16_t h = w[(kk / 2 * kPanel + c) * 2 + kk % 2];
+                    out[(p * kPanel + c) * k + kk] =
+                        format == kWBF16 ? bf16_to_float(h) : half_to_float(h);
+                }
+            continue;
+        }
+        const Geometry g = geometry(format);
+        const uint8_t* at = panel;
+        const uint8_t* header = nullptr;
+        BlockView v;
+        for (int64_t b = 0; b < k / 32; ++b) {
+            if (g.header && b % 8 == 0) {
+                header = at;
+                at += g.header;
+            }
+            read_block(format, header, at, at + g.scales, v);
+            at += g.scales + g.ints;
+            const uint8_t* scales = at - g.scales - g.ints;
+            for (int c = 0; c < cols; ++c)
+                for (int kk = 0; kk < 32; ++kk) {
+                    const int h = g.halves == 2 ? kk / 16 : 0;
+                    const int u = v.u[c][kk];
+                    float w;  // as llama.cpp (and the gguf package) computes each weight
+                    if (format == kWQ8_0 || format == kWQ4_0) {
+                        const float d = half_to_float(load16(scales + 2 * c));
+                        w = d * float(u - (format == kWQ8_0 ? 128 : 8));
+                    } else if (format == kWQ6_K) {
+                        w = v.alpha[c][h] * float(u - 32);
+                    } else {
+                        w = v.alpha[c][h] * float(u) - v.beta[c][h];
+                    }
+                    out[(p * kPanel + c) * k + 32 * b + kk] = w;
+                }
+        }
+    }
+}
+}  // namespace weir

@@ -1,0 +1,96 @@
+"""Products on weights held in 16-bit and GGUF block formats (gpu/quant/formats.py) with weir's
+CPU kernels (gpu/cpu/csrc/quant.cpp, torch.ops.weir.wgemm).
+
+A weight's GGUF rows are repacked once into panels of 16 output columns (the same bytes, laid
+out for the CPU's 8-bit and bf16 dot products; `resident_bytes` says how many), and every
+product reads each panel once for up to 64 rows of activations. The path (reference, AVX2,
+AVX-512 with VNNI and BF16) is chosen from the CPU's flags; every path gives the reference's
+results bit for bit (tests/test_cpu_quant.py).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from gpu.cpu import build as cpu_build
+from gpu.cpu.gemm import ACTIVATIONS
+from gpu.quant.formats import Format
+
+PATHS = {"auto": 0, "ref": 1, "avx2": 2, "avx512": 3}
+
+
+class QuantWeight(NamedTuple):
+    """An [out_features, in_features] weight packed in `fmt` (a gated pair: gate and up, each
+    [out_features, in_features], with act the activation's code), and its bias."""
+
+    packed: torch.Tensor  # uint8
+    fmt: Format
+    out_features: int
+    in_features: int
+    bias: torch.Tensor | None
+    act: int = 0
+
+    @property
+    def resident_bytes(self) -> int:
+        return self.packed.numel() + (0 if self.bias is None else 4 * self.bias.numel())
+
+
+def kernel_format(fmt: Format) -> bool:
+    """Whether the kernels take weights in `fmt` (F32 goes to the float32 kernel instead)."""
+    return fmt.name != "f32"
+
+
+def available_paths() -> list[str]:
+    ops = cpu_build.load()
+    return [name for name, code in PATHS.items() if code and ops.qpath_available(code)]
+
+
+def _bytes(rows: np.ndarray | torch.Tensor) -> torch.Tensor:
+    if isinstance(rows, np.ndarray):
+        rows = torch.from_numpy(np.ascontiguousarray(rows))
+    return rows.contiguous().view(torch.uint8).reshape(-1)
+
+
+def pack(
+    rows: np.ndarray | torch.Tensor,
+    fmt: Format,
+    shape: tuple[int, int],
+    bias: torch.Tensor | None = None,
+    *,
+    up: np.ndarray | torch.Tensor | None = None,
+    act: str | None = None,
+) -> QuantWeight:
+    """GGUF's rows of a [n, k] weight (bytes, or bf16/f16 elements) -> a QuantWeight; with
+    `up` (the up projection's rows) and `act`, a gated MLP pair."""
+    n, k = shape
+    ops = cpu_build.load()
+    packed = ops.wpack(_bytes(rows), None if up is None else _bytes(up), fmt.ggml_type, n, k)
+    bias = None if bias is None else bias.detach().float().contiguous()
+    code = ACTIVATIONS[act] if up is not None else 0
+    return QuantWeight(packed, fmt, n, k, bias, code)
+
+
+def dequantize(w: QuantWeight) -> torch.Tensor:
+    """The float32 weight a plain QuantWeight stands for (the GGUF dequantization)."""
+    return cpu_build.load().wdequant(w.packed, w.fmt.ggml_type, w.out_features, w.in_features)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    x = x.reshape(-1, x.shape[-1])
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def linear(
+    x: torch.Tensor, w: QuantWeight, residual: torch.Tensor | None = None, path: str = "auto"
+) -> torch.Tensor:
+    """x W^T + b (+ residual, added as the product is written); a gated pair: act(x G^T) *
+    (x U^T)."""
+    shape = x.shape
+    res = None if residual is None else _rows(residual)
+    out = cpu_build.load().wgemm(
+        _rows(x), w.packed, w.fmt.ggml_type, w.out_features, w.act, w.bias, res, PATHS[path]
+    )
+    return out.view(*shape[:-1], w.out_features)

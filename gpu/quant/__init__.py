@@ -1,0 +1,1 @@
+"""Weight formats (GGUF block types) and weir's quantizers into them."""

@@ -1,0 +1,45 @@
+"""The weight formats weir serves, as GGUF (llama.cpp's ggml) defines them: a row of `k` weights
+is k / block_size blocks of block_bytes bytes each.
+
+F32, F16, BF16: plain elements. Q8_0 (32 weights: f16 scale, 32 int8), Q4_0 (32: f16 scale, 16
+bytes of nibbles, w = d (q - 8)), and the k-quants over super-blocks of 256 weights: Q4_K (f16 d
+and dmin, eight 6-bit scales and mins, 4-bit q: w = d sc q - dmin m per 32), Q5_K (the same with
+a fifth bit), Q6_K (16 int8 scales of 16 weights, 6-bit q: w = d sc (q - 32)). The codes are
+ggml's type ids; weir's kernels take these names (gpu/cpu/quant.py).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+
+class Format(NamedTuple):
+    name: str
+    ggml_type: int  # gguf.GGMLQuantizationType's value
+    block_size: int  # weights per block
+    block_bytes: int
+    quantized: bool  # blocks of integers and scales (else plain floats)
+
+    def row_bytes(self, k: int) -> int:
+        return k // self.block_size * self.block_bytes
+
+    @property
+    def bits_per_weight(self) -> float:
+        return 8 * self.block_bytes / self.block_size
+
+
+FORMATS: dict[str, Format] = {
+    f.name: f
+    for f in (
+        Format("f32", 0, 1, 4, False),
+        Format("f16", 1, 1, 2, False),
+        Format("bf16", 30, 1, 2, False),
+        Format("q8_0", 8, 32, 34, True),
+        Format("q4_0", 2, 32, 18, True),
+        Format("q4_k", 12, 256, 144, True),
+        Format("q5_k", 13, 256, 176, True),
+        Format("q6_k", 14, 256, 210, True),
+    )
+}
+BY_GGML_TYPE = {f.ggml_type: f for f in FORMATS.values()}
+QUANTIZED = [name for name, f in FORMATS.items() if f.quantized]
