@@ -20,7 +20,7 @@ from hypercorn.trio import serve
 from quart import Response, request
 from quart_trio import QuartTrio
 
-from server.app import BACKLOG
+from server.listen import BACKLOG
 
 app = QuartTrio(__name__)
 _encode = msgspec.json.Encoder().encode

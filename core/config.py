@@ -2,11 +2,30 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import msgspec
 
 
+class CheckpointError(ValueError):
+    """The model given cannot be served as it is: a truncated or corrupt file, an unsupported
+    architecture, tensor type or quantization method, a tokenizer that does not fit its
+    vocabulary. Start-up fails with its message and exit code 2 (bad input), not 1."""
+
+
+# --quantization: weir's own round-to-nearest formats (gpu/quant/quantize.py); "gguf", "awq" and
+# "gptq" name what a checkpoint already holds (a .gguf path, config.json's quantization_config).
+QUANTIZATIONS = ("q8_0", "q4_0", "q4_k", "gguf", "awq", "gptq")
+
+
 class EngineConfig(msgspec.Struct, kw_only=True):
-    model: str | None = None  # None: the built-in tiny model
+    model: str | None = None  # None: the built-in tiny model; a folder, a hub id or a .gguf file
+    # A Hugging Face tokenizer folder to use instead of the model's own (a GGUF file's
+    # tokenizer.ggml.* entries, or the folder's tokenizer files)
+    tokenizer: str | None = None
+    # Weights quantized at load (q8_0, q4_0, q4_k), or the method a checkpoint already holds
+    # (gguf, awq, gptq: checked against it); None: as the checkpoint holds them
+    quantization: str | None = None
     served_model_name: list[str] = []
     revision: str | None = None
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
@@ -59,6 +78,16 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise ValueError(
                 f"--kv-cache-dtype {self.kv_cache_dtype} is not offered: weir's KV cache holds "
                 "auto (the model's dtype), float32, bfloat16 or float16 (no fp8 caches)"
+            )
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"--quantization {self.quantization} is not offered: weir quantizes at load to "
+                "q8_0, q4_0 or q4_k, and serves gguf files and awq or gptq int4 checkpoints"
+            )
+        if self.tokenizer is not None and not Path(self.tokenizer).expanduser().is_dir():
+            raise ValueError(
+                f"--tokenizer {self.tokenizer}: no such folder (weir reads a local Hugging Face "
+                "tokenizer folder: tokenizer.json, tokenizer_config.json)"
             )
         if self.block_size < 1 or self.block_size > 1024:
             raise ValueError("--block-size must be between 1 and 1024")

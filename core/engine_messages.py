@@ -79,6 +79,9 @@ class EngineReady(msgspec.Struct, tag="ready", gc=False):
     generation_defaults: dict[str, Any]
     num_blocks: int = 0
     kv_dtype: str = ""
+    tokenizer_path: str = ""  # the Hugging Face tokenizer folder (a GGUF file's, converted)
+    weight_bytes: dict[str, int] = {}  # resident weight bytes by format
+    kv_cache_bytes: int = 0
 
 
 class StepOutputs(msgspec.Struct, tag="step", gc=False):
@@ -88,6 +91,7 @@ class StepOutputs(msgspec.Struct, tag="step", gc=False):
 
 class EngineDied(msgspec.Struct, tag="died", gc=False):
     message: str
+    bad_input: bool = False  # loading failed on the model given (core.config.CheckpointError)
 
 
 EngineCommand = EngineInit | AddRequest | AbortRequest | SetHold | Shutdown

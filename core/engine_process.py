@@ -34,7 +34,7 @@ import msgspec
 import trio
 
 from core.child import Child, pipes, watch_parent
-from core.config import EngineConfig
+from core.config import CheckpointError, EngineConfig
 from core.engine import Engine
 from core.engine_loop import EngineLoop
 from core.engine_messages import (
@@ -84,7 +84,8 @@ def main() -> None:
         loaded = load(init.config)
     except BaseException as e:  # noqa: BLE001 - reported to the server, which fails its startup
         log.error("loading failed\n%s", traceback.format_exc())
-        replies.send_bytes(encode(EngineDied(f"loading failed: {type(e).__name__}: {e}")))
+        bad = isinstance(e, CheckpointError)
+        replies.send_bytes(encode(EngineDied(f"loading failed: {type(e).__name__}: {e}", bad)))
         return
     core = loaded.core
     gc.freeze()  # start-up's objects out of the collector's reach (see server/app.py)
@@ -99,6 +100,9 @@ def main() -> None:
                 loaded.generation_defaults,
                 core.kv.num_blocks,
                 loaded.kv_dtype,
+                loaded.tokenizer_path,
+                loaded.weight_bytes or {},
+                loaded.kv_cache_bytes,
             )
         )
     )
@@ -166,7 +170,7 @@ class EngineProcess(Engine):
             raise RuntimeError(f"the engine process exited (code {code}) before loading") from None
         if isinstance(msg, EngineDied):
             self._wait(5)
-            raise RuntimeError(msg.message)
+            raise (CheckpointError if msg.bad_input else RuntimeError)(msg.message)
         if not isinstance(msg, EngineReady):
             raise RuntimeError(f"the engine process sent {type(msg).__name__} before EngineReady")
         self.info = msg

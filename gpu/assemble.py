@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from core.config import EngineConfig
+from core.config import CheckpointError, EngineConfig
 from gpu import kv_cache
 from gpu.attention.select import get_backend
 from gpu.backend import TorchBackend
@@ -53,25 +53,37 @@ def set_threads(config: EngineConfig, hf_config: Any, device: torch.device, rank
 
 def choose_backend(config: EngineConfig, device: torch.device, dtype: torch.dtype):
     """What the model's layers run on (gpu/backend.py), chosen once: torch's ops with Q/K/V and
-    gate/up fused on CUDA; weir's compiled kernels for a float32 model on CPU (oneDNN's products
-    and torch's ops where they cannot be built here); torch's ops for 16-bit weights on CPU."""
+    gate/up fused on CUDA; on CPU weir's compiled kernels (float32, 16-bit and block-format
+    weights), or, where they cannot be built here, oneDNN's products for a float32 model and
+    torch's ops for any other."""
     from gpu.cpu import onednn
 
     attention = get_backend(config.attention_backend, device)
+    quantize = config.quantization if config.quantization in ("q8_0", "q4_0", "q4_k") else None
     if device.type == "cuda":
+        if quantize:
+            raise CheckpointError(f"--quantization {quantize}: weir's block kernels run on CPU")
         return TorchBackend(attention, fuse=True, name="cuda")
-    if not onednn.usable(dtype):
-        return TorchBackend(attention, fuse=False, name="cpu, torch")
     from gpu.cpu import build as cpu_build
     from gpu.cpu.backend import CpuBackend, OneDnnBackend
 
     try:
-        return CpuBackend(attention, config.cpu_matmul, config.cpu_forward)
+        return CpuBackend(
+            attention,
+            config.cpu_matmul,
+            config.cpu_forward,
+            keep_dtype=config.dtype == "auto",
+            quantization=quantize,
+        )
     except cpu_build.BuildError as e:
-        if config.cpu_forward == "fused":
-            raise ValueError(f"--cpu-forward fused: weir's CPU kernels cannot be built: {e}")
-        log.warning("weir's CPU kernels cannot be built (%s): oneDNN products, torch ops", e)
-        return OneDnnBackend(attention)
+        if config.cpu_forward == "fused" or quantize:
+            flag = f"--quantization {quantize}" if quantize else "--cpu-forward fused"
+            raise CheckpointError(f"{flag}: weir's CPU kernels cannot be built: {e}") from None
+        if onednn.usable(dtype):
+            log.warning("weir's CPU kernels cannot be built (%s): oneDNN products, torch ops", e)
+            return OneDnnBackend(attention)
+        log.warning("weir's CPU kernels cannot be built (%s): torch's ops", e)
+        return TorchBackend(attention, fuse=False, name="cpu, torch")
 
 
 def load_shard(
@@ -142,6 +154,35 @@ def build_runner(
     return runner
 
 
+def resident_weights(model: DecoderForCausalLM) -> dict[str, int]:
+    """Bytes of weights the model holds in memory, by format (f32, bf16, q4_k, ...): what weir's
+    CPU backend packed, or every tensor the modules hold on other backends."""
+    counted = getattr(model.backend, "resident", None)
+    out: dict[str, int] = dict(counted or {})
+    seen: set[int] = set()
+
+    def walk(v: Any, small: bool) -> None:
+        if isinstance(v, torch.Tensor):
+            if v.data_ptr() in seen or v.device.type == "meta":
+                return
+            seen.add(v.data_ptr())
+            names = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
+            key = names.get(v.dtype, str(v.dtype).removeprefix("torch."))
+            if small or counted is None:
+                out[key] = out.get(key, 0) + v.numel() * v.element_size()
+        elif isinstance(v, tuple | list):
+            for x in v:
+                walk(x, small)
+
+    for p in model.parameters():
+        walk(p, True)  # norms (and, on torch backends, everything else)
+    if counted is None:
+        for mod in model.modules():
+            for attr in ("w", "qkv", "o", "gate_up", "down"):
+                walk(getattr(mod, attr, None), False)
+    return {k: v for k, v in out.items() if v}
+
+
 # Weights a token multiplies through (per layer: Q/K/V/O and the MLP) from which every core is
 # worth giving to the model rather than leaving one to the HTTP event loop.
 AUTO_ALL_CORES_WEIGHTS = 4_000_000
@@ -161,5 +202,3 @@ def auto_threads(hf_config: Any) -> int:
     per_layer = h * (q + 2 * kv) + q * h + 3 * h * hf_config.intermediate_size
     weights = hf_config.num_hidden_layers * per_layer
     return cores if weights >= AUTO_ALL_CORES_WEIGHTS else max(1, cores - 1)
-
-

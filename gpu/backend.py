@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from gpu.attention.backend import AttentionBackend
 from gpu.models.rope import apply_rope
+from gpu.quant.tensor import BlockTensor
 
 log = logging.getLogger("weir.backend")
 
@@ -35,22 +36,49 @@ ACTIVATIONS = {
 
 class TorchBackend:
     """torch's ops. `fuse`: Q/K/V as one product and gate/up as another (one launch instead of
-    three, and two, per layer on CUDA; on CPU the fused gate/up product measured slower)."""
+    three, and two, per layer on CUDA; on CPU the fused gate/up product measured slower).
+    Weights are dense tensors of the model's dtype on its device (a block-format weight from a
+    GGUF file is dequantized to it)."""
 
     def __init__(self, attention: AttentionBackend, fuse: bool, name: str = "torch") -> None:
         self.name = name
         self.attention = attention
         self.fuse_qkv = fuse
         self.fuse_gate_up = fuse
+        self.device = torch.device("cpu")
+        self.dtype = torch.float32
+
+    def bind(self, device: torch.device, dtype: torch.dtype) -> torch.dtype:
+        """Weights go to `device` in `dtype` (the checkpoint's, or --dtype); returns the dtype
+        the model's own small tensors (norms) and its activations take."""
+        self.device, self.dtype = device, dtype
+        return dtype
+
+    def dense(self, t: Any) -> Any:
+        """A checkpoint tensor (or None) as a tensor of the model's dtype on its device."""
+        if (
+            t is None
+            or isinstance(t, torch.Tensor)
+            and t.dtype == self.dtype
+            and t.device == self.device
+        ):
+            return t
+        if isinstance(t, BlockTensor):
+            t = t.dequantize(self.dtype)
+        return t.to(device=self.device, dtype=self.dtype)
 
     # ---- products ----
-    def prepare_linear(self, weight: torch.Tensor, bias: torch.Tensor | None) -> Any:
+    def prepare_linear(self, weight: Any, bias: Any) -> Any:
         """The backend's form of an [out, in] weight (and bias), made once after loading."""
-        return weight, bias
+        return self.dense(weight), self.dense(bias)
 
-    def linear(
-        self, x: torch.Tensor, w: Any, residual: torch.Tensor | None = None
-    ) -> torch.Tensor:
+    def prepare_stacked(self, parts: list[tuple[Any, Any]]) -> Any:
+        """Weights sharing an input stacked by output rows (Q, K and V), as one product."""
+        weight = torch.cat([self.dense(w) for w, _ in parts])
+        bias = None if parts[0][1] is None else torch.cat([self.dense(b) for _, b in parts])
+        return self.prepare_linear(weight, bias)
+
+    def linear(self, x: torch.Tensor, w: Any, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x W^T + b, plus `residual` when given."""
         weight, bias = w
         y = F.linear(x, weight, bias)
@@ -60,6 +88,7 @@ class TorchBackend:
         """A gated MLP's (weight, bias) pairs, gate and up [intermediate, hidden] and down
         [hidden, intermediate]: (its gated form, for `gated`; down's form, for `linear`)."""
         fn = ACTIVATIONS[act]
+        gate, up, down = [(self.dense(w), self.dense(b)) for w, b in (gate, up, down)]
         if self.fuse_gate_up:
             bias = None if gate[1] is None else torch.cat([gate[1], up[1]])
             pair = ("fused", self.prepare_linear(torch.cat([gate[0], up[0]]), bias), fn)
@@ -75,6 +104,18 @@ class TorchBackend:
         else:
             g, u = self.linear(x, weights[0]), self.linear(x, weights[1])
         return act(g) * u
+
+    # ---- embeddings ----
+    def prepare_embedding(self, weight: Any) -> Any:
+        """The token embeddings' form, for `embed` and, tied, `tied_logits`."""
+        return self.dense(weight)
+
+    def embed(self, input_ids: torch.Tensor, w: Any) -> torch.Tensor:
+        return F.embedding(input_ids, w)
+
+    def tied_logits(self, hidden: torch.Tensor, w: Any) -> torch.Tensor:
+        """The logits of a head tied to the embeddings `w`."""
+        return F.linear(hidden, w)
 
     # ---- norms and rotation ----
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

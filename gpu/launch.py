@@ -3,6 +3,7 @@ its KV cache and runner, the tokenizer and the request defaults."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from dataclasses import dataclass
@@ -11,17 +12,20 @@ from typing import Any
 
 import torch
 
-from core.config import EngineConfig
+from core.config import CheckpointError, EngineConfig
 from core.engine_core import EngineCore
 from gpu import kv_cache
+from gpu.cache import cache_dir
 from gpu.assemble import (
     build_runner,
     fit_model_len,
     load_shard,
     model_path,
+    resident_weights,
     resolve_device,
     set_threads,
 )
+from gpu.gguf_file import GgufCheckpoint, is_gguf
 from gpu.loader import eos_token_ids, load_config, resolve_dtype
 
 log = logging.getLogger("weir.launch")
@@ -36,20 +40,22 @@ class Loaded:
     max_model_len: int
     generation_defaults: dict[str, Any]
     kv_dtype: str = ""  # the KV cache's element type (--kv-cache-dtype)
+    tokenizer_path: str = ""  # the Hugging Face tokenizer folder the server loads
+    weight_bytes: dict[str, int] | None = None  # resident weight bytes by format
+    kv_cache_bytes: int = 0
 
 
 def load(config: EngineConfig) -> Loaded:
     """Load the model (or, with --tensor-parallel-size N, start N workers that each load their
     share: gpu/dist/executor.py) and build the engine core over it."""
-    from transformers import AutoTokenizer
-
     config.validate()
     path, default_name = model_path(config)
     device = resolve_device(config.device)
     hf_config = load_config(path)
+    check_quantization(config, path, hf_config)
     dtype = resolve_dtype(config.dtype, hf_config, device)
     kv_dtype = str(kv_cache.cache_dtype(config.kv_cache_dtype, dtype)).removeprefix("torch.")
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer, tokenizer_path = load_tokenizer(config, path, hf_config)
     eos = eos_token_ids(path, hf_config)
     if tokenizer.eos_token_id is not None:
         eos.add(tokenizer.eos_token_id)
@@ -80,14 +86,18 @@ def load(config: EngineConfig) -> Loaded:
         scheduling_policy=config.scheduling_policy,
         max_logprobs=config.max_logprobs,
     )
+    weights = resident_weights(model) if config.tensor_parallel_size == 1 else {}
+    kv_bytes = sum(k.numel() * k.element_size() * 2 for k, _ in runner.kv_caches) if weights else 0
     log.info(
-        "loaded %s on %s (%s): %d KV blocks of %d tokens (%s), max_model_len %d",
+        "loaded %s on %s: weights %s; KV cache %d blocks of %d tokens (%s, %.2f GB), "
+        "max_model_len %d",
         path,
         where,
-        str(dtype).removeprefix("torch."),
+        ", ".join(f"{GB(b)} {fmt}" for fmt, b in sorted(weights.items())) or "(in the workers)",
         num_blocks,
         config.block_size,
         kv_dtype,
+        kv_bytes / 1e9,
         max_model_len,
     )
     defaults = generation_defaults(path, config.generation_config)
@@ -101,7 +111,67 @@ def load(config: EngineConfig) -> Loaded:
         max_model_len,
         defaults,
         kv_dtype,
+        tokenizer_path,
+        weights,
+        kv_bytes,
     )
+
+
+def GB(n: int) -> str:
+    return f"{n / 1e9:.2f} GB"
+
+
+def check_quantization(config: EngineConfig, path: Path, hf_config: Any) -> None:
+    """--quantization against what the checkpoint holds: gguf names a .gguf file; a checkpoint
+    whose config.json has a quantization_config is refused, naming its method, as are awq and
+    gptq (not served yet)."""
+    method = (getattr(hf_config, "quantization_config", None) or {}).get("quant_method")
+    if method is not None:
+        raise CheckpointError(
+            f"{path}: weights quantized with {method!r} are not served; weir serves GGUF files "
+            "and float checkpoints (--quantization q8_0, q4_0 or q4_k quantizes those at load)"
+        )
+    q = config.quantization
+    if q == "gguf" and not is_gguf(path):
+        raise CheckpointError(f"--quantization gguf: {path} is not a .gguf file")
+    if q in ("awq", "gptq"):
+        raise CheckpointError(f"--quantization {q}: {path} has no {q} quantization_config")
+    if q in ("q8_0", "q4_0", "q4_k") and is_gguf(path):
+        raise CheckpointError(f"--quantization {q}: {path.name} is already quantized (GGUF)")
+
+
+def load_tokenizer(config: EngineConfig, path: Path, hf_config: Any) -> tuple[Any, str]:
+    """The tokenizer (--tokenizer's folder, a GGUF file's own entries, or the model folder's
+    files) and the folder the server loads it from (a GGUF file's, converted once and saved in
+    weir's cache). One with more tokens than the model has embedding rows is refused."""
+    from transformers import AutoTokenizer
+
+    if config.tokenizer is not None:
+        folder = Path(config.tokenizer).expanduser()
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+    elif is_gguf(path):
+        stat = path.stat()
+        key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+        folder = cache_dir() / "tokenizers" / f"{path.stem}-{key.hexdigest()[:12]}"
+        if (folder / "tokenizer.json").exists():
+            tokenizer = AutoTokenizer.from_pretrained(folder)
+        else:
+            tokenizer = GgufCheckpoint(path).tokenizer()
+            tokenizer.save_pretrained(folder)
+    else:
+        folder = path
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path)
+        except (OSError, ValueError) as e:
+            raise CheckpointError(
+                f"{path}: no tokenizer ({e}); give one with --tokenizer"
+            ) from None
+    if len(tokenizer) > hf_config.vocab_size:
+        raise CheckpointError(
+            f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary has "
+            f"{hf_config.vocab_size} rows: they do not belong together"
+        )
+    return tokenizer, str(folder)
 
 
 # generation_config.json keys that become request defaults, as vLLM applies them.

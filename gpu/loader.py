@@ -1,4 +1,8 @@
-"""Model loading: a local directory or a hub id, config via AutoConfig, weights via safetensors."""
+"""Model loading: a local directory, a hub id or a GGUF file; config via AutoConfig (or the GGUF
+metadata, gpu/gguf_file.py), weights via safetensors (or the GGUF file's memory map).
+
+Each weight goes to its module as the checkpoint holds it: a tensor in the checkpoint's dtype, or
+a BlockTensor of a GGUF file; the backend puts it in its own form when the model is prepared."""
 
 from __future__ import annotations
 
@@ -11,6 +15,8 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
+from core.config import CheckpointError
+from gpu.gguf_file import GgufCheckpoint, is_gguf
 from gpu.models.decoder import DecoderForCausalLM
 from gpu.models.rope import Rope
 from gpu.models.spec import ModelSpec
@@ -28,14 +34,15 @@ DTYPES = {
 
 
 def resolve_model_path(model: str, revision: str | None = None) -> Path:
-    """A local directory as is; anything else is a hub id fetched with huggingface_hub."""
+    """A local directory or .gguf file as is; anything else is a hub id fetched with
+    huggingface_hub."""
     path = Path(model).expanduser()
-    if path.is_dir():
+    if path.is_dir() or is_gguf(path):
         return path
     if path.exists():
-        raise ValueError(f"model path {model!r} is not a directory")
-    if model.startswith(("/", "./", "../", "~")) or model.count("/") > 1:
-        raise ValueError(f"model directory {model!r} does not exist")
+        raise CheckpointError(f"model path {model!r} is not a directory or a .gguf file")
+    if model.startswith(("/", "./", "../", "~")) or model.count("/") > 1 or path.suffix == ".gguf":
+        raise CheckpointError(f"model directory {model!r} does not exist")
     from huggingface_hub import snapshot_download
 
     try:
@@ -45,7 +52,7 @@ def resolve_model_path(model: str, revision: str | None = None) -> Path:
             allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken"],
         )
     except Exception as e:  # noqa: BLE001 - re-raised with what the user needs to know
-        raise ValueError(
+        raise CheckpointError(
             f"could not find model {model!r}: not a local directory, and the hub download "
             f"failed ({type(e).__name__}: {e})"
         ) from e
@@ -53,9 +60,14 @@ def resolve_model_path(model: str, revision: str | None = None) -> Path:
 
 
 def load_config(path: Path) -> Any:
+    if is_gguf(path):
+        return GgufCheckpoint(path).config()
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(path)
+    try:
+        return AutoConfig.from_pretrained(path)
+    except (OSError, ValueError, KeyError) as e:
+        raise CheckpointError(f"{path}: no readable config.json ({e})") from None
 
 
 def resolve_dtype(dtype: str, config: Any, device: torch.device) -> torch.dtype:
@@ -87,40 +99,86 @@ def weight_files(path: Path) -> list[Path]:
     return files
 
 
+class Targets:
+    """Where each checkpoint tensor goes: a module that loads tensors as they come (Linear,
+    Embedding: `expects`, `load`) or a parameter of the model's own dtype (norms)."""
+
+    def __init__(self, model: DecoderForCausalLM) -> None:
+        self.model = model
+        self.params = dict(model.named_parameters())
+        self.modules: dict[str, tuple[Any, str, tuple[int, ...]]] = {}
+        for name, mod in model.named_modules():
+            if hasattr(mod, "expects"):
+                for kind, shape in mod.expects().items():
+                    self.modules[f"{name}.{kind}"] = (mod, kind, shape)
+        self.loaded: set[str] = set()
+
+    def wants(self, name: str) -> bool:
+        if name in self.params or name in self.modules:
+            return True
+        if name == "lm_head.weight" and self.model.spec.tie_word_embeddings:
+            return False
+        if name.endswith("rotary_emb.inv_freq"):
+            return False
+        raise CheckpointError(f"unexpected weight {name!r} in the checkpoint")
+
+    def place(self, name: str, value: Any) -> None:
+        shape = tuple(value.shape)
+        if name in self.modules:
+            mod, kind, want = self.modules[name]
+            if shape != want:
+                raise CheckpointError(f"weight {name!r} has shape {shape}, model expects {want}")
+            mod.load(kind, value)
+        else:
+            target = self.params[name]
+            if shape != tuple(target.shape):
+                raise CheckpointError(
+                    f"weight {name!r} has shape {shape}, model expects {tuple(target.shape)}"
+                )
+            with torch.no_grad():
+                target.copy_(value)
+        self.loaded.add(name)
+
+    def check_complete(self) -> None:
+        missing = (set(self.params) | set(self.modules)) - self.loaded
+        if missing:
+            raise CheckpointError(f"weights missing from the checkpoint: {sorted(missing)[:5]}")
+
+
 def load_weights(model: DecoderForCausalLM, path: Path) -> None:
-    """Every parameter from the checkpoint by name; under tensor parallelism only this rank's
-    part of each tensor is read (a safetensors slice, gpu/dist/parallel.py `shard`)."""
-    params = dict(model.named_parameters())
+    """Every weight from the checkpoint by name; under tensor parallelism only this rank's part
+    of each tensor is read (a safetensors slice, gpu/dist/parallel.py `shard`)."""
+    targets = Targets(model)
     tp = model.tp
-    loaded: set[str] = set()
     files = weight_files(path)
-    with tqdm(total=len(params), desc="Loading weights", unit="tensor", leave=False) as bar:
+    with tqdm(
+        total=len(targets.params) + len(targets.modules),
+        desc="Loading weights",
+        unit="tensor",
+        leave=False,
+    ) as bar:
         for file in files:
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 for name in f.keys():
-                    target = params.get(name)
-                    if target is None:
-                        if name == "lm_head.weight" and model.spec.tie_word_embeddings:
-                            continue
-                        if name.endswith("rotary_emb.inv_freq"):
-                            continue
-                        raise ValueError(f"unexpected weight {name!r} in {file.name}")
+                    if not targets.wants(name):
+                        continue
                     if tp is None:
                         tensor = f.get_tensor(name)
                     else:
                         tensor = shard(name, f.get_slice(name), model.spec, tp)
-                    if tensor.shape != target.shape:
-                        raise ValueError(
-                            f"weight {name!r} has shape {tuple(tensor.shape)}, "
-                            f"model expects {tuple(target.shape)}"
-                        )
-                    with torch.no_grad():
-                        target.copy_(tensor)
-                    loaded.add(name)
+                    targets.place(name, tensor)
                     bar.update(1)
-    missing = set(params) - loaded
-    if missing:
-        raise ValueError(f"weights missing from the checkpoint: {sorted(missing)[:5]}")
+    targets.check_complete()
+
+
+def load_gguf_weights(model: DecoderForCausalLM, ckpt: GgufCheckpoint) -> None:
+    if model.tp is not None:
+        raise CheckpointError("tensor parallelism serves safetensors checkpoints, not GGUF files")
+    targets = Targets(model)
+    for name, value in ckpt.weights():
+        if targets.wants(name):
+            targets.place(name, value)
+    targets.check_complete()
 
 
 def load_model(
@@ -131,14 +189,23 @@ def load_model(
     backend,
     tp: TensorParallel | None = None,
 ) -> DecoderForCausalLM:
-    """The model built on `backend` (gpu/backend.py), its weights read and prepared."""
+    """The model built on `backend` (gpu/backend.py), its weights read and prepared: in `dtype`
+    (the checkpoint's or --dtype) unless the backend keeps them as the checkpoint holds them."""
     spec = ModelSpec.from_hf_config(config)
+    compute = backend.bind(device, dtype)
     with torch.device("meta"):
         model = DecoderForCausalLM(spec, backend, tp)
-    model = model.to(dtype).to_empty(device=device)
-    load_weights(model, path)
+    model = model.to(compute).to_empty(device=device)
+    factors = None
+    if is_gguf(path):
+        ckpt = GgufCheckpoint(path)
+        load_gguf_weights(model, ckpt)
+        factors = ckpt.rope_factors()
+        ckpt.close()
+    else:
+        load_weights(model, path)
     model.prepare()
-    model.rope = Rope(config, spec.head_dim, device)
+    model.rope = Rope(config, spec.head_dim, device, factors)
     return model.eval()
 
 

@@ -6,20 +6,18 @@ from __future__ import annotations
 import gc
 import hmac
 import logging
-import os
 import signal
 import socket
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import trio
-from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve as hypercorn_serve
 from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
-from core.config import EngineConfig
+from core.config import CheckpointError, EngineConfig
 from core.engine import EngineThread
 from core.engine_process import EngineProcess
 from core.stats import StepStats
@@ -32,10 +30,11 @@ from server.generate import bp as generate_bp
 from server.responses.routes import bp as responses_bp
 from server.responses.registry import Runs
 from server.logprobs import TokenText
-from server.metrics import CacheInfo, Metrics
+from server.metrics import CacheInfo, Memory, Metrics
 from server.options import ServerOptions
 from server.routes import bp
 from server.state import ServerState
+from server.listen import hypercorn_config, listening_socket
 from server.stats_log import StatsLog
 
 log = logging.getLogger("weir.server")
@@ -53,6 +52,7 @@ def create_app(config: EngineConfig, options: ServerOptions | None = None) -> Qu
     app.weir_state = st
     app.weir_shutdown = trio.Event()
     app.weir_failed = None
+    app.weir_bad_input = False  # start-up failed on the model given: exit code 2
     app.register_blueprint(bp)
     app.register_blueprint(generate_bp)
     app.register_blueprint(responses_bp)
@@ -171,6 +171,8 @@ async def _load_engine(app: QuartTrio, st: ServerState) -> None:
                 loaded.kv_dtype,
                 loaded.core.runner.vocab_size,
                 str(loaded.model_path),
+                loaded.weight_bytes or {},
+                loaded.kv_cache_bytes,
             )
         cache = CacheInfo(
             st.config.block_size,
@@ -182,7 +184,11 @@ async def _load_engine(app: QuartTrio, st: ServerState) -> None:
             loaded.num_blocks * st.config.block_size / loaded.max_model_len,
         )
         metrics = Metrics(
-            st.options.metrics_prefix, loaded.served_names[0], loaded.max_model_len, cache
+            st.options.metrics_prefix,
+            loaded.served_names[0],
+            loaded.max_model_len,
+            cache,
+            Memory(loaded.weight_bytes, loaded.kv_cache_bytes, loaded.kv_dtype),
         )
         engine.on_stats = metrics.publish
         if st.options.log_stats:
@@ -203,6 +209,11 @@ async def _load_engine(app: QuartTrio, st: ServerState) -> None:
 
         engine.on_death = died
         engine.start()
+    except CheckpointError as e:  # the model given: exit code 2, as for any bad argument
+        log.error("could not load the model: %s", e)
+        app.weir_bad_input = True
+        _fail(app, st, str(e) if str(e).startswith("loading failed") else f"loading failed: {e}")
+        return
     except Exception as e:  # noqa: BLE001 - reported, and the server shuts itself down
         log.exception("could not load the model")
         _fail(app, st, f"loading failed: {type(e).__name__}: {e}")
@@ -261,6 +272,8 @@ class _Frontend(NamedTuple):
     kv_dtype: str
     vocab_size: int
     model_path: str
+    weight_bytes: dict[str, int]
+    kv_cache_bytes: int
 
 
 def _launch(engine: EngineProcess) -> _Frontend:
@@ -270,7 +283,7 @@ def _launch(engine: EngineProcess) -> _Frontend:
 
     info = engine.launch()
     return _Frontend(
-        AutoTokenizer.from_pretrained(info.model_path),
+        AutoTokenizer.from_pretrained(info.tokenizer_path or info.model_path),
         info.served_names,
         info.max_model_len,
         info.generation_defaults,
@@ -278,49 +291,9 @@ def _launch(engine: EngineProcess) -> _Frontend:
         info.kv_dtype,
         info.vocab_size,
         info.model_path,
+        info.weight_bytes,
+        info.kv_cache_bytes,
     )
-
-
-# Pending connections the kernel queues before the event loop accepts them (uvicorn's default).
-BACKLOG = 2048
-
-
-def listening_socket(host: str, port: int, user_timeout: float) -> socket.socket:
-    """The listening socket, made here so accepted connections inherit TCP keep-alive and
-    TCP_USER_TIMEOUT: a client that stays connected but stops reading (or vanishes) is dropped
-    once sent data has gone unacknowledged that long, and its request is aborted."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    idle = max(1, int(user_timeout / 2))
-    for opt, value in (
-        ("TCP_KEEPIDLE", idle),
-        ("TCP_KEEPINTVL", max(1, idle // 3)),
-        ("TCP_KEEPCNT", 3),
-        ("TCP_USER_TIMEOUT", int(user_timeout * 1000)),
-    ):
-        if hasattr(socket, opt):  # Linux; elsewhere keep-alive alone
-            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, opt), value)
-    sock.bind((host, port))
-    sock.listen(BACKLOG)
-    sock.setblocking(False)
-    return sock
-
-
-def hypercorn_config(sock: socket.socket, options: ServerOptions) -> HypercornConfig:
-    hc = HypercornConfig()
-    # Hypercorn takes ownership of (and closes) the descriptor it is given: give it a duplicate.
-    hc.bind = [f"fd://{os.dup(sock.fileno())}"]
-    # Hypercorn calls listen() again with its own backlog (100 by default): with 256 clients
-    # connecting at once the accept queue overflowed and some connections were reset.
-    hc.backlog = BACKLOG
-    hc.keep_alive_timeout = options.keep_alive_timeout
-    # weir drains first (see serve); Hypercorn's own timeout then only closes idle connections.
-    hc.graceful_timeout = 5.0
-    hc.accesslog = None
-    hc.errorlog = logging.getLogger("hypercorn.error")  # through our logging config, printed once
-    return hc
 
 
 async def serve(
@@ -395,4 +368,6 @@ async def serve(
         sock.close()
     if force.is_set():
         return 1
-    return 1 if app.weir_failed else 0
+    if app.weir_failed:
+        return 2 if app.weir_bad_input else 1
+    return 0

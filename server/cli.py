@@ -46,6 +46,8 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         served_model_name=args.served_model_name,
         revision=args.revision,
         dtype=DTYPE_ALIASES.get(args.dtype, args.dtype),
+        quantization=None if args.quantization in (None, "none", "None") else args.quantization,
+        tokenizer=args.tokenizer,
         device=args.device,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,

@@ -42,6 +42,20 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["auto", "float32", "bfloat16", "float16", "half", "float"],
         help="auto: the checkpoint's; half and float are vLLM's names for float16 and float32",
     )
+    s.add_argument(
+        "--quantization",
+        "-q",
+        default=None,
+        help="q8_0, q4_0, q4_k: quantize the weights at load (round to nearest, GGUF's block "
+        "formats, weir's CPU kernels); gguf, awq, gptq: what the checkpoint already holds "
+        "(implied by a .gguf path or config.json's quantization_config)",
+    )
+    s.add_argument(
+        "--tokenizer",
+        default=None,
+        help="a Hugging Face tokenizer folder to use instead of the model's own (a GGUF file's "
+        "tokenizer.ggml.* entries, or the model folder's tokenizer files)",
+    )
     s.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     s.add_argument(
         "--max-model-len",

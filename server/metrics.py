@@ -108,9 +108,22 @@ class CacheInfo(NamedTuple):
     kv_cache_max_concurrency: float  # full-length requests that fit: tokens / max_model_len
 
 
+class Memory(NamedTuple):
+    """What the model holds in memory: its weights' bytes by format, the KV cache's."""
+
+    weight_bytes: dict[str, int]
+    kv_cache_bytes: int
+    kv_dtype: str
+
+
 class Metrics:
     def __init__(
-        self, prefix: str, model_name: str, max_model_len: int, cache: CacheInfo | None = None
+        self,
+        prefix: str,
+        model_name: str,
+        max_model_len: int,
+        cache: CacheInfo | None = None,
+        memory: Memory | None = None,
     ) -> None:
         self.registry = CollectorRegistry()
         p = f"{prefix}:"
@@ -153,6 +166,21 @@ class Metrics:
                 registry=reg,
             )
             info.labels(*(str(v) for v in cache)).set(1)
+        if memory is not None and memory.weight_bytes:
+            weights = Gauge(
+                p + "model_weights_bytes",
+                "Bytes of model weights held in memory, by format (f32, bf16, q4_k, ...).",
+                labels + ["format"],
+                registry=reg,
+            )
+            for fmt, n in memory.weight_bytes.items():
+                weights.labels(model_name, fmt).set(n)
+            Gauge(
+                p + "kv_cache_bytes",
+                "Bytes of the KV cache (K and V, every layer).",
+                labels + ["dtype"],
+                registry=reg,
+            ).labels(model_name, memory.kv_dtype).set(memory.kv_cache_bytes)
         self.kv_usage = gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent.")
         self.prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter(

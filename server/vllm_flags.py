@@ -75,27 +75,12 @@ FLAGS = (
         "",
     ),
     Flag(
-        ("--quantization", "-q"),
-        str,
-        lambda v: v in ("none", "None"),
-        None,
-        "weir loads unquantized safetensors weights; use --dtype bfloat16 or float16 to "
-        "halve their size",
-    ),
-    Flag(
         ("--load-format",),
         str,
-        lambda v: v in ("auto", "safetensors"),
+        lambda v: v in ("auto", "safetensors", "gguf"),
         None,
-        "weir loads safetensors weights only (--load-format auto or safetensors)",
-    ),
-    Flag(
-        ("--tokenizer",),
-        str,
-        _never,
-        None,
-        "weir loads the tokenizer from the model's own directory; put the tokenizer files "
-        "there (a --chat-template may replace its template)",
+        "weir loads safetensors folders and GGUF files (--load-format auto, safetensors or "
+        "gguf; a .gguf path is read as GGUF)",
     ),
     Flag(
         ("--tokenizer-mode",),

@@ -343,7 +343,7 @@ def test_listen_backlog_is_not_shrunk_by_hypercorn(tiny):
     otherwise; 256 clients connecting at once then overflowed the accept queue and were reset."""
     import shutil
 
-    from server.app import BACKLOG, hypercorn_config, listening_socket
+    from server.listen import BACKLOG, hypercorn_config, listening_socket
     from server.options import ServerOptions
 
     sock = listening_socket("127.0.0.1", 0, 30.0)

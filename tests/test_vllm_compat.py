@@ -314,9 +314,9 @@ def test_vllm_flags_that_work():
         (["--pipeline-parallel-size", "2"], "--pipeline-parallel-size 2"),
         (["--tool-call-parser", "bogus"], "--tool-call-parser 'bogus'"),
         (["--reasoning-parser", "bogus"], "--reasoning-parser 'bogus'"),
-        (["--quantization", "awq"], "--quantization awq"),
+        (["--quantization", "fp8"], "--quantization fp8"),
         (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8"),
-        (["--tokenizer", "other/tok"], "--tokenizer other/tok"),
+        (["--tokenizer", "/no/such/tok"], "--tokenizer /no/such/tok"),
         (["--max-logprobs", "-5"], "--max-logprobs"),
     ],
 )

@@ -12,14 +12,17 @@ layer.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from gpu.attention.backend import AttentionBackend
-from gpu.backend import TorchBackend
-from gpu.cpu import gemm, norm, onednn, sample
+from gpu.backend import ACTIVATIONS, TorchBackend
+from gpu.cpu import gemm, norm, onednn, quant, sample
 from gpu.cpu import build as cpu_build
+from gpu.quant.formats import FORMATS
+from gpu.quant.quantize import quantize
+from gpu.quant.tensor import BlockTensor, cat_rows
 
 log = logging.getLogger("weir.cpu")
 
@@ -38,7 +41,8 @@ class OneDnnBackend(TorchBackend):
         self.matmul = "onednn"
         self.forward_mode = "modules"
 
-    def prepare_linear(self, weight: torch.Tensor, bias: torch.Tensor | None) -> Any:
+    def prepare_linear(self, weight: Any, bias: Any) -> Any:
+        weight, bias = self.dense(weight), self.dense(bias)
         if onednn.big_enough(weight):
             return onednn.prepare(weight, bias)
         return super().prepare_linear(weight, bias)  # MKL, through torch
@@ -49,6 +53,7 @@ class OneDnnBackend(TorchBackend):
         return super().linear(x, w, residual)
 
     def prepare_mlp(self, gate, up, down, act: str) -> tuple[Any, Any]:
+        gate, up, down = [(self.dense(w), self.dense(b)) for w, b in (gate, up, down)]
         bias_free = gate[1] is None and up[1] is None and down[1] is None
         big = all(onednn.big_enough(w) for w, _ in (gate, up, down))
         if bias_free and act in onednn.POST_OPS and big:
@@ -61,9 +66,34 @@ class OneDnnBackend(TorchBackend):
         return super().gated(x, w)
 
 
+class Stacked(NamedTuple):
+    """Weights of different formats sharing an input (Q, K and V of a Q4_K_M file: V in Q6_K),
+    each its own product, their outputs side by side."""
+
+    parts: list[Any]
+
+
+class GatedPair(NamedTuple):
+    """A gated MLP's gate and up as two products (formats that differ, or biases)."""
+
+    gate: Any
+    up: Any
+    act: str
+
+
 class CpuBackend(OneDnnBackend):
+    """weir's kernels. Weights stay as the checkpoint holds them unless --dtype or
+    --quantization says otherwise: float32 on the float32 kernel (gemm.py), BF16, F16 and GGUF's
+    block formats on the block kernels (quant.py); activations are float32 throughout."""
+
     def __init__(
-        self, attention: AttentionBackend, matmul: str = "weir", forward: str = "auto"
+        self,
+        attention: AttentionBackend,
+        matmul: str = "weir",
+        forward: str = "auto",
+        *,
+        keep_dtype: bool = False,
+        quantization: str | None = None,
     ) -> None:
         if matmul not in MATMULS:
             raise ValueError(f"--cpu-matmul must be one of {', '.join(MATMULS)}, not {matmul!r}")
@@ -73,30 +103,123 @@ class CpuBackend(OneDnnBackend):
         super().__init__(attention, name=f"cpu, {matmul} products")
         self.matmul = matmul
         self.forward_mode = forward
+        self.keep_dtype = keep_dtype  # --dtype auto: weights in the checkpoint's own dtype
+        self.quantization = None if quantization is None else FORMATS[quantization]
+        self.weight_dtype = torch.float32
+        self.resident: dict[str, int] = {}  # weight bytes held, by format
+
+    def bind(self, device: torch.device, dtype: torch.dtype) -> torch.dtype:
+        self.device, self.weight_dtype = device, dtype
+        self.dtype = torch.float32  # activations, norms; dense() gives float32
+        return torch.float32
+
+    def _source(self, t: Any) -> Any:
+        """A checkpoint weight in the form it is served in: a float32 tensor (the float32
+        kernel), or a BlockTensor (the block kernels: BF16, F16, GGUF's formats)."""
+        if isinstance(t, BlockTensor):
+            return t
+        if self.quantization is not None:
+            fmt = self.quantization
+            k = t.shape[-1]
+            if k % fmt.block_size:  # as llama.cpp does: the nearest format whose blocks fit
+                fmt = FORMATS["q8_0"] if k % 32 == 0 else FORMATS["bf16"]
+            rows = quantize(t.detach().float().numpy(), fmt.name)
+            return BlockTensor(rows, fmt, tuple(t.shape))
+        dtype = t.dtype if self.keep_dtype else self.weight_dtype
+        if dtype == torch.float32 or self.matmul != "weir":
+            return t.detach().float().contiguous()
+        fmt = FORMATS["bf16" if dtype == torch.bfloat16 else "f16"]
+        t = t.detach().to(dtype).contiguous()
+        return BlockTensor(t.view(torch.uint8).numpy(), fmt, tuple(t.shape))
+
+    def _count(self, w: Any) -> Any:
+        if isinstance(w, quant.QuantWeight):
+            name = w.fmt.name
+            self.resident[name] = self.resident.get(name, 0) + w.resident_bytes
+        elif isinstance(w, gemm.GemmWeight | gemm.GemmGated):
+            self.resident["f32"] = self.resident.get("f32", 0) + 4 * w.packed.numel()
+        return w
 
     # ---- products ----
-    def prepare_linear(self, weight: torch.Tensor, bias: torch.Tensor | None) -> Any:
+    def prepare_linear(self, weight: Any, bias: Any) -> Any:
+        src = self._source(weight)
+        bias = None if bias is None else bias.detach().float().contiguous()
+        if isinstance(src, BlockTensor):
+            return self._count(quant.pack(src.rows, src.fmt, src.shape, bias))
         if self.matmul == "weir":
-            return gemm.prepare(weight, bias)
-        return super().prepare_linear(weight, bias)
+            return self._count(gemm.prepare(src, bias))
+        return super().prepare_linear(src, bias)
+
+    def prepare_stacked(self, parts: list[tuple[Any, Any]]) -> Any:
+        sources = [self._source(w) for w, _ in parts]
+        bias = None if parts[0][1] is None else torch.cat([b.float() for _, b in parts])
+        if all(isinstance(s, torch.Tensor) for s in sources):
+            return self.prepare_linear(torch.cat(sources), bias)
+        if all(isinstance(s, BlockTensor) for s in sources):
+            joined = cat_rows(sources)
+            if joined is not None:
+                return self.prepare_linear(joined, bias)
+        return Stacked([self.prepare_linear(s, b) for s, (_, b) in zip(sources, parts)])
 
     def linear(self, x, w, residual=None) -> torch.Tensor:
+        if isinstance(w, quant.QuantWeight):
+            return quant.linear(x, w, residual)
         if isinstance(w, gemm.GemmWeight):
             return gemm.linear(x, w, residual)
+        if isinstance(w, Stacked):
+            y = torch.cat([self.linear(x, p) for p in w.parts], dim=-1)
+            return y if residual is None else residual + y
         return super().linear(x, w, residual)
 
     def prepare_mlp(self, gate, up, down, act: str) -> tuple[Any, Any]:
+        if self.matmul != "weir":
+            return super().prepare_mlp(gate, up, down, act)
         bias_free = gate[1] is None and up[1] is None and down[1] is None
-        if self.matmul == "weir" and bias_free and act in gemm.ACTIVATIONS:
-            return gemm.prepare_gated(gate[0], up[0], act), self.prepare_linear(*down)
-        if self.matmul == "weir":  # biases, or an activation the kernel has not: two products
-            return TorchBackend.prepare_mlp(self, gate, up, down, act)
-        return super().prepare_mlp(gate, up, down, act)
+        g, u = self._source(gate[0]), self._source(up[0])
+        same = (
+            isinstance(g, torch.Tensor)
+            and isinstance(u, torch.Tensor)
+            or isinstance(g, BlockTensor)
+            and isinstance(u, BlockTensor)
+            and g.fmt == u.fmt
+        )
+        if bias_free and act in gemm.ACTIVATIONS and same:
+            if isinstance(g, torch.Tensor):
+                pair = gemm.prepare_gated(g, u, act)
+            else:
+                pair = quant.pack(g.rows, g.fmt, g.shape, up=u.rows, act=act)
+            return self._count(pair), self.prepare_linear(*down)
+        # biases, an activation the kernels have not, or formats that differ: two products
+        pair = GatedPair(self.prepare_linear(g, gate[1]), self.prepare_linear(u, up[1]), act)
+        return pair, self.prepare_linear(*down)
 
     def gated(self, x, w) -> torch.Tensor:
         if isinstance(w, gemm.GemmGated):
             return gemm.gated(x, w)
+        if isinstance(w, quant.QuantWeight):
+            return quant.linear(x, w)
+        if isinstance(w, GatedPair):
+            return ACTIVATIONS[w.act](self.linear(x, w.gate)) * self.linear(x, w.up)
         return super().gated(x, w)
+
+    # ---- embeddings ----
+    def prepare_embedding(self, weight: Any) -> Any:
+        src = self._source(weight)
+        if isinstance(src, BlockTensor):
+            return self._count(quant.pack(src.rows, src.fmt, src.shape))
+        self.resident["f32"] = self.resident.get("f32", 0) + 4 * src.numel()
+        return src
+
+    def embed(self, input_ids: torch.Tensor, w: Any) -> torch.Tensor:
+        if isinstance(w, quant.QuantWeight):
+            return quant.gather(w, input_ids)
+        return super().embed(input_ids, w)
+
+    def tied_logits(self, hidden: torch.Tensor, w: Any) -> torch.Tensor:
+        if isinstance(w, quant.QuantWeight):
+            return quant.linear(hidden, w)
+        return super().tied_logits(hidden, w)
+
     # ---- norms and rotation ----
     def rms_norm(self, x, weight, eps) -> torch.Tensor:
         return norm.rms_norm(x, weight, eps)

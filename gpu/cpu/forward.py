@@ -1,5 +1,6 @@
-"""The CPU float32 layer stack in one compiled call (gpu/cpu/csrc/forward.cpp, through
-torch.classes.weir.DecoderStack).
+"""The CPU layer stack in one compiled call (gpu/cpu/csrc/forward.cpp, through
+torch.classes.weir.DecoderStack): float32 activations, weights in float32 or in the block and
+16-bit formats of gpu/cpu/quant.py, each product by its own format.
 
 DecoderForCausalLM.forward hands the whole layer stack, the final norm and, for an untied head on
 weir's kernel, the LM head's sampled rows to C++, which gathers the embeddings and rotary rows
@@ -20,7 +21,7 @@ import torch
 
 from gpu.attention.backend import AttentionMetadata
 from gpu.cpu import build as cpu_build
-from gpu.cpu import gemm
+from gpu.cpu import gemm, quant
 from gpu.models.spec import ARCHITECTURES, ModelSpec
 
 # ModelSpec field -> what the compiled stack does with it (None: every value; else a predicate
@@ -63,17 +64,69 @@ def unfit(model, backend) -> str | None:
     for name, rule in HANDLED.items():
         if rule is not None and not rule[0](getattr(spec, name)):
             return rule[1]
-    embed = model.model.embed_tokens.weight
-    if embed.dtype != torch.float32 or not embed.is_contiguous():
-        return "embeddings not float32 and contiguous"
+    if _embed(model) is None:
+        return "embeddings not float32 rows nor a packed weight"
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        if not isinstance(attn.qkv, gemm.GemmWeight) or not isinstance(attn.o, gemm.GemmWeight):
-            return "attention products not on weir's kernel"
-        if attn.o.bias is not None:
+        if _parts(attn.qkv) is None or _parts(attn.o) is None:
+            return "attention products not on weir's kernels"
+        if getattr(attn.o, "bias", None) is not None:
             return "an output projection bias"
-        if not isinstance(mlp.gate_up, gemm.GemmGated):
-            return "MLP not a packed gated pair"
+        if _gated(mlp.gate_up) is None or _parts(mlp.down) is None:
+            return "MLP products not on weir's kernels"
+    return None
+
+
+def _part(w) -> tuple[int, torch.Tensor, int] | None:
+    """(format, packed tensor, outputs) of a plain weight on weir's kernels, else None."""
+    if isinstance(w, gemm.GemmWeight):
+        return 0, w.packed, w.out_features
+    if isinstance(w, quant.QuantWeight) and w.act == 0:
+        return w.fmt.ggml_type, w.packed, w.out_features
+    return None
+
+
+def _parts(w) -> list[tuple[int, torch.Tensor, int]] | None:
+    """A product's weight as the stack's parts (Q/K/V in formats that differ: several)."""
+    from gpu.cpu.backend import Stacked
+
+    parts = [_part(p) for p in w.parts] if isinstance(w, Stacked) else [_part(w)]
+    return None if any(p is None for p in parts) or len(parts) > 3 else parts
+
+
+def _gated(w) -> tuple[list[tuple[int, torch.Tensor]], int] | None:
+    """A gated MLP's gate/up as the stack takes it: ([(format, the packed pair)] or [gate,
+    up], the activation's code)."""
+    from gpu.cpu.backend import GatedPair
+
+    if isinstance(w, gemm.GemmGated):
+        return [(0, w.packed)], w.act
+    if isinstance(w, quant.QuantWeight) and w.act:
+        return [(w.fmt.ggml_type, w.packed)], w.act
+    if isinstance(w, GatedPair) and w.act in gemm.ACTIVATIONS:
+        g, u = _part(w.gate), _part(w.up)
+        if g is None or u is None or w.gate.bias is not None or w.up.bias is not None:
+            return None
+        return [g[:2], u[:2]], gemm.ACTIVATIONS[w.act]
+    return None
+
+
+def _bias(w, none: torch.Tensor) -> torch.Tensor:
+    """A product's bias (Q/K/V in parts: theirs joined), or `none`."""
+    from gpu.cpu.backend import Stacked
+
+    parts = w.parts if isinstance(w, Stacked) else [w]
+    if all(getattr(p, "bias", None) is None for p in parts):
+        return none
+    return torch.cat([p.bias for p in parts])
+
+
+def _embed(model) -> tuple[int, torch.Tensor] | None:
+    w = model.model.embed_tokens.w
+    if isinstance(w, quant.QuantWeight):
+        return w.fmt.ggml_type, w.packed
+    if isinstance(w, torch.Tensor) and w.dtype == torch.float32 and w.is_contiguous():
+        return 0, w
     return None
 
 
@@ -83,55 +136,73 @@ class FusedStack:
         self.model = model
         self._caches: list | None = None  # the kv_caches list the stack was built over
         self._stack = None
-        # The LM head when the call can take it too: an untied, bias-free one on weir's kernel
-        # (a tied head multiplies by the embedding's plain weight, through torch).
-        head = None if model.spec.tie_word_embeddings else model.lm_head.w
-        ok = isinstance(head, gemm.GemmWeight) and head.bias is None
-        self.lm_head = head if ok else None
+        # The LM head when the call can take it too: an untied, bias-free one on weir's kernels,
+        # or a tied one whose embeddings are packed (a float32 tied head multiplies by the
+        # embeddings' rows through torch).
+        if model.spec.tie_word_embeddings:
+            w = model.model.embed_tokens.w
+            head = _part(w) if isinstance(w, quant.QuantWeight) else None
+        else:
+            w = model.lm_head.w
+            head = _part(w) if getattr(w, "bias", None) is None else None
+        self.lm_head = head
 
     def _bind(self, kv_caches) -> None:
         """The compiled stack over the model's weights and these caches (it holds them)."""
         model, spec = self.model, self.model.local_spec
         layers = model.model.layers
         none = torch.empty(0)
-        per_layer = []
+        per_layer, formats = [], []
+        act = 0
         for layer, (k, v) in zip(layers, kv_caches):
             attn = layer.self_attn
+            qkv = _parts(attn.qkv) + [(0, none, 0)] * (3 - len(_parts(attn.qkv)))
+            ((o_fmt, o, _),) = _parts(attn.o)
+            gate_up, act = _gated(layer.mlp.gate_up)
+            ((d_fmt, down, _),) = _parts(layer.mlp.down)
+            gu = gate_up + [(-1, none)] * (2 - len(gate_up))
             per_layer.append(
                 [
                     layer.input_layernorm.weight.detach(),
                     layer.post_attention_layernorm.weight.detach(),
-                    attn.qkv.packed,
-                    none if attn.qkv.bias is None else attn.qkv.bias,
+                    *(t for _, t, _ in qkv),
+                    _bias(attn.qkv, none),
                     attn.q_norm.weight.detach() if attn.qk_norm else none,
                     attn.k_norm.weight.detach() if attn.qk_norm else none,
-                    attn.o.packed,
-                    layer.mlp.gate_up.packed,
-                    layer.mlp.down.packed,
+                    o,
+                    gu[0][1],
+                    gu[1][1],
+                    down,
                     k,
                     v,
                 ]
             )
-        first = layers[0]
+            formats.append(
+                [x for fmt, _, n in qkv for x in (fmt, n)] + [o_fmt, gu[0][0], gu[1][0], d_fmt]
+            )
+        embed_fmt, embed = _embed(model)
         head = self.lm_head
         dims = [
             spec.hidden_size,
             spec.num_heads,
             spec.num_kv_heads,
             spec.head_dim,
-            first.mlp.gate_up.width,
-            first.self_attn.sliding_window or 0,
-            first.mlp.gate_up.act,
-            head.out_features if head is not None else 0,
+            spec.intermediate_size,
+            layers[0].self_attn.sliding_window or 0,
+            act,
+            spec.vocab_size,
+            embed_fmt,
+            head[0] if head is not None else -1,
         ]
         self._stack = self._classes.DecoderStack(
             per_layer,
+            formats,
             dims,
             model.model.norm.eps,
-            first.self_attn.scale,
-            model.model.embed_tokens.weight.detach(),
+            layers[0].self_attn.scale,
+            embed,
             model.model.norm.weight.detach(),
-            head.packed if head is not None else none,
+            head[1] if head is not None else none,
         )
         self._caches = kv_caches
 

@@ -10,6 +10,7 @@ results bit for bit (tests/test_cpu_quant.py).
 
 from __future__ import annotations
 
+import warnings
 from typing import NamedTuple
 
 import numpy as np
@@ -50,7 +51,9 @@ def available_paths() -> list[str]:
 
 def _bytes(rows: np.ndarray | torch.Tensor) -> torch.Tensor:
     if isinstance(rows, np.ndarray):
-        rows = torch.from_numpy(np.ascontiguousarray(rows))
+        with warnings.catch_warnings():  # a GGUF file's read-only map: the kernels only read it
+            warnings.simplefilter("ignore", UserWarning)
+            rows = torch.from_numpy(np.ascontiguousarray(rows))
     return rows.contiguous().view(torch.uint8).reshape(-1)
 
 
@@ -76,6 +79,13 @@ def pack(
 def dequantize(w: QuantWeight) -> torch.Tensor:
     """The float32 weight a plain QuantWeight stands for (the GGUF dequantization)."""
     return cpu_build.load().wdequant(w.packed, w.fmt.ggml_type, w.out_features, w.in_features)
+
+
+def gather(w: QuantWeight, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of the weight as float32 (an embedding lookup), shaped [*ids.shape, k]."""
+    flat = ids.reshape(-1).to(torch.int64).contiguous()
+    out = cpu_build.load().wgather(w.packed, w.fmt.ggml_type, w.out_features, w.in_features, flat)
+    return out.view(*ids.shape, w.in_features)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:

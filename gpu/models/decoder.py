@@ -8,6 +8,8 @@ fused, ...) and asks the backend whether it runs the whole layer stack in one ca
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -18,25 +20,32 @@ from gpu.models.spec import ModelSpec
 
 
 class Linear(nn.Module):
-    """y = x W^T + b (+ residual) on the backend. Holds the checkpoint's weight (found by its name
-    when loading) until `prepare`, then only the backend's form of it."""
+    """y = x W^T + b (+ residual) on the backend. Holds the checkpoint's weight as the checkpoint
+    gives it (a tensor in its dtype, or a gpu/quant/tensor.py BlockTensor, set by the loader
+    through `load`) until `prepare`, then only the backend's form of it."""
 
     def __init__(self, backend, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__()
         self.backend = backend
         self.in_features, self.out_features = in_features, out_features
-        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
-        if bias:
-            self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
-        else:
-            self.register_parameter("bias", None)
+        self.has_bias = bias
+        self.weight: Any = None
+        self.bias: Any = None
         self.w = None
 
-    def take(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def expects(self) -> dict[str, tuple[int, ...]]:
+        """The checkpoint tensors this layer loads, by kind, and their shapes."""
+        shapes = {"weight": (self.out_features, self.in_features)}
+        if self.has_bias:
+            shapes["bias"] = (self.out_features,)
+        return shapes
+
+    def load(self, kind: str, value: Any) -> None:
+        setattr(self, kind, value)
+
+    def take(self) -> tuple[Any, Any]:
         """The loaded (weight, bias), given up: the module keeps only what is prepared from them."""
-        weight = self.weight.detach()
-        bias = None if self.bias is None else self.bias.detach()
-        del self.weight, self.bias
+        weight, bias = self.weight, self.bias
         self.weight = self.bias = None
         return weight, bias
 
@@ -45,6 +54,31 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         return self.backend.linear(x, self.w, residual)
+
+
+class Embedding(nn.Module):
+    """The token embeddings, held as the checkpoint gives them until `prepare`, then in the
+    backend's form, which also serves as a tied LM head's weight."""
+
+    def __init__(self, backend, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__()
+        self.backend = backend
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.weight: Any = None
+        self.w = None
+
+    def expects(self) -> dict[str, tuple[int, ...]]:
+        return {"weight": (self.num_embeddings, self.embedding_dim)}
+
+    def load(self, kind: str, value: Any) -> None:
+        self.weight = value
+
+    def prepare(self) -> None:
+        self.w = self.backend.prepare_embedding(self.weight)
+        self.weight = self.w if isinstance(self.w, torch.Tensor) else None
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.backend.embed(input_ids, self.w)
 
 
 class RMSNorm(nn.Module):
@@ -81,10 +115,7 @@ class Attention(nn.Module):
     def prepare(self) -> None:
         parts = (self.q_proj, self.k_proj, self.v_proj)
         if self.backend.fuse_qkv:
-            taken = [p.take() for p in parts]
-            weight = torch.cat([w for w, _ in taken])
-            bias = None if taken[0][1] is None else torch.cat([b for _, b in taken])
-            self.qkv = self.backend.prepare_linear(weight, bias)
+            self.qkv = self.backend.prepare_stacked([p.take() for p in parts])
             del self.q_proj, self.k_proj, self.v_proj
         else:
             for p in parts:
@@ -164,7 +195,7 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     def __init__(self, spec: ModelSpec, backend, tp: TensorParallel | None = None) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.embed_tokens = Embedding(backend, spec.vocab_size, spec.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(spec, backend, tp) for _ in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, backend)
 
@@ -189,6 +220,7 @@ class DecoderForCausalLM(nn.Module):
     def prepare(self) -> None:
         """After loading: every weight in the backend's form; then the stack, if the backend
         runs this model as one call (it logs why not)."""
+        self.model.embed_tokens.prepare()
         for layer in self.model.layers:
             layer.self_attn.prepare()
             layer.mlp.prepare()
@@ -209,8 +241,7 @@ class DecoderForCausalLM(nn.Module):
         if self.stack is not None:
             # The compiled call gathers the embeddings and rotary rows itself, and takes the LM
             # head's rows too when the head is on its path.
-            embed = self.model.embed_tokens.weight
-            cos, sin = self.rope.tables(max(meta.seq_lens_cpu, default=0), embed.dtype)
+            cos, sin = self.rope.tables(max(meta.seq_lens_cpu, default=0), torch.float32)
             hidden, logits = self.stack(
                 input_ids, positions, cos, sin, kv_caches, meta, logits_rows
             )
@@ -248,7 +279,7 @@ class DecoderForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.spec.tie_word_embeddings:
-            logits = torch.nn.functional.linear(hidden, self.model.embed_tokens.weight)
+            logits = self.backend.tied_logits(hidden, self.model.embed_tokens.w)
         else:
             logits = self.lm_head(hidden)
         if self.tp is not None:  # each rank's vocabulary rows, side by side, less the padding

@@ -20,7 +20,15 @@ def rope_parameters(config: Any) -> dict[str, Any]:
 
 
 class Rope:
-    def __init__(self, config: Any, head_dim: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        config: Any,
+        head_dim: int,
+        device: torch.device,
+        factors: torch.Tensor | None = None,
+    ) -> None:
+        """`factors`: per-frequency divisors of the inverse frequencies (a GGUF file's
+        rope_freqs tensor, which carries llama3-style scaling)."""
         params = rope_parameters(config)
         rope_type = params.get("rope_type", "default")
         if rope_type == "default":
@@ -34,6 +42,10 @@ class Rope:
             if rope_type not in ROPE_INIT_FUNCTIONS:
                 raise ValueError(f"unsupported rope_type {rope_type!r}")
             inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, device)
+        if factors is not None:
+            if factors.numel() != inv_freq.numel():
+                raise ValueError(f"rope_freqs: {factors.numel()} factors for {inv_freq.numel()}")
+            inv_freq = inv_freq.float().cpu() / factors.float()
         self.inv_freq = inv_freq.float().to(device)
         self.scaling = float(scaling)
         # On CPU, cos/sin of positions [0, n) per dtype, grown on demand: a step's rows are

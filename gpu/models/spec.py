@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from core.config import CheckpointError
+
 # Architecture -> how it differs from plain Llama. Mistral is Llama with its own config defaults.
 ARCHITECTURES: dict[str, dict[str, Any]] = {
     "LlamaForCausalLM": {"qk_norm": False},
@@ -38,7 +40,7 @@ class ModelSpec:
         archs = getattr(config, "architectures", None) or []
         arch = next((a for a in archs if a in ARCHITECTURES), None)
         if arch is None:
-            raise ValueError(
+            raise CheckpointError(
                 f"unsupported architecture {archs or config.model_type!r}; "
                 f"weir serves {', '.join(ARCHITECTURES)}"
             )

@@ -1,7 +1,8 @@
-// The decoder's layers in one call: every layer of a CPU float32 forward without returning to
-// Python between its steps. The K/V cache may be float32 or 16-bit (--kv-cache-dtype).
+// The decoder's layers in one call: every layer of a CPU forward (float32 activations; weights
+// in float32, 16-bit or GGUF block formats) without returning to Python between its steps. The
+// K/V cache may be float32 or 16-bit (--kv-cache-dtype).
 //
-// The same kernels the modules call one by one (norm_rope.cpp, gemm.cpp,
+// The same kernels the modules call one by one (norm_rope.cpp, gemm.cpp, quant.cpp,
 // attention.cpp), called in the same order on the same buffers, so the result is bitwise
 // the module path's (tests/test_cpu_forward.py); what goes is the interpreter between them: a
 // dozen torch ops and kernel calls per layer, which at one stream cost as much as the layer's
@@ -20,6 +21,7 @@
 #include <cstring>
 #include <memory>
 
+#include "activation.h"
 #include "attention_simd.h"
 #include "weir.h"
 
@@ -61,6 +63,58 @@ void scatter(int64_t dtype, void* cache, const float* rows, int64_t row_stride,
     scatter_as<float>(cache, rows, row_stride, slots, tokens, width);
 }
 
+using weir::StackLinear;
+using weir::StackWeight;
+
+// out = x W^T (+ bias) (+ residual) on one part, by its format.
+void part_product(const StackWeight& w, const float* x, int64_t m, int64_t k, int64_t x_stride,
+                  int gated, const float* bias, const float* residual, int64_t res_stride,
+                  float* out, int64_t out_stride, int64_t nt) {
+    if (w.format == weir::kWF32)
+        weir::gemm(x, m, k, x_stride, static_cast<const float*>(w.data), w.n, gated, bias,
+                   residual, res_stride, out, out_stride, nt);
+    else
+        weir::wgemm(w.format, x, m, k, x_stride, static_cast<const uint8_t*>(w.data), w.n, gated,
+                    bias, residual, res_stride, out, out_stride, nt, weir::kPathAuto);
+}
+
+// A product over a StackLinear: its parts' outputs side by side; gated with two parts, gate and
+// up each a plain product (`spare`: [m, n] scratch for up) and act(gate) * up.
+void product(const StackLinear& w, const float* x, int64_t m, int64_t k, int gated,
+             const float* bias, const float* residual, int64_t res_stride, float* out,
+             int64_t out_stride, int64_t nt, float* spare) {
+    if (w.parts == 1)
+        return part_product(w.part[0], x, m, k, k, gated, bias, residual, res_stride, out,
+                            out_stride, nt);
+    if (gated) {
+        const int64_t n = w.part[0].n;
+        part_product(w.part[0], x, m, k, k, 0, nullptr, nullptr, 0, out, out_stride, nt);
+        part_product(w.part[1], x, m, k, k, 0, nullptr, nullptr, 0, spare, n, nt);
+        for (int64_t r = 0; r < m; ++r)
+            for (int64_t j = 0; j < n; ++j)
+                out[r * out_stride + j] = weir::activate(gated, out[r * out_stride + j]) * spare[r * n + j];
+        return;
+    }
+    int64_t off = 0;
+    for (int i = 0; i < w.parts; ++i) {
+        part_product(w.part[i], x, m, k, k, 0, bias ? bias + off : nullptr,
+                     residual ? residual + off : nullptr, res_stride, out + off, out_stride, nt);
+        off += w.part[i].n;
+    }
+}
+
+// Rows input_ids of the embeddings into x [tokens, hidden].
+void embed_rows(const StackWeight& e, const int64_t* ids, int64_t tokens, int64_t hidden,
+                float* x, int64_t nt) {
+    if (e.format == weir::kWF32) {
+        const float* rows = static_cast<const float*>(e.data);
+        for (int64_t t = 0; t < tokens; ++t)
+            std::memcpy(x + t * hidden, rows + ids[t] * hidden, sizeof(float) * hidden);
+        return;
+    }
+    weir::wgather(e.format, static_cast<const uint8_t*>(e.data), hidden, ids, tokens, x, nt);
+}
+
 }  // namespace
 
 namespace weir {
@@ -72,30 +126,32 @@ int decoder_forward(const DecoderModel& model, const DecoderStep& step) {
     const int64_t qw = m->heads * D, kvw = m->kv_heads * D, qkvw = qw + 2 * kvw;
     const int64_t I = m->intermediate;
     if (T == 0) return 0;
-    std::unique_ptr<float[]> buf(new float[T * (H + qkvw + qw + kvw + qw + I + 2 * D)]);
-    float* cos = buf.get() + T * (H + qkvw + qw + kvw + qw + I);
+    // h, qkv, q, k, o, g, the up part's spare [T, I] (gate and up of different formats), cos, sin
+    std::unique_ptr<float[]> buf(new float[T * (H + qkvw + qw + kvw + qw + 2 * I + 2 * D)]);
+    float* cos = buf.get() + T * (H + qkvw + qw + kvw + qw + 2 * I);
     float* sin = cos + T * D;
     for (int64_t t = 0; t < T; ++t) {
         const int64_t id = s->input_ids[t], p = s->positions[t];
-        if (id < 0 || id >= s->vocab) return 2;       // a token id outside the vocabulary
+        if (id < 0 || id >= m->embed.n) return 2;     // a token id outside the vocabulary
         if (p < 0 || p >= s->table_rows) return 3;     // past the rotary table
-        std::memcpy(s->x + t * H, s->embed + id * H, sizeof(float) * H);
         std::memcpy(cos + t * D, s->cos_table + p * D, sizeof(float) * D);
         std::memcpy(sin + t * D, s->sin_table + p * D, sizeof(float) * D);
     }
+    embed_rows(m->embed, s->input_ids, T, H, s->x, nt);
     float* h = buf.get();
     float* qkv = h + T * H;
     float* q = qkv + T * qkvw;
     float* k = q + T * qw;
     float* o = k + T * kvw;
     float* g = o + T * qw;
+    float* spare = g + T * I;
     float* x = s->x;
     Timer timer;
     for (int64_t i = 0; i < m->num_layers; ++i) {
         const DecoderLayer& L = m->layers[i];
         rms_norm_rope(x, T, 1, H, H, L.input_norm, m->eps, nullptr, nullptr, h, nt);
         timer.lap(kNorm);
-        gemm(h, T, H, H, L.qkv, qkvw, 0, L.qkv_bias, nullptr, 0, qkv, qkvw, nt);
+        product(L.qkv, h, T, H, 0, L.qkv_bias, nullptr, 0, qkv, qkvw, nt, spare);
         timer.lap(kQkv);
         const float eps = L.q_norm ? m->eps : 0.f;
         rms_norm_rope(qkv, T, m->heads, D, qkvw, L.q_norm, eps, cos, sin, q, nt);
@@ -112,18 +168,18 @@ int decoder_forward(const DecoderModel& model, const DecoderStep& step) {
                                             int(m->cache_dtype));
         if (rc != 0) return rc;
         timer.lap(kAttention);
-        gemm(o, T, qw, qw, L.o, H, 0, nullptr, x, H, x, H, nt);
+        product(L.o, o, T, qw, 0, nullptr, x, H, x, H, nt, spare);
         timer.lap(kOut);
         rms_norm_rope(x, T, 1, H, H, L.post_norm, m->eps, nullptr, nullptr, h, nt);
         timer.lap(kNorm);
-        gemm(h, T, H, H, L.gate_up, I, int(m->act), nullptr, nullptr, 0, g, I, nt);
+        product(L.gate_up, h, T, H, int(m->act), nullptr, nullptr, 0, g, I, nt, spare);
         timer.lap(kGateUp);
-        gemm(g, T, I, I, L.down, H, 0, nullptr, x, H, x, H, nt);
+        product(L.down, g, T, I, 0, nullptr, x, H, x, H, nt, spare);
         timer.lap(kDown);
     }
     rms_norm_rope(x, T, 1, H, H, m->final_norm, m->eps, nullptr, nullptr, s->out, nt);
     timer.lap(kNorm);
-    if (s->logits && m->lm_head && s->num_logits > 0) {
+    if (s->logits && m->lm_head.data && s->num_logits > 0) {
         const float* rows = s->out;
         if (s->logits_rows) {  // the sampled rows, gathered (h is free again)
             if (s->num_logits > T) return 4;
@@ -136,8 +192,8 @@ int decoder_forward(const DecoderModel& model, const DecoderStep& step) {
         } else if (s->num_logits > T) {
             return 4;
         }
-        gemm(rows, s->num_logits, H, H, m->lm_head, m->vocab, 0, nullptr, nullptr, 0,
-                  s->logits, m->vocab, nt);
+        part_product(m->lm_head, rows, s->num_logits, H, H, 0, nullptr, nullptr, 0, s->logits,
+                     m->lm_head.n, nt);
         timer.lap(kLogits);
     }
     return 0;

@@ -119,6 +119,9 @@ struct BlockView {
 };
 void read_block(int format, const uint8_t* header, const uint8_t* scales, const uint8_t* ints,
                 BlockView& v);
+// One column of it: u[32], and alpha, beta per half.
+void read_column(int format, const uint8_t* header, const uint8_t* scales, const uint8_t* ints,
+                 int col, uint8_t u[32], float alpha[2], float beta[2]);
 
 // A product takes up to this many rows of x per pass over a panel (wgemm's chunk).
 constexpr int64_t kRowChunk = 64;

@@ -1,5 +1,5 @@
 // The torch operators over the block- and 16-bit-format kernels (quant.cpp): torch.ops.weir.
-// wpack, wdequant, wgemm, qpath_available, qpath_best. Built with torch's headers like ops.cpp;
+// wpack, wdequant, wgather, wgemm, qpath_available, qpath_best. Built with torch's headers like ops.cpp;
 // every tensor and size is checked here before a kernel sees a pointer.
 
 #include <ATen/core/Tensor.h>
@@ -48,6 +48,23 @@ Tensor wdequant(const Tensor& packed, int64_t format, int64_t n, int64_t k) {
     return out;
 }
 
+Tensor wgather(const Tensor& packed, int64_t format, int64_t n, int64_t k, const Tensor& rows) {
+    check_format(format, k);
+    check_packed_w(packed, format, n, k, false);
+    check_cpu(rows, "rows");
+    TORCH_CHECK_VALUE(rows.scalar_type() == at::kLong && rows.is_contiguous(),
+                      "rows: needs a contiguous int64 tensor");
+    const int64_t count = rows.numel();
+    const int64_t* r = rows.data_ptr<int64_t>();
+    for (int64_t i = 0; i < count; ++i)
+        TORCH_CHECK_INDEX(r[i] >= 0 && r[i] < n, "row ", r[i], " outside the ", n, " rows");
+    Tensor out = at::empty({count, k}, packed.options().dtype(at::kFloat));
+    if (count > 0)
+        weir::wgather(int(format), packed.data_ptr<uint8_t>(), k, r, count, out.data_ptr<float>(),
+                      threads());
+    return out;
+}
+
 Tensor wgemm(const Tensor& x, const Tensor& packed, int64_t format, int64_t n, int64_t gated,
              const optional<Tensor>& bias, const optional<Tensor>& residual, int64_t path) {
     check_f32(x, "x");
@@ -80,6 +97,7 @@ int64_t qpath_best() { return weir::qpath_best(); }
 TORCH_LIBRARY_FRAGMENT(weir, m) {
     m.def("wpack(Tensor rows, Tensor? rows2, int format, int n, int k) -> Tensor", &wpack);
     m.def("wdequant(Tensor packed, int format, int n, int k) -> Tensor", &wdequant);
+    m.def("wgather(Tensor packed, int format, int n, int k, Tensor rows) -> Tensor", &wgather);
     m.def("wgemm(Tensor x, Tensor packed, int format, int n, int gated, Tensor? bias, "
           "Tensor? residual, int path) -> Tensor",
           &wgemm);

@@ -170,44 +170,90 @@ void pack_half_panel(const uint8_t* rows, int64_t n, int64_t k, int64_t panel, u
 
 namespace q {
 
+void read_column(int format, const uint8_t* header, const uint8_t* scales, const uint8_t* ints,
+                 int col, uint8_t u[32], float alpha[2], float beta[2]) {
+    const Geometry g = geometry(format);
+    for (int kk = 0; kk < 32; ++kk) {
+        const int t = kk / 4, i = kk % 4;
+        if (g.bits == 8) {
+            u[kk] = ints[(t * kPanel + col) * 4 + i];
+            continue;
+        }
+        const uint8_t byte = ints[((t % 4) * kPanel + col) * 4 + i];
+        u[kk] = t < 4 ? (byte & 0x0F) : (byte >> 4);
+        if (g.bits == 5) u[kk] |= ((ints[256 + col * 4 + i] >> t) & 1) << 4;
+        if (g.bits == 6) u[kk] |= ((ints[256 + 64 * (t / 4) + col * 4 + i] >> (2 * (t % 4))) & 3) << 4;
+    }
+    if (format == kWQ8_0 || format == kWQ4_0) {
+        const float d = half_to_float(load16(scales + 2 * col));
+        alpha[0] = alpha[1] = d;
+        beta[0] = beta[1] = (format == kWQ8_0 ? 128.f : 8.f) * d;
+    } else if (format == kWQ6_K) {
+        const float d = half_to_float(load16(header + 2 * col));
+        for (int h = 0; h < 2; ++h) {
+            alpha[h] = d * float(int8_t(scales[h * kPanel + col]));
+            beta[h] = 32.f * alpha[h];
+        }
+    } else {
+        const float d = half_to_float(load16(header + 2 * col));
+        const float dmin = half_to_float(load16(header + 2 * (kPanel + col)));
+        alpha[0] = alpha[1] = d * float(scales[col]);
+        beta[0] = beta[1] = dmin * float(scales[kPanel + col]);
+    }
+}
+
 void read_block(int format, const uint8_t* header, const uint8_t* scales, const uint8_t* ints,
                 BlockView& v) {
-    const Geometry g = geometry(format);
-    for (int col = 0; col < kPanel; ++col) {
-        for (int kk = 0; kk < 32; ++kk) {
-            const int t = kk / 4, i = kk % 4;
-            uint8_t u;
-            if (g.bits == 8) {
-                u = ints[(t * kPanel + col) * 4 + i];
-            } else {
-                const uint8_t byte = ints[((t % 4) * kPanel + col) * 4 + i];
-                u = t < 4 ? (byte & 0x0F) : (byte >> 4);
-                if (g.bits == 5) u |= ((ints[256 + col * 4 + i] >> t) & 1) << 4;
-                if (g.bits == 6) u |= ((ints[256 + 64 * (t / 4) + col * 4 + i] >> (2 * (t % 4))) & 3) << 4;
-            }
-            v.u[col][kk] = u;
+    for (int col = 0; col < kPanel; ++col)
+        read_column(format, header, scales, ints, col, v.u[col], v.alpha[col], v.beta[col]);
+}
+
+}  // namespace q
+
+namespace {
+
+// Row `row` of the weight (output column `row` of the product) as floats, exactly as llama.cpp
+// (and the gguf package) computes each weight.
+void dequant_row(int format, const uint8_t* packed, int64_t k, int64_t row, float* out) {
+    const uint8_t* panel = packed + row / kPanel * panel_bytes(format, k);
+    const int col = int(row % kPanel);
+    if (is_half(format)) {
+        const uint16_t* w = reinterpret_cast<const uint16_t*>(panel);
+        for (int64_t kk = 0; kk < k; ++kk) {
+            const uint16_t h = w[(kk / 2 * kPanel + col) * 2 + kk % 2];
+            out[kk] = format == kWBF16 ? bf16_to_float(h) : half_to_float(h);
         }
-        if (format == kWQ8_0 || format == kWQ4_0) {
-            const float d = half_to_float(load16(scales + 2 * col));
-            const float beta = (format == kWQ8_0 ? 128.f : 8.f) * d;
-            v.alpha[col][0] = v.alpha[col][1] = d;
-            v.beta[col][0] = v.beta[col][1] = beta;
-        } else if (format == kWQ6_K) {
-            const float d = half_to_float(load16(header + 2 * col));
-            for (int h = 0; h < 2; ++h) {
-                v.alpha[col][h] = d * float(int8_t(scales[h * kPanel + col]));
-                v.beta[col][h] = 32.f * v.alpha[col][h];
+        return;
+    }
+    const Geometry g = geometry(format);
+    const uint8_t* at = panel;
+    const uint8_t* header = nullptr;
+    uint8_t u[32];
+    float alpha[2], beta[2];
+    for (int64_t b = 0; b < k / 32; ++b) {
+        if (g.header && b % 8 == 0) {
+            header = at;
+            at += g.header;
+        }
+        read_column(format, header, at, at + g.scales, col, u, alpha, beta);
+        const uint8_t* scales = at;
+        at += g.scales + g.ints;
+        float* o = out + 32 * b;
+        for (int kk = 0; kk < 32; ++kk) {
+            const int h = g.halves == 2 ? kk / 16 : 0;
+            if (format == kWQ8_0 || format == kWQ4_0) {
+                const float d = half_to_float(load16(scales + 2 * col));
+                o[kk] = d * float(int(u[kk]) - (format == kWQ8_0 ? 128 : 8));
+            } else if (format == kWQ6_K) {
+                o[kk] = alpha[h] * float(int(u[kk]) - 32);
+            } else {
+                o[kk] = alpha[h] * float(u[kk]) - beta[h];
             }
-        } else {
-            const float d = half_to_float(load16(header + 2 * col));
-            const float dmin = half_to_float(load16(header + 2 * (kPanel + col)));
-            v.alpha[col][0] = v.alpha[col][1] = d * float(scales[col]);
-            v.beta[col][0] = v.beta[col][1] = dmin * float(scales[kPanel + col]);
         }
     }
 }
 
-}  // namespace q
+}  // namespace
 
 bool wformat_known(int format) { return is_block(format) || is_half(format); }
 int64_t wformat_row_bytes(int format, int64_t k) {
@@ -238,48 +284,13 @@ void wpack(int format, const uint8_t* rows, const uint8_t* rows2, int64_t n, int
 }
 
 void wdequant(int format, const uint8_t* packed, int64_t n, int64_t k, float* out) {
-    const int64_t bytes = panel_bytes(format, k);
-    for (int64_t p = 0; p * kPanel < n; ++p) {
-        const uint8_t* panel = packed + p * bytes;
-        const int cols = int(std::min<int64_t>(kPanel, n - p * kPanel));
-        if (is_half(format)) {
-            const uint16_t* w = reinterpret_cast<const uint16_t*>(panel);
-            for (int c = 0; c < cols; ++c)
-                for (int64_t kk = 0; kk < k; ++kk) {
-                    const uint16_t h = w[(kk / 2 * kPanel + c) * 2 + kk % 2];
-                    out[(p * kPanel + c) * k + kk] =
-                        format == kWBF16 ? bf16_to_float(h) : half_to_float(h);
-                }
-            continue;
-        }
-        const Geometry g = geometry(format);
-        const uint8_t* at = panel;
-        const uint8_t* header = nullptr;
-        BlockView v;
-        for (int64_t b = 0; b < k / 32; ++b) {
-            if (g.header && b % 8 == 0) {
-                header = at;
-                at += g.header;
-            }
-            read_block(format, header, at, at + g.scales, v);
-            at += g.scales + g.ints;
-            const uint8_t* scales = at - g.scales - g.ints;
-            for (int c = 0; c < cols; ++c)
-                for (int kk = 0; kk < 32; ++kk) {
-                    const int h = g.halves == 2 ? kk / 16 : 0;
-                    const int u = v.u[c][kk];
-                    float w;  // as llama.cpp (and the gguf package) computes each weight
-                    if (format == kWQ8_0 || format == kWQ4_0) {
-                        const float d = half_to_float(load16(scales + 2 * c));
-                        w = d * float(u - (format == kWQ8_0 ? 128 : 8));
-                    } else if (format == kWQ6_K) {
-                        w = v.alpha[c][h] * float(u - 32);
-                    } else {
-                        w = v.alpha[c][h] * float(u) - v.beta[c][h];
-                    }
-                    out[(p * kPanel + c) * k + 32 * b + kk] = w;
-                }
-        }
-    }
+    for (int64_t r = 0; r < n; ++r) dequant_row(format, packed, k, r, out + r * k);
 }
+
+void wgather(int format, const uint8_t* packed, int64_t k, const int64_t* rows, int64_t count,
+             float* out, int64_t num_threads) {
+    parallel_for(count, count > 4 ? num_threads : 1,
+                 [&](int64_t i) { dequant_row(format, packed, k, rows[i], out + i * k); });
+}
+
 }  // namespace weir

@@ -16,26 +16,49 @@
 using namespace weir_ops;
 
 // ---- the layer stack in one call ----
+// A weight given as (format, tensor): float32 panels (kWF32; `rows_f32`: float32 rows instead,
+// the embeddings) or a packed WFormat, checked for [n, k] (a gated pair: n each).
+weir::StackWeight stack_weight(int64_t format, const Tensor& t, int64_t n, int64_t k, bool gated,
+                               const char* name, bool rows_f32 = false) {
+    if (format == weir::kWF32) {
+        if (rows_f32)
+            check_flat(t, at::kFloat, n * k, name);
+        else
+            check_flat(t, at::kFloat, weir::gemm_packed_size(n, k, gated), name);
+        return {weir::kWF32, t.data_ptr<float>(), n};
+    }
+    TORCH_CHECK_VALUE(weir::wformat_known(int(format)), name, ": unknown format ", format);
+    TORCH_CHECK_VALUE(k % weir::wformat_block(int(format)) == 0, name, ": k ", k,
+                      " is not whole blocks of its format");
+    check_flat(t, at::kByte, weir::wpacked_size(int(format), n, k, gated), name);
+    return {int(format), t.data_ptr<uint8_t>(), n};
+}
+
 // Built once per model and KV cache: holds every weight and cache tensor it points into (so they
 // live as long as it does), checked once here; each step passes only the step's own tensors.
 struct DecoderStack : torch::CustomClassHolder {
     std::vector<Tensor> keep;  // every tensor a pointer below points into
     std::vector<weir::DecoderLayer> layers;
     weir::DecoderModel model{};
-    Tensor embed, k_cache;  // k_cache: the first layer's, whose shape every layer's shares
+    Tensor k_cache;  // the first layer's, whose shape every layer's shares
 
-    // layers: per layer [input_norm, post_norm, qkv, qkv_bias, q_norm, k_norm, o, gate_up, down,
-    // k_cache, v_cache] (empty tensors for an absent bias or Q/K norm); dims: [hidden, heads,
-    // kv_heads, head_dim, intermediate, sliding_window, act, vocab]; lm_head: packed [vocab,
-    // hidden], or empty (vocab 0).
-    DecoderStack(std::vector<std::vector<Tensor>> per_layer, std::vector<int64_t> dims,
-                 double eps, double scale, Tensor embed_, Tensor final_norm, Tensor lm_head) {
-        TORCH_CHECK_VALUE(dims.size() == 8, "dims: [hidden, heads, kv_heads, head_dim, "
-                          "intermediate, sliding_window, act, vocab]");
-        TORCH_CHECK_VALUE(!per_layer.empty(), "no layers");
+    // layers: per layer [input_norm, post_norm, qkv0, qkv1, qkv2, qkv_bias, q_norm, k_norm, o,
+    // gate_up0, gate_up1, down, k_cache, v_cache] (empty tensors for absent parts, bias or Q/K
+    // norm); formats: per layer [qkv format and outputs x 3 (0 outputs: no part), o, gate_up0,
+    // gate_up1 (-1: none, gate_up0 is the packed pair), down]; dims: [hidden, heads, kv_heads,
+    // head_dim, intermediate, sliding_window, act, vocab, embed format, head format (-1: no
+    // head here)]; embed: [vocab, hidden]; lm_head: [vocab, hidden] or empty.
+    DecoderStack(std::vector<std::vector<Tensor>> per_layer,
+                 std::vector<std::vector<int64_t>> formats, std::vector<int64_t> dims, double eps,
+                 double scale, Tensor embed, Tensor final_norm, Tensor lm_head) {
+        TORCH_CHECK_VALUE(dims.size() == 10, "dims: [hidden, heads, kv_heads, head_dim, "
+                          "intermediate, sliding_window, act, vocab, embed format, head format]");
+        TORCH_CHECK_VALUE(!per_layer.empty() && formats.size() == per_layer.size(),
+                          "layers and formats: one entry per layer");
         const int64_t H = dims[0], heads = dims[1], kv = dims[2], D = dims[3], I = dims[4];
+        const int64_t vocab = dims[7];
         TORCH_CHECK_VALUE(H > 0 && heads > 0 && kv > 0 && D > 0 && I > 0 && heads % kv == 0 &&
-                              D % 2 == 0,
+                              D % 2 == 0 && vocab > 0,
                           "dims: bad shape ", c10::IntArrayRef(dims));
         TORCH_CHECK_VALUE(dims[6] >= weir::kSilu && dims[6] <= weir::kGeluTanh, "act: 1 to 3");
         const int64_t qw = heads * D, kvw = kv * D;
@@ -43,29 +66,45 @@ struct DecoderStack : torch::CustomClassHolder {
             keep.push_back(t);
             return t.numel() ? t.data_ptr<float>() : nullptr;
         };
-        const Tensor& k0 = per_layer[0].at(9);
+        const Tensor& k0 = per_layer[0].at(12);
         check_cpu(k0, "k_cache");
         k_cache = k0;
-        check_f32(embed_, "embed");
-        TORCH_CHECK_VALUE(embed_.dim() == 2 && embed_.size(1) == H && embed_.is_contiguous(),
-                          "embed: needs a contiguous [vocab, hidden] tensor");
-        embed = embed_;
-        keep.push_back(embed_);
-        for (const auto& L : per_layer) {
-            TORCH_CHECK_VALUE(L.size() == 11, "each layer gives 11 tensors");
+        for (size_t li = 0; li < per_layer.size(); ++li) {
+            const auto& L = per_layer[li];
+            const auto& F = formats[li];
+            TORCH_CHECK_VALUE(L.size() == 14, "each layer gives 14 tensors");
+            TORCH_CHECK_VALUE(F.size() == 10, "each layer gives 10 format entries");
             check_flat(L[0], at::kFloat, H, "input_norm");
             check_flat(L[1], at::kFloat, H, "post_norm");
-            check_packed(L[2], qw + 2 * kvw, H, false);
-            if (L[3].numel()) check_flat(L[3], at::kFloat, qw + 2 * kvw, "qkv_bias");
-            TORCH_CHECK_VALUE(bool(L[4].numel()) == bool(L[5].numel()), "q_norm/k_norm: both");
-            if (L[4].numel()) {
-                check_flat(L[4], at::kFloat, D, "q_norm");
-                check_flat(L[5], at::kFloat, D, "k_norm");
+            weir::DecoderLayer d{};
+            int64_t qkv_n = 0;
+            for (int i = 0; i < 3 && F[2 * i + 1] > 0; ++i) {
+                d.qkv.part[d.qkv.parts++] = stack_weight(F[2 * i], L[2 + i], F[2 * i + 1], H, false, "qkv");
+                qkv_n += F[2 * i + 1];
+                keep.push_back(L[2 + i]);
             }
-            check_packed(L[6], H, qw, false);
-            check_packed(L[7], I, H, true);
-            check_packed(L[8], H, I, false);
-            const Tensor &kc = L[9], &vc = L[10];
+            TORCH_CHECK_VALUE(qkv_n == qw + 2 * kvw, "qkv: parts of ", qkv_n, " outputs, not ",
+                              qw + 2 * kvw);
+            if (L[5].numel()) check_flat(L[5], at::kFloat, qw + 2 * kvw, "qkv_bias");
+            TORCH_CHECK_VALUE(bool(L[6].numel()) == bool(L[7].numel()), "q_norm/k_norm: both");
+            if (L[6].numel()) {
+                check_flat(L[6], at::kFloat, D, "q_norm");
+                check_flat(L[7], at::kFloat, D, "k_norm");
+            }
+            d.o.part[0] = stack_weight(F[6], L[8], H, qw, false, "o");
+            d.o.parts = 1;
+            if (F[8] < 0) {
+                d.gate_up.part[0] = stack_weight(F[7], L[9], I, H, true, "gate_up");
+                d.gate_up.parts = 1;
+            } else {
+                d.gate_up.part[0] = stack_weight(F[7], L[9], I, H, false, "gate");
+                d.gate_up.part[1] = stack_weight(F[8], L[10], I, H, false, "up");
+                d.gate_up.parts = 2;
+                keep.push_back(L[10]);
+            }
+            d.down.part[0] = stack_weight(F[9], L[11], H, I, false, "down");
+            d.down.parts = 1;
+            const Tensor &kc = L[12], &vc = L[13];
             check_cpu(kc, "k_cache");
             TORCH_CHECK_VALUE(kc.dim() == 4 && kc.sizes() == k0.sizes() &&
                                   vc.sizes() == k0.sizes() && kc.size(2) == kv &&
@@ -75,16 +114,14 @@ struct DecoderStack : torch::CustomClassHolder {
                                   dtype_code(kc.scalar_type()) >= 0,
                               "caches: every layer's two contiguous [blocks, block_size, ",
                               kv, ", ", D, "] tensors of one float type");
-            weir::DecoderLayer d{};
             d.input_norm = keep_(L[0]);
             d.post_norm = keep_(L[1]);
-            d.qkv = keep_(L[2]);
-            d.qkv_bias = keep_(L[3]);
-            d.q_norm = keep_(L[4]);
-            d.k_norm = keep_(L[5]);
-            d.o = keep_(L[6]);
-            d.gate_up = keep_(L[7]);
-            d.down = keep_(L[8]);
+            d.qkv_bias = keep_(L[5]);
+            d.q_norm = keep_(L[6]);
+            d.k_norm = keep_(L[7]);
+            keep.push_back(L[8]);
+            keep.push_back(L[9]);
+            keep.push_back(L[11]);
             keep.push_back(kc);
             keep.push_back(vc);
             d.k_cache = kc.data_ptr();
@@ -106,11 +143,11 @@ struct DecoderStack : torch::CustomClassHolder {
         model.cache_dtype = dtype_code(k0.scalar_type());
         model.layers = layers.data();
         model.final_norm = keep_(final_norm);
-        if (lm_head.numel()) {
-            TORCH_CHECK_VALUE(dims[7] > 0, "lm_head: give its vocab");
-            check_packed(lm_head, dims[7], H, false);
-            model.lm_head = keep_(lm_head);
-            model.vocab = dims[7];
+        model.embed = stack_weight(dims[8], embed, vocab, H, false, "embed", true);
+        keep.push_back(embed);
+        if (dims[9] >= 0) {
+            model.lm_head = stack_weight(dims[9], lm_head, vocab, H, false, "lm_head");
+            keep.push_back(lm_head);
         }
     }
 
@@ -148,19 +185,17 @@ struct DecoderStack : torch::CustomClassHolder {
         s.num_seqs = p.num_seqs;
         s.num_threads = threads();
         s.input_ids = input_ids.data_ptr<int64_t>();
-        s.embed = embed.data_ptr<float>();
-        s.vocab = embed.size(0);
         s.positions = positions.data_ptr<int64_t>();
         s.cos_table = cos.data_ptr<float>();
         s.sin_table = sin.data_ptr<float>();
         s.table_rows = cos.size(0);
         Tensor logits = at::empty({0}, cos.options());
         if (logits_rows) {
-            TORCH_CHECK_VALUE(model.lm_head != nullptr && model.vocab > 0,
+            TORCH_CHECK_VALUE(model.lm_head.data != nullptr,
                               "this model's LM head is not on the compiled path");
             const int64_t n = logits_rows->numel();
             check_flat(*logits_rows, at::kLong, n, "logits_rows");
-            logits = at::empty({n, model.vocab}, cos.options());
+            logits = at::empty({n, model.lm_head.n}, cos.options());
             s.num_logits = n;
             s.logits = logits.data_ptr<float>();
             if (n != T) s.logits_rows = logits_rows->data_ptr<int64_t>();
@@ -176,7 +211,7 @@ struct DecoderStack : torch::CustomClassHolder {
 
 TORCH_LIBRARY_FRAGMENT(weir, m) {
     m.class_<DecoderStack>("DecoderStack")
-        .def(torch::init<std::vector<std::vector<Tensor>>, std::vector<int64_t>, double, double,
-                         Tensor, Tensor, Tensor>())
+        .def(torch::init<std::vector<std::vector<Tensor>>, std::vector<std::vector<int64_t>>,
+                         std::vector<int64_t>, double, double, Tensor, Tensor, Tensor>())
         .def("run", &DecoderStack::run);
 }

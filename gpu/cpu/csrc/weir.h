@@ -148,6 +148,11 @@ void wpack(int format, const uint8_t* rows, const uint8_t* rows2, int64_t n, int
 // The float weights [n, k] a packed (plain) weight stands for: exactly the GGUF dequantization.
 void wdequant(int format, const uint8_t* packed, int64_t n, int64_t k, float* out);
 
+// Rows rows[0..count) of a packed (plain) weight, dequantized into out[count, k]: an embedding
+// table's lookup (rows checked by the caller).
+void wgather(int format, const uint8_t* packed, int64_t k, const int64_t* rows, int64_t count,
+             float* out, int64_t num_threads);
+
 // out[m, n] = x[m, k] @ W^T (+ bias) (+ residual) on a packed weight, or, gated (kSilu...),
 // act(x G^T) * (x U^T). Block formats quantize each row of x to int8 per 32 (scale amax / 127)
 // and take integer dot products; BF16 takes x rounded to bfloat16, F16 x as it is. Each output is
@@ -158,17 +163,34 @@ void wgemm(int format, const float* x, int64_t m, int64_t k, int64_t x_stride,
            int64_t res_stride, float* out, int64_t out_stride, int64_t num_threads, int path);
 
 // ---- the layer stack in one call (forward.cpp) ----
+// A weight of the stack: float32 panels (gemm_pack's, format kWF32) or a packed WFormat
+// (wpack's); `n` its outputs.
+constexpr int kWF32 = 0;
+struct StackWeight {
+    int format;
+    const void* data;
+    int64_t n;
+};
+
+// A product's weight in parts side by side, each its own format: Q, K and V of a Q4_K_M file
+// (V in Q6_K); a gated MLP's gate and up when their formats differ. One part: the whole weight
+// (for a gated product, the pair packed together).
+struct StackLinear {
+    StackWeight part[3];
+    int parts;
+};
+
 struct DecoderLayer {
     const float* input_norm;  // [hidden]
     const float* post_norm;   // [hidden]
-    const float* qkv;         // packed [q + 2 kv outputs, hidden]
+    StackLinear qkv;          // [q + 2 kv outputs, hidden]
     const float* qkv_bias;    // or null
     const float* q_norm;      // [head_dim] or null (no Q/K norm)
     const float* k_norm;
-    const float* o;        // packed [hidden, heads * head_dim]
-    const float* gate_up;  // packed gated pair [intermediate, hidden] x 2
-    const float* down;     // packed [hidden, intermediate]
-    void* k_cache;         // [blocks, block_size, kv_heads, head_dim], of DecoderModel::cache_dtype
+    StackLinear o;        // [hidden, heads * head_dim]
+    StackLinear gate_up;  // the gated pair [intermediate, hidden] x 2 (or gate, up)
+    StackLinear down;     // [hidden, intermediate]
+    void* k_cache;        // [blocks, block_size, kv_heads, head_dim], of DecoderModel::cache_dtype
     void* v_cache;
 };
 
@@ -180,8 +202,8 @@ struct DecoderModel {
     int64_t cache_dtype;  // the K/V cache's DType
     const DecoderLayer* layers;
     const float* final_norm;
-    const float* lm_head;  // packed [vocab, hidden], or null: no logits here
-    int64_t vocab;
+    StackWeight embed;    // [vocab, hidden]: float32 rows (kWF32, not panels) or a packed WFormat
+    StackWeight lm_head;  // [vocab, hidden], or data null: no logits here
 };
 
 struct DecoderStep {
@@ -198,8 +220,6 @@ struct DecoderStep {
     // x starts as the rows input_ids of embed [vocab, hidden]; each token's rotary rows are the
     // rows positions of cos_table / sin_table [table_rows, head_dim].
     const int64_t* input_ids;
-    const float* embed;
-    int64_t vocab;
     const int64_t* positions;
     const float* cos_table;
     const float* sin_table;

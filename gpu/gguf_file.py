@@ -1,0 +1,203 @@
+"""A GGUF file as a checkpoint, read with the `gguf` package (the format's own library): the
+model's configuration from its metadata, its tensors under the Hugging Face names weir's modules
+load by, and its tokenizer from the `tokenizer.ggml.*` entries.
+
+Every tensor is checked when the file is opened: a type weir's kernels do not take, a tensor whose
+bytes run past the end of the file, a missing metadata key or an architecture weir does not serve
+is a CheckpointError naming it (start-up fails with exit code 2). Block-format tensors are handed
+on as BlockTensors over the file's memory map: nothing is dequantized, and the CPU backend repacks
+each into its kernels' panels straight from the map.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from core.config import CheckpointError
+from gpu.gguf_names import ARCHES, hf_name, llama_unpermute_index
+from gpu.quant.formats import BY_GGML_TYPE
+from gpu.quant.tensor import BlockTensor
+
+log = logging.getLogger("weir.gguf")
+
+SERVED_TYPES = "F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q5_K, Q6_K"
+_REQUIRED = object()
+
+
+def is_gguf(path: Path) -> bool:
+    return path.is_file() and path.suffix.lower() == ".gguf"
+
+
+class GgufCheckpoint:
+    def __init__(self, path: Path) -> None:
+        import gguf
+
+        self.path = path
+        name = path.name
+        try:
+            self.reader = gguf.GGUFReader(path, "r")
+        except Exception as e:  # noqa: BLE001 - any parse failure is a bad file
+            raise CheckpointError(
+                f"{name}: not a readable GGUF file ({type(e).__name__}: {e})"
+            ) from None
+        self.arch = self.get("general.architecture")
+        if self.arch not in ARCHES:
+            raise CheckpointError(
+                f"{name}: architecture {self.arch!r} is not served; weir serves GGUF "
+                f"{', '.join(ARCHES)}"
+            )
+        size = path.stat().st_size
+        self.tensors = {}
+        for t in self.reader.tensors:
+            if int(t.tensor_type) not in BY_GGML_TYPE:
+                raise CheckpointError(
+                    f"{name}: tensor {t.name} has type {t.tensor_type.name}; weir serves "
+                    f"{SERVED_TYPES}"
+                )
+            if t.data_offset + t.n_bytes > size or t.data.nbytes != t.n_bytes:
+                raise CheckpointError(f"{name}: tensor {t.name} runs past the end of the file")
+            self.tensors[t.name] = t
+        if "token_embd.weight" not in self.tensors:
+            raise CheckpointError(f"{name}: no token_embd.weight tensor")
+
+    def get(self, key: str, default: Any = _REQUIRED) -> Any:
+        field = self.reader.fields.get(key)
+        if field is None:
+            if default is _REQUIRED:
+                raise CheckpointError(f"{self.path.name}: metadata key {key} is missing")
+            return default
+        return field.contents()
+
+    # ---- configuration ----
+    def config(self) -> Any:
+        """A Hugging Face config (LlamaConfig, Qwen2Config, Qwen3Config) of the file's shapes."""
+        from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+        a = self.arch
+        hidden = int(self.get(f"{a}.embedding_length"))
+        heads = int(self.get(f"{a}.attention.head_count"))
+        kv_heads = int(self.get(f"{a}.attention.head_count_kv", heads))
+        head_dim = int(self.get(f"{a}.attention.key_length", hidden // heads))
+        if int(self.get(f"{a}.attention.value_length", head_dim)) != head_dim:
+            raise CheckpointError(f"{self.path.name}: key and value head sizes differ")
+        embd = self.tensors["token_embd.weight"]
+        vocab = int(self.get(f"{a}.vocab_size", int(embd.shape[1])))
+        common = dict(
+            architectures=[ARCHES[a]],
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=int(self.get(f"{a}.feed_forward_length")),
+            num_hidden_layers=int(self.get(f"{a}.block_count")),
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            max_position_embeddings=int(self.get(f"{a}.context_length", 4096)),
+            rms_norm_eps=float(self.get(f"{a}.attention.layer_norm_rms_epsilon")),
+            rope_parameters=self._rope(),
+            tie_word_embeddings="output.weight" not in self.tensors,
+            bos_token_id=self.get("tokenizer.ggml.bos_token_id", None),
+            eos_token_id=self.get("tokenizer.ggml.eos_token_id", None),
+            dtype=self._dtype(),
+        )
+        if a == "qwen2":
+            if head_dim != hidden // heads:
+                raise CheckpointError(f"{self.path.name}: qwen2 with a head size of {head_dim}")
+            return Qwen2Config(**common)
+        cls = LlamaConfig if a == "llama" else Qwen3Config
+        return cls(**common, head_dim=head_dim)
+
+    def _rope(self) -> dict[str, Any]:
+        a = self.arch
+        params: dict[str, Any] = {"rope_theta": float(self.get(f"{a}.rope.freq_base", 10000.0))}
+        kind = self.get(f"{a}.rope.scaling.type", "none")
+        if kind in ("none", ""):
+            params["rope_type"] = "default"
+        elif kind == "linear":
+            params.update(rope_type="linear", factor=float(self.get(f"{a}.rope.scaling.factor")))
+        elif kind == "yarn":
+            params.update(
+                rope_type="yarn",
+                factor=float(self.get(f"{a}.rope.scaling.factor")),
+                original_max_position_embeddings=int(
+                    self.get(f"{a}.rope.scaling.original_context_length")
+                ),
+            )
+        else:
+            raise CheckpointError(f"{self.path.name}: rope scaling {kind!r} is not served")
+        return params
+
+    def rope_factors(self) -> torch.Tensor | None:
+        """llama3-style per-frequency divisors (the rope_freqs tensor), when the file has them."""
+        t = self.tensors.get("rope_freqs.weight")
+        return None if t is None else torch.from_numpy(np.array(t.data, dtype=np.float32))
+
+    def _dtype(self) -> str:
+        """The checkpoint's float type, as --dtype auto and the KV cache take it: that of its
+        16-bit or float32 matrices, and float16 (llama.cpp's cache) for block formats."""
+        kinds = {t.tensor_type.name for t in self.tensors.values() if len(t.shape) == 2}
+        if kinds <= {"BF16"}:
+            return "bfloat16"
+        if kinds <= {"F32"}:
+            return "float32"
+        return "float16"
+
+    # ---- tensors ----
+    def weights(self) -> Iterator[tuple[str, Any]]:
+        """(HF name, value) for every tensor: float32 tensors for F32 (and 16-bit vectors),
+        BlockTensors over the file's map for matrices in F16, BF16 and the block formats."""
+        import gguf
+
+        heads = int(self.get(f"{self.arch}.attention.head_count"))
+        kv_heads = int(self.get(f"{self.arch}.attention.head_count_kv", heads))
+        for name, t in self.tensors.items():
+            if name == "rope_freqs.weight":
+                continue
+            target = hf_name(name)
+            if target is None:
+                raise CheckpointError(f"{self.path.name}: tensor {name} has no place in the model")
+            fmt = BY_GGML_TYPE[int(t.tensor_type)]
+            dims = [int(d) for d in t.shape]  # ggml's order: the row length first
+            raw = np.asarray(t.data)
+            if fmt.quantized and len(dims) == 1:
+                raise CheckpointError(f"{self.path.name}: vector {name} in {fmt.name}")
+            if len(dims) == 1 or fmt.name == "f32":  # small: read into memory as float32
+                values = gguf.quants.dequantize(raw, t.tensor_type).astype(np.float32)
+                value: Any = torch.from_numpy(values).reshape(list(reversed(dims)))
+                if self.arch == "llama" and target.endswith(("q_proj.weight", "k_proj.weight")):
+                    h = heads if "q_proj" in target else kv_heads
+                    value = value[torch.from_numpy(llama_unpermute_index(value.shape[0], h))]
+            else:
+                k, n = dims[0], int(np.prod(dims[1:]))
+                value = BlockTensor(raw.view(np.uint8).reshape(n, -1), fmt, (n, k))
+                if self.arch == "llama" and target.endswith(("q_proj.weight", "k_proj.weight")):
+                    h = heads if "q_proj" in target else kv_heads
+                    value = value.take_rows(llama_unpermute_index(n, h))
+            yield target, value
+
+    # ---- tokenizer ----
+    def tokenizer(self) -> Any:
+        """transformers' fast tokenizer built from the tokenizer.ggml.* entries, with the file's
+        chat template."""
+        from transformers import AutoTokenizer
+
+        try:
+            tok = AutoTokenizer.from_pretrained(str(self.path.parent), gguf_file=self.path.name)
+        except Exception as e:  # noqa: BLE001 - a tokenizer transformers cannot build
+            raise CheckpointError(
+                f"{self.path.name}: no tokenizer from its tokenizer.ggml entries "
+                f"({type(e).__name__}: {e}); give one with --tokenizer DIR"
+            ) from None
+        template = self.get("tokenizer.chat_template", None)
+        if template:
+            tok.chat_template = template
+        return tok
+
+    def close(self) -> None:
+        """Drop the file's map (the tensors handed on hold their own views while they live)."""
+        self.tensors = {}
+        self.reader = None

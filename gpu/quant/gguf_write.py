@@ -1,0 +1,207 @@
+"""A Hugging Face checkpoint (Llama, Qwen2, Qwen3) written as a GGUF file with the `gguf`
+package's writer, each weight in a chosen format (weir's quantizers, gpu/quant/quantize.py), the
+names, metadata and Q/K row order as llama.cpp's convert_hf_to_gguf.py writes them, and the
+tokenizer (byte-level BPE) as `tokenizer.ggml.*` entries with its chat template.
+
+The tests serve the files this writes (tests/test_gguf.py); the benchmarks write random-weight
+models of real sizes with it (`random_tensors`). Not a replacement for llama.cpp's converter: no
+rope scaling, no sentencepiece tokenizers.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+from gpu.gguf_names import ARCHES as GGUF_ARCHES
+from gpu.gguf_names import gguf_name, llama_permute
+from gpu.quant.formats import FORMATS
+from gpu.quant.quantize import quantize
+
+ARCHES = {v: k for k, v in GGUF_ARCHES.items()}  # HF class -> GGUF architecture
+
+
+def q4_k_m(name: str, shape: tuple[int, ...]) -> str:
+    """A Q4_K_M-like choice per tensor: Q6_K for the output and the V and down weights (llama.cpp
+    gives half the layers' V and down Q6_K; this gives all), Q4_K for the other products, F32
+    for norms and biases."""
+    if len(shape) == 1:
+        return "f32"
+    if name == "output.weight" or name.endswith(("attn_v.weight", "ffn_down.weight")):
+        return "q6_k"
+    return "q4_k"
+
+
+def uniform(fmt: str) -> Callable[[str, tuple[int, ...]], str]:
+    """Every matrix in `fmt`, norms and biases F32."""
+    return lambda name, shape: "f32" if len(shape) == 1 else fmt
+
+
+def _fitting(fmt: str, k: int) -> str:
+    """`fmt`, or the nearest format whose blocks divide rows of k (llama.cpp falls back too)."""
+    for f in (fmt, "q8_0", "f16"):
+        if k % FORMATS[f].block_size == 0:
+            return f
+    return "f32"
+
+
+def write_gguf(
+    hf_dir: str | Path,
+    out: str | Path,
+    formats: Callable[[str, tuple[int, ...]], str] = uniform("q8_0"),
+    tensors: Iterator[tuple[str, np.ndarray]] | None = None,
+) -> Path:
+    """`hf_dir` (config.json, tokenizer.json and tokenizer_config.json, the weights) as a GGUF
+    file at `out`. `tensors` replaces the checkpoint's weights (HF names, float32 arrays)."""
+    hf_dir, out = Path(hf_dir), Path(out)
+    config = json.loads((hf_dir / "config.json").read_text())
+    arch = ARCHES.get((config.get("architectures") or [""])[0])
+    if arch is None:
+        raise ValueError(f"gguf_write: no GGUF architecture for {config.get('architectures')}")
+    if (
+        config.get("rope_scaling")
+        or (config.get("rope_parameters") or {}).get("rope_type", "default") != "default"
+    ):
+        raise ValueError("gguf_write: rope scaling is not written")
+    heads, kv_heads = (
+        config["num_attention_heads"],
+        config.get("num_key_value_heads") or config["num_attention_heads"],
+    )
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    w = gguf.GGUFWriter(str(out), arch)
+    w.add_name(hf_dir.name)
+    w.add_context_length(config.get("max_position_embeddings", 4096))
+    w.add_embedding_length(config["hidden_size"])
+    w.add_block_count(config["num_hidden_layers"])
+    w.add_feed_forward_length(config["intermediate_size"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_dimension_count(head_dim)
+    theta = config.get("rope_theta") or (config.get("rope_parameters") or {}).get(
+        "rope_theta", 10000.0
+    )
+    w.add_rope_freq_base(float(theta))
+    w.add_layer_norm_rms_eps(float(config["rms_norm_eps"]))
+    w.add_vocab_size(config["vocab_size"])
+    _write_tokenizer(w, hf_dir, arch, config)
+    if tensors is None:
+        tensors = _checkpoint(hf_dir)
+    tie = config.get("tie_word_embeddings", arch != "llama")
+    for name, t in tensors:
+        if name.endswith("rotary_emb.inv_freq") or (tie and name == "lm_head.weight"):
+            continue
+        t = np.ascontiguousarray(t, dtype=np.float32)
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            t = llama_permute(t, heads if "q_proj" in name else kv_heads)
+        gname = gguf_name(name)
+        fmt = formats(gname, t.shape)
+        fmt = "f32" if t.ndim == 1 else _fitting(fmt, t.shape[-1])
+        f = FORMATS[fmt]
+        data = quantize(t.reshape(-1, t.shape[-1]), fmt)
+        if fmt == "f32":
+            w.add_tensor(gname, t)
+        else:
+            qtype = gguf.GGMLQuantizationType(f.ggml_type)
+            w.add_tensor(gname, data, raw_shape=data.shape, raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def _checkpoint(hf_dir: Path) -> Iterator[tuple[str, np.ndarray]]:
+    from safetensors import safe_open
+
+    for file in sorted(hf_dir.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name).float().numpy()
+
+
+def _write_tokenizer(w: gguf.GGUFWriter, hf_dir: Path, arch: str, config: dict) -> None:
+    tok = json.loads((hf_dir / "tokenizer.json").read_text())
+    if tok["model"]["type"] != "BPE":
+        raise ValueError("gguf_write: only BPE tokenizers are written")
+    vocab = dict(tok["model"]["vocab"])
+    special = {a["content"]: a["id"] for a in tok.get("added_tokens", [])}
+    added = {a["content"] for a in tok.get("added_tokens", []) if not a.get("special")}
+    vocab.update(special)
+    size = config["vocab_size"]
+    tokens = [f"[PAD{i}]" for i in range(size)]
+    types = [gguf.TokenType.UNUSED] * size
+    for text, i in vocab.items():
+        if i < size:
+            tokens[i] = text
+            types[i] = (
+                gguf.TokenType.USER_DEFINED
+                if text in added
+                else gguf.TokenType.CONTROL
+                if text in special
+                else gguf.TokenType.NORMAL
+            )
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2" if arch.startswith("qwen") else "gpt-2")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    tcfg = json.loads((hf_dir / "tokenizer_config.json").read_text())
+    for key, add in (
+        ("eos_token", w.add_eos_token_id),
+        ("pad_token", w.add_pad_token_id),
+        ("bos_token", w.add_bos_token_id),
+    ):
+        value = tcfg.get(key)
+        value = value.get("content") if isinstance(value, dict) else value
+        if value in vocab:
+            add(vocab[value])
+    w.add_add_bos_token(False)
+    template = tcfg.get("chat_template")
+    jinja = hf_dir / "chat_template.jinja"
+    if not template and jinja.exists():
+        template = jinja.read_text()
+    if template:
+        w.add_chat_template(template)
+
+
+def random_tensors(
+    config: dict, seed: int = 0, std: float = 0.02
+) -> Iterator[tuple[str, np.ndarray]]:
+    """Random float32 weights of `config`'s shapes under HF names, one tensor at a time (a
+    benchmark's 8B-shaped model is written without ever holding it whole)."""
+    rng = np.random.default_rng(seed)
+    h, inter = config["hidden_size"], config["intermediate_size"]
+    heads = config["num_attention_heads"]
+    kv = config.get("num_key_value_heads") or heads
+    d = config.get("head_dim") or h // heads
+    yield (
+        "model.embed_tokens.weight",
+        rng.standard_normal((config["vocab_size"], h), dtype=np.float32) * std,
+    )
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        yield p + "input_layernorm.weight", np.ones(h, dtype=np.float32)
+        yield p + "post_attention_layernorm.weight", np.ones(h, dtype=np.float32)
+        for name, shape in (
+            ("self_attn.q_proj", (heads * d, h)),
+            ("self_attn.k_proj", (kv * d, h)),
+            ("self_attn.v_proj", (kv * d, h)),
+            ("self_attn.o_proj", (h, heads * d)),
+            ("mlp.gate_proj", (inter, h)),
+            ("mlp.up_proj", (inter, h)),
+            ("mlp.down_proj", (h, inter)),
+        ):
+            yield p + name + ".weight", rng.standard_normal(shape, dtype=np.float32) * std
+    yield "model.norm.weight", np.ones(h, dtype=np.float32)
+    if not config.get("tie_word_embeddings", False):
+        yield (
+            "lm_head.weight",
+            rng.standard_normal((config["vocab_size"], h), dtype=np.float32) * std,
+        )
