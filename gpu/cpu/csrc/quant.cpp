@@ -191,9 +191,12 @@ void wgemm(int format, const float* x, int64_t m, int64_t k, int64_t x_stride,
                           xs.data() + r0 * k / 32, xs16.data() + r0 * k / 16);
         });
     }
-    const int64_t tasks = panels * chunks;
+    // A task: a run of panels for one chunk of rows; about 16 tasks a thread, so that a thread
+    // another process preempts holds up little, without a task per panel's dispatch cost.
+    const int64_t group = std::max<int64_t>(1, panels * chunks / (16 * std::max<int64_t>(1, num_threads)));
+    const int64_t runs = (panels + group - 1) / group, tasks = runs * chunks;
     parallel_for(tasks, tasks > 1 ? num_threads : 1, [&](int64_t t) {
-        const int64_t p = t % panels, c = t / panels;
+        const int64_t c = t / runs, p0 = t % runs * group, p1 = std::min(panels, p0 + group);
         const int64_t r0 = c * kRowChunk, rows = std::min(kRowChunk, m - r0);
         alignas(64) float acc[2][kRowChunk * kPanel];
         Acts a{nullptr, nullptr, nullptr, nullptr, nullptr, k};
@@ -209,24 +212,25 @@ void wgemm(int format, const float* x, int64_t m, int64_t k, int64_t x_stride,
             a = Acts{xq.data() + r0 * k, dx.data() + r0 * k / 32, sums.data() + r0 * k / 32,
                      xs.data() + r0 * k / 32, xs16.data() + r0 * k / 16, k};
         }
-        for (int64_t part = 0; part < parts; ++part) {
-            fn(format, packed + (p * parts + part) * bytes, a, x16, x16_stride, rows, acc[part]);
-        }
-        const int64_t n0 = p * kPanel, cols = std::min(kPanel, n - n0);
-        for (int64_t r = 0; r < rows; ++r) {
-            float* o = out + (r0 + r) * out_stride + n0;
-            const float* g = acc[0] + r * kPanel;
-            if (gated) {
-                const float* u = acc[1] + r * kPanel;
-                for (int64_t j = 0; j < cols; ++j) o[j] = activate(gated, g[j]) * u[j];
-                continue;
-            }
-            const float* res = residual ? residual + (r0 + r) * res_stride + n0 : nullptr;
-            for (int64_t j = 0; j < cols; ++j) {
-                float v = g[j];
-                if (bias) v += bias[n0 + j];
-                if (res) v += res[j];
-                o[j] = v;
+        for (int64_t p = p0; p < p1; ++p) {
+            for (int64_t part = 0; part < parts; ++part)
+                fn(format, packed + (p * parts + part) * bytes, a, x16, x16_stride, rows, acc[part]);
+            const int64_t n0 = p * kPanel, cols = std::min(kPanel, n - n0);
+            for (int64_t r = 0; r < rows; ++r) {
+                float* o = out + (r0 + r) * out_stride + n0;
+                const float* g = acc[0] + r * kPanel;
+                if (gated) {
+                    const float* u = acc[1] + r * kPanel;
+                    for (int64_t j = 0; j < cols; ++j) o[j] = activate(gated, g[j]) * u[j];
+                    continue;
+                }
+                const float* res = residual ? residual + (r0 + r) * res_stride + n0 : nullptr;
+                for (int64_t j = 0; j < cols; ++j) {
+                    float v = g[j];
+                    if (bias) v += bias[n0 + j];
+                    if (res) v += res[j];
+                    o[j] = v;
+                }
             }
         }
     });

@@ -5,10 +5,10 @@
 // has them (quant.cpp qpath_available). Same integers and float operations in the same order as
 // the reference (quant_layout.h): tests/test_cpu_quant.py holds it to the reference bit for bit.
 //
-// Up to four rows at a time keep their sums in registers across the whole of k: each block (32
-// weights of k) of the panel (16 columns) is decoded once into eight registers, one per quad of
-// k, and run against each of the rows; a row's two sums (even and odd blocks) are two
-// independent chains.
+// Up to eight rows (four for 16-bit formats) keep their sums in registers across the whole of
+// k: each block (32 weights of k) of the panel (16 columns) is decoded once into eight
+// registers, one per quad of k, and run against each of the rows; a row's two sums (even and odd
+// blocks) are two independent chains.
 
 #if defined(__x86_64__)
 
@@ -20,7 +20,9 @@ namespace weir::q {
 
 namespace {
 
-constexpr int kRows = 4;  // rows held in registers at a time
+// rows held in registers at a time: block formats keep two sums a row, 16-bit formats four
+constexpr int kRows = 8;
+constexpr int kHalfRows = 4;
 
 inline __m512i bcast4(const int8_t* p) {
     int32_t v;
@@ -158,6 +160,10 @@ void blocks_rows(const uint8_t* panel, const Acts& a, int64_t rows, float* out) 
         case 1: blocks<F, 1>(panel, a, r0, out); break;
         case 2: blocks<F, 2>(panel, a, r0, out); break;
         case 3: blocks<F, 3>(panel, a, r0, out); break;
+        case 4: blocks<F, 4>(panel, a, r0, out); break;
+        case 5: blocks<F, 5>(panel, a, r0, out); break;
+        case 6: blocks<F, 6>(panel, a, r0, out); break;
+        case 7: blocks<F, 7>(panel, a, r0, out); break;
         default: break;
     }
 }
@@ -223,7 +229,7 @@ template <bool BF>
 void halves_rows(const uint8_t* panel, int64_t k, const void* x, int64_t stride, int64_t rows,
                  float* out) {
     int64_t r0 = 0;
-    for (; r0 + kRows <= rows; r0 += kRows) halves<BF, kRows>(panel, k, x, stride, r0, out);
+    for (; r0 + kHalfRows <= rows; r0 += kHalfRows) halves<BF, kHalfRows>(panel, k, x, stride, r0, out);
     switch (rows - r0) {
         case 1: halves<BF, 1>(panel, k, x, stride, r0, out); break;
         case 2: halves<BF, 2>(panel, k, x, stride, r0, out); break;
