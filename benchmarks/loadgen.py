@@ -74,8 +74,11 @@ class _Chunked:
         return b"".join(out)
 
 
-async def one_request(url: str, model: str, prompt: str, max_tokens: int) -> Result:
-    """One streaming chat completion with only standard OpenAI fields; tokens from usage.
+async def one_request(
+    url: str, model: str, prompt: str, max_tokens: int, extra: dict | None = None
+) -> Result:
+    """One streaming chat completion with only standard OpenAI fields (and `extra`, e.g.
+    ignore_eos, which weir, vLLM and llama-server all take); tokens from usage.
 
     HTTP/1.1 straight on a trio socket (one connection per request), SSE lines split from the
     bytes and decoded with msgspec: on a 2-core box the client shares the cores with the server
@@ -88,6 +91,7 @@ async def one_request(url: str, model: str, prompt: str, max_tokens: int) -> Res
             "temperature": 0,
             "stream": True,
             "stream_options": {"include_usage": True},
+            **(extra or {}),
         }
     )
     hostport = url.split("://", 1)[-1].split("/", 1)[0]
@@ -155,7 +159,12 @@ async def one_request(url: str, model: str, prompt: str, max_tokens: int) -> Res
 
 
 async def run_level(
-    url: str, model: str, texts: list[str], concurrency: int, max_tokens: int
+    url: str,
+    model: str,
+    texts: list[str],
+    concurrency: int,
+    max_tokens: int,
+    extra: dict | None = None,
 ) -> tuple[list[Result], float]:
     results: list[Result] = []
     limit = trio.Semaphore(concurrency)
@@ -163,7 +172,7 @@ async def run_level(
 
     async def worker(text: str) -> None:
         async with limit:
-            results.append(await one_request(url, model, text, max_tokens))
+            results.append(await one_request(url, model, text, max_tokens, extra))
 
     async with trio.open_nursery() as nursery:
         for text in texts:

@@ -2,9 +2,14 @@
 # llama.cpp's own HTTP server (llama-server) as a serving baseline: what a CPU user would run.
 #   benchmarks/peers/llama_cpp.sh install           build llama-server and a converter venv (once;
 #                                                   ~18 min on 2 cores)
-#   benchmarks/peers/llama_cpp.sh serve MODEL PORT  convert a local HF directory to an F32 GGUF
+#   benchmarks/peers/llama_cpp.sh serve MODEL PORT  convert a local HF directory to a GGUF
 #                                                   (cached) and serve it on 127.0.0.1:PORT
 #                                                   (extra args go to llama-server)
+#   benchmarks/peers/llama_cpp.sh gguf MODEL        convert only; print the GGUF's path
+#   benchmarks/peers/llama_cpp.sh serve-file GGUF PORT [NAME]  serve a GGUF file as it is
+# LLAMA_CPP_QUANT picks the format: f32 (default), f16, bf16, q8_0 (written by llama.cpp's
+# convert_hf_to_gguf.py), or any type llama-quantize takes (q4_k_m, q5_k_m, q4_0, ...: quantized
+# by llama-quantize from the BF16 file).
 # The source is the llama.cpp tree vendored in the llama-cpp-python sdist (the package index is
 # reachable here, GitHub is not). Three things differ from a plain build:
 # - llama-server drops a keep-alive connection after every streamed response (its stream
@@ -38,7 +43,7 @@ case "${1:-}" in
       cmake -S "$SRC" -B "$H/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
         -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
         -DLLAMA_BUILD_APP=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF
-    cmake --build "$H/build" --target llama-server -j "$(nproc)" | tail -1
+    cmake --build "$H/build" --target llama-server llama-quantize -j "$(nproc)" | tail -1
     if [ ! -f "$H/venv/.done" ]; then
       # the converter imports torch and transformers (tokenizer), and sentencepiece on its Llama
       # path; gguf-py from the same tree, so its constants match the binary
@@ -48,14 +53,16 @@ case "${1:-}" in
     fi
     "$BIN" --version 2>&1 | head -1
     ;;
-  serve)
-    [ -x "$BIN" ] && [ -f "$H/venv/.done" ] || "$0" install
-    name=$2; model=$(realpath "$2"); port=$3; shift 3
-    slots=${LLAMA_CPP_SLOTS:-64}; slot_ctx=${LLAMA_CPP_SLOT_CTX:-512}
+  gguf)
+    [ -x "$BIN" ] && [ -x "$H/build/bin/llama-quantize" ] && [ -f "$H/venv/.done" ] || "$0" install >&2
+    model=$(realpath "$2")
+    quant=$(printf %s "${LLAMA_CPP_QUANT:-f32}" | tr 'A-Z' 'a-z')
+    case $quant in f32|f16|bf16|q8_0) outtype=$quant ;; *) outtype=bf16 ;; esac
     mkdir -p "$H/gguf"
-    gguf=$H/gguf/$(printf %s "$model" | sha1sum | cut -c1-12)-$(basename "$model")-f32.gguf
+    base=$H/gguf/$(printf %s "$model" | sha1sum | cut -c1-12)-$(basename "$model")
+    gguf=$base-$outtype.gguf
     if [ ! -f "$gguf" ] || [ -n "$(find "$model" -type f -newer "$gguf" | head -1)" ]; then
-      "$H/venv/bin/python" - "$SRC" "$model" --outtype f32 --outfile "$gguf.$$" <<'EOF'
+      "$H/venv/bin/python" - "$SRC" "$model" --outtype "$outtype" --outfile "$gguf.$$" >&2 <<'EOF'
 import json, runpy, sys
 src = sys.argv[1]
 sys.path[:0] = [src, src + "/gguf-py"]
@@ -80,8 +87,27 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 EOF
       mv "$gguf.$$" "$gguf"
     fi
+    if [ "$outtype" != "$quant" ]; then
+      out=$base-$quant.gguf
+      if [ ! -f "$out" ] || [ "$gguf" -nt "$out" ]; then
+        "$H/build/bin/llama-quantize" "$gguf" "$out.$$" "$quant" "$(nproc)" >&2
+        mv "$out.$$" "$out"
+      fi
+      gguf=$out
+    fi
+    echo "$gguf"
+    ;;
+  serve)
+    name=$2; port=$3; shift 3
+    gguf=$("$0" gguf "$name")
+    exec "$0" serve-file "$gguf" "$port" "$name" "$@"
+    ;;
+  serve-file)
+    [ -x "$BIN" ] || "$0" install >&2
+    gguf=$2; port=$3; name=${4:-$2}; shift $(( $# < 4 ? $# : 4 ))
+    slots=${LLAMA_CPP_SLOTS:-64}; slot_ctx=${LLAMA_CPP_SLOT_CTX:-512}
     exec "$BIN" -m "$gguf" -a "$name" --host 127.0.0.1 --port "$port" -t "$(nproc)" \
       -tb "$(nproc)" -np "$slots" -c $((slots * slot_ctx)) -cb --jinja --no-webui "$@"
     ;;
-  *) sed -n '2,19p' "$0"; exit 2 ;;
+  *) sed -n '2,24p' "$0"; exit 2 ;;
 esac

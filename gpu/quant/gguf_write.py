@@ -4,7 +4,7 @@ names, metadata and Q/K row order as llama.cpp's convert_hf_to_gguf.py writes th
 tokenizer (byte-level BPE) as `tokenizer.ggml.*` entries with its chat template.
 
 The tests serve the files this writes (tests/test_gguf.py); the benchmarks write random-weight
-models of real sizes with it (`random_tensors`). Not a replacement for llama.cpp's converter: no
+models of real sizes with it (`write_random_gguf`). Not a replacement for llama.cpp's converter: no
 rope scaling, no sentencepiece tokenizers.
 """
 
@@ -59,37 +59,9 @@ def write_gguf(
     file at `out`. `tensors` replaces the checkpoint's weights (HF names, float32 arrays)."""
     hf_dir, out = Path(hf_dir), Path(out)
     config = json.loads((hf_dir / "config.json").read_text())
-    arch = ARCHES.get((config.get("architectures") or [""])[0])
-    if arch is None:
-        raise ValueError(f"gguf_write: no GGUF architecture for {config.get('architectures')}")
-    if (
-        config.get("rope_scaling")
-        or (config.get("rope_parameters") or {}).get("rope_type", "default") != "default"
-    ):
-        raise ValueError("gguf_write: rope scaling is not written")
-    heads, kv_heads = (
-        config["num_attention_heads"],
-        config.get("num_key_value_heads") or config["num_attention_heads"],
-    )
-    head_dim = config.get("head_dim") or config["hidden_size"] // heads
-    w = gguf.GGUFWriter(str(out), arch)
-    w.add_name(hf_dir.name)
-    w.add_context_length(config.get("max_position_embeddings", 4096))
-    w.add_embedding_length(config["hidden_size"])
-    w.add_block_count(config["num_hidden_layers"])
-    w.add_feed_forward_length(config["intermediate_size"])
-    w.add_head_count(heads)
-    w.add_head_count_kv(kv_heads)
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
-    w.add_rope_dimension_count(head_dim)
-    theta = config.get("rope_theta") or (config.get("rope_parameters") or {}).get(
-        "rope_theta", 10000.0
-    )
-    w.add_rope_freq_base(float(theta))
-    w.add_layer_norm_rms_eps(float(config["rms_norm_eps"]))
-    w.add_vocab_size(config["vocab_size"])
-    _write_tokenizer(w, hf_dir, arch, config)
+    w, arch = _writer(out, config, hf_dir)
+    heads = config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or heads
     if tensors is None:
         tensors = _checkpoint(hf_dir)
     tie = config.get("tie_word_embeddings", arch != "llama")
@@ -114,6 +86,34 @@ def write_gguf(
     w.write_tensors_to_file()
     w.close()
     return out
+
+
+def _writer(out: Path, config: dict, tokenizer_dir: Path) -> tuple[gguf.GGUFWriter, str]:
+    """A writer with `config`'s metadata and `tokenizer_dir`'s tokenizer, no tensors yet."""
+    arch = ARCHES.get((config.get("architectures") or [""])[0])
+    if arch is None:
+        raise ValueError(f"gguf_write: no GGUF architecture for {config.get('architectures')}")
+    rope = config.get("rope_parameters") or {}
+    if config.get("rope_scaling") or rope.get("rope_type", "default") != "default":
+        raise ValueError("gguf_write: rope scaling is not written")
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    w = gguf.GGUFWriter(str(out), arch)
+    w.add_name(out.stem)
+    w.add_context_length(config.get("max_position_embeddings", 4096))
+    w.add_embedding_length(config["hidden_size"])
+    w.add_block_count(config["num_hidden_layers"])
+    w.add_feed_forward_length(config["intermediate_size"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(config.get("num_key_value_heads") or heads)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_dimension_count(head_dim)
+    w.add_rope_freq_base(float(config.get("rope_theta") or rope.get("rope_theta", 10000.0)))
+    w.add_layer_norm_rms_eps(float(config["rms_norm_eps"]))
+    w.add_vocab_size(config["vocab_size"])
+    _write_tokenizer(w, tokenizer_dir, arch, config)
+    return w, arch
 
 
 def _checkpoint(hf_dir: Path) -> Iterator[tuple[str, np.ndarray]]:
@@ -171,37 +171,85 @@ def _write_tokenizer(w: gguf.GGUFWriter, hf_dir: Path, arch: str, config: dict) 
         w.add_chat_template(template)
 
 
-def random_tensors(
-    config: dict, seed: int = 0, std: float = 0.02
-) -> Iterator[tuple[str, np.ndarray]]:
-    """Random float32 weights of `config`'s shapes under HF names, one tensor at a time (a
-    benchmark's 8B-shaped model is written without ever holding it whole)."""
-    rng = np.random.default_rng(seed)
+def shapes(config: dict) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """GGUF names and (numpy-order) shapes of a Llama-shaped model's tensors."""
     h, inter = config["hidden_size"], config["intermediate_size"]
     heads = config["num_attention_heads"]
     kv = config.get("num_key_value_heads") or heads
     d = config.get("head_dim") or h // heads
-    yield (
-        "model.embed_tokens.weight",
-        rng.standard_normal((config["vocab_size"], h), dtype=np.float32) * std,
-    )
+    yield "token_embd.weight", (config["vocab_size"], h)
     for i in range(config["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        yield p + "input_layernorm.weight", np.ones(h, dtype=np.float32)
-        yield p + "post_attention_layernorm.weight", np.ones(h, dtype=np.float32)
-        for name, shape in (
-            ("self_attn.q_proj", (heads * d, h)),
-            ("self_attn.k_proj", (kv * d, h)),
-            ("self_attn.v_proj", (kv * d, h)),
-            ("self_attn.o_proj", (h, heads * d)),
-            ("mlp.gate_proj", (inter, h)),
-            ("mlp.up_proj", (inter, h)),
-            ("mlp.down_proj", (h, inter)),
-        ):
-            yield p + name + ".weight", rng.standard_normal(shape, dtype=np.float32) * std
-    yield "model.norm.weight", np.ones(h, dtype=np.float32)
+        yield f"blk.{i}.attn_norm.weight", (h,)
+        yield f"blk.{i}.ffn_norm.weight", (h,)
+        yield f"blk.{i}.attn_q.weight", (heads * d, h)
+        yield f"blk.{i}.attn_k.weight", (kv * d, h)
+        yield f"blk.{i}.attn_v.weight", (kv * d, h)
+        yield f"blk.{i}.attn_output.weight", (h, heads * d)
+        yield f"blk.{i}.ffn_gate.weight", (inter, h)
+        yield f"blk.{i}.ffn_up.weight", (inter, h)
+        yield f"blk.{i}.ffn_down.weight", (h, inter)
+    yield "output_norm.weight", (h,)
     if not config.get("tie_word_embeddings", False):
-        yield (
-            "lm_head.weight",
-            rng.standard_normal((config["vocab_size"], h), dtype=np.float32) * std,
+        yield "output.weight", (config["vocab_size"], h)
+
+
+def random_blocks(fmt: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """[n, row_bytes] of random blocks in `fmt` whose weights are of the size of a trained
+    model's (|w| up to about 0.1): random integers, small fixed scales. Fast: a benchmark's
+    8B-shaped file is written without any float weights or quantizing."""
+    f = FORMATS[fmt]
+    blocks = rng.integers(0, 256, size=(n * k // f.block_size, f.block_bytes), dtype=np.uint8)
+
+    def f16(offset: int, value: float) -> None:
+        blocks[:, offset : offset + 2] = (
+            np.full(len(blocks), value, np.float16).view(np.uint8)[:, None].reshape(-1, 2)
         )
+
+    if fmt in ("q8_0", "q4_0"):
+        f16(0, 0.1 / (127 if fmt == "q8_0" else 8))
+    elif fmt in ("q4_k", "q5_k"):
+        f16(0, 0.1 / 63 / (15 if fmt == "q4_k" else 31))
+        f16(2, 0.05 / 63)
+    elif fmt == "q6_k":
+        blocks[:, 192:208] = rng.integers(1, 64, size=(len(blocks), 16), dtype=np.uint8)
+        f16(208, 0.1 / 63 / 32)
+    else:
+        raise ValueError(f"random_blocks: {fmt} is not a block format")
+    return blocks.reshape(n, f.row_bytes(k))
+
+
+def write_random_gguf(
+    out: str | Path,
+    config: dict,
+    tokenizer_dir: str | Path,
+    formats: Callable[[str, tuple[int, ...]], str] = q4_k_m,
+    seed: int = 0,
+) -> Path:
+    """A random-weight GGUF of `config`'s shape (a Llama) written straight in block formats,
+    one tensor at a time (an 8B-shaped Q4_K_M file needs no more memory than its largest
+    tensor), with `tokenizer_dir`'s tokenizer (padded with unused tokens to the vocabulary)."""
+    out = Path(out)
+    config = {"architectures": ["LlamaForCausalLM"], "rms_norm_eps": 1e-5, **config}
+    w, _ = _writer(out, config, Path(tokenizer_dir))
+    plan = []
+    for name, shape in shapes(config):
+        fmt = "f32" if len(shape) == 1 else _fitting(formats(name, shape), shape[-1])
+        f = FORMATS[fmt]
+        if fmt == "f32":
+            w.add_tensor_info(name, shape, np.dtype(np.float32), 4 * shape[0])
+        else:
+            rows = (shape[0], f.row_bytes(shape[1]))
+            qtype = gguf.GGMLQuantizationType(f.ggml_type)
+            w.add_tensor_info(name, rows, np.dtype(np.uint8), rows[0] * rows[1], raw_dtype=qtype)
+        plan.append((fmt, shape))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    rng = np.random.default_rng(seed)
+    for fmt, shape in plan:
+        if fmt == "f32":
+            w.write_tensor_data(np.ones(shape, dtype=np.float32))
+        else:
+            w.write_tensor_data(random_blocks(fmt, shape[0], shape[1], rng))
+    w.close()
+    return out
