@@ -2,7 +2,8 @@
 metadata, gpu/gguf_file.py), weights via safetensors (or the GGUF file's memory map).
 
 Each weight goes to its module as the checkpoint holds it: a tensor in the checkpoint's dtype, or
-a BlockTensor of a GGUF file; the backend puts it in its own form when the model is prepared."""
+a BlockTensor of a GGUF file (or of an AWQ or GPTQ layer, repacked: gpu/quant/int4.py); the
+backend puts it in its own form when the model is prepared."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from gpu.gguf_file import GgufCheckpoint, is_gguf
 from gpu.models.decoder import DecoderForCausalLM
 from gpu.models.rope import Rope
 from gpu.models.spec import ModelSpec
+from gpu.quant.int4 import PARTS, Int4Scheme, repack
 from gpu.dist.parallel import TensorParallel, shard
 
 log = logging.getLogger("weir.loader")
@@ -145,11 +147,23 @@ class Targets:
             raise CheckpointError(f"weights missing from the checkpoint: {sorted(missing)[:5]}")
 
 
-def load_weights(model: DecoderForCausalLM, path: Path) -> None:
+def int4_scheme(path: Path, config: Any) -> Int4Scheme | None:
+    """The AWQ / GPTQ scheme of a checkpoint whose config.json has a quantization_config."""
+    qc = getattr(config, "quantization_config", None)
+    if not qc or is_gguf(path):
+        return None
+    return Int4Scheme.from_config(dict(qc), str(path))
+
+
+def load_weights(model: DecoderForCausalLM, path: Path, int4: Int4Scheme | None = None) -> None:
     """Every weight from the checkpoint by name; under tensor parallelism only this rank's part
-    of each tensor is read (a safetensors slice, gpu/dist/parallel.py `shard`)."""
+    of each tensor is read (a safetensors slice, gpu/dist/parallel.py `shard`). An int4 layer's
+    parts (qweight, qzeros, scales, g_idx) are gathered and placed as one block weight."""
     targets = Targets(model)
     tp = model.tp
+    if int4 is not None and tp is not None:
+        raise CheckpointError(f"tensor parallelism does not serve {int4.method} checkpoints yet")
+    pending: dict[str, dict[str, torch.Tensor]] = {}
     files = weight_files(path)
     with tqdm(
         total=len(targets.params) + len(targets.modules),
@@ -160,6 +174,10 @@ def load_weights(model: DecoderForCausalLM, path: Path) -> None:
         for file in files:
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 for name in f.keys():
+                    prefix, _, part = name.rpartition(".")
+                    if int4 is not None and part in PARTS:
+                        pending.setdefault(prefix, {})[part] = f.get_tensor(name)
+                        continue
                     if not targets.wants(name):
                         continue
                     if tp is None:
@@ -168,6 +186,17 @@ def load_weights(model: DecoderForCausalLM, path: Path) -> None:
                         tensor = shard(name, f.get_slice(name), model.spec, tp)
                     targets.place(name, tensor)
                     bar.update(1)
+            for prefix in [p for p, parts in pending.items() if set(PARTS[:3]) <= set(parts)]:
+                name = prefix + ".weight"  # a layer whose g_idx lies in a later file: unchecked
+                targets.wants(name)
+                targets.place(
+                    name, repack(int4, name, **{p: pending[prefix].get(p) for p in PARTS})
+                )
+                pending[prefix] = {}
+                bar.update(1)
+    for prefix, parts in pending.items():
+        if set(parts) - {"g_idx"}:
+            raise CheckpointError(f"{prefix}: incomplete {int4.method} layer: {sorted(parts)}")
     targets.check_complete()
 
 
@@ -203,7 +232,7 @@ def load_model(
         factors = ckpt.rope_factors()
         ckpt.close()
     else:
-        load_weights(model, path)
+        load_weights(model, path, int4_scheme(path, config))
     model.prepare()
     model.rope = Rope(config, spec.head_dim, device, factors)
     return model.eval()

@@ -18,7 +18,7 @@ from gpu.cpu import quant
 from gpu.quant.formats import FORMATS
 from gpu.quant.quantize import quantize
 
-KERNEL_FORMATS = ["q8_0", "q4_0", "q4_k", "q5_k", "q6_k", "bf16", "f16"]
+KERNEL_FORMATS = ["q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k", "bf16", "f16"]
 FAST_PATHS = [p for p in quant.available_paths() if p != "ref"]
 
 
@@ -36,7 +36,9 @@ def random_rows(fmt: str, n: int, k: int, seed: int) -> np.ndarray:
     if not f.quantized:
         return quantize(rng.standard_normal((n, k)).astype(np.float32), fmt)
     blocks = rng.integers(0, 256, size=(n * k // f.block_size, f.block_bytes), dtype=np.uint8)
-    scale_offsets = {"q8_0": [0], "q4_0": [0], "q4_k": [0, 2], "q5_k": [0, 2], "q6_k": [208]}
+    scale_offsets = {
+        "q8_0": [0], "q4_0": [0], "q4_1": [0, 2], "q4_k": [0, 2], "q5_k": [0, 2], "q6_k": [208]
+    }  # fmt: skip
     for off in scale_offsets[fmt]:
         d = rng.uniform(-0.05, 0.05, size=len(blocks)).astype(np.float16)
         blocks[:, off : off + 2] = d.view(np.uint8).reshape(-1, 2)
@@ -149,6 +151,6 @@ def test_bad_arguments_are_errors_not_crashes():
         quant.linear(torch.randn(2, 256), w._replace(out_features=40))
     ops = quant.cpu_build.load()
     with pytest.raises(ValueError, match="unknown block format"):
-        ops.wgemm(torch.randn(1, 256), w.packed, 3, 16, 0, None, None, 0)
+        ops.wgemm(torch.randn(1, 256), w.packed, 4, 16, 0, None, None, 0)  # ggml Q4_2: gone
     with pytest.raises(ValueError, match="path: 0 to 3"):
         ops.wgemm(torch.randn(1, 256), w.packed, 12, 16, 0, None, None, 9)

@@ -25,7 +25,7 @@ def weights(seed: int, n: int = 24, k: int = 1024) -> np.ndarray:
     return w
 
 
-@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "bf16", "f16"])
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1", "bf16", "f16"])
 def test_bytes_equal_the_gguf_package_quantizer(fmt):
     w = weights(0)
     theirs = gguf.quants.quantize(w, gguf.GGMLQuantizationType(FORMATS[fmt].ggml_type))
@@ -33,13 +33,14 @@ def test_bytes_equal_the_gguf_package_quantizer(fmt):
 
 
 # The rms error of the dequantized weights over the rms of the weights (round to nearest on
-# Gaussian weights: about 0.004, 0.06, 0.06, 0.03, 0.015), and the largest error over the largest
-# weight of its block (32 weights; the k-quants' super-block of 256): half a step of the grid,
-# 1/254 and 1/8 (Q4_0 gives the far side one level less), 1/15, 1/31, 1/63 of the range, with
-# the scales' own rounding.
+# Gaussian weights: about 0.004, 0.06, 0.06, 0.06, 0.03, 0.015), and the largest error over the
+# largest weight of its block (32 weights; the k-quants' super-block of 256): half a step of the
+# grid, 1/254 and 1/8 (Q4_0 gives the far side one level less), 1/15 (Q4_1: of a range up to
+# twice the largest), 1/15, 1/31, 1/63 of the range, with the scales' own rounding.
 ERRORS = {
     "q8_0": (0.006, 0.005, 32),
     "q4_0": (0.08, 0.13, 32),
+    "q4_1": (0.08, 0.07, 32),
     "q4_k": (0.08, 0.07, 256),
     "q5_k": (0.04, 0.035, 256),
     "q6_k": (0.02, 0.02, 256),

@@ -2,10 +2,12 @@
 is k / block_size blocks of block_bytes bytes each.
 
 F32, F16, BF16: plain elements. Q8_0 (32 weights: f16 scale, 32 int8), Q4_0 (32: f16 scale, 16
-bytes of nibbles, w = d (q - 8)), and the k-quants over super-blocks of 256 weights: Q4_K (f16 d
-and dmin, eight 6-bit scales and mins, 4-bit q: w = d sc q - dmin m per 32), Q5_K (the same with
-a fifth bit), Q6_K (16 int8 scales of 16 weights, 6-bit q: w = d sc (q - 32)). The codes are
-ggml's type ids; weir's kernels take these names (gpu/cpu/quant.py).
+bytes of nibbles, w = d (q - 8)), Q4_1 (32: f16 d and m, 16 bytes of nibbles, w = d q + m; AWQ
+and GPTQ checkpoints are repacked into it and Q4_0: gpu/quant/int4.py), and the k-quants over
+super-blocks of 256 weights: Q4_K (f16 d and dmin, eight 6-bit scales and mins, 4-bit q:
+w = d sc q - dmin m per 32), Q5_K (the same with a fifth bit), Q6_K (16 int8 scales of 16
+weights, 6-bit q: w = d sc (q - 32)). The codes are ggml's type ids; weir's kernels take these
+names (gpu/cpu/quant.py).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ FORMATS: dict[str, Format] = {
         Format("bf16", 30, 1, 2, False),
         Format("q8_0", 8, 32, 34, True),
         Format("q4_0", 2, 32, 18, True),
+        Format("q4_1", 3, 32, 20, True),
         Format("q4_k", 12, 256, 144, True),
         Format("q5_k", 13, 256, 176, True),
         Format("q6_k", 14, 256, 210, True),

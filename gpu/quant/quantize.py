@@ -40,9 +40,7 @@ def quantize(weight: np.ndarray, fmt: str) -> np.ndarray:
     elif fmt == "bf16":
         out = _bf16(blocks)
     else:
-        out = {"q8_0": _q8_0, "q4_0": _q4_0, "q4_k": _q4_k, "q5_k": _q5_k, "q6_k": _q6_k}[fmt](
-            blocks
-        )
+        out = QUANTIZERS[fmt](blocks)
     return np.ascontiguousarray(out).reshape(n, f.row_bytes(k))
 
 
@@ -69,6 +67,15 @@ def _q4_0(b: np.ndarray) -> np.ndarray:
     q = np.clip(np.trunc(b * inv + 8.5), 0, 15).astype(np.uint8)
     q = q[:, :16] | (q[:, 16:] << 4)
     return np.concatenate([_f16_bytes(d), q], axis=1)
+
+
+def _q4_1(b: np.ndarray) -> np.ndarray:
+    lo = b.min(axis=1, keepdims=True)
+    d = (b.max(axis=1, keepdims=True) - lo) / 15
+    inv = np.divide(1.0, d, out=np.zeros_like(d), where=d != 0)
+    q = np.clip(np.trunc((b - lo) * inv + np.float32(0.5)), 0, 15).astype(np.uint8)
+    q = q[:, :16] | (q[:, 16:] << 4)
+    return np.concatenate([_f16_bytes(d), _f16_bytes(lo), q], axis=1)
 
 
 def _grid(values: np.ndarray, top: int) -> tuple[np.ndarray, np.ndarray]:
@@ -151,3 +158,13 @@ def _q6_k(b: np.ndarray) -> np.ndarray:
         [ql.reshape(len(b), 128), qh.reshape(len(b), 64), sc.view(np.uint8), _f16_bytes(d)],
         axis=1,
     )
+
+
+QUANTIZERS = {
+    "q8_0": _q8_0,
+    "q4_0": _q4_0,
+    "q4_1": _q4_1,
+    "q4_k": _q4_k,
+    "q5_k": _q5_k,
+    "q6_k": _q6_k,
+}

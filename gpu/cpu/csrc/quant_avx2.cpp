@@ -117,6 +117,9 @@ void blocks(int format, const uint8_t* panel, const Acts& a, int64_t rows, float
             if (format == kWQ8_0 || format == kWQ4_0) {
                 alpha[0] = f16x8(scales + 16 * c);
                 beta[0] = _mm256_mul_ps(_mm256_set1_ps(q8 ? 128.f : 8.f), alpha[0]);
+            } else if (format == kWQ4_1) {
+                alpha[0] = f16x8(scales + 16 * c);
+                beta[0] = _mm256_sub_ps(_mm256_setzero_ps(), f16x8(scales + 32 + 16 * c));
             } else if (format == kWQ6_K) {
                 const __m256 d = f16x8(header + 16 * c);
                 for (int h = 0; h < 2; ++h) {

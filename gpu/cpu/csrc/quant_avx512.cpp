@@ -113,6 +113,9 @@ inline void block(Cursor& cur, int64_t b, const Acts& a, int64_t r0, int64_t nb,
     if constexpr (F == kWQ8_0 || F == kWQ4_0) {
         alpha[0] = f16x16(scales);
         beta[0] = _mm512_mul_ps(_mm512_set1_ps(F == kWQ8_0 ? 128.f : 8.f), alpha[0]);
+    } else if constexpr (F == kWQ4_1) {
+        alpha[0] = f16x16(scales);
+        beta[0] = _mm512_sub_ps(_mm512_setzero_ps(), f16x16(scales + 32));
     } else if constexpr (F == kWQ6_K) {
         for (int h = 0; h < 2; ++h) {
             alpha[h] = _mm512_mul_ps(cur.d, u8x16(scales + 16 * h, true));
@@ -247,6 +250,7 @@ void panel_avx512(int format, const uint8_t* panel, const Acts& a, const void* x
         case kWF16: return halves_rows<false>(panel, a.k, x16, x16_stride, rows, out);
         case kWQ8_0: return blocks_rows<kWQ8_0>(panel, a, rows, out);
         case kWQ4_0: return blocks_rows<kWQ4_0>(panel, a, rows, out);
+        case kWQ4_1: return blocks_rows<kWQ4_1>(panel, a, rows, out);
         case kWQ4_K: return blocks_rows<kWQ4_K>(panel, a, rows, out);
         case kWQ5_K: return blocks_rows<kWQ5_K>(panel, a, rows, out);
         case kWQ6_K: return blocks_rows<kWQ6_K>(panel, a, rows, out);

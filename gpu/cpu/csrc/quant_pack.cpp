@@ -36,12 +36,19 @@ void parse(int format, const uint8_t* b, Parsed& p) {
             for (int i = 0; i < 32; ++i) p.u[i] = uint8_t(int8_t(b[2 + i]) + 128);
             return;
         case kWQ4_0:
+        case kWQ4_1: {
             p.d16 = load16(b);
+            const uint8_t* qs = b + 2;
+            if (format == kWQ4_1) {
+                p.dmin16 = load16(b + 2);  // m
+                qs = b + 4;
+            }
             for (int i = 0; i < 16; ++i) {
-                p.u[i] = b[2 + i] & 0x0F;
-                p.u[16 + i] = b[2 + i] >> 4;
+                p.u[i] = qs[i] & 0x0F;
+                p.u[16 + i] = qs[i] >> 4;
             }
             return;
+        }
         case kWQ4_K:
         case kWQ5_K: {
             p.d16 = load16(b);
@@ -139,6 +146,9 @@ void pack_block_panel(int format, const uint8_t* rows, int64_t row_bytes, int64_
             const int64_t sub = off / 32;
             if (format == kWQ8_0 || format == kWQ4_0) {
                 std::memcpy(scales + 2 * col, &p.d16, 2);
+            } else if (format == kWQ4_1) {
+                std::memcpy(scales + 2 * col, &p.d16, 2);
+                std::memcpy(scales + 2 * (kPanel + col), &p.dmin16, 2);
             } else if (format == kWQ6_K) {
                 scales[col] = p.sc[2 * sub];
                 scales[kPanel + col] = p.sc[2 * sub + 1];
@@ -188,6 +198,9 @@ void read_column(int format, const uint8_t* header, const uint8_t* scales, const
         const float d = half_to_float(load16(scales + 2 * col));
         alpha[0] = alpha[1] = d;
         beta[0] = beta[1] = (format == kWQ8_0 ? 128.f : 8.f) * d;
+    } else if (format == kWQ4_1) {
+        alpha[0] = alpha[1] = half_to_float(load16(scales + 2 * col));
+        beta[0] = beta[1] = -half_to_float(load16(scales + 2 * (kPanel + col)));
     } else if (format == kWQ6_K) {
         const float d = half_to_float(load16(header + 2 * col));
         for (int h = 0; h < 2; ++h) {
@@ -244,6 +257,8 @@ void dequant_row(int format, const uint8_t* packed, int64_t k, int64_t row, floa
             if (format == kWQ8_0 || format == kWQ4_0) {
                 const float d = half_to_float(load16(scales + 2 * col));
                 o[kk] = d * float(int(u[kk]) - (format == kWQ8_0 ? 128 : 8));
+            } else if (format == kWQ4_1) {
+                o[kk] = alpha[h] * float(u[kk]) + (-beta[h]);  // ggml: q d + m
             } else if (format == kWQ6_K) {
                 o[kk] = alpha[h] * float(int(u[kk]) - 32);
             } else {

@@ -117,6 +117,7 @@ void apply_token_bitmask(float* logits, int64_t row_stride, const int64_t* rows,
 enum WFormat : int {
     kWF16 = 1,
     kWQ4_0 = 2,
+    kWQ4_1 = 3,
     kWQ8_0 = 8,
     kWQ4_K = 12,
     kWQ5_K = 13,
