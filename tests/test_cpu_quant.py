@@ -97,10 +97,11 @@ def test_reference_is_the_float_product(fmt, m, n, k):
 
 @pytest.mark.parametrize("path", FAST_PATHS)
 @pytest.mark.parametrize("fmt", KERNEL_FORMATS)
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 7, 64, 130])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 7, 9, 16, 64, 130])
 def test_fast_paths_equal_the_reference(path, fmt, m):
-    """Bit for bit: rows in register groups of 1-4 and their remainders, past one 64-row chunk;
-    k with an odd number of blocks (q8_0, q4_0) and of pairs past the four sums (16-bit)."""
+    """Bit for bit: rows in register groups of 8 and their remainders (the last pass over a panel
+    fetching the next), past one 64-row chunk;
+    k with an odd number of blocks (q8_0, q4_0) and of pairs past the two sums (16-bit)."""
     k = 256 * 3 if FORMATS[fmt].block_size == 256 else 32 * 7 if FORMATS[fmt].quantized else 70
     n = 50
     torch.manual_seed(m)

@@ -50,7 +50,7 @@ void panel_ref(int format, const uint8_t* panel, const Acts& a, const void* x16,
                 }
             }
             for (int c = 0; c < kPanel; ++c)
-                out[r * kPanel + c] = (e[0][c] + e[1][c]) + (e[2][c] + e[3][c]);
+                out[r * kPanel + c] = e[0][c] + e[1][c];
         }
         return;
     }

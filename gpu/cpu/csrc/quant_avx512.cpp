@@ -20,9 +20,9 @@ namespace weir::q {
 
 namespace {
 
-// rows held in registers at a time: block formats keep two sums a row, 16-bit formats four
+// rows held in registers at a time: block and 16-bit formats keep two sums a row
 constexpr int kRows = 8;
-constexpr int kHalfRows = 4;
+constexpr int kHalfRows = 8;
 
 inline __m512i bcast4(const int8_t* p) {
     int32_t v;
@@ -140,16 +140,26 @@ inline void block(Cursor& cur, int64_t b, const Acts& a, int64_t r0, int64_t nb,
     }
 }
 
+// Lines of `next` up to the offset the cursor has reached in this panel, into L2 (`*fetched`:
+// the offset fetched so far).
+inline void fetch_along(const uint8_t* panel, const Cursor& cur, const uint8_t* next,
+                        int64_t* fetched) {
+    for (const int64_t to = cur.at - panel; *fetched < to; *fetched += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(next + *fetched), _MM_HINT_T1);
+}
+
+// `next`: as for the 16-bit formats' halves below, the panel after this one, fetched along.
 template <int F, int R>
-void blocks(const uint8_t* panel, const Acts& a, int64_t r0, float* out) {
+void blocks(const uint8_t* panel, const Acts& a, int64_t r0, float* out, const uint8_t* next) {
     const int64_t nb = a.k / 32;
     __m512 even[R], odd[R];
     for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm512_setzero_ps();
     Cursor cur{panel};
-    int64_t b = 0;
+    int64_t b = 0, fetched = 0;
     for (; b + 2 <= nb; b += 2) {
         block<F, R>(cur, b, a, r0, nb, even);
         block<F, R>(cur, b + 1, a, r0, nb, odd);
+        if (next) fetch_along(panel, cur, next, &fetched);
     }
     if (b < nb) block<F, R>(cur, b, a, r0, nb, even);
     for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + (r0 + r) * kPanel, _mm512_add_ps(even[r], odd[r]));
@@ -157,21 +167,26 @@ void blocks(const uint8_t* panel, const Acts& a, int64_t r0, float* out) {
 
 template <int F>
 void blocks_rows(const uint8_t* panel, const Acts& a, int64_t rows, float* out) {
+    // with two passes or more, the last fetches the next panel (one pass: memory streams it)
+    const uint8_t* next = panel + panel_bytes(F, a.k);
+    const int64_t last = rows > kRows ? (rows - 1) / kRows * kRows : -1;
     int64_t r0 = 0;
-    for (; r0 + kRows <= rows; r0 += kRows) blocks<F, kRows>(panel, a, r0, out);
+    for (; r0 + kRows <= rows; r0 += kRows)
+        blocks<F, kRows>(panel, a, r0, out, r0 == last ? next : nullptr);
+    const uint8_t* n = r0 == last ? next : nullptr;
     switch (rows - r0) {
-        case 1: blocks<F, 1>(panel, a, r0, out); break;
-        case 2: blocks<F, 2>(panel, a, r0, out); break;
-        case 3: blocks<F, 3>(panel, a, r0, out); break;
-        case 4: blocks<F, 4>(panel, a, r0, out); break;
-        case 5: blocks<F, 5>(panel, a, r0, out); break;
-        case 6: blocks<F, 6>(panel, a, r0, out); break;
-        case 7: blocks<F, 7>(panel, a, r0, out); break;
+        case 1: blocks<F, 1>(panel, a, r0, out, n); break;
+        case 2: blocks<F, 2>(panel, a, r0, out, n); break;
+        case 3: blocks<F, 3>(panel, a, r0, out, n); break;
+        case 4: blocks<F, 4>(panel, a, r0, out, n); break;
+        case 5: blocks<F, 5>(panel, a, r0, out, n); break;
+        case 6: blocks<F, 6>(panel, a, r0, out, n); break;
+        case 7: blocks<F, 7>(panel, a, r0, out, n); break;
         default: break;
     }
 }
 
-// ---- 16-bit formats: four sums per row, pair p of k into sum p % 4 ----
+// ---- 16-bit formats: two sums per row, pair p of k into sum p % 2 ----
 inline __m512 pair_bcast(const uint16_t* x) {
     uint32_t v;
     std::memcpy(&v, x, 4);
@@ -207,36 +222,46 @@ inline void pair(const uint8_t* panel, int64_t p, const void* x, int64_t stride,
     }
 }
 
+// `next`: the panel after this one in memory, fetched into L2 a line a pair (the last pass over
+// this panel, which reads it from L2, does it) so that the next panel's first pass does not
+// wait on memory.
 template <bool BF, int R>
 void halves(const uint8_t* panel, int64_t k, const void* x, int64_t stride, int64_t r0,
-            float* out) {
-    __m512 e0[R], e1[R], e2[R], e3[R];
-    for (int r = 0; r < R; ++r) e0[r] = e1[r] = e2[r] = e3[r] = _mm512_setzero_ps();
+            float* out, const uint8_t* next) {
+    __m512 e0[R], e1[R];
+    for (int r = 0; r < R; ++r) e0[r] = e1[r] = _mm512_setzero_ps();
     const int64_t pairs = k / 2;
     int64_t p = 0;
-    for (; p + 4 <= pairs; p += 4) {
+    for (; p + 2 <= pairs; p += 2) {
+        if (next) {  // a pair of a panel is one 64-byte line
+            _mm_prefetch(reinterpret_cast<const char*>(next + 64 * p), _MM_HINT_T1);
+            _mm_prefetch(reinterpret_cast<const char*>(next + 64 * p + 64), _MM_HINT_T1);
+        }
         pair<BF, R>(panel, p, x, stride, r0, e0);
         pair<BF, R>(panel, p + 1, x, stride, r0, e1);
-        pair<BF, R>(panel, p + 2, x, stride, r0, e2);
-        pair<BF, R>(panel, p + 3, x, stride, r0, e3);
     }
-    if (p < pairs) pair<BF, R>(panel, p++, x, stride, r0, e0);
-    if (p < pairs) pair<BF, R>(panel, p++, x, stride, r0, e1);
-    if (p < pairs) pair<BF, R>(panel, p++, x, stride, r0, e2);
-    for (int r = 0; r < R; ++r)
-        _mm512_storeu_ps(out + (r0 + r) * kPanel,
-                         _mm512_add_ps(_mm512_add_ps(e0[r], e1[r]), _mm512_add_ps(e2[r], e3[r])));
+    if (p < pairs) pair<BF, R>(panel, p, x, stride, r0, e0);
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + (r0 + r) * kPanel, _mm512_add_ps(e0[r], e1[r]));
 }
 
 template <bool BF>
 void halves_rows(const uint8_t* panel, int64_t k, const void* x, int64_t stride, int64_t rows,
                  float* out) {
+    // with two passes or more, the last fetches the next panel (one pass: memory streams it)
+    const uint8_t* next = panel + panel_bytes(BF ? kWBF16 : kWF16, k);
+    const int64_t last = rows > kHalfRows ? (rows - 1) / kHalfRows * kHalfRows : -1;
     int64_t r0 = 0;
-    for (; r0 + kHalfRows <= rows; r0 += kHalfRows) halves<BF, kHalfRows>(panel, k, x, stride, r0, out);
+    for (; r0 + kHalfRows <= rows; r0 += kHalfRows)
+        halves<BF, kHalfRows>(panel, k, x, stride, r0, out, r0 == last ? next : nullptr);
+    const uint8_t* n = r0 == last ? next : nullptr;
     switch (rows - r0) {
-        case 1: halves<BF, 1>(panel, k, x, stride, r0, out); break;
-        case 2: halves<BF, 2>(panel, k, x, stride, r0, out); break;
-        case 3: halves<BF, 3>(panel, k, x, stride, r0, out); break;
+        case 1: halves<BF, 1>(panel, k, x, stride, r0, out, n); break;
+        case 2: halves<BF, 2>(panel, k, x, stride, r0, out, n); break;
+        case 3: halves<BF, 3>(panel, k, x, stride, r0, out, n); break;
+        case 4: halves<BF, 4>(panel, k, x, stride, r0, out, n); break;
+        case 5: halves<BF, 5>(panel, k, x, stride, r0, out, n); break;
+        case 6: halves<BF, 6>(panel, k, x, stride, r0, out, n); break;
+        case 7: halves<BF, 7>(panel, k, x, stride, r0, out, n); break;
         default: break;
     }
 }

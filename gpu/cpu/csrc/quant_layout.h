@@ -127,10 +127,11 @@ void read_column(int format, const uint8_t* header, const uint8_t* scales, const
 // A product takes up to this many rows of x per pass over a panel (wgemm's chunk).
 constexpr int64_t kRowChunk = 64;
 
-// 16-bit formats: each output keeps four sums, pair p of k (k = 2p, 2p + 1) adding to e[p % 4]
+// 16-bit formats: each output keeps two sums, pair p of k (k = 2p, 2p + 1) adding to e[p % 2]
 // fma(x[2p + 1], w[2p + 1], .) then fma(x[2p], w[2p], .) (AVX-512 BF16's pair order), and is
-// (e[0] + e[1]) + (e[2] + e[3]).
-constexpr int kHalfSums = 4;
+// e[0] + e[1]. Two chains a row: the AVX-512 path holds 8 rows of a panel (16 sums) in
+// registers, so a panel read from memory serves 8 rows a pass.
+constexpr int kHalfSums = 2;
 
 // One panel's product over rows [0, rows) of `acts` (block formats) or of bf16/f32 x rows
 // (16-bit formats): out[rows][kPanel] gets the sums. One per path.
