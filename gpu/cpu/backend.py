@@ -12,7 +12,7 @@ layer.
 from __future__ import annotations
 
 import logging
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
@@ -20,6 +20,7 @@ from gpu.attention.backend import AttentionBackend
 from gpu.backend import ACTIVATIONS, TorchBackend
 from gpu.cpu import gemm, norm, onednn, quant, sample
 from gpu.cpu import build as cpu_build
+from gpu.cpu.prepared import GatedPair, Stacked
 from gpu.quant.formats import FORMATS
 from gpu.quant.quantize import quantize
 from gpu.quant.tensor import BlockTensor, cat_rows
@@ -64,21 +65,6 @@ class OneDnnBackend(TorchBackend):
         if isinstance(w, onednn.OneDnnGated):
             return onednn.gated(x, w)
         return super().gated(x, w)
-
-
-class Stacked(NamedTuple):
-    """Weights of different formats sharing an input (Q, K and V of a Q4_K_M file: V in Q6_K),
-    each its own product, their outputs side by side."""
-
-    parts: list[Any]
-
-
-class GatedPair(NamedTuple):
-    """A gated MLP's gate and up as two products (formats that differ, or biases)."""
-
-    gate: Any
-    up: Any
-    act: str
 
 
 class CpuBackend(OneDnnBackend):

@@ -22,6 +22,7 @@ import torch
 from gpu.attention.backend import AttentionMetadata
 from gpu.cpu import build as cpu_build
 from gpu.cpu import gemm, quant
+from gpu.cpu.prepared import GatedPair, Stacked
 from gpu.models.spec import ARCHITECTURES, ModelSpec
 
 # ModelSpec field -> what the compiled stack does with it (None: every value; else a predicate
@@ -88,7 +89,6 @@ def _part(w) -> tuple[int, torch.Tensor, int] | None:
 
 def _parts(w) -> list[tuple[int, torch.Tensor, int]] | None:
     """A product's weight as the stack's parts (Q/K/V in formats that differ: several)."""
-    from gpu.cpu.backend import Stacked
 
     parts = [_part(p) for p in w.parts] if isinstance(w, Stacked) else [_part(w)]
     return None if any(p is None for p in parts) or len(parts) > 3 else parts
@@ -97,7 +97,6 @@ def _parts(w) -> list[tuple[int, torch.Tensor, int]] | None:
 def _gated(w) -> tuple[list[tuple[int, torch.Tensor]], int] | None:
     """A gated MLP's gate/up as the stack takes it: ([(format, the packed pair)] or [gate,
     up], the activation's code)."""
-    from gpu.cpu.backend import GatedPair
 
     if isinstance(w, gemm.GemmGated):
         return [(0, w.packed)], w.act
@@ -113,7 +112,6 @@ def _gated(w) -> tuple[list[tuple[int, torch.Tensor]], int] | None:
 
 def _bias(w, none: torch.Tensor) -> torch.Tensor:
     """A product's bias (Q/K/V in parts: theirs joined), or `none`."""
-    from gpu.cpu.backend import Stacked
 
     parts = w.parts if isinstance(w, Stacked) else [w]
     if all(getattr(p, "bias", None) is None for p in parts):
