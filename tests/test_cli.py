@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import openai
 import pytest
@@ -132,6 +133,11 @@ def test_serve_builtin_tiny_model_with_openai_sdk(tmp_path):
         assert chunks[-1].choices[0].finish_reason in ("stop", "length")
         client.close()
         assert (tmp_path / "cache" / "weir-tiny-v1" / "config.json").exists()
+        # the HTTP process runs no model: torch stays out of it (transformers' tokenizers would
+        # pull it in, ~200 MB resident), while the engine process has it
+        maps = Path(f"/proc/{proc.pid}/maps")
+        if maps.exists():
+            assert "libtorch" not in maps.read_text()
     finally:
         proc.send_signal(2)  # SIGINT: a clean shutdown
         code = proc.wait(60)
