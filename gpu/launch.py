@@ -26,8 +26,7 @@ from gpu.assemble import (
     set_threads,
 )
 from gpu.gguf_file import GgufCheckpoint, is_gguf
-from gpu.loader import eos_token_ids, load_config, resolve_dtype
-from gpu.quant.int4 import Int4Scheme
+from gpu.loader import eos_token_ids, int4_scheme, load_config, resolve_dtype
 
 log = logging.getLogger("weir.launch")
 
@@ -126,16 +125,8 @@ def check_quantization(config: EngineConfig, path: Path, hf_config: Any) -> None
     """--quantization against what the checkpoint holds: gguf names a .gguf file; awq and gptq
     a checkpoint whose config.json's quantization_config says so (4-bit, served as repacked
     blocks: gpu/quant/int4.py); any other method there is refused, naming it."""
-    qc = getattr(hf_config, "quantization_config", None) or {}
-    method = str(qc.get("quant_method", "unnamed")).lower() if qc else None
-    if method is not None and method not in ("awq", "gptq"):
-        raise CheckpointError(
-            f"{path}: weights quantized with {method!r} are not served; weir serves GGUF files, "
-            "AWQ and GPTQ int4 checkpoints and float checkpoints (--quantization q8_0, q4_0 or "
-            "q4_k quantizes those at load)"
-        )
-    if method is not None and not is_gguf(path):
-        Int4Scheme.from_config(dict(qc), str(path))  # bits, group size, layout: refused here
+    scheme = int4_scheme(path, hf_config)  # refuses other methods, bits, group sizes, layouts
+    method = scheme.method if scheme else None
     q = config.quantization
     if q == "gguf" and not is_gguf(path):
         raise CheckpointError(f"--quantization gguf: {path} is not a .gguf file")

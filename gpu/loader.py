@@ -186,13 +186,12 @@ def load_weights(model: DecoderForCausalLM, path: Path, int4: Int4Scheme | None 
                         tensor = shard(name, f.get_slice(name), model.spec, tp)
                     targets.place(name, tensor)
                     bar.update(1)
+            # a layer whose parts are all read (its g_idx, if in a later file, goes unchecked)
             for prefix in [p for p, parts in pending.items() if set(PARTS[:3]) <= set(parts)]:
-                name = prefix + ".weight"  # a layer whose g_idx lies in a later file: unchecked
-                targets.wants(name)
-                targets.place(
-                    name, repack(int4, name, **{p: pending[prefix].get(p) for p in PARTS})
-                )
-                pending[prefix] = {}
+                parts = pending.pop(prefix)
+                name = prefix + ".weight"
+                targets.wants(name)  # raises for a layer the model does not have
+                targets.place(name, repack(int4, name, **{p: parts.get(p) for p in PARTS}))
                 bar.update(1)
     for prefix, parts in pending.items():
         if set(parts) - {"g_idx"}:

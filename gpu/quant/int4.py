@@ -68,7 +68,11 @@ class Int4Scheme:
             if fmt not in ("gptq", "gptq_v2"):
                 raise CheckpointError(f"{where}: GPTQ checkpoint_format {fmt!r} is not served")
             return cls("gptq", group, 1 if fmt == "gptq" else 0, bool(qc.get("sym", True)))
-        raise CheckpointError(f"{where}: quantization method {method!r} is not an int4 scheme")
+        raise CheckpointError(
+            f"{where}: weights quantized with {method!r} are not served; weir serves GGUF files, "
+            "AWQ and GPTQ int4 checkpoints and float checkpoints (--quantization q8_0, q4_0 or "
+            "q4_k quantizes those at load)"
+        )
 
 
 def _nibbles(packed: np.ndarray) -> np.ndarray:
@@ -130,4 +134,3 @@ def repack(
         m = np.repeat(m, per_block, axis=1)[..., None].view(np.uint8).reshape(n, -1, 2)
         blocks = np.concatenate([d.reshape(n, -1, 2), m, nib], axis=2)
     return BlockTensor(np.ascontiguousarray(blocks.reshape(n, -1)), fmt, (n, k))
-
