@@ -7,6 +7,7 @@
 #
 #   benchmarks/gpu_session.sh env kernels correctness attention offline   # first call, <= 570 s
 #   benchmarks/gpu_session.sh profile suite serving                       # second call, <= 580 s
+#   benchmarks/gpu_session.sh env attention offline fullsuite profile     # one call: the whole suite over xdist
 #   (then, with time left: overhead, step)
 #
 # Stage limits in seconds can be changed with LIMIT_<stage>=N; the defaults of each call above
@@ -72,12 +73,19 @@ import server.app, core.engine, gpu.runner; print(\"imports ok\")'; git log --on
     attention) stage attention 60 $PY -m benchmarks.attention ;;
     offline)
         stage offline 200 $PY -m benchmarks.offline --model qwen3-0.6b --requests 256 \
-            --input-len 100,1024 --output-len 100,1024 --hf-batch-sizes none --compare-eager \
-            --repeats 1
+            --input-len 100,1024 --output-len 100,1024 --hf-batch-sizes none \
+            --repeats 1 ${OFFLINE_ARGS---compare-eager}
         ;;
     suite)
         stage suite 330 $PY -m pytest -q -p no:cacheprovider --timeout 60 --durations 20 \
             $(for t in $GPU_TESTS; do echo "--ignore $t"; done)
+        ;;
+    # The whole suite, GPU tests included, over pytest-xdist's workers (in that machine's image):
+    # one line per test (-v), so a run stopped at its limit still names what passed and failed.
+    fullsuite)
+        LIVE_FAILURES=$LOGS/failures.log stage fullsuite 300 $PY -m pytest -v \
+            -p no:cacheprovider -p benchmarks.live_failures --timeout 120 -n "${WORKERS:-8}" \
+            -rfE --durations 25 ${TESTS:-}
         ;;
     serving)
         stage serving 110 $PY -m benchmarks.serving --model qwen3-0.6b --peers none \

@@ -24,6 +24,7 @@ import time
 import torch
 
 from benchmarks.common import bench_model, machine, save
+from gpu.assemble import resident_weights
 
 
 def workload(
@@ -83,7 +84,8 @@ def run_weir(
         def wrapper(*a, **kw):
             t = time.perf_counter()
             out = fn(*a, **kw)
-            if out.is_cuda:
+            first = out[0] if isinstance(out, tuple) else out  # the model's (hidden, logits)
+            if first.is_cuda:
                 torch.cuda.synchronize()
             forward_times.append(time.perf_counter() - t)
             return out
@@ -144,7 +146,8 @@ def run_weir(
         # Decode step bound: every weight byte plus every cached K/V byte read once.
         spec = runner.model.spec
         elt = torch.finfo(getattr(torch, dtype)).bits // 8
-        weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+        # the weights as the backend holds them (fused products are not module parameters)
+        weight_bytes = sum(resident_weights(runner.model).values())
         kv_per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * elt
         context = statistics.median(c for _, _, c in rows)
         bound_s = (weight_bytes + context * kv_per_token) / bandwidth

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import msgspec
@@ -16,6 +17,11 @@ class CheckpointError(ValueError):
 # --quantization: weir's own round-to-nearest formats (gpu/quant/quantize.py); "gguf", "awq" and
 # "gptq" name what a checkpoint already holds (a .gguf path, config.json's quantization_config).
 QUANTIZATIONS = ("q8_0", "q4_0", "q4_k", "gguf", "awq", "gptq")
+
+
+# --gpu-memory-utilization's default; WEIR_GPU_MEMORY_UTILIZATION sets it for every engine a
+# process starts (several processes sharing one GPU, such as a test run over pytest-xdist).
+DEFAULT_GPU_MEMORY_UTILIZATION = float(os.environ.get("WEIR_GPU_MEMORY_UTILIZATION", "0.9"))
 
 
 class EngineConfig(msgspec.Struct, kw_only=True):
@@ -39,7 +45,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # The cache's elements: auto (the model's dtype), or bfloat16 / float16 under a float32
     # model (half the bytes per token: twice the context, attention reading half as much).
     kv_cache_dtype: str = "auto"
-    gpu_memory_utilization: float = 0.9
+    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
     attention_backend: str = "auto"
     enforce_eager: bool = False  # no CUDA graphs for decode steps
     # torch intra-op threads when running on CPU; None: torch's; 0: auto, from the model's size

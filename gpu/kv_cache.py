@@ -50,9 +50,12 @@ def num_blocks_for(
     per_block = bytes_per_block(spec, block_size, dtype)
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        # What the utilization target leaves after everything already resident (weights included),
-        # keeping a tenth back for activations of the forward pass.
-        budget = int((gpu_memory_utilization * total - (total - free)) * 0.9)
+        # This process's share of the GPU less what it already holds (weights, warm-up
+        # activations), as vLLM means the fraction: memory other processes hold does not count
+        # against it, so two servers at 0.45 share one GPU; never more than is free; a tenth kept
+        # back for the forward pass's activations.
+        own = torch.cuda.memory_reserved(device)
+        budget = int(min(gpu_memory_utilization * total - own, free) * 0.9)
     else:
         budget = kv_cache_memory
     n = budget // per_block

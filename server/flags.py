@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from core.config import DEFAULT_GPU_MEMORY_UTILIZATION
 from server import vllm_flags
 from server.embedding_config import add_arguments as embedding_flags
 from server.responses.flags import add_arguments as responses_flags
@@ -85,7 +86,13 @@ def build_parser() -> argparse.ArgumentParser:
         "a 16-bit cache under a float32 model holds twice the tokens and attention reads half "
         "the bytes (outputs can differ slightly from a float32 cache's)",
     )
-    s.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    s.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=DEFAULT_GPU_MEMORY_UTILIZATION,
+        help="this server's share of the GPU's memory, KV cache included (other processes' use "
+        "does not count against it); default 0.9, or WEIR_GPU_MEMORY_UTILIZATION",
+    )
     s.add_argument(
         "--attention-backend",
         default="auto",

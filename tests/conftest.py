@@ -12,6 +12,12 @@ if "TRITON_INTERPRET" not in os.environ:
     if not torch.cuda.is_available():
         os.environ["TRITON_INTERPRET"] = "1"
 
+# Workers of pytest-xdist on one GPU: each process's engines take a share of its memory, not 90%
+# of it each (read by core.config, imported below, and by the `weir` processes tests start).
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    _workers = int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
+    os.environ.setdefault("WEIR_GPU_MEMORY_UTILIZATION", f"{0.6 / max(_workers, 1):.3f}")
+
 import socket
 import threading
 import time

@@ -82,11 +82,17 @@ def test_what_the_stack_refuses_is_said(model_dir, caplog):
 
     path = str(model_dir("llama"))
     with caplog.at_level(logging.INFO, logger="weir.cpu"):
-        loaded = load(EngineConfig(model=path, dtype="float32", cpu_matmul="onednn"))
+        loaded = load(
+            EngineConfig(model=path, dtype="float32", cpu_matmul="onednn", device="cpu")
+        )
     assert loaded.core.runner.model.stack is None
     assert any("layer by layer: --cpu-matmul onednn" in m for m in caplog.messages)
     with pytest.raises(ValueError, match="cannot run as one call: an MLP bias"):
-        load(EngineConfig(model=str(model_dir("llama", mlp_bias=True)), cpu_forward="fused"))
+        load(
+            EngineConfig(
+                model=str(model_dir("llama", mlp_bias=True)), cpu_forward="fused", device="cpu"
+            )
+        )
 
 
 def test_every_spec_field_is_stated():

@@ -102,7 +102,8 @@ def run(loaded, ids, n=12, prompt_logprobs=None):
 def load_file(path, **kw):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return load(EngineConfig(model=str(path), num_kv_blocks=64, **kw))
+        # weir's CPU kernels (on a GPU machine "auto" would be CUDA)
+        return load(EngineConfig(model=str(path), num_kv_blocks=64, **{"device": "cpu", **kw}))
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
@@ -202,7 +203,11 @@ def test_quantizing_at_load_equals_the_same_gguf(files, tmp_path):
     # (a quantized GGUF's KV cache is 16-bit, as llama.cpp's is)
     online = load(
         EngineConfig(
-            model=str(hf["qwen3"]), quantization="q4_k", num_kv_blocks=64, kv_cache_dtype="bfloat16"
+            model=str(hf["qwen3"]),
+            quantization="q4_k",
+            num_kv_blocks=64,
+            kv_cache_dtype="bfloat16",
+            device="cpu",
         )
     )
     assert set(online.weight_bytes) == {"q4_k", "f32"}
@@ -302,7 +307,7 @@ def test_a_gguf_file_served_over_http(files):
 
     _, paths = files
     config = EngineConfig(
-        model=str(paths["qwen3", "q4_k_m"]), served_model_name=["q"], num_kv_blocks=64
+        model=str(paths["qwen3", "q4_k_m"]), served_model_name=["q"], num_kv_blocks=64, device="cpu"
     )
     server = LiveServer(config, engine_process=True).start()
     try:

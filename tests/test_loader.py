@@ -74,7 +74,9 @@ def test_older_rope_theta_config_is_read(model_dir, tmp_path):
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_low_precision_dtypes_run(model_dir, dtype):
-    loaded = load(EngineConfig(model=str(model_dir("qwen3")), dtype=dtype, num_kv_blocks=32))
+    loaded = load(
+        EngineConfig(model=str(model_dir("qwen3")), dtype=dtype, num_kv_blocks=32, device="cpu")
+    )
     model = loaded.core.runner.model
     # weir's CPU kernels hold the weights in 16 bits (activations float32), the cache too
     fmt = {"bfloat16": "bf16", "float16": "f16"}[dtype]

@@ -98,7 +98,10 @@ def test_logprobs_match_chat(client):
         extra_body={"chat_template_kwargs": {"enable_thinking": False}},
     )
     want = chat.choices[0].logprobs.content
-    assert [(lp.token, lp.logprob) for lp in lps] == [(w.token, w.logprob) for w in want]
+    assert [lp.token for lp in lps] == [w.token for w in want]
+    # Equal on CPU (weir's kernels give the same bits in any batch); on a GPU the second request
+    # reuses the first's cached prefix, and products of other shapes round differently.
+    assert [lp.logprob for lp in lps] == pytest.approx([w.logprob for w in want], abs=1e-3)
     assert all(len(lp.top_logprobs) == 2 for lp in lps)
     with client.responses.stream(**kw) as stream:
         events = list(stream)
