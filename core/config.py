@@ -48,6 +48,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
     attention_backend: str = "auto"
     enforce_eager: bool = False  # no CUDA graphs for decode steps
+    # Schedule and launch step N+1 while step N runs (core/engine_core.py step); None: on for a
+    # CUDA device with one rank, off otherwise (on a CPU the forward runs when launched, so
+    # nothing overlaps: it is for tests there).
+    async_scheduling: bool | None = None
     # torch intra-op threads when running on CPU; None: torch's; 0: auto, from the model's size
     # (gpu/launch.py auto_threads)
     cpu_threads: int | None = None
@@ -119,6 +123,11 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise ValueError("--max-logprobs must be -1 (no limit) or at least 0")
         if self.tensor_parallel_size < 1:
             raise ValueError("--tensor-parallel-size must be at least 1")
+        if self.async_scheduling and self.tensor_parallel_size > 1:
+            raise ValueError(
+                "--async-scheduling runs with one rank: the ranks of --tensor-parallel-size "
+                "take each step's sampled tokens from the engine"
+            )
         if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
             raise ValueError("--node-rank must be between 0 and --nnodes - 1")
         if self.tensor_parallel_size % self.nnodes:

@@ -12,12 +12,12 @@ from tokenizers import Tokenizer
 
 from core.detokenizer import Detokenizer
 from core.kv_cache_manager import KVCacheManager
-from core.request import EngineRequest, Logprob, Request, RequestOutput, StepResult
+from core.request import EngineRequest, Logprob, Request, RequestOutput, Status, StepResult
 from core.request_check import check_request
 from core.sampling import InvalidParam
 from core.runner_step import GrammarBatch, SchedulerOutput
-from core.scheduler import Scheduler, ScheduledSeq
-from core.stats import FinishedStats, StepStats
+from core.scheduler import ScheduledSeq, ScheduledStep, Scheduler
+from core.stats import StepStats, finished_stats
 from core.structured import Grammars
 
 
@@ -47,6 +47,7 @@ class EngineCore:
         enable_prefix_caching: bool = True,
         scheduling_policy: str = "fcfs",
         max_logprobs: int = 20,
+        async_scheduling: bool = False,
     ) -> None:
         self.runner = runner
         self.tokenizer = tokenizer
@@ -66,10 +67,26 @@ class EngineCore:
         self._seq_no = 0
         self._grammars: Grammars | None = None  # built with the first constrained request
         self._compiling: dict[str, Request] = {}  # requests whose grammar is not ready yet
+        # Asynchronous scheduling: the next step is scheduled and launched before the last
+        # one's results are taken in (see step()).
+        if async_scheduling and not hasattr(runner, "submit"):
+            raise ValueError("asynchronous scheduling needs a runner that submits steps")
+        self.async_scheduling = async_scheduling
+        self._inflight: tuple[ScheduledStep, object] | None = None  # launched, not taken in
+        # Live requests whose steps need their tokens known on the host (a grammar's mask,
+        # penalties' counts): while there is one, each step's results are taken in first.
+        self._num_need_known = 0
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or self._inflight is not None
+
+    def _drop(self, request: Request) -> None:
+        """The request has ended: the engine forgets it."""
+        del self.requests[request.request_id]
+        params = request.sampling_params
+        if params.structured is not None or params.needs_penalties:
+            self._num_need_known -= 1
 
     def close(self) -> None:
         """Release what the runner holds outside this process (tensor-parallel workers)."""
@@ -102,6 +119,8 @@ class EngineCore:
             request.grammar_future = self.grammars.start(constraint)
             self._compiling[request.request_id] = request
         self.requests[request.request_id] = request
+        if constraint is not None or req.sampling_params.needs_penalties:
+            self._num_need_known += 1
         self.scheduler.add(request)
 
     @property
@@ -132,48 +151,25 @@ class EngineCore:
                 request.grammar = future.result()
             except Exception as e:  # noqa: BLE001 - the request's own problem, not the engine's
                 self.scheduler.remove(request)
-                del self.requests[rid]
-                self._finished(request, "error", time.monotonic())
-                out = self._output(request, [], "", "error")
+                self._drop(request)
+                self.stats.finished.append(finished_stats(request, "error", time.monotonic()))
+                out = request.output([], "", "error")
                 out.error = f"the structured output constraint did not compile: {e}"
                 failed.append(out)
         return failed
 
     def abort(self, request_id: str) -> RequestOutput | None:
-        request = self.requests.pop(request_id, None)
+        request = self.requests.get(request_id)
         if request is None:
             return None
+        self._drop(request)
         if self._compiling.pop(request_id, None) is not None:
             request.grammar_future.cancel()
             request.grammar_future = None
         self.scheduler.remove(request)
         self.num_aborted += 1
-        self._finished(request, "abort", time.monotonic())
-        return self._output(request, [], "", "abort")
-
-    def _output(
-        self,
-        request: Request,
-        new_ids: list[int],
-        text: str,
-        finish_reason: str | None,
-        logprobs: list[Logprob] | None = None,
-    ) -> RequestOutput:
-        prompt_lp = None
-        if request.prompt_logprobs is not None and request.num_output_tokens <= 1:
-            prompt_lp = request.prompt_logprobs  # sent once, with the first token
-        return RequestOutput(
-            request_id=request.request_id,
-            new_token_ids=new_ids,
-            new_text=text,
-            finished=finish_reason is not None,
-            finish_reason=finish_reason,
-            num_prompt_tokens=request.num_prompt_tokens,
-            num_output_tokens=request.num_output_tokens,
-            num_cached_tokens=request.num_cached_tokens,
-            logprobs=logprobs or [],
-            prompt_logprobs=prompt_lp,
-        )
+        self.stats.finished.append(finished_stats(request, "abort", time.monotonic()))
+        return request.output([], "", "abort")
 
     def _stop_reason(self, request: Request, token_id: int) -> str | None:
         params = request.sampling_params
@@ -187,36 +183,6 @@ class EngineCore:
         if request.num_tokens >= self.max_model_len:
             return "length"
         return None
-
-    def _add_prompt_logprobs(
-        self, request: Request, start: int, entries: list[Logprob] | None
-    ) -> None:
-        # Entry j scores prompt token start + j + 1. A recompute after preemption repeats
-        # positions already recorded: keep the first.
-        have = request.prompt_logprobs
-        for j, entry in enumerate(entries or ()):
-            if start + j + 1 == len(have):
-                have.append(entry)
-
-    def _finished(self, request: Request, reason: str, now: float) -> None:
-        arrival = request.arrival_time
-        scheduled = request.first_scheduled_time or now
-        first = request.first_token_time or now
-        last = request.last_token_time or now
-        self.stats.finished.append(
-            FinishedStats(
-                reason,
-                now - arrival,
-                scheduled - arrival,
-                first - scheduled,
-                last - first,
-                request.num_prompt_tokens,
-                request.num_output_tokens,
-                last - scheduled,
-                request.max_tokens,
-                request.num_preemptions,
-            )
-        )
 
     def take_stats(self) -> StepStats:
         """The increments gathered since the last call, with the current gauges."""
@@ -261,11 +227,9 @@ class EngineCore:
                 text += request.stop.flush()
         if reason is not None:
             self.scheduler.remove(request)
-            del self.requests[request.request_id]
-            self._finished(request, reason, now)
-        out = self._output(
-            request, [token_id], text, reason, [logprob] if logprob is not None else None
-        )
+            self._drop(request)
+            self.stats.finished.append(finished_stats(request, reason, now))
+        out = request.output([token_id], text, reason, [logprob] if logprob is not None else None)
         out.error = error
         return out
 
@@ -275,9 +239,9 @@ class EngineCore:
         self.stats.ttft.append(now - request.arrival_time)
         self.stats.prompt_tokens += request.num_prompt_tokens
         self.scheduler.remove(request)
-        del self.requests[request.request_id]
-        self._finished(request, "stop", now)
-        out = self._output(request, [], "", "stop")
+        self._drop(request)
+        self.stats.finished.append(finished_stats(request, "stop", now))
+        out = request.output([], "", "stop")
         out.embedding = vector
         return out
 
@@ -296,7 +260,38 @@ class EngineCore:
         )
 
     def step(self) -> list[RequestOutput]:
+        """Schedule and launch a step, and take in the results of the one before it.
+
+        Synchronously, a step's results are taken in before the next is scheduled. With
+        asynchronous scheduling the step launched last is still running when this is called:
+        the next one is scheduled and launched behind it first (its rows for requests whose
+        sample is pending take that sample on the device), and then the previous step's
+        results are taken in while the new one runs. A request that the previous step ends has
+        one discarded row in the new step; a batch that needs its requests' tokens on the host
+        (grammars, penalties) waits for the previous step first."""
         outputs: list[RequestOutput] = self._take_compiled() if self._compiling else []
+        previous, self._inflight = self._inflight, None
+        if previous is not None and self._num_need_known:
+            outputs += self._take_in(*previous)
+            previous = None
+        launched = self._launch()
+        if previous is not None:
+            outputs += self._take_in(*previous)
+        if launched is not None:
+            if self.async_scheduling:
+                self._inflight = launched
+            else:
+                outputs += self._take_in(*launched)
+        elif previous is None and self._compiling and not outputs:
+            # Only compiles are pending: wait briefly for one instead of spinning (the caller
+            # takes new commands between steps).
+            self._grammars.done.wait(0.01)
+        if self.check_integrity:
+            self.kv.check_integrity()
+        return outputs
+
+    def _launch(self):
+        """Schedule a step and launch it on the runner; None when nothing is scheduled."""
         preemptions_before = self.scheduler.num_preemptions
         queried, hits = self.kv.num_queried_tokens, self.kv.num_hit_tokens
         out = self.scheduler.schedule()
@@ -305,26 +300,36 @@ class EngineCore:
         stats.prefix_queries += self.kv.num_queried_tokens - queried
         stats.prefix_hits += self.kv.num_hit_tokens - hits
         if not out.seqs:
-            if self._compiling and not outputs:
-                # Only compiles are pending: wait briefly for one instead of spinning (the
-                # caller takes new commands between steps).
-                self._grammars.done.wait(0.01)
-            return outputs
+            return None
         now = time.monotonic()
         for seq in out.seqs:
             if seq.request.first_scheduled_time is None:
                 seq.request.first_scheduled_time = now
         stats.iteration_tokens.append(out.num_tokens)
         grammar = self._grammar_batch(out.seqs) if self._grammars is not None else None
-        result = self.runner.execute(out.output, grammar)
+        submit = getattr(self.runner, "submit", None)
+        if submit is not None:
+            pending = submit(out.output, grammar)
+        else:  # a runner that only executes (tensor parallel): its result is ready at once
+            pending = _Done(self.runner.execute(out.output, grammar))
         self.scheduler.commit(out)
         self.num_steps += 1
+        return out, pending
+
+    def _take_in(self, out: ScheduledStep, pending) -> list[RequestOutput]:
+        """A launched step's results (waited for): sampled tokens appended, stops checked,
+        pooled vectors and prompt log-probs handed out. Rows of requests that ended meanwhile
+        (finished by the step before, or aborted) are dropped."""
+        result = pending.result()
+        outputs: list[RequestOutput] = []
+        sampled = [s.request for s in out.seqs if s.sample]
         if self._grammars is not None:
             # The constrained requests' matchers take their tokens in one call (on llguidance's
             # threads, without the interpreter lock) rather than one call per request.
-            sampled = [s.request for s in out.seqs if s.sample]
             taken = [
-                (r.grammar, t) for r, t in zip(sampled, result.token_ids) if r.grammar is not None
+                (r.grammar, t)
+                for r, t in zip(sampled, result.token_ids)
+                if r.grammar is not None and r.status is not Status.FINISHED
             ]
             if taken:
                 self._grammars.consume(taken)
@@ -332,14 +337,17 @@ class EngineCore:
         now = time.monotonic()
         for seq in out.seqs:
             request = seq.request
+            if request.status is Status.FINISHED:
+                row += seq.sample
+                continue
             prompt_end = request.num_prompt_tokens
             if seq.start < prompt_end:
                 self.num_computed_prompt_tokens += (
                     min(seq.start + seq.num_new_tokens, prompt_end) - seq.start
                 )
                 if request.prompt_logprobs is not None:
-                    self._add_prompt_logprobs(
-                        request, seq.start, result.prompt_logprobs.get(request.request_id)
+                    request.record_prompt_logprobs(
+                        seq.start, result.prompt_logprobs.get(request.request_id)
                     )
             if not seq.sample:
                 vector = result.pooled.get(request.request_id)
@@ -351,6 +359,18 @@ class EngineCore:
             token_id, logprob = result.token_ids[row], result.logprobs[row]
             row += 1
             outputs.append(self._append_token(request, token_id, logprob, now))
-        if self.check_integrity:
-            self.kv.check_integrity()
+            if self.async_scheduling and request.status is not Status.FINISHED:
+                self.scheduler.cache_known(request)
         return outputs
+
+
+class _Done:
+    """A step already run to its end (a runner without `submit`)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: StepResult) -> None:
+        self.value = value
+
+    def result(self) -> StepResult:
+        return self.value

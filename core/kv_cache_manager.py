@@ -87,7 +87,9 @@ class KVCacheManager:
         table = self.tables.get(rid)
         if not table:
             return
-        full = min(request.num_computed_tokens // self.block_size, len(table))
+        # Only blocks whose every token is known (a pending sample's block waits for it).
+        known = min(request.num_computed_tokens, request.num_tokens)
+        full = min(known // self.block_size, len(table))
         start = self._num_registered.get(rid, 0)
         if full <= start:
             return

@@ -105,6 +105,7 @@ class Request:
         "grammar",
         "grammar_future",
         "pooling",
+        "num_pending",
     )
 
     def __init__(
@@ -150,6 +151,9 @@ class Request:
         self.grammar: object = None
         self.grammar_future: object = None
         self.pooling = req.pooling
+        # Tokens sampled by launched steps the engine has not yet taken in: under asynchronous
+        # scheduling the next step computes the last one before it is known.
+        self.num_pending = 0
         # Index p: log-probability of prompt token p given the tokens before it (none for p = 0).
         self.prompt_logprobs: list[Logprob | None] | None = (
             [None] if params.prompt_logprobs is not None else None
@@ -160,6 +164,11 @@ class Request:
         return len(self.all_token_ids)
 
     @property
+    def num_scheduled_tokens(self) -> int:
+        """The tokens a step may compute: the known ones and a pending sample."""
+        return len(self.all_token_ids) + self.num_pending
+
+    @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 
@@ -168,8 +177,45 @@ class Request:
         return len(self.output_token_ids)
 
     def append_output(self, token_id: int) -> None:
+        """A sampled token taken in (it was pending since its step was launched)."""
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+        if self.num_pending:
+            self.num_pending -= 1
+
+    def record_prompt_logprobs(self, start: int, entries: list[Logprob] | None) -> None:
+        """Prompt log-probs a step computed from position `start`: entry j scores prompt token
+        start + j + 1. A recompute after preemption repeats positions already recorded: the
+        first are kept."""
+        have = self.prompt_logprobs
+        for j, entry in enumerate(entries or ()):
+            if start + j + 1 == len(have):
+                have.append(entry)
+
+    def output(
+        self,
+        new_ids: list[int],
+        text: str,
+        finish_reason: str | None,
+        logprobs: list[Logprob] | None = None,
+    ) -> RequestOutput:
+        """This step's news of the request (prompt log-probs go out once, with the first
+        token)."""
+        prompt_lp = None
+        if self.prompt_logprobs is not None and self.num_output_tokens <= 1:
+            prompt_lp = self.prompt_logprobs
+        return RequestOutput(
+            request_id=self.request_id,
+            new_token_ids=new_ids,
+            new_text=text,
+            finished=finish_reason is not None,
+            finish_reason=finish_reason,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_output_tokens=self.num_output_tokens,
+            num_cached_tokens=self.num_cached_tokens,
+            logprobs=logprobs or [],
+            prompt_logprobs=prompt_lp,
+        )
 
     def __repr__(self) -> str:
         return (

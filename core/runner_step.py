@@ -15,6 +15,10 @@ Per step, applied in this order:
   its last row is sampled, the tokens the runner has not been given yet (those sampled since
   the request last ran) and its new block ids.
 
+Under asynchronous scheduling the engine schedules step N+1 before it has seen what step N
+sampled: an entry whose last token is that sample says `pending`, and the runner fills it in from
+its own previous step (replaced by the real id in `new_token_ids` the next time the request runs).
+
 Grammar state stays with the engine (llguidance's matchers): it hands the runner a GrammarBatch,
 which fills the constrained rows' bitmask while the forward runs.
 """
@@ -43,6 +47,10 @@ class ScheduledRequest(msgspec.Struct, array_like=True, gc=False):
     sample: bool  # the chunk reaches the end of the known tokens: its last row gives logits
     new_token_ids: list[int]  # appended to the runner's tokens before this step runs
     new_block_ids: list[int]  # appended to its block table (the whole table when resumed)
+    # Asynchronous scheduling: the last token of this chunk is the one the runner sampled for
+    # the request in its previous step, which the engine has not seen yet; the runner takes it
+    # from that step's sampled ids, where it still is (on the GPU).
+    pending: bool = False
 
 
 class SchedulerOutput(msgspec.Struct, gc=False):

@@ -155,7 +155,7 @@ class Scheduler:
             start=start,
             num_new_tokens=num_new,
             block_table=table,
-            sample=start + num_new == request.num_tokens and request.pooling is None,
+            sample=start + num_new == request.num_scheduled_tokens and request.pooling is None,
         )
 
     def schedule(self) -> ScheduledStep:
@@ -171,9 +171,14 @@ class Scheduler:
             if request.status is not Status.RUNNING:
                 continue  # preempted earlier in this step
             computed = request.num_computed_tokens
-            num_new = min(len(request.all_token_ids) - computed, budget)
+            total = len(request.all_token_ids) + request.num_pending
+            num_new = min(total - computed, budget)
             if num_new <= 0:
                 continue
+            if request.num_pending and (
+                request.num_output_tokens + request.num_pending >= request.max_tokens
+            ):
+                continue  # its pending sample is its last: nothing will follow it
             table = tables.get(request.request_id)
             if table is not None and computed + num_new <= len(table) * bs:
                 # The common decode step: the new tokens fit in blocks the request already
@@ -183,7 +188,7 @@ class Scheduler:
                     computed,
                     num_new,
                     table,
-                    computed + num_new == request.num_tokens and request.pooling is None,
+                    computed + num_new == total and request.pooling is None,
                 )
                 budget -= num_new
                 continue
@@ -206,7 +211,7 @@ class Scheduler:
             i = 0
             while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
                 request = self.waiting[i]
-                if self._held(request):
+                if self._held(request) or request.num_pending:
                     i += 1
                     continue
                 hits = self.kv.find_cached(request)
@@ -256,6 +261,7 @@ class Scheduler:
                     s.sample,
                     tokens[r.runner_tokens :] if r.runner_tokens < len(tokens) else [],
                     table[r.runner_blocks :],
+                    r.num_pending > 0,
                 )
             )
             r.runner_tokens, r.runner_blocks = len(tokens), len(table)
@@ -263,11 +269,20 @@ class Scheduler:
         return SchedulerOutput(finished, new, list(preempted), resumed, entries)
 
     def commit(self, out: ScheduledStep) -> None:
-        """After the forward pass: the scheduled tokens now have KV in the cache."""
+        """Once the step is launched: its tokens count as computed (their KV is written before
+        any later step reads it: steps run in order), and each sampled request has a pending
+        token until the engine sees it. Full blocks go into the prefix cache once all their
+        tokens are known (`cache_known` registers the ones ending in a pending token)."""
         bs = self.kv.block_size
         for s in out.seqs:
             request = s.request
             before = request.num_computed_tokens
             request.num_computed_tokens = after = before + s.num_new_tokens
+            if s.sample:
+                request.num_pending += 1
             if after // bs > before // bs:  # a block filled up: register it in the prefix cache
                 self.kv.cache_computed(request)
+
+    def cache_known(self, request: Request) -> None:
+        """A pending token became known: a block it completed can be registered now."""
+        self.kv.cache_computed(request)

@@ -38,3 +38,23 @@ class StepStats(msgspec.Struct, gc=False):
     ttft: list[float] = []
     itl: list[float] = []
     finished: list[FinishedStats] = []
+
+
+def finished_stats(request, reason: str, now: float) -> FinishedStats:
+    """The timings and counts of a request (core/request.py Request) that ends now."""
+    arrival = request.arrival_time
+    scheduled = request.first_scheduled_time or now
+    first = request.first_token_time or now
+    last = request.last_token_time or now
+    return FinishedStats(
+        reason,
+        now - arrival,
+        scheduled - arrival,
+        first - scheduled,
+        last - first,
+        request.num_prompt_tokens,
+        request.num_output_tokens,
+        last - scheduled,
+        request.max_tokens,
+        request.num_preemptions,
+    )

@@ -45,6 +45,13 @@ class Loaded:
     kv_cache_bytes: int = 0
 
 
+def resolve_async(config: EngineConfig, device: torch.device) -> bool:
+    """--async-scheduling, or by default on for a CUDA device with one rank."""
+    if config.async_scheduling is not None:
+        return config.async_scheduling
+    return device.type == "cuda" and config.tensor_parallel_size == 1
+
+
 def load(config: EngineConfig) -> Loaded:
     """Load the model (or, with --tensor-parallel-size N, start N workers that each load their
     share: gpu/dist/executor.py) and build the engine core over it."""
@@ -85,6 +92,7 @@ def load(config: EngineConfig) -> Loaded:
         enable_prefix_caching=config.enable_prefix_caching,
         scheduling_policy=config.scheduling_policy,
         max_logprobs=config.max_logprobs,
+        async_scheduling=resolve_async(config, device),
     )
     weights = resident_weights(model) if config.tensor_parallel_size == 1 else {}
     kv_bytes = sum(k.numel() * k.element_size() * 2 for k, _ in runner.kv_caches) if weights else 0

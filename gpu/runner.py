@@ -2,6 +2,11 @@
 
 The runner keeps its own copy of its requests (gpu/runner_state.py), updated from each step's
 SchedulerOutput; the same runner runs in the engine's process and on every tensor-parallel rank.
+
+`submit` queues a step's work on the device and returns at once (a `LaunchedStep`); its
+`result()` waits for the sampled ids. Between the two the engine can schedule and launch the
+next step (asynchronous scheduling): a row whose input is this step's sample (`pending`) reads it
+from `_last_sampled` on the device, with no trip through the host. `execute` is both at once.
 """
 
 from __future__ import annotations
@@ -44,6 +49,10 @@ class ModelRunner:
         # collectives) but leave sampling, pooling and the grammar masks to rank 0.
         self.samples = True
         self.state = RunnerRequests()  # the requests as this runner knows them
+        # The last launched step's sampled ids (on the device) and each request's row there:
+        # the inputs of the next step's `pending` rows.
+        self._last_sampled: torch.Tensor | None = None
+        self._last_rows: dict[str, int] = {}
 
     def _tensor(self, data, dtype) -> torch.Tensor:
         # An array's memory is shared, not copied: the tensor keeps the array alive, and the
@@ -65,6 +74,7 @@ class ModelRunner:
         seq_lens: list[int] = []
         query_lens: list[int] = []
         logits_rows: list[int] = []
+        pending: list[int] = []  # (input row, row of the last step's samples) pairs, flat
         for s, r in zip(out.scheduled, scheduled):
             n, start, table = s.num_new_tokens, s.start, r.table
             if n == 1:  # a decode: one token, one slot
@@ -80,11 +90,19 @@ class ModelRunner:
             seq_lens.append(start + n)
             if s.sample:
                 logits_rows.append(len(input_ids) - 1)
+            if s.pending:  # its last input is what the previous step sampled for it
+                if start + n != len(r.token_ids):
+                    raise ValueError(f"{s.request_id}: a pending token must end its chunk")
+                pending += (len(input_ids) - 1, self._last_rows[s.request_id])
         tables = self.state.tables(scheduled)
         meta = AttentionMetadata.build(slots, tables, query_lens, seq_lens, self._tensor)
         n = len(input_ids)
-        longs = self._tensor(input_ids + positions + logits_rows, torch.int64)  # one tensor
-        return longs[:n], longs[n : 2 * n], meta, longs[2 * n :]
+        longs = self._tensor(input_ids + positions + logits_rows + pending, torch.int64)
+        input_ids = longs[:n]
+        if pending:
+            at = longs[2 * n + len(logits_rows) :].view(-1, 2)
+            input_ids[at[:, 0]] = self._last_sampled[at[:, 1]]
+        return input_ids, longs[n : 2 * n], meta, longs[2 * n : 2 * n + len(logits_rows)]
 
     def _generator(self, request: RunnerRequest) -> torch.Generator:
         """A request's own generator, made from its seed on first use and kept with it."""
@@ -213,13 +231,20 @@ class ModelRunner:
         future = self._mask_pool.submit(grammar_mask.build, grammar, self.device)
         return future.result
 
-    @torch.inference_mode()
     def execute(
         self, out: SchedulerOutput, grammar: GrammarBatch | None = None, masks=None
     ) -> StepResult:
         """`grammar`: the constrained rows and their mask fill (the engine's matchers); `masks`
         instead: a callable giving this step's (rows, bitmask) tensors, for a rank that
         receives them (gpu/dist/worker.py)."""
+        return self.submit(out, grammar, masks).result()
+
+    @torch.inference_mode()
+    def submit(
+        self, out: SchedulerOutput, grammar: GrammarBatch | None = None, masks=None
+    ) -> LaunchedStep:
+        """The step's work queued on the device (on a CPU, done): nothing here waits for the
+        GPU unless the step asks for prompt log-probs or pooled vectors."""
         scheduled = self.state.update(out)
         input_ids, positions, meta, logits_rows = self.prepare(out, scheduled)
         if grammar is not None and self.samples:
@@ -237,22 +262,52 @@ class ModelRunner:
         if self.samples and any(r.pooling is not None for r in scheduled):
             pooled = pool(out, scheduled, hidden)
         if logits_rows.numel() == 0:
-            return StepResult([], [], prompt_lp, pooled)
+            return LaunchedStep([], None, prompt_lp, pooled)
         self.last_logits = logits
         if not self.samples:
-            return StepResult([], [])
+            return LaunchedStep([], None)
         requests = [r for s, r in zip(out.scheduled, scheduled) if s.sample]
         sampled = self.sampler(logits, self.prepare_sampling(requests, grammar_rows))
-        ids = sampled.token_ids.tolist()
+        self._last_sampled = sampled.token_ids
+        self._last_rows = {r.request_id: i for i, r in enumerate(requests)}
+        return LaunchedStep(requests, sampled, prompt_lp, pooled)
+
+
+class LaunchedStep:
+    """A step whose sampled ids (and log-probs) are on their way to the host: copies queued
+    behind the step's kernels, into pinned memory, and an event recorded after them; `result()`
+    waits for that event alone, so the work queued after it keeps running."""
+
+    def __init__(self, requests: list[RunnerRequest], sampled, prompt_lp=None, pooled=None):
+        self.requests = requests
+        self.prompt_lp, self.pooled = prompt_lp or {}, pooled or {}
+        self.event = None
+        self.host: list[torch.Tensor | None] = []
+        if sampled is None:
+            return
+        parts = [sampled.token_ids, sampled.logprobs, sampled.top_ids, sampled.top_logprobs]
+        if sampled.token_ids.is_cuda:
+            parts = [p.to("cpu", non_blocking=True) if p is not None else None for p in parts]
+            self.event = torch.cuda.Event()
+            self.event.record()
+        self.host = parts
+
+    def result(self) -> StepResult:
+        if self.event is not None:
+            self.event.synchronize()
+        if not self.host:
+            return StepResult([], [], self.prompt_lp, self.pooled)
+        ids_t, chosen_t, top_ids_t, top_lps_t = self.host
+        ids = ids_t.tolist()
         logprobs: list[Logprob | None] = [None] * len(ids)
-        if sampled.logprobs is not None:
-            chosen = sampled.logprobs.tolist()
-            top_ids = sampled.top_ids.tolist() if sampled.top_ids is not None else None
-            top_lps = sampled.top_logprobs.tolist() if sampled.top_ids is not None else None
-            for i, r in enumerate(requests):
+        if chosen_t is not None:
+            chosen = chosen_t.tolist()
+            top_ids = top_ids_t.tolist() if top_ids_t is not None else None
+            top_lps = top_lps_t.tolist() if top_ids_t is not None else None
+            for i, r in enumerate(self.requests):
                 k = r.sampling_params.logprobs
                 if k is not None:
                     logprobs[i] = Logprob(
                         ids[i], chosen[i], top_ids[i][:k] if k else [], top_lps[i][:k] if k else []
                     )
-        return StepResult(ids, logprobs, prompt_lp, pooled)
+        return StepResult(ids, logprobs, self.prompt_lp, self.pooled)

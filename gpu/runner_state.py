@@ -32,6 +32,7 @@ class RunnerRequest:
         "table",
         "generator",
         "pool_state",
+        "num_known",
     )
 
     def __init__(self, new: NewRequest) -> None:
@@ -43,6 +44,9 @@ class RunnerRequest:
         self.table = array("i")
         self.generator = None  # the request's own, made from its seed on first use
         self.pool_state = None  # a running sum or the CLS row, across a prompt's chunks
+        # Tokens whose ids the runner has been given; past them, at most one placeholder (-1)
+        # for a sample of its own the engine has not seen yet (a `pending` entry).
+        self.num_known = len(self.token_ids)
 
     @property
     def num_tokens(self) -> int:
@@ -83,8 +87,13 @@ class RunnerRequests:
         scheduled = []
         for s in out.scheduled:
             r = requests[s.request_id]
+            if len(r.token_ids) > r.num_known:  # a placeholder: its id comes now, or stays -1
+                del r.token_ids[r.num_known :]
             if s.new_token_ids:
                 r.token_ids += s.new_token_ids
+                r.num_known = len(r.token_ids)
+            if s.pending:
+                r.token_ids.append(-1)
             if s.new_block_ids:
                 r.table.extend(s.new_block_ids)
             scheduled.append(r)

@@ -59,6 +59,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         gpu_memory_utilization=args.gpu_memory_utilization,
         attention_backend=args.attention_backend,
         enforce_eager=args.enforce_eager,
+        async_scheduling=args.async_scheduling,
         cpu_threads=cpu_threads(args.cpu_threads),
         cpu_matmul=args.cpu_matmul,
         cpu_forward=args.cpu_forward,

@@ -129,6 +129,13 @@ def build_parser() -> argparse.ArgumentParser:
         "graphs captured at startup for batch sizes 1, 2, 4, 8, 16, ... up to --max-num-seqs)",
     )
     s.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="schedule and launch each step while the one before it runs, so the host's work "
+        "overlaps the GPU's (default: on for CUDA with one rank; outputs are the same)",
+    )
+    s.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
         default=True,
