@@ -101,6 +101,12 @@ def main() -> int:
     ap.add_argument("--batches", default="1,32,256")
     ap.add_argument("--contexts", default="1024,4096,16384")
     ap.add_argument("--out", default="benchmarks/results/attention.json")
+    ap.add_argument(
+        "--split-sweep",
+        default="",
+        help="also time the decode kernel in a graph at each of these KV split counts "
+        "(e.g. 1,2,4,8,16,32) against the count weir chooses",
+    )
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("benchmarks.attention needs a CUDA GPU; none found.", file=sys.stderr)
@@ -141,6 +147,7 @@ def main() -> int:
             scale = d**-0.5
             triton_s = cuda_time(lambda: backend.forward(q, k_cache, v_cache, meta, scale))
             triton_graph_s = graph_time(lambda: backend.forward(q, k_cache, v_cache, meta, scale))
+            sweep = split_sweep(args.split_sweep, q, k_cache, v_cache, meta, ctx, scale)
 
             # Dense layout for SDPA: [batch, kv_heads, ctx, d], gathered once outside the timing.
             k_dense = k_cache[tables.long()].flatten(1, 2)[:, :ctx].transpose(1, 2).contiguous()
@@ -182,6 +189,7 @@ def main() -> int:
                     "sdpa_frac_of_copy_bw": nbytes / sdpa_s / measured,
                     "triton_frac_of_spec_bw": nbytes / triton_s / spec if spec else None,
                     "max_abs_err_vs_fp32": max_err,
+                    "split_sweep_graph_us": sweep,
                 }
             )
             k_cache = v_cache = None
@@ -217,7 +225,42 @@ def main() -> int:
             f"{100 * r['triton_graph_frac_of_copy_bw']:.0f}% | {r['sdpa_us']:.1f} | "
             f"{100 * r['sdpa_frac_of_copy_bw']:.0f}% | {r['max_abs_err_vs_fp32']:.1e} |"
         )
+    for r in rows:
+        if r["split_sweep_graph_us"]:
+            times = ", ".join(f"{k}: {v:.1f}" for k, v in r["split_sweep_graph_us"].items())
+            print(f"splits at batch {r['batch']} x {r['context']} (µs in a graph): {times}")
     return 0
+
+
+def split_sweep(counts: str, q, k_cache, v_cache, meta, ctx: int, scale: float) -> dict:
+    """The decode kernel alone, replayed in a graph, at each KV split count (and "auto", the
+    count weir picks for this batch and context): data for choosing the split rule."""
+    from gpu.cuda.kernels.decode_attention import decode_attention, num_splits_for
+
+    if not counts:
+        return {}
+    out = torch.empty_like(q)
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    auto = num_splits_for(q.shape[0], k_cache.shape[2], ctx, sms, 64)
+    times = {}
+    for splits in [*map(int, counts.split(",")), auto]:
+        key = f"auto={splits}" if len(times) == len(counts.split(",")) else str(splits)
+        times[key] = 1e6 * graph_time(
+            lambda: decode_attention(
+                out,
+                q,
+                k_cache,
+                v_cache,
+                meta.block_tables,
+                meta.query_start_loc,
+                meta.seq_lens,
+                meta.decode_seq_ids,
+                ctx,
+                scale,
+                num_splits=splits,
+            )
+        )
+    return times
 
 
 if __name__ == "__main__":

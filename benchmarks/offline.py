@@ -61,6 +61,7 @@ def run_weir(
     dtype: str,
     enforce_eager: bool = False,
     profile: str | None = None,
+    async_scheduling: bool | None = None,
 ) -> dict:
     """`profile`: a file to write a cProfile of the measured run to (steps only, no start-up);
     its slowest functions are printed, and its tok/s is the profiler's, not weir's."""
@@ -75,18 +76,25 @@ def run_weir(
         max_num_batched_tokens=4096,
         enable_prefix_caching=False,
         enforce_eager=enforce_eager,
+        async_scheduling=async_scheduling,
     )
     core = llm.engine
     runner = core.runner
-    forward_times: list[float] = []
+    forward_times: list = []  # seconds, or (start, end) CUDA events read after the run
 
     def timed(fn):
+        # On a GPU, events around the forward: a host sync here would stop the next step's
+        # host work from overlapping this one (asynchronous scheduling).
         def wrapper(*a, **kw):
+            if device == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(True)
+                start.record()
+                out = fn(*a, **kw)
+                end.record()
+                forward_times.append((start, end))
+                return out
             t = time.perf_counter()
             out = fn(*a, **kw)
-            first = out[0] if isinstance(out, tuple) else out  # the model's (hidden, logits)
-            if first.is_cuda:
-                torch.cuda.synchronize()
             forward_times.append(time.perf_counter() - t)
             return out
 
@@ -123,6 +131,9 @@ def run_weir(
     if profiler is not None:
         profiler.disable()
     elapsed = time.perf_counter() - t0
+    if device == "cuda":
+        torch.cuda.synchronize()
+        forward_times[:] = [s.elapsed_time(e) / 1e3 for s, e in forward_times]
     if profiler is not None:
         print_profile(profiler, profile)
     generated = sum(len(r.outputs[0].token_ids) for r in results)
@@ -140,6 +151,7 @@ def run_weir(
         "overhead_per_step_ms": overhead * 1e3,
         "forward_per_step_ms": statistics.median(ft for _, ft, _ in rows) * 1e3,
         "cuda_graphs": runner.graphs is not None,
+        "async_scheduling": core.async_scheduling,
     }
     bandwidth = copy_bandwidth(device)
     if bandwidth:
@@ -196,6 +208,7 @@ def run_transformers(
 
 def report(weir: dict) -> None:
     mode = "CUDA graphs" if weir["cuda_graphs"] else "eager"
+    mode += ", async scheduling" if weir.get("async_scheduling") else ", synchronous"
     print(
         f"  weir ({mode}): {weir['tok_s']:.0f} tok/s; overhead "
         f"{weir['overhead_per_step_ms']:.2f} ms per step at batch {weir['largest_batch']} "
@@ -214,6 +227,40 @@ def print_profile(profiler: cProfile.Profile, path: str, top: int = 35) -> None:
     stats = pstats.Stats(profiler)
     stats.sort_stats("tottime").print_stats(top)
     stats.sort_stats("cumulative").print_stats(top)
+
+
+def compare_async(args, model, prompts, outputs, n, device, dtype, first: dict) -> dict | None:
+    """--compare-async: weir with asynchronous scheduling off, alternated with it on (`first`
+    is the first run with it on) --repeats times; medians reported, `first` updated."""
+    if not args.compare_async:
+        return None
+    runs: dict[bool, list[dict]] = {True: [first], False: []}
+    for i in range(args.repeats):
+        runs[False].append(
+            run_weir(model, prompts, outputs, n, device, dtype, args.enforce_eager, None, False)
+        )
+        release()
+        report(runs[False][-1])
+        if i + 1 < args.repeats:
+            again = run_weir(
+                model, prompts, outputs, n, device, dtype, args.enforce_eager, None, True
+            )
+            runs[True].append(again)
+            release()
+            report(runs[True][-1])
+    median = {
+        k: dict(
+            sorted(v, key=lambda r: r["tok_s"])[len(v) // 2], tok_s_runs=[r["tok_s"] for r in v]
+        )
+        for k, v in runs.items()
+    }
+    first.clear()
+    first.update(median[True])
+    print(
+        f"async / sync scheduling (medians of {args.repeats}): "
+        f"{median[True]['tok_s'] / median[False]['tok_s']:.2f}x"
+    )
+    return median[False]
 
 
 def release() -> None:
@@ -264,6 +311,19 @@ def main() -> None:
         help="profile weir's measured run (cProfile, steps only) into FILE and print its top",
     )
     ap.add_argument(
+        "--compare-async",
+        action="store_true",
+        help="also run weir with asynchronous scheduling off (on: its default on CUDA) and "
+        "report both, alternated with --repeats",
+    )
+    ap.add_argument(
+        "--warm-runs",
+        type=int,
+        default=0,
+        help="untimed runs of the whole workload first (Triton compiles each kernel variant "
+        "the first time a step needs it)",
+    )
+    ap.add_argument(
         "--compare-eager",
         action="store_true",
         help="on CUDA, also run weir with --enforce-eager and report both",
@@ -283,9 +343,14 @@ def main() -> None:
         vocab,
     )
     print(f"{n} requests, {sum(map(len, prompts))} prompt tokens, {sum(outputs)} output tokens")
-    weir = run_weir(model, prompts, outputs, n, device, dtype, args.enforce_eager, args.profile)
+    for _ in range(args.warm_runs):
+        run_weir(model, prompts, outputs, n, device, dtype, args.enforce_eager)
+        release()
+    on = True if args.compare_async else None  # compared: on (even on a CPU) against off
+    weir = run_weir(model, prompts, outputs, n, device, dtype, args.enforce_eager, args.profile, on)
     release()
     report(weir)
+    sync = compare_async(args, model, prompts, outputs, n, device, dtype, weir)
     eager = None
     if args.compare_eager and device == "cuda" and not args.enforce_eager:
         eager = run_weir(model, prompts, outputs, n, device, dtype, enforce_eager=True)
@@ -293,7 +358,10 @@ def main() -> None:
         report(eager)
     hf_sizes = [int(b) for b in args.hf_batch_sizes.split(",") if b not in ("", "none")]
     if not hf_sizes:  # weir alone (on a GPU, beside the published anchors)
-        save("offline", {"meta": meta(args, n, dtype), "weir": weir, "weir_eager": eager})
+        save(
+            "offline",
+            {"meta": meta(args, n, dtype), "weir": weir, "weir_sync": sync, "weir_eager": eager},
+        )
         return
     hf = run_transformers(
         model,

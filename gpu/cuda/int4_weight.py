@@ -1,0 +1,72 @@
+"""A 4-bit weight in the GPU's form, for the W4A16 product (gpu/cuda/kernels/w4a16.py).
+
+Made from a block tensor in GGUF's Q4_0 or Q4_1 (a GGUF file's, or an AWQ / GPTQ checkpoint's,
+which gpu/quant/int4.py repacks into those blocks without changing a weight): the codes
+regrouped K-major, eight to an int32, and each block's scale and min (Q4_0: -8 x scale) as
+[k / 32, n] float16 tensors, exactly as the blocks hold them (a bfloat16 model's activations
+do not round them), so w = scale * q + min as the checkpoint means it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from gpu.quant.tensor import BlockTensor
+
+FORMATS = ("q4_0", "q4_1")  # the block formats this form takes
+GROUP = 32
+
+
+@dataclass
+class Int4Weight:
+    qweight: torch.Tensor  # [k / 8, n] int32
+    scales: torch.Tensor  # [k / GROUP, n] float16
+    mins: torch.Tensor  # [k / GROUP, n] float16
+    shape: tuple[int, int]  # (n, k)
+
+    @classmethod
+    def from_blocks(cls, t: BlockTensor, device) -> Int4Weight:
+        if t.fmt.name not in FORMATS:
+            raise ValueError(f"a {t.fmt.name} weight has no 4-bit GPU form (only {FORMATS})")
+        n, k = t.shape
+        blocks = t.rows.reshape(n, k // GROUP, t.fmt.block_bytes)
+        scale = blocks[:, :, 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+        if t.fmt.name == "q4_1":
+            low = blocks[:, :, 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+            qs = blocks[:, :, 4:20]
+        else:
+            low = -8.0 * scale
+            qs = blocks[:, :, 2:18]
+        # GGUF's nibble order: byte j of a block holds codes j (low) and j + 16 (high).
+        codes = np.concatenate([qs & 0xF, qs >> 4], axis=-1).reshape(n, k)
+        by_k = codes.T.reshape(k // 8, 8, n).astype(np.uint32)
+        words = np.zeros((k // 8, n), dtype=np.uint32)
+        for j in range(8):
+            words |= by_k[:, j, :] << np.uint32(4 * j)
+
+        def to(a: np.ndarray, dt) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(a)).to(device=device, dtype=dt)
+
+        return cls(
+            to(words.view(np.int32), torch.int32),
+            to(scale.T, torch.float16),
+            to(low.T, torch.float16),
+            (n, k),
+        )
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales, self.mins))
+
+    def dequantize(self) -> torch.Tensor:
+        """The float weight [n, k] this form holds (for tests)."""
+        n, k = self.shape
+        words = self.qweight.to(torch.int64) & 0xFFFFFFFF
+        shifts = 4 * torch.arange(8, device=words.device)
+        codes = ((words[:, None, :] >> shifts[None, :, None]) & 0xF).reshape(k, n)
+        scale = self.scales.float().repeat_interleave(GROUP, 0)
+        low = self.mins.float().repeat_interleave(GROUP, 0)
+        return (codes.float() * scale + low).T.contiguous()

@@ -1,0 +1,147 @@
+"""y = x @ W.T with W in 4 bits (W4A16): AWQ and GPTQ int4 checkpoints and GGUF's Q4_0 / Q4_1,
+dequantized tile by tile inside the product.
+
+The weight (gpu/cuda/int4_weight.py `Int4Weight`) is K-major so that a tile of it is one
+coalesced read: `qweight` [k / 8, n] int32, eight 4-bit codes of consecutive k per word (code
+j of word i is bits 4j..4j+3, for k = 8 i + j); `scales` and `mins` [k / group, n] float16:
+w = scale * q + min (Q4_0's and symmetric GPTQ's min is -8 scale), formed in float32.
+
+One program computes a [BLOCK_M, BLOCK_N] tile of y over a 1 / SPLIT_K share of k, reading its
+codes once and their group's scale and min; with few rows (decode) the k axis is split across
+programs so that the GPU fills, and the shares are summed in a second pass (fp32, in a fixed
+order: the result does not depend on timing). Everything is decided from shapes: graph-safe.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _w4a16_kernel(
+    x_ptr,
+    qweight_ptr,
+    scales_ptr,
+    mins_ptr,
+    out_ptr,
+    m,
+    n,
+    k,
+    x_stride,
+    out_stride_split,
+    out_stride_m,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    split = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < m
+    n_mask = offs_n < n
+    # This program's share of k: whole BLOCK_K tiles.
+    tiles = tl.cdiv(k, BLOCK_K)
+    per_split = tl.cdiv(tiles, SPLIT_K)
+    first = split * per_split
+    last = tl.minimum(first + per_split, tiles)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for t in range(first, last):
+        offs_k = t * BLOCK_K + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < k
+        x = tl.load(
+            x_ptr + offs_m[:, None].to(tl.int64) * x_stride + offs_k[None, :],
+            mask=m_mask[:, None] & k_mask[None, :],
+            other=0.0,
+        )
+        tile_mask = k_mask[:, None] & n_mask[None, :]
+        words = tl.load(
+            qweight_ptr + (offs_k[:, None] // 8).to(tl.int64) * n + offs_n[None, :],
+            mask=tile_mask,
+            other=0,
+        )
+        codes = (words >> ((offs_k[:, None] % 8) * 4)) & 0xF
+        group = (offs_k[:, None] // GROUP).to(tl.int64) * n + offs_n[None, :]
+        scale = tl.load(scales_ptr + group, mask=tile_mask, other=0.0).to(tl.float32)
+        low = tl.load(mins_ptr + group, mask=tile_mask, other=0.0).to(tl.float32)
+        w = codes.to(tl.float32) * scale + low
+        if UPCAST:  # float32 activations, or Triton's CPU interpreter (no 16-bit products)
+            acc += tl.dot(x.to(tl.float32), w, input_precision="ieee")
+        else:
+            acc += tl.dot(x, w.to(x.dtype))
+    out = out_ptr + split * out_stride_split + offs_m[:, None] * out_stride_m + offs_n[None, :]
+    tl.store(out, acc, mask=m_mask[:, None] & n_mask[None, :])
+
+
+def split_k_for(m: int, n: int, k: int, block_m: int, block_n: int, block_k: int, sms: int):
+    """Split k when the output tiles alone would leave most of the GPU idle (decode rows);
+    each share keeps at least four k tiles."""
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    want = triton.cdiv(2 * sms, tiles)
+    most = max(1, triton.cdiv(k, block_k) // 4)
+    return max(1, min(want, most, 16))
+
+
+def w4a16_linear(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    mins: torch.Tensor,
+    group: int,
+    bias: torch.Tensor | None = None,
+    split_k: int | None = None,
+) -> torch.Tensor:
+    """x [m, k] (float16 / bfloat16 / float32, rows contiguous) times the 4-bit weight [n, k]
+    held as qweight [k / 8, n] int32, scales and mins [k / group, n] float16; returns [m, n]
+    in x's dtype (plus bias)."""
+    if x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError(f"x must be [rows, k] with contiguous rows, got {tuple(x.shape)}")
+    m, k = x.shape
+    if qweight.dtype != torch.int32 or qweight.dim() != 2 or not qweight.is_contiguous():
+        raise ValueError("qweight must be a contiguous [k / 8, n] int32 tensor")
+    n = qweight.shape[1]
+    if k % group or group % 8 or qweight.shape[0] * 8 != k:
+        raise ValueError(f"k = {k} must be qweight's rows x 8 and a multiple of group {group}")
+    for name, t in (("scales", scales), ("mins", mins)):
+        if t.shape != (k // group, n) or not t.is_contiguous() or t.dtype != torch.float16:
+            raise ValueError(f"{name} must be a contiguous [{k // group}, {n}] float16 tensor")
+    if bias is not None and bias.shape != (n,):
+        raise ValueError(f"bias must be [{n}]")
+    if any(t.device != x.device for t in (qweight, scales, mins)):
+        raise ValueError("x and the weight must be on one device")
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    block_n, block_k = 64, 64
+    if split_k is None:
+        sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 8
+        split_k = split_k_for(m, n, k, block_m, block_n, block_k, sms)
+    parts = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), split_k)
+    _w4a16_kernel[grid](
+        x,
+        qweight,
+        scales,
+        mins,
+        parts,
+        m,
+        n,
+        k,
+        x.stride(0),
+        parts.stride(0),
+        parts.stride(1),
+        GROUP=group,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        SPLIT_K=split_k,
+        UPCAST=not x.is_cuda or x.dtype == torch.float32,
+    )
+    y = parts[0] if split_k == 1 else parts.sum(0)
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)

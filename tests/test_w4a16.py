@@ -1,0 +1,72 @@
+"""The 4-bit GPU product (gpu/cuda/kernels/w4a16.py) over the GPU form of Q4_0 / Q4_1 blocks
+(gpu/cuda/int4_weight.py): the form holds exactly the weights the gguf package dequantizes,
+and the product equals the float product over them (Triton's interpreter on CPU)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from gpu.cuda.int4_weight import Int4Weight
+from gpu.cuda.kernels.w4a16 import split_k_for, w4a16_linear
+from gpu.quant.formats import FORMATS
+from gpu.quant.quantize import quantize
+from gpu.quant.tensor import BlockTensor
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def blocks(fmt: str, n: int, k: int, seed: int = 0) -> BlockTensor:
+    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
+    return BlockTensor(quantize(w, fmt), FORMATS[fmt], (n, k))
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1"])
+def test_the_gpu_form_holds_the_blocks_weights(fmt):
+    t = blocks(fmt, 24, 96)
+    w = Int4Weight.from_blocks(t, DEVICE)
+    assert w.qweight.shape == (12, 24) and w.scales.shape == (3, 24)
+    assert torch.equal(w.dequantize().cpu(), t.dequantize(torch.float32))
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m,split_k", [(1, 1), (1, 3), (5, 2), (33, 1)])
+def test_the_product_equals_the_float_product(fmt, dtype, m, split_k):
+    n, k = 80, 160  # n not a multiple of the 64-column tile, k of the 64-deep one
+    t = blocks(fmt, n, k, seed=m)
+    w = Int4Weight.from_blocks(t, DEVICE)
+    g = torch.Generator().manual_seed(m)
+    x = torch.randn((m, k), generator=g).to(DEVICE, dtype)
+    bias = torch.randn(n, generator=g).to(DEVICE, dtype)
+    got = w4a16_linear(x, w.qweight, w.scales, w.mins, 32, bias, split_k=split_k)
+    want = x.float() @ t.dequantize(torch.float32).to(DEVICE).T + bias.float()
+    assert got.dtype == dtype and got.shape == (m, n)
+    tol = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-3}[dtype]
+    scale = want.abs().max().item()
+    torch.testing.assert_close(got.float(), want, atol=tol * scale, rtol=tol)
+
+
+def test_strided_rows_and_bad_arguments():
+    t = blocks("q4_0", 16, 64)
+    w = Int4Weight.from_blocks(t, DEVICE)
+    wide = torch.randn(3, 100).to(DEVICE)
+    x = wide[:, :64]  # rows with a stride past k
+    want = x @ t.dequantize(torch.float32).to(DEVICE).T
+    got = w4a16_linear(x, w.qweight, w.scales, w.mins, 32)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="k = 63"):
+        w4a16_linear(torch.randn(2, 63).to(DEVICE), w.qweight, w.scales, w.mins, 32)
+    with pytest.raises(ValueError, match="scales"):
+        w4a16_linear(x, w.qweight, w.scales.float(), w.mins, 32)
+    with pytest.raises(ValueError, match="contiguous rows"):
+        w4a16_linear(wide.T, w.qweight, w.scales, w.mins, 32)
+    with pytest.raises(ValueError, match="no 4-bit GPU form"):
+        Int4Weight.from_blocks(blocks("q8_0", 16, 64), DEVICE)
+
+
+def test_the_k_split_fills_the_gpu_only_for_few_rows():
+    assert split_k_for(1, 1024, 4096, 16, 64, 64, 132) == 16  # decode: 16 tiles, 132 SMs
+    assert split_k_for(512, 4096, 4096, 64, 64, 64, 132) == 1  # a prefill fills it alone
+    assert split_k_for(1, 64, 128, 16, 64, 64, 132) == 1  # k too short to share
