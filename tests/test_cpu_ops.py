@@ -4,6 +4,8 @@ exception, never a read or write out of bounds."""
 
 from __future__ import annotations
 
+import subprocess
+
 import pytest
 import torch
 
@@ -83,3 +85,63 @@ def test_paged_indexes_are_checked(ops):
         ops.apply_token_bitmask_(
             torch.zeros(2, 40), torch.tensor([2]), torch.zeros(1, 2, dtype=torch.int32)
         )
+
+
+def test_a_checks_message_keeps_its_numbers(ops):
+    """A message is formatted with the C++ runtime's streams: with a private copy of libstdc++ in
+    the library (a compiler that linked it statically) the first integer crashed the process on
+    one machine and cut the message short on another."""
+    x, w = torch.randn(3, 8), torch.randn(70, 8)
+    packed = ops.gemm_pack(w, None)
+    want = ops.gemm_pack(torch.randn(200, 8), None).numel()
+    with pytest.raises(ValueError, match=rf"^packed: needs {want} elements, got {packed.numel()}$"):
+        ops.gemm(x, packed, 200, 0, None, None)
+    with pytest.raises(ValueError, match=r"^bias: needs 70 elements, got 69$"):
+        ops.gemm(x, packed, 70, 0, torch.randn(69), None)
+
+
+def test_the_library_uses_the_processes_cpp_runtime_and_hides_its_own_symbols(ops):
+    """The library needs the shared libstdc++ (torch's), defines no part of a C++ runtime, and
+    exports none of weir's own functions: nothing in it can stand in for another library's
+    definition, nor another's for one of it."""
+    needed, defined = cpu_build.elf_dynamic(cpu_build.build())
+    assert any(n.startswith("libstdc++.so") for n in needed), needed
+    assert not {"_ZNSt6locale7classicEv", "__cxa_throw", "__gxx_personality_v0"} & defined
+    ours = ("_ZN4weir", "_ZN8weir_ops", "_ZN12DecoderStack", "_Z12stack_weight", "__cpu_")
+    assert not sorted(d for d in defined if d.startswith(ours))
+
+
+def _static_libstdcxx_compiler(tmp_path):
+    """A compiler whose every link takes libstdc++ statically (as one machine's image did), and
+    an object that formats an integer with a stream."""
+    cxx = cpu_build.compiler()
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    wrapper = tmp_path / "cxx-static"
+    wrapper.write_text(f'#!/bin/sh\nexec "{cxx}" "$@" -static-libstdc++\n')
+    wrapper.chmod(0o755)
+    src = tmp_path / "fmt.cpp"
+    src.write_text(
+        "#include <sstream>\n#include <string>\n"
+        "std::string fmt(long v) { std::ostringstream s; s << v; return s.str(); }\n"
+    )
+    obj = tmp_path / "fmt.o"
+    subprocess.run([str(wrapper), "-fPIC", "-c", str(src), "-o", str(obj)], check=True)
+    return str(wrapper), str(obj)
+
+
+def test_a_compiler_that_links_libstdcxx_statically_still_gets_the_shared_one(tmp_path):
+    wrapper, obj = _static_libstdcxx_compiler(tmp_path)
+    lib = tmp_path / "good.so"
+    subprocess.run(cpu_build.link_command(wrapper, [obj], lib, []), check=True)
+    cpu_build.check_runtime(lib)  # no BuildError
+    needed, _ = cpu_build.elf_dynamic(lib)
+    assert any(n.startswith("libstdc++.so") for n in needed), needed
+
+
+def test_a_library_with_its_own_cpp_runtime_is_a_build_error(tmp_path):
+    wrapper, obj = _static_libstdcxx_compiler(tmp_path)
+    lib = tmp_path / "bad.so"
+    subprocess.run([wrapper, "-shared", obj, "-o", str(lib)], check=True)  # the link as it was
+    with pytest.raises(cpu_build.BuildError, match="C\\+\\+ runtime was linked into"):
+        cpu_build.check_runtime(lib)

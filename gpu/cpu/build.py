@@ -5,10 +5,11 @@ compile in about a second each with -O3 -march=native -ffast-math. Two sources, 
 csrc/stack.cpp, register the operators and the stack's class with TORCH_LIBRARY and check every
 tensor before it reaches a kernel (csrc/checks.h); they are compiled against torch's headers
 with the include and library paths, C++ ABI and C++ standard torch.utils.cpp_extension gives,
-then everything is linked into one library that torch.ops.load_library loads. The build runs
-the compiler directly (in parallel, no ninja needed on a fresh machine) and is cached by the
-sources, compiler, flags, torch version and CPU in weir's cache folder (gpu/cache.py), so it
-happens once per machine.
+then everything is linked into one library that torch.ops.load_library loads, against the
+shared libstdc++ torch uses (never a static copy of it: check_runtime), exporting none of weir's
+own symbols. The build runs the compiler directly (in parallel, no ninja needed on a fresh
+machine) and is cached by the sources, compiler, flags, torch version and CPU in weir's cache
+folder (gpu/cache.py), so it happens once per machine.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import hashlib
 import os
 import platform
 import shutil
+import struct
 import subprocess
 import tempfile
 import threading
@@ -70,7 +72,21 @@ COMPILE = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fPIC", "-std=c++
 # ops.cpp, stack.cpp: torch's headers need C++20; nothing there is hot.
 COMPILE_BINDINGS = ["-O2", "-fPIC", "-std=c++20", "-w"]
 COMPILE_QUANT = ["-O3", "-fopenmp", "-fPIC", "-std=c++17", "-ffp-contract=off"]
-LINK = ["-shared", "-fopenmp"]
+# The library exports nothing of its own: the operators reach torch through TORCH_LIBRARY's
+# static registration, not through symbols. Every source is compiled with hidden visibility
+# (what stays exported is torch's and the standard library's types' typeinfo and vtables), and
+# what a static archive brings (libgcc's CPU detection) stays inside, so none of weir's
+# definitions stands in for another library's, nor another library's for one of weir's.
+HIDDEN = ["-fvisibility=hidden"]
+LINK = ["-shared", "-fopenmp", "-shared-libgcc", "-Wl,--exclude-libs,ALL"]
+# The C++ runtime must be the process's own libstdc++.so.6, the one torch's libraries use: a
+# compiler that links libstdc++ statically (-static-libstdc++ in its specs or wrapper: seen on a
+# GPU machine's image) gives the library a private copy whose locale code runs on the process's
+# facet ids (GNU-unique symbols bind process-wide), so the first `<<` of an integer into a
+# check's message crashed, or the message lost its numbers. Named here, after the objects and
+# torch's libraries and before anything the driver appends, the shared library resolves every
+# reference first, and a static archive after it is never pulled in. check_runtime() verifies.
+LINK_RUNTIME = ["-Wl,--push-state,--no-as-needed,-Bdynamic", "-lstdc++", "-Wl,--pop-state"]
 
 _lock = threading.Lock()
 _ops = None  # torch.ops.weir once the library is loaded
@@ -111,7 +127,9 @@ def library_path(cxx: str) -> Path:
     for part in (
         *(src.read_bytes() for src in [*KERNELS, *QUANT, *QUANT_PATHS, *BINDINGS, *HEADERS]),
         cxx.encode(),
-        " ".join(COMPILE + COMPILE_BINDINGS + COMPILE_QUANT + LINK).encode(),
+        " ".join(
+            COMPILE + COMPILE_BINDINGS + COMPILE_QUANT + HIDDEN + LINK + LINK_RUNTIME
+        ).encode(),
         str(QUANT_PATHS).encode(),
         torch.__version__.encode(),
         _cpu_id().encode(),
@@ -149,6 +167,63 @@ def _run_all(cmds: list[list[str]]) -> None:
         raise BuildError(failed)
 
 
+def link_command(cxx: str, objs: list[str], out: Path, libs: list[str]) -> list[str]:
+    """The command that links `objs` into the shared library `out` against `libs` (torch's)."""
+    return [cxx, *LINK, *objs, "-o", str(out), *libs, *LINK_RUNTIME]
+
+
+# Definitions that only a copy of the C++ runtime has (libstdc++'s locale, libsupc++'s throw).
+_RUNTIME_SYMBOLS = {"_ZNSt6locale7classicEv", "__cxa_throw", "__gxx_personality_v0"}
+
+
+def elf_dynamic(path: Path) -> tuple[list[str], set[str]]:
+    """(DT_NEEDED entries, names of the dynamic symbols it defines) of a 64-bit little-endian
+    ELF shared library; ([], set()) for any other file."""
+    data = Path(path).read_bytes()
+    if data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
+        return [], set()
+    (shoff,) = struct.unpack_from("<Q", data, 0x28)
+    shentsize, shnum = struct.unpack_from("<HH", data, 0x3A)
+    sections = [
+        struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize) for i in range(shnum)
+    ]  # name, type, flags, addr, offset, size, link, info, addralign, entsize
+
+    def string(table: int, at: int) -> str:
+        start = sections[table][4] + at
+        return data[start : data.index(b"\0", start)].decode()
+
+    needed, defined = [], set()
+    for _, kind, _, _, offset, size, link, _, _, entsize in sections:
+        if kind == 6:  # SHT_DYNAMIC
+            for at in range(offset, offset + size, entsize or 16):
+                tag, val = struct.unpack_from("<qQ", data, at)
+                if tag == 0:
+                    break
+                if tag == 1:  # DT_NEEDED
+                    needed.append(string(link, val))
+        elif kind == 11:  # SHT_DYNSYM
+            for at in range(offset + (entsize or 24), offset + size, entsize or 24):
+                name, info, other, shndx = struct.unpack_from("<IBBH", data, at)
+                if shndx != 0 and info >> 4 in (1, 2, 10) and other & 3 in (0, 3):
+                    defined.add(string(link, name))  # global, weak or unique; not hidden
+    return needed, defined
+
+
+def check_runtime(lib: Path) -> None:
+    """A BuildError unless `lib` uses the process's shared libstdc++ and brings no copy of the
+    C++ runtime of its own (see LINK_RUNTIME)."""
+    needed, defined = elf_dynamic(lib)
+    if not needed and not defined:
+        return  # not an ELF library: nothing to check here
+    own = sorted(_RUNTIME_SYMBOLS & defined)
+    if own or not any(n.startswith("libstdc++.so") for n in needed):
+        raise BuildError(
+            f"{lib.name}: the C++ runtime was linked into the library (needs {needed}, defines "
+            f"{own}), not taken from the shared libstdc++; a compiler that links libstdc++ "
+            "statically cannot build weir's kernels (set CXX to another)"
+        )
+
+
 def _compile(cxx: str, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     torch_compile, torch_link = _torch_flags()
@@ -161,9 +236,12 @@ def _compile(cxx: str, path: Path) -> Path:
         sources = list(flags)
         objs = [str(Path(tmp) / (src.stem + ".o")) for src in sources]
         out = Path(tmp) / path.name
-        compiles = [[cxx, *flags[src], "-c", str(src), "-o", o] for src, o in zip(sources, objs)]
+        compiles = [
+            [cxx, *flags[src], *HIDDEN, "-c", str(src), "-o", o] for src, o in zip(sources, objs)
+        ]
         _run_all(compiles)
-        _run_all([[cxx, *LINK, *objs, "-o", str(out), *torch_link]])
+        _run_all([link_command(cxx, objs, out, torch_link)])
+        check_runtime(out)
         os.replace(out, path)  # atomic: concurrent builders each publish a whole file
     return path
 
