@@ -22,7 +22,9 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @triton.jit
-def _norm_rope(row, d, partner, mask, cos, sin, w_ptr, eps, NORM: tl.constexpr, HEAD_DIM):
+def _norm_rope(
+    row, d, partner, mask, cos, sin, w_ptr, eps, NORM: tl.constexpr, HEAD_DIM: tl.constexpr
+):
     """Head rows starting at the pointers `row` [rows, 1], each normalized (NORM) and rotated;
     float32 values of their dtype."""
     dt = row.dtype.element_ty
