@@ -5,8 +5,8 @@ or compiled on a GPU: odd sizes, every dtype, padding slots, a 16-bit cache unde
 What "equal" means, per kernel (their docstrings say why):
 - the residual sum, the values stored and a rotation without Q/K norm: bit for bit (except
   where the interpreter's truncation to bfloat16 stands in for a GPU's rounding);
-- anything after a norm or an activation: within two roundings of the dtype, and most elements
-  bit for bit.
+- anything after a norm or an activation: within two roundings of a 16-bit dtype, most elements
+  bit for bit; float32 within a few units in the last place.
 """
 
 from __future__ import annotations
@@ -42,11 +42,15 @@ def rounds_as_torch(dtype: torch.dtype) -> bool:
 
 
 def assert_rounding_close(got, want, min_exact=0.9):
-    """Within two roundings of the dtype (relative to the larger values; four where the
-    interpreter truncates), and 16-bit results mostly bit for bit (float32 ones differ in the
-    last places wherever the float32 sums do)."""
+    """Within two roundings of a 16-bit dtype (relative to the larger values; four where the
+    interpreter truncates) and mostly bit for bit; float32 within eight units in the last place
+    (its sums, rsqrt, exp and division are not torch's)."""
     assert got.dtype == want.dtype and got.shape == want.shape
-    eps = torch.finfo(want.dtype).eps * (2 if rounds_as_torch(want.dtype) else 4)
+    if want.dtype == torch.float32:
+        ulps = 8
+    else:
+        ulps = 2 if rounds_as_torch(want.dtype) else 4
+    eps = torch.finfo(want.dtype).eps * ulps
     scale = want.float().abs().amax().item() or 1.0
     torch.testing.assert_close(got.float(), want.float(), rtol=eps, atol=eps * scale)
     if want.dtype != torch.float32 and rounds_as_torch(want.dtype):
