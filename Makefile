@@ -38,15 +38,17 @@ bench: $(STAMP)
 	$(PY) -m benchmarks.attention || true  # GPU only; says so and skips on CPU
 	$(PY) -m benchmarks.report
 
-# On a CUDA machine: the kernel and end-to-end tests there, the attention roofline, and the GPU
-# offline protocol (Qwen3-0.6B's shape, random bf16 weights; 256 requests, lengths 100..1024;
-# CUDA graphs and --enforce-eager side by side). `make bench-gpu PY=python3` uses an environment
-# that already has the project's dependencies (e.g. a machine with no network).
+# On a CUDA machine: the kernel and end-to-end tests there, the attention roofline, one layer's
+# fused work against torch's ops, and the GPU offline protocol (Qwen3-0.6B's shape, random bf16
+# weights; 256 requests, lengths 100..1024; CUDA graphs and --enforce-eager side by side).
+# `make bench-gpu PY=python3` uses an environment that already has the project's dependencies
+# (e.g. a machine with no network).
 GPU_OFFLINE := --model qwen3-0.6b --requests 256 --input-len 100,1024 --output-len 100,1024 \
 	--hf-batch-sizes 64,128,256 --compare-eager --repeats 1
 bench-gpu:
-	$(PY) -m pytest -q tests/test_kernels.py tests/test_correctness.py
+	$(PY) -m pytest -q tests/test_kernels.py tests/test_fused_kernels.py tests/test_correctness.py
 	$(PY) -m benchmarks.attention
+	$(PY) -m benchmarks.fused
 	$(PY) -m benchmarks.offline $(GPU_OFFLINE)
 	$(PY) -m benchmarks.report
 

@@ -8,6 +8,7 @@
 #   benchmarks/gpu_session.sh env kernels correctness attention offline   # first call, <= 570 s
 #   benchmarks/gpu_session.sh profile suite serving                       # second call, <= 580 s
 #   benchmarks/gpu_session.sh env attention offline fullsuite profile     # one call: the whole suite over xdist
+#   benchmarks/gpu_session.sh env fusedkernels fused                      # the fused kernels, ~3 min
 #   (then, with time left: overhead, step)
 #
 # Stage limits in seconds can be changed with LIMIT_<stage>=N; the defaults of each call above
@@ -53,7 +54,7 @@ stage() {  # stage NAME DEFAULT_LIMIT COMMAND...
     tail -n "${TAIL:-12}" "$LOGS/$name.log"
 }
 
-GPU_TESTS="tests/test_kernels.py tests/test_correctness.py"
+GPU_TESTS="tests/test_kernels.py tests/test_fused_kernels.py tests/test_correctness.py"
 for s in "$@"; do
     case $s in
     env)
@@ -71,6 +72,11 @@ import server.app, core.engine, gpu.runner; print(\"imports ok\")'; git log --on
             tests/test_correctness.py
         ;;
     attention) stage attention 60 $PY -m benchmarks.attention ;;
+    # the CUDA backend's fused kernels against torch's ops, compiled (many small variants)
+    fusedkernels) stage fusedkernels 120 $PY -m pytest -q -p no:cacheprovider --timeout 60 \
+        --durations 10 tests/test_fused_kernels.py ;;
+    # one layer's work between its products: torch's ops vs the fused kernels, in CUDA graphs
+    fused) stage fused 40 $PY -m benchmarks.fused ;;
     offline)
         stage offline 200 $PY -m benchmarks.offline --model qwen3-0.6b --requests 256 \
             --input-len 100,1024 --output-len 100,1024 --hf-batch-sizes none \

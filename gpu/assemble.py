@@ -52,8 +52,9 @@ def set_threads(config: EngineConfig, hf_config: Any, device: torch.device, rank
 
 
 def choose_backend(config: EngineConfig, device: torch.device, dtype: torch.dtype):
-    """What the model's layers run on (gpu/backend.py), chosen once: torch's ops with Q/K/V and
-    gate/up fused on CUDA; on CPU weir's compiled kernels (float32, 16-bit and block-format
+    """What the model's layers run on (gpu/backend.py), chosen once: on CUDA torch's products
+    (Q/K/V and gate/up each one) with the work between them in Triton kernels
+    (gpu/cuda/backend.py); on CPU weir's compiled kernels (float32, 16-bit and block-format
     weights), or, where they cannot be built here, oneDNN's products for a float32 model and
     torch's ops for any other."""
     from gpu.cpu import onednn
@@ -63,7 +64,9 @@ def choose_backend(config: EngineConfig, device: torch.device, dtype: torch.dtyp
     if device.type == "cuda":
         if quantize:
             raise CheckpointError(f"--quantization {quantize}: weir's block kernels run on CPU")
-        return TorchBackend(attention, fuse=True, name="cuda")
+        from gpu.cuda.backend import CudaBackend
+
+        return CudaBackend(attention)
     from gpu.cpu import build as cpu_build
     from gpu.cpu.backend import CpuBackend, OneDnnBackend
 

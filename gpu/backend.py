@@ -7,10 +7,15 @@ grammar mask go through it too. Nothing is patched or swapped after loading. The
 also run the whole layer stack in one call (`stack`), and says so, or why not, when the model is
 built.
 
-TorchBackend is torch's own ops: CUDA (Q/K/V and gate/up each one product, the Triton attention
-kernels, CUDA graphs around it) and the CPU where weir's kernels do not apply (16-bit weights,
-or no compiler). gpu/cpu/backend.py's CpuBackend is weir's compiled CPU kernels, layer by layer
-or in one call.
+TorchBackend is torch's own ops, and the reference the others are held to: the CPU where weir's
+kernels do not apply (16-bit weights, or no compiler). gpu/cuda/backend.py's CudaBackend is it with
+Q/K/V and gate/up each one product and the work between the products in Triton kernels (norms with
+their residual add, the gated activation, rotation with the K/V write); gpu/cpu/backend.py's
+CpuBackend is weir's compiled CPU kernels, layer by layer or in one call.
+
+Besides the single operations, the interface has two composite steps a backend may run as one
+kernel: `linear_norm` (a product, the residual add and the RMSNorm after it) and `rope_store_kv`
+(Q/K norm, rotation and the K/V cache write); here they are the single operations in sequence.
 """
 
 from __future__ import annotations
@@ -87,13 +92,14 @@ class TorchBackend:
     def prepare_mlp(self, gate, up, down, act: str) -> tuple[Any, Any]:
         """A gated MLP's (weight, bias) pairs, gate and up [intermediate, hidden] and down
         [hidden, intermediate]: (its gated form, for `gated`; down's form, for `linear`)."""
-        fn = ACTIVATIONS[act]
+        if act not in ACTIVATIONS:
+            raise ValueError(f"unsupported activation {act!r}")
         gate, up, down = [(self.dense(w), self.dense(b)) for w, b in (gate, up, down)]
         if self.fuse_gate_up:
             bias = None if gate[1] is None else torch.cat([gate[1], up[1]])
-            pair = ("fused", self.prepare_linear(torch.cat([gate[0], up[0]]), bias), fn)
+            pair = ("fused", self.prepare_linear(torch.cat([gate[0], up[0]]), bias), act)
         else:
-            pair = ("pair", (self.prepare_linear(*gate), self.prepare_linear(*up)), fn)
+            pair = ("pair", (self.prepare_linear(*gate), self.prepare_linear(*up)), act)
         return pair, self.prepare_linear(*down)
 
     def gated(self, x: torch.Tensor, w: Any) -> torch.Tensor:
@@ -103,7 +109,7 @@ class TorchBackend:
             g, u = self.linear(x, weights).chunk(2, dim=-1)
         else:
             g, u = self.linear(x, weights[0]), self.linear(x, weights[1])
-        return act(g) * u
+        return ACTIVATIONS[act](g) * u
 
     # ---- embeddings ----
     def prepare_embedding(self, weight: Any) -> Any:
@@ -137,6 +143,35 @@ class TorchBackend:
         if weight is not None:
             x = self.rms_norm(x, weight, eps)
         return apply_rope(x, cos, sin)
+
+    def linear_norm(
+        self, x: torch.Tensor, w: Any, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rms_norm(h, weight, eps), h) with h = residual + x W^T + b: a layer's output product,
+        the residual stream's add and the norm that follows it."""
+        h = self.linear(x, w, residual)
+        return self.rms_norm(h, weight, eps), h
+
+    def rope_store_kv(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        q_weight: torch.Tensor | None,
+        k_weight: torch.Tensor | None,
+        eps: float,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv: tuple[torch.Tensor, torch.Tensor],
+        slot_mapping: torch.Tensor,
+    ) -> torch.Tensor:
+        """q [tokens, heads, head_dim], k and v [tokens, kv_heads, head_dim] (views of the Q/K/V
+        product): q and k normed per head (when the weights are given) and rotated, k and v
+        written into the caches `kv` at `slot_mapping`; returns q."""
+        q = self.norm_rope(q, q_weight, eps, cos, sin)
+        k = self.norm_rope(k, k_weight, eps, cos, sin)
+        self.attention.write_kv(k, v, kv[0], kv[1], slot_mapping)
+        return q
 
     # ---- sampling ----
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:

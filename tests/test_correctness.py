@@ -178,6 +178,30 @@ def test_fused_projections_match_transformers(arch, model_dir, monkeypatch):
     assert got == reference(arch, path, prompts)
 
 
+@pytest.mark.parametrize("arch,pool", [("qwen3", "tight"), ("llama", "roomy")])
+def test_cuda_backend_matches_transformers(arch, pool, model_dir, monkeypatch):
+    """The CUDA backend (gpu/cuda/backend.py: fused norms with their residual adds, the gated
+    activation, Q/K norm and rotation with the K/V write, Triton attention), compiled on a GPU
+    or, without one, in Triton's interpreter on CPU tensors (slow there: Qwen3's Q/K norms
+    under chunked prefill and preemption, and Llama's plain rotation in one roomy batch)."""
+    from gpu import assemble
+    from gpu.attention.select import get_backend
+    from gpu.cuda.backend import CudaBackend
+
+    if not torch.cuda.is_available():
+        monkeypatch.setattr(
+            assemble, "choose_backend", lambda c, d, t: CudaBackend(get_backend("triton", d))
+        )
+    path = model_dir(arch)
+    loaded = load(EngineConfig(model=str(path), dtype="float32", **POOLS[pool]))
+    assert isinstance(loaded.core.runner.model.backend, CudaBackend)
+    prompts = [loaded.tokenizer.encode(p) for p in PROMPTS]
+    got, _ = run_all(loaded.core, prompts)
+    assert got == reference(arch, path, prompts)
+    if pool == "tight":
+        assert loaded.core.num_partial_prefills > 0 and loaded.core.scheduler.num_preemptions > 0
+
+
 def assert_products_and_greedy(arch, path, loaded, layer) -> None:
     """A layer's down product equals the checkpoint's weight product; greedy == transformers."""
     backend = loaded.core.runner.model.backend

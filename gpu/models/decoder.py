@@ -123,8 +123,9 @@ class Attention(nn.Module):
         self.o = self.backend.prepare_linear(*self.o_proj.take())
         del self.o_proj
 
-    def forward(self, x, cos, sin, kv: tuple[torch.Tensor, torch.Tensor], meta, residual):
-        """residual + attention(x) (attention(x) alone when residual is None)."""
+    def forward(self, x, cos, sin, kv, meta, residual, norm=None):
+        """residual + attention(x) (attention(x) alone when residual is None); with `norm`, the
+        pair (norm(that), that)."""
         b, t = self.backend, x.shape[0]
         if self.qkv is not None:
             q, k, v = b.linear(x, self.qkv).split(self.qkv_sizes, dim=-1)
@@ -137,11 +138,9 @@ class Attention(nn.Module):
             qw, kw, eps = self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
         else:
             qw, kw, eps = None, None, 0.0
-        q, k = b.norm_rope(q, qw, eps, cos, sin), b.norm_rope(k, kw, eps, cos, sin)
-        k_cache, v_cache = kv
-        b.attention.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        o = b.attention.forward(q, k_cache, v_cache, meta, self.scale, self.sliding_window)
-        return b.linear(o.reshape(t, -1), self.o, residual)
+        q = b.rope_store_kv(q, k, v, qw, kw, eps, cos, sin, kv, meta.slot_mapping)
+        o = b.attention.forward(q, kv[0], kv[1], meta, self.scale, self.sliding_window)
+        return _output(b, o.reshape(t, -1), self.o, residual, norm)
 
 
 class MLP(nn.Module):
@@ -162,10 +161,18 @@ class MLP(nn.Module):
         )
         del self.gate_proj, self.up_proj, self.down_proj
 
-    def forward(self, x, residual=None):
-        """mlp(x), plus residual when given."""
+    def forward(self, x, residual=None, norm=None):
+        """mlp(x), plus residual when given; with `norm`, the pair (norm(that), that)."""
         h = self.backend.gated(x, self.gate_up)
-        return self.backend.linear(h, self.down, residual)
+        return _output(self.backend, h, self.down, residual, norm)
+
+
+def _output(backend, x, w, residual, norm: RMSNorm | None):
+    """A block's output product plus the residual; with `norm`, (norm(that), that) in one
+    backend call, which may fuse the residual add into the norm."""
+    if norm is None:
+        return backend.linear(x, w, residual)
+    return backend.linear_norm(x, w, residual, norm.weight, norm.eps)
 
 
 class DecoderLayer(nn.Module):
@@ -177,19 +184,20 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, backend)
         self.tp = tp
 
-    def forward(self, x, cos, sin, kv, meta):
+    def forward(self, x, h, cos, sin, kv, meta, next_norm: RMSNorm):
+        """The layer over the residual stream x, given h = input_layernorm(x): (next_norm(y), y)
+        of its output y. Each residual add is taken with the norm after it (the next layer's
+        first, or the model's last), one backend call that may fuse them."""
         tp = self.tp
         if tp is None:
-            x = self.self_attn(self.input_layernorm(x), cos, sin, kv, meta, residual=x)
-            return self.mlp(self.post_attention_layernorm(x), residual=x)
+            h, x = self.self_attn(h, cos, sin, kv, meta, x, self.post_attention_layernorm)
+            return self.mlp(h, x, next_norm)
         # Row-parallel O and down: each rank's product is a partial sum; rank 0 adds the
         # residual as it writes its own, and one all-reduce per product completes both.
         first = tp.rank == 0
-        h = self.self_attn(
-            self.input_layernorm(x), cos, sin, kv, meta, residual=x if first else None
-        )
-        x = tp.all_reduce(h)
-        return tp.all_reduce(self.mlp(self.post_attention_layernorm(x), x if first else None))
+        x = tp.all_reduce(self.self_attn(h, cos, sin, kv, meta, residual=x if first else None))
+        x = tp.all_reduce(self.mlp(self.post_attention_layernorm(x), x if first else None))
+        return next_norm(x), x
 
 
 class DecoderModel(nn.Module):
@@ -255,9 +263,13 @@ class DecoderForCausalLM(nn.Module):
         """The final hidden states, layer by layer (what CUDA graphs capture)."""
         x = self.embed(input_ids)
         cos, sin = self.rope.cos_sin(positions, x.dtype)
-        for layer, kv in zip(self.model.layers, kv_caches):
-            x = layer(x, cos, sin, kv, meta)
-        return self.model.norm(x)
+        layers = self.model.layers
+        # Each layer applies the norm that follows it: the next layer's first, the model's last.
+        nexts = [layer.input_layernorm for layer in layers[1:]] + [self.model.norm]
+        h = nexts[0](x) if len(layers) == 0 else layers[0].input_layernorm(x)
+        for layer, kv, norm in zip(layers, kv_caches, nexts):
+            h, x = layer(x, h, cos, sin, kv, meta, norm)
+        return h
 
     def logits(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """The logits of `rows` of hidden (all of them, 0..n-1, read in place)."""

@@ -13,7 +13,7 @@ import argparse
 import os
 import sys
 
-CASES = [  # (kernel, dtype, head_dim, extra constexprs)
+CASES = [  # (kernel, dtype, head_dim or size, extra constexprs)
     ("store", "bf16", 128, {}),
     ("prefill", "bf16", 128, {"SLIDING": False}),
     ("prefill", "fp32", 64, {"SLIDING": True}),
@@ -21,6 +21,16 @@ CASES = [  # (kernel, dtype, head_dim, extra constexprs)
     ("decode", "bf16", 256, {"NUM_SPLITS": 8, "SLIDING": False}),
     ("decode", "fp16", 64, {"NUM_SPLITS": 4, "SLIDING": True}),
     ("reduce", "bf16", 128, {"NUM_SPLITS": 8}),
+    # the CUDA backend's fused kernels; "size" is the hidden or intermediate size for the norm
+    # and the activation, and "fp32/bf16" a float32 model over a bfloat16 cache
+    ("rms_norm", "bf16", 1024, {"ADD": True}),
+    ("rms_norm", "fp32", 4096, {"ADD": False}),
+    ("gated_act", "bf16", 3072, {"ACT": 0}),
+    ("gated_act", "fp16", 3072, {"ACT": 1}),
+    ("gated_act", "fp32", 3072, {"ACT": 2}),
+    ("rope_store", "bf16", 128, {"NORM": True}),
+    ("rope_store", "fp16", 64, {"NORM": False}),
+    ("rope_store", "fp32/bf16", 128, {"NORM": True}),
 ]
 
 
@@ -34,7 +44,7 @@ def _signature(fn, pointers: dict[str, str], consts: dict):
             sig[n] = "constexpr"
         elif n in pointers:
             sig[n] = pointers[n]
-        elif n == "scale":
+        elif n in ("scale", "eps"):
             sig[n] = "fp32"
         elif "stride" in n:
             sig[n] = "i64"
@@ -49,13 +59,42 @@ def compile_case(kind: str, dtype: str, head_dim: int, extra: dict, arch: int) -
     from triton.backends.compiler import GPUTarget
 
     from gpu.cuda.kernels import decode_attention as da
+    from gpu.cuda.kernels import gated_act as ga
     from gpu.cuda.kernels import prefill_attention as pa
+    from gpu.cuda.kernels import rms_norm as rn
+    from gpu.cuda.kernels import rope_store as rs
     from gpu.cuda.kernels import store_kv as sk
 
-    p = f"*{dtype}"
+    dtype, _, cache = dtype.partition("/")
+    p, c = f"*{dtype}", f"*{cache or dtype}"
     i32 = "*i32"
     precision = "ieee" if dtype == "fp32" else "tf32"
-    if kind == "store":
+    size = head_dim
+    if kind == "rms_norm":
+        fn = rn._rms_norm_kernel
+        ptrs = dict(x_ptr=p, residual_ptr=p, weight_ptr=p, out_ptr=p, sum_ptr=p)
+        consts = dict(ROWS=max(rn.TILE // size, 1), BLOCK=size)
+    elif kind == "gated_act":
+        fn = ga._gated_act_kernel
+        consts = dict(ROWS=1, BLOCK=ga.TILE)
+        ptrs = dict(y_ptr=p, out_ptr=p)
+    elif kind == "rope_store":
+        fn = rs._rope_store_kernel
+        ptrs = dict(
+            q_ptr=p,
+            k_ptr=p,
+            v_ptr=p,
+            q_out_ptr=p,
+            k_cache_ptr=c,
+            v_cache_ptr=c,
+            slot_ptr="*i64",
+            cos_ptr=p,
+            sin_ptr=p,
+            q_weight_ptr=p,
+            k_weight_ptr=p,
+        )
+        consts = dict(HEAD_DIM=head_dim, HEAD_PAD=head_dim, ROWS=2048 // head_dim)
+    elif kind == "store":
         fn = sk._store_kv_kernel
         ptrs = dict(key_ptr=p, value_ptr=p, k_cache_ptr=p, v_cache_ptr=p, slot_ptr="*i64")
         consts = dict(HEAD_DIM=head_dim, HEAD_PAD=head_dim, HEADS_PAD=8)
