@@ -63,7 +63,10 @@ def choose_backend(config: EngineConfig, device: torch.device, dtype: torch.dtyp
     quantize = config.quantization if config.quantization in ("q8_0", "q4_0", "q4_k") else None
     if device.type == "cuda":
         if quantize:
-            raise CheckpointError(f"--quantization {quantize}: weir's block kernels run on CPU")
+            raise CheckpointError(
+                f"--quantization {quantize}: weir quantizes at load for its CPU kernels; on a "
+                "GPU it serves 4-bit checkpoints as they are (AWQ, GPTQ, GGUF Q4_0/Q4_1)"
+            )
         from gpu.cuda.backend import CudaBackend
 
         return CudaBackend(attention)
@@ -176,6 +179,9 @@ def resident_weights(model: DecoderForCausalLM) -> dict[str, int]:
         elif isinstance(v, tuple | list):
             for x in v:
                 walk(x, small)
+        elif hasattr(v, "format_bytes"):  # a weight in a backend's own form (4-bit on a GPU)
+            fmt, n = v.format_bytes()
+            out[fmt] = out.get(fmt, 0) + n
 
     for p in model.parameters():
         walk(p, True)  # norms (and, on torch backends, everything else)

@@ -12,6 +12,8 @@ from gpu.cuda.int4_weight import Int4Weight
 from gpu.cuda.kernels.w4a16 import split_k_for, w4a16_linear
 from gpu.quant.formats import FORMATS
 from gpu.quant.quantize import quantize
+from core.request import EngineRequest
+from core.sampling import SamplingParams
 from gpu.quant.tensor import BlockTensor
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -70,3 +72,52 @@ def test_the_k_split_fills_the_gpu_only_for_few_rows():
     assert split_k_for(1, 1024, 4096, 16, 64, 64, 132) == 16  # decode: 16 tiles, 132 SMs
     assert split_k_for(512, 4096, 4096, 64, 64, 64, 132) == 1  # a prefill fills it alone
     assert split_k_for(1, 64, 128, 16, 64, 64, 132) == 1  # k too short to share
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1"])
+def test_a_4_bit_gguf_on_the_cuda_backend(fmt, tmp_path, monkeypatch):
+    """A Q4_0 / Q4_1 file on the CUDA backend keeps its products 4-bit (W4A16: Q/K/V stacked,
+    gate/up one product) and gives the tokens and logits of the same file dequantized to
+    float32 on torch's ops (the interpreter on CPU)."""
+    from core.config import EngineConfig
+    from gpu import assemble
+    from gpu.assemble import resident_weights
+    from gpu.attention.select import get_backend
+    from gpu.backend import TorchBackend
+    from gpu.cuda.backend import CudaBackend
+    from gpu.launch import load
+    from gpu.quant.gguf_write import uniform, write_gguf
+    from gpu.tiny_model import build_tiny_model
+    from tests.test_async_scheduling import drive
+
+    shape = dict(hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2, num_layers=2)
+    hf = build_tiny_model(tmp_path / "hf", "qwen3", **shape)
+    path = write_gguf(hf, tmp_path / f"m-{fmt}.gguf", uniform(fmt))
+    runs = {}
+    for name, make in (("cuda", CudaBackend), ("torch", lambda a: TorchBackend(a, fuse=True))):
+        if not (torch.cuda.is_available() and name == "cuda"):
+            monkeypatch.setattr(
+                assemble,
+                "choose_backend",
+                lambda c, d, t, make=make: make(get_backend("triton", d)),
+            )
+        config = EngineConfig(model=str(path), dtype="float32", num_kv_blocks=64, block_size=4)
+        core = load(config).core
+        model = core.runner.model
+        if name == "cuda":
+            layer = model.model.layers[0]
+            assert isinstance(layer.self_attn.qkv[0], Int4Weight)
+            assert isinstance(layer.mlp.gate_up[1][0], Int4Weight)
+            assert isinstance(layer.mlp.down[0], Int4Weight)
+            assert resident_weights(model)[fmt] > 0
+        prompts = [[11, 12, 13, 14, 15], list(range(20, 47))]
+        requests = [
+            EngineRequest(str(i), p, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+            for i, p in enumerate(prompts)
+        ]
+        got, _ = drive(core, requests)
+        runs[name] = (got, core.runner.last_logits.clone())
+    assert {k: v[0] for k, v in runs["cuda"][0].items()} == {
+        k: v[0] for k, v in runs["torch"][0].items()
+    }
+    torch.testing.assert_close(runs["cuda"][1], runs["torch"][1], atol=1e-3, rtol=1e-3)

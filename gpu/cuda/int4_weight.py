@@ -26,6 +26,7 @@ class Int4Weight:
     scales: torch.Tensor  # [k / GROUP, n] float16
     mins: torch.Tensor  # [k / GROUP, n] float16
     shape: tuple[int, int]  # (n, k)
+    fmt: str  # the block format it was made from (q4_0, q4_1)
 
     @classmethod
     def from_blocks(cls, t: BlockTensor, device) -> Int4Weight:
@@ -55,11 +56,13 @@ class Int4Weight:
             to(scale.T, torch.float16),
             to(low.T, torch.float16),
             (n, k),
+            t.fmt.name,
         )
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales, self.mins))
+    def format_bytes(self) -> tuple[str, int]:
+        """(format, bytes held): what the model's memory report counts."""
+        held = (self.qweight, self.scales, self.mins)
+        return self.fmt, sum(t.numel() * t.element_size() for t in held)
 
     def dequantize(self) -> torch.Tensor:
         """The float weight [n, k] this form holds (for tests)."""

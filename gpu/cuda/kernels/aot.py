@@ -31,6 +31,10 @@ CASES = [  # (kernel, dtype, head_dim or size, extra constexprs)
     ("rope_store", "bf16", 128, {"NORM": True}),
     ("rope_store", "fp16", 64, {"NORM": False}),
     ("rope_store", "fp32/bf16", 128, {"NORM": True}),
+    # the 4-bit product: decode rows with k split, prefill rows, a float32 model
+    ("w4a16", "bf16", 0, {"BLOCK_M": 16, "SPLIT_K": 4, "UPCAST": False}),
+    ("w4a16", "fp16", 0, {"BLOCK_M": 64, "SPLIT_K": 1, "UPCAST": False}),
+    ("w4a16", "fp32", 0, {"BLOCK_M": 16, "SPLIT_K": 2, "UPCAST": True}),
 ]
 
 
@@ -64,13 +68,20 @@ def compile_case(kind: str, dtype: str, head_dim: int, extra: dict, arch: int) -
     from gpu.cuda.kernels import rms_norm as rn
     from gpu.cuda.kernels import rope_store as rs
     from gpu.cuda.kernels import store_kv as sk
+    from gpu.cuda.kernels import w4a16 as wq
 
     dtype, _, cache = dtype.partition("/")
     p, c = f"*{dtype}", f"*{cache or dtype}"
     i32 = "*i32"
     precision = "ieee" if dtype == "fp32" else "tf32"
     size = head_dim
-    if kind == "rms_norm":
+    if kind == "w4a16":
+        fn = wq._w4a16_kernel
+        ptrs = dict(
+            x_ptr=p, qweight_ptr="*i32", scales_ptr="*fp16", mins_ptr="*fp16", out_ptr="*fp32"
+        )
+        consts = dict(GROUP=32, BLOCK_N=64, BLOCK_K=64)
+    elif kind == "rms_norm":
         fn = rn._rms_norm_kernel
         ptrs = dict(x_ptr=p, residual_ptr=p, weight_ptr=p, out_ptr=p, sum_ptr=p)
         consts = dict(ROWS=max(rn.TILE // size, 1), BLOCK=size)
