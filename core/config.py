@@ -16,7 +16,7 @@ class CheckpointError(ValueError):
 
 # --quantization: weir's own round-to-nearest formats (gpu/quant/quantize.py); "gguf", "awq" and
 # "gptq" name what a checkpoint already holds (a .gguf path, config.json's quantization_config).
-QUANTIZATIONS = ("q8_0", "q4_0", "q4_k", "gguf", "awq", "gptq")
+QUANTIZATIONS = ("q8_0", "q4_0", "q4_k", "fp8", "gguf", "awq", "gptq")
 
 
 # --gpu-memory-utilization's default; WEIR_GPU_MEMORY_UTILIZATION sets it for every engine a
@@ -92,7 +92,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(
                 f"--quantization {self.quantization} is not offered: weir quantizes at load to "
-                "q8_0, q4_0 or q4_k, and serves gguf files and awq or gptq int4 checkpoints"
+                "q8_0, q4_0 or q4_k (CPU) or fp8 (GPU), and serves gguf files, awq or gptq int4 "
+                "checkpoints and fp8 checkpoints"
             )
         if self.tokenizer is not None and not Path(self.tokenizer).expanduser().is_dir():
             raise ValueError(

@@ -62,6 +62,12 @@ def choose_backend(config: EngineConfig, device: torch.device, dtype: torch.dtyp
     attention = get_backend(config.attention_backend, device)
     quantize = config.quantization if config.quantization in ("q8_0", "q4_0", "q4_k") else None
     if device.type == "cuda":
+        fp8_ok = torch.cuda.get_device_capability(device) >= (8, 9)
+        if config.quantization == "fp8" and not fp8_ok:
+            raise CheckpointError(
+                "--quantization fp8 needs a GPU with FP8 arithmetic (compute capability 8.9 or "
+                f"later: Ada, Hopper); this one is {torch.cuda.get_device_capability(device)}"
+            )
         if quantize:
             raise CheckpointError(
                 f"--quantization {quantize}: weir quantizes at load for its CPU kernels; on a "
@@ -69,7 +75,14 @@ def choose_backend(config: EngineConfig, device: torch.device, dtype: torch.dtyp
             )
         from gpu.cuda.backend import CudaBackend
 
-        return CudaBackend(attention)
+        return CudaBackend(
+            attention, quantize_fp8=config.quantization == "fp8", fp8_products=fp8_ok
+        )
+    if config.quantization == "fp8":
+        raise CheckpointError(
+            "--quantization fp8: FP8 products run on GPUs; on a CPU weir's kernels take "
+            "--quantization q8_0 (8-bit blocks)"
+        )
     from gpu.cpu import build as cpu_build
     from gpu.cpu.backend import CpuBackend, OneDnnBackend
 

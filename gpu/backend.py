@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from gpu.attention.backend import AttentionBackend
 from gpu.models.rope import apply_rope
+from gpu.quant.fp8 import Fp8Tensor
 from gpu.quant.tensor import BlockTensor
 
 log = logging.getLogger("weir.backend")
@@ -68,7 +69,7 @@ class TorchBackend:
             and t.device == self.device
         ):
             return t
-        if isinstance(t, BlockTensor):
+        if isinstance(t, BlockTensor | Fp8Tensor):
             t = t.dequantize(self.dtype)
         return t.to(device=self.device, dtype=self.dtype)
 

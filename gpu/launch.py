@@ -140,6 +140,8 @@ def check_quantization(config: EngineConfig, path: Path, hf_config: Any) -> None
         raise CheckpointError(f"--quantization gguf: {path} is not a .gguf file")
     if q in ("awq", "gptq") and method != q:
         raise CheckpointError(f"--quantization {q}: {path} has no {q} quantization_config")
+    if q == "fp8" and (method not in (None, "fp8") or is_gguf(path)):
+        raise CheckpointError(f"--quantization fp8: {path.name} is already quantized")
     if q in ("q8_0", "q4_0", "q4_k") and method is not None:
         raise CheckpointError(f"--quantization {q}: {path.name} is already quantized ({method})")
     if q in ("q8_0", "q4_0", "q4_k") and is_gguf(path):

@@ -21,6 +21,8 @@ from gpu.gguf_file import GgufCheckpoint, is_gguf
 from gpu.models.decoder import DecoderForCausalLM
 from gpu.models.rope import Rope
 from gpu.models.spec import ModelSpec
+from gpu.quant.fp8 import Fp8Scheme
+from gpu.quant.fp8 import PARTS as FP8_PARTS
 from gpu.quant.int4 import PARTS, Int4Scheme, repack
 from gpu.dist.parallel import TensorParallel, shard
 
@@ -147,18 +149,48 @@ class Targets:
             raise CheckpointError(f"weights missing from the checkpoint: {sorted(missing)[:5]}")
 
 
-def int4_scheme(path: Path, config: Any) -> Int4Scheme | None:
-    """The AWQ / GPTQ scheme of a checkpoint whose config.json has a quantization_config."""
+def int4_scheme(path: Path, config: Any) -> Int4Scheme | Fp8Scheme | None:
+    """The quantization scheme of a checkpoint whose config.json has a quantization_config:
+    AWQ / GPTQ 4-bit (gpu/quant/int4.py) or FP8 (gpu/quant/fp8.py); any other is refused."""
     qc = getattr(config, "quantization_config", None)
     if not qc or is_gguf(path):
         return None
+    if str(dict(qc).get("quant_method", "")).lower() == "fp8":
+        return Fp8Scheme.from_config(dict(qc), str(path))
     return Int4Scheme.from_config(dict(qc), str(path))
 
 
-def load_weights(model: DecoderForCausalLM, path: Path, int4: Int4Scheme | None = None) -> None:
+def _gathered(scheme, part: str, tensor_dtype) -> bool:
+    """Whether a checkpoint tensor is one part of a quantized layer, to gather before placing."""
+    if isinstance(scheme, Int4Scheme):
+        return part in PARTS
+    if isinstance(scheme, Fp8Scheme):
+        return part in FP8_PARTS or (part == "weight" and tensor_dtype == "F8_E4M3")
+    return False
+
+
+def _complete(scheme, parts: dict) -> bool:
+    if isinstance(scheme, Fp8Scheme):
+        return scheme.complete(parts)
+    return set(PARTS[:3]) <= set(parts)
+
+
+def _make(scheme, name: str, parts: dict):
+    if isinstance(scheme, Fp8Scheme):
+        return scheme.make(parts)
+    return repack(scheme, name, **{p: parts.get(p) for p in PARTS})
+
+
+def _dtype(f, name: str) -> str:
+    """A safetensors entry's dtype as the file names it (F8_E4M3, BF16, ...), from its header."""
+    return f.get_slice(name).get_dtype()
+
+
+def load_weights(model: DecoderForCausalLM, path: Path, int4=None) -> None:
     """Every weight from the checkpoint by name; under tensor parallelism only this rank's part
-    of each tensor is read (a safetensors slice, gpu/dist/parallel.py `shard`). An int4 layer's
-    parts (qweight, qzeros, scales, g_idx) are gathered and placed as one block weight."""
+    of each tensor is read (a safetensors slice, gpu/dist/parallel.py `shard`). A quantized
+    layer's parts (int4: qweight, qzeros, scales, g_idx; FP8: the weight, its weight_scale and
+    input_scale) are gathered and placed as one weight."""
     targets = Targets(model)
     tp = model.tp
     if int4 is not None and tp is not None:
@@ -175,7 +207,7 @@ def load_weights(model: DecoderForCausalLM, path: Path, int4: Int4Scheme | None 
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 for name in f.keys():
                     prefix, _, part = name.rpartition(".")
-                    if int4 is not None and part in PARTS:
+                    if int4 is not None and _gathered(int4, part, _dtype(f, name)):
                         pending.setdefault(prefix, {})[part] = f.get_tensor(name)
                         continue
                     if not targets.wants(name):
@@ -187,11 +219,11 @@ def load_weights(model: DecoderForCausalLM, path: Path, int4: Int4Scheme | None 
                     targets.place(name, tensor)
                     bar.update(1)
             # a layer whose parts are all read (its g_idx, if in a later file, goes unchecked)
-            for prefix in [p for p, parts in pending.items() if set(PARTS[:3]) <= set(parts)]:
+            for prefix in [p for p, parts in pending.items() if _complete(int4, parts)]:
                 parts = pending.pop(prefix)
                 name = prefix + ".weight"
                 targets.wants(name)  # raises for a layer the model does not have
-                targets.place(name, repack(int4, name, **{p: parts.get(p) for p in PARTS}))
+                targets.place(name, _make(int4, name, parts))
                 bar.update(1)
     for prefix, parts in pending.items():
         if set(parts) - {"g_idx"}:

@@ -208,7 +208,7 @@ def test_served_against_transformers(models, arch, key):
         ({"bits": 8}, "bits=8 is not served"),
         ({"group_size": 48}, "group_size 48 is not served"),
         ({"version": "gemv"}, "AWQ version 'gemv' is not served"),
-        ({"quant_method": "fp8"}, "quantized with 'fp8' are not served"),
+        ({"quant_method": "bitsandbytes"}, "quantized with 'bitsandbytes' are not served"),
         ({"quant_method": "gptq", "desc_act": True}, "desc_act=true"),
     ],
 )

@@ -314,7 +314,7 @@ def test_vllm_flags_that_work():
         (["--pipeline-parallel-size", "2"], "--pipeline-parallel-size 2"),
         (["--tool-call-parser", "bogus"], "--tool-call-parser 'bogus'"),
         (["--reasoning-parser", "bogus"], "--reasoning-parser 'bogus'"),
-        (["--quantization", "fp8"], "--quantization fp8"),
+        (["--quantization", "bitsandbytes"], "--quantization bitsandbytes"),
         (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8"),
         (["--tokenizer", "/no/such/tok"], "--tokenizer /no/such/tok"),
         (["--max-logprobs", "-5"], "--max-logprobs"),

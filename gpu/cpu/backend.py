@@ -23,6 +23,7 @@ from gpu.cpu import build as cpu_build
 from gpu.cpu.prepared import GatedPair, Stacked
 from gpu.quant.formats import FORMATS
 from gpu.quant.quantize import quantize
+from gpu.quant.fp8 import Fp8Tensor
 from gpu.quant.tensor import BlockTensor, cat_rows
 
 log = logging.getLogger("weir.cpu")
@@ -101,9 +102,12 @@ class CpuBackend(OneDnnBackend):
 
     def _source(self, t: Any) -> Any:
         """A checkpoint weight in the form it is served in: a float32 tensor (the float32
-        kernel), or a BlockTensor (the block kernels: BF16, F16, GGUF's formats)."""
+        kernel), or a BlockTensor (the block kernels: BF16, F16, GGUF's formats). An FP8
+        checkpoint's weight is dequantized to bfloat16 (no FP8 products here)."""
         if isinstance(t, BlockTensor):
             return t
+        if isinstance(t, Fp8Tensor):
+            t = t.dequantize(torch.bfloat16)
         if self.quantization is not None:
             fmt = self.quantization
             k = t.shape[-1]

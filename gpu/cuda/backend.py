@@ -11,9 +11,8 @@ syncs with the host or decides anything from the tensors' values, so decode step
 graphs (gpu/cuda/graphs.py). They run on CPU tensors under TRITON_INTERPRET=1, which is how the
 tests run this backend without a GPU.
 
-4-bit weights (GGUF's Q4_0 / Q4_1 blocks, and AWQ / GPTQ checkpoints, which the loader repacks
-into those) stay 4-bit in their GPU form (gpu/cuda/int4_weight.py) and run on the W4A16 Triton
-product (gpu/cuda/kernels/w4a16.py); other block formats are dequantized to the model's dtype.
+Quantized weights (4-bit, FP8) stay quantized where the GPU runs their products
+(gpu/cuda/quantized.py); other block formats are dequantized to the model's dtype.
 """
 
 from __future__ import annotations
@@ -24,56 +23,58 @@ import torch
 
 from gpu.attention.backend import AttentionBackend
 from gpu.backend import ACTIVATIONS, TorchBackend
-from gpu.cuda import int4_weight
-from gpu.cuda.int4_weight import Int4Weight
+from gpu.cuda import quantized
 from gpu.cuda.kernels.gated_act import gated_act
 from gpu.cuda.kernels.rms_norm import add_rms_norm, rms_norm
 from gpu.cuda.kernels.rope_store import rope_store
-from gpu.cuda.kernels.w4a16 import w4a16_linear
-from gpu.quant.tensor import BlockTensor, cat_rows
-
-
-def _int4(*weights: Any) -> bool:
-    """Block weights all in one 4-bit format that keeps its GPU form."""
-    return (
-        all(isinstance(w, BlockTensor) and w.fmt.name in int4_weight.FORMATS for w in weights)
-        and len({w.fmt for w in weights}) == 1
-    )
+from gpu.quant.fp8 import Fp8Tensor
 
 
 class CudaBackend(TorchBackend):
-    def __init__(self, attention: AttentionBackend, name: str = "cuda") -> None:
+    def __init__(
+        self,
+        attention: AttentionBackend,
+        name: str = "cuda",
+        quantize_fp8: bool = False,
+        fp8_products: bool = True,
+    ) -> None:
+        """`quantize_fp8`: a 16-bit checkpoint's products quantized to FP8 at load
+        (--quantization fp8); `fp8_products`: the GPU has FP8 arithmetic (else an FP8
+        checkpoint is dequantized)."""
         super().__init__(attention, fuse=True, name=name)
+        self.quantize_fp8 = quantize_fp8
+        self.fp8_products = fp8_products
 
-    # ---- products: 4-bit weights kept as they are ----
+    # ---- products: quantized weights kept as they are ----
     def prepare_linear(self, weight: Any, bias: Any) -> Any:
-        if _int4(weight):
-            return Int4Weight.from_blocks(weight, self.device), self.dense(bias)
+        if self.quantize_fp8 and isinstance(weight, torch.Tensor):
+            weight = Fp8Tensor.quantize(self.dense(weight))
+        if quantized.kept(weight, self.fp8_products):
+            return quantized.form(weight, self.device), self.dense(bias)
         return super().prepare_linear(weight, bias)
 
     def prepare_stacked(self, parts: list[tuple[Any, Any]]) -> Any:
-        weights = [w for w, _ in parts]
-        if _int4(*weights):
-            bias = None if parts[0][1] is None else torch.cat([self.dense(b) for _, b in parts])
-            return self.prepare_linear(cat_rows(weights), bias)
-        return super().prepare_stacked(parts)
+        joined = quantized.join([w for w, _ in parts], self.fp8_products)
+        if joined is None:
+            return super().prepare_stacked(parts)  # dense, joined, then prepare_linear
+        bias = None if parts[0][1] is None else torch.cat([self.dense(b) for _, b in parts])
+        return self.prepare_linear(joined, bias)
 
     def prepare_mlp(self, gate, up, down, act: str) -> tuple[Any, Any]:
-        if not _int4(gate[0], up[0]):
+        joined = quantized.join([gate[0], up[0]], self.fp8_products)
+        if joined is None:
             return super().prepare_mlp(gate, up, down, act)
         if act not in ACTIVATIONS:
             raise ValueError(f"unsupported activation {act!r}")
         bias = None if gate[1] is None else torch.cat([self.dense(gate[1]), self.dense(up[1])])
-        pair = ("fused", self.prepare_linear(cat_rows([gate[0], up[0]]), bias), act)
+        pair = ("fused", self.prepare_linear(joined, bias), act)
         return pair, self.prepare_linear(*down)
 
     def linear(self, x: torch.Tensor, w: Any, residual: torch.Tensor | None = None) -> torch.Tensor:
         weight, bias = w
-        if not isinstance(weight, Int4Weight):
+        if isinstance(weight, torch.Tensor):
             return super().linear(x, w, residual)
-        rows = x.reshape(-1, x.shape[-1])
-        y = w4a16_linear(rows, weight.qweight, weight.scales, weight.mins, int4_weight.GROUP, bias)
-        y = y.reshape(*x.shape[:-1], y.shape[-1])
+        y = quantized.linear(x, weight, bias)
         return y if residual is None else residual + y
 
     def gated(self, x: torch.Tensor, w: Any) -> torch.Tensor:
