@@ -5,11 +5,12 @@
 # slow stage cannot take the others' results with it. Logs and benchmark JSON go to
 # $OUT/gpu-logs.tgz, one line per stage to $OUT/summary.txt.
 #
-#   benchmarks/gpu_session.sh env kernels correctness attention offline   # first call, <= 570 s
-#   benchmarks/gpu_session.sh profile suite serving                       # second call, <= 580 s
-#   benchmarks/gpu_session.sh env attention offline fullsuite profile     # one call: the whole suite over xdist
-#   benchmarks/gpu_session.sh env fusedkernels fused                      # the fused kernels, ~3 min
-#   (then, with time left: overhead, step)
+#   benchmarks/gpu_session.sh env gputests asyncoffline fused quant attention   # <= 560 s
+#   benchmarks/gpu_session.sh fullsuite serving                                # <= 420 s
+# (a session has 15 minutes of device time in all, starts included: the first call checks and
+# measures this round's GPU work (asynchronous scheduling, the fused kernels, 4-bit and FP8
+# products, the decode split rule), the second the whole suite and serving.) Other stages:
+#   kernels correctness fusedkernels offline profile overhead step suite
 #
 # Stage limits in seconds can be changed with LIMIT_<stage>=N; the defaults of each call above
 # sum to under the device tool's 600 s a command (the stages seen on an H100 took: env 10 s,
@@ -71,7 +72,24 @@ import server.app, core.engine, gpu.runner; print(\"imports ok\")'; git log --on
         stage correctness 180 $PY -m pytest -q -p no:cacheprovider --timeout 60 --durations 15 \
             tests/test_correctness.py
         ;;
-    attention) stage attention 60 $PY -m benchmarks.attention ;;
+    attention) stage attention 60 $PY -m benchmarks.attention --split-sweep 1,2,4,8,16,32 ;;
+    # this round's GPU code under test on the GPU itself, over xdist: the Triton kernels (fused,
+    # attention, W4A16), FP8 products, asynchronous scheduling, the CUDA backend end to end, and
+    # the CPU kernels' argument checks (a crash there on the GPU image: gpu/cpu/build.py)
+    gputests)
+        LIVE_FAILURES=$LOGS/failures.log stage gputests 150 $PY -m pytest -q \
+            -p no:cacheprovider -p benchmarks.live_failures --timeout 120 -n "${WORKERS:-8}" \
+            -rfE --durations 15 $GPU_TESTS tests/test_w4a16.py tests/test_fp8.py \
+            tests/test_async_scheduling.py tests/test_cpu_ops.py tests/test_cpu_quant.py
+        ;;
+    # the offline protocol with asynchronous scheduling on and off, alternated
+    asyncoffline)
+        stage asyncoffline 170 $PY -m benchmarks.offline --model qwen3-0.6b --requests 256 \
+            --input-len 100,1024 --output-len 100,1024 --hf-batch-sizes none --repeats 2 \
+            --compare-async
+        ;;
+    # 4-bit (W4A16) and FP8 against bf16: tok/s at batch 1 and 64, agreement
+    quant) stage quant 120 $PY -m benchmarks.quant_gpu --rounds 1 ;;
     # the CUDA backend's fused kernels against torch's ops, compiled (many small variants)
     fusedkernels) stage fusedkernels 120 $PY -m pytest -q -p no:cacheprovider --timeout 60 \
         --durations 10 tests/test_fused_kernels.py ;;

@@ -19,7 +19,7 @@ from core.config import EngineConfig
 from core.engine_loop import EngineLoop
 from core.engine_messages import AddRequest
 from core.pooling import PoolingParams
-from core.request import EngineRequest
+from core.request import EngineRequest, Logprob
 from core.sampling import SamplingParams
 
 
@@ -29,6 +29,9 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None
+    # one per token when SamplingParams.logprobs asks (core/request.py Logprob: token_id,
+    # logprob, top_ids, top_logprobs)
+    logprobs: list[Logprob] = field(default_factory=list)
 
 
 @dataclass
@@ -38,6 +41,8 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     num_cached_tokens: int = 0
+    # SamplingParams.prompt_logprobs: entry p scores prompt token p (None for the first)
+    prompt_logprobs: list[Logprob | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -107,6 +112,9 @@ class LLM:
                     o = res.outputs[0]
                     o.text += out.new_text
                     o.token_ids += out.new_token_ids
+                    o.logprobs += out.logprobs
+                    if out.prompt_logprobs is not None:
+                        res.prompt_logprobs = out.prompt_logprobs
                     res.num_cached_tokens = out.num_cached_tokens
                     if out.finished:
                         o.finish_reason = out.finish_reason
