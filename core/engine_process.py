@@ -88,7 +88,7 @@ def main() -> None:
         replies.send_bytes(encode(EngineDied(f"loading failed: {type(e).__name__}: {e}", bad)))
         return
     core = loaded.core
-    gc.freeze()  # start-up's objects out of the collector's reach (see server/app.py)
+    gc.freeze()  # start-up's objects out of the collector's reach (see server/engine_start.py)
     replies.send_bytes(
         encode(
             EngineReady(

@@ -115,7 +115,7 @@ def test_metrics_count_a_known_workload(tiny):
 
 
 def test_health_is_503_while_loading(tiny, monkeypatch):
-    import server.app as app_module
+    import server.engine_start as app_module
 
     release = threading.Event()
     real = app_module._load
