@@ -85,11 +85,14 @@ def create_app(config: EngineConfig, options: ServerOptions | None = None) -> Qu
             given = request.headers.get("Authorization", "")
             expected = f"Bearer {options.api_key}"
             if not hmac.compare_digest(given.encode(), expected.encode()):
+                # The body is never read: the connection closes after the answer. Kept open,
+                # Hypercorn sometimes left the client's next request on it unanswered.
                 return error_response(
                     401,
                     "Missing or invalid API key: send `Authorization: Bearer <key>`",
                     None,
                     "invalid_api_key",
+                    headers={"Connection": "close"},
                 )
         return None
 
