@@ -7,6 +7,7 @@ import hmac
 import logging
 import signal
 import socket
+from collections.abc import Awaitable, Callable
 
 import trio
 from hypercorn.trio import serve as hypercorn_serve
@@ -21,6 +22,7 @@ from server.errors import APIError, error_response
 from server.generate import bp as generate_bp
 from server.responses.routes import bp as responses_bp
 from server.responses.registry import Runs
+from server.api_server_messages import Seat
 from server.options import ServerOptions
 from server.routes import bp
 from server.state import ServerState
@@ -31,13 +33,16 @@ log = logging.getLogger("weir.server")
 PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
 
 
-def create_app(config: EngineConfig, options: ServerOptions | None = None) -> QuartTrio:
+def create_app(
+    config: EngineConfig, options: ServerOptions | None = None, seat: Seat | None = None
+) -> QuartTrio:
+    """The app; `seat`: this process is one of several API servers (server/api_server.py)."""
     options = options or ServerOptions()
     options.validate()
     app = QuartTrio("weir")
     app.config["RESPONSE_TIMEOUT"] = None  # streams end when generation ends, not on a clock
     app.config["MAX_CONTENT_LENGTH"] = options.max_body_bytes
-    st = ServerState(config=config, options=options)
+    st = ServerState(config=config, options=options, seat=seat)
     app.weir_state = st
     app.weir_shutdown = trio.Event()
     app.weir_failed = None
@@ -47,7 +52,7 @@ def create_app(config: EngineConfig, options: ServerOptions | None = None) -> Qu
     app.register_blueprint(responses_bp)
     app.register_blueprint(embeddings_bp)
     st.tasks = options.tasks
-    st.responses = Runs.from_options(options)
+    st.responses = Runs.from_options(options, seat)
 
     def origin_allowed(origin: str) -> bool:
         return "*" in options.allowed_origins or origin in options.allowed_origins
@@ -105,6 +110,8 @@ def create_app(config: EngineConfig, options: ServerOptions | None = None) -> Qu
         if origin and origin_allowed(origin):
             response.headers["Access-Control-Allow-Origin"] = origin
             response.headers["Vary"] = "Origin"
+        if seat is not None:  # which API server answered (tests, and operators reading logs)
+            response.headers["X-Weir-Api-Server"] = str(seat.index)
         return response
 
     @app.errorhandler(APIError)
@@ -143,35 +150,52 @@ async def serve(
     task_status=trio.TASK_STATUS_IGNORED,
     handle_signals: bool = True,
     sock: socket.socket | None = None,
+    local_sock: socket.socket | None = None,
+    stop_orders: Callable[[Callable[[str], bool]], Awaitable[None]] | None = None,
 ) -> int:
     """Serve until SIGINT/SIGTERM or `app.weir_shutdown`; then drain. Returns the exit code.
 
     Drain: /health turns 503 and new generation requests get 503 at once; in-flight requests run
     to completion for up to --drain-timeout; then Hypercorn stops. A second signal exits at once.
+
+    An API server of several (server/api_server.py) serves `sock` (the port) and `local_sock`
+    (its own Unix socket) and hears `stop_orders` instead of signals: an async function given
+    `stop(what)`, which it calls for each order (True: the second, nothing more to hear).
     """
     st: ServerState = app.weir_state
     options = st.options
     shutdown: trio.Event = app.weir_shutdown
     force = trio.Event()
     sock = sock or listening_socket(host, port, options.tcp_user_timeout)
-    hc = hypercorn_config(sock, options)
+    hc = hypercorn_config(sock, options, local_sock)
     stop_http = trio.Event()
     signal_scope = trio.CancelScope()
 
-    async def watch_signals() -> None:
-        with signal_scope, trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+    def stop(what: str) -> bool:
+        if shutdown.is_set():
+            log.warning("second %s: exiting now", what)
+            force.set()
+            return True
+        log.info("%s received: draining", what)
+        shutdown.set()
+        return False
+
+    async def watch_signals(stop: Callable[[str], bool]) -> None:
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             async for _ in signals:
-                if shutdown.is_set():
-                    log.warning("second signal: exiting now")
-                    force.set()
+                if stop("signal"):
                     return
-                log.info("signal received: draining")
-                shutdown.set()
+
+    watch = stop_orders or (watch_signals if handle_signals else None)
+
+    async def watch_orders() -> None:
+        with signal_scope:
+            await watch(stop)
 
     try:
         async with trio.open_nursery() as nursery:
-            if handle_signals:
-                nursery.start_soon(watch_signals)
+            if watch is not None:
+                nursery.start_soon(watch_orders)
             await nursery.start(
                 lambda task_status: hypercorn_serve(
                     app, hc, shutdown_trigger=stop_http.wait, task_status=task_status
@@ -205,6 +229,8 @@ async def serve(
             nursery.cancel_scope.deadline = trio.current_time() + hc.graceful_timeout + 5
     finally:
         sock.close()
+        if local_sock is not None:
+            local_sock.close()
     if force.is_set():
         return 1
     if app.weir_failed:

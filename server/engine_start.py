@@ -15,9 +15,12 @@ from quart_trio import QuartTrio
 
 from core.config import CheckpointError, EngineConfig
 from core.engine import EngineThread
+from core.engine_attached import AttachedEngine
 from core.engine_process import EngineProcess
+from core.shared_count import SharedCounts
 from core.stats import StepStats
 from server import embedding_config, reasoning, tool_parsers
+from server.api_server_messages import Seat, adds_file
 from server.chat import load_template
 from server.logprobs import TokenText
 from server.metrics import CacheInfo, Memory, Metrics
@@ -37,7 +40,8 @@ async def load_engine(app: QuartTrio, st: ServerState) -> None:
     try:
         st.chat_template = load_template(st.config.chat_template)
         if st.options.engine_process:
-            engine = EngineProcess(st.config)
+            # One of several API servers (a seat) shares the engine the supervisor started.
+            engine = _attached(st.config, st.seat) if st.seat else EngineProcess(st.config)
             try:
                 loaded = await trio.to_thread.run_sync(_launch, engine)
             except BaseException:
@@ -73,9 +77,12 @@ async def load_engine(app: QuartTrio, st: ServerState) -> None:
             loaded.max_model_len,
             cache,
             Memory(loaded.weight_bytes, loaded.kv_cache_bytes, loaded.kv_dtype),
+            multiprocess=st.seat is not None,
         )
-        engine.on_stats = metrics.publish
-        if st.options.log_stats:
+        # Of several API servers, one publishes the engine's statistics (core/engine_fanout.py).
+        publishes = st.seat is None or st.seat.publishes_engine_stats
+        engine.on_stats = metrics.publish if publishes else None
+        if st.options.log_stats and publishes:
             stats_log = StatsLog()
 
             def on_stats(s: StepStats) -> None:
@@ -136,6 +143,11 @@ async def load_engine(app: QuartTrio, st: ServerState) -> None:
     log.info("serving %s", ", ".join(st.served_names))
 
 
+def _attached(config: EngineConfig, seat: Seat) -> AttachedEngine:
+    counts = SharedCounts(adds_file(seat.run_dir), seat.count, seat.index)
+    return AttachedEngine(config, *seat.engine_fds, adds=counts)
+
+
 def _load(config: EngineConfig):
     from gpu import openmp
 
@@ -160,9 +172,10 @@ class _Loaded(NamedTuple):
     kv_cache_bytes: int
 
 
-def _launch(engine: EngineProcess) -> _Loaded:
-    """Start the engine process, wait for its model, then load the tokenizer from the same
-    (already resolved or downloaded) directory for chat templates and prompts."""
+def _launch(engine: EngineProcess | AttachedEngine) -> _Loaded:
+    """Start the engine process (or, one of several API servers, find the supervisor's), wait
+    for its model, then load the tokenizer from the same (already resolved or downloaded)
+    directory for chat templates and prompts."""
     from transformers import AutoTokenizer
 
     info = engine.launch()
