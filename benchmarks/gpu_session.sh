@@ -8,7 +8,7 @@
 #   benchmarks/gpu_session.sh env kernels correctness attention offline   # first call, <= 570 s
 #   benchmarks/gpu_session.sh profile suite serving                       # second call, <= 580 s
 #   benchmarks/gpu_session.sh env attention offline fullsuite profile     # one call: the whole suite over xdist
-#   (then, with time left: overhead, step)
+#   (then, with time left: overhead, step, api_servers)
 #
 # Stage limits in seconds can be changed with LIMIT_<stage>=N; the defaults of each call above
 # sum to under the device tool's 600 s a command (the stages seen on an H100 took: env 10 s,
@@ -97,6 +97,11 @@ import server.app, core.engine, gpu.runner; print(\"imports ok\")'; git log --on
             --profile "$LOGS/offline_steps.prof"
         ;;
     overhead) stage overhead 150 $PY -m benchmarks.overhead ;;
+    # --api-server-count 1 against 2 and 4 where the HTTP process was the ceiling (256 streams).
+    api_servers)
+        stage api_servers 240 $PY -m benchmarks.api_servers --model qwen3-0.6b \
+            --levels 64,256 --counts 1,2,4 --rounds 1
+        ;;
     step) stage step 120 $PY -m benchmarks.step_time --model qwen3-0.6b --device cuda \
         --batch 1,32,256 --prompt-len 512 --rounds 1 ;;
     *) echo "unknown stage $s" ;;
