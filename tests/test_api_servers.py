@@ -1,133 +1,24 @@
-"""`weir serve --api-server-count 2`, started as operators start it: two HTTP processes on one port
-in front of one engine process. Every route answers from each API server (reached on its own
-Unix socket, so which one answers is never left to chance), streams on the shared port spread
-over both, /metrics sums both, Responses state and cancellation work across them, the admission
-limit holds for the whole server, a killed API server stops the whole server cleanly, SIGTERM
-drains both. Order is made explicit by stopping the engine process (SIGSTOP), never by sleeps."""
+"""`weir serve --api-server-count 2`, as operators start it: two HTTP processes on one port in
+front of one engine process. Every route answers from each API server (reached on its own Unix
+socket), streams on the shared port spread over both, /metrics sums both and counts the engine
+once, Responses state and cancellation work across them. Order is made explicit by stopping the
+engine process (SIGSTOP), never by sleeps. Starting, stopping and failing:
+tests/test_api_server_lifecycle.py."""
 
 from __future__ import annotations
 
-import glob
 import os
-import re
 import signal
-import struct
-import subprocess
-import sys
 import threading
-from pathlib import Path
 
 import httpx
 import pytest
 
-from server import cli, server_count
-from server.options import ServerOptions
-from tests.conftest import (
-    alive,
-    engine_process_of,
-    free_port,
-    signal_pid,
-    wait_for,
-)
-from tests.test_ops import metric
-
-
-def total(client: httpx.Client, name: str, **labels) -> float:
-    """A metric's value summed over its samples (0 before it has any)."""
-    try:
-        return metric(client.get("/metrics").text, name, **labels)
-    except AssertionError:
-        return 0.0
+from tests.api_cluster import Cluster, total
+from tests.conftest import wait_for
 
 KEY = "sekret"
 AUTH = {"Authorization": f"Bearer {KEY}"}  # the clients of `cluster` send it themselves
-
-
-class Cluster:
-    """A supervisor process, its run directory and a client for each API server's socket."""
-
-    def __init__(self, tiny: str, tmp: Path, *flags: str, key: str | None = None) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.tmp = tmp
-        self.log = tmp / "server.log"
-        env = dict(os.environ, TMPDIR=str(tmp))  # the run directory is made under it
-        with open(self.log, "wb") as out:
-            self.proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "server",
-                    "serve",
-                    tiny,
-                    "--port",
-                    str(self.port),
-                    "--num-kv-blocks",
-                    "1024",
-                    "--max-model-len",
-                    "2048",
-                    "--api-server-count",
-                    "2",
-                    *flags,
-                    *(["--api-key", key] if key else []),
-                ],
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env=env,
-            )
-        assert wait_for(lambda: len(glob.glob(str(tmp / "weir-*" / "api-1.sock"))) == 1, 120)
-        self.run_dir = Path(glob.glob(str(tmp / "weir-*"))[0])
-        self.clients = [
-            httpx.Client(
-                transport=httpx.HTTPTransport(uds=str(self.run_dir / f"api-{i}.sock")),
-                base_url="http://weir",
-                timeout=60,
-                headers={"Authorization": f"Bearer {key}"} if key else None,
-            )
-            for i in range(2)
-        ]
-        assert wait_for(
-            lambda: self.proc.poll() is not None or all(self._healthy(c) for c in self.clients),
-            timeout=120,
-        ), self.text()
-        assert self.proc.poll() is None, self.text()
-        self.engine = engine_process_of(self.proc.pid)
-
-    @staticmethod
-    def _healthy(client: httpx.Client) -> bool:
-        try:
-            return client.get("/health").status_code == 200
-        except httpx.TransportError:
-            return False
-
-    def text(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def api_server_pids(self) -> list[int]:
-        """Index order, from the supervisor's start-up line."""
-        found = re.search(r"API servers on \S+ \(pids ([\d, ]+)\)", self.text())
-        return [int(p) for p in found.group(1).split(", ")]
-
-    def adds_sent(self) -> int:
-        """Requests the API servers have sent the engine (core/shared_count.py's file)."""
-        data = (self.run_dir / "adds").read_bytes()
-        return sum(struct.unpack(f"{len(data) // 8}q", data))
-
-    def close(self) -> None:
-        signal_pid(self.engine, signal.SIGCONT)
-        for c in self.clients:
-            c.close()
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-
-def gone(cluster: Cluster, pids: list[int]) -> bool:
-    return not any(alive(p) for p in pids) and not cluster.run_dir.exists()
 
 
 @pytest.fixture(scope="module")
@@ -285,143 +176,3 @@ def test_responses_state_and_cancel_work_across_api_servers(cluster):
     assert len(items["data"]) == 3  # hello, its reply, and then?
     assert first.delete(f"/v1/responses/{rid}").status_code == 200
     assert second.get(f"/v1/responses/{rid}").status_code == 404
-
-
-def test_admission_limit_holds_for_the_whole_server_and_a_killed_api_server_stops_it(
-    tiny, tmp_path
-):
-    c = Cluster(tiny, tmp_path, "--max-waiting-requests", "2")
-    pids = [c.engine, *c.api_server_pids()]
-    try:
-        os.kill(c.engine, signal.SIGSTOP)  # nothing leaves the queue
-        results: dict[int, list[str]] = {}
-
-        def stream(i: int) -> None:
-            body = {"prompt": f"wait {i}", "max_tokens": 5, "ignore_eos": True, "stream": True}
-            try:
-                with c.clients[i].stream("POST", "/v1/completions", json=body) as r:
-                    results[i] = [line for line in r.iter_lines() if line]
-            except httpx.HTTPError as e:
-                results[i] = [f"cut: {type(e).__name__}"]
-
-        threads = [threading.Thread(target=stream, args=(i,)) for i in range(2)]
-        for t in threads:
-            t.start()
-        # One request waits behind each API server: two in all, the limit.
-        assert wait_for(lambda: c.adds_sent() == 2, timeout=30)
-        for client in c.clients:
-            r = client.post("/v1/completions", json={"prompt": "one more", "max_tokens": 2})
-            assert r.status_code == 503 and r.json()["error"]["code"] == "overloaded"
-            assert r.headers["retry-after"] == "1"
-        # API server 0 dies: the whole server stops, API server 1 draining what it holds.
-        os.kill(pids[1], signal.SIGKILL)
-        assert wait_for(lambda: "exited with signal 9" in c.text(), timeout=30), c.text()
-        assert wait_for(lambda: c.clients[1].get("/health").status_code == 503, timeout=30)
-        os.kill(c.engine, signal.SIGCONT)
-        for t in threads:
-            t.join(60)
-        assert results[0][-1].startswith("cut")  # its server is gone
-        assert results[1][-1] == "data: [DONE]" and '"finish_reason":"length"' in results[1][-2]
-        assert c.proc.wait(60) == 1
-        log = c.text()
-        assert f"API server 0 (pid {pids[1]}) exited with signal 9: stopping the server" in log
-        assert "API server 0 left the engine: 1 requests aborted" in log
-        assert wait_for(lambda: gone(c, pids), timeout=30)
-    finally:
-        c.close()
-
-
-def test_sigterm_drains_every_api_server_then_exits_0(tiny, tmp_path):
-    c = Cluster(tiny, tmp_path, "--drain-timeout", "60")
-    pids = [c.engine, *c.api_server_pids()]
-    try:
-        started = threading.Barrier(3)
-        results: dict[int, list[str]] = {}
-
-        def stream(i: int) -> None:
-            body = {"prompt": f"drain {i}", "max_tokens": 300, "ignore_eos": True, "stream": True}
-            lines = []
-            with c.clients[i].stream("POST", "/v1/completions", json=body) as r:
-                for n, line in enumerate(r.iter_lines()):
-                    if n == 2:
-                        started.wait(30)
-                    if line:
-                        lines.append(line)
-            results[i] = lines
-
-        threads = [threading.Thread(target=stream, args=(i,)) for i in range(2)]
-        for t in threads:
-            t.start()
-        started.wait(30)  # one stream on each API server
-        os.kill(c.engine, signal.SIGSTOP)  # they stay in flight whatever the machine's speed
-        c.proc.send_signal(signal.SIGTERM)
-        for client in c.clients:
-            assert wait_for(lambda: client.get("/health").status_code == 503, timeout=30)
-            late = client.post("/v1/completions", json={"prompt": "late", "max_tokens": 2})
-            assert late.status_code == 503
-        os.kill(c.engine, signal.SIGCONT)
-        for t in threads:
-            t.join(120)
-        for i in range(2):
-            assert results[i][-1] == "data: [DONE]"
-            assert '"finish_reason":"length"' in results[i][-2]
-        assert c.proc.wait(60) == 0
-        assert wait_for(lambda: gone(c, pids), timeout=30)
-    finally:
-        c.close()
-
-
-@pytest.mark.parametrize(
-    "flags, says",
-    [
-        (["--api-server-count", "0"], "--api-server-count must be at least 1"),
-        (["-asc", "-2"], "--api-server-count must be at least 1"),
-        (["--api-server-count", "2", "--no-engine-process"], "drop --no-engine-process"),
-        (["--api-server-count", "2", "--headless"], "--headless runs no server"),
-    ],
-)
-def test_bad_counts_are_refused_naming_the_flag(flags, says, capsys, tmp_path):
-    assert cli.main(["serve", str(tmp_path), *flags]) == 2
-    assert says in capsys.readouterr().err
-
-
-def test_the_count_defaults_to_one_on_cpu_and_to_the_cores_on_cuda(monkeypatch):
-    from core.config import EngineConfig
-
-    def count(device: str, cores: int, cuda: bool, **options) -> int:
-        monkeypatch.setattr(server_count, "cores", lambda: cores)
-        monkeypatch.setattr(server_count, "torch_built_for_cuda", lambda: cuda)
-        monkeypatch.setattr(server_count, "nvidia_gpu_visible", lambda: cuda)
-        return server_count.api_server_count(EngineConfig(device=device), ServerOptions(**options))
-
-    assert count("auto", 16, cuda=False) == 1
-    assert count("cpu", 16, cuda=True) == 1
-    assert count("auto", 16, cuda=True) == 4
-    assert count("cuda:0", 8, cuda=False) == 2
-    assert count("auto", 64, cuda=True) == 4
-    assert count("auto", 2, cuda=True) == 1
-    assert count("auto", 16, cuda=True, engine_process=False) == 1
-    assert count("auto", 2, cuda=False, api_server_count=3) == 3
-
-
-def test_a_model_that_cannot_load_stops_every_api_server_with_code_2(tmp_path):
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "server",
-            "serve",
-            str(tmp_path / "missing"),
-            "--port",
-            str(free_port()),
-            "--api-server-count",
-            "2",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=dict(os.environ, TMPDIR=str(tmp_path)),
-    )
-    assert proc.returncode == 2  # bad input, as with one server
-    assert "does not exist" in proc.stderr
-    assert not glob.glob(str(tmp_path / "weir-*"))  # the run directory is gone
