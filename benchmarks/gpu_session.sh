@@ -10,7 +10,7 @@
 # (a session has 15 minutes of device time in all, starts included: the first call checks and
 # measures this round's GPU work (asynchronous scheduling, the fused kernels, 4-bit and FP8
 # products, the decode split rule), the second the whole suite and serving.) Other stages:
-#   kernels correctness fusedkernels offline profile overhead step suite
+#   kernels correctness fusedkernels offline profile overhead step suite api_servers
 #
 # Stage limits in seconds can be changed with LIMIT_<stage>=N; the defaults of each call above
 # sum to under the device tool's 600 s a command (the stages seen on an H100 took: env 10 s,
@@ -121,6 +121,11 @@ import server.app, core.engine, gpu.runner; print(\"imports ok\")'; git log --on
             --profile "$LOGS/offline_steps.prof"
         ;;
     overhead) stage overhead 150 $PY -m benchmarks.overhead ;;
+    # --api-server-count 1 against 2 and 4 where the HTTP process was the ceiling (256 streams).
+    api_servers)
+        stage api_servers 240 $PY -m benchmarks.api_servers --model qwen3-0.6b \
+            --levels 64,256 --counts 1,2,4 --rounds 1
+        ;;
     step) stage step 120 $PY -m benchmarks.step_time --model qwen3-0.6b --device cuda \
         --batch 1,32,256 --prompt-len 512 --rounds 1 ;;
     *) echo "unknown stage $s" ;;

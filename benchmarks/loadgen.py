@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import signal
 import socket
 import statistics
@@ -36,6 +37,7 @@ class Result:
     prompt_tokens: int = 0
     itl: list[float] = field(default_factory=list)
     error: str | None = None
+    api_server: str | None = None  # weir's X-Weir-Api-Server: which HTTP process answered
 
 
 class _Chunked:
@@ -118,6 +120,8 @@ async def one_request(
                     if b"\r\n\r\n" in raw:
                         headers, raw = raw.split(b"\r\n\r\n", 1)
                 status = int(headers.split(b" ", 2)[1])
+                served = re.search(rb"(?im)^x-weir-api-server: *(\S+)", headers)
+                res.api_server = served.group(1).decode() if served else None
                 chunked = _Chunked() if b"chunked" in headers.lower() else None
                 if status != 200:
                     res.error = f"HTTP {status}"

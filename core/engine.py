@@ -84,16 +84,23 @@ class Engine:
             raise InvalidParam("request_id", f"request id {req.request_id!r} is already in use")
         channel = channel if channel is not None else RequestChannel()
         self._channels[req.request_id] = channel
+        self._count_add()
         self._submit(AddRequest(req))
-        self._adds_sent += 1
         return channel
+
+    def _count_add(self) -> None:
+        self._adds_sent += 1
+
+    def _adds_total(self) -> int:
+        """Requests sent to the engine, ever (by every API server: core/engine_attached.py)."""
+        return self._adds_sent
 
     @property
     def num_waiting(self) -> int:
         """Requests waiting to be scheduled: the engine's count at its last step plus those
         queued since then (exact as of that step, never an undercount)."""
         last = self._last_stats
-        return last.num_waiting + self._adds_sent - last.num_adds_seen
+        return last.num_waiting + self._adds_total() - last.num_adds_seen
 
     @property
     def last_stats(self) -> StepStats:

@@ -82,6 +82,7 @@ class EngineReady(msgspec.Struct, tag="ready", gc=False):
     tokenizer_path: str = ""  # the Hugging Face tokenizer folder (a GGUF file's, converted)
     weight_bytes: dict[str, int] = {}  # resident weight bytes by format
     kv_cache_bytes: int = 0
+    device: str = ""  # cpu, cuda: where the model runs
 
 
 class StepOutputs(msgspec.Struct, tag="step", gc=False):

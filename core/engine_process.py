@@ -16,6 +16,11 @@ for the reply pipe to be readable and dispatches each step as it is decoded; com
 at once, or by a task that waits for room when the pipe is full (the engine reads commands only
 between steps). A child that exits or is killed shows up as end of file on the reply pipe: every
 in-flight request then ends with an error, as when the engine thread dies.
+
+With --api-server-count N > 1 the supervisor (server/supervisor.py) starts this process with
+its own pair of pipes (EngineInit in, EngineReady out, then only Shutdown) followed by one pair
+per API server on the command line; core/engine_fanout.py routes commands and outputs between
+them, and each API server reaches the engine through core/engine_attached.py.
 """
 
 from __future__ import annotations
@@ -33,9 +38,10 @@ import traceback
 import msgspec
 import trio
 
-from core.child import Child, pipes, watch_parent
+from core.child import Child, linked_pipes, pipes, watch_parent
 from core.config import CheckpointError, EngineConfig
 from core.engine import Engine
+from core.engine_fanout import Fanout
 from core.engine_loop import EngineLoop
 from core.engine_messages import (
     EngineCommand,
@@ -55,8 +61,9 @@ log = logging.getLogger("weir.engine")
 
 # ---- the engine process ----
 def main() -> None:
-    """`python -m core.engine_process CMD_FD REPLY_FD`: load the model, then step until told to
-    stop or the server goes away (end of file on the command pipe, or the parent gone)."""
+    """`python -m core.engine_process CMD_FD REPLY_FD [CMD_FD REPLY_FD]...`: load the model,
+    then step until told to stop or the server goes away (end of file on the command pipe, or
+    the parent gone). More pairs: the API servers' (core/engine_fanout.py)."""
     # Ctrl-C reaches the whole process group, and systemd's default KillMode sends SIGTERM to
     # every process of the service: the server drains first, then sends Shutdown. The engine
     # still stops when the server goes away, or on SIGKILL.
@@ -64,8 +71,18 @@ def main() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     watch_parent()
     commands, replies = pipes(sys.argv)
+    servers = linked_pipes(sys.argv)
+    fanout = Fanout((commands, replies), servers) if servers else None
     encode = msgspec.msgpack.Encoder().encode
     decode = msgspec.msgpack.Decoder(EngineCommand).decode
+
+    def tell(msg) -> None:
+        """EngineReady or EngineDied: to the server, or to the supervisor and every API server."""
+        if fanout is not None:
+            fanout.send_all(msg)
+        else:
+            replies.send_bytes(encode(msg))
+
     try:
         init = decode(commands.recv_bytes())
     except EOFError:
@@ -85,26 +102,23 @@ def main() -> None:
     except BaseException as e:  # noqa: BLE001 - reported to the server, which fails its startup
         log.error("loading failed\n%s", traceback.format_exc())
         bad = isinstance(e, CheckpointError)
-        replies.send_bytes(encode(EngineDied(f"loading failed: {type(e).__name__}: {e}", bad)))
+        tell(EngineDied(f"loading failed: {type(e).__name__}: {e}", bad))
         return
     core = loaded.core
-    gc.freeze()  # start-up's objects out of the collector's reach (see server/app.py)
-    replies.send_bytes(
-        encode(
-            EngineReady(
-                str(loaded.model_path),
-                loaded.served_names,
-                loaded.max_model_len,
-                core.runner.vocab_size,
-                core.kv.num_free_blocks,
-                loaded.generation_defaults,
-                core.kv.num_blocks,
-                loaded.kv_dtype,
-                loaded.tokenizer_path,
-                loaded.weight_bytes or {},
-                loaded.kv_cache_bytes,
-            )
-        )
+    gc.freeze()  # start-up's objects out of the collector's reach (see server/engine_start.py)
+    ready = EngineReady(
+        str(loaded.model_path),
+        loaded.served_names,
+        loaded.max_model_len,
+        core.runner.vocab_size,
+        core.kv.num_free_blocks,
+        loaded.generation_defaults,
+        core.kv.num_blocks,
+        loaded.kv_dtype,
+        loaded.tokenizer_path,
+        loaded.weight_bytes or {},
+        loaded.kv_cache_bytes,
+        loaded.device,
     )
 
     def publish(outputs, stats) -> bool:
@@ -116,7 +130,12 @@ def main() -> None:
             return None
         return decode(commands.recv_bytes())
 
-    loop = EngineLoop(core, publish, refuse=lambda out: publish([out], None))
+    tell(ready)
+    if fanout is None:
+        loop = EngineLoop(core, publish, refuse=lambda out: publish([out], None))
+    else:
+        loop = EngineLoop(core, fanout.publish, fanout.refuse)
+        take = fanout.take
     try:
         loop.run(take)
     except (EOFError, BrokenPipeError):
@@ -124,7 +143,7 @@ def main() -> None:
     except BaseException as e:  # noqa: BLE001 - any death must reach every waiting client
         log.error("engine process died\n%s", traceback.format_exc())
         try:
-            replies.send_bytes(encode(EngineDied(f"engine died: {type(e).__name__}: {e}")))
+            tell(EngineDied(f"engine died: {type(e).__name__}: {e}"))
         except OSError:
             pass
     finally:
@@ -163,6 +182,10 @@ class EngineProcess(Engine):
         atexit.register(self._stop_at_exit)
         level = logging.getLogger().getEffectiveLevel()
         self._cmd.send_bytes(self._encode(EngineInit(self.config, level)))
+        return self._await_ready()
+
+    def _await_ready(self) -> EngineReady:
+        """Blocking: the engine's first reply, EngineReady; raises when loading failed."""
         try:
             msg = msgspec.msgpack.decode(self._reply.recv_bytes(), type=EngineReply)
         except EOFError:

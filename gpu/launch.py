@@ -43,6 +43,7 @@ class Loaded:
     tokenizer_path: str = ""  # the Hugging Face tokenizer folder the server loads
     weight_bytes: dict[str, int] | None = None  # resident weight bytes by format
     kv_cache_bytes: int = 0
+    device: str = ""  # where the model runs: cpu, cuda (the device's type)
 
 
 def resolve_async(config: EngineConfig, device: torch.device) -> bool:
@@ -122,6 +123,7 @@ def load(config: EngineConfig) -> Loaded:
         tokenizer_path,
         weights,
         kv_bytes,
+        device.type,
     )
 
 

@@ -3,13 +3,11 @@ the engine started in the lifespan, auth and CORS in front of the routes, gracef
 
 from __future__ import annotations
 
-import gc
 import hmac
 import logging
 import signal
 import socket
-from pathlib import Path
-from typing import Any, NamedTuple
+from collections.abc import Awaitable, Callable
 
 import trio
 from hypercorn.trio import serve as hypercorn_serve
@@ -17,38 +15,34 @@ from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
-from core.config import CheckpointError, EngineConfig
-from core.engine import EngineThread
-from core.engine_process import EngineProcess
-from core.stats import StepStats
-from server import reasoning, tool_parsers
-from server import embedding_config
-from server.chat import load_template
+from core.config import EngineConfig
 from server.embeddings import bp as embeddings_bp
+from server.engine_start import load_engine
 from server.errors import APIError, error_response
 from server.generate import bp as generate_bp
 from server.responses.routes import bp as responses_bp
 from server.responses.registry import Runs
-from server.logprobs import TokenText
-from server.metrics import CacheInfo, Memory, Metrics
+from server.api_server_messages import Seat
 from server.options import ServerOptions
 from server.routes import bp
 from server.state import ServerState
 from server.listen import hypercorn_config, listening_socket
-from server.stats_log import StatsLog
 
 log = logging.getLogger("weir.server")
 
 PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
 
 
-def create_app(config: EngineConfig, options: ServerOptions | None = None) -> QuartTrio:
+def create_app(
+    config: EngineConfig, options: ServerOptions | None = None, seat: Seat | None = None
+) -> QuartTrio:
+    """The app; `seat`: this process is one of several API servers (server/api_server.py)."""
     options = options or ServerOptions()
     options.validate()
     app = QuartTrio("weir")
     app.config["RESPONSE_TIMEOUT"] = None  # streams end when generation ends, not on a clock
     app.config["MAX_CONTENT_LENGTH"] = options.max_body_bytes
-    st = ServerState(config=config, options=options)
+    st = ServerState(config=config, options=options, seat=seat)
     app.weir_state = st
     app.weir_shutdown = trio.Event()
     app.weir_failed = None
@@ -58,7 +52,7 @@ def create_app(config: EngineConfig, options: ServerOptions | None = None) -> Qu
     app.register_blueprint(responses_bp)
     app.register_blueprint(embeddings_bp)
     st.tasks = options.tasks
-    st.responses = Runs.from_options(options)
+    st.responses = Runs.from_options(options, seat)
 
     def origin_allowed(origin: str) -> bool:
         return "*" in options.allowed_origins or origin in options.allowed_origins
@@ -96,11 +90,14 @@ def create_app(config: EngineConfig, options: ServerOptions | None = None) -> Qu
             given = request.headers.get("Authorization", "")
             expected = f"Bearer {options.api_key}"
             if not hmac.compare_digest(given.encode(), expected.encode()):
+                # The body is never read: the connection closes after the answer. Kept open,
+                # Hypercorn sometimes left the client's next request on it unanswered.
                 return error_response(
                     401,
                     "Missing or invalid API key: send `Authorization: Bearer <key>`",
                     None,
                     "invalid_api_key",
+                    headers={"Connection": "close"},
                 )
         return None
 
@@ -113,6 +110,8 @@ def create_app(config: EngineConfig, options: ServerOptions | None = None) -> Qu
         if origin and origin_allowed(origin):
             response.headers["Access-Control-Allow-Origin"] = origin
             response.headers["Vary"] = "Origin"
+        if seat is not None:  # which API server answered (tests, and operators reading logs)
+            response.headers["X-Weir-Api-Server"] = str(seat.index)
         return response
 
     @app.errorhandler(APIError)
@@ -130,7 +129,7 @@ def create_app(config: EngineConfig, options: ServerOptions | None = None) -> Qu
 
     @app.before_serving
     async def _start() -> None:
-        app.nursery.start_soon(_load_engine, app, st)
+        app.nursery.start_soon(load_engine, app, st)
 
     @app.after_serving
     async def _stop() -> None:
@@ -143,159 +142,6 @@ def create_app(config: EngineConfig, options: ServerOptions | None = None) -> Qu
     return app
 
 
-def _fail(app: QuartTrio, st: ServerState, reason: str) -> None:
-    st.status, st.reason = "failed", reason
-    app.weir_failed = reason
-    app.weir_shutdown.set()
-
-
-async def _load_engine(app: QuartTrio, st: ServerState) -> None:
-    try:
-        st.chat_template = load_template(st.config.chat_template)
-        if st.options.engine_process:
-            engine = EngineProcess(st.config)
-            try:
-                loaded = await trio.to_thread.run_sync(_launch, engine)
-            except BaseException:
-                await engine.shutdown()  # no child may outlive a failed start
-                raise
-        else:
-            loaded = await trio.to_thread.run_sync(_load, st.config)
-            engine = EngineThread(loaded.core)
-            loaded = _Frontend(
-                loaded.tokenizer,
-                loaded.served_names,
-                loaded.max_model_len,
-                loaded.generation_defaults,
-                loaded.core.kv.num_blocks,
-                loaded.kv_dtype,
-                loaded.core.runner.vocab_size,
-                str(loaded.model_path),
-                loaded.weight_bytes or {},
-                loaded.kv_cache_bytes,
-            )
-        cache = CacheInfo(
-            st.config.block_size,
-            loaded.num_blocks,
-            st.config.enable_prefix_caching,
-            loaded.kv_dtype,
-            st.config.gpu_memory_utilization,
-            loaded.num_blocks * st.config.block_size,
-            loaded.num_blocks * st.config.block_size / loaded.max_model_len,
-        )
-        metrics = Metrics(
-            st.options.metrics_prefix,
-            loaded.served_names[0],
-            loaded.max_model_len,
-            cache,
-            Memory(loaded.weight_bytes, loaded.kv_cache_bytes, loaded.kv_dtype),
-        )
-        engine.on_stats = metrics.publish
-        if st.options.log_stats:
-            stats_log = StatsLog()
-
-            def on_stats(s: StepStats) -> None:
-                metrics.publish(s)
-                stats_log.observe(s)
-
-            engine.on_stats = on_stats
-            app.nursery.start_soon(stats_log.run, st.options.stats_interval)
-
-        def died(message: str) -> None:
-            log.error("%s", message)
-            if st.options.exit_on_engine_error:
-                # In-flight requests already got the error; exit so the orchestrator restarts us.
-                _fail(app, st, message)
-
-        engine.on_death = died
-        engine.start()
-    except CheckpointError as e:  # the model given: exit code 2, as for any bad argument
-        log.error("could not load the model: %s", e)
-        app.weir_bad_input = True
-        _fail(app, st, str(e) if str(e).startswith("loading failed") else f"loading failed: {e}")
-        return
-    except Exception as e:  # noqa: BLE001 - reported, and the server shuts itself down
-        log.exception("could not load the model")
-        _fail(app, st, f"loading failed: {type(e).__name__}: {e}")
-        return
-    st.engine = engine
-    st.metrics = metrics
-    st.tokenizer = loaded.tokenizer
-    st.served_names = loaded.served_names
-    st.max_model_len = loaded.max_model_len
-    st.generation_defaults = loaded.generation_defaults
-    st.token_text = TokenText(loaded.tokenizer)
-    st.vocab_size = loaded.vocab_size
-    if "embed" in st.tasks:
-        st.embedding = embedding_config.resolve(
-            Path(loaded.model_path), st.options.pooling, st.options.normalize
-        )
-        log.info(
-            "embeddings: %s pooling%s", st.embedding.kind, ", normalized" * st.embedding.normalize
-        )
-    template = st.chat_template or getattr(loaded.tokenizer, "chat_template", None)
-    st.reasoning_parser = reasoning.resolve(st.options.reasoning_parser, template)
-    st.tool_parser = tool_parsers.resolve(st.options.tool_call_parser, template)
-    if st.tool_parser is not None:
-        log.info("tool-call parser: %s", st.tool_parser)
-    if st.options.reasoning_parser is not None:
-        log.info(
-            "reasoning parser: %s", st.reasoning_parser or "none (the template has no <think>)"
-        )
-    # What start-up made (torch, transformers, the model, the tokenizer) lives as long as the
-    # process: out of the collector's reach, a full collection while serving walks only what
-    # serving made (a full collection of start-up's objects stalled every stream: figures in
-    # docs/benchmarks.md).
-    gc.freeze()
-    if st.status == "loading":
-        st.status, st.reason = "ready", "ok"
-    log.info("serving %s", ", ".join(st.served_names))
-
-
-def _load(config: EngineConfig):
-    from gpu import openmp
-
-    openmp.prepare(config)  # before torch is imported (gpu/openmp.py)
-    from gpu.launch import load  # the only place the server reaches into gpu/
-
-    return load(config)
-
-
-class _Frontend(NamedTuple):
-    """What the server needs of a model the engine process loaded."""
-
-    tokenizer: Any
-    served_names: list[str]
-    max_model_len: int
-    generation_defaults: dict[str, Any]
-    num_blocks: int
-    kv_dtype: str
-    vocab_size: int
-    model_path: str
-    weight_bytes: dict[str, int]
-    kv_cache_bytes: int
-
-
-def _launch(engine: EngineProcess) -> _Frontend:
-    """Start the engine process, wait for its model, then load the tokenizer from the same
-    (already resolved or downloaded) directory for chat templates and prompts."""
-    from transformers import AutoTokenizer
-
-    info = engine.launch()
-    return _Frontend(
-        AutoTokenizer.from_pretrained(info.tokenizer_path or info.model_path),
-        info.served_names,
-        info.max_model_len,
-        info.generation_defaults,
-        info.num_blocks,
-        info.kv_dtype,
-        info.vocab_size,
-        info.model_path,
-        info.weight_bytes,
-        info.kv_cache_bytes,
-    )
-
-
 async def serve(
     app: QuartTrio,
     host: str,
@@ -304,35 +150,52 @@ async def serve(
     task_status=trio.TASK_STATUS_IGNORED,
     handle_signals: bool = True,
     sock: socket.socket | None = None,
+    local_sock: socket.socket | None = None,
+    stop_orders: Callable[[Callable[[str], bool]], Awaitable[None]] | None = None,
 ) -> int:
     """Serve until SIGINT/SIGTERM or `app.weir_shutdown`; then drain. Returns the exit code.
 
     Drain: /health turns 503 and new generation requests get 503 at once; in-flight requests run
     to completion for up to --drain-timeout; then Hypercorn stops. A second signal exits at once.
+
+    An API server of several (server/api_server.py) serves `sock` (the port) and `local_sock`
+    (its own Unix socket) and hears `stop_orders` instead of signals: an async function given
+    `stop(what)`, which it calls for each order (True: the second, nothing more to hear).
     """
     st: ServerState = app.weir_state
     options = st.options
     shutdown: trio.Event = app.weir_shutdown
     force = trio.Event()
     sock = sock or listening_socket(host, port, options.tcp_user_timeout)
-    hc = hypercorn_config(sock, options)
+    hc = hypercorn_config(sock, options, local_sock)
     stop_http = trio.Event()
     signal_scope = trio.CancelScope()
 
-    async def watch_signals() -> None:
-        with signal_scope, trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+    def stop(what: str) -> bool:
+        if shutdown.is_set():
+            log.warning("second %s: exiting now", what)
+            force.set()
+            return True
+        log.info("%s received: draining", what)
+        shutdown.set()
+        return False
+
+    async def watch_signals(stop: Callable[[str], bool]) -> None:
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             async for _ in signals:
-                if shutdown.is_set():
-                    log.warning("second signal: exiting now")
-                    force.set()
+                if stop("signal"):
                     return
-                log.info("signal received: draining")
-                shutdown.set()
+
+    watch = stop_orders or (watch_signals if handle_signals else None)
+
+    async def watch_orders() -> None:
+        with signal_scope:
+            await watch(stop)
 
     try:
         async with trio.open_nursery() as nursery:
-            if handle_signals:
-                nursery.start_soon(watch_signals)
+            if watch is not None:
+                nursery.start_soon(watch_orders)
             await nursery.start(
                 lambda task_status: hypercorn_serve(
                     app, hc, shutdown_trigger=stop_http.wait, task_status=task_status
@@ -366,6 +229,8 @@ async def serve(
             nursery.cancel_scope.deadline = trio.current_time() + hc.graceful_timeout + 5
     finally:
         sock.close()
+        if local_sock is not None:
+            local_sock.close()
     if force.is_set():
         return 1
     if app.weir_failed:

@@ -107,6 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     for note in notes:
         logging.getLogger("weir.server").info("%s", note)
     if args.headless:
+        if options.api_server_count not in (None, 1):
+            print("weir: --headless runs no server: drop --api-server-count", file=sys.stderr)
+            return 2
         from gpu.dist.node import run_headless  # the ranks of another machine: no server here
 
         return run_headless(config)
@@ -118,6 +121,13 @@ def main(argv: list[str] | None = None) -> int:
         # transformers imports torch for its tokenizers whenever torch is installed: about 200 MB
         # resident and a second of start-up. A None entry makes torch unavailable here.
         sys.modules["torch"] = None  # type: ignore[assignment]
+    from server.server_count import api_server_count
+
+    count = api_server_count(config, options)
+    if count > 1:  # N HTTP processes in front of one engine process
+        from server.supervisor import supervise
+
+        return supervise(config, options, count, args.host, args.port)
     from server.app import create_app, serve
 
     app = create_app(config, options)

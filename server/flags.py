@@ -271,6 +271,14 @@ def build_parser() -> argparse.ArgumentParser:
         "of the server process",
     )
     o.add_argument(
+        "--api-server-count",
+        "-asc",
+        type=int,
+        default=None,
+        help="HTTP processes serving the port in front of the one engine process (vLLM's "
+        "flag); default: 1 on CPU, on CUDA min(4, cores // 4)",
+    )
+    o.add_argument(
         "--metrics-prefix",
         default="weir",
         help="metric name prefix; `vllm` makes vLLM dashboards work unchanged",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import sys
 
 from hypercorn.config import Config as HypercornConfig
 
@@ -15,13 +16,17 @@ from server.options import ServerOptions
 BACKLOG = 2048
 
 
-def listening_socket(host: str, port: int, user_timeout: float) -> socket.socket:
+def listening_socket(
+    host: str, port: int, user_timeout: float, reuse_port: bool = False
+) -> socket.socket:
     """The listening socket, made here so accepted connections inherit TCP keep-alive and
     TCP_USER_TIMEOUT: a client that stays connected but stops reading (or vanishes) is dropped
     once sent data has gone unacknowledged that long, and its request is aborted."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
     idle = max(1, int(user_timeout / 2))
     for opt, value in (
@@ -38,10 +43,40 @@ def listening_socket(host: str, port: int, user_timeout: float) -> socket.socket
     return sock
 
 
-def hypercorn_config(sock: socket.socket, options: ServerOptions) -> HypercornConfig:
+def api_server_sockets(
+    host: str, port: int, count: int, user_timeout: float
+) -> list[socket.socket]:
+    """The port, for `count` API servers, bound here once by the supervisor before any of them
+    starts. On Linux each server gets its own socket of one SO_REUSEPORT group: the kernel hands
+    each new connection to one of them by a hash of its addresses, so connections spread evenly
+    and each server accepts from its own queue (one socket shared by all would let whichever
+    server wakes first take a whole burst of connections). Elsewhere (SO_REUSEPORT does not
+    balance) the servers share one socket."""
+    if sys.platform != "linux" or not hasattr(socket, "SO_REUSEPORT"):
+        return [listening_socket(host, port, user_timeout)] * count
+    first = listening_socket(host, port, user_timeout, reuse_port=True)
+    port = first.getsockname()[1]  # port 0: the one the kernel chose, for the others too
+    rest = [listening_socket(host, port, user_timeout, True) for _ in range(count - 1)]
+    return [first, *rest]
+
+
+def local_listening_socket(path: str) -> socket.socket:
+    """An API server's own Unix socket (the supervisor's run directory is private to its
+    user): the other servers forward to it; tests reach one server through it."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.bind(path)
+    sock.listen(BACKLOG)
+    sock.setblocking(False)
+    return sock
+
+
+def hypercorn_config(
+    sock: socket.socket, options: ServerOptions, local_sock: socket.socket | None = None
+) -> HypercornConfig:
+    """`local_sock`: an API server's own Unix socket, served beside the port."""
     hc = HypercornConfig()
     # Hypercorn takes ownership of (and closes) the descriptor it is given: give it a duplicate.
-    hc.bind = [f"fd://{os.dup(sock.fileno())}"]
+    hc.bind = [f"fd://{os.dup(s.fileno())}" for s in (sock, local_sock) if s is not None]
     # Hypercorn calls listen() again with its own backlog (100 by default): with 256 clients
     # connecting at once the accept queue overflowed and some connections were reset.
     hc.backlog = BACKLOG

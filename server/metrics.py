@@ -1,6 +1,14 @@
 """Prometheus metrics with vLLM's names, types and meanings (prefix `weir:` or, with
 `--metrics-prefix vllm`, `vllm:` so existing dashboards work unchanged). Fed once per engine step
-on the Trio thread from the engine's StepStats."""
+on the Trio thread from the engine's StepStats.
+
+With several API servers (--api-server-count N > 1) prometheus_client runs in its multiprocess
+mode: every server writes its values to files in PROMETHEUS_MULTIPROC_DIR (the supervisor's
+run directory) and /metrics, from any server, reads them all: counters and histograms summed
+over the servers. The engine's own statistics reach one server only (core/engine_fanout.py), so
+they are counted once; its gauges are that server's latest values (`livemostrecent`: dropped if
+it dies), the constant gauges (cache_config_info, weights, KV bytes) the same in every server
+(`mostrecent`)."""
 
 from __future__ import annotations
 
@@ -124,14 +132,18 @@ class Metrics:
         max_model_len: int,
         cache: CacheInfo | None = None,
         memory: Memory | None = None,
+        multiprocess: bool = False,
     ) -> None:
         self.registry = CollectorRegistry()
+        self.multiprocess = multiprocess  # render every API server's files (see above)
         p = f"{prefix}:"
         labels = ["model_name"]
         reg = self.registry
 
         def gauge(name, doc):
-            return Gauge(p + name, doc, labels, registry=reg).labels(model_name)
+            return Gauge(
+                p + name, doc, labels, registry=reg, multiprocess_mode="livemostrecent"
+            ).labels(model_name)
 
         def counter(name, doc):
             return Counter(p + name, doc, labels, registry=reg).labels(model_name)
@@ -151,6 +163,7 @@ class Metrics:
             "first sample's prompt to be cached).",
             labels + ["reason"],
             registry=reg,
+            multiprocess_mode="livemostrecent",
         )
         self.waiting_capacity = by_reason.labels(model_name, "capacity")
         self.waiting_deferred = by_reason.labels(model_name, "deferred")
@@ -164,6 +177,7 @@ class Metrics:
                 "Information of the cache config (labels; the value is 1).",
                 list(CacheInfo._fields),
                 registry=reg,
+                multiprocess_mode="mostrecent",
             )
             info.labels(*(str(v) for v in cache)).set(1)
         if memory is not None and memory.weight_bytes:
@@ -172,6 +186,7 @@ class Metrics:
                 "Bytes of model weights held in memory, by format (f32, bf16, q4_k, ...).",
                 labels + ["format"],
                 registry=reg,
+                multiprocess_mode="mostrecent",
             )
             for fmt, n in memory.weight_bytes.items():
                 weights.labels(model_name, fmt).set(n)
@@ -180,6 +195,7 @@ class Metrics:
                 "Bytes of the KV cache (K and V, every layer).",
                 labels + ["dtype"],
                 registry=reg,
+                multiprocess_mode="mostrecent",
             ).labels(model_name, memory.kv_dtype).set(memory.kv_cache_bytes)
         self.kv_usage = gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent.")
         self.prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.")
@@ -288,4 +304,10 @@ class Metrics:
             self.params_n.observe(n)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        if not self.multiprocess:
+            return generate_latest(self.registry)
+        from prometheus_client import multiprocess
+
+        every_server = CollectorRegistry()
+        multiprocess.MultiProcessCollector(every_server)
+        return generate_latest(every_server)

@@ -46,6 +46,9 @@ class ServerOptions(msgspec.Struct, kw_only=True):
 
     # The engine core in a child process (its own interpreter lock), or on a thread (False).
     engine_process: bool = True
+    # HTTP processes sharing the port in front of the one engine (server/supervisor.py); None:
+    # chosen at start-up (server/server_count.py: 1 on CPU).
+    api_server_count: int | None = None
 
     def validate(self) -> None:
         if self.shed_status not in (429, 503):
@@ -76,6 +79,16 @@ class ServerOptions(msgspec.Struct, kw_only=True):
 
         if self.pooling is not None and self.pooling not in KINDS:
             raise ValueError(f"--pooling must be one of {', '.join(KINDS)}")
+        if self.api_server_count is not None:
+            if self.api_server_count < 1:
+                raise ValueError(
+                    f"--api-server-count must be at least 1, not {self.api_server_count}"
+                )
+            if self.api_server_count > 1 and not self.engine_process:
+                raise ValueError(
+                    f"--api-server-count {self.api_server_count} needs the engine in its own "
+                    "process, which the API servers share: drop --no-engine-process"
+                )
         if self.stream_interval < 1:
             raise ValueError("--stream-interval must be at least 1")
         if self.max_body_bytes < 1024:

@@ -37,6 +37,7 @@ class ServerState:
     responses: Any = None  # server.responses.registry.Runs: running and stored responses
     tasks: tuple[str, ...] = ("generate",)  # and/or "embed" (--enable-embeddings, --runner)
     embedding: Any = None  # server.embedding_config.EmbeddingConfig, when "embed" is served
+    seat: Any = None  # server.api_server_messages.Seat: one of several API servers (else None)
     inflight: set = field(default_factory=set)  # generation requests being served
     idle: trio.Event = field(default_factory=trio.Event)  # set when inflight empties
 

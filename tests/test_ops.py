@@ -115,16 +115,16 @@ def test_metrics_count_a_known_workload(tiny):
 
 
 def test_health_is_503_while_loading(tiny, monkeypatch):
-    import server.app as app_module
+    import server.engine_start as start
 
     release = threading.Event()
-    real = app_module._load
+    real = start._load
 
     def slow_load(config):
         release.wait(60)
         return real(config)
 
-    monkeypatch.setattr(app_module, "_load", slow_load)
+    monkeypatch.setattr(start, "_load", slow_load)
     server = LiveServer(EngineConfig(model=tiny, num_kv_blocks=32))
     server._thread.start()
     try:

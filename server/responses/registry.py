@@ -1,6 +1,11 @@
 """The responses a server knows: those running (in memory, whatever the store) and those stored
 (store.py, sqlite_store.py). Routes and runs reach the store only through here; SQLite calls
-run on a worker thread so the event loop never waits on the disk."""
+run on a worker thread so the event loop never waits on the disk.
+
+Several API servers (--api-server-count N > 1) share one SQLite store (the supervisor's file in
+its run directory, or --responses-store's): each response is stored as soon as it starts,
+naming the server running it, and what only that server can answer (a running response's
+state and stream, its cancellation) is forwarded to it (`elsewhere`, server/forward.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +14,7 @@ from typing import Any
 
 import trio
 
+from server.api_server_messages import Seat, responses_file
 from server.errors import APIError
 from server.responses.run import Run
 from server.responses.sqlite_store import SqliteStore
@@ -18,16 +24,21 @@ log = logging.getLogger("weir.responses")
 
 
 class Runs:
-    def __init__(self, store: MemoryStore | SqliteStore | None) -> None:
+    def __init__(self, store: MemoryStore | SqliteStore | None, seat: Seat | None = None) -> None:
         self.store = store
         self.live: dict[str, Run] = {}
         self.lock = trio.Lock()  # one store call at a time from the event loop
+        self.seat = seat  # one of several API servers sharing the store
 
     @classmethod
-    def from_options(cls, options: Any) -> Runs:
+    def from_options(cls, options: Any, seat: Seat | None = None) -> Runs:
         if options.disable_responses_store:
             return cls(None)
         ttl = options.responses_store_ttl
+        if seat is not None:
+            path = options.responses_store or responses_file(seat.run_dir)
+            limit = options.responses_store_max_entries
+            return cls(SqliteStore(path, limit, ttl, recover=False, shared=True), seat)
         if options.responses_store:
             return cls(
                 SqliteStore(options.responses_store, options.responses_store_max_entries, ttl)
@@ -40,6 +51,22 @@ class Runs:
                 return await trio.to_thread.run_sync(fn, *args)
         return fn(*args)
 
+    @property
+    def shared(self) -> bool:
+        """The store is shared with other API servers: a response is stored when it starts."""
+        return self.seat is not None and self.store is not None
+
+    def elsewhere(self, found: Run | Stored) -> int | None:
+        """The API server running `found`, when that is another one than this."""
+        if not isinstance(found, Stored) or self.seat is None or not found.running:
+            return None
+        return found.owner if found.owner not in (None, self.seat.index) else None
+
+    def _stored(self, run: Run) -> Stored:
+        rec = run.stored()
+        rec.owner = self.seat.index if self.seat is not None else None
+        return rec
+
     # ---------------------------------------------------------------- writes
     def start(self, run: Run) -> None:
         self.live[run.id] = run
@@ -48,7 +75,7 @@ class Runs:
         """A stored response's current state; a finished run leaves the live set."""
         if self.store is not None and run.response.store:
             try:
-                await self._call(self.store.put, run.stored())
+                await self._call(self.store.put, self._stored(run))
             except Exception:  # noqa: BLE001 - the response itself was served
                 log.exception("could not store response %s", run.id)
         if run.done.is_set():
@@ -58,16 +85,21 @@ class Runs:
         """Synchronously, from the `finally` of a cancelled request."""
         if self.store is not None and run.response.store:
             try:
-                self.store.put(run.stored())
+                self.store.put(self._stored(run))
             except Exception:  # noqa: BLE001
                 log.exception("could not store response %s", run.id)
         self.live.pop(run.id, None)
 
     async def delete(self, rid: str) -> bool:
-        if rid in self.live:
+        running = self.live.get(rid)
+        status = running.response.status if running is not None else None
+        if status is None and self.shared:  # running on another API server?
+            rec = await self._call(self.store.get, rid)
+            status = rec.status if rec is not None and rec.running else None
+        if status is not None:
             raise APIError(
                 400,
-                f"Response {rid} is still {self.live[rid].response.status}; cancel it first "
+                f"Response {rid} is still {status}; cancel it first "
                 "(only background responses can be cancelled)",
                 "response_id",
             )
@@ -101,11 +133,11 @@ class Runs:
     async def conversation(self, rid: str) -> list[dict[str, Any]]:
         """previous_response_id: the items it read, then its output."""
         found = await self.get(rid, "previous_response_id")
-        if isinstance(found, Run):
+        status = found.response.status if isinstance(found, Run) else found.status
+        if isinstance(found, Run) or found.running:  # here, or on another API server
             raise APIError(
                 400,
-                f"previous_response_id {rid!r} is still {found.response.status}; wait for it "
-                "to finish",
+                f"previous_response_id {rid!r} is still {status}; wait for it to finish",
                 "previous_response_id",
             )
         return found.context + found.response["output"]

@@ -13,7 +13,9 @@ from quart import Blueprint, Response, current_app, request
 from core.structured import Constraint
 from server import sse, structured
 from server.chat_job import prepare_chat
+from server.api_server_messages import local_socket
 from server.errors import APIError
+from server.forward import forward, forwarded
 from server.params import check_common
 from server.protocol import ChatCompletionRequest, ChatMessage, SamplingFields
 from server.responses import items as item_forms
@@ -25,6 +27,7 @@ from server.responses.protocol import (
 )
 from server.responses.registry import Runs
 from server.responses.run import Run, replay
+from server.responses.store import Stored
 from server.tools import FirstCall
 from server.submit import Submitted, stream_response
 from server.wire import decode, json_response, state
@@ -145,8 +148,9 @@ async def create() -> Response:
     sub = Submitted(st, engine, response.id, 1, stepwise)
     sub.add([job.prompt], job.params, req.priority, req.prompt_cache_key or req.cache_salt)
     runs.start(run)
-    if req.background:
+    if req.background or runs.shared:  # shared: the other API servers see it running
         await runs.save(run)
+    if req.background:
         current_app.nursery.start_soon(run.background, st, sub, job)
         if req.stream:
             return sse.response(run.follow())
@@ -174,9 +178,22 @@ def _int_arg(name: str, default: int | None, low: int, high: int | None = None) 
     return number
 
 
+async def _found_here(rid: str) -> tuple[Run | Stored | None, Response | None]:
+    """The response, or the answer of the API server running it when that is another one
+    (--api-server-count > 1): only that server has its state so far and its stream."""
+    runs = _runs()
+    found = await runs.get(rid)
+    server = runs.elsewhere(found)
+    if server is None or forwarded():
+        return found, None
+    return None, await forward(local_socket(runs.seat.run_dir, server), server)
+
+
 @bp.get("/v1/responses/<rid>")
 async def retrieve(rid: str) -> Response:
-    found = await _runs().get(rid)
+    found, answer = await _found_here(rid)
+    if answer is not None:
+        return answer
     if request.args.get("stream", "false").lower() not in ("true", "1"):
         return json_response(found.snapshot() if isinstance(found, Run) else found.response)
     after = _int_arg("starting_after", -1, -1)
@@ -230,7 +247,9 @@ async def delete(rid: str) -> Response:
 
 @bp.post("/v1/responses/<rid>/cancel")
 async def cancel(rid: str) -> Response:
-    found = await _runs().get(rid)
+    found, answer = await _found_here(rid)
+    if answer is not None:
+        return answer
     if isinstance(found, Run):
         if found.log is None:
             raise _bad("response_id", "only background responses can be cancelled")

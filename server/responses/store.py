@@ -19,6 +19,7 @@ class Stored:
     context: list[dict[str, Any]]  # every item the model read: earlier turns, then this input
     events: list[bytes] | None = None  # the stream, kept for replay (background responses)
     created: float = field(default_factory=time.time)
+    owner: int | None = None  # the API server running it (--api-server-count > 1)
 
     @property
     def status(self) -> str:

@@ -1,0 +1,193 @@
+"""Starting the engine behind the app (in its own process, or on a thread with
+--no-engine-process), then what the routes need of the model it loaded: the tokenizer, names,
+limits, metrics and parsers. Runs in the app's nursery at start-up: until it is done the server
+answers /health with 503 (loading)."""
+
+from __future__ import annotations
+
+import gc
+import logging
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import trio
+from quart_trio import QuartTrio
+
+from core.config import CheckpointError, EngineConfig
+from core.engine import EngineThread
+from core.engine_attached import AttachedEngine
+from core.engine_process import EngineProcess
+from core.shared_count import SharedCounts
+from core.stats import StepStats
+from server import embedding_config, reasoning, tool_parsers
+from server.api_server_messages import Seat, adds_file
+from server.chat import load_template
+from server.logprobs import TokenText
+from server.metrics import CacheInfo, Memory, Metrics
+from server.state import ServerState
+from server.stats_log import StatsLog
+
+log = logging.getLogger("weir.server")
+
+
+def _fail(app: QuartTrio, st: ServerState, reason: str) -> None:
+    st.status, st.reason = "failed", reason
+    app.weir_failed = reason
+    app.weir_shutdown.set()
+
+
+async def load_engine(app: QuartTrio, st: ServerState) -> None:
+    try:
+        st.chat_template = load_template(st.config.chat_template)
+        if st.options.engine_process:
+            # One of several API servers (a seat) shares the engine the supervisor started.
+            engine = _attached(st.config, st.seat) if st.seat else EngineProcess(st.config)
+            try:
+                loaded = await trio.to_thread.run_sync(_launch, engine)
+            except BaseException:
+                await engine.shutdown()  # no child may outlive a failed start
+                raise
+        else:
+            loaded = await trio.to_thread.run_sync(_load, st.config)
+            engine = EngineThread(loaded.core)
+            loaded = _Loaded(
+                loaded.tokenizer,
+                loaded.served_names,
+                loaded.max_model_len,
+                loaded.generation_defaults,
+                loaded.core.kv.num_blocks,
+                loaded.kv_dtype,
+                loaded.core.runner.vocab_size,
+                str(loaded.model_path),
+                loaded.weight_bytes or {},
+                loaded.kv_cache_bytes,
+            )
+        cache = CacheInfo(
+            st.config.block_size,
+            loaded.num_blocks,
+            st.config.enable_prefix_caching,
+            loaded.kv_dtype,
+            st.config.gpu_memory_utilization,
+            loaded.num_blocks * st.config.block_size,
+            loaded.num_blocks * st.config.block_size / loaded.max_model_len,
+        )
+        metrics = Metrics(
+            st.options.metrics_prefix,
+            loaded.served_names[0],
+            loaded.max_model_len,
+            cache,
+            Memory(loaded.weight_bytes, loaded.kv_cache_bytes, loaded.kv_dtype),
+            multiprocess=st.seat is not None,
+        )
+        # Of several API servers, one publishes the engine's statistics (core/engine_fanout.py).
+        publishes = st.seat is None or st.seat.publishes_engine_stats
+        engine.on_stats = metrics.publish if publishes else None
+        if st.options.log_stats and publishes:
+            stats_log = StatsLog()
+
+            def on_stats(s: StepStats) -> None:
+                metrics.publish(s)
+                stats_log.observe(s)
+
+            engine.on_stats = on_stats
+            app.nursery.start_soon(stats_log.run, st.options.stats_interval)
+
+        def died(message: str) -> None:
+            log.error("%s", message)
+            if st.options.exit_on_engine_error:
+                # In-flight requests already got the error; exit so the orchestrator restarts us.
+                _fail(app, st, message)
+
+        engine.on_death = died
+        engine.start()
+    except CheckpointError as e:  # the model given: exit code 2, as for any bad argument
+        log.error("could not load the model: %s", e)
+        app.weir_bad_input = True
+        _fail(app, st, str(e) if str(e).startswith("loading failed") else f"loading failed: {e}")
+        return
+    except Exception as e:  # noqa: BLE001 - reported, and the server shuts itself down
+        log.exception("could not load the model")
+        _fail(app, st, f"loading failed: {type(e).__name__}: {e}")
+        return
+    st.engine = engine
+    st.metrics = metrics
+    st.tokenizer = loaded.tokenizer
+    st.served_names = loaded.served_names
+    st.max_model_len = loaded.max_model_len
+    st.generation_defaults = loaded.generation_defaults
+    st.token_text = TokenText(loaded.tokenizer)
+    st.vocab_size = loaded.vocab_size
+    if "embed" in st.tasks:
+        st.embedding = embedding_config.resolve(
+            Path(loaded.model_path), st.options.pooling, st.options.normalize
+        )
+        log.info(
+            "embeddings: %s pooling%s", st.embedding.kind, ", normalized" * st.embedding.normalize
+        )
+    template = st.chat_template or getattr(loaded.tokenizer, "chat_template", None)
+    st.reasoning_parser = reasoning.resolve(st.options.reasoning_parser, template)
+    st.tool_parser = tool_parsers.resolve(st.options.tool_call_parser, template)
+    if st.tool_parser is not None:
+        log.info("tool-call parser: %s", st.tool_parser)
+    if st.options.reasoning_parser is not None:
+        log.info(
+            "reasoning parser: %s", st.reasoning_parser or "none (the template has no <think>)"
+        )
+    # What start-up made (torch, transformers, the model, the tokenizer) lives as long as the
+    # process: out of the collector's reach, a full collection while serving walks only what
+    # serving made (a full collection of start-up's objects stalled every stream: figures in
+    # docs/benchmarks.md).
+    gc.freeze()
+    if st.status == "loading":
+        st.status, st.reason = "ready", "ok"
+    log.info("serving %s", ", ".join(st.served_names))
+
+
+def _attached(config: EngineConfig, seat: Seat) -> AttachedEngine:
+    counts = SharedCounts(adds_file(seat.run_dir), seat.count, seat.index)
+    return AttachedEngine(config, *seat.engine_fds, adds=counts)
+
+
+def _load(config: EngineConfig):
+    from gpu import openmp
+
+    openmp.prepare(config)  # before torch is imported (gpu/openmp.py)
+    from gpu.launch import load  # the only place the server reaches into gpu/
+
+    return load(config)
+
+
+class _Loaded(NamedTuple):
+    """What the server needs of a model the engine process loaded."""
+
+    tokenizer: Any
+    served_names: list[str]
+    max_model_len: int
+    generation_defaults: dict[str, Any]
+    num_blocks: int
+    kv_dtype: str
+    vocab_size: int
+    model_path: str
+    weight_bytes: dict[str, int]
+    kv_cache_bytes: int
+
+
+def _launch(engine: EngineProcess | AttachedEngine) -> _Loaded:
+    """Start the engine process (or, one of several API servers, find the supervisor's), wait
+    for its model, then load the tokenizer from the same (already resolved or downloaded)
+    directory for chat templates and prompts."""
+    from transformers import AutoTokenizer
+
+    info = engine.launch()
+    return _Loaded(
+        AutoTokenizer.from_pretrained(info.tokenizer_path or info.model_path),
+        info.served_names,
+        info.max_model_len,
+        info.generation_defaults,
+        info.num_blocks,
+        info.kv_dtype,
+        info.vocab_size,
+        info.model_path,
+        info.weight_bytes,
+        info.kv_cache_bytes,
+    )

@@ -1,0 +1,67 @@
+"""How many API servers (HTTP processes) `weir serve` runs when --api-server-count is not given.
+
+One HTTP process delivers about 10,000 SSE events a second (docs/benchmarks.md): a CPU engine
+never comes near that, a GPU one does at a few hundred streams. So: 1 on CPU; on CUDA
+min(4, cores // 4), the cores being those this process may run on (a 16-core GPU host gets 4,
+leaving the engine process, its threads and the tokenizers the rest).
+
+This process never imports torch (server/cli.py), so "CUDA" is read the way torch would find
+it without asking torch: `--device cuda[:N]`, or `--device auto` with an installed torch built
+for CUDA (its version.py names a CUDA version), an NVIDIA driver that lists a GPU, and
+CUDA_VISIBLE_DEVICES not hiding them all. The engine reports the device it chose once loaded;
+the supervisor logs it beside the count.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+from pathlib import Path
+
+from core.config import EngineConfig
+from server.options import ServerOptions
+
+MAX_AUTO = 4
+CORES_EACH = 4
+
+
+def cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def torch_built_for_cuda() -> bool:
+    spec = importlib.util.find_spec("torch")
+    if spec is None or spec.origin is None:
+        return False
+    try:
+        text = (Path(spec.origin).parent / "version.py").read_text()
+    except OSError:
+        return False
+    found = re.search(r"^cuda\s*(?::[^=]*)?=\s*(.+)$", text, re.MULTILINE)
+    return found is not None and found.group(1).strip() != "None"
+
+
+def nvidia_gpu_visible() -> bool:
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in ("", "-1"):
+        return False
+    gpus = Path("/proc/driver/nvidia/gpus")
+    return gpus.is_dir() and any(gpus.iterdir())
+
+
+def on_cuda(device: str) -> bool:
+    if device.startswith("cuda"):
+        return True
+    return device == "auto" and torch_built_for_cuda() and nvidia_gpu_visible()
+
+
+def api_server_count(config: EngineConfig, options: ServerOptions) -> int:
+    if options.api_server_count is not None:
+        return options.api_server_count
+    if not options.engine_process or not on_cuda(config.device):
+        return 1
+    return max(1, min(MAX_AUTO, cores() // CORES_EACH))

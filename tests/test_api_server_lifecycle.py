@@ -1,0 +1,166 @@
+"""`weir serve --api-server-count 2` starting, stopping and failing: the admission limit holds for
+the whole server, a killed API server stops the whole server cleanly, SIGTERM drains both API
+servers, a model that cannot load stops them all, bad counts are refused, and the default count.
+Order is made explicit by stopping the engine process (SIGSTOP), never by sleeps."""
+
+from __future__ import annotations
+
+import glob
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+import httpx
+import pytest
+
+from server import cli, server_count
+from server.options import ServerOptions
+from tests.api_cluster import Cluster, gone
+from tests.conftest import free_port, wait_for
+
+
+@pytest.fixture(scope="module")
+def tiny(model_dir):
+    return str(model_dir("qwen3"))
+
+
+def test_admission_limit_holds_for_the_whole_server_and_a_killed_api_server_stops_it(
+    tiny, tmp_path
+):
+    c = Cluster(tiny, tmp_path, "--max-waiting-requests", "2")
+    pids = [c.engine, *c.api_server_pids()]
+    try:
+        os.kill(c.engine, signal.SIGSTOP)  # nothing leaves the queue
+        results: dict[int, list[str]] = {}
+
+        def stream(i: int) -> None:
+            body = {"prompt": f"wait {i}", "max_tokens": 5, "ignore_eos": True, "stream": True}
+            try:
+                with c.clients[i].stream("POST", "/v1/completions", json=body) as r:
+                    results[i] = [line for line in r.iter_lines() if line]
+            except httpx.HTTPError as e:
+                results[i] = [f"cut: {type(e).__name__}"]
+
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        # One request waits behind each API server: two in all, the limit.
+        assert wait_for(lambda: c.adds_sent() == 2, timeout=30)
+        for client in c.clients:
+            r = client.post("/v1/completions", json={"prompt": "one more", "max_tokens": 2})
+            assert r.status_code == 503 and r.json()["error"]["code"] == "overloaded"
+            assert r.headers["retry-after"] == "1"
+        # API server 0 dies: the whole server stops, API server 1 draining what it holds.
+        os.kill(pids[1], signal.SIGKILL)
+        assert wait_for(lambda: "exited with signal 9" in c.text(), timeout=30), c.text()
+        assert wait_for(lambda: c.clients[1].get("/health").status_code == 503, timeout=30)
+        os.kill(c.engine, signal.SIGCONT)
+        for t in threads:
+            t.join(60)
+        assert results[0][-1].startswith("cut")  # its server is gone
+        assert results[1][-1] == "data: [DONE]" and '"finish_reason":"length"' in results[1][-2]
+        assert c.proc.wait(60) == 1
+        log = c.text()
+        assert f"API server 0 (pid {pids[1]}) exited with signal 9: stopping the server" in log
+        assert "API server 0 left the engine: 1 requests aborted" in log
+        assert wait_for(lambda: gone(c, pids), timeout=30)
+    finally:
+        c.close()
+
+
+def test_sigterm_drains_every_api_server_then_exits_0(tiny, tmp_path):
+    c = Cluster(tiny, tmp_path, "--drain-timeout", "60")
+    pids = [c.engine, *c.api_server_pids()]
+    try:
+        started = threading.Barrier(3)
+        results: dict[int, list[str]] = {}
+
+        def stream(i: int) -> None:
+            body = {"prompt": f"drain {i}", "max_tokens": 300, "ignore_eos": True, "stream": True}
+            lines = []
+            with c.clients[i].stream("POST", "/v1/completions", json=body) as r:
+                for n, line in enumerate(r.iter_lines()):
+                    if n == 2:
+                        started.wait(30)
+                    if line:
+                        lines.append(line)
+            results[i] = lines
+
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        started.wait(30)  # one stream on each API server
+        os.kill(c.engine, signal.SIGSTOP)  # they stay in flight whatever the machine's speed
+        c.proc.send_signal(signal.SIGTERM)
+        for client in c.clients:
+            assert wait_for(lambda: client.get("/health").status_code == 503, timeout=30)
+            late = client.post("/v1/completions", json={"prompt": "late", "max_tokens": 2})
+            assert late.status_code == 503
+        os.kill(c.engine, signal.SIGCONT)
+        for t in threads:
+            t.join(120)
+        for i in range(2):
+            assert results[i][-1] == "data: [DONE]"
+            assert '"finish_reason":"length"' in results[i][-2]
+        assert c.proc.wait(60) == 0
+        assert wait_for(lambda: gone(c, pids), timeout=30)
+    finally:
+        c.close()
+
+
+@pytest.mark.parametrize(
+    "flags, says",
+    [
+        (["--api-server-count", "0"], "--api-server-count must be at least 1"),
+        (["-asc", "-2"], "--api-server-count must be at least 1"),
+        (["--api-server-count", "2", "--no-engine-process"], "drop --no-engine-process"),
+        (["--api-server-count", "2", "--headless"], "--headless runs no server"),
+    ],
+)
+def test_bad_counts_are_refused_naming_the_flag(flags, says, capsys, tmp_path):
+    assert cli.main(["serve", str(tmp_path), *flags]) == 2
+    assert says in capsys.readouterr().err
+
+
+def test_the_count_defaults_to_one_on_cpu_and_to_the_cores_on_cuda(monkeypatch):
+    from core.config import EngineConfig
+
+    def count(device: str, cores: int, cuda: bool, **options) -> int:
+        monkeypatch.setattr(server_count, "cores", lambda: cores)
+        monkeypatch.setattr(server_count, "torch_built_for_cuda", lambda: cuda)
+        monkeypatch.setattr(server_count, "nvidia_gpu_visible", lambda: cuda)
+        return server_count.api_server_count(EngineConfig(device=device), ServerOptions(**options))
+
+    assert count("auto", 16, cuda=False) == 1
+    assert count("cpu", 16, cuda=True) == 1
+    assert count("auto", 16, cuda=True) == 4
+    assert count("cuda:0", 8, cuda=False) == 2
+    assert count("auto", 64, cuda=True) == 4
+    assert count("auto", 2, cuda=True) == 1
+    assert count("auto", 16, cuda=True, engine_process=False) == 1
+    assert count("auto", 2, cuda=False, api_server_count=3) == 3
+
+
+def test_a_model_that_cannot_load_stops_every_api_server_with_code_2(tmp_path):
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "server",
+            "serve",
+            str(tmp_path / "missing"),
+            "--port",
+            str(free_port()),
+            "--api-server-count",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, TMPDIR=str(tmp_path)),
+    )
+    assert proc.returncode == 2  # bad input, as with one server
+    assert "does not exist" in proc.stderr
+    assert not glob.glob(str(tmp_path / "weir-*"))  # the run directory is gone
