@@ -52,6 +52,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # CUDA device with one rank, off otherwise (on a CPU the forward runs when launched, so
     # nothing overlaps: it is for tests there).
     async_scheduling: bool | None = None
+    # --speculative-config: vLLM's JSON (core/speculative.py SpeculativeConfig), as text
+    speculative_config: str | None = None
     # torch intra-op threads when running on CPU; None: torch's; 0: auto, from the model's size
     # (gpu/launch.py auto_threads)
     cpu_threads: int | None = None
@@ -124,6 +126,15 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise ValueError("--max-logprobs must be -1 (no limit) or at least 0")
         if self.tensor_parallel_size < 1:
             raise ValueError("--tensor-parallel-size must be at least 1")
+        if self.speculative_config is not None:
+            from core.speculative import SpeculativeConfig
+
+            SpeculativeConfig.parse(self.speculative_config)  # a ValueError names the field
+            if self.async_scheduling:
+                raise ValueError(
+                    "--speculative-config runs with synchronous scheduling: drop "
+                    "--async-scheduling (each step's proposals come from the last one's tokens)"
+                )
         if self.async_scheduling and self.tensor_parallel_size > 1:
             raise ValueError(
                 "--async-scheduling runs with one rank: the ranks of --tensor-parallel-size "

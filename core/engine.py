@@ -167,7 +167,6 @@ class Engine:
             log.exception("failing in-flight requests failed")
 
 
-
 class EngineThread(Engine):
     """The engine on a dedicated thread of this process (--no-engine-process)."""
 

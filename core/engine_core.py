@@ -17,6 +17,7 @@ from core.request_check import check_request
 from core.sampling import InvalidParam
 from core.runner_step import GrammarBatch, SchedulerOutput
 from core.scheduler import ScheduledSeq, ScheduledStep, Scheduler
+from core.speculative import SpeculativeConfig, Speculator
 from core.stats import StepStats, finished_stats
 from core.structured import Grammars
 
@@ -48,6 +49,7 @@ class EngineCore:
         scheduling_policy: str = "fcfs",
         max_logprobs: int = 20,
         async_scheduling: bool = False,
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         self.runner = runner
         self.tokenizer = tokenizer
@@ -69,6 +71,9 @@ class EngineCore:
         self._compiling: dict[str, Request] = {}  # requests whose grammar is not ready yet
         # Asynchronous scheduling: the next step is scheduled and launched before the last
         # one's results are taken in (see step()).
+        self.speculator = Speculator(speculative, self.max_model_len) if speculative else None
+        if async_scheduling and speculative is not None:
+            raise ValueError("speculative decoding runs with synchronous scheduling")
         if async_scheduling and not hasattr(runner, "submit"):
             raise ValueError("asynchronous scheduling needs a runner that submits steps")
         self.async_scheduling = async_scheduling
@@ -294,6 +299,8 @@ class EngineCore:
         """Schedule a step and launch it on the runner; None when nothing is scheduled."""
         preemptions_before = self.scheduler.num_preemptions
         queried, hits = self.kv.num_queried_tokens, self.kv.num_hit_tokens
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         out = self.scheduler.schedule()
         stats = self.stats
         stats.preemptions += self.scheduler.num_preemptions - preemptions_before
@@ -358,10 +365,41 @@ class EngineCore:
                 continue
             token_id, logprob = result.token_ids[row], result.logprobs[row]
             row += 1
+            if seq.num_draft:
+                outputs.append(self._take_run(seq, token_id, logprob, result, now))
+                continue
             outputs.append(self._append_token(request, token_id, logprob, now))
             if self.async_scheduling and request.status is not Status.FINISHED:
                 self.scheduler.cache_known(request)
         return outputs
+
+    def _take_run(self, seq: ScheduledSeq, token_id, logprob, result, now) -> RequestOutput:
+        """A verified run of proposals: the kept tokens appended one by one (a stop inside the
+        run ends it there), the computed positions cut back to the kept ones, one output."""
+        request = seq.request
+        rid = request.request_id
+        tokens = [token_id, *result.spec_token_ids.get(rid, ())]
+        logprobs = [logprob, *result.spec_logprobs.get(rid, ())]
+        accepted = len(tokens) - 1
+        stats = self.stats
+        stats.spec_drafts += 1
+        stats.spec_draft_tokens += seq.num_draft
+        stats.spec_accepted_tokens += accepted
+        per_pos = stats.spec_accepted_per_pos
+        per_pos.extend([0] * (accepted - len(per_pos)))
+        for i in range(accepted):
+            per_pos[i] += 1
+        self.speculator.judge(request, seq.num_draft, accepted)
+        out = None
+        for token, lp in zip(tokens, logprobs):
+            step = self._append_token(request, token, lp, now)
+            out = step if out is None else out.merge(step)
+            if step.finished:
+                return out
+        # the rejected proposals' positions are computed again from the kept tokens
+        request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
+        self.scheduler.cache_known(request)
+        return out
 
 
 class _Done:

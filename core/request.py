@@ -46,6 +46,11 @@ class StepResult(msgspec.Struct, gc=False):
     prompt_logprobs: dict[str, list[Logprob]] = {}
     # Per pooling request whose prompt this step finished: its vector, little-endian float32.
     pooled: dict[str, bytes] = {}
+    # Speculative decoding: per request whose proposals were verified, the tokens after the
+    # first (token_ids has the first; together, the accepted proposals and one token more),
+    # and their log-probs when asked for.
+    spec_token_ids: dict[str, list[int]] = {}
+    spec_logprobs: dict[str, list[Logprob | None]] = {}
 
 
 class RequestOutput(msgspec.Struct, omit_defaults=True, gc=False):
@@ -63,6 +68,17 @@ class RequestOutput(msgspec.Struct, omit_defaults=True, gc=False):
     embedding: bytes | None = None  # a pooling request's vector (little-endian float32)
     prompt_logprobs: list[Logprob | None] | None = None  # with the first output, when asked for
     error: str | None = None
+
+    def merge(self, later: RequestOutput) -> RequestOutput:
+        """This output followed by a later one of the same request (several tokens of one
+        step: a verified run of speculative proposals)."""
+        self.new_token_ids = self.new_token_ids + later.new_token_ids
+        self.new_text += later.new_text
+        self.logprobs = self.logprobs + later.logprobs
+        self.finished, self.finish_reason = later.finished, later.finish_reason
+        self.num_output_tokens = later.num_output_tokens
+        self.error = later.error or self.error
+        return self
 
 
 class Status(enum.Enum):
@@ -106,6 +122,11 @@ class Request:
         "grammar_future",
         "pooling",
         "num_pending",
+        "spec_token_ids",
+        "spec_index",
+        "spec_off",
+        "spec_drafted",
+        "spec_accepted",
     )
 
     def __init__(
@@ -154,6 +175,14 @@ class Request:
         # Tokens sampled by launched steps the engine has not yet taken in: under asynchronous
         # scheduling the next step computes the last one before it is known.
         self.num_pending = 0
+        # Speculative decoding (core/speculative.py): this step's proposed tokens, the request's
+        # n-gram index, and its proposals' record (a request whose proposals keep failing
+        # stops proposing).
+        self.spec_token_ids: list[int] = []
+        self.spec_index = None
+        self.spec_off = False
+        self.spec_drafted = 0
+        self.spec_accepted = 0
         # Index p: log-probability of prompt token p given the tokens before it (none for p = 0).
         self.prompt_logprobs: list[Logprob | None] | None = (
             [None] if params.prompt_logprobs is not None else None

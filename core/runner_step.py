@@ -18,6 +18,8 @@ Per step, applied in this order:
 Under asynchronous scheduling the engine schedules step N+1 before it has seen what step N
 sampled: an entry whose last token is that sample says `pending`, and the runner fills it in from
 its own previous step (replaced by the real id in `new_token_ids` the next time the request runs).
+With speculative decoding an entry carries `draft_token_ids`: proposals after its known tokens;
+every row from its last known token on gives logits, and the result says which it kept.
 
 Grammar state stays with the engine (llguidance's matchers): it hands the runner a GrammarBatch,
 which fills the constrained rows' bitmask while the forward runs.
@@ -51,6 +53,9 @@ class ScheduledRequest(msgspec.Struct, array_like=True, gc=False):
     # the request in its previous step, which the engine has not seen yet; the runner takes it
     # from that step's sampled ids, where it still is (on the GPU).
     pending: bool = False
+    # Speculative decoding: proposed tokens after the known ones, computed in this chunk (its
+    # last len(draft_token_ids) inputs) and verified by the sampler; never kept by the runner.
+    draft_token_ids: list[int] = []
 
 
 class SchedulerOutput(msgspec.Struct, gc=False):

@@ -29,6 +29,9 @@ class ScheduledSeq(msgspec.Struct, gc=False):
     # The chunk reaches the end of the known tokens: its last row gives logits (a pooling
     # request is never sampled: the runner pools its rows instead).
     sample: bool
+    # Of the new tokens, how many are speculative proposals (the chunk's last ones): every
+    # row from the last known token on gives logits, and the sampler verifies them.
+    num_draft: int = 0
 
     @property
     def token_ids(self) -> list[int]:
@@ -150,12 +153,14 @@ class Scheduler:
 
     def _seq(self, request: Request, num_new: int, table: list[int]) -> ScheduledSeq:
         start = request.num_computed_tokens
+        known = request.num_scheduled_tokens
         return ScheduledSeq(
             request=request,
             start=start,
             num_new_tokens=num_new,
             block_table=table,
-            sample=start + num_new == request.num_scheduled_tokens and request.pooling is None,
+            sample=start + num_new >= known and request.pooling is None,
+            num_draft=max(0, start + num_new - known),
         )
 
     def schedule(self) -> ScheduledStep:
@@ -171,7 +176,8 @@ class Scheduler:
             if request.status is not Status.RUNNING:
                 continue  # preempted earlier in this step
             computed = request.num_computed_tokens
-            total = len(request.all_token_ids) + request.num_pending
+            known = len(request.all_token_ids) + request.num_pending
+            total = known + len(request.spec_token_ids)
             num_new = min(total - computed, budget)
             if num_new <= 0:
                 continue
@@ -188,7 +194,8 @@ class Scheduler:
                     computed,
                     num_new,
                     table,
-                    computed + num_new == total and request.pooling is None,
+                    computed + num_new >= known and request.pooling is None,
+                    max(0, computed + num_new - known),
                 )
                 budget -= num_new
                 continue
@@ -262,6 +269,7 @@ class Scheduler:
                     tokens[r.runner_tokens :] if r.runner_tokens < len(tokens) else [],
                     table[r.runner_blocks :],
                     r.num_pending > 0,
+                    r.spec_token_ids[: s.num_draft],
                 )
             )
             r.runner_tokens, r.runner_blocks = len(tokens), len(table)

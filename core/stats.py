@@ -38,6 +38,12 @@ class StepStats(msgspec.Struct, gc=False):
     ttft: list[float] = []
     itl: list[float] = []
     finished: list[FinishedStats] = []
+    # Speculative decoding (vLLM's spec_decode_* counters): verified proposals, their tokens,
+    # the tokens kept, and per position of a proposal how many were kept there.
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = []
 
 
 def finished_stats(request, reason: str, now: float) -> FinishedStats:

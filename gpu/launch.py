@@ -14,6 +14,7 @@ import torch
 
 from core.config import CheckpointError, EngineConfig
 from core.engine_core import EngineCore
+from core.speculative import SpeculativeConfig
 from gpu import kv_cache
 from gpu.cache import cache_dir
 from gpu.assemble import (
@@ -50,7 +51,11 @@ def resolve_async(config: EngineConfig, device: torch.device) -> bool:
     """--async-scheduling, or by default on for a CUDA device with one rank."""
     if config.async_scheduling is not None:
         return config.async_scheduling
-    return device.type == "cuda" and config.tensor_parallel_size == 1
+    return (
+        device.type == "cuda"
+        and config.tensor_parallel_size == 1
+        and config.speculative_config is None
+    )
 
 
 def load(config: EngineConfig) -> Loaded:
@@ -94,6 +99,9 @@ def load(config: EngineConfig) -> Loaded:
         scheduling_policy=config.scheduling_policy,
         max_logprobs=config.max_logprobs,
         async_scheduling=resolve_async(config, device),
+        speculative=SpeculativeConfig.parse(config.speculative_config)
+        if config.speculative_config
+        else None,
     )
     weights = resident_weights(model) if config.tensor_parallel_size == 1 else {}
     kv_bytes = sum(k.numel() * k.element_size() * 2 for k, _ in runner.kv_caches) if weights else 0

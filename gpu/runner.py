@@ -82,14 +82,20 @@ class ModelRunner:
                 positions.append(start)
                 slots.append(table[start // bs] * bs + start % bs)
             else:
-                input_ids.extend(r.token_ids[start : start + n])
+                drafts = s.draft_token_ids
+                if drafts:  # known tokens, then the proposals to verify
+                    input_ids.extend(r.token_ids[start : start + n - len(drafts)])
+                    input_ids.extend(drafts)
+                else:
+                    input_ids.extend(r.token_ids[start : start + n])
                 pos = range(start, start + n)
                 positions.extend(pos)
                 slots.extend(table[p // bs] * bs + p % bs for p in pos)
             query_lens.append(n)
             seq_lens.append(start + n)
-            if s.sample:
-                logits_rows.append(len(input_ids) - 1)
+            if s.sample:  # a run of proposals: logits from the last known token on
+                end = len(input_ids)
+                logits_rows.extend(range(end - 1 - len(s.draft_token_ids), end))
             if s.pending:  # its last input is what the previous step sampled for it
                 if start + n != len(r.token_ids):
                     raise ValueError(f"{s.request_id}: a pending token must end its chunk")
@@ -112,7 +118,11 @@ class ModelRunner:
             request.generator = g
         return request.generator
 
-    def prepare_sampling(self, sampled: list[RunnerRequest], grammar=None) -> SamplingMetadata:
+    def prepare_sampling(
+        self, sampled: list[RunnerRequest], grammar=None, offsets: list[int] | None = None
+    ) -> SamplingMetadata:
+        """One row per entry of `sampled` (a request speculating has one per verified
+        position: `offsets` counts the tokens before each row's within the run)."""
         requests = sampled
         params = [r.sampling_params for r in requests]
         asked = [p.logprobs for p in params if p.logprobs is not None]
@@ -143,7 +153,7 @@ class ModelRunner:
                 bias_rows.append(i)
                 bias_tokens.append(token)
                 bias_values.append(value)
-            if r.num_output_tokens < p.min_tokens:
+            if r.num_output_tokens + (offsets[i] if offsets else 0) < p.min_tokens:
                 banned = set(p.stop_token_ids)
                 if not p.ignore_eos:
                     banned |= self.eos_token_ids
@@ -266,11 +276,35 @@ class ModelRunner:
         self.last_logits = logits
         if not self.samples:
             return LaunchedStep([], None)
-        requests = [r for s, r in zip(out.scheduled, scheduled) if s.sample]
-        sampled = self.sampler(logits, self.prepare_sampling(requests, grammar_rows))
+        runs = [
+            (r, len(s.draft_token_ids) + 1) for s, r in zip(out.scheduled, scheduled) if s.sample
+        ]
+        if len(runs) == logits_rows.numel():  # one row a request: nothing proposed
+            requests = [r for r, _ in runs]
+            sampled = self.sampler(logits, self.prepare_sampling(requests, grammar_rows))
+            accepted = None
+        else:
+            sampled, accepted = self._verify(out, runs, logits, grammar_rows)
+            requests = [r for r, n in runs for _ in range(n)]
         self._last_sampled = sampled.token_ids
-        self._last_rows = {r.request_id: i for i, r in enumerate(requests)}
-        return LaunchedStep(requests, sampled, prompt_lp, pooled)
+        self._last_rows = {r.request_id: i for i, r in enumerate(requests)}  # a run's last row
+        return LaunchedStep(requests, sampled, prompt_lp, pooled, runs, accepted)
+
+    def _verify(self, out: SchedulerOutput, runs, logits, grammar_rows):
+        """Speculative runs: a logits row per verified position, the sampler's verdicts."""
+        requests, offsets, drafts, first = [], [], [], []
+        for s in out.scheduled:
+            if s.sample:
+                drafts += [*s.draft_token_ids, -1]
+        for r, n in runs:
+            first.append(len(requests))
+            requests += [r] * n
+            offsets += range(n)
+        if grammar_rows is not None:  # constrained requests propose nothing: one row each
+            rows, mask = grammar_rows
+            grammar_rows = (self._tensor(first, torch.int64)[rows], mask)
+        m = self.prepare_sampling(requests, grammar_rows, offsets)
+        return self.sampler.verify(logits, m, self._tensor(drafts, torch.int64))
 
 
 class LaunchedStep:
@@ -278,14 +312,24 @@ class LaunchedStep:
     behind the step's kernels, into pinned memory, and an event recorded after them; `result()`
     waits for that event alone, so the work queued after it keeps running."""
 
-    def __init__(self, requests: list[RunnerRequest], sampled, prompt_lp=None, pooled=None):
-        self.requests = requests
+    def __init__(
+        self,
+        requests: list[RunnerRequest],
+        sampled,
+        prompt_lp=None,
+        pooled=None,
+        runs: list[tuple[RunnerRequest, int]] | None = None,
+        accepted: torch.Tensor | None = None,
+    ):
+        self.requests = requests  # one per sampled row
+        self.runs = runs if accepted is not None else None  # (request, rows) when speculating
         self.prompt_lp, self.pooled = prompt_lp or {}, pooled or {}
         self.event = None
         self.host: list[torch.Tensor | None] = []
         if sampled is None:
             return
         parts = [sampled.token_ids, sampled.logprobs, sampled.top_ids, sampled.top_logprobs]
+        parts.append(accepted)
         if sampled.token_ids.is_cuda:
             parts = [p.to("cpu", non_blocking=True) if p is not None else None for p in parts]
             self.event = torch.cuda.Event()
@@ -297,7 +341,7 @@ class LaunchedStep:
             self.event.synchronize()
         if not self.host:
             return StepResult([], [], self.prompt_lp, self.pooled)
-        ids_t, chosen_t, top_ids_t, top_lps_t = self.host
+        ids_t, chosen_t, top_ids_t, top_lps_t, accepted_t = self.host
         ids = ids_t.tolist()
         logprobs: list[Logprob | None] = [None] * len(ids)
         if chosen_t is not None:
@@ -310,4 +354,23 @@ class LaunchedStep:
                     logprobs[i] = Logprob(
                         ids[i], chosen[i], top_ids[i][:k] if k else [], top_lps[i][:k] if k else []
                     )
-        return StepResult(ids, logprobs, self.prompt_lp, self.pooled)
+        if self.runs is None:
+            return StepResult(ids, logprobs, self.prompt_lp, self.pooled)
+        return self._runs(ids, logprobs, accepted_t.tolist())
+
+    def _runs(self, ids: list[int], logprobs: list, accepted: list[bool]) -> StepResult:
+        """Each speculating request keeps its rows up to its first unaccepted one: the first
+        token in token_ids, the rest in spec_token_ids."""
+        first_ids, first_lps, spec, spec_lps = [], [], {}, {}
+        row = 0
+        for r, n in self.runs:
+            keep = 1
+            while keep < n and accepted[row + keep - 1]:
+                keep += 1
+            first_ids.append(ids[row])
+            first_lps.append(logprobs[row])
+            if n > 1:
+                spec[r.request_id] = ids[row + 1 : row + keep]
+                spec_lps[r.request_id] = logprobs[row + 1 : row + keep]
+            row += n
+        return StepResult(first_ids, first_lps, self.prompt_lp, self.pooled, spec, spec_lps)

@@ -129,6 +129,55 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, m: SamplingMetadata) -> SamplerOutput:
         """logits: [n, vocab] float32, one row per sampled sequence."""
+        logits, greedy = self._process(logits, m)
+        ids = self.backend.argmax(logits)
+        if not m.all_greedy:
+            ids = torch.where(greedy, ids, self._draw(logits.softmax(dim=-1), m.seeded))
+        return self._with_logprobs(SamplerOutput(token_ids=ids), logits, m)
+
+    def verify(self, logits: torch.Tensor, m: SamplingMetadata, drafts: torch.Tensor):
+        """Speculative rows: row i of a request's run scores the position after its i-th input
+        and `drafts[i]` is the proposal there (-1 on a run's last row, which only ever gives
+        the token after the run). Returns (SamplerOutput, accepted [n] bool): each row's token
+        is the proposal where accepted, else the token the run ends with there. A run keeps its
+        rows up to and including its first unaccepted one.
+
+        Greedy rows accept a proposal equal to their argmax. Sampled rows accept it with the
+        probability the model gives it (the proposal is certain, so min(1, p / q) is p) and
+        otherwise draw from the model's distribution without it: the token after a run of
+        accepted proposals has exactly the model's distribution (rejection sampling)."""
+        logits, greedy = self._process(logits, m)
+        ids = self.backend.argmax(logits)
+        has = drafts >= 0
+        target = drafts.clamp(min=0)
+        accepted = has & (ids == target)
+        if not m.all_greedy:
+            probs = logits.softmax(dim=-1)
+            u = torch.rand(probs.shape[0], generator=self.generator, device=probs.device)
+            for row, generator in m.seeded:
+                u[row] = torch.rand(1, generator=generator, device=probs.device)[0]
+            p_draft = probs.gather(1, target[:, None]).squeeze(1)
+            sampled_accept = has & (u < p_draft)
+            # the fallback draw: the distribution without the rejected proposal
+            residual = probs.scatter(1, target[:, None], 0.0)
+            residual = torch.where(has[:, None], residual, probs)
+            drawn = self._draw(residual, m.seeded)
+            ids = torch.where(greedy, ids, drawn)
+            accepted = torch.where(greedy, accepted, sampled_accept)
+        ids = torch.where(accepted, target, ids)
+        return self._with_logprobs(SamplerOutput(token_ids=ids), logits, m), accepted
+
+    def _with_logprobs(self, out: SamplerOutput, logits, m: SamplingMetadata) -> SamplerOutput:
+        if m.max_logprobs is not None:
+            logprobs = logits.log_softmax(dim=-1)
+            out.logprobs = logprobs.gather(1, out.token_ids[:, None]).squeeze(1)
+            if m.max_logprobs > 0:
+                out.top_logprobs, out.top_ids = logprobs.topk(m.max_logprobs, dim=-1)
+        return out
+
+    def _process(self, logits: torch.Tensor, m: SamplingMetadata):
+        """The logits every row is sampled from (grammar, bias, bans, penalties, temperature,
+        filters), and which rows are greedy (None when all are)."""
         grammar_only = None
         if m.grammar is not None:
             g_rows, g_mask = m.grammar
@@ -151,6 +200,7 @@ class Sampler:
             logits = apply_penalties(
                 logits, m.output_counts, m.prompt_mask, m.presence, m.frequency, m.repetition
             )
+        greedy = None
         if not m.all_greedy:
             greedy = m.temperature < 1e-5
             logits = logits / torch.where(greedy, 1.0, m.temperature)[:, None]
@@ -158,13 +208,4 @@ class Sampler:
             logits = filter_logits(
                 logits, m.top_k, m.top_p, m.min_p, m.need_top_k, m.need_top_p, m.need_min_p
             )
-        ids = self.backend.argmax(logits)
-        if not m.all_greedy:
-            ids = torch.where(greedy, ids, self._draw(logits.softmax(dim=-1), m.seeded))
-        out = SamplerOutput(token_ids=ids)
-        if m.max_logprobs is not None:
-            logprobs = logits.log_softmax(dim=-1)
-            out.logprobs = logprobs.gather(1, ids[:, None]).squeeze(1)
-            if m.max_logprobs > 0:
-                out.top_logprobs, out.top_ids = logprobs.topk(m.max_logprobs, dim=-1)
-        return out
+        return logits, greedy

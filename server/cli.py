@@ -60,6 +60,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         attention_backend=args.attention_backend,
         enforce_eager=args.enforce_eager,
         async_scheduling=args.async_scheduling,
+        speculative_config=args.speculative_config,
         cpu_threads=cpu_threads(args.cpu_threads),
         cpu_matmul=args.cpu_matmul,
         cpu_forward=args.cpu_forward,

@@ -130,6 +130,14 @@ def build_parser() -> argparse.ArgumentParser:
         "graphs captured at startup for batch sizes 1, 2, 4, 8, 16, ... up to --max-num-seqs)",
     )
     s.add_argument(
+        "--speculative-config",
+        default=None,
+        help='vLLM\'s JSON, e.g. {"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_max": 4}: several tokens a step for a request whose next tokens repeat '
+        "earlier ones, verified by the model (the same outputs); disable_by_batch_size turns it "
+        "off for steps with more running requests",
+    )
+    s.add_argument(
         "--async-scheduling",
         action=argparse.BooleanOptionalAction,
         default=None,

@@ -209,6 +209,18 @@ class Metrics:
         self.prefix_hits = counter(
             "prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."
         )
+        # speculative decoding, as vLLM counts it (zero without --speculative-config)
+        self.spec_drafts = counter("spec_decode_num_drafts", "Number of spec decoding drafts.")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Number of draft tokens.")
+        self.spec_accepted = counter(
+            "spec_decode_num_accepted_tokens", "Number of accepted tokens."
+        )
+        self._spec_per_pos = Counter(
+            p + "spec_decode_num_accepted_tokens_per_pos",
+            "Accepted tokens per draft position.",
+            labels + ["position"],
+            registry=reg,
+        )
         self._success = Counter(
             p + "request_success",
             "Count of successfully processed requests.",
@@ -274,9 +286,15 @@ class Metrics:
             (self.preemptions, s.preemptions),
             (self.prefix_queries, s.prefix_queries),
             (self.prefix_hits, s.prefix_hits),
+            (self.spec_drafts, s.spec_drafts),
+            (self.spec_draft_tokens, s.spec_draft_tokens),
+            (self.spec_accepted, s.spec_accepted_tokens),
         ):
             if value:
                 counter.inc(value)
+        for pos, value in enumerate(s.spec_accepted_per_pos):
+            if value:
+                self._spec_per_pos.labels(self.model_name, str(pos)).inc(value)
         for v in s.iteration_tokens:
             self.iteration.observe(v)
         for v in s.ttft:

@@ -20,6 +20,7 @@ class StatsLog:
         self.prefix_queries = 0
         self.prefix_hits = 0
         self.preemptions = 0
+        self.spec = StepStats()  # speculative decoding's counts in the interval
         self.last = StepStats()
 
     def observe(self, s: StepStats) -> None:
@@ -28,6 +29,15 @@ class StatsLog:
         self.prefix_queries += s.prefix_queries
         self.prefix_hits += s.prefix_hits
         self.preemptions += s.preemptions
+        if s.spec_drafts:
+            spec = self.spec
+            spec.spec_drafts += s.spec_drafts
+            spec.spec_draft_tokens += s.spec_draft_tokens
+            spec.spec_accepted_tokens += s.spec_accepted_tokens
+            per = spec.spec_accepted_per_pos
+            per.extend([0] * (len(s.spec_accepted_per_pos) - len(per)))
+            for i, v in enumerate(s.spec_accepted_per_pos):
+                per[i] += v
         self.last = s
 
     def line(self, elapsed: float) -> str | None:
@@ -46,6 +56,20 @@ class StatsLog:
         )
         if self.preemptions:
             text += f", Preemptions: {self.preemptions}"
+        spec = self.spec
+        if spec.spec_drafts:
+            # as vLLM words it: each verified proposal yields its accepted tokens and one more
+            drafts, drafted = spec.spec_drafts, spec.spec_draft_tokens
+            per_pos = ", ".join(f"{v / drafts:.3f}" for v in spec.spec_accepted_per_pos)
+            text += (
+                f"; SpecDecoding metrics: Mean acceptance length: "
+                f"{1 + spec.spec_accepted_tokens / drafts:.2f}, Accepted throughput: "
+                f"{spec.spec_accepted_tokens / elapsed:.2f} tokens/s, Drafted throughput: "
+                f"{drafted / elapsed:.2f} tokens/s, Accepted: {spec.spec_accepted_tokens} "
+                f"tokens, Drafted: {drafted} tokens, Per-position acceptance rate: {per_pos}, "
+                f"Avg Draft acceptance rate: {100 * spec.spec_accepted_tokens / drafted:.1f}%"
+            )
+            self.spec = StepStats()
         self.prompt_tokens = self.generation_tokens = 0
         self.prefix_queries = self.prefix_hits = self.preemptions = 0
         return text

@@ -174,7 +174,8 @@ def test_unknown_fields_are_ignored(live_server):
 
 
 def break_engine_after(engine, calls: int) -> None:
-    real = engine.core.runner.execute
+    """The runner fails from its calls + 1-th step on (the engine submits every step)."""
+    real = engine.core.runner.submit
     count = {"n": 0}
 
     def flaky(out, grammar=None):
@@ -183,7 +184,7 @@ def break_engine_after(engine, calls: int) -> None:
             raise RuntimeError("simulated device failure")
         return real(out, grammar)
 
-    engine.core.runner.execute = flaky
+    engine.core.runner.submit = flaky
 
 
 def stream_lines(url: str) -> list[str]:
