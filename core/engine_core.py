@@ -111,6 +111,11 @@ class EngineCore:
         if req.request_id in self.requests:
             raise InvalidParam("request_id", f"request id {req.request_id!r} is already running")
         max_tokens = self.check(req)
+        slots = getattr(self.runner, "lora", None)
+        if req.lora is not None and slots is not None:
+            # Read its weights now (once; kept in host memory): an adapter whose files went
+            # bad since it was registered fails this request here, not a step.
+            slots.preload(req.lora)
         detok = None
         if self.tokenizer is not None and req.pooling is None:
             detok = Detokenizer(

@@ -16,6 +16,7 @@ from typing import Any
 import msgspec
 
 from core.config import EngineConfig
+from core.lora import LoraBase
 from core.request import EngineRequest, RequestOutput
 from core.stats import StepStats
 
@@ -82,6 +83,7 @@ class EngineReady(msgspec.Struct, tag="ready", gc=False):
     tokenizer_path: str = ""  # the Hugging Face tokenizer folder (a GGUF file's, converted)
     weight_bytes: dict[str, int] = {}  # resident weight bytes by format
     kv_cache_bytes: int = 0
+    lora_base: LoraBase | None = None  # the shapes an adapter must fit, with --enable-lora
 
 
 class StepOutputs(msgspec.Struct, tag="step", gc=False):

@@ -103,6 +103,7 @@ def main() -> None:
                 loaded.tokenizer_path,
                 loaded.weight_bytes or {},
                 loaded.kv_cache_bytes,
+                loaded.lora_base,
             )
         )
     )

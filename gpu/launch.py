@@ -43,6 +43,7 @@ class Loaded:
     tokenizer_path: str = ""  # the Hugging Face tokenizer folder the server loads
     weight_bytes: dict[str, int] | None = None  # resident weight bytes by format
     kv_cache_bytes: int = 0
+    lora_base: Any = None  # core/lora.py LoraBase: the shapes an adapter must fit (--enable-lora)
 
 
 def resolve_async(config: EngineConfig, device: torch.device) -> bool:
@@ -109,6 +110,12 @@ def load(config: EngineConfig) -> Loaded:
         kv_bytes / 1e9,
         max_model_len,
     )
+    lora_base = None
+    if config.enable_lora:
+        from gpu.lora import base_of
+        from gpu.models.spec import ModelSpec
+
+        lora_base = base_of(ModelSpec.from_hf_config(hf_config))
     defaults = generation_defaults(path, config.generation_config)
     if defaults:
         log.info("sampling defaults from the generation config: %s", defaults)
@@ -123,6 +130,7 @@ def load(config: EngineConfig) -> Loaded:
         tokenizer_path,
         weights,
         kv_bytes,
+        lora_base,
     )
 
 

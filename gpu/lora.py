@@ -167,6 +167,10 @@ class LoraSlots:
         self.num_slot_loads += 1
 
     # ---- host memory ----
+    def preload(self, ref: LoraRef) -> None:
+        """Read the adapter into host memory if it is not there (LoraError if it cannot be)."""
+        self._weights(ref)
+
     def _weights(self, ref: LoraRef) -> dict:
         """The adapter's weights in host memory (read on first use; least recently used
         dropped past --max-cpu-loras)."""

@@ -35,6 +35,8 @@ from server.options import ServerOptions
 from server.routes import bp
 from server.state import ServerState
 from server.listen import hypercorn_config, listening_socket
+from server.lora import LoraRegistry
+from core.lora import LoraError
 from server.stats_log import StatsLog
 
 log = logging.getLogger("weir.server")
@@ -173,7 +175,16 @@ async def _load_engine(app: QuartTrio, st: ServerState) -> None:
                 str(loaded.model_path),
                 loaded.weight_bytes or {},
                 loaded.kv_cache_bytes,
+                loaded.lora_base,
             )
+        lora = None
+        if st.config.enable_lora:  # --lora-modules, checked before anything is served
+            lora = LoraRegistry(loaded.lora_base, st.config.max_lora_rank)
+            try:
+                lora.load_modules(st.config.lora_modules)
+            except (LoraError, ValueError) as e:
+                await engine.shutdown()
+                raise CheckpointError(f"--lora-modules: {e}") from None
         cache = CacheInfo(
             st.config.block_size,
             loaded.num_blocks,
@@ -189,6 +200,7 @@ async def _load_engine(app: QuartTrio, st: ServerState) -> None:
             loaded.max_model_len,
             cache,
             Memory(loaded.weight_bytes, loaded.kv_cache_bytes, loaded.kv_dtype),
+            st.config.max_loras if st.config.enable_lora else None,
         )
         engine.on_stats = metrics.publish
         if st.options.log_stats:
@@ -220,6 +232,7 @@ async def _load_engine(app: QuartTrio, st: ServerState) -> None:
         return
     st.engine = engine
     st.metrics = metrics
+    st.lora = lora
     st.tokenizer = loaded.tokenizer
     st.served_names = loaded.served_names
     st.max_model_len = loaded.max_model_len
@@ -274,6 +287,7 @@ class _Frontend(NamedTuple):
     model_path: str
     weight_bytes: dict[str, int]
     kv_cache_bytes: int
+    lora_base: Any = None
 
 
 def _launch(engine: EngineProcess) -> _Frontend:
@@ -293,6 +307,7 @@ def _launch(engine: EngineProcess) -> _Frontend:
         info.model_path,
         info.weight_bytes,
         info.kv_cache_bytes,
+        info.lora_base,
     )
 
 
