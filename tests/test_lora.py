@@ -65,7 +65,7 @@ def engine(base, **kw):
 
 
 def refs_of(loaded, adapters):
-    base = base_of(loaded.core.runner.model.spec)
+    base = loaded.lora_base
     return {name: read_adapter(name, path, base, 16).ref for name, path in adapters.items()}
 
 
@@ -325,3 +325,24 @@ def test_gated_product_takes_a_pre_activation_addend(act):
     g, u = (quant.linear(x, quant.pack(r, fmt, (48, 64))) for r in rows)
     want = ACTIVATIONS[act](g + add[:, :48]) * (u + add[:, 48:])
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_tensor_parallel_adapters_sharded_like_their_layers(lora_models):
+    """TP=2: each rank holds its share of every adapter (B of Q/K/V and gate/up by rows, A of
+    O and down by columns); the mixed batch's tokens are still PEFT's."""
+    base, adapters = lora_models("llama")
+    loaded = engine(base, device="cpu", tensor_parallel_size=2, num_kv_blocks=64)
+    core = loaded.core
+    try:
+        prompts = [loaded.tokenizer.encode(p) for p in LORA_PROMPTS[:3]]
+        want = {
+            n: peft_greedy(base, adapters.get(n), prompts, MAX_TOKENS)
+            for n in [None, "all16", "mlp4"]
+        }
+        refs = refs_of(loaded, adapters)
+        jobs = [(f"{n}-{i}", ids, refs.get(n)) for i, ids in enumerate(prompts) for n in want]
+        got = run(core, jobs)
+        for n in want:
+            assert [got[f"{n}-{i}"] for i in range(len(prompts))] == want[n], n
+    finally:
+        core.close()
