@@ -80,6 +80,15 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # server and rank 0, the others run `weir serve ... --headless`.
     nnodes: int = 1
     node_rank: int = 0
+    # LoRA adapters (core/lora.py, gpu/lora.py), vLLM's flags: served at all; adapters in one
+    # step (the slots); the highest rank an adapter may have; adapters kept in host memory
+    # (LRU; None: --max-loras); and the adapters served from start-up (`name=path` or vLLM's
+    # JSON form).
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    lora_modules: list[str] = []
 
     def validate(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -152,5 +161,11 @@ class EngineConfig(msgspec.Struct, kw_only=True):
                 "--nnodes needs --distributed-init-method tcp://HOST:PORT (an address of node 0 "
                 "every node can reach)"
             )
+        if self.max_loras < 1 or not 1 <= self.max_lora_rank <= 512:
+            raise ValueError("--max-loras must be at least 1, --max-lora-rank 1 to 512")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError("--max-cpu-loras must be at least --max-loras")
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("--lora-modules needs --enable-lora")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("--max-model-len must be at least 2")

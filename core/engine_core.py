@@ -50,13 +50,16 @@ class EngineCore:
         max_logprobs: int = 20,
         async_scheduling: bool = False,
         speculative: SpeculativeConfig | None = None,
+        max_loras: int = 0,
     ) -> None:
         self.runner = runner
         self.tokenizer = tokenizer
         self.max_model_len = min(max_model_len, num_blocks * block_size)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv, max_num_seqs, max_num_batched_tokens, scheduling_policy)
+        self.scheduler = Scheduler(
+            self.kv, max_num_seqs, max_num_batched_tokens, scheduling_policy, max_loras
+        )
         self.requests: dict[str, Request] = {}
         self.check_integrity = check_integrity
         self.max_logprobs = max_logprobs
@@ -104,6 +107,8 @@ class EngineCore:
 
         Reads only settings fixed at start-up, so the Trio thread may call it.
         """
+        if req.lora is not None and not self.scheduler.max_loras:
+            raise InvalidParam("model", "LoRA adapters are not served: start with --enable-lora")
         return check_request(req, self.runner.vocab_size, self.max_model_len, self.max_logprobs)
 
     def add(self, req: EngineRequest) -> None:
@@ -111,6 +116,11 @@ class EngineCore:
         if req.request_id in self.requests:
             raise InvalidParam("request_id", f"request id {req.request_id!r} is already running")
         max_tokens = self.check(req)
+        slots = getattr(self.runner, "lora", None)
+        if req.lora is not None and slots is not None:
+            # Read its weights now (once; kept in host memory): an adapter whose files went
+            # bad since it was registered fails this request here, not a step.
+            slots.preload(req.lora)
         detok = None
         if self.tokenizer is not None and req.pooling is None:
             detok = Detokenizer(
@@ -194,6 +204,13 @@ class EngineCore:
         out = self.stats
         out.num_running, out.num_waiting = len(self.scheduler.running), len(self.scheduler.waiting)
         out.num_deferred = self.scheduler.num_deferred
+        if self.scheduler.max_loras:  # a request waiting for an adapter slot is deferred
+            out.num_deferred += self.scheduler.num_waiting_lora
+            running = self.scheduler.running_loras()
+            out.lora_running = sorted(set(running.values()))
+            out.lora_waiting = sorted(
+                {r.lora.name for r in self.scheduler.waiting if r.lora is not None}
+            )
         out.kv_usage, out.num_free_blocks = self.kv.usage, self.kv.num_free_blocks
         out.num_adds_seen = self.num_adds_seen
         self.stats = StepStats()

@@ -16,6 +16,7 @@ from typing import Any
 import msgspec
 
 from core.config import EngineConfig
+from core.lora import LoraBase
 from core.request import EngineRequest, RequestOutput
 from core.stats import StepStats
 
@@ -83,6 +84,7 @@ class EngineReady(msgspec.Struct, tag="ready", gc=False):
     weight_bytes: dict[str, int] = {}  # resident weight bytes by format
     kv_cache_bytes: int = 0
     device: str = ""  # cpu, cuda: where the model runs
+    lora_base: LoraBase | None = None  # the shapes an adapter must fit, with --enable-lora
 
 
 class StepOutputs(msgspec.Struct, tag="step", gc=False):

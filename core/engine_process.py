@@ -119,6 +119,7 @@ def main() -> None:
         loaded.weight_bytes or {},
         loaded.kv_cache_bytes,
         loaded.device,
+        loaded.lora_base,
     )
 
     def publish(outputs, stats) -> bool:

@@ -42,12 +42,14 @@ class KVCacheManager:
         hashes = request.block_hashes
         bs = self.block_size
         tokens = request.all_token_ids
+        # A request's adapter keys its blocks as a salt does: by the adapter's content, so two
+        # adapters never share KV, nor an adapter reloaded under its old name with other weights.
+        lora = request.lora
+        salt = request.cache_salt if lora is None else (request.cache_salt, lora.key)
         while len(hashes) < num_blocks:
             i = len(hashes)
             parent = hashes[-1] if hashes else None
-            hashes.append(
-                block_hash(parent, tuple(tokens[i * bs : (i + 1) * bs]), request.cache_salt)
-            )
+            hashes.append(block_hash(parent, tuple(tokens[i * bs : (i + 1) * bs]), salt))
         return hashes
 
     def find_cached(self, request: Request) -> list[Block]:

@@ -7,6 +7,7 @@ import time
 
 import msgspec
 
+from core.lora import LoraRef
 from core.pooling import PoolingParams
 from core.sampling import SamplingParams
 from core.stop import StopStrings
@@ -25,6 +26,8 @@ class EngineRequest(msgspec.Struct, gc=False):
     leader_id: str | None = None
     # An embedding: the prompt's hidden states pooled into a vector, nothing sampled.
     pooling: PoolingParams | None = None
+    # The LoRA adapter it runs with (core/lora.py), or None: the base model.
+    lora: LoraRef | None = None
 
 
 class Logprob(msgspec.Struct, array_like=True, gc=False):
@@ -127,6 +130,7 @@ class Request:
         "spec_off",
         "spec_drafted",
         "spec_accepted",
+        "lora",
     )
 
     def __init__(
@@ -172,6 +176,7 @@ class Request:
         self.grammar: object = None
         self.grammar_future: object = None
         self.pooling = req.pooling
+        self.lora = req.lora
         # Tokens sampled by launched steps the engine has not yet taken in: under asynchronous
         # scheduling the next step computes the last one before it is known.
         self.num_pending = 0

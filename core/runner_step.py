@@ -7,7 +7,8 @@ step's `scheduled` entries, so a field the runner reads reaches every rank or no
 
 Per step, applied in this order:
 - `finished`: requests the runner has seen that have since finished or been aborted: forget.
-- `new`: requests scheduled for the first time: their prompt, sampling and pooling parameters.
+- `new`: requests scheduled for the first time: their prompt, sampling and pooling parameters,
+  and their LoRA adapter (fixed for a request's life, like its sampling parameters).
 - `preempted`: requests whose blocks were freed this step (their tokens stay known).
 - `resumed`: preempted requests scheduled again: their block table starts over (the entry's
   `new_block_ids` is the whole table).
@@ -31,6 +32,7 @@ from collections.abc import Callable
 
 import msgspec
 
+from core.lora import LoraRef
 from core.pooling import PoolingParams
 from core.sampling import SamplingParams
 
@@ -40,6 +42,7 @@ class NewRequest(msgspec.Struct, gc=False):
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     pooling: PoolingParams | None = None
+    lora: LoraRef | None = None  # the adapter its rows run with (core/lora.py), or the base
 
 
 class ScheduledRequest(msgspec.Struct, array_like=True, gc=False):

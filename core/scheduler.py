@@ -61,6 +61,7 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         policy: str = "fcfs",
+        max_loras: int = 0,
     ) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
@@ -70,6 +71,9 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.policy = policy
+        # Distinct LoRA adapters among the running requests at most (0: adapters off); a
+        # waiting request for another adapter waits (`num_waiting_lora`) until one's requests end.
+        self.max_loras = max_loras
         self.waiting: list[Request] = []  # kept sorted by _key
         # Waiting requests that _held may hold back (a grammar compiling, a leader to wait for):
         # the only ones num_deferred has to look at, so the per-step gauge stays O(1) in the
@@ -151,6 +155,20 @@ class Scheduler:
             )
         )
 
+    def running_loras(self) -> dict[int, str]:
+        """The adapters of the running requests: content key -> name."""
+        return {r.lora.key: r.lora.name for r in self.running if r.lora is not None}
+
+    @property
+    def num_waiting_lora(self) -> int:
+        """Waiting requests held back because every adapter slot is another adapter's."""
+        if not self.max_loras:
+            return 0
+        loras = self.running_loras()
+        if len(loras) < self.max_loras:
+            return 0
+        return sum(1 for r in self.waiting if r.lora is not None and r.lora.key not in loras)
+
     def _seq(self, request: Request, num_new: int, table: list[int]) -> ScheduledSeq:
         start = request.num_computed_tokens
         known = request.num_scheduled_tokens
@@ -215,11 +233,16 @@ class Scheduler:
             budget -= num_new
 
         if not preempted:
+            loras = {r.lora.key for r in self.running if r.lora is not None}
             i = 0
             while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
                 request = self.waiting[i]
                 if self._held(request) or request.num_pending:
                     i += 1
+                    continue
+                lora = request.lora
+                if lora is not None and lora.key not in loras and len(loras) >= self.max_loras:
+                    i += 1  # every slot is another adapter's: it waits, never fails
                     continue
                 hits = self.kv.find_cached(request)
                 cached = len(hits) * self.kv.block_size
@@ -235,6 +258,8 @@ class Scheduler:
                     request.num_cached_tokens = cached
                 request.status = Status.RUNNING
                 self.running.append(request)
+                if lora is not None:
+                    loras.add(lora.key)
                 scheduled[request.request_id] = self._seq(request, num_new, table)
                 budget -= num_new
 
@@ -253,7 +278,9 @@ class Scheduler:
             if not r.shown:
                 r.shown = True
                 new.append(
-                    NewRequest(r.request_id, r.prompt_token_ids, r.sampling_params, r.pooling)
+                    NewRequest(
+                        r.request_id, r.prompt_token_ids, r.sampling_params, r.pooling, r.lora
+                    )
                 )
                 r.runner_tokens = r.num_prompt_tokens
             elif r.runner_blocks == 0:

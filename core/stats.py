@@ -17,6 +17,7 @@ class FinishedStats(msgspec.Struct, array_like=True, gc=False):
     inference: float = 0.0  # first scheduled to last token: prefill + decode
     max_tokens: int = 0  # the request's max_tokens, resolved against the context
     num_preemptions: int = 0
+    lora_name: str | None = None  # its LoRA adapter's name, or None (the base model)
 
 
 class StepStats(msgspec.Struct, gc=False):
@@ -44,6 +45,9 @@ class StepStats(msgspec.Struct, gc=False):
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = []
+    # With --enable-lora: the adapters of the running requests and of the waiting ones (names)
+    lora_running: list[str] | None = None
+    lora_waiting: list[str] = []
 
 
 def finished_stats(request, reason: str, now: float) -> FinishedStats:
@@ -63,4 +67,5 @@ def finished_stats(request, reason: str, now: float) -> FinishedStats:
         last - scheduled,
         request.max_tokens,
         request.num_preemptions,
+        request.lora.name if request.lora is not None else None,
     )

@@ -157,6 +157,15 @@ def build_runner(
     kv_dtype = kv_cache.cache_dtype(config.kv_cache_dtype, dtype)
     caches = kv_cache.allocate(model.local_spec, num_blocks, config.block_size, kv_dtype, device)
     runner = ModelRunner(model, caches, config.block_size, device, seed=config.seed)
+    if config.enable_lora:
+        from gpu.lora import LoraSlots
+
+        model.lora = runner.lora = LoraSlots(
+            model,
+            config.max_loras,
+            config.max_lora_rank,
+            config.max_cpu_loras or config.max_loras,
+        )
     if device.type == "cuda" and not config.enforce_eager and model.backend.attention.graph_safe:
         from gpu.cuda.graphs import DecodeGraphs, default_capture_sizes
 

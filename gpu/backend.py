@@ -103,14 +103,25 @@ class TorchBackend:
             pair = ("pair", (self.prepare_linear(*gate), self.prepare_linear(*up)), act)
         return pair, self.prepare_linear(*down)
 
-    def gated(self, x: torch.Tensor, w: Any) -> torch.Tensor:
-        """act(x G^T + g) * (x U^T + u)."""
+    def gated(self, x: torch.Tensor, w: Any, addend: torch.Tensor | None = None) -> torch.Tensor:
+        """act(x G^T + g) * (x U^T + u); `addend` [tokens, 2 * width]: added to gate's (its
+        first half) and up's outputs before the activation (LoRA's deltas)."""
         kind, weights, act = w
         if kind == "fused":
-            g, u = self.linear(x, weights).chunk(2, dim=-1)
+            g, u = self.linear(x, weights, addend).chunk(2, dim=-1)
         else:
-            g, u = self.linear(x, weights[0]), self.linear(x, weights[1])
+            ga, ua = (None, None) if addend is None else addend.chunk(2, dim=-1)
+            g, u = self.linear(x, weights[0], ga), self.linear(x, weights[1], ua)
         return ACTIVATIONS[act](g) * u
+
+    # ---- LoRA ----
+    def lora_add(self, y: torch.Tensor, x: torch.Tensor, group: Any, rows: torch.Tensor) -> None:
+        """y [tokens, n] += each row's adapter's delta of x [tokens, k], in place: the batched
+        shrink then expand of one product group (gpu/lora.py LoraGroup), every row with the
+        adapter in slot rows[t] or none (-1, untouched)."""
+        from gpu.lora import lora_add_reference
+
+        lora_add_reference(y, x, group, rows)
 
     # ---- embeddings ----
     def prepare_embedding(self, weight: Any) -> Any:

@@ -45,6 +45,7 @@ class Loaded:
     weight_bytes: dict[str, int] | None = None  # resident weight bytes by format
     kv_cache_bytes: int = 0
     device: str = ""  # where the model runs: cpu, cuda (the device's type)
+    lora_base: Any = None  # core/lora.py LoraBase: the shapes an adapter must fit (--enable-lora)
 
 
 def resolve_async(config: EngineConfig, device: torch.device) -> bool:
@@ -98,6 +99,7 @@ def load(config: EngineConfig) -> Loaded:
         enable_prefix_caching=config.enable_prefix_caching,
         scheduling_policy=config.scheduling_policy,
         max_logprobs=config.max_logprobs,
+        max_loras=config.max_loras if config.enable_lora else 0,
         async_scheduling=resolve_async(config, device),
         speculative=SpeculativeConfig.parse(config.speculative_config)
         if config.speculative_config
@@ -117,6 +119,12 @@ def load(config: EngineConfig) -> Loaded:
         kv_bytes / 1e9,
         max_model_len,
     )
+    lora_base = None
+    if config.enable_lora:
+        from gpu.lora import base_of
+        from gpu.models.spec import ModelSpec
+
+        lora_base = base_of(ModelSpec.from_hf_config(hf_config))
     defaults = generation_defaults(path, config.generation_config)
     if defaults:
         log.info("sampling defaults from the generation config: %s", defaults)
@@ -132,6 +140,7 @@ def load(config: EngineConfig) -> Loaded:
         weights,
         kv_bytes,
         device.type,
+        lora_base,
     )
 
 

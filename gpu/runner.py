@@ -53,6 +53,7 @@ class ModelRunner:
         # the inputs of the next step's `pending` rows.
         self._last_sampled: torch.Tensor | None = None
         self._last_rows: dict[str, int] = {}
+        self.lora = None  # gpu/lora.py LoraSlots (the model's), with --enable-lora
 
     def _tensor(self, data, dtype) -> torch.Tensor:
         # An array's memory is shared, not copied: the tensor keeps the array alive, and the
@@ -257,13 +258,20 @@ class ModelRunner:
         GPU unless the step asks for prompt log-probs or pooled vectors."""
         scheduled = self.state.update(out)
         input_ids, positions, meta, logits_rows = self.prepare(out, scheduled)
+        lora_rows = None  # no adapter in the step: no LoRA work at all
+        if self.lora is not None:
+            lora_rows = self.lora.rows(
+                [r.lora for r in scheduled], [s.num_new_tokens for s in out.scheduled], self._tensor
+            )
         if grammar is not None and self.samples:
             masks = self._start_masks(grammar)
-        if self.graphs is not None and self.graphs.can_run(meta):
+        if self.graphs is not None and lora_rows is None and self.graphs.can_run(meta):
             hidden = self.graphs.run(input_ids, positions, meta)
             logits = self.model.logits(hidden, logits_rows)
         else:
-            hidden, logits = self.model(input_ids, positions, self.kv_caches, meta, logits_rows)
+            hidden, logits = self.model(
+                input_ids, positions, self.kv_caches, meta, logits_rows, lora_rows
+            )
         grammar_rows = masks() if masks is not None else None
         prompt_lp = {}
         if any(r.sampling_params.prompt_logprobs is not None for r in scheduled):

@@ -33,6 +33,7 @@ class RunnerRequest:
         "generator",
         "pool_state",
         "num_known",
+        "lora",
     )
 
     def __init__(self, new: NewRequest) -> None:
@@ -47,6 +48,7 @@ class RunnerRequest:
         # Tokens whose ids the runner has been given; past them, at most one placeholder (-1)
         # for a sample of its own the engine has not seen yet (a `pending` entry).
         self.num_known = len(self.token_ids)
+        self.lora = new.lora  # its adapter (core/lora.py LoraRef), or None: the base model
 
     @property
     def num_tokens(self) -> int:

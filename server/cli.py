@@ -74,6 +74,11 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         distributed_init_method=args.distributed_init_method,
         nnodes=args.nnodes,
         node_rank=args.node_rank,
+        enable_lora=args.enable_lora,
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
+        max_cpu_loras=args.max_cpu_loras,
+        lora_modules=args.lora_modules,
     )
 
 

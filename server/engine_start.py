@@ -17,12 +17,14 @@ from core.config import CheckpointError, EngineConfig
 from core.engine import EngineThread
 from core.engine_attached import AttachedEngine
 from core.engine_process import EngineProcess
+from core.lora import LoraError
 from core.shared_count import SharedCounts
 from core.stats import StepStats
 from server import embedding_config, reasoning, tool_parsers
 from server.api_server_messages import Seat, adds_file
 from server.chat import load_template
 from server.logprobs import TokenText
+from server.lora import LoraRegistry
 from server.metrics import CacheInfo, Memory, Metrics
 from server.state import ServerState
 from server.stats_log import StatsLog
@@ -61,7 +63,16 @@ async def load_engine(app: QuartTrio, st: ServerState) -> None:
                 str(loaded.model_path),
                 loaded.weight_bytes or {},
                 loaded.kv_cache_bytes,
+                loaded.lora_base,
             )
+        lora = None
+        if st.config.enable_lora:  # --lora-modules, checked before anything is served
+            lora = LoraRegistry(loaded.lora_base, st.config.max_lora_rank)
+            try:
+                lora.load_modules(st.config.lora_modules)
+            except (LoraError, ValueError) as e:
+                await engine.shutdown()
+                raise CheckpointError(f"--lora-modules: {e}") from None
         cache = CacheInfo(
             st.config.block_size,
             loaded.num_blocks,
@@ -78,6 +89,7 @@ async def load_engine(app: QuartTrio, st: ServerState) -> None:
             cache,
             Memory(loaded.weight_bytes, loaded.kv_cache_bytes, loaded.kv_dtype),
             multiprocess=st.seat is not None,
+            max_loras=st.config.max_loras if st.config.enable_lora else None,
         )
         # Of several API servers, one publishes the engine's statistics (core/engine_fanout.py).
         publishes = st.seat is None or st.seat.publishes_engine_stats
@@ -111,6 +123,7 @@ async def load_engine(app: QuartTrio, st: ServerState) -> None:
         return
     st.engine = engine
     st.metrics = metrics
+    st.lora = lora
     st.tokenizer = loaded.tokenizer
     st.served_names = loaded.served_names
     st.max_model_len = loaded.max_model_len
@@ -170,6 +183,7 @@ class _Loaded(NamedTuple):
     model_path: str
     weight_bytes: dict[str, int]
     kv_cache_bytes: int
+    lora_base: Any = None  # core/lora.py LoraBase, with --enable-lora
 
 
 def _launch(engine: EngineProcess | AttachedEngine) -> _Loaded:
@@ -190,4 +204,5 @@ def _launch(engine: EngineProcess | AttachedEngine) -> _Loaded:
         info.model_path,
         info.weight_bytes,
         info.kv_cache_bytes,
+        info.lora_base,
     )

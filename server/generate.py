@@ -44,7 +44,7 @@ async def chat_completions() -> Response:
     job = await prepare_chat(st, req)
     thinker = job.thinker
     logprobs = job.params.logprobs
-    sub = Submitted(st, engine, request_id("chatcmpl"), req.n, req.stream)
+    sub = Submitted(st, engine, request_id("chatcmpl"), req.n, req.stream, model)
     sub.add([job.prompt], job.params, req.priority, req.cache_salt)
     created = int(time.time())
     usage = UsageCounter(req.n, len(sub.ids))
@@ -166,7 +166,7 @@ async def completions() -> Response:
         # Echoed prompt tokens carry log-probs too: ask the engine for them.
         want = max(params.logprobs, params.prompt_logprobs or 0)
         params = msgspec.structs.replace(params, prompt_logprobs=want)
-    sub = Submitted(st, engine, request_id("cmpl"), req.n, req.stream)
+    sub = Submitted(st, engine, request_id("cmpl"), req.n, req.stream, model)
     sub.add(prompts, params, req.priority, req.cache_salt)
     created = int(time.time())
     usage = UsageCounter(req.n, len(sub.ids))

@@ -133,6 +133,7 @@ class Metrics:
         cache: CacheInfo | None = None,
         memory: Memory | None = None,
         multiprocess: bool = False,
+        max_loras: int | None = None,
     ) -> None:
         self.registry = CollectorRegistry()
         self.multiprocess = multiprocess  # render every API server's files (see above)
@@ -167,6 +168,25 @@ class Metrics:
         )
         self.waiting_capacity = by_reason.labels(model_name, "capacity")
         self.waiting_deferred = by_reason.labels(model_name, "deferred")
+        # LoRA (--enable-lora): vLLM's lora_requests_info (the labels say which adapters the
+        # running and the waiting requests use; the value is when that was last seen), and
+        # finished requests per adapter.
+        self.max_loras = max_loras
+        self._lora_labels: tuple[str, str] | None = None
+        if max_loras is not None:
+            self.lora_info = Gauge(
+                p + "lora_requests_info",
+                "Running stats on LoRA requests: the adapters of the running and of the "
+                "waiting requests (comma-separated names), and --max-loras.",
+                ["running_lora_adapters", "waiting_lora_adapters", "max_lora"],
+                registry=reg,
+            )
+            self.lora_requests = Counter(
+                p + "lora_requests",
+                "Finished requests per LoRA adapter.",
+                labels + ["lora_name"],
+                registry=reg,
+            )
         self._rejections = counter(
             "admission_rejections",
             "Requests refused at admission because --max-waiting-requests were already waiting.",
@@ -280,6 +300,8 @@ class Metrics:
         self.waiting_capacity.set(s.num_waiting - s.num_deferred)
         self.waiting_deferred.set(s.num_deferred)
         self.kv_usage.set(s.kv_usage)
+        if self.max_loras is not None and s.lora_running is not None:
+            self._publish_lora(s)
         for counter, value in (
             (self.prompt_tokens, s.prompt_tokens),
             (self.generation_tokens, s.generation_tokens),
@@ -312,6 +334,16 @@ class Metrics:
             self.inference.observe(f.inference)
             self.params_max_tokens.observe(f.max_tokens)
             self.req_preemptions.observe(f.num_preemptions)
+            if f.lora_name is not None and self.max_loras is not None:
+                self.lora_requests.labels(self.model_name, f.lora_name).inc()
+
+    def _publish_lora(self, s: StepStats) -> None:
+        labels = (",".join(s.lora_running), ",".join(s.lora_waiting))
+        if labels != self._lora_labels:  # one series at a time: the current adapters
+            if self._lora_labels is not None:
+                self.lora_info.remove(*self._lora_labels, str(self.max_loras))
+            self._lora_labels = labels
+        self.lora_info.labels(*labels, str(self.max_loras)).set_to_current_time()
 
     def admission_rejected(self) -> None:
         self._rejections.inc()

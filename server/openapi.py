@@ -17,6 +17,7 @@ from server.protocol import (
     CompletionResponse,
     DetokenizeRequest,
     DetokenizeResponse,
+    LoadLoRAAdapterRequest,
     ErrorResponse,
     ModelList,
     TokenizeRequest,
@@ -138,7 +139,7 @@ def parameters(path: str, method: str) -> list[dict[str, Any]]:
 @lru_cache(maxsize=1)
 def _components() -> tuple[dict[str, Any], dict[str, Any]]:
     types = [t for _, _, _, req, resp, _ in ROUTES for t in (req, resp) if t is not None]
-    types += [ChatCompletionChunk, ErrorResponse]
+    types += [ChatCompletionChunk, ErrorResponse, LoadLoRAAdapterRequest]
     refs, components = msgspec.json.schema_components(
         types, ref_template="#/components/schemas/{name}"
     )
@@ -199,6 +200,28 @@ def openapi_document(version: str) -> dict[str, Any]:
             },
         }
     }
+    for path, summary in (
+        ("/v1/load_lora_adapter", "Serve a LoRA adapter (--allow-runtime-lora-updating)"),
+        ("/v1/unload_lora_adapter", "Stop serving a LoRA adapter (--allow-runtime-lora-updating)"),
+    ):
+        paths[path] = {
+            "post": {
+                "summary": summary,
+                "requestBody": {
+                    "required": True,
+                    "content": {"application/json": {"schema": refs["LoadLoRAAdapterRequest"]}},
+                },
+                "responses": {
+                    "200": {
+                        "description": "`Success: ...` (vLLM's text)",
+                        "content": {"text/plain": {"schema": {"type": "string"}}},
+                    },
+                    "400": error,
+                    "404": error,
+                    "409": error,
+                },
+            }
+        }
     return {
         "openapi": "3.1.0",
         "info": {

@@ -44,6 +44,10 @@ class ServerOptions(msgspec.Struct, kw_only=True):
             return ("embed",)
         return ("generate", "embed") if self.enable_embeddings else ("generate",)
 
+    # POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's
+    # VLLM_ALLOW_RUNTIME_LORA_UPDATING), under --api-key as every /v1 route
+    allow_runtime_lora_updating: bool = False
+
     # The engine core in a child process (its own interpreter lock), or on a thread (False).
     engine_process: bool = True
     # HTTP processes sharing the port in front of the one engine (server/supervisor.py); None:

@@ -329,8 +329,17 @@ class ModelCard(msgspec.Struct):
     created: int
     owned_by: str = "weir"
     root: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model, as vLLM lists it
     max_model_len: int | None = None
     object: str = "model"
+
+
+class LoadLoRAAdapterRequest(msgspec.Struct):
+    """vLLM's body of /v1/load_lora_adapter (and, with lora_name alone, of unload)."""
+
+    lora_name: str
+    lora_path: str | None = None
+    base_model_name: str | None = None
 
 
 class ModelList(msgspec.Struct):

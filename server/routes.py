@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
 
+import logging
+
+import trio
 from quart import Blueprint, Response
+
+from core.lora import LoraError
+from server.lora import bad_adapter
 
 from server import chat
 from server.errors import APIError, error_response
@@ -13,6 +19,7 @@ from server.openapi import DOCS_HTML, openapi_document
 from server.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
+    LoadLoRAAdapterRequest,
     ModelCard,
     ModelList,
     TokenizeRequest,
@@ -21,6 +28,7 @@ from server.protocol import (
 )
 
 bp = Blueprint("routes", __name__)
+log = logging.getLogger("weir.server")
 
 
 def weir_version() -> str:
@@ -34,16 +42,65 @@ def weir_version() -> str:
 async def models() -> Response:
     st = state()
     root = str(st.config.model or st.served_names[0]) if st.served_names else None
-    return json_response(
-        ModelList(
-            data=[
-                ModelCard(
-                    id=name, created=st.created, root=root, max_model_len=st.max_model_len or None
-                )
-                for name in st.served_names
-            ]
+    cards = [
+        ModelCard(id=name, created=st.created, root=root, max_model_len=st.max_model_len or None)
+        for name in st.served_names
+    ]
+    if st.lora is not None:  # as vLLM lists them: root the adapter's folder, parent the base
+        cards += [
+            ModelCard(
+                id=name,
+                created=a.created,
+                root=a.ref.path,
+                parent=a.base_model_name or st.served_names[0],
+                max_model_len=st.max_model_len or None,
+            )
+            for name, a in st.lora.adapters.items()
+        ]
+    return json_response(ModelList(data=cards))
+
+
+def _runtime_lora(st):
+    if st.lora is None or not st.options.allow_runtime_lora_updating:
+        raise APIError(
+            404,
+            "Runtime LoRA updates are off: start the server with --enable-lora and "
+            "--allow-runtime-lora-updating (or VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)",
+            None,
+            "not_found",
         )
-    )
+    return st.lora
+
+
+@bp.post("/v1/load_lora_adapter")
+async def load_lora_adapter() -> Response:
+    """vLLM's: check the adapter in `lora_path` and serve it as `lora_name` (400 naming what
+    is wrong: a name already served, a rank above --max-lora-rank, shapes that do not fit)."""
+    st = state()
+    registry = _runtime_lora(st)
+    req = await decode(LoadLoRAAdapterRequest)
+    if not req.lora_path:
+        raise APIError(400, "lora_path is required", "lora_path")
+    if req.lora_name in st.served_names:
+        raise APIError(400, f"`{req.lora_name}` is the base model's name", "lora_name")
+    try:
+        info = await trio.to_thread.run_sync(registry.check, req.lora_name, req.lora_path)
+        registry.add(info, req.base_model_name)
+    except LoraError as e:
+        raise bad_adapter(e) from None
+    log.info("LoRA adapter %s loaded from %s", req.lora_name, req.lora_path)
+    return Response(f"Success: LoRA adapter '{req.lora_name}' added successfully.", 200)
+
+
+@bp.post("/v1/unload_lora_adapter")
+async def unload_lora_adapter() -> Response:
+    """vLLM's: stop serving `lora_name` (404 if unknown, 409 while requests use it)."""
+    st = state()
+    registry = _runtime_lora(st)
+    req = await decode(LoadLoRAAdapterRequest)
+    registry.unload(req.lora_name)
+    log.info("LoRA adapter %s unloaded", req.lora_name)
+    return Response(f"Success: LoRA adapter '{req.lora_name}' removed successfully.", 200)
 
 
 @bp.get("/health")

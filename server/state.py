@@ -39,6 +39,7 @@ class ServerState:
     embedding: Any = None  # server.embedding_config.EmbeddingConfig, when "embed" is served
     seat: Any = None  # server.api_server_messages.Seat: one of several API servers (else None)
     inflight: set = field(default_factory=set)  # generation requests being served
+    lora: Any = None  # server/lora.py LoraRegistry, with --enable-lora
     idle: trio.Event = field(default_factory=trio.Event)  # set when inflight empties
 
     def begin(self, request: Any) -> None:
@@ -90,14 +91,22 @@ class ServerState:
         )
 
     def model_name(self, requested: str | None) -> str:
+        """The model a request names: a served name of the base model, or a LoRA adapter's
+        (404 model_not_found for anything else)."""
         if requested is None or requested == "":
             return self.served_names[0]
-        if requested not in self.served_names:
+        if requested not in self.served_names and (
+            self.lora is None or requested not in self.lora.adapters
+        ):
+            names = [*self.served_names, *(self.lora.adapters if self.lora else ())]
             raise APIError(
                 404,
-                f"The model `{requested}` does not exist. Served models: "
-                f"{', '.join(self.served_names)}",
+                f"The model `{requested}` does not exist. Served models: {', '.join(names)}",
                 "model",
                 "model_not_found",
             )
         return requested
+
+    def lora_ref(self, model: str):
+        """The LoRA adapter a (checked) model name stands for, or None: the base model."""
+        return self.lora.ref(model) if self.lora is not None else None

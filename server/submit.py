@@ -45,8 +45,16 @@ class Submitted:
     `close()` (synchronous, so it runs in the `finally` of a cancelled handler) aborts whatever
     is unfinished, logs the request and takes it off the server's in-flight set."""
 
-    def __init__(self, st: ServerState, engine: Engine, base: str, n: int, stream: bool) -> None:
+    def __init__(
+        self, st: ServerState, engine: Engine, base: str, n: int, stream: bool, model: str = ""
+    ) -> None:
         self.st = st
+        # The LoRA adapter the request's model names (or None), held in use until close(); the
+        # name is looked up again, as it may have been unloaded while the prompt was prepared.
+        self.lora = st.lora_ref(model) if model else None
+        if model and self.lora is None:
+            st.model_name(model)
+        self._holds_lora = False
         self.engine = engine
         self.base = base
         self.n = n
@@ -85,6 +93,9 @@ class Submitted:
             )
         single = len(prompts) == 1 and self.n == 1
         self.st.begin(self)
+        if self.lora is not None and not self._holds_lora:
+            self.st.lora.acquire(self.lora.name)
+            self._holds_lora = True
         try:
             for p, prompt in enumerate(prompts):
                 leader = None
@@ -106,6 +117,7 @@ class Submitted:
                             cache_salt=cache_salt,
                             leader_id=leader,
                             pooling=pooling,
+                            lora=self.lora,
                         ),
                         self.channel,
                     )
@@ -126,6 +138,8 @@ class Submitted:
         for rid in self.ids:
             self.engine.abort(rid)  # a no-op for the finished ones
         self.st.end(self)
+        if self._holds_lora:
+            self.st.lora.release(self.lora.name)
         if self.st.metrics is not None and self.ids:
             self.st.metrics.request_params_n(self.n, len(self.ids) // self.n)
         if self.st.options.log_requests and self.ids:

@@ -1,8 +1,16 @@
 """weir's offline Python API: `from weir import LLM, SamplingParams` (and `Constraint` for
 structured outputs: `SamplingParams(structured=Constraint("regex", "[a-z]+"))`)."""
 
+from core.lora import LoRARequest
 from core.sampling import SamplingParams
 from core.structured import Constraint
 from weir.llm import LLM, CompletionOutput, RequestOutput
 
-__all__ = ["LLM", "SamplingParams", "Constraint", "RequestOutput", "CompletionOutput"]
+__all__ = [
+    "LLM",
+    "SamplingParams",
+    "Constraint",
+    "RequestOutput",
+    "CompletionOutput",
+    "LoRARequest",
+]

@@ -12,12 +12,14 @@ import array
 import itertools
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from tqdm import tqdm
 
 from core.config import EngineConfig
 from core.engine_loop import EngineLoop
 from core.engine_messages import AddRequest
+from core.lora import CONFIG_FILE, WEIGHTS_FILE, LoraRef, LoRARequest, read_adapter
 from core.pooling import PoolingParams
 from core.request import EngineRequest, Logprob
 from core.sampling import SamplingParams
@@ -73,28 +75,53 @@ class LLM:
         self.tokenizer = loaded.tokenizer
         self.max_model_len = loaded.max_model_len
         self._ids = itertools.count()
+        self._lora_base = loaded.lora_base
+        self._loras: dict[tuple, LoraRef] = {}  # checked adapters, by folder and file times
+
+    def _lora(self, request: LoRARequest | None) -> LoraRef | None:
+        """vLLM's LoRARequest as the engine takes it: checked against the base model (once per
+        version of its files), named by its content."""
+        if request is None:
+            return None
+        if self._lora_base is None:
+            raise ValueError("lora_request needs LLM(..., enable_lora=True)")
+        folder = Path(request.lora_path).expanduser()
+        stats = [(folder / f).stat() for f in (CONFIG_FILE, WEIGHTS_FILE) if (folder / f).exists()]
+        key = (request.lora_name, str(folder), *((s.st_mtime_ns, s.st_size) for s in stats))
+        if key not in self._loras:
+            info = read_adapter(
+                request.lora_name, folder, self._lora_base, self.config.max_lora_rank
+            )
+            self._loras[key] = info.ref
+        return self._loras[key]
 
     def generate(
         self,
         prompts: str | list[str] | list[list[int]],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | list[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (text or token ids); results in prompt order."""
+        """Generate for every prompt (text or token ids); results in prompt order.
+        `lora_request`: the adapter (vLLM's LoRARequest) for every prompt, or one per prompt
+        (None: the base model); needs `enable_lora=True`."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params or SamplingParams()
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError("one SamplingParams per prompt, or one for all")
+        loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError("one lora_request per prompt, or one for all")
         results: dict[str, RequestOutput] = {}
         order: list[str] = []
         adds: deque[AddRequest] = deque()
-        for prompt, p in zip(prompts, params_list):
+        for prompt, p, lora in zip(prompts, params_list, loras):
             p.validate()
             ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
             rid = str(next(self._ids))
-            req = EngineRequest(rid, ids, p)
+            req = EngineRequest(rid, ids, p, lora=self._lora(lora))
             self.engine.check(req)  # a bad request raises here, before any runs
             adds.append(AddRequest(req))
             results[rid] = RequestOutput(

@@ -62,10 +62,12 @@ class OneDnnBackend(TorchBackend):
             return onednn.prepare_gated(gate[0], up[0], act), onednn.prepare(*down)
         return super().prepare_mlp(gate, up, down, act)
 
-    def gated(self, x, w) -> torch.Tensor:
+    def gated(self, x, w, addend=None) -> torch.Tensor:
         if isinstance(w, onednn.OneDnnGated):
+            if addend is not None:  # oneDNN's gated product takes no addend: gate and up alone
+                raise NotImplementedError("LoRA on oneDNN's gated product")
             return onednn.gated(x, w)
-        return super().gated(x, w)
+        return super().gated(x, w, addend)
 
 
 class CpuBackend(OneDnnBackend):
@@ -183,14 +185,22 @@ class CpuBackend(OneDnnBackend):
         pair = GatedPair(self.prepare_linear(g, gate[1]), self.prepare_linear(u, up[1]), act)
         return pair, self.prepare_linear(*down)
 
-    def gated(self, x, w) -> torch.Tensor:
+    def gated(self, x, w, addend=None) -> torch.Tensor:
         if isinstance(w, gemm.GemmGated):
-            return gemm.gated(x, w)
+            return gemm.gated(x, w, addend)
         if isinstance(w, quant.QuantWeight):
-            return quant.linear(x, w)
+            return quant.linear(x, w, addend)
         if isinstance(w, GatedPair):
-            return ACTIVATIONS[w.act](self.linear(x, w.gate)) * self.linear(x, w.up)
-        return super().gated(x, w)
+            ga, ua = (None, None) if addend is None else addend.chunk(2, dim=-1)
+            return ACTIVATIONS[w.act](self.linear(x, w.gate, ga)) * self.linear(x, w.up, ua)
+        return super().gated(x, w, addend)
+
+    # ---- LoRA ----
+    def lora_add(self, y, x, group, rows) -> None:
+        if y.dtype == torch.float32 and x.dtype == torch.float32 and x.dim() == 2:
+            cpu_build.load().lora_add_(y, x, group.a, group.b, group.ranks, group.cols, rows)
+            return
+        super().lora_add(y, x, group, rows)
 
     # ---- embeddings ----
     def prepare_embedding(self, weight: Any) -> Any:

@@ -39,6 +39,7 @@ KERNELS = [
         "gemm.cpp",
         "forward.cpp",
         "sample.cpp",
+        "lora.cpp",
     )
 ]
 # The block- and 16-bit-format products: exact integer arithmetic and float operations in one

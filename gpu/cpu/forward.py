@@ -202,6 +202,8 @@ class FusedStack:
             model.model.norm.weight.detach(),
             head[1] if head is not None else none,
         )
+        if model.lora is not None:  # the adapters' slots (gpu/lora.py): bound once, like weights
+            self._stack.set_lora(model.lora.stack_tensors())
         self._caches = kv_caches
 
     def __call__(
@@ -213,11 +215,13 @@ class FusedStack:
         kv_caches,
         meta: AttentionMetadata,
         logits_rows: torch.Tensor | None = None,
+        lora_rows: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(the final norm [tokens, hidden] of the layer stack over the embeddings of input_ids
         at `positions`, whose rotary rows are those of the cos / sin tables [rows, head_dim]
         (gpu/models/rope.py Rope.tables); the LM head's logits of `logits_rows` when the head
-        is on this path and rows are asked for, else None)."""
+        is on this path and rows are asked for, else None). `lora_rows`: each token's adapter
+        slot (int32, -1: none), or None: no LoRA work."""
         if kv_caches is not self._caches:
             self._bind(kv_caches)
         rows = None
@@ -233,6 +237,7 @@ class FusedStack:
             meta.query_start_loc,
             meta.seq_lens,
             rows,
+            lora_rows,
         )
         return out, (logits if rows is not None else None)
 

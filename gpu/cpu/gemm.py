@@ -62,8 +62,10 @@ def prepare_gated(gate: torch.Tensor, up: torch.Tensor, act: str) -> GemmGated:
     return GemmGated(packed, gate.shape[0], ACTIVATIONS[act])
 
 
-def gated(x: torch.Tensor, w: GemmGated) -> torch.Tensor:
-    """act(x G^T) * (x U^T), in one product."""
+def gated(x: torch.Tensor, w: GemmGated, addend: torch.Tensor | None = None) -> torch.Tensor:
+    """act(x G^T) * (x U^T), in one product; `addend` [rows, 2 * width] is added to gate's and
+    up's outputs before the activation (LoRA's deltas)."""
     shape = x.shape
-    h = cpu_build.load().gemm(_rows(x), w.packed, w.width, w.act, None, None)
+    add = None if addend is None else _rows(addend)
+    h = cpu_build.load().gemm(_rows(x), w.packed, w.width, w.act, None, add)
     return h.view(*shape[:-1], w.width)

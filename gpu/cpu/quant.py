@@ -97,7 +97,7 @@ def linear(
     x: torch.Tensor, w: QuantWeight, residual: torch.Tensor | None = None, path: str = "auto"
 ) -> torch.Tensor:
     """x W^T + b (+ residual, added as the product is written); a gated pair: act(x G^T) *
-    (x U^T)."""
+    (x U^T), its residual an addend [rows, 2 * width] before the activation."""
     shape = x.shape
     res = None if residual is None else _rows(residual)
     out = cpu_build.load().wgemm(

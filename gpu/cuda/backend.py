@@ -77,9 +77,9 @@ class CudaBackend(TorchBackend):
         y = quantized.linear(x, weight, bias)
         return y if residual is None else residual + y
 
-    def gated(self, x: torch.Tensor, w: Any) -> torch.Tensor:
+    def gated(self, x: torch.Tensor, w: Any, addend: torch.Tensor | None = None) -> torch.Tensor:
         _, weights, act = w  # always "fused": gate and up are one product's two halves
-        return gated_act(self.linear(x, weights), act)
+        return gated_act(self.linear(x, weights, addend), act)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return rms_norm(x, weight, eps)

@@ -109,6 +109,7 @@ class Attention(nn.Module):
         self.scale = d**-0.5
         self.sliding_window = spec.sliding_window
         self.qkv_sizes = [spec.num_heads * d, spec.num_kv_heads * d, spec.num_kv_heads * d]
+        self.o_width = h
         self.qkv = None  # Q/K/V as one product, when the backend fuses them
         self.o = None
 
@@ -123,14 +124,18 @@ class Attention(nn.Module):
         self.o = self.backend.prepare_linear(*self.o_proj.take())
         del self.o_proj
 
-    def forward(self, x, cos, sin, kv, meta, residual, norm=None):
+    def forward(self, x, cos, sin, kv, meta, residual, norm=None, lora=None):
         """residual + attention(x) (attention(x) alone when residual is None); with `norm`, the
-        pair (norm(that), that)."""
+        pair (norm(that), that). `lora`: the step's adapters (gpu/lora.py LoraLayer)."""
         b, t = self.backend, x.shape[0]
+        add = _plus_lora(b, x, lora, "qkv", None, sum(self.qkv_sizes))
         if self.qkv is not None:
-            q, k, v = b.linear(x, self.qkv).split(self.qkv_sizes, dim=-1)
-        else:
+            q, k, v = b.linear(x, self.qkv, add).split(self.qkv_sizes, dim=-1)
+        elif add is None:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        else:
+            qa, ka, va = add.split(self.qkv_sizes, dim=-1)
+            q, k, v = self.q_proj(x, qa), self.k_proj(x, ka), self.v_proj(x, va)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
@@ -140,7 +145,9 @@ class Attention(nn.Module):
             qw, kw, eps = None, None, 0.0
         q = b.rope_store_kv(q, k, v, qw, kw, eps, cos, sin, kv, meta.slot_mapping)
         o = b.attention.forward(q, kv[0], kv[1], meta, self.scale, self.sliding_window)
-        return _output(b, o.reshape(t, -1), self.o, residual, norm)
+        o = o.reshape(t, -1)
+        residual = _plus_lora(b, o, lora, "o", residual, self.o_width)
+        return _output(b, o, self.o, residual, norm)
 
 
 class MLP(nn.Module):
@@ -152,6 +159,7 @@ class MLP(nn.Module):
         self.up_proj = Linear(backend, h, m, spec.mlp_bias)
         self.down_proj = Linear(backend, m, h, spec.mlp_bias)
         self.hidden_act = spec.hidden_act
+        self.widths = (2 * m, h)  # gate/up's outputs, down's
         self.gate_up = None  # the backend's gated form of gate and up
         self.down = None
 
@@ -161,10 +169,26 @@ class MLP(nn.Module):
         )
         del self.gate_proj, self.up_proj, self.down_proj
 
-    def forward(self, x, residual=None, norm=None):
-        """mlp(x), plus residual when given; with `norm`, the pair (norm(that), that)."""
-        h = self.backend.gated(x, self.gate_up)
-        return _output(self.backend, h, self.down, residual, norm)
+    def forward(self, x, residual=None, norm=None, lora=None):
+        """mlp(x), plus residual when given; with `norm`, the pair (norm(that), that).
+        `lora`: the step's adapters (gpu/lora.py LoraLayer)."""
+        b = self.backend
+        add = _plus_lora(b, x, lora, "gate_up", None, self.widths[0])
+        h = b.gated(x, self.gate_up) if add is None else b.gated(x, self.gate_up, add)
+        residual = _plus_lora(b, h, lora, "down", residual, self.widths[1])
+        return _output(b, h, self.down, residual, norm)
+
+
+def _plus_lora(backend, x, lora, group: str, base, width: int):
+    """What a product adds to its output with the step's adapters: `base` (a residual, or None)
+    plus each row's adapter's delta of `group` for the product's input x. Rows without an
+    adapter keep `base` as it is (zeros when None), so they compute what they would with no
+    adapter in the batch; without adapters in the step, `base` itself and no LoRA work."""
+    if lora is None:
+        return base
+    y = x.new_zeros(x.shape[0], width) if base is None else base.clone()
+    backend.lora_add(y, x, lora.groups[group], lora.rows)
+    return y
 
 
 def _output(backend, x, w, residual, norm: RMSNorm | None):
@@ -184,19 +208,24 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, backend)
         self.tp = tp
 
-    def forward(self, x, h, cos, sin, kv, meta, next_norm: RMSNorm):
+    def forward(self, x, h, cos, sin, kv, meta, next_norm: RMSNorm, lora=None):
         """The layer over the residual stream x, given h = input_layernorm(x): (next_norm(y), y)
         of its output y. Each residual add is taken with the norm after it (the next layer's
-        first, or the model's last), one backend call that may fuse them."""
+        first, or the model's last), one backend call that may fuse them. `lora`: the step's
+        adapters, or None."""
         tp = self.tp
         if tp is None:
-            h, x = self.self_attn(h, cos, sin, kv, meta, x, self.post_attention_layernorm)
-            return self.mlp(h, x, next_norm)
+            h, x = self.self_attn(h, cos, sin, kv, meta, x, self.post_attention_layernorm, lora)
+            return self.mlp(h, x, next_norm, lora)
         # Row-parallel O and down: each rank's product is a partial sum; rank 0 adds the
-        # residual as it writes its own, and one all-reduce per product completes both.
+        # residual as it writes its own, and one all-reduce per product completes both (an
+        # adapter's delta of O or down is a partial sum too: A is sharded as the layer's input).
         first = tp.rank == 0
-        x = tp.all_reduce(self.self_attn(h, cos, sin, kv, meta, residual=x if first else None))
-        x = tp.all_reduce(self.mlp(self.post_attention_layernorm(x), x if first else None))
+        x = tp.all_reduce(
+            self.self_attn(h, cos, sin, kv, meta, residual=x if first else None, lora=lora)
+        )
+        h = self.post_attention_layernorm(x)
+        x = tp.all_reduce(self.mlp(h, x if first else None, lora=lora))
         return next_norm(x), x
 
 
@@ -224,6 +253,7 @@ class DecoderForCausalLM(nn.Module):
             self.lm_head = Linear(backend, local.hidden_size, local.vocab_size, False)
         self.rope: Rope | None = None  # set after weights are on their device (see loader)
         self.stack = None  # the backend's whole-stack call, when it runs this model so
+        self.lora = None  # gpu/lora.py LoraSlots: the adapters' slots, with --enable-lora
 
     def prepare(self) -> None:
         """After loading: every weight in the backend's form; then the stack, if the backend
@@ -243,23 +273,25 @@ class DecoderForCausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
         logits_rows: torch.Tensor,
+        lora_rows: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(the final hidden states [tokens, hidden], the logits [len(logits_rows), vocab] of
-        the rows `logits_rows`)."""
+        the rows `logits_rows`). `lora_rows`: each token's adapter slot (int32, -1: none) in
+        `self.lora`, or None: no adapter in the step."""
         if self.stack is not None:
             # The compiled call gathers the embeddings and rotary rows itself, and takes the LM
             # head's rows too when the head is on its path.
             cos, sin = self.rope.tables(max(meta.seq_lens_cpu, default=0), torch.float32)
             hidden, logits = self.stack(
-                input_ids, positions, cos, sin, kv_caches, meta, logits_rows
+                input_ids, positions, cos, sin, kv_caches, meta, logits_rows, lora_rows
             )
             if logits is None:
                 logits = self.logits(hidden, logits_rows)
             return hidden, logits
-        hidden = self.hidden_states(input_ids, positions, kv_caches, meta)
+        hidden = self.hidden_states(input_ids, positions, kv_caches, meta, lora_rows)
         return hidden, self.logits(hidden, logits_rows)
 
-    def hidden_states(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
+    def hidden_states(self, input_ids, positions, kv_caches, meta, lora_rows=None) -> torch.Tensor:
         """The final hidden states, layer by layer (what CUDA graphs capture)."""
         x = self.embed(input_ids)
         cos, sin = self.rope.cos_sin(positions, x.dtype)
@@ -267,8 +299,9 @@ class DecoderForCausalLM(nn.Module):
         # Each layer applies the norm that follows it: the next layer's first, the model's last.
         nexts = [layer.input_layernorm for layer in layers[1:]] + [self.model.norm]
         h = nexts[0](x) if len(layers) == 0 else layers[0].input_layernorm(x)
-        for layer, kv, norm in zip(layers, kv_caches, nexts):
-            h, x = layer(x, h, cos, sin, kv, meta, norm)
+        for i, (layer, kv, norm) in enumerate(zip(layers, kv_caches, nexts)):
+            lora = self.lora.layer(i, lora_rows) if lora_rows is not None else None
+            h, x = layer(x, h, cos, sin, kv, meta, norm, lora)
         return h
 
     def logits(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

@@ -145,7 +145,7 @@ async def create() -> Response:
     run = Run(response, context, record=req.background)
     # Log-probs go with the text of the step that made them: read the outputs step by step.
     stepwise = req.stream or req.background or job.params.logprobs is not None
-    sub = Submitted(st, engine, response.id, 1, stepwise)
+    sub = Submitted(st, engine, response.id, 1, stepwise, model)
     sub.add([job.prompt], job.params, req.priority, req.prompt_cache_key or req.cache_salt)
     runs.start(run)
     if req.background or runs.shared:  # shared: the other API servers see it running

@@ -101,4 +101,43 @@ inline void check_packed(const Tensor& packed, int64_t n, int64_t k, bool gated)
     check_flat(packed, at::kFloat, weir::gemm_packed_size(n, k, gated), "packed");
 }
 
+// ---- LoRA ----
+// One product group's adapter slots (weir.h LoraGroup): a [slots, slices, max_rank, k] and b
+// [slots, max_rank, n] float32, ranks [slots, slices] int32 each within max_rank, cols
+// [slices + 1] int64 from 0 up to n. The ranks are read on every call: Python rewrites them
+// when it loads an adapter into a slot.
+inline weir::LoraGroup check_lora_group(const Tensor& a, const Tensor& b, const Tensor& ranks,
+                                        const Tensor& cols) {
+    check_f32(a, "lora a");
+    check_f32(b, "lora b");
+    TORCH_CHECK_VALUE(a.dim() == 4 && a.is_contiguous(),
+                      "lora a: needs a contiguous [slots, slices, max_rank, k] tensor");
+    const int64_t S = a.size(0), slices = a.size(1), R = a.size(2), K = a.size(3);
+    TORCH_CHECK_VALUE(R >= 1 && R <= weir::kLoraMaxRank, "lora: max rank ", R, " not in [1, ",
+                      weir::kLoraMaxRank, "]");
+    TORCH_CHECK_VALUE(b.dim() == 3 && b.is_contiguous() && b.size(0) == S && b.size(1) == R,
+                      "lora b: needs a contiguous [", S, ", ", R, ", n] tensor, got ", b.sizes());
+    const int64_t N = b.size(2);
+    check_flat(ranks, at::kInt, S * slices, "lora ranks");
+    check_flat(cols, at::kLong, slices + 1, "lora cols");
+    const int64_t* c = cols.data_ptr<int64_t>();
+    TORCH_CHECK_VALUE(c[0] == 0 && c[slices] == N, "lora cols: must run from 0 to ", N);
+    for (int64_t s = 0; s < slices; ++s)
+        TORCH_CHECK_VALUE(c[s] <= c[s + 1], "lora cols: must not decrease");
+    const int32_t* r = ranks.data_ptr<int32_t>();
+    for (int64_t i = 0; i < S * slices; ++i)
+        TORCH_CHECK_VALUE(r[i] >= 0 && r[i] <= R, "lora ranks: ", r[i], " not in [0, ", R, "]");
+    return {a.data_ptr<float>(), b.data_ptr<float>(), r, c, S, slices, R, K, N};
+}
+
+// A step's adapter slot per row: int32 [m], each -1 (none) or a slot of `slots`.
+inline const int32_t* check_lora_rows(const Tensor& rows, int64_t m, int64_t slots) {
+    check_flat(rows, at::kInt, m, "lora rows");
+    const int32_t* p = rows.data_ptr<int32_t>();
+    for (int64_t t = 0; t < m; ++t)
+        TORCH_CHECK_INDEX(p[t] >= -1 && p[t] < slots, "lora rows: slot ", p[t], " outside the ",
+                          slots, " slots");
+    return p;
+}
+
 }  // namespace weir_ops

@@ -86,10 +86,12 @@ void product(const StackLinear& w, const float* x, int64_t m, int64_t k, int gat
     if (w.parts == 1)
         return part_product(w.part[0], x, m, k, k, gated, bias, residual, res_stride, out,
                             out_stride, nt);
-    if (gated) {
+    if (gated) {  // residual: a pre-activation addend [m, 2n], gate's then up's
         const int64_t n = w.part[0].n;
-        part_product(w.part[0], x, m, k, k, 0, nullptr, nullptr, 0, out, out_stride, nt);
-        part_product(w.part[1], x, m, k, k, 0, nullptr, nullptr, 0, spare, n, nt);
+        part_product(w.part[0], x, m, k, k, 0, nullptr, residual, res_stride, out, out_stride,
+                     nt);
+        part_product(w.part[1], x, m, k, k, 0, nullptr, residual ? residual + n : nullptr,
+                     res_stride, spare, n, nt);
         for (int64_t r = 0; r < m; ++r)
             for (int64_t j = 0; j < n; ++j)
                 out[r * out_stride + j] = weir::activate(gated, out[r * out_stride + j]) * spare[r * n + j];
@@ -126,8 +128,12 @@ int decoder_forward(const DecoderModel& model, const DecoderStep& step) {
     const int64_t qw = m->heads * D, kvw = m->kv_heads * D, qkvw = qw + 2 * kvw;
     const int64_t I = m->intermediate;
     if (T == 0) return 0;
-    // h, qkv, q, k, o, g, the up part's spare [T, I] (gate and up of different formats), cos, sin
-    std::unique_ptr<float[]> buf(new float[T * (H + qkvw + qw + kvw + qw + 2 * I + 2 * D)]);
+    // h, qkv, q, k, o, g, the up part's spare [T, I] (gate and up of different formats), cos,
+    // sin; with adapters in the step, the Q/K/V delta [T, qkvw] and gate/up's addend [T, 2I]
+    const int32_t* lora = s->lora_rows;
+    const int64_t lora_floats = lora ? T * (qkvw + 2 * I) : 0;
+    std::unique_ptr<float[]> buf(
+        new float[T * (H + qkvw + qw + kvw + qw + 2 * I + 2 * D) + lora_floats]);
     float* cos = buf.get() + T * (H + qkvw + qw + kvw + qw + 2 * I);
     float* sin = cos + T * D;
     for (int64_t t = 0; t < T; ++t) {
@@ -145,13 +151,23 @@ int decoder_forward(const DecoderModel& model, const DecoderStep& step) {
     float* o = k + T * kvw;
     float* g = o + T * qw;
     float* spare = g + T * I;
+    float* dqkv = cos + 2 * T * D;  // LoRA's scratch, after sin
+    float* dgu = dqkv + T * qkvw;
     float* x = s->x;
     Timer timer;
     for (int64_t i = 0; i < m->num_layers; ++i) {
         const DecoderLayer& L = m->layers[i];
         rms_norm_rope(x, T, 1, H, H, L.input_norm, m->eps, nullptr, nullptr, h, nt);
         timer.lap(kNorm);
-        product(L.qkv, h, T, H, 0, L.qkv_bias, nullptr, 0, qkv, qkvw, nt, spare);
+        // Adapters' deltas: into a zeroed addend (Q/K/V, gate/up) or the residual stream (O,
+        // down) before the product adds it; rows without an adapter add nothing.
+        const float* qkv_add = nullptr;
+        if (lora && L.lora[kLoraQkv].a) {
+            std::memset(dqkv, 0, sizeof(float) * T * qkvw);
+            lora_add(L.lora[kLoraQkv], h, T, H, lora, dqkv, qkvw, nt);
+            qkv_add = dqkv;
+        }
+        product(L.qkv, h, T, H, 0, L.qkv_bias, qkv_add, qkvw, qkv, qkvw, nt, spare);
         timer.lap(kQkv);
         const float eps = L.q_norm ? m->eps : 0.f;
         rms_norm_rope(qkv, T, m->heads, D, qkvw, L.q_norm, eps, cos, sin, q, nt);
@@ -168,12 +184,20 @@ int decoder_forward(const DecoderModel& model, const DecoderStep& step) {
                                             int(m->cache_dtype));
         if (rc != 0) return rc;
         timer.lap(kAttention);
+        if (lora && L.lora[kLoraO].a) lora_add(L.lora[kLoraO], o, T, qw, lora, x, H, nt);
         product(L.o, o, T, qw, 0, nullptr, x, H, x, H, nt, spare);
         timer.lap(kOut);
         rms_norm_rope(x, T, 1, H, H, L.post_norm, m->eps, nullptr, nullptr, h, nt);
         timer.lap(kNorm);
-        product(L.gate_up, h, T, H, int(m->act), nullptr, nullptr, 0, g, I, nt, spare);
+        const float* gu_add = nullptr;
+        if (lora && L.lora[kLoraGateUp].a) {
+            std::memset(dgu, 0, sizeof(float) * T * 2 * I);
+            lora_add(L.lora[kLoraGateUp], h, T, H, lora, dgu, 2 * I, nt);
+            gu_add = dgu;
+        }
+        product(L.gate_up, h, T, H, int(m->act), nullptr, gu_add, 2 * I, g, I, nt, spare);
         timer.lap(kGateUp);
+        if (lora && L.lora[kLoraDown].a) lora_add(L.lora[kLoraDown], g, T, I, lora, x, H, nt);
         product(L.down, g, T, I, 0, nullptr, x, H, x, H, nt, spare);
         timer.lap(kDown);
     }

@@ -165,6 +165,28 @@ void rows(const Args& a, int64_t row0, int64_t row1, int64_t panel, int64_t pane
     }
     constexpr int H = NB / 2;
     const int64_t n0 = panel * H, cols = std::min<int64_t>(H, a.n - n0);
+    if (a.residual) {  // a pre-activation addend [m, 2n]: gate's, then up's (LoRA deltas)
+        // vectorized as the loops below are (the same exp), so a row whose addend is zero gets
+        // what it gets without one
+        for (int64_t r = row0; r < row1; ++r) {
+            const float* c = acc + (r - row0) * NB;
+            const float* g = a.residual + r * a.res_stride + n0;
+            const float* u = g + a.n;
+            float* o = a.out + r * a.out_stride + n0;
+            if (a.gated == 1) {
+#pragma omp simd
+                for (int64_t j = 0; j < cols; ++j) o[j] = silu(c[j] + g[j]) * (c[H + j] + u[j]);
+            } else if (a.gated == 2) {
+#pragma omp simd
+                for (int64_t j = 0; j < cols; ++j) o[j] = gelu(c[j] + g[j]) * (c[H + j] + u[j]);
+            } else {
+#pragma omp simd
+                for (int64_t j = 0; j < cols; ++j)
+                    o[j] = gelu_tanh(c[j] + g[j]) * (c[H + j] + u[j]);
+            }
+        }
+        return;
+    }
     for (int64_t r = row0; r < row1; ++r) {
         const float* c = acc + (r - row0) * NB;
         float* o = a.out + r * a.out_stride + n0;

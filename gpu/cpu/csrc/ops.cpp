@@ -78,9 +78,9 @@ Tensor gemm(const Tensor& x, const Tensor& packed, int64_t n, int64_t gated,
     check_rows(x, m, k, "x");
     TORCH_CHECK_VALUE(gated >= weir::kPlain && gated <= weir::kGeluTanh, "gated: 0 to 3");
     check_packed(packed, n, k, gated != weir::kPlain);
-    TORCH_CHECK_VALUE(!(gated && (bias || residual)), "a gated pair takes no bias or residual");
+    TORCH_CHECK_VALUE(!(gated && bias), "a gated pair takes no bias");
     if (bias) check_flat(*bias, at::kFloat, n, "bias");
-    if (residual) check_rows(*residual, m, n, "residual");
+    if (residual) check_rows(*residual, m, gated ? 2 * n : n, "residual");
     Tensor out = at::empty({m, n}, x.options());
     if (m > 0)
         weir::gemm(x.data_ptr<float>(), m, k, x.stride(0), packed.data_ptr<float>(), n,
@@ -151,6 +151,20 @@ void apply_token_bitmask_(Tensor& logits, const Tensor& rows, const Tensor& mask
                                   mask.data_ptr<int32_t>(), mask.size(1), vocab, threads());
 }
 
+// ---- LoRA ----
+void lora_add_(Tensor& y, const Tensor& x, const Tensor& a, const Tensor& b, const Tensor& ranks,
+               const Tensor& cols, const Tensor& rows) {
+    const weir::LoraGroup g = check_lora_group(a, b, ranks, cols);
+    TORCH_CHECK_VALUE(x.dim() == 2 && y.dim() == 2, "x, y: need [rows, k] and [rows, n]");
+    const int64_t m = x.size(0);
+    check_rows(x, m, g.k, "x");
+    check_rows(y, m, g.n, "y");
+    const int32_t* slot = check_lora_rows(rows, m, g.slots);
+    if (m > 0)
+        weir::lora_add(g, x.data_ptr<float>(), m, x.stride(0), slot, y.data_ptr<float>(),
+                       y.stride(0), threads());
+}
+
 // ---- the pool and the forward's profile ----
 std::tuple<Tensor, Tensor> pool_selftest(int64_t tasks, int64_t threads_, bool hold,
                                          int64_t worker_us) {
@@ -183,6 +197,9 @@ TORCH_LIBRARY(weir, m) {
     m.def("argmax(Tensor logits) -> Tensor", &argmax);
     m.def("apply_token_bitmask_(Tensor(a!) logits, Tensor rows, Tensor mask) -> ()",
           &apply_token_bitmask_);
+    m.def("lora_add_(Tensor(a!) y, Tensor x, Tensor a, Tensor b, Tensor ranks, Tensor cols, "
+          "Tensor rows) -> ()",
+          &lora_add_);
     m.def("pool_selftest(int tasks, int threads, bool hold, int worker_us) -> (Tensor, Tensor)",
           &pool_selftest);
     m.def("forward_profile(bool enable) -> float[]", &forward_profile);

@@ -219,12 +219,17 @@ void wgemm(int format, const float* x, int64_t m, int64_t k, int64_t x_stride,
             for (int64_t r = 0; r < rows; ++r) {
                 float* o = out + (r0 + r) * out_stride + n0;
                 const float* g = acc[0] + r * kPanel;
+                const float* res = residual ? residual + (r0 + r) * res_stride + n0 : nullptr;
                 if (gated) {
                     const float* u = acc[1] + r * kPanel;
+                    if (res) {  // a pre-activation addend [m, 2n]: gate's, then up's
+                        for (int64_t j = 0; j < cols; ++j)
+                            o[j] = activate(gated, g[j] + res[j]) * (u[j] + res[n + j]);
+                        continue;
+                    }
                     for (int64_t j = 0; j < cols; ++j) o[j] = activate(gated, g[j]) * u[j];
                     continue;
                 }
-                const float* res = residual ? residual + (r0 + r) * res_stride + n0 : nullptr;
                 for (int64_t j = 0; j < cols; ++j) {
                     float v = g[j];
                     if (bias) v += bias[n0 + j];

@@ -73,13 +73,13 @@ Tensor wgemm(const Tensor& x, const Tensor& packed, int64_t format, int64_t n, i
     check_rows(x, m, k, "x");
     check_format(format, k);
     TORCH_CHECK_VALUE(gated >= weir::kPlain && gated <= weir::kGeluTanh, "gated: 0 to 3");
-    TORCH_CHECK_VALUE(!(gated && (bias || residual)), "a gated pair takes no bias or residual");
+    TORCH_CHECK_VALUE(!(gated && bias), "a gated pair takes no bias");
     TORCH_CHECK_VALUE(path >= weir::kPathAuto && path <= weir::kPathAvx512, "path: 0 to 3");
     TORCH_CHECK_VALUE(weir::qpath_available(int(path)) || path == weir::kPathAuto, "path ", path,
                       " does not run on this CPU");
     check_packed_w(packed, format, n, k, gated != weir::kPlain);
     if (bias) check_flat(*bias, at::kFloat, n, "bias");
-    if (residual) check_rows(*residual, m, n, "residual");
+    if (residual) check_rows(*residual, m, gated ? 2 * n : n, "residual");
     Tensor out = at::empty({m, n}, x.options());
     weir::wgemm(int(format), x.data_ptr<float>(), m, k, x.stride(0), packed.data_ptr<uint8_t>(),
                 n, int(gated), bias ? bias->data_ptr<float>() : nullptr,

@@ -151,6 +151,39 @@ struct DecoderStack : torch::CustomClassHolder {
         }
     }
 
+    // The adapters' slots (gpu/lora.py), bound once: per layer, for each product group in
+    // weir.h's LoraGroupId order, [a, b, ranks, cols] (an empty a: no adapter modifies it).
+    std::vector<std::vector<Tensor>> lora_tensors;
+    int64_t lora_slots = 0;
+
+    void set_lora(std::vector<std::vector<Tensor>> per_layer) {
+        TORCH_CHECK_VALUE(per_layer.size() == layers.size(), "lora: one entry per layer");
+        const int64_t H = model.hidden, qw = model.heads * model.head_dim;
+        const int64_t qkvw = qw + 2 * model.kv_heads * model.head_dim, I = model.intermediate;
+        const int64_t ks[weir::kLoraGroups] = {H, qw, H, I}, ns[weir::kLoraGroups] = {qkvw, H, 2 * I, H};
+        int64_t slots = 0;
+        for (size_t li = 0; li < per_layer.size(); ++li) {
+            const auto& L = per_layer[li];
+            TORCH_CHECK_VALUE(L.size() == 4 * weir::kLoraGroups, "lora: 16 tensors a layer");
+            for (int gi = 0; gi < weir::kLoraGroups; ++gi) {
+                if (!L[4 * gi].numel()) {
+                    layers[li].lora[gi] = weir::LoraGroup{};
+                    continue;
+                }
+                const weir::LoraGroup g =
+                    check_lora_group(L[4 * gi], L[4 * gi + 1], L[4 * gi + 2], L[4 * gi + 3]);
+                TORCH_CHECK_VALUE(g.k == ks[gi] && g.n == ns[gi], "lora: group ", gi, " is [",
+                                  g.k, " -> ", g.n, "], the layer's product [", ks[gi], " -> ",
+                                  ns[gi], "]");
+                TORCH_CHECK_VALUE(slots == 0 || g.slots == slots, "lora: one slot count");
+                slots = g.slots;
+                layers[li].lora[gi] = g;
+            }
+        }
+        lora_tensors = std::move(per_layer);
+        lora_slots = slots;
+    }
+
     // The final norm [tokens, hidden] of the stack over the embeddings of input_ids at
     // `positions` (rotary rows of cos / sin [rows, head_dim]), K/V written at `slots`; with
     // logits_rows (when the model has the head here), also the logits of those rows, else an
@@ -158,7 +191,8 @@ struct DecoderStack : torch::CustomClassHolder {
     std::tuple<Tensor, Tensor> run(const Tensor& input_ids, const Tensor& positions,
                                    const Tensor& cos, const Tensor& sin, const Tensor& slots,
                                    const Tensor& block_tables, const Tensor& query_start,
-                                   const Tensor& seq_lens, const optional<Tensor>& logits_rows) {
+                                   const Tensor& seq_lens, const optional<Tensor>& logits_rows,
+                                   const optional<Tensor>& lora_rows) {
         const int64_t T = input_ids.numel(), D = model.head_dim;
         check_flat(input_ids, at::kLong, T, "input_ids");
         check_flat(positions, at::kLong, T, "positions");
@@ -200,6 +234,14 @@ struct DecoderStack : torch::CustomClassHolder {
             s.logits = logits.data_ptr<float>();
             if (n != T) s.logits_rows = logits_rows->data_ptr<int64_t>();
         }
+        if (lora_rows) {  // each token's adapter slot; the slots' ranks checked again
+            TORCH_CHECK_VALUE(lora_slots > 0, "lora rows given, but no adapter slots bound");
+            s.lora_rows = check_lora_rows(*lora_rows, T, lora_slots);
+            for (const auto& L : lora_tensors)
+                for (int gi = 0; gi < weir::kLoraGroups; ++gi)
+                    if (L[4 * gi].numel())
+                        check_lora_group(L[4 * gi], L[4 * gi + 1], L[4 * gi + 2], L[4 * gi + 3]);
+        }
         const int rc = T ? weir::decoder_forward(model, s) : 0;
         TORCH_CHECK_INDEX(rc != 2, "token id outside the vocabulary");
         TORCH_CHECK_INDEX(rc != 3, "a position past the rotary table");
@@ -213,5 +255,6 @@ TORCH_LIBRARY_FRAGMENT(weir, m) {
     m.class_<DecoderStack>("DecoderStack")
         .def(torch::init<std::vector<std::vector<Tensor>>, std::vector<std::vector<int64_t>>,
                          std::vector<int64_t>, double, double, Tensor, Tensor, Tensor>())
-        .def("run", &DecoderStack::run);
+        .def("run", &DecoderStack::run)
+        .def("set_lora", &DecoderStack::set_lora);
 }

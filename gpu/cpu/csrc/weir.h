@@ -82,8 +82,10 @@ int64_t gemm_packed_size(int64_t n, int64_t k, bool gated);
 void gemm_pack(const float* w, const float* w2, int64_t n, int64_t k, bool gated,
                float* packed);
 
-// out[m, n] = x[m, k] @ W^T (+ bias[n]) (+ residual[m, n]), or, gated, act(x G^T) * (x U^T).
-// residual may be out itself. Strides are in floats between rows.
+// out[m, n] = x[m, k] @ W^T (+ bias[n]) (+ residual[m, n]), or, gated, act(x G^T) * (x U^T),
+// where a gated pair's residual, when given, is an addend [m, 2n] before the activation: act(x
+// G^T + residual[:, :n]) * (x U^T + residual[:, n:]) (LoRA's deltas). residual may be out
+// itself (not gated). Strides are in floats between rows.
 void gemm(const float* x, int64_t m, int64_t k, int64_t x_stride, const float* packed, int64_t n,
           int gated, const float* bias, const float* residual, int64_t res_stride, float* out,
           int64_t out_stride, int64_t num_threads);
@@ -155,13 +157,33 @@ void wgather(int format, const uint8_t* packed, int64_t k, const int64_t* rows, 
              float* out, int64_t num_threads);
 
 // out[m, n] = x[m, k] @ W^T (+ bias) (+ residual) on a packed weight, or, gated (kSilu...),
-// act(x G^T) * (x U^T). Block formats quantize each row of x to int8 per 32 (scale amax / 127)
+// act(x G^T) * (x U^T) (a gated pair's residual: an addend [m, 2n] before the activation, as
+// gemm's). Block formats quantize each row of x to int8 per 32 (scale amax / 127)
 // and take integer dot products; BF16 takes x rounded to bfloat16, F16 x as it is. Each output is
 // the same sum in the same order whatever the batch and the path. residual may be out itself;
 // strides in floats between rows.
 void wgemm(int format, const float* x, int64_t m, int64_t k, int64_t x_stride,
            const uint8_t* packed, int64_t n, int gated, const float* bias, const float* residual,
            int64_t res_stride, float* out, int64_t out_stride, int64_t num_threads, int path);
+
+// ---- LoRA adapters (lora.cpp) ----
+// One product group's adapters, held in slots (gpu/lora.py): per slot and slice (Q, K and V of
+// the Q/K/V product; gate and up), A [rank, k] as the first rows of a [max_rank, k] block, and
+// B^T [rank, the slice's columns] (the adapter's scaling folded in) in that slice's columns of
+// the slot's [max_rank, n] block; each slice's rank, 0 where the adapter leaves it alone.
+constexpr int64_t kLoraMaxRank = 512;
+struct LoraGroup {
+    const float* a;        // [slots, slices, max_rank, k]
+    const float* b;        // [slots, max_rank, n]
+    const int32_t* ranks;  // [slots, slices], each in [0, max_rank]
+    const int64_t* cols;   // [slices + 1]: each slice's first output column, then n
+    int64_t slots, slices, max_rank, k, n;
+};
+
+// y[t, cols of slice s] += (x[t] A_s^T) B_s^T for the adapter in slot row_slot[t] ([m]); a row
+// whose slot is -1 is not touched. Strides in floats between rows (y may be a residual stream).
+void lora_add(const LoraGroup& g, const float* x, int64_t m, int64_t x_stride,
+              const int32_t* row_slot, float* y, int64_t y_stride, int64_t num_threads);
 
 // ---- the layer stack in one call (forward.cpp) ----
 // A weight of the stack: float32 panels (gemm_pack's, format kWF32) or a packed WFormat
@@ -181,6 +203,9 @@ struct StackLinear {
     int parts;
 };
 
+// The product groups of a layer an adapter may modify, in DecoderLayer::lora's order.
+enum LoraGroupId : int { kLoraQkv = 0, kLoraO = 1, kLoraGateUp = 2, kLoraDown = 3, kLoraGroups };
+
 struct DecoderLayer {
     const float* input_norm;  // [hidden]
     const float* post_norm;   // [hidden]
@@ -193,6 +218,8 @@ struct DecoderLayer {
     StackLinear down;     // [hidden, intermediate]
     void* k_cache;        // [blocks, block_size, kv_heads, head_dim], of DecoderModel::cache_dtype
     void* v_cache;
+    // The adapters' slots per product group (a null: no adapter modifies that group)
+    LoraGroup lora[kLoraGroups];
 };
 
 struct DecoderModel {
@@ -230,6 +257,9 @@ struct DecoderStep {
     const int64_t* logits_rows;
     int64_t num_logits;
     float* logits;
+    // Each token's adapter slot ([tokens], -1: none), or null: no adapter in the step, and no
+    // LoRA work at all.
+    const int32_t* lora_rows;
 };
 
 // Returns 0; 2 for a token id outside the vocabulary, 3 for a position past the rotary table, 4
