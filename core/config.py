@@ -138,7 +138,12 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         if self.speculative_config is not None:
             from core.speculative import SpeculativeConfig
 
-            SpeculativeConfig.parse(self.speculative_config)  # a ValueError names the field
+            spec = SpeculativeConfig.parse(self.speculative_config)  # a ValueError names it
+            if spec.method == "draft_model" and self.tensor_parallel_size > 1:
+                raise ValueError(
+                    "--speculative-config draft_model runs with one rank (not with "
+                    "--tensor-parallel-size)"
+                )
             if self.async_scheduling:
                 raise ValueError(
                     "--speculative-config runs with synchronous scheduling: drop "

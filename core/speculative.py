@@ -1,9 +1,11 @@
 """Speculative decoding: proposals of several tokens a step for a request, verified in one forward.
 
-`--speculative-config` takes vLLM's JSON. The method served is `ngram` (prompt lookup): the
-request's last n tokens (n from `prompt_lookup_max` down to `prompt_lookup_min`) are looked up
+`--speculative-config` takes vLLM's JSON. Two methods are served: `ngram` (prompt lookup: the
+request's last n tokens, n from `prompt_lookup_max` down to `prompt_lookup_min`, are looked up
 earlier in its own tokens, prompt and output, and the tokens that followed their latest
-occurrence are proposed, up to `num_speculative_tokens`. The target model then computes every
+occurrence are proposed, up to `num_speculative_tokens`), and `draft_model` (a small model with
+the same tokenizer, `model`, proposes greedily: gpu/draft.py; the engine reserves the positions
+and the runner's draft model fills them). The target model then computes every
 proposed position in one row of the step (gpu/runner.py), and the sampler keeps the proposals
 its own distribution agrees with (gpu/sampler.py `verify`: greedy rows the argmax's run,
 sampled rows by rejection sampling, so the output distribution is the model's own).
@@ -50,11 +52,8 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
                 "'ngram' (prompt lookup); eagle, medusa, mlp_speculator and the MTP heads need "
                 "trained proposal weights it does not load"
             )
-        if config.method == "draft_model":
-            raise ValueError(
-                f"{where}: method 'draft_model' is not served yet (a second model's proposals); "
-                "use 'ngram'"
-            )
+        if config.method == "draft_model" and not config.model:
+            raise ValueError(f"{where}: method 'draft_model' needs \"model\": the draft's path")
         if not 1 <= config.num_speculative_tokens <= 16:
             raise ValueError(f"{where}: num_speculative_tokens must be between 1 and 16")
         high = config.prompt_lookup_max or config.prompt_lookup_min or 4
@@ -120,26 +119,31 @@ class Speculator:
         )
 
     def propose(self, requests: list) -> None:
-        """Set each decoding request's `spec_token_ids` for this step (empty: none)."""
+        """Set each decoding request's `spec_token_ids` for this step (empty: none). With a
+        draft model they are placeholders (-1) the runner's draft model fills (gpu/draft.py)."""
         by_batch = self.config.disable_by_batch_size
         quiet = by_batch is not None and len(requests) > by_batch
         for r in requests:
             r.spec_token_ids = []
             if quiet or r.num_pending or r.num_computed_tokens != r.num_tokens - 1:
                 continue  # prefilling, or its last token is not known yet
-            if r.spec_index is None:
-                if not self.wants(r):
-                    continue
-                c = self.config
-                r.spec_index = NgramIndex(c.prompt_lookup_min, c.prompt_lookup_max)
+            if not self.wants(r):
+                continue
             # room: max_tokens counts the token the verification always yields
             room = min(
                 self.k,
                 r.max_tokens - r.num_output_tokens - 1,
                 self.max_model_len - r.num_tokens - 1,
             )
-            if room > 0:
-                r.spec_token_ids = r.spec_index.propose(r.all_token_ids, room)
+            if room <= 0:
+                continue
+            if self.config.method == "draft_model":
+                r.spec_token_ids = [-1] * room
+                continue
+            if r.spec_index is None:
+                c = self.config
+                r.spec_index = NgramIndex(c.prompt_lookup_min, c.prompt_lookup_max)
+            r.spec_token_ids = r.spec_index.propose(r.all_token_ids, room)
 
     def judge(self, request, proposed: int, accepted: int) -> None:
         """A verified proposal: a request whose proposals keep failing stops proposing."""

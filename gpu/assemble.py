@@ -112,18 +112,23 @@ def load_shard(
     dtype: torch.dtype,
     device: torch.device,
     tp: TensorParallel | None = None,
+    draft: DecoderForCausalLM | None = None,
 ) -> tuple[DecoderForCausalLM, int]:
-    """The model (under `tp`, this rank's share of it) and how many KV blocks fit beside it."""
+    """The model (under `tp`, this rank's share of it) and how many KV blocks fit beside it
+    (with a draft model, already loaded: blocks that hold both models' K/V)."""
     backend = choose_backend(config, device, dtype)
     model = load_model(path, hf_config, dtype, device, backend, tp)
+    kv_dtype = kv_cache.cache_dtype(config.kv_cache_dtype, dtype)
+    extra = kv_cache.bytes_per_block(draft.spec, config.block_size, kv_dtype) if draft else 0
     num_blocks = kv_cache.num_blocks_for(
         model.local_spec,  # the KV heads this rank caches
         config.block_size,
-        kv_cache.cache_dtype(config.kv_cache_dtype, dtype),
+        kv_dtype,
         device,
         num_kv_blocks=config.num_kv_blocks,
         kv_cache_memory=config.kv_cache_memory,
         gpu_memory_utilization=config.gpu_memory_utilization,
+        extra_block_bytes=extra,
     )
     return model, num_blocks
 

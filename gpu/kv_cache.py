@@ -44,10 +44,12 @@ def num_blocks_for(
     num_kv_blocks: int | None,
     kv_cache_memory: int,
     gpu_memory_utilization: float,
+    extra_block_bytes: int = 0,
 ) -> int:
+    """`extra_block_bytes`: what else each block holds (a draft model's K/V)."""
     if num_kv_blocks is not None:
         return num_kv_blocks
-    per_block = bytes_per_block(spec, block_size, dtype)
+    per_block = bytes_per_block(spec, block_size, dtype) + extra_block_bytes
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         # This process's share of the GPU less what it already holds (weights, warm-up

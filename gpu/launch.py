@@ -17,6 +17,7 @@ from core.engine_core import EngineCore
 from core.speculative import SpeculativeConfig
 from gpu import kv_cache
 from gpu.cache import cache_dir
+from gpu.draft import DraftModel, load_draft
 from gpu.assemble import (
     build_runner,
     fit_model_len,
@@ -59,6 +60,16 @@ def resolve_async(config: EngineConfig, device: torch.device) -> bool:
     )
 
 
+def load_draft_of(config: EngineConfig, dtype: torch.dtype, device: torch.device, hf_config):
+    """The draft model of a draft_model speculative config (gpu/draft.py), else None."""
+    if not config.speculative_config:
+        return None
+    spec = SpeculativeConfig.parse(config.speculative_config)
+    if spec.method != "draft_model":
+        return None
+    return load_draft(config, spec.model, dtype, device, hf_config)
+
+
 def load(config: EngineConfig) -> Loaded:
     """Load the model (or, with --tensor-parallel-size N, start N workers that each load their
     share: gpu/dist/executor.py) and build the engine core over it."""
@@ -82,9 +93,19 @@ def load(config: EngineConfig) -> Loaded:
     else:
         torch.manual_seed(config.seed)
         set_threads(config, hf_config, device)
-        model, num_blocks = load_shard(config, path, hf_config, dtype, device)
-        max_model_len = fit_model_len(config, model.spec.max_position_embeddings, num_blocks)
+        draft = load_draft_of(config, dtype, device, hf_config)
+        model, num_blocks = load_shard(config, path, hf_config, dtype, device, draft=draft)
+        positions = model.spec.max_position_embeddings
+        if draft is not None:
+            positions = min(positions, draft.spec.max_position_embeddings)
+        max_model_len = fit_model_len(config, positions, num_blocks)
         runner = build_runner(config, model, num_blocks, max_model_len, dtype, device, eos)
+        if draft is not None:
+            kv_dtype_t = kv_cache.cache_dtype(config.kv_cache_dtype, dtype)
+            caches = kv_cache.allocate(
+                draft.local_spec, num_blocks, config.block_size, kv_dtype_t, device
+            )
+            runner.draft = DraftModel(draft, caches, config.block_size, device)
         where = f"{device}, {torch.get_num_threads()} threads" if device.type == "cpu" else device
     core = EngineCore(
         runner,

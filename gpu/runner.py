@@ -51,6 +51,7 @@ class ModelRunner:
         self.state = RunnerRequests()  # the requests as this runner knows them
         # The last launched step's sampled ids (on the device) and each request's row there:
         # the inputs of the next step's `pending` rows.
+        self.draft = None  # gpu/draft.py DraftModel, with a draft_model speculative config
         self._last_sampled: torch.Tensor | None = None
         self._last_rows: dict[str, int] = {}
         self.lora = None  # gpu/lora.py LoraSlots (the model's), with --enable-lora
@@ -257,6 +258,8 @@ class ModelRunner:
         """The step's work queued on the device (on a CPU, done): nothing here waits for the
         GPU unless the step asks for prompt log-probs or pooled vectors."""
         scheduled = self.state.update(out)
+        if self.draft is not None:  # proposals for the rows that speculate
+            self.draft.propose(out, scheduled, self._tensor)
         input_ids, positions, meta, logits_rows = self.prepare(out, scheduled)
         lora_rows = None  # no adapter in the step: no LoRA work at all
         if self.lora is not None:
@@ -272,6 +275,8 @@ class ModelRunner:
             hidden, logits = self.model(
                 input_ids, positions, self.kv_caches, meta, logits_rows, lora_rows
             )
+        if self.draft is not None:  # the draft model's cache kept in step with the model's
+            self.draft.catch_up(input_ids, positions, meta)
         grammar_rows = masks() if masks is not None else None
         prompt_lp = {}
         if any(r.sampling_params.prompt_logprobs is not None for r in scheduled):

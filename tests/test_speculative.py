@@ -27,7 +27,7 @@ def test_the_config_is_vllms_and_refuses_what_it_cannot_serve():
     assert (c.num_speculative_tokens, c.prompt_lookup_max, c.prompt_lookup_min) == (4, 3, 1)
     for text, named in (
         ('{"method": "eagle", "num_speculative_tokens": 2}', "'eagle' is not served"),
-        ('{"method": "draft_model", "num_speculative_tokens": 2}', "not served yet"),
+        ('{"method": "draft_model", "num_speculative_tokens": 2}', "the draft's path"),
         ('{"method": "ngram", "num_speculative_tokens": 0}', "between 1 and 16"),
         ('{"method": "ngram", "num_speculative_tokens": 2, "typo": 1}', "typo"),
         ('{"method": "ngram"', "--speculative-config"),
@@ -242,3 +242,63 @@ def test_a_server_counts_its_drafts(model_dir):
         assert "weir:spec_decode_num_accepted_tokens_per_pos_total" in text
     finally:
         server.stop()
+
+
+def draft_config(path, k: int = 3) -> str:
+    return json.dumps({"method": "draft_model", "model": str(path), "num_speculative_tokens": k})
+
+
+@pytest.mark.parametrize("draft", ["itself", "another"])
+def test_a_draft_model_proposes_and_outputs_stay_the_same(model_dir, tmp_path, draft):
+    """The model as its own draft proposes what it will say (nearly everything accepted, a
+    fraction of the steps); another model (one layer, other weights) proposes little that is
+    kept. Greedy outputs are the model's own either way, through chunked prefill, preemption,
+    stops and log-probs; the draft's K/V shares the block pool (fewer blocks in the same
+    memory)."""
+    from gpu.tiny_model import build_tiny_model
+
+    target = model_dir("qwen3")
+    path = target if draft == "itself" else build_tiny_model(tmp_path / "d", "qwen3", seed=7,
+                                                             num_layers=1)  # fmt: skip
+    first, _ = drive(engine(model_dir, None, num_kv_blocks=32), workload())
+    want, _ = drive(engine(model_dir, None, num_kv_blocks=32), workload(first))
+    core = engine(model_dir, draft_config(path), num_kv_blocks=32)
+    counts = {"drafted": 0, "accepted": 0, "steps": 0}
+    take, step = core.take_stats, core.step
+
+    def counting():
+        s = take()
+        counts["drafted"] += s.spec_draft_tokens
+        counts["accepted"] += s.spec_accepted_tokens
+        return s
+
+    def stepping():
+        counts["steps"] += 1
+        out = step()
+        counting()
+        return out
+
+    core.take_stats, core.step = counting, stepping
+    got, _ = drive(core, workload(first))
+    same(got, want)
+    assert core.scheduler.num_preemptions > 0 and counts["drafted"] > 20
+    if draft == "itself":
+        assert counts["accepted"] >= 0.9 * counts["drafted"]
+        assert counts["steps"] < 0.6 * sum(len(v[0]) for v in want.values())
+
+    def sized(spec):
+        config = EngineConfig(
+            model=str(target), device="cpu", kv_cache_memory=1 << 20, speculative_config=spec
+        )
+        return load(config).core.kv.num_blocks
+
+    assert sized(draft_config(path)) < sized(None)
+
+
+def test_a_draft_model_must_share_the_tokenizer(model_dir, tmp_path):
+    from core.config import CheckpointError
+    from gpu.tiny_model import build_tiny_model
+
+    other = build_tiny_model(tmp_path / "v", "qwen3", vocab_size=512)
+    with pytest.raises(CheckpointError, match="same tokenizer"):
+        engine(model_dir, draft_config(other))
