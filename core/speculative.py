@@ -33,7 +33,7 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     prompt_lookup_max: int | None = None
     prompt_lookup_min: int | None = None
     # Running requests above which a step goes without speculation (verification would cost
-    # more than it saves once the batch fills the machine).
+    # more than it saves once the batch fills the machine); None: `auto_batch_limit`.
     disable_by_batch_size: int | None = None
     model: str | None = None  # the draft model (method draft_model)
 
@@ -67,6 +67,20 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
         if config.disable_by_batch_size is not None and config.disable_by_batch_size < 1:
             raise ValueError(f"{where}: disable_by_batch_size must be positive")
         return config
+
+
+# Rows a step verifies nearly for free, by device. On a CPU a decode step of the 1B model took
+# 1.08x its one-row time at 2 rows, 1.13x at 3, 1.33-1.39x at 4-5 and 2.1x at 8 (weir's bf16
+# kernels, 2-core EPYC: docs/benchmarks.md), and at 64 streams verifying 4 proposals each, none
+# kept, cost 13% of the throughput. On a GPU a decode step reads its weights for up to some
+# hundred rows: 64 is a guess until measured there.
+FREE_ROWS = {"cpu": 4, "cuda": 64}
+
+
+def auto_batch_limit(k: int, device: str) -> int:
+    """disable_by_batch_size when the config leaves it out: the running requests whose k + 1
+    verification rows each still fit the device's nearly free rows (at least 1)."""
+    return max(1, FREE_ROWS.get(device, FREE_ROWS["cuda"]) // (k + 1))
 
 
 class NgramIndex:

@@ -14,7 +14,7 @@ import torch
 
 from core.config import CheckpointError, EngineConfig
 from core.engine_core import EngineCore
-from core.speculative import SpeculativeConfig
+from core.speculative import SpeculativeConfig, auto_batch_limit
 from gpu import kv_cache
 from gpu.cache import cache_dir
 from gpu.draft import DraftModel, load_draft
@@ -58,6 +58,16 @@ def resolve_async(config: EngineConfig, device: torch.device) -> bool:
         and config.tensor_parallel_size == 1
         and config.speculative_config is None
     )
+
+
+def speculative_config(config: EngineConfig, device: torch.device) -> SpeculativeConfig | None:
+    """--speculative-config, its batch limit resolved for the device when left out."""
+    if not config.speculative_config:
+        return None
+    spec = SpeculativeConfig.parse(config.speculative_config)
+    if spec.disable_by_batch_size is None:
+        spec.disable_by_batch_size = auto_batch_limit(spec.num_speculative_tokens, device.type)
+    return spec
 
 
 def load_draft_of(config: EngineConfig, dtype: torch.dtype, device: torch.device, hf_config):
@@ -122,9 +132,7 @@ def load(config: EngineConfig) -> Loaded:
         max_logprobs=config.max_logprobs,
         max_loras=config.max_loras if config.enable_lora else 0,
         async_scheduling=resolve_async(config, device),
-        speculative=SpeculativeConfig.parse(config.speculative_config)
-        if config.speculative_config
-        else None,
+        speculative=speculative_config(config, device),
     )
     weights = resident_weights(model) if config.tensor_parallel_size == 1 else {}
     kv_bytes = sum(k.numel() * k.element_size() * 2 for k, _ in runner.kv_caches) if weights else 0

@@ -14,12 +14,20 @@ import torch
 from core.config import EngineConfig
 from core.request import EngineRequest
 from core.sampling import SamplingParams
-from core.speculative import NgramIndex, SpeculativeConfig, Speculator
+from core.speculative import NgramIndex, SpeculativeConfig, Speculator, auto_batch_limit
 from gpu.launch import load
 from gpu.sampler import Sampler, SamplingMetadata
 from tests.test_async_scheduling import drive, same
 
-NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3})
+# Every step may speculate here (left out, the limit is the device's: auto_batch_limit).
+NGRAM = json.dumps(
+    {
+        "method": "ngram",
+        "num_speculative_tokens": 4,
+        "prompt_lookup_max": 3,
+        "disable_by_batch_size": 64,
+    }
+)
 
 
 def test_the_config_is_vllms_and_refuses_what_it_cannot_serve():
@@ -213,6 +221,10 @@ def test_seeded_sampling_repeats_and_steps_aside(model_dir):
     assert request.spec_token_ids == []
     quiet = json.dumps({**json.loads(NGRAM), "disable_by_batch_size": 2})
     core = engine(model_dir, quiet)
+    assert core.speculator.config.disable_by_batch_size == 2
+    auto = {k: v for k, v in json.loads(NGRAM).items() if k != "disable_by_batch_size"}
+    limit = engine(model_dir, json.dumps(auto)).speculator.config.disable_by_batch_size
+    assert limit == auto_batch_limit(4, "cpu") == 1  # 4 nearly free rows on a CPU: one stream
     for r in reqs():
         core.add(r)
     for _ in range(4):
@@ -245,7 +257,14 @@ def test_a_server_counts_its_drafts(model_dir):
 
 
 def draft_config(path, k: int = 3) -> str:
-    return json.dumps({"method": "draft_model", "model": str(path), "num_speculative_tokens": k})
+    return json.dumps(
+        {
+            "method": "draft_model",
+            "model": str(path),
+            "num_speculative_tokens": k,
+            "disable_by_batch_size": 64,
+        }
+    )
 
 
 @pytest.mark.parametrize("draft", ["itself", "another"])
