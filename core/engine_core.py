@@ -268,17 +268,30 @@ class EngineCore:
         return out
 
     def _grammar_batch(self, seqs: list[ScheduledSeq]) -> GrammarBatch | None:
-        """The sampled rows whose request has a grammar, and their matchers' mask fill."""
-        sampled = [s.request for s in seqs if s.sample]
-        constrained = [(r.grammar, i) for i, r in enumerate(sampled) if r.grammar is not None]
-        if not constrained:
+        """The sampled rows whose request has a grammar, and their matchers' mask fill. A
+        request verifying proposals has a row per position: each masked by its matcher as it
+        will be there, a copy having taken the proposals before it (they are the grammar's:
+        core/speculative.py cut them where it refused)."""
+        rows, matchers = [], []
+        row = 0
+        for s in seqs:
+            if not s.sample:
+                continue
+            r = s.request
+            if r.grammar is not None:
+                matchers.append(r.grammar)
+                ahead = r.grammar.deep_copy() if s.num_draft else None
+                for token in r.spec_token_ids[: s.num_draft]:
+                    ahead.consume_token(token)
+                    matchers.append(ahead.deep_copy())
+                rows += range(row, row + s.num_draft + 1)
+            row += s.num_draft + 1
+        if not rows:
             return None
         grammars = self._grammars
-        pairs = [(m, j) for j, (m, _) in enumerate(constrained)]
+        pairs = [(m, j) for j, m in enumerate(matchers)]
         return GrammarBatch(
-            [i for _, i in constrained],
-            grammars.words,
-            lambda pointer: grammars.fill(pairs, pointer, len(pairs)),
+            rows, grammars.words, lambda pointer: grammars.fill(pairs, pointer, len(pairs))
         )
 
     def step(self) -> list[RequestOutput]:
@@ -408,7 +421,9 @@ class EngineCore:
             per_pos[i] += 1
         self.speculator.judge(request, seq.num_draft, accepted)
         out = None
-        for token, lp in zip(tokens, logprobs):
+        for i, (token, lp) in enumerate(zip(tokens, logprobs)):
+            if i and request.grammar is not None:  # the first was taken with the batch's
+                request.grammar.consume_token(token)
             step = self._append_token(request, token, lp, now)
             out = step if out is None else out.merge(step)
             if step.finished:

@@ -113,6 +113,18 @@ class NgramIndex:
         return []
 
 
+def grammar_cut(matcher, proposal: list[int]) -> list[int]:
+    """The proposal up to the first token the grammar refuses, or up to where it is complete
+    (the model's own token comes after that: end of sequence)."""
+    ahead = matcher.deep_copy()
+    kept = []
+    for token in proposal:
+        if ahead.is_stopped() or not ahead.consume_token(token):
+            break
+        kept.append(token)
+    return kept
+
+
 class Speculator:
     """Proposals for a step's running requests (the engine's side of speculation)."""
 
@@ -123,13 +135,14 @@ class Speculator:
 
     def wants(self, request) -> bool:
         """Whether a request speculates at all: not with penalties (their counts move with
-        every accepted token), a grammar, pooling or prompt log-probs still to compute."""
+        every accepted token) or pooling; with a grammar only from n-gram proposals (cut where
+        the grammar refuses them, before the step: a draft model's are made too late)."""
         params = request.sampling_params
         return (
             request.pooling is None
-            and params.structured is None
             and not params.needs_penalties
             and not request.spec_off
+            and (params.structured is None or self.config.method == "ngram")
         )
 
     def propose(self, requests: list) -> None:
@@ -157,7 +170,10 @@ class Speculator:
             if r.spec_index is None:
                 c = self.config
                 r.spec_index = NgramIndex(c.prompt_lookup_min, c.prompt_lookup_max)
-            r.spec_token_ids = r.spec_index.propose(r.all_token_ids, room)
+            proposal = r.spec_index.propose(r.all_token_ids, room)
+            if proposal and r.grammar is not None:
+                proposal = grammar_cut(r.grammar, proposal)
+            r.spec_token_ids = proposal
 
     def judge(self, request, proposed: int, accepted: int) -> None:
         """A verified proposal: a request whose proposals keep failing stops proposing."""

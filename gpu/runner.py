@@ -305,17 +305,14 @@ class ModelRunner:
 
     def _verify(self, out: SchedulerOutput, runs, logits, grammar_rows):
         """Speculative runs: a logits row per verified position, the sampler's verdicts."""
-        requests, offsets, drafts, first = [], [], [], []
+        requests, offsets, drafts = [], [], []
         for s in out.scheduled:
             if s.sample:
                 drafts += [*s.draft_token_ids, -1]
         for r, n in runs:
-            first.append(len(requests))
             requests += [r] * n
             offsets += range(n)
-        if grammar_rows is not None:  # constrained requests propose nothing: one row each
-            rows, mask = grammar_rows
-            grammar_rows = (self._tensor(first, torch.int64)[rows], mask)
+        # (grammar rows count every verified position: core/engine_core.py _grammar_batch)
         m = self.prepare_sampling(requests, grammar_rows, offsets)
         return self.sampler.verify(logits, m, self._tensor(drafts, torch.int64))
 
