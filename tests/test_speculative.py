@@ -121,6 +121,14 @@ def workload(first=None) -> list[EngineRequest]:
         EngineRequest("min", prompt(4, 8), SamplingParams(max_tokens=10, min_tokens=7, **g)),
         EngineRequest("one", prompt(5, 6), SamplingParams(max_tokens=1, **g)),
         EngineRequest("prefix", prompt(1, 90)[:40] + [7, 8], SamplingParams(max_tokens=9, **g)),
+        # n > 1: the second sample waits for the first's prompt in the cache
+        EngineRequest("n0", prompt(6, 17), SamplingParams(max_tokens=11, ignore_eos=True, **g)),
+        EngineRequest(
+            "n1",
+            prompt(6, 17),
+            SamplingParams(max_tokens=11, ignore_eos=True, **g),
+            leader_id="n0",
+        ),
     ]
     if first is not None:  # stops taken from a first run, so that they land inside runs
         tokens, text = first["r2"][0], first["lp"][1]
