@@ -386,3 +386,35 @@ def test_structured_outputs_verify_proposals_under_their_grammar(model_dir, monk
     same(got, want)
     assert sum(accepted) > 20
     assert json.loads(got["json"][1]) is not None and got["json"][2] == "stop"
+
+
+def test_tensor_parallel_ranks_verify_proposals(model_dir):
+    """Two ranks (CPU workers): every rank computes the proposals' rows, rank 0 verifies; the
+    same tokens as one rank without speculation."""
+    from weir import LLM
+
+    prompts = [prompt(1, 13), prompt(2, 8, period=3)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    base = LLM(str(model_dir("qwen3")), num_kv_blocks=64, device="cpu")
+    want = [o.outputs[0].token_ids for o in base.generate(prompts, params, use_tqdm=False)]
+    tp = LLM(
+        str(model_dir("qwen3")),
+        num_kv_blocks=64,
+        device="cpu",
+        tensor_parallel_size=2,
+        speculative_config=NGRAM,
+    )
+    try:
+        drafts = []
+        take = tp.engine.take_stats
+
+        def counting():
+            s = take()
+            drafts.append(s.spec_drafts)
+            return s
+
+        tp.engine.take_stats = counting
+        got = [o.outputs[0].token_ids for o in tp.generate(prompts, params, use_tqdm=False)]
+    finally:
+        tp.engine.close()
+    assert got == want and sum(drafts) > 0
