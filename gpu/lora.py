@@ -7,8 +7,9 @@ of the Q/K/V product; gate and up) A [rank, k] as the first rows of a [max_rank,
 [rank, slice columns] with the adapter's scaling folded in, in the slice's columns of the slot's
 [max_rank, n] block, zeros elsewhere; and each slice's rank (0: the adapter leaves it alone).
 Their addresses never change, so the compiled CPU stack binds them once and a CUDA graph could
-read them; a step hands the products one int32 per token row, its adapter's slot or -1
-(`rows`), or, when no row has an adapter, nothing at all: no LoRA work runs.
+read them; a step hands the products a `LoraBatch`, one int32 per token row, its adapter's slot
+or -1, with the rows grouped by slot for kernels that tile them adapter by adapter, or, when no
+row has an adapter, nothing at all: no LoRA work runs.
 
 Under tensor parallelism each rank keeps its share, sharded as the layer it modifies
 (gpu/dist/parallel.py shard): B of the column-parallel products (Q/K/V, gate/up) by output rows,
@@ -51,11 +52,42 @@ class LoraGroup(NamedTuple):
     cols_list: list[int]
 
 
-class LoraLayer(NamedTuple):
-    """What a layer's products take in a step with adapters: each token row's slot and the
-    layer's groups."""
+class LoraBatch(NamedTuple):
+    """A step's adapters by token row, made on the host and copied in one tensor: each row's
+    slot, and for the kernels that take rows adapter by adapter (the CUDA backend's) the rows
+    with an adapter grouped by slot, where each slot's run starts and how long it is."""
 
-    rows: torch.Tensor  # [tokens] int32, -1: no adapter
+    rows: torch.Tensor  # [tokens] int32: the row's slot, -1: no adapter
+    order: torch.Tensor  # [tokens] int32: slot 0's rows, then slot 1's, ...; the rest unused
+    counts: torch.Tensor  # [slots] int32: each slot's rows
+    starts: torch.Tensor  # [slots] int32: where they start in `order`
+
+    @staticmethod
+    def build(slot_of_row: list[int], slots: int, tensor) -> LoraBatch:
+        """From each row's slot (-1: none); `tensor(list, dtype)`: the host-to-device copy."""
+        runs: list[list[int]] = [[] for _ in range(slots)]
+        for t, s in enumerate(slot_of_row):
+            if s >= 0:
+                runs[s].append(t)
+        order: list[int] = []
+        counts, starts = [], []
+        for run in runs:
+            starts.append(len(order))
+            counts.append(len(run))
+            order += run
+        t = len(slot_of_row)
+        order += [0] * (t - len(order))
+        packed = tensor(slot_of_row + order + counts + starts, torch.int32)
+        return LoraBatch(
+            packed[:t], packed[t : 2 * t], packed[2 * t : 2 * t + slots], packed[2 * t + slots :]
+        )
+
+
+class LoraLayer(NamedTuple):
+    """What a layer's products take in a step with adapters: the step's rows and the layer's
+    groups."""
+
+    batch: LoraBatch
     groups: dict[str, LoraGroup]
 
 
@@ -115,7 +147,7 @@ class LoraSlots:
         self.num_slot_loads = 0  # adapters copied into a slot
 
     # ---- a step ----
-    def rows(self, refs: list[LoraRef | None], counts: list[int], tensor) -> torch.Tensor | None:
+    def batch(self, refs: list[LoraRef | None], counts: list[int], tensor) -> LoraBatch | None:
         """The step's slot per token row (request i has counts[i] rows), its adapters loaded
         into slots first; None when no request has one. `tensor(list, dtype)`: the runner's
         host-to-device copy."""
@@ -134,7 +166,7 @@ class LoraSlots:
         flat: list[int] = []
         for ref, n in zip(refs, counts):
             flat += [slot_of[ref.key] if ref is not None else -1] * n
-        return tensor(flat, torch.int32)
+        return LoraBatch.build(flat, self.max_loras, tensor)
 
     def _slot(self, ref: LoraRef, wanted: dict) -> int:
         """A slot holding `ref`'s adapter: its own, a free one, or the least recently used one
@@ -218,8 +250,8 @@ class LoraSlots:
         log.info("LoRA adapter %s read from %s (rank %d)", ref.name, ref.path, info.rank)
         return out
 
-    def layer(self, i: int, rows: torch.Tensor) -> LoraLayer:
-        return LoraLayer(rows, self.layers[i])
+    def layer(self, i: int, batch: LoraBatch) -> LoraLayer:
+        return LoraLayer(batch, self.layers[i])
 
     def stack_tensors(self) -> list[list[torch.Tensor]]:
         """Per layer, [a, b, ranks, cols] of each group in the compiled stack's order."""

@@ -196,11 +196,11 @@ class CpuBackend(OneDnnBackend):
         return super().gated(x, w, addend)
 
     # ---- LoRA ----
-    def lora_add(self, y, x, group, rows) -> None:
+    def lora_add(self, y, x, group, batch) -> None:
         if y.dtype == torch.float32 and x.dtype == torch.float32 and x.dim() == 2:
-            cpu_build.load().lora_add_(y, x, group.a, group.b, group.ranks, group.cols, rows)
+            cpu_build.load().lora_add_(y, x, group.a, group.b, group.ranks, group.cols, batch.rows)
             return
-        super().lora_add(y, x, group, rows)
+        super().lora_add(y, x, group, batch)
 
     # ---- embeddings ----
     def prepare_embedding(self, weight: Any) -> Any:
