@@ -64,6 +64,28 @@ def test_mixed_batch_matches_peft(arch, pool, forward, lora_models):
     assert core.runner.lora.num_loads == 3
 
 
+def test_onednn_products_with_adapters(lora_models, monkeypatch):
+    """--cpu-matmul onednn with --enable-lora: gate and up are two oneDNN products (the fused
+    post-ops leave no place for the deltas before the activation), the others oneDNN's too;
+    the mixed batch's tokens and log-probs are PEFT's."""
+    from gpu.cpu import onednn
+
+    monkeypatch.setattr(onednn, "MIN_ELEMENTS", 0)  # these tiny weights packed as well
+    base, adapters = lora_models("llama")
+    loaded = engine(base, cpu_matmul="onednn")
+    layer = loaded.core.runner.model.model.layers[0]
+    kind, (gate, up), _ = layer.mlp.gate_up
+    assert kind == "pair" and isinstance(gate, onednn.OneDnnWeight)
+    assert isinstance(layer.mlp.down, onednn.OneDnnWeight)
+    prompts = [loaded.tokenizer.encode(p) for p in LORA_PROMPTS]
+    want = references("llama", base, adapters, prompts, logits=True)
+    refs = refs_of(loaded, adapters)
+    names = [None, *ADAPTERS]
+    jobs = [(f"{n}-{i}", ids, refs.get(n)) for i, ids in enumerate(prompts) for n in names]
+    got, logprobs = run(loaded.core, jobs, logprobs=TOP)
+    assert_matches_peft(got, logprobs, want, names, len(prompts))
+
+
 def record_logits(runner, monkeypatch) -> dict:
     """(request id, tokens it had) -> its sampled row's logits, for every step the runner runs."""
     seen = {}
