@@ -78,6 +78,20 @@ def peft_greedy(base: Path, adapter: Path | None, prompts, max_new_tokens: int, 
     return (outs, all_logits) if logits else outs
 
 
+def peft_hidden(base, adapter, prompts) -> list:
+    """The final hidden states (after the last norm) of each prompt, PEFT's adapter applied."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    if adapter is not None:
+        model = PeftModel.from_pretrained(model, adapter).get_base_model()
+    inner = model.eval().model  # the decoder with PEFT's LoRA layers in place
+    with torch.no_grad():
+        return [inner(torch.tensor([ids])).last_hidden_state[0] for ids in prompts]
+
+
 _refs: dict = {}
 
 
