@@ -74,6 +74,7 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--prompt-tokens", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--lora-dtype", default="auto", help="the adapters' dtype in the slots")
     args = ap.parse_args()
 
     from gpu import openmp
@@ -91,6 +92,7 @@ def main() -> int:
             max_loras=args.adapters,
             max_lora_rank=args.rank,
             max_cpu_loras=args.adapters,
+            lora_dtype=args.lora_dtype,
         )
     )
     lora = lora_loaded.core

@@ -166,6 +166,7 @@ def build_runner(
             config.max_loras,
             config.max_lora_rank,
             config.max_cpu_loras or config.max_loras,
+            config.lora_dtype,
         )
     if device.type == "cuda" and not config.enforce_eager and model.backend.attention.graph_safe:
         from gpu.cuda.graphs import DecodeGraphs, default_capture_sizes

@@ -2,7 +2,8 @@
 --max-cpu-loras), and loaded on demand into the slots a step's batched products read.
 
 The slots are static buffers made once per layer and product group (core/lora.py GROUPS: Q/K/V,
-O, gate/up, down), in the model's activation dtype on its device: per slot and slice (Q, K and V
+O, gate/up, down), in the model's activation dtype on its device (or --lora-dtype's; the
+products widen them to the activations' dtype as they read them): per slot and slice (Q, K and V
 of the Q/K/V product; gate and up) A [rank, k] as the first rows of a [max_rank, k] block, B^T
 [rank, slice columns] with the adapter's scaling folded in, in the slice's columns of the slot's
 [max_rank, n] block, zeros elsewhere; and each slice's rank (0: the adapter leaves it alone).
@@ -26,6 +27,7 @@ from typing import NamedTuple
 
 import torch
 
+from core.config import CheckpointError
 from core.lora import (
     GROUPS,
     PARENT,
@@ -106,7 +108,10 @@ def base_of(spec) -> LoraBase:
 class LoraSlots:
     """The adapters a model can run: `max_loras` slots, a host cache of `max_cpu_loras`."""
 
-    def __init__(self, model, max_loras: int, max_rank: int, max_cpu_loras: int) -> None:
+    def __init__(
+        self, model, max_loras: int, max_rank: int, max_cpu_loras: int, dtype: str = "auto"
+    ) -> None:
+        """`dtype`: --lora-dtype, the slots' dtype (auto: the activations')."""
         if max_loras < 1 or max_rank < 1 or max_cpu_loras < max_loras:
             raise ValueError("--max-loras and --max-lora-rank >= 1, --max-cpu-loras >= --max-loras")
         self.model = model
@@ -115,6 +120,12 @@ class LoraSlots:
         spec = model.local_spec
         weight = model.model.norm.weight
         self.device, self.dtype = weight.device, weight.dtype
+        if dtype != "auto":
+            self.dtype = getattr(torch, dtype)
+            if self.device.type == "cpu" and self.dtype == torch.float16:
+                raise CheckpointError(
+                    "--lora-dtype float16: the CPU kernels hold adapters in float32 or bfloat16"
+                )
         h, i = spec.hidden_size, spec.intermediate_size
         q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
         shapes = {  # group -> (inputs, each slice's outputs)
@@ -263,7 +274,8 @@ def lora_add_reference(
     y: torch.Tensor, x: torch.Tensor, g: LoraGroup, rows: torch.Tensor
 ) -> torch.Tensor:
     """y[t, slice columns] += (x[t] A^T) B^T for each row's adapter, in torch (the reference
-    every backend's kernel is held to); rows with slot -1 untouched."""
+    every backend's kernel is held to), in x's dtype (slots of another --lora-dtype widened or
+    narrowed to it); rows with slot -1 untouched."""
     idx = (rows >= 0).nonzero().squeeze(1)
     if idx.numel() == 0:
         return y
@@ -271,7 +283,7 @@ def lora_add_reference(
     xs = x[idx]
     for si in range(g.a.shape[1]):
         c0, c1 = g.cols_list[si], g.cols_list[si + 1]
-        v = torch.bmm(g.a[slots, si], xs[:, :, None])  # [m, R, 1]
-        d = torch.bmm(g.b[slots, :, c0:c1].transpose(1, 2), v)[..., 0]  # [m, cols]
+        v = torch.bmm(g.a[slots, si].to(x.dtype), xs[:, :, None])  # [m, R, 1]
+        d = torch.bmm(g.b[slots, :, c0:c1].transpose(1, 2).to(x.dtype), v)[..., 0]  # [m, cols]
         y[idx, c0:c1] += d.to(y.dtype)
     return y

@@ -144,7 +144,8 @@ TOP = 5  # top log-probs compared
 def assert_matches_peft(got, logprobs, want, names, num_prompts, atol=1e-4):
     """Each request "{name}-{i}"'s greedy tokens are PEFT's for its adapter, and every token's
     log-prob and its top TOP alternatives' (from `run(..., logprobs=TOP)`) are PEFT's
-    log-softmax of that step's logits within `atol`. `want`: references(..., logits=True)."""
+    log-softmax of that step's logits within `atol` (absolute and relative). `want`:
+    references(..., logits=True)."""
     import torch
 
     for name in names:
@@ -157,6 +158,10 @@ def assert_matches_peft(got, logprobs, want, names, num_prompts, atol=1e-4):
             ref = torch.log_softmax(logits[i].double(), dim=-1)
             mine = torch.tensor([lp.logprob for lp in lps], dtype=torch.float64)
             theirs = ref[torch.arange(len(tokens[i])), torch.tensor(tokens[i])]
-            torch.testing.assert_close(mine, theirs, atol=atol, rtol=0, msg=rid)
+            torch.testing.assert_close(
+                mine, theirs, atol=atol, rtol=atol, msg=lambda m: f"{rid}: {m}"
+            )
             top = torch.tensor([lp.top_logprobs for lp in lps], dtype=torch.float64)
-            torch.testing.assert_close(top, ref.topk(TOP).values, atol=atol, rtol=0, msg=rid)
+            torch.testing.assert_close(
+                top, ref.topk(TOP).values, atol=atol, rtol=atol, msg=lambda m: f"{rid}: {m}"
+            )

@@ -245,23 +245,35 @@ def random_group(slots, widths, rank, k, seed):
     return LoraGroup(a, b, ranks, torch.tensor(cols), cols)
 
 
-@pytest.mark.parametrize("rows", [1, 5, 37])
-def test_cpu_lora_kernel_matches_torch(rows):
+@pytest.mark.parametrize(
+    "rows,widths,k,dtype",
+    [
+        (1, [24, 8, 8], 40, torch.float32),
+        (5, [80, 16, 16], 70, torch.float32),  # whole column blocks and tails, k not a vector
+        (37, [24, 8, 8], 40, torch.float32),  # several tiles of one adapter's rows
+        (37, [130], 96, torch.bfloat16),  # --lora-dtype bfloat16: slots widened as read
+    ],
+)
+def test_cpu_lora_kernel_matches_torch(rows, widths, k, dtype):
     """torch.ops.weir.lora_add_: each row with its slot's adapter or none (untouched), slices
     with their own ranks (0: skipped), y a strided view, against the torch reference."""
     from gpu.cpu import build as cpu_build
 
-    g = random_group(3, [24, 8, 8], 16, 40, seed=rows)
+    g = random_group(3, widths, 16, k, seed=rows)
+    g = g._replace(a=g.a.to(dtype), b=g.b.to(dtype))
     slots = torch.randint(-1, 3, (rows,), generator=torch.Generator().manual_seed(1))
     slots = slots.to(torch.int32)
-    x = torch.randn(rows, 40)
-    big = torch.randn(rows, 50)
-    y = big[:, :40]
+    x = torch.randn(rows, k)
+    n = sum(widths)
+    big = torch.randn(rows, n + 10)
+    before = big.clone()
+    y = big[:, :n]
     want = lora_add_reference(y.clone(), x, g, slots)
     cpu_build.load().lora_add_(y, x, g.a, g.b, g.ranks, g.cols, slots)
-    torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-4)
     untouched = (slots < 0).nonzero().squeeze(1)
-    assert torch.equal(big[untouched, 40:], big[untouched, 40:])
+    assert torch.equal(big[untouched], before[untouched])
+    assert torch.equal(big[:, n:], before[:, n:])
     bad = slots.clone()
     bad[0] = 3
     with pytest.raises(IndexError, match="slot 3 outside"):

@@ -61,13 +61,16 @@ def batch_of(slots: list[int], num_slots: int) -> LoraBatch:
         (7, [48, 16, 16], 16, 96, torch.float32, 3),  # k split in three (the last share short)
         (37, [80, 80], 8, 40, torch.float32, 1),  # gate/up-like: slot runs over two row tiles
         (19, [72], 32, 130, torch.bfloat16, 2),  # one slice, a rank past 16, k not a tile
+        (9, [48, 16, 16], 16, 96, (torch.float32, torch.bfloat16), 1),  # --lora-dtype bfloat16
     ],
 )
 def test_triton_lora_kernel_matches_torch(rows, widths, max_rank, k, dtype, split_k):
     """Each row with its slot's adapter or none: rows without one keep their values bit for
     bit, slices of rank 0 add nothing, y is a view into a wider tensor; the rest equals the
-    torch reference (float32: to float32's rounding; bfloat16: to its own)."""
-    g = random_group(3, widths, max_rank, k, seed=rows, dtype=dtype)
+    torch reference (float32: to float32's rounding; bfloat16: to its own). A pair of dtypes:
+    the activations', then the slots'."""
+    dtype, slots_dtype = dtype if isinstance(dtype, tuple) else (dtype, dtype)
+    g = random_group(3, widths, max_rank, k, seed=rows, dtype=slots_dtype)
     gen = torch.Generator().manual_seed(rows)
     slots = torch.randint(-1, 3, (rows,), generator=gen).tolist()
     if rows > 30:
@@ -119,9 +122,9 @@ def test_triton_lora_kernel_checks_its_arguments():
             batch.counts,
             batch.starts,
         )
-    with pytest.raises(ValueError, match="one dtype"):
+    with pytest.raises(ValueError, match="share one dtype"):
         lora_shrink_expand(
-            y.double(),
+            y,
             x.double(),
             g.a,
             g.b,

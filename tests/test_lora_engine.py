@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import array
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -75,3 +76,48 @@ def test_max_cpu_loras_keeps_the_most_recent_adapters(lora_models):
         assert slots.num_loads == reads
         assert list(slots.host) == [refs[n].key for n in held]
     assert slots.num_slot_loads == len(sequence)  # one slot: every change of adapter copies
+
+
+def rounded(src, dst):
+    """A copy of the adapter in `src` with A and B rounded to bfloat16 (kept float32)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    weights = load_file(str(dst / "adapter_model.safetensors"))
+    weights = {k: t.to(torch.bfloat16).float() for k, t in weights.items()}
+    save_file(weights, str(dst / "adapter_model.safetensors"))
+    return dst
+
+
+def test_lora_dtype_bfloat16_holds_adapters_in_bfloat16(lora_models, tmp_path):
+    """--lora-dtype bfloat16 on CPU: the slots are bfloat16 (half the bytes a step reads) and
+    the mixed batch's tokens and log-probs are PEFT's for the adapters rounded to bfloat16
+    (their scalings are powers of two: rounding commutes with them); float16 is refused on CPU,
+    naming the flag."""
+    from core.config import CheckpointError
+    from tests.lora_adapters import TOP, assert_matches_peft
+
+    base, adapters = lora_models("llama")
+    loaded = engine(base, lora_dtype="bfloat16", max_num_batched_tokens=48)
+    slots = loaded.core.runner.lora
+    assert slots.layers[0]["gate_up"].a.dtype == torch.bfloat16
+    prompts = [loaded.tokenizer.encode(p) for p in LORA_PROMPTS[:2]]
+    names = [None, "all16", "mlp4"]
+    want = {
+        n: peft_greedy(
+            base,
+            None if n is None else rounded(adapters[n], tmp_path / n),
+            prompts,
+            16,
+            logits=True,
+        )
+        for n in names
+    }
+    refs = refs_of(loaded, adapters)
+    jobs = [(f"{n}-{i}", ids, refs.get(n)) for i, ids in enumerate(prompts) for n in names]
+    got, logprobs = run(loaded.core, jobs, logprobs=TOP)
+    assert_matches_peft(got, logprobs, want, names, len(prompts))
+    with pytest.raises(CheckpointError, match="--lora-dtype float16"):
+        engine(base, lora_dtype="float16")

@@ -36,12 +36,14 @@ CASES = [  # (kernel, dtype, head_dim or size, extra constexprs)
     ("w4a16", "fp16", 0, {"BLOCK_M": 64, "SPLIT_K": 1, "UPCAST": False}),
     ("w4a16", "fp32", 0, {"BLOCK_M": 16, "SPLIT_K": 2, "UPCAST": True}),
     # LoRA's shrink and expand; "size" is the rank axis (R_PAD): decode rows with k split,
-    # prefill rows, a float32 model
+    # prefill rows, a float32 model, and "fp32/bf16" float32 activations over bfloat16 slots
     ("lora_shrink", "bf16", 16, {"SPLIT_K": 4, "UPCAST": False}),
     ("lora_shrink", "fp32", 64, {"SPLIT_K": 1, "UPCAST": True}),
+    ("lora_shrink", "fp32/bf16", 16, {"SPLIT_K": 2, "UPCAST": True}),
     ("lora_expand", "bf16", 16, {"SPLIT_K": 4, "UPCAST": False}),
     ("lora_expand", "fp16", 32, {"SPLIT_K": 1, "UPCAST": False}),
     ("lora_expand", "fp32", 64, {"SPLIT_K": 1, "UPCAST": True}),
+    ("lora_expand", "fp32/bf16", 16, {"SPLIT_K": 2, "UPCAST": True}),
 ]
 
 
@@ -93,7 +95,7 @@ def compile_case(kind: str, dtype: str, head_dim: int, extra: dict, arch: int) -
         fn = lo._lora_shrink_kernel
         ptrs = dict(
             x_ptr=p,
-            a_ptr=p,
+            a_ptr=c,
             ranks_ptr=i32,
             order_ptr=i32,
             counts_ptr=i32,
@@ -105,7 +107,7 @@ def compile_case(kind: str, dtype: str, head_dim: int, extra: dict, arch: int) -
         fn = lo._lora_expand_kernel
         ptrs = dict(
             v_ptr="*fp32",
-            b_ptr=p,
+            b_ptr=c,
             ranks_ptr=i32,
             cols_ptr="*i64",
             order_ptr=i32,

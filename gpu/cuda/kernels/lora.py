@@ -13,10 +13,12 @@ The grids, the split of k and every other launch decision come from shapes alone
 rows, the slots, the group's widths): never from which adapters a step has, so a decode step
 with adapters captures as a CUDA graph over static row buffers (gpu/cuda/graphs.py).
 
-Arithmetic: x A^T accumulated in float32 over the input dtype (k split across programs for
-few rows, the shares summed in a fixed order by the expand: deterministic), v rounded to the
-weights' dtype for the expand (as torch's bmm in the model's dtype rounds it), v B^T in float32
-added to y in float32 and rounded once. A float32 model multiplies in IEEE float32.
+Arithmetic: x A^T accumulated in float32 over the input dtype (k split across programs for few
+rows, the shares summed in a fixed order by the expand: deterministic), v rounded to the
+activations' dtype for the expand (as torch's bmm in the model's dtype rounds it), v B^T in
+float32 added to y in float32 and rounded once. A float32 model multiplies in IEEE float32.
+Slots held in another dtype than the activations (--lora-dtype) are converted to the
+activations' as each tile is loaded.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 BLOCK_M = 16  # rows of one adapter a program takes (tl.dot's smallest)
 BLOCK_K = 64
 BLOCK_N = 64
@@ -92,11 +95,11 @@ def _lora_shrink_kernel(
             mask=m_mask[:, None] & k_mask[None, :],
             other=0.0,
         )
-        at = tl.load(  # A^T's tile [BLOCK_K, R_PAD]
+        at = tl.load(  # A^T's tile [BLOCK_K, R_PAD], in x's dtype
             a + offs_r[None, :] * k + offs_k[:, None],
             mask=r_mask[None, :] & k_mask[:, None],
             other=0.0,
-        )
+        ).to(x_ptr.dtype.element_ty)
         acc += _dot(xt, at, UPCAST, PRECISION)
     out = v_ptr + split * v_stride_split + slice_id * v_stride_slice
     tl.store(out + pos[:, None] * R_PAD + offs_r[None, :], acc, mask=m_mask[:, None])
@@ -153,11 +156,11 @@ def _lora_expand_kernel(
     vp = v_ptr + slice_id * v_stride_slice + pos[:, None] * R_PAD + offs_r[None, :]
     for split in tl.static_range(SPLIT_K):
         v += tl.load(vp + split * v_stride_split, mask=m_mask[:, None], other=0.0)
-    bt = tl.load(  # B^T's tile [R_PAD, BLOCK_N] (rows past the rank are the slot's zeros)
+    bt = tl.load(  # B^T's tile [R_PAD, BLOCK_N], in y's dtype
         b_ptr + slot.to(tl.int64) * b_stride_slot + offs_r[:, None] * n + offs_n[None, :],
         mask=(offs_r < rank)[:, None] & n_mask[None, :],
         other=0.0,
-    )
+    ).to(y_ptr.dtype.element_ty)
     d = _dot(v.to(bt.dtype), bt, UPCAST, PRECISION)
     mask = m_mask[:, None] & n_mask[None, :]
     yp = y_ptr + rows[:, None] * y_stride + offs_n[None, :]
@@ -217,8 +220,10 @@ def lora_shrink_expand(
     ):
         if v.shape != (size,) or v.dtype != torch.int32 or not v.is_contiguous():
             raise ValueError(f"{name} must be a contiguous [{size}] int32 tensor")
-    if x.dtype != a.dtype or b.dtype != a.dtype or y.dtype != a.dtype:
-        raise ValueError("x, y and the slots must share one dtype")
+    if y.dtype != x.dtype or b.dtype != a.dtype:
+        raise ValueError("x and y must share one dtype, and the slots' a and b another")
+    if x.dtype not in DTYPES or a.dtype not in DTYPES:
+        raise ValueError("x and the slots must be float32, float16 or bfloat16")
     if any(v.device != x.device for v in (y, a, b, ranks, cols, order, counts, starts)):
         raise ValueError("every tensor must be on one device")
     if t == 0:
