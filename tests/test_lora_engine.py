@@ -110,14 +110,14 @@ def test_lora_dtype_bfloat16_holds_adapters_in_bfloat16(lora_models, tmp_path):
             base,
             None if n is None else rounded(adapters[n], tmp_path / n),
             prompts,
-            16,
+            8,
             logits=True,
         )
         for n in names
     }
     refs = refs_of(loaded, adapters)
     jobs = [(f"{n}-{i}", ids, refs.get(n)) for i, ids in enumerate(prompts) for n in names]
-    got, logprobs = run(loaded.core, jobs, logprobs=TOP)
+    got, logprobs = run(loaded.core, jobs, max_tokens=8, logprobs=TOP)
     assert_matches_peft(got, logprobs, want, names, len(prompts))
     with pytest.raises(CheckpointError, match="--lora-dtype float16"):
         engine(base, lora_dtype="float16")
