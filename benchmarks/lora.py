@@ -24,8 +24,9 @@ from core.request import EngineRequest
 from core.sampling import SamplingParams
 
 
-def write_adapter(folder: Path, spec, rank: int, seed: int) -> Path:
-    """A PEFT-shaped adapter with random A and B on every projection of every layer."""
+def write_adapter(folder: Path, spec, rank: int, seed: int, targets=TARGETS) -> Path:
+    """A PEFT-shaped adapter with random A and B on `targets` (every projection) of every
+    layer."""
     import torch
     from safetensors.torch import save_file
 
@@ -35,7 +36,7 @@ def write_adapter(folder: Path, spec, rank: int, seed: int) -> Path:
     g = torch.Generator().manual_seed(seed)
     tensors = {}
     for layer in range(spec.num_layers):
-        for module in TARGETS:
+        for module in targets:
             n_in, n_out = shapes[module]
             parent = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
             key = f"base_model.model.model.layers.{layer}.{parent}.{module}"
@@ -47,7 +48,7 @@ def write_adapter(folder: Path, spec, rank: int, seed: int) -> Path:
         "peft_type": "LORA",
         "r": rank,
         "lora_alpha": 2 * rank,
-        "target_modules": list(TARGETS),
+        "target_modules": list(targets),
         "bias": "none",
     }
     (folder / "adapter_config.json").write_text(json.dumps(config))
@@ -75,7 +76,11 @@ def main() -> int:
     ap.add_argument("--prompt-tokens", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--lora-dtype", default="auto", help="the adapters' dtype in the slots")
+    ap.add_argument(
+        "--targets", default=",".join(TARGETS), help="the projections the adapters modify"
+    )
     args = ap.parse_args()
+    targets = args.targets.split(",")
 
     from gpu import openmp
 
@@ -107,7 +112,8 @@ def main() -> int:
     folder = Path(model) / "lora-bench"
     refs, checks = [], []
     for i in range(args.adapters):
-        path = write_adapter(folder / f"r{args.rank}-{i}", spec, args.rank, seed=i)
+        name = f"r{args.rank}-{'-'.join(targets)}-{i}"
+        path = write_adapter(folder / name, spec, args.rank, seed=i, targets=targets)
         t = time.perf_counter()
         refs.append(read_adapter(f"a{i}", path, lora_loaded.lora_base, args.rank).ref)
         checks.append(time.perf_counter() - t)
@@ -150,6 +156,7 @@ def main() -> int:
         if name not in variants or variants[name][1] != [None]:
             line["vs_no_adapter"] = round(med / none_rate, 3)
             line["lora_dtype"] = args.lora_dtype
+            line["targets"] = targets
         print(json.dumps(line | {"rounds": [round(x, 1) for x in rates]}))
     print(
         json.dumps(
