@@ -24,8 +24,9 @@ from core.request import EngineRequest
 from core.sampling import SamplingParams
 
 
-def write_adapter(folder: Path, spec, rank: int, seed: int) -> Path:
-    """A PEFT-shaped adapter with random A and B on every projection of every layer."""
+def write_adapter(folder: Path, spec, rank: int, seed: int, targets=TARGETS) -> Path:
+    """A PEFT-shaped adapter with random A and B on `targets` (every projection) of every
+    layer."""
     import torch
     from safetensors.torch import save_file
 
@@ -35,7 +36,7 @@ def write_adapter(folder: Path, spec, rank: int, seed: int) -> Path:
     g = torch.Generator().manual_seed(seed)
     tensors = {}
     for layer in range(spec.num_layers):
-        for module in TARGETS:
+        for module in targets:
             n_in, n_out = shapes[module]
             parent = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
             key = f"base_model.model.model.layers.{layer}.{parent}.{module}"
@@ -47,7 +48,7 @@ def write_adapter(folder: Path, spec, rank: int, seed: int) -> Path:
         "peft_type": "LORA",
         "r": rank,
         "lora_alpha": 2 * rank,
-        "target_modules": list(TARGETS),
+        "target_modules": list(targets),
         "bias": "none",
     }
     (folder / "adapter_config.json").write_text(json.dumps(config))
@@ -74,7 +75,12 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--prompt-tokens", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--lora-dtype", default="auto", help="the adapters' dtype in the slots")
+    ap.add_argument(
+        "--targets", default=",".join(TARGETS), help="the projections the adapters modify"
+    )
     args = ap.parse_args()
+    targets = args.targets.split(",")
 
     from gpu import openmp
 
@@ -83,7 +89,12 @@ def main() -> int:
     openmp.prepare(EngineConfig(**common))
     from gpu.launch import load
 
-    base = load(EngineConfig(**common)).core
+    # The first engine a process loads measured 6% slower than later ones of the same
+    # configuration (two base engines, steps alternated: 15.5 vs 14.6 ms at 16 streams; where
+    # its tensors land, it seems): a throwaway engine takes that place, kept so that nothing
+    # later reuses its memory. The adapters against the LoRA engine's own rounds without
+    # adapters (vs_no_adapter) do not depend on it at all.
+    first = load(EngineConfig(**common)).core
     lora_loaded = load(
         EngineConfig(
             **common,
@@ -91,14 +102,18 @@ def main() -> int:
             max_loras=args.adapters,
             max_lora_rank=args.rank,
             max_cpu_loras=args.adapters,
+            lora_dtype=args.lora_dtype,
         )
     )
     lora = lora_loaded.core
+    base = load(EngineConfig(**common)).core
+    assert first is not None
     spec = lora.runner.model.spec
     folder = Path(model) / "lora-bench"
     refs, checks = [], []
     for i in range(args.adapters):
-        path = write_adapter(folder / f"r{args.rank}-{i}", spec, args.rank, seed=i)
+        name = f"r{args.rank}-{'-'.join(targets)}-{i}"
+        path = write_adapter(folder / name, spec, args.rank, seed=i, targets=targets)
         t = time.perf_counter()
         refs.append(read_adapter(f"a{i}", path, lora_loaded.lora_base, args.rank).ref)
         checks.append(time.perf_counter() - t)
@@ -120,25 +135,29 @@ def main() -> int:
         f"{args.adapters}_adapters_rank_{args.rank}": (lora, refs),
     }
     results: dict[str, list[float]] = {name: [] for name in variants}
+    names = list(variants)
     for r in range(args.rounds + 1):  # the first round warms up and is not counted
-        for name, (core, loras) in variants.items():
+        # Each round starts with the next variant: no variant always runs after the same one.
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            core, loras = variants[name]
             rate = run_round(core, prompts, loras, args.max_tokens, f"{name}{r}")
             if r:
                 results[name].append(rate)
     base_rate = statistics.median(results["base"])
+    none_rate = statistics.median(results["enable_lora_no_adapter"])
     for name, rates in results.items():
         med = statistics.median(rates)
-        print(
-            json.dumps(
-                {
-                    "variant": name,
-                    "streams": args.streams,
-                    "output_tok_s": round(med, 1),
-                    "vs_base": round(med / base_rate, 3),
-                    "rounds": [round(x, 1) for x in rates],
-                }
-            )
-        )
+        line = {
+            "variant": name,
+            "streams": args.streams,
+            "output_tok_s": round(med, 1),
+            "vs_base": round(med / base_rate, 3),
+        }
+        if name not in variants or variants[name][1] != [None]:
+            line["vs_no_adapter"] = round(med / none_rate, 3)
+            line["lora_dtype"] = args.lora_dtype
+            line["targets"] = targets
+        print(json.dumps(line | {"rounds": [round(x, 1) for x in rates]}))
     print(
         json.dumps(
             {

@@ -83,12 +83,13 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # LoRA adapters (core/lora.py, gpu/lora.py), vLLM's flags: served at all; adapters in one
     # step (the slots); the highest rank an adapter may have; adapters kept in host memory
     # (LRU; None: --max-loras); and the adapters served from start-up (`name=path` or vLLM's
-    # JSON form).
+    # JSON form); the dtype the slots hold adapters in (auto: the activations').
     enable_lora: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
     lora_modules: list[str] = []
+    lora_dtype: str = "auto"
 
     def validate(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -170,6 +171,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise ValueError("--max-loras must be at least 1, --max-lora-rank 1 to 512")
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError("--max-cpu-loras must be at least --max-loras")
+        if self.lora_dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(
+                f"--lora-dtype must be auto, float32, bfloat16 or float16, not {self.lora_dtype!r}"
+            )
         if self.lora_modules and not self.enable_lora:
             raise ValueError("--lora-modules needs --enable-lora")
         if self.max_model_len is not None and self.max_model_len < 2:

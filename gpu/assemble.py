@@ -93,6 +93,7 @@ def choose_backend(config: EngineConfig, device: torch.device, dtype: torch.dtyp
             config.cpu_forward,
             keep_dtype=config.dtype == "auto",
             quantization=quantize,
+            lora=config.enable_lora,
         )
     except cpu_build.BuildError as e:
         if config.cpu_forward == "fused" or quantize:
@@ -100,7 +101,7 @@ def choose_backend(config: EngineConfig, device: torch.device, dtype: torch.dtyp
             raise CheckpointError(f"{flag}: weir's CPU kernels cannot be built: {e}") from None
         if onednn.usable(dtype):
             log.warning("weir's CPU kernels cannot be built (%s): oneDNN products, torch ops", e)
-            return OneDnnBackend(attention)
+            return OneDnnBackend(attention, lora=config.enable_lora)
         log.warning("weir's CPU kernels cannot be built (%s): torch's ops", e)
         return TorchBackend(attention, fuse=False, name="cpu, torch")
 
@@ -170,6 +171,7 @@ def build_runner(
             config.max_loras,
             config.max_lora_rank,
             config.max_cpu_loras or config.max_loras,
+            config.lora_dtype,
         )
     if device.type == "cuda" and not config.enforce_eager and model.backend.attention.graph_safe:
         from gpu.cuda.graphs import DecodeGraphs, default_capture_sizes

@@ -115,13 +115,13 @@ class TorchBackend:
         return ACTIVATIONS[act](g) * u
 
     # ---- LoRA ----
-    def lora_add(self, y: torch.Tensor, x: torch.Tensor, group: Any, rows: torch.Tensor) -> None:
+    def lora_add(self, y: torch.Tensor, x: torch.Tensor, group: Any, batch: Any) -> None:
         """y [tokens, n] += each row's adapter's delta of x [tokens, k], in place: the batched
         shrink then expand of one product group (gpu/lora.py LoraGroup), every row with the
-        adapter in slot rows[t] or none (-1, untouched)."""
+        adapter in its slot (gpu/lora.py LoraBatch) or none (-1, untouched)."""
         from gpu.lora import lora_add_reference
 
-        lora_add_reference(y, x, group, rows)
+        lora_add_reference(y, x, group, batch.rows)
 
     # ---- embeddings ----
     def prepare_embedding(self, weight: Any) -> Any:

@@ -2,13 +2,15 @@
 --max-cpu-loras), and loaded on demand into the slots a step's batched products read.
 
 The slots are static buffers made once per layer and product group (core/lora.py GROUPS: Q/K/V,
-O, gate/up, down), in the model's activation dtype on its device: per slot and slice (Q, K and V
+O, gate/up, down), in the model's activation dtype on its device (or --lora-dtype's; the
+products widen them to the activations' dtype as they read them): per slot and slice (Q, K and V
 of the Q/K/V product; gate and up) A [rank, k] as the first rows of a [max_rank, k] block, B^T
 [rank, slice columns] with the adapter's scaling folded in, in the slice's columns of the slot's
 [max_rank, n] block, zeros elsewhere; and each slice's rank (0: the adapter leaves it alone).
 Their addresses never change, so the compiled CPU stack binds them once and a CUDA graph could
-read them; a step hands the products one int32 per token row, its adapter's slot or -1
-(`rows`), or, when no row has an adapter, nothing at all: no LoRA work runs.
+read them; a step hands the products a `LoraBatch`, one int32 per token row, its adapter's slot
+or -1, with the rows grouped by slot for kernels that tile them adapter by adapter, or, when no
+row has an adapter, nothing at all: no LoRA work runs.
 
 Under tensor parallelism each rank keeps its share, sharded as the layer it modifies
 (gpu/dist/parallel.py shard): B of the column-parallel products (Q/K/V, gate/up) by output rows,
@@ -25,6 +27,7 @@ from typing import NamedTuple
 
 import torch
 
+from core.config import CheckpointError
 from core.lora import (
     GROUPS,
     PARENT,
@@ -51,11 +54,42 @@ class LoraGroup(NamedTuple):
     cols_list: list[int]
 
 
-class LoraLayer(NamedTuple):
-    """What a layer's products take in a step with adapters: each token row's slot and the
-    layer's groups."""
+class LoraBatch(NamedTuple):
+    """A step's adapters by token row, made on the host and copied in one tensor: each row's
+    slot, and for the kernels that take rows adapter by adapter (the CUDA backend's) the rows
+    with an adapter grouped by slot, where each slot's run starts and how long it is."""
 
-    rows: torch.Tensor  # [tokens] int32, -1: no adapter
+    rows: torch.Tensor  # [tokens] int32: the row's slot, -1: no adapter
+    order: torch.Tensor  # [tokens] int32: slot 0's rows, then slot 1's, ...; the rest unused
+    counts: torch.Tensor  # [slots] int32: each slot's rows
+    starts: torch.Tensor  # [slots] int32: where they start in `order`
+
+    @staticmethod
+    def build(slot_of_row: list[int], slots: int, tensor) -> LoraBatch:
+        """From each row's slot (-1: none); `tensor(list, dtype)`: the host-to-device copy."""
+        runs: list[list[int]] = [[] for _ in range(slots)]
+        for t, s in enumerate(slot_of_row):
+            if s >= 0:
+                runs[s].append(t)
+        order: list[int] = []
+        counts, starts = [], []
+        for run in runs:
+            starts.append(len(order))
+            counts.append(len(run))
+            order += run
+        t = len(slot_of_row)
+        order += [0] * (t - len(order))
+        packed = tensor(slot_of_row + order + counts + starts, torch.int32)
+        return LoraBatch(
+            packed[:t], packed[t : 2 * t], packed[2 * t : 2 * t + slots], packed[2 * t + slots :]
+        )
+
+
+class LoraLayer(NamedTuple):
+    """What a layer's products take in a step with adapters: the step's rows and the layer's
+    groups."""
+
+    batch: LoraBatch
     groups: dict[str, LoraGroup]
 
 
@@ -74,7 +108,10 @@ def base_of(spec) -> LoraBase:
 class LoraSlots:
     """The adapters a model can run: `max_loras` slots, a host cache of `max_cpu_loras`."""
 
-    def __init__(self, model, max_loras: int, max_rank: int, max_cpu_loras: int) -> None:
+    def __init__(
+        self, model, max_loras: int, max_rank: int, max_cpu_loras: int, dtype: str = "auto"
+    ) -> None:
+        """`dtype`: --lora-dtype, the slots' dtype (auto: the activations')."""
         if max_loras < 1 or max_rank < 1 or max_cpu_loras < max_loras:
             raise ValueError("--max-loras and --max-lora-rank >= 1, --max-cpu-loras >= --max-loras")
         self.model = model
@@ -83,6 +120,12 @@ class LoraSlots:
         spec = model.local_spec
         weight = model.model.norm.weight
         self.device, self.dtype = weight.device, weight.dtype
+        if dtype != "auto":
+            self.dtype = getattr(torch, dtype)
+            if self.device.type == "cpu" and self.dtype == torch.float16:
+                raise CheckpointError(
+                    "--lora-dtype float16: the CPU kernels hold adapters in float32 or bfloat16"
+                )
         h, i = spec.hidden_size, spec.intermediate_size
         q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
         shapes = {  # group -> (inputs, each slice's outputs)
@@ -115,7 +158,7 @@ class LoraSlots:
         self.num_slot_loads = 0  # adapters copied into a slot
 
     # ---- a step ----
-    def rows(self, refs: list[LoraRef | None], counts: list[int], tensor) -> torch.Tensor | None:
+    def batch(self, refs: list[LoraRef | None], counts: list[int], tensor) -> LoraBatch | None:
         """The step's slot per token row (request i has counts[i] rows), its adapters loaded
         into slots first; None when no request has one. `tensor(list, dtype)`: the runner's
         host-to-device copy."""
@@ -134,7 +177,7 @@ class LoraSlots:
         flat: list[int] = []
         for ref, n in zip(refs, counts):
             flat += [slot_of[ref.key] if ref is not None else -1] * n
-        return tensor(flat, torch.int32)
+        return LoraBatch.build(flat, self.max_loras, tensor)
 
     def _slot(self, ref: LoraRef, wanted: dict) -> int:
         """A slot holding `ref`'s adapter: its own, a free one, or the least recently used one
@@ -218,8 +261,8 @@ class LoraSlots:
         log.info("LoRA adapter %s read from %s (rank %d)", ref.name, ref.path, info.rank)
         return out
 
-    def layer(self, i: int, rows: torch.Tensor) -> LoraLayer:
-        return LoraLayer(rows, self.layers[i])
+    def layer(self, i: int, batch: LoraBatch) -> LoraLayer:
+        return LoraLayer(batch, self.layers[i])
 
     def stack_tensors(self) -> list[list[torch.Tensor]]:
         """Per layer, [a, b, ranks, cols] of each group in the compiled stack's order."""
@@ -231,7 +274,8 @@ def lora_add_reference(
     y: torch.Tensor, x: torch.Tensor, g: LoraGroup, rows: torch.Tensor
 ) -> torch.Tensor:
     """y[t, slice columns] += (x[t] A^T) B^T for each row's adapter, in torch (the reference
-    every backend's kernel is held to); rows with slot -1 untouched."""
+    every backend's kernel is held to), in x's dtype (slots of another --lora-dtype widened or
+    narrowed to it); rows with slot -1 untouched."""
     idx = (rows >= 0).nonzero().squeeze(1)
     if idx.numel() == 0:
         return y
@@ -239,7 +283,7 @@ def lora_add_reference(
     xs = x[idx]
     for si in range(g.a.shape[1]):
         c0, c1 = g.cols_list[si], g.cols_list[si + 1]
-        v = torch.bmm(g.a[slots, si], xs[:, :, None])  # [m, R, 1]
-        d = torch.bmm(g.b[slots, :, c0:c1].transpose(1, 2), v)[..., 0]  # [m, cols]
+        v = torch.bmm(g.a[slots, si].to(x.dtype), xs[:, :, None])  # [m, R, 1]
+        d = torch.bmm(g.b[slots, :, c0:c1].transpose(1, 2).to(x.dtype), v)[..., 0]  # [m, cols]
         y[idx, c0:c1] += d.to(y.dtype)
     return y

@@ -261,19 +261,19 @@ class ModelRunner:
         if self.draft is not None:  # proposals for the rows that speculate
             self.draft.propose(out, scheduled, self._tensor)
         input_ids, positions, meta, logits_rows = self.prepare(out, scheduled)
-        lora_rows = None  # no adapter in the step: no LoRA work at all
+        lora = None  # no adapter in the step: no LoRA work at all
         if self.lora is not None:
-            lora_rows = self.lora.rows(
+            lora = self.lora.batch(
                 [r.lora for r in scheduled], [s.num_new_tokens for s in out.scheduled], self._tensor
             )
         if grammar is not None and self.samples:
             masks = self._start_masks(grammar)
-        if self.graphs is not None and lora_rows is None and self.graphs.can_run(meta):
-            hidden = self.graphs.run(input_ids, positions, meta)
+        if self.graphs is not None and self.graphs.can_run(meta):
+            hidden = self.graphs.run(input_ids, positions, meta, lora)
             logits = self.model.logits(hidden, logits_rows)
         else:
             hidden, logits = self.model(
-                input_ids, positions, self.kv_caches, meta, logits_rows, lora_rows
+                input_ids, positions, self.kv_caches, meta, logits_rows, lora
             )
         if self.draft is not None:  # the draft model's cache kept in step with the model's
             self.draft.catch_up(input_ids, positions, meta)

@@ -79,6 +79,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_lora_rank=args.max_lora_rank,
         max_cpu_loras=args.max_cpu_loras,
         lora_modules=args.lora_modules,
+        lora_dtype=args.lora_dtype,
     )
 
 

@@ -174,6 +174,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="adapters kept in host memory, least recently used dropped (default: --max-loras)",
     )
     lora.add_argument(
+        "--lora-dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="the dtype adapters are held in (default auto: the activations'; on CPU float32 or "
+        "bfloat16, which halves the bytes each step reads)",
+    )
+    lora.add_argument(
         "--allow-runtime-lora-updating",
         action="store_true",
         default=os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true"),

@@ -49,6 +49,29 @@ def model_dir(tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="session")
+def lora_models(model_dir, tmp_path_factory):
+    """lora_models(arch) -> (base folder, {name: adapter folder}), made once."""
+    from tests.lora_adapters import ADAPTERS, make_adapter
+
+    made = {}
+
+    def get(arch):
+        if arch not in made:
+            base = model_dir(arch)
+            out = tmp_path_factory.mktemp(f"lora-{arch}")
+            made[arch] = (
+                base,
+                {
+                    name: make_adapter(base, out / name, name, seed=i)
+                    for i, name in enumerate(ADAPTERS)
+                },
+            )
+        return made[arch]
+
+    return get
+
+
 def transformers_greedy(path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     """transformers' greedy continuation of each prompt (no EOS stop): the reference weir's
     tokens must equal."""

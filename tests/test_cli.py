@@ -52,6 +52,11 @@ def test_flags_map_to_engine_config():
     )
     assert not off.enable_prefix_caching and off.scheduling_policy == "priority"
     assert config_from_args(build_parser().parse_args(["serve"])).model is None
+    lora = config_from_args(
+        build_parser().parse_args(["serve", "--enable-lora", "--lora-dtype", "bfloat16"])
+    )
+    assert lora.enable_lora and lora.lora_dtype == "bfloat16"
+    assert config_from_args(build_parser().parse_args(["serve"])).lora_dtype == "auto"
 
 
 def test_cpu_threads_auto_follows_the_model_size():

@@ -11,76 +11,23 @@ import shutil
 import pytest
 import torch
 
-from core.config import EngineConfig
 from core.lora import LoraError, read_adapter
 from core.request import EngineRequest
 from core.sampling import SamplingParams
-from gpu.launch import load
 from gpu.lora import LoraGroup, base_of, lora_add_reference
-from tests.lora_adapters import ADAPTERS, make_adapter, peft_greedy
+from tests.lora_adapters import (
+    ADAPTERS,
+    LORA_PROMPTS,
+    MAX_TOKENS,
+    TOP,
+    assert_matches_peft,
+    engine,
+    peft_greedy,
+    references,
+    refs_of,
+    run,
+)
 from tests.test_correctness import POOLS, PROMPTS
-
-MAX_TOKENS = 16
-LORA_PROMPTS = [PROMPTS[i] for i in (0, 3, 4, 7)]  # 1 to ~60 tokens: the long ones are chunked
-
-
-@pytest.fixture(scope="module")
-def lora_models(model_dir, tmp_path_factory):
-    """lora_models(arch) -> (base folder, {name: adapter folder}), made once."""
-    made = {}
-
-    def get(arch):
-        if arch not in made:
-            base = model_dir(arch)
-            out = tmp_path_factory.mktemp(f"lora-{arch}")
-            made[arch] = (
-                base,
-                {
-                    name: make_adapter(base, out / name, name, seed=i)
-                    for i, name in enumerate(ADAPTERS)
-                },
-            )
-        return made[arch]
-
-    return get
-
-
-_refs: dict = {}
-
-
-def references(arch, base, adapters, prompts):
-    """PEFT's greedy tokens per adapter name (None: the base), per prompt."""
-    if arch not in _refs:
-        _refs[arch] = {
-            name: peft_greedy(base, adapters.get(name), prompts, MAX_TOKENS)
-            for name in [None, *ADAPTERS]
-        }
-    return _refs[arch]
-
-
-def engine(base, **kw):
-    config = dict(model=str(base), dtype="float32", check_integrity=True, enable_lora=True)
-    config.update(max_loras=3, max_lora_rank=16)
-    return load(EngineConfig(**(config | kw)))
-
-
-def refs_of(loaded, adapters):
-    base = loaded.lora_base
-    return {name: read_adapter(name, path, base, 16).ref for name, path in adapters.items()}
-
-
-def run(core, jobs):
-    """jobs: [(request id, prompt ids, LoraRef or None)]: all added at once, run to the end."""
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    for rid, ids, ref in jobs:
-        core.add(EngineRequest(rid, ids, params, lora=ref))
-    got = {rid: [] for rid, _, _ in jobs}
-    while core.has_work:
-        for out in core.step():
-            got[out.request_id] += out.new_token_ids
-        core.kv.check_integrity()
-    assert core.kv.num_free_blocks == core.kv.num_blocks
-    return got
 
 
 @pytest.mark.parametrize(
@@ -94,26 +41,49 @@ def run(core, jobs):
 )
 def test_mixed_batch_matches_peft(arch, pool, forward, lora_models):
     """Every adapter and the base in one batch: each request's greedy tokens are PEFT's for
-    its adapter, through the compiled CPU stack and layer by layer."""
+    its adapter, and so are its tokens' log-probs and top alternatives (to float32's
+    rounding), through the compiled CPU stack and layer by layer."""
     base, adapters = lora_models(arch)
     loaded = engine(base, cpu_forward=forward, **POOLS[pool])
     core = loaded.core
     prompts = [loaded.tokenizer.encode(p) for p in LORA_PROMPTS]
-    want = references(arch, base, adapters, prompts)
+    want = references(arch, base, adapters, prompts, logits=True)
     refs = refs_of(loaded, adapters)
     jobs = [
         (f"{name}-{i}", ids, refs.get(name))
         for i, ids in enumerate(prompts)
         for name in [None, *ADAPTERS]
     ]
-    got = run(core, jobs)
-    for name in [None, *ADAPTERS]:
-        assert [got[f"{name}-{i}"] for i in range(len(prompts))] == want[name], name
-    assert want["qv8"] != want[None] and want["mlp4"] != want[None]  # the adapters matter
+    got, logprobs = run(core, jobs, logprobs=TOP)
+    assert_matches_peft(got, logprobs, want, [None, *ADAPTERS], len(prompts))
+    tokens = {name: t for name, (t, _) in want.items()}
+    assert tokens["qv8"] != tokens[None] and tokens["mlp4"] != tokens[None]  # they matter
     if pool == "tight":
         assert core.num_partial_prefills > 0, "expected chunked prefill"
         assert core.scheduler.num_preemptions > 0, "expected a preemption"
     assert core.runner.lora.num_loads == 3
+
+
+def test_onednn_products_with_adapters(lora_models, monkeypatch):
+    """--cpu-matmul onednn with --enable-lora: gate and up are two oneDNN products (the fused
+    post-ops leave no place for the deltas before the activation), the others oneDNN's too;
+    the mixed batch's tokens and log-probs are PEFT's."""
+    from gpu.cpu import onednn
+
+    monkeypatch.setattr(onednn, "MIN_ELEMENTS", 0)  # these tiny weights packed as well
+    base, adapters = lora_models("llama")
+    loaded = engine(base, cpu_matmul="onednn")
+    layer = loaded.core.runner.model.model.layers[0]
+    kind, (gate, up), _ = layer.mlp.gate_up
+    assert kind == "pair" and isinstance(gate, onednn.OneDnnWeight)
+    assert isinstance(layer.mlp.down, onednn.OneDnnWeight)
+    prompts = [loaded.tokenizer.encode(p) for p in LORA_PROMPTS]
+    want = references("llama", base, adapters, prompts, logits=True)
+    refs = refs_of(loaded, adapters)
+    names = [None, *ADAPTERS]
+    jobs = [(f"{n}-{i}", ids, refs.get(n)) for i, ids in enumerate(prompts) for n in names]
+    got, logprobs = run(loaded.core, jobs, logprobs=TOP)
+    assert_matches_peft(got, logprobs, want, names, len(prompts))
 
 
 def record_logits(runner, monkeypatch) -> dict:
@@ -275,23 +245,35 @@ def random_group(slots, widths, rank, k, seed):
     return LoraGroup(a, b, ranks, torch.tensor(cols), cols)
 
 
-@pytest.mark.parametrize("rows", [1, 5, 37])
-def test_cpu_lora_kernel_matches_torch(rows):
+@pytest.mark.parametrize(
+    "rows,widths,k,dtype",
+    [
+        (1, [24, 8, 8], 40, torch.float32),
+        (5, [80, 16, 16], 70, torch.float32),  # whole column blocks and tails, k not a vector
+        (37, [24, 8, 8], 40, torch.float32),  # several tiles of one adapter's rows
+        (37, [130], 96, torch.bfloat16),  # --lora-dtype bfloat16: slots widened as read
+    ],
+)
+def test_cpu_lora_kernel_matches_torch(rows, widths, k, dtype):
     """torch.ops.weir.lora_add_: each row with its slot's adapter or none (untouched), slices
     with their own ranks (0: skipped), y a strided view, against the torch reference."""
     from gpu.cpu import build as cpu_build
 
-    g = random_group(3, [24, 8, 8], 16, 40, seed=rows)
+    g = random_group(3, widths, 16, k, seed=rows)
+    g = g._replace(a=g.a.to(dtype), b=g.b.to(dtype))
     slots = torch.randint(-1, 3, (rows,), generator=torch.Generator().manual_seed(1))
     slots = slots.to(torch.int32)
-    x = torch.randn(rows, 40)
-    big = torch.randn(rows, 50)
-    y = big[:, :40]
+    x = torch.randn(rows, k)
+    n = sum(widths)
+    big = torch.randn(rows, n + 10)
+    before = big.clone()
+    y = big[:, :n]
     want = lora_add_reference(y.clone(), x, g, slots)
     cpu_build.load().lora_add_(y, x, g.a, g.b, g.ranks, g.cols, slots)
-    torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-4)
     untouched = (slots < 0).nonzero().squeeze(1)
-    assert torch.equal(big[untouched, 40:], big[untouched, 40:])
+    assert torch.equal(big[untouched], before[untouched])
+    assert torch.equal(big[:, n:], before[:, n:])
     bad = slots.clone()
     bad[0] = 3
     with pytest.raises(IndexError, match="slot 3 outside"):
@@ -329,20 +311,18 @@ def test_gated_product_takes_a_pre_activation_addend(act):
 
 def test_tensor_parallel_adapters_sharded_like_their_layers(lora_models):
     """TP=2: each rank holds its share of every adapter (B of Q/K/V and gate/up by rows, A of
-    O and down by columns); the mixed batch's tokens are still PEFT's."""
+    O and down by columns); the mixed batch's tokens and log-probs are still PEFT's."""
     base, adapters = lora_models("llama")
     loaded = engine(base, device="cpu", tensor_parallel_size=2, num_kv_blocks=64)
     core = loaded.core
     try:
-        prompts = [loaded.tokenizer.encode(p) for p in LORA_PROMPTS[:3]]
-        want = {
-            n: peft_greedy(base, adapters.get(n), prompts, MAX_TOKENS)
-            for n in [None, "all16", "mlp4"]
-        }
+        prompts = [loaded.tokenizer.encode(p) for p in LORA_PROMPTS]
+        names = [None, "all16", "mlp4"]
+        want = references("llama", base, adapters, prompts, logits=True)
+        want = {n: (want[n][0][:3], want[n][1][:3]) for n in names}
         refs = refs_of(loaded, adapters)
-        jobs = [(f"{n}-{i}", ids, refs.get(n)) for i, ids in enumerate(prompts) for n in want]
-        got = run(core, jobs)
-        for n in want:
-            assert [got[f"{n}-{i}"] for i in range(len(prompts))] == want[n], n
+        jobs = [(f"{n}-{i}", ids, refs.get(n)) for i, ids in enumerate(prompts[:3]) for n in names]
+        got, logprobs = run(core, jobs, logprobs=TOP)
+        assert_matches_peft(got, logprobs, want, names, 3)
     finally:
         core.close()

@@ -1,6 +1,7 @@
-"""LoRA over HTTP: a request's `model` names an adapter or the base; /v1/models lists adapters
-with parent and root as vLLM does; runtime load and unload (vLLM's endpoints, under auth); an
-unknown name is a 404 model_not_found; bad adapters and bad updates are clear 4xx; metrics."""
+"""LoRA over HTTP: a request's `model` names an adapter or the base (completions, chat,
+Responses, embeddings); /v1/models lists adapters with parent and root as vLLM does; runtime
+load and unload (vLLM's endpoints, under auth); an unknown name is a 404 model_not_found; bad
+adapters and bad updates are clear 4xx; metrics."""
 
 from __future__ import annotations
 
@@ -11,11 +12,12 @@ import time
 
 import httpx
 import pytest
+import torch
 
 from core.config import EngineConfig
 from core.engine_messages import Hold
 from tests.conftest import LiveServer
-from tests.lora_adapters import make_adapter, peft_greedy
+from tests.lora_adapters import make_adapter, peft_greedy, peft_hidden
 
 KEY = "sekret"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -40,7 +42,9 @@ def lora_server(model_dir, tmp_path_factory):
             json.dumps({"name": "mlp", "path": str(adapters["mlp4"]), "base_model_name": "b"}),
         ],
     )
-    server = LiveServer(config, api_key=KEY, allow_runtime_lora_updating=True).start()
+    server = LiveServer(
+        config, api_key=KEY, allow_runtime_lora_updating=True, enable_embeddings=True
+    ).start()
     yield server, base, adapters, out
     server.stop()
 
@@ -83,6 +87,16 @@ def test_model_names_an_adapter(lora_server):
         json={"model": "mlp", "input": "hi", "max_output_tokens": 4},
     )
     assert r.status_code == 200, r.text
+    for model, adapter in (("base", None), ("qv8", adapters["qv8"])):  # last-token pooling
+        r = httpx.post(
+            server.url + "/v1/embeddings",
+            headers=AUTH,
+            json={"model": model, "input": PROMPT, "normalize": False},
+        )
+        assert r.status_code == 200 and r.json()["model"] == model, r.text
+        want = peft_hidden(base, adapter, [ids])[0][-1]
+        got = torch.tensor(r.json()["data"][0]["embedding"])
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     metrics = httpx.get(server.url + "/metrics").text
     assert 'lora_requests_total{lora_name="qv8",model_name="base"}' in metrics
     assert "lora_requests_info{" in metrics and 'max_lora="2"' in metrics

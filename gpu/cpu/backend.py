@@ -37,11 +37,15 @@ class OneDnnBackend(TorchBackend):
     one product; norms, attention and sampling through torch. CpuBackend with --cpu-matmul
     onednn, and the CPU backend where weir's kernels cannot be built."""
 
-    def __init__(self, attention: AttentionBackend, name: str = "cpu, oneDNN products") -> None:
+    def __init__(
+        self, attention: AttentionBackend, name: str = "cpu, oneDNN products", lora: bool = False
+    ) -> None:
+        """`lora`: adapters may run (--enable-lora)."""
         super().__init__(attention, fuse=False, name=name)
         self.fuse_qkv = True  # small K and V weights are one product with Q's
         self.matmul = "onednn"
         self.forward_mode = "modules"
+        self.lora = lora
 
     def prepare_linear(self, weight: Any, bias: Any) -> Any:
         weight, bias = self.dense(weight), self.dense(bias)
@@ -58,15 +62,16 @@ class OneDnnBackend(TorchBackend):
         gate, up, down = [(self.dense(w), self.dense(b)) for w, b in (gate, up, down)]
         bias_free = gate[1] is None and up[1] is None and down[1] is None
         big = all(onednn.big_enough(w) for w, _ in (gate, up, down))
-        if bias_free and act in onednn.POST_OPS and big:
+        # The activation and the multiply as post-ops leave no place for an addend before the
+        # activation (LoRA's deltas): with adapters, gate and up are two products, for every
+        # row alike, so that a row without an adapter computes what it would in any batch.
+        if bias_free and act in onednn.POST_OPS and big and not self.lora:
             return onednn.prepare_gated(gate[0], up[0], act), onednn.prepare(*down)
         return super().prepare_mlp(gate, up, down, act)
 
     def gated(self, x, w, addend=None) -> torch.Tensor:
         if isinstance(w, onednn.OneDnnGated):
-            if addend is not None:  # oneDNN's gated product takes no addend: gate and up alone
-                raise NotImplementedError("LoRA on oneDNN's gated product")
-            return onednn.gated(x, w)
+            return onednn.gated(x, w)  # never with an addend: see prepare_mlp
         return super().gated(x, w, addend)
 
 
@@ -83,13 +88,14 @@ class CpuBackend(OneDnnBackend):
         *,
         keep_dtype: bool = False,
         quantization: str | None = None,
+        lora: bool = False,
     ) -> None:
         if matmul not in MATMULS:
             raise ValueError(f"--cpu-matmul must be one of {', '.join(MATMULS)}, not {matmul!r}")
         if forward not in FORWARDS:
             raise ValueError(f"--cpu-forward must be one of {', '.join(FORWARDS)}, not {forward!r}")
         cpu_build.load()  # BuildError here: the caller picks another backend
-        super().__init__(attention, name=f"cpu, {matmul} products")
+        super().__init__(attention, name=f"cpu, {matmul} products", lora=lora)
         self.matmul = matmul
         self.forward_mode = forward
         self.keep_dtype = keep_dtype  # --dtype auto: weights in the checkpoint's own dtype
@@ -196,11 +202,11 @@ class CpuBackend(OneDnnBackend):
         return super().gated(x, w, addend)
 
     # ---- LoRA ----
-    def lora_add(self, y, x, group, rows) -> None:
+    def lora_add(self, y, x, group, batch) -> None:
         if y.dtype == torch.float32 and x.dtype == torch.float32 and x.dim() == 2:
-            cpu_build.load().lora_add_(y, x, group.a, group.b, group.ranks, group.cols, rows)
+            cpu_build.load().lora_add_(y, x, group.a, group.b, group.ranks, group.cols, batch.rows)
             return
-        super().lora_add(y, x, group, rows)
+        super().lora_add(y, x, group, batch)
 
     # ---- embeddings ----
     def prepare_embedding(self, weight: Any) -> Any:

@@ -215,13 +215,13 @@ class FusedStack:
         kv_caches,
         meta: AttentionMetadata,
         logits_rows: torch.Tensor | None = None,
-        lora_rows: torch.Tensor | None = None,
+        lora=None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(the final norm [tokens, hidden] of the layer stack over the embeddings of input_ids
         at `positions`, whose rotary rows are those of the cos / sin tables [rows, head_dim]
         (gpu/models/rope.py Rope.tables); the LM head's logits of `logits_rows` when the head
-        is on this path and rows are asked for, else None). `lora_rows`: each token's adapter
-        slot (int32, -1: none), or None: no LoRA work."""
+        is on this path and rows are asked for, else None). `lora`: each token's adapter slot
+        (gpu/lora.py LoraBatch), or None: no LoRA work."""
         if kv_caches is not self._caches:
             self._bind(kv_caches)
         rows = None
@@ -237,7 +237,7 @@ class FusedStack:
             meta.query_start_loc,
             meta.seq_lens,
             rows,
-            lora_rows,
+            None if lora is None else lora.rows,
         )
         return out, (logits if rows is not None else None)
 

@@ -11,6 +11,9 @@ syncs with the host or decides anything from the tensors' values, so decode step
 graphs (gpu/cuda/graphs.py). They run on CPU tensors under TRITON_INTERPRET=1, which is how the
 tests run this backend without a GPU.
 
+With adapters in a step (--enable-lora), each product group adds its adapters' deltas in two
+more launches for the whole batch, the shrink and the expand (kernels/lora.py).
+
 Quantized weights (4-bit, FP8) stay quantized where the GPU runs their products
 (gpu/cuda/quantized.py); other block formats are dequantized to the model's dtype.
 """
@@ -25,6 +28,7 @@ from gpu.attention.backend import AttentionBackend
 from gpu.backend import ACTIVATIONS, TorchBackend
 from gpu.cuda import quantized
 from gpu.cuda.kernels.gated_act import gated_act
+from gpu.cuda.kernels.lora import lora_shrink_expand
 from gpu.cuda.kernels.rms_norm import add_rms_norm, rms_norm
 from gpu.cuda.kernels.rope_store import rope_store
 from gpu.quant.fp8 import Fp8Tensor
@@ -80,6 +84,21 @@ class CudaBackend(TorchBackend):
     def gated(self, x: torch.Tensor, w: Any, addend: torch.Tensor | None = None) -> torch.Tensor:
         _, weights, act = w  # always "fused": gate and up are one product's two halves
         return gated_act(self.linear(x, weights, addend), act)
+
+    def lora_add(self, y, x, group, batch) -> None:
+        # Two launches for the whole batch, from shapes alone: graph-safe (kernels/lora.py).
+        lora_shrink_expand(
+            y,
+            x,
+            group.a,
+            group.b,
+            group.ranks,
+            group.cols,
+            group.cols_list,
+            batch.order,
+            batch.counts,
+            batch.starts,
+        )
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return rms_norm(x, weight, eps)

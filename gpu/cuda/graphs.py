@@ -6,9 +6,15 @@ first n rows, pads up to the next captured size (padding rows write no K/V: slot
 one harmless slot), replays, and reads back the first n hidden rows. Steps with prefill chunks,
 or more decodes than the largest size, run eagerly. `--enforce-eager` turns all of this off.
 
+With --enable-lora each size is captured twice: without adapters (a step with none runs no
+LoRA work) and with them, over static LoRA buffers (gpu/lora.py LoraBatch: each row's slot,
+padding rows none, and the rows grouped by slot), which a step with adapters fills before it
+replays; the adapters' weights are in static slots already.
+
 Everything the captured kernels read that changes between steps (ids, positions, slots, block
-tables, context lengths) lives in device memory; the host-side launch decisions are fixed at
-capture: the decode kernel's KV split count is chosen for `max_model_len`, so any context fits.
+tables, context lengths, the rows' adapters) lives in device memory; the host-side launch
+decisions are fixed at capture: the decode kernel's KV split count is chosen for
+`max_model_len`, so any context fits, and the LoRA kernels' grids and k split for the size.
 The capture itself is injectable (`graph_factory`), so the padding and buffer logic runs in CPU
 tests through a stand-in that records the forward and calls it again on replay.
 """
@@ -22,6 +28,7 @@ from typing import Any
 import torch
 
 from gpu.attention.backend import AttentionMetadata
+from gpu.lora import LoraBatch
 
 log = logging.getLogger("weir.cuda_graph")
 
@@ -87,8 +94,19 @@ class DecodeGraphs:
         self.seq_lens = torch.ones(n, dtype=i32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=i32, device=device)
         self.seq_ids = torch.arange(n, dtype=i32, device=device)
+        self.lora: LoraBatch | None = None  # the static LoRA buffers, with --enable-lora
+        if getattr(model, "lora", None) is not None:
+            slots = model.lora.max_loras
+            self.lora = LoraBatch(
+                torch.full((n,), -1, dtype=i32, device=device),
+                torch.zeros(n, dtype=i32, device=device),
+                torch.zeros(slots, dtype=i32, device=device),
+                torch.zeros(slots, dtype=i32, device=device),
+            )
         self.graphs: dict[int, Any] = {}
+        self.lora_graphs: dict[int, Any] = {}  # the same sizes, with adapters
         self.num_replays = 0
+        self.num_lora_replays = 0  # of those, steps with adapters
 
     def _meta(self, size: int) -> AttentionMetadata:
         """Metadata over the first `size` static rows; host fields describe the padded batch."""
@@ -112,19 +130,27 @@ class DecodeGraphs:
         pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
         for size in reversed(self.sizes):  # largest first: later graphs reuse its memory
             meta = self._meta(size)
+            variants = [(self.graphs, None)]
+            if self.lora is not None:
+                variants.append((self.lora_graphs, self._lora(size)))
+            for graphs, lora in variants:
 
-            def forward(size=size, meta=meta):
-                return self.model.hidden_states(
-                    self.input_ids[:size], self.positions[:size], self.kv_caches, meta
-                )
+                def forward(size=size, meta=meta, lora=lora):
+                    return self.model.hidden_states(
+                        self.input_ids[:size], self.positions[:size], self.kv_caches, meta, lora
+                    )
 
-            if self.device.type == "cuda":
-                forward()  # warm up: compile kernels and settle the allocator outside capture
-                torch.cuda.synchronize(self.device)
-            self.graphs[size] = self.graph_factory(forward, pool)
+                if self.device.type == "cuda":
+                    forward()  # warm up: compile kernels, settle the allocator outside capture
+                    torch.cuda.synchronize(self.device)
+                graphs[size] = self.graph_factory(forward, pool)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         log.info("captured decode graphs for batch sizes %s", self.sizes)
+
+    def _lora(self, size: int) -> LoraBatch:
+        rows, order, counts, starts = self.lora
+        return LoraBatch(rows[:size], order[:size], counts, starts)
 
     def padded_size(self, n: int) -> int | None:
         for size in self.sizes:
@@ -142,7 +168,10 @@ class DecodeGraphs:
             and meta.block_tables.shape[1] <= self.block_tables.shape[1]
         )
 
-    def run(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
+    def run(
+        self, input_ids, positions, meta: AttentionMetadata, lora: LoraBatch | None = None
+    ) -> torch.Tensor:
+        """The step's hidden states; `lora`: its adapters (None: none, and no LoRA work)."""
         n = meta.num_seqs
         size = self.padded_size(n)
         width = meta.block_tables.shape[1]
@@ -155,5 +184,15 @@ class DecodeGraphs:
             self.slot_mapping[n:size].fill_(-1)
             self.seq_lens[n:size].fill_(1)
             self.block_tables[n:size, 0].fill_(0)
+        graphs = self.graphs
+        if lora is not None:  # padding rows: no adapter
+            graphs = self.lora_graphs
+            rows, order, counts, starts = self.lora
+            rows[:n].copy_(lora.rows)
+            rows[n:size].fill_(-1)
+            order[:n].copy_(lora.order)
+            counts.copy_(lora.counts)
+            starts.copy_(lora.starts)
+            self.num_lora_replays += 1
         self.num_replays += 1
-        return self.graphs[size].replay()[:n]
+        return graphs[size].replay()[:n]

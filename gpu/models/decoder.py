@@ -8,7 +8,7 @@ fused, ...) and asks the backend whether it runs the whole layer stack in one ca
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -17,6 +17,9 @@ from gpu.attention.backend import AttentionMetadata
 from gpu.dist.parallel import TensorParallel, local_spec
 from gpu.models.rope import Rope
 from gpu.models.spec import ModelSpec
+
+if TYPE_CHECKING:
+    from gpu.lora import LoraBatch
 
 
 class Linear(nn.Module):
@@ -187,7 +190,7 @@ def _plus_lora(backend, x, lora, group: str, base, width: int):
     if lora is None:
         return base
     y = x.new_zeros(x.shape[0], width) if base is None else base.clone()
-    backend.lora_add(y, x, lora.groups[group], lora.rows)
+    backend.lora_add(y, x, lora.groups[group], lora.batch)
     return y
 
 
@@ -273,25 +276,25 @@ class DecoderForCausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
         logits_rows: torch.Tensor,
-        lora_rows: torch.Tensor | None = None,
+        lora: LoraBatch | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(the final hidden states [tokens, hidden], the logits [len(logits_rows), vocab] of
-        the rows `logits_rows`). `lora_rows`: each token's adapter slot (int32, -1: none) in
-        `self.lora`, or None: no adapter in the step."""
+        the rows `logits_rows`). `lora`: each token's adapter slot in `self.lora`
+        (gpu/lora.py LoraBatch), or None: no adapter in the step."""
         if self.stack is not None:
             # The compiled call gathers the embeddings and rotary rows itself, and takes the LM
             # head's rows too when the head is on its path.
             cos, sin = self.rope.tables(max(meta.seq_lens_cpu, default=0), torch.float32)
             hidden, logits = self.stack(
-                input_ids, positions, cos, sin, kv_caches, meta, logits_rows, lora_rows
+                input_ids, positions, cos, sin, kv_caches, meta, logits_rows, lora
             )
             if logits is None:
                 logits = self.logits(hidden, logits_rows)
             return hidden, logits
-        hidden = self.hidden_states(input_ids, positions, kv_caches, meta, lora_rows)
+        hidden = self.hidden_states(input_ids, positions, kv_caches, meta, lora)
         return hidden, self.logits(hidden, logits_rows)
 
-    def hidden_states(self, input_ids, positions, kv_caches, meta, lora_rows=None) -> torch.Tensor:
+    def hidden_states(self, input_ids, positions, kv_caches, meta, lora=None) -> torch.Tensor:
         """The final hidden states, layer by layer (what CUDA graphs capture)."""
         x = self.embed(input_ids)
         cos, sin = self.rope.cos_sin(positions, x.dtype)
@@ -300,8 +303,8 @@ class DecoderForCausalLM(nn.Module):
         nexts = [layer.input_layernorm for layer in layers[1:]] + [self.model.norm]
         h = nexts[0](x) if len(layers) == 0 else layers[0].input_layernorm(x)
         for i, (layer, kv, norm) in enumerate(zip(layers, kv_caches, nexts)):
-            lora = self.lora.layer(i, lora_rows) if lora_rows is not None else None
-            h, x = layer(x, h, cos, sin, kv, meta, norm, lora)
+            adapters = self.lora.layer(i, lora) if lora is not None else None
+            h, x = layer(x, h, cos, sin, kv, meta, norm, adapters)
         return h
 
     def logits(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

@@ -103,13 +103,17 @@ inline void check_packed(const Tensor& packed, int64_t n, int64_t k, bool gated)
 
 // ---- LoRA ----
 // One product group's adapter slots (weir.h LoraGroup): a [slots, slices, max_rank, k] and b
-// [slots, max_rank, n] float32, ranks [slots, slices] int32 each within max_rank, cols
+// [slots, max_rank, n], both float32 or both bfloat16, ranks [slots, slices] int32 each within max_rank, cols
 // [slices + 1] int64 from 0 up to n. The ranks are read on every call: Python rewrites them
 // when it loads an adapter into a slot.
 inline weir::LoraGroup check_lora_group(const Tensor& a, const Tensor& b, const Tensor& ranks,
                                         const Tensor& cols) {
-    check_f32(a, "lora a");
-    check_f32(b, "lora b");
+    check_cpu(a, "lora a");
+    check_cpu(b, "lora b");
+    TORCH_CHECK_VALUE((a.scalar_type() == at::kFloat || a.scalar_type() == at::kBFloat16) &&
+                          b.scalar_type() == a.scalar_type(),
+                      "lora a, b: need float32 or bfloat16, both the same, got ", a.scalar_type(),
+                      " and ", b.scalar_type());
     TORCH_CHECK_VALUE(a.dim() == 4 && a.is_contiguous(),
                       "lora a: needs a contiguous [slots, slices, max_rank, k] tensor");
     const int64_t S = a.size(0), slices = a.size(1), R = a.size(2), K = a.size(3);
@@ -127,7 +131,7 @@ inline weir::LoraGroup check_lora_group(const Tensor& a, const Tensor& b, const 
     const int32_t* r = ranks.data_ptr<int32_t>();
     for (int64_t i = 0; i < S * slices; ++i)
         TORCH_CHECK_VALUE(r[i] >= 0 && r[i] <= R, "lora ranks: ", r[i], " not in [0, ", R, "]");
-    return {a.data_ptr<float>(), b.data_ptr<float>(), r, c, S, slices, R, K, N};
+    return {a.data_ptr(), b.data_ptr(), r, c, S, slices, R, K, N, dtype_code(a.scalar_type())};
 }
 
 // A step's adapter slot per row: int32 [m], each -1 (none) or a slot of `slots`.

@@ -129,9 +129,9 @@ int decoder_forward(const DecoderModel& model, const DecoderStep& step) {
     const int64_t I = m->intermediate;
     if (T == 0) return 0;
     // h, qkv, q, k, o, g, the up part's spare [T, I] (gate and up of different formats), cos,
-    // sin; with adapters in the step, the Q/K/V delta [T, qkvw] and gate/up's addend [T, 2I]
+    // sin; with adapters in the step, gate/up's addend [T, 2I]
     const int32_t* lora = s->lora_rows;
-    const int64_t lora_floats = lora ? T * (qkvw + 2 * I) : 0;
+    const int64_t lora_floats = lora ? T * 2 * I : 0;
     std::unique_ptr<float[]> buf(
         new float[T * (H + qkvw + qw + kvw + qw + 2 * I + 2 * D) + lora_floats]);
     float* cos = buf.get() + T * (H + qkvw + qw + kvw + qw + 2 * I);
@@ -151,23 +151,19 @@ int decoder_forward(const DecoderModel& model, const DecoderStep& step) {
     float* o = k + T * kvw;
     float* g = o + T * qw;
     float* spare = g + T * I;
-    float* dqkv = cos + 2 * T * D;  // LoRA's scratch, after sin
-    float* dgu = dqkv + T * qkvw;
+    float* dgu = cos + 2 * T * D;  // LoRA's scratch, after sin
     float* x = s->x;
     Timer timer;
     for (int64_t i = 0; i < m->num_layers; ++i) {
         const DecoderLayer& L = m->layers[i];
         rms_norm_rope(x, T, 1, H, H, L.input_norm, m->eps, nullptr, nullptr, h, nt);
         timer.lap(kNorm);
-        // Adapters' deltas: into a zeroed addend (Q/K/V, gate/up) or the residual stream (O,
-        // down) before the product adds it; rows without an adapter add nothing.
-        const float* qkv_add = nullptr;
-        if (lora && L.lora[kLoraQkv].a) {
-            std::memset(dqkv, 0, sizeof(float) * T * qkvw);
-            lora_add(L.lora[kLoraQkv], h, T, H, lora, dqkv, qkvw, nt);
-            qkv_add = dqkv;
-        }
-        product(L.qkv, h, T, H, 0, L.qkv_bias, qkv_add, qkvw, qkv, qkvw, nt, spare);
+        // Adapters' deltas: added to Q/K/V's output ((x W^T + b) + delta, as a residual would
+        // be), into the residual stream before the O and down products add theirs, and as
+        // gate/up's pre-activation addend (written whole, or none when no adapter of the step
+        // modifies gate or up); rows without an adapter add nothing.
+        product(L.qkv, h, T, H, 0, L.qkv_bias, nullptr, 0, qkv, qkvw, nt, spare);
+        if (lora && L.lora[kLoraQkv].a) lora_add(L.lora[kLoraQkv], h, T, H, lora, qkv, qkvw, nt);
         timer.lap(kQkv);
         const float eps = L.q_norm ? m->eps : 0.f;
         rms_norm_rope(qkv, T, m->heads, D, qkvw, L.q_norm, eps, cos, sin, q, nt);
@@ -190,11 +186,9 @@ int decoder_forward(const DecoderModel& model, const DecoderStep& step) {
         rms_norm_rope(x, T, 1, H, H, L.post_norm, m->eps, nullptr, nullptr, h, nt);
         timer.lap(kNorm);
         const float* gu_add = nullptr;
-        if (lora && L.lora[kLoraGateUp].a) {
-            std::memset(dgu, 0, sizeof(float) * T * 2 * I);
-            lora_add(L.lora[kLoraGateUp], h, T, H, lora, dgu, 2 * I, nt);
+        if (lora && L.lora[kLoraGateUp].a &&
+            lora_add(L.lora[kLoraGateUp], h, T, H, lora, dgu, 2 * I, nt, /*assign=*/true))
             gu_add = dgu;
-        }
         product(L.gate_up, h, T, H, int(m->act), nullptr, gu_add, 2 * I, g, I, nt, spare);
         timer.lap(kGateUp);
         if (lora && L.lora[kLoraDown].a) lora_add(L.lora[kLoraDown], g, T, I, lora, x, H, nt);

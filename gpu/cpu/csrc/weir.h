@@ -170,20 +170,26 @@ void wgemm(int format, const float* x, int64_t m, int64_t k, int64_t x_stride,
 // One product group's adapters, held in slots (gpu/lora.py): per slot and slice (Q, K and V of
 // the Q/K/V product; gate and up), A [rank, k] as the first rows of a [max_rank, k] block, and
 // B^T [rank, the slice's columns] (the adapter's scaling folded in) in that slice's columns of
-// the slot's [max_rank, n] block; each slice's rank, 0 where the adapter leaves it alone.
+// the slot's [max_rank, n] block; each slice's rank, 0 where the adapter leaves it alone. A and
+// B are float32 or bfloat16 (--lora-dtype; widened to float32 as they are read).
 constexpr int64_t kLoraMaxRank = 512;
 struct LoraGroup {
-    const float* a;        // [slots, slices, max_rank, k]
-    const float* b;        // [slots, max_rank, n]
+    const void* a;         // [slots, slices, max_rank, k]
+    const void* b;         // [slots, max_rank, n]
     const int32_t* ranks;  // [slots, slices], each in [0, max_rank]
     const int64_t* cols;   // [slices + 1]: each slice's first output column, then n
     int64_t slots, slices, max_rank, k, n;
+    int dtype;  // of a and b: kFloat32 or kBFloat16
 };
 
 // y[t, cols of slice s] += (x[t] A_s^T) B_s^T for the adapter in slot row_slot[t] ([m]); a row
 // whose slot is -1 is not touched. Strides in floats between rows (y may be a residual stream).
-void lora_add(const LoraGroup& g, const float* x, int64_t m, int64_t x_stride,
-              const int32_t* row_slot, float* y, int64_t y_stride, int64_t num_threads);
+// With `assign`, y = the deltas instead, zeros in rows without an adapter and in slices their
+// adapter leaves alone. Returns false, having written nothing, when no row's adapter modifies
+// the group.
+bool lora_add(const LoraGroup& g, const float* x, int64_t m, int64_t x_stride,
+              const int32_t* row_slot, float* y, int64_t y_stride, int64_t num_threads,
+              bool assign = false);
 
 // ---- the layer stack in one call (forward.cpp) ----
 // A weight of the stack: float32 panels (gemm_pack's, format kWF32) or a packed WFormat

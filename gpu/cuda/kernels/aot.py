@@ -35,6 +35,15 @@ CASES = [  # (kernel, dtype, head_dim or size, extra constexprs)
     ("w4a16", "bf16", 0, {"BLOCK_M": 16, "SPLIT_K": 4, "UPCAST": False}),
     ("w4a16", "fp16", 0, {"BLOCK_M": 64, "SPLIT_K": 1, "UPCAST": False}),
     ("w4a16", "fp32", 0, {"BLOCK_M": 16, "SPLIT_K": 2, "UPCAST": True}),
+    # LoRA's shrink and expand; "size" is the rank axis (R_PAD): decode rows with k split,
+    # prefill rows, a float32 model, and "fp32/bf16" float32 activations over bfloat16 slots
+    ("lora_shrink", "bf16", 16, {"SPLIT_K": 4, "UPCAST": False}),
+    ("lora_shrink", "fp32", 64, {"SPLIT_K": 1, "UPCAST": True}),
+    ("lora_shrink", "fp32/bf16", 16, {"SPLIT_K": 2, "UPCAST": True}),
+    ("lora_expand", "bf16", 16, {"SPLIT_K": 4, "UPCAST": False}),
+    ("lora_expand", "fp16", 32, {"SPLIT_K": 1, "UPCAST": False}),
+    ("lora_expand", "fp32", 64, {"SPLIT_K": 1, "UPCAST": True}),
+    ("lora_expand", "fp32/bf16", 16, {"SPLIT_K": 2, "UPCAST": True}),
 ]
 
 
@@ -64,6 +73,7 @@ def compile_case(kind: str, dtype: str, head_dim: int, extra: dict, arch: int) -
 
     from gpu.cuda.kernels import decode_attention as da
     from gpu.cuda.kernels import gated_act as ga
+    from gpu.cuda.kernels import lora as lo
     from gpu.cuda.kernels import prefill_attention as pa
     from gpu.cuda.kernels import rms_norm as rn
     from gpu.cuda.kernels import rope_store as rs
@@ -81,6 +91,31 @@ def compile_case(kind: str, dtype: str, head_dim: int, extra: dict, arch: int) -
             x_ptr=p, qweight_ptr="*i32", scales_ptr="*fp16", mins_ptr="*fp16", out_ptr="*fp32"
         )
         consts = dict(GROUP=32, BLOCK_N=64, BLOCK_K=64)
+    elif kind == "lora_shrink":
+        fn = lo._lora_shrink_kernel
+        ptrs = dict(
+            x_ptr=p,
+            a_ptr=c,
+            ranks_ptr=i32,
+            order_ptr=i32,
+            counts_ptr=i32,
+            starts_ptr=i32,
+            v_ptr="*fp32",
+        )
+        consts = dict(R_PAD=size, BLOCK_M=lo.BLOCK_M, BLOCK_K=lo.BLOCK_K, PRECISION=precision)
+    elif kind == "lora_expand":
+        fn = lo._lora_expand_kernel
+        ptrs = dict(
+            v_ptr="*fp32",
+            b_ptr=c,
+            ranks_ptr=i32,
+            cols_ptr="*i64",
+            order_ptr=i32,
+            counts_ptr=i32,
+            starts_ptr=i32,
+            y_ptr=p,
+        )
+        consts = dict(R_PAD=size, BLOCK_M=lo.BLOCK_M, BLOCK_N=lo.BLOCK_N, PRECISION=precision)
     elif kind == "rms_norm":
         fn = rn._rms_norm_kernel
         ptrs = dict(x_ptr=p, residual_ptr=p, weight_ptr=p, out_ptr=p, sum_ptr=p)
