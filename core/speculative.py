@@ -110,12 +110,14 @@ class Speculator:
 
     def wants(self, request) -> bool:
         """Whether a request speculates at all: not with penalties (their counts move with
-        every accepted token), a grammar, pooling or prompt log-probs still to compute."""
+        every accepted token), a grammar, pooling, prompt log-probs still to compute, or beams
+        (each step ranks every beam's next token)."""
         params = request.sampling_params
         return (
             request.pooling is None
             and params.structured is None
             and not params.needs_penalties
+            and not params.beam_width
             and not request.spec_off
         )
 
