@@ -216,40 +216,37 @@ class BeamGroup:
     def advance(self, going: list[Candidate], scheduler, new_slot) -> None:
         """The ranked step's beams take their sequences: a beam's first continuation stays in
         its sequence, further ones fork it into sequences no beam continues (parked ones, else
-        `new_slot()`); the sequences left over are parked."""
+        `new_slot(self)`); the sequences left over are parked. Forks copy their parent before
+        any token of this step is appended."""
         live = self.live
-        stays: dict[int, object] = {}
-        placed = []
+        continued = {c.beam for c in going}
+        spare = [r for i, r in enumerate(live) if i not in continued]
+        spare += [r for r in self.slots if r.beam is None]  # parked before
+        slots, stayed, forked = [], set(), set()
         for c in going:
             parent = live[c.beam]
-            if c.beam not in stays:
-                stays[c.beam] = parent
-                placed.append((parent, c, False))
-            else:
-                placed.append((None, c, True))
-        spare = [r for i, r in enumerate(live) if i not in stays]
-        spare += [r for r in self.slots if r.beam is None]
-        new_live = []
-        for slot, c, forked in placed:
-            parent = live[c.beam]
-            if forked:
-                slot = spare.pop(0) if spare else new_slot(self)
-                scheduler.fork(slot, parent)
-            new_live.append(slot)
-        for i in {c.beam for _, c, forked in placed if forked}:
-            scheduler.share_last_block(live[i])  # its partial block is its children's too
+            if c.beam not in stayed:
+                stayed.add(c.beam)
+                slots.append(parent)
+                continue
+            slot = spare.pop(0) if spare else new_slot(self)
+            scheduler.fork(slot, parent)
+            forked.add(c.beam)
+            slots.append(slot)
+        for b in forked:  # its partial last block is now its children's too
+            scheduler.share_last_block(live[b])
         beams = []
-        for slot, (_, c, _) in zip(new_live, placed):
+        for c in going:
             parent = live[c.beam].beam
             logprobs = parent.logprobs
             if self.search.logprobs is not None:
                 logprobs = [*logprobs, self.search.entry(c, parent)]
             beams.append(Beam(c.score, logprobs))
-        for slot, beam, (_, c, _) in zip(new_live, beams, placed):
+        for slot, beam, c in zip(slots, beams, going):
             slot.beam = beam
             slot.append_output(c.token_id)
         for r in spare:
-            if r.beam is not None and r not in new_live:
+            if r.beam is not None:  # a beam no continuation kept
                 r.beam = None
                 scheduler.park(r)
-        self.live = new_live
+        self.live = slots
