@@ -1,8 +1,8 @@
 """Beam search in the engine: the sequences, and their order, of transformers' beam search
 (`generate(num_beams=n, num_return_sequences=n, length_penalty, early_stopping)`) on the same
 weights in float32, with greedy requests in the same batches, with a pool roomy enough that
-beams fork by sharing blocks and one small enough that beam searches are preempted whole and
-recomputed; the pool's invariants after every step."""
+beams fork by sharing blocks (and asynchronous scheduling, on Qwen3) and one small enough that
+beam searches are preempted whole and recomputed; the pool's invariants after every step."""
 
 from __future__ import annotations
 
@@ -106,12 +106,60 @@ def beam_params(width, penalty, early, max_tokens, min_tokens, stops, **kw) -> S
     )
 
 
+def test_forked_blocks_are_shared_and_copied_on_write():
+    """A fork shares every block; the first beam to write into a shared partial block takes a
+    copy (one more block, counted before it is taken), the last writes in place; a copy not
+    yet sent is dropped with its sequence; the pool's invariants hold throughout."""
+    from core.kv_cache_manager import KVCacheManager
+    from core.request import Request
+
+    kv = KVCacheManager(num_blocks=6, block_size=4)
+
+    def seq(rid: str) -> Request:
+        return Request(EngineRequest(rid, list(range(6)), SamplingParams()), 8)
+
+    a, b, c = seq("a"), seq("b"), seq("c")
+    kv.allocate(a, 6)
+    a.num_computed_tokens = 6  # two blocks, the second holding 2 of 4 tokens
+    for child in (b, c):
+        kv.fork(child, a)
+        child.num_computed_tokens = 6
+    kv.check_integrity()
+    assert [blk.ref_cnt for blk in kv.tables["a"]] == [3, 3]
+    assert kv.num_free_blocks == 4
+    assert kv.blocks_needed(a, 1) == 1 and kv.blocks_needed(a, 3) == 2
+    shared = kv.block_tables["a"][1]
+    kv.allocate(a, 1)  # a writes its 7th token: into a copy of the shared block
+    assert kv.block_tables["a"][1] != shared and kv.block_tables["b"][1] == shared
+    kv.allocate(b, 1)  # b too (c still shares it)
+    copies = kv.take_copies()
+    assert sorted(copies) == sorted(
+        [(shared, kv.block_tables["a"][1]), (shared, kv.block_tables["b"][1])]
+    )
+    assert kv.blocks_needed(c, 1) == 0  # c alone holds it now: it writes in place
+    kv.allocate(c, 1)
+    assert kv.block_tables["c"][1] == shared and not kv.copies
+    kv.check_integrity()
+    d = seq("d")
+    kv.fork(d, a)
+    d.num_computed_tokens = 7
+    kv.allocate(d, 1)
+    assert kv.copies
+    kv.free(d)  # preempted before its step was sent: its copy goes with it
+    assert not kv.copies
+    for r in (a, b, c):
+        kv.free(r)
+    kv.check_integrity()
+    assert kv.num_free_blocks == kv.num_blocks
+
+
 @pytest.mark.parametrize("pool", POOLS)
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_beams_match_transformers(arch, pool, model_dir):
     path = model_dir(arch)
+    extra = {"async_scheduling": True} if arch == "qwen3" and pool == "roomy" else {}
     loaded = load(
-        EngineConfig(model=str(path), dtype="float32", check_integrity=True, **POOLS[pool])
+        EngineConfig(model=str(path), dtype="float32", check_integrity=True, **POOLS[pool], **extra)
     )
     core = loaded.core
     copies = []
