@@ -70,6 +70,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     generation_config: str = "auto"
     # Most log-probs (top alternatives) a request may ask for; -1: the whole vocabulary.
     max_logprobs: int = 20
+    # Most beams a beam search request (use_beam_search, n beams) may ask for.
+    max_beam_width: int = 16
     check_integrity: bool = False  # assert the block pool invariant after every step (tests)
     # Tensor parallelism: the model split over this many worker processes (one per device).
     tensor_parallel_size: int = 1
@@ -132,6 +134,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise ValueError("--gpu-memory-utilization must be in (0, 1]")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError("--scheduling-policy must be fcfs or priority")
+        if self.max_beam_width < 1:
+            raise ValueError("--max-beam-width must be at least 1")
         if self.max_logprobs < -1:
             raise ValueError("--max-logprobs must be -1 (no limit) or at least 0")
         if self.tensor_parallel_size < 1:

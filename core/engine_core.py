@@ -10,15 +10,25 @@ from typing import Protocol
 
 from tokenizers import Tokenizer
 
+from core.beam import BeamGroup, BeamSearch, num_candidates, stop_ids
 from core.detokenizer import Detokenizer
 from core.kv_cache_manager import KVCacheManager
-from core.request import EngineRequest, Logprob, Request, RequestOutput, Status, StepResult
+from core.request import (
+    BeamSequence,
+    EngineRequest,
+    Logprob,
+    Request,
+    RequestOutput,
+    Status,
+    StepResult,
+)
 from core.request_check import check_request
 from core.sampling import InvalidParam
 from core.runner_step import GrammarBatch, SchedulerOutput
 from core.scheduler import ScheduledSeq, ScheduledStep, Scheduler
 from core.speculative import SpeculativeConfig, Speculator
 from core.stats import StepStats, finished_stats
+from core.stop import StopStrings
 from core.structured import Grammars
 
 
@@ -48,6 +58,7 @@ class EngineCore:
         enable_prefix_caching: bool = True,
         scheduling_policy: str = "fcfs",
         max_logprobs: int = 20,
+        max_beam_width: int = 16,
         async_scheduling: bool = False,
         speculative: SpeculativeConfig | None = None,
         max_loras: int = 0,
@@ -63,6 +74,7 @@ class EngineCore:
         self.requests: dict[str, Request] = {}
         self.check_integrity = check_integrity
         self.max_logprobs = max_logprobs
+        self.max_beam_width = max_beam_width
         self.num_steps = 0
         self.num_partial_prefills = 0
         self.num_aborted = 0
@@ -82,7 +94,8 @@ class EngineCore:
         self.async_scheduling = async_scheduling
         self._inflight: tuple[ScheduledStep, object] | None = None  # launched, not taken in
         # Live requests whose steps need their tokens known on the host (a grammar's mask,
-        # penalties' counts): while there is one, each step's results are taken in first.
+        # penalties' counts, a beam search's ranking): while there is one, each step's results
+        # are taken in first.
         self._num_need_known = 0
 
     @property
@@ -92,8 +105,7 @@ class EngineCore:
     def _drop(self, request: Request) -> None:
         """The request has ended: the engine forgets it."""
         del self.requests[request.request_id]
-        params = request.sampling_params
-        if params.structured is not None or params.needs_penalties:
+        if _needs_known(request.sampling_params):
             self._num_need_known -= 1
 
     def close(self) -> None:
@@ -109,7 +121,14 @@ class EngineCore:
         """
         if req.lora is not None and not self.scheduler.max_loras:
             raise InvalidParam("model", "LoRA adapters are not served: start with --enable-lora")
-        return check_request(req, self.runner.vocab_size, self.max_model_len, self.max_logprobs)
+        return check_request(
+            req,
+            self.runner.vocab_size,
+            self.max_model_len,
+            self.max_logprobs,
+            self.max_beam_width,
+            self.scheduler.max_num_seqs,
+        )
 
     def add(self, req: EngineRequest) -> None:
         self.num_adds_seen += 1  # counted even if refused: the Trio side counts every send
@@ -121,20 +140,31 @@ class EngineCore:
             # Read its weights now (once; kept in host memory): an adapter whose files went
             # bad since it was registered fails this request here, not a step.
             slots.preload(req.lora)
-        detok = None
-        if self.tokenizer is not None and req.pooling is None:
+        params = req.sampling_params
+        detok = None  # a beam search decodes its sequences once, at its end
+        if self.tokenizer is not None and req.pooling is None and not params.beam_width:
             detok = Detokenizer(
                 self.tokenizer, req.prompt_token_ids, req.sampling_params.skip_special_tokens
             )
         self._seq_no += 1
         leader = self.requests.get(req.leader_id) if req.leader_id is not None else None
         request = Request(req, max_tokens, detok, self._seq_no, leader)
-        constraint = req.sampling_params.structured
+        constraint = params.structured
         if constraint is not None:
             request.grammar_future = self.grammars.start(constraint)
             self._compiling[request.request_id] = request
+        if params.beam_width:
+            search = BeamSearch(
+                params.beam_width,
+                params.length_penalty,
+                params.early_stopping,
+                max_tokens,
+                num_candidates(params, self.eos_token_ids),
+                params.logprobs,
+            )
+            BeamGroup(request, search, stop_ids(params, self.eos_token_ids))
         self.requests[request.request_id] = request
-        if constraint is not None or req.sampling_params.needs_penalties:
+        if _needs_known(params):
             self._num_need_known += 1
         self.scheduler.add(request)
 
@@ -181,7 +211,8 @@ class EngineCore:
         if self._compiling.pop(request_id, None) is not None:
             request.grammar_future.cancel()
             request.grammar_future = None
-        self.scheduler.remove(request)
+        for r in request.group.slots if request.group is not None else (request,):
+            self.scheduler.remove(r)
         self.num_aborted += 1
         self.stats.finished.append(finished_stats(request, "abort", time.monotonic()))
         return request.output([], "", "abort")
@@ -372,6 +403,7 @@ class EngineCore:
                 self._grammars.consume(taken)
         row = 0
         now = time.monotonic()
+        ranked: list[BeamGroup] = []  # beam searches whose every live beam has its row
         for seq in out.seqs:
             request = seq.request
             if request.status is Status.FINISHED:
@@ -395,13 +427,128 @@ class EngineCore:
                 continue
             token_id, logprob = result.token_ids[row], result.logprobs[row]
             row += 1
+            if request.group is not None:
+                rid = request.request_id
+                request.beam.candidates = (result.beam_ids[rid], result.beam_logprobs[rid])
+                if request.group.ready:
+                    ranked.append(request.group)
+                continue
             if seq.num_draft:
                 outputs.append(self._take_run(seq, token_id, logprob, result, now))
                 continue
             outputs.append(self._append_token(request, token_id, logprob, now))
             if self.async_scheduling and request.status is not Status.FINISHED:
                 self.scheduler.cache_known(request)
+        for group in ranked:
+            out = self._rank_beams(group, now)
+            if out is not None:
+                outputs.append(out)
         return outputs
+
+    # ---- beam search (core/beam.py) ----
+    def _rank_beams(self, group: BeamGroup, now: float) -> RequestOutput | None:
+        """A beam search step: its candidates ranked, its beams moved on (forks, parks), or its
+        sequences handed out when the search is over."""
+        root, live = group.root, group.live
+        params = root.sampling_params
+        stops = group.stop_ids
+
+        def ends(b: int, token: int) -> str | None:
+            if token in stops:
+                return "stop"
+            r = live[b]
+            if r.num_output_tokens + 1 >= root.max_tokens or r.num_tokens + 1 >= self.max_model_len:
+                return "length"
+            if params.stop and self._makes_stop_string(r, token):
+                return "stop"
+            return None
+
+        outputs = [r.output_token_ids for r in live]
+        going, done = group.search.rank([r.beam for r in live], outputs, ends)
+        stats = self.stats
+        if root.first_token_time is None:
+            root.first_token_time = now
+            stats.ttft.append(now - root.arrival_time)
+            stats.prompt_tokens += root.num_prompt_tokens
+        else:
+            stats.itl.append(now - root.last_token_time)
+        root.last_token_time = now
+        stats.generation_tokens += len(going) if not done else 1
+        if done:
+            return self._end_beams(group, now)
+        group.advance(going, self.scheduler, self._beam_slot)
+        return None
+
+    def _beam_slot(self, group: BeamGroup) -> Request:
+        """A new sequence for a beam search (its beams outnumber its sequences)."""
+        root = group.root
+        req = EngineRequest(
+            f"{root.request_id}\x1fbeam{len(group.slots)}",  # ids the server never gives
+            root.prompt_token_ids,
+            root.sampling_params,
+            root.arrival_time,
+            priority=root.priority,
+            cache_salt=root.cache_salt,
+            lora=root.lora,
+        )
+        slot = Request(req, root.max_tokens, None, root.seq_no)
+        slot.group = group
+        slot.first_scheduled_time = root.first_scheduled_time
+        group.slots.append(slot)
+        return slot
+
+    def _makes_stop_string(self, request: Request, token: int) -> bool:
+        """Whether `token` completes a stop string after the beam's output (decoded over a
+        window of its last tokens: a stop found earlier would have ended it)."""
+        stops = request.sampling_params.stop
+        longest = max(len(s) for s in stops)
+        window = request.output_token_ids[-(4 * longest + 4) :]
+        decode = self.tokenizer.decode
+        before = decode(window, skip_special_tokens=False)
+        after = decode([*window, token], skip_special_tokens=False)
+        tail = after[max(0, len(before) - longest + 1) :]
+        return any(s in tail for s in stops)
+
+    def _end_beams(self, group: BeamGroup, now: float) -> RequestOutput:
+        """The search is over: its best hypotheses become the request's sequences."""
+        root = group.root
+        params = root.sampling_params
+        hyps = group.search.results(
+            [r.beam for r in group.live], [r.output_token_ids for r in group.live]
+        )
+        seqs = []
+        for h in hyps:
+            text = ""
+            if self.tokenizer is not None:
+                text = self.tokenizer.decode(
+                    h.token_ids, skip_special_tokens=params.skip_special_tokens
+                )
+                if params.stop:
+                    stop = StopStrings(params.stop, params.include_stop_str_in_output)
+                    cut, matched = stop.feed(text)
+                    text = cut if matched else cut + stop.flush()
+            seqs.append(
+                BeamSequence(
+                    h.token_ids, text, h.finish_reason, h.cumulative_logprob, h.score, h.logprobs
+                )
+            )
+        for r in group.slots:
+            self.scheduler.remove(r)
+        self._drop(root)
+        best = seqs[0]
+        self.stats.finished.append(finished_stats(root, best.finish_reason, now))
+        return RequestOutput(
+            request_id=root.request_id,
+            new_token_ids=best.token_ids,
+            new_text=best.text,
+            finished=True,
+            finish_reason=best.finish_reason,
+            num_prompt_tokens=root.num_prompt_tokens,
+            num_output_tokens=len(best.token_ids),
+            num_cached_tokens=root.num_cached_tokens,
+            logprobs=best.logprobs,
+            beams=seqs,
+        )
 
     def _take_run(self, seq: ScheduledSeq, token_id, logprob, result, now) -> RequestOutput:
         """A verified run of proposals: the kept tokens appended one by one (a stop inside the
@@ -432,6 +579,11 @@ class EngineCore:
         request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
         self.scheduler.cache_known(request)
         return out
+
+
+def _needs_known(params) -> bool:
+    """Whether a request's steps need the step before taken in (its tokens on the host)."""
+    return params.structured is not None or params.needs_penalties or params.beam_width > 0
 
 
 class _Done:

@@ -229,7 +229,15 @@ class EngineProcess(Engine):
         return self._trio_token is not None and not self.stopped
 
     def _check(self, req: EngineRequest) -> None:
-        check_request(req, self.info.vocab_size, self.info.max_model_len, self.config.max_logprobs)
+        config = self.config
+        check_request(
+            req,
+            self.info.vocab_size,
+            self.info.max_model_len,
+            config.max_logprobs,
+            config.max_beam_width,
+            config.max_num_seqs,
+        )
 
     def _submit(self, cmd) -> None:
         frame = self._encode(cmd)

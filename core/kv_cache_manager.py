@@ -20,6 +20,11 @@ class KVCacheManager:
         self.tables: dict[str, list[Block]] = {}
         self.block_tables: dict[str, list[int]] = {}  # the same tables as ids, for the runner
         self._num_registered: dict[str, int] = {}  # leading blocks of a table already cached
+        # Block copies (src, dst) the runner makes before the next forward, per request: a
+        # sequence about to write into a partial block it shares with another (beams forked
+        # from one beam) writes into a copy of it instead (copy on write). A request freed
+        # before the step is sent (preempted) drops its copy: its dst may be handed out again.
+        self.copies: dict[str, tuple[int, int]] = {}
         # Counted per prompt lookup, for metrics and tests.
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
@@ -109,10 +114,18 @@ class KVCacheManager:
 
     # ---- allocation ----
     def blocks_needed(self, request: Request, num_new_tokens: int, cached: int = 0) -> int:
-        """New blocks to take so that computed (or `cached` hit blocks) + new tokens all fit."""
-        have = len(self.tables.get(request.request_id, ())) + cached
+        """New blocks to take so that computed (or `cached` hit blocks) + new tokens all fit,
+        and a copy of the block the new tokens start in if it is shared."""
+        table = self.tables.get(request.request_id, ())
+        have = len(table) + cached
         total = max(request.num_computed_tokens, cached * self.block_size) + num_new_tokens
-        return max(0, -(-total // self.block_size) - have)
+        return max(0, -(-total // self.block_size) - have) + self._shared_at(request, table)
+
+    def _shared_at(self, request: Request, table) -> int:
+        """1 if the block the request writes next is one it shares (only ever a forked beam's
+        partial last block: full blocks are never written again, cache hits are full)."""
+        i = request.num_computed_tokens // self.block_size
+        return int(i < len(table) and table[i].ref_cnt > 1)
 
     def can_allocate(
         self, request: Request, num_new_tokens: int, hits: list[Block] | None = None
@@ -139,14 +152,42 @@ class KVCacheManager:
             self._num_registered[rid] = len(hits)
         else:
             need = self.blocks_needed(request, num_new_tokens)
+        if not hits and self._shared_at(request, table):
+            i = request.num_computed_tokens // self.block_size
+            (copy,) = self.pool.take(1)
+            self.copies[rid] = (table[i].block_id, copy.block_id)
+            self.pool.give_back([table[i]])
+            table[i], ids[i] = copy, copy.block_id
+            need -= 1
         if need:
             new = self.pool.take(need)
             table.extend(new)
             ids.extend(b.block_id for b in new)
         return ids
 
+    def fork(self, dst: Request, src: Request) -> None:
+        """dst's blocks become src's (a beam continuing another): every block shared, each
+        copied later only where dst writes into it (`allocate`). dst's own are dropped."""
+        self.free(dst)
+        sid, did = src.request_id, dst.request_id
+        table = self.tables.get(sid)
+        if not table:
+            return
+        self.pool.touch(table)
+        self.tables[did] = list(table)
+        self.block_tables[did] = list(self.block_tables[sid])
+        self._num_registered[did] = self._num_registered.get(sid, 0)
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """The copies the next step must make first (and forget them here)."""
+        copies = list(self.copies.values())
+        self.copies.clear()
+        return copies
+
     def free(self, request: Request) -> None:
         rid = request.request_id
+        if self.copies:
+            self.copies.pop(rid, None)
         table = self.tables.pop(rid, None)
         self.block_tables.pop(rid, None)
         self._num_registered.pop(rid, None)

@@ -24,6 +24,7 @@ def merge(old: RequestOutput, new: RequestOutput) -> RequestOutput:
         if old.prompt_logprobs is not None
         else new.prompt_logprobs,
         error=new.error,
+        beams=new.beams or old.beams,
     )
 
 

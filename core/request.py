@@ -54,6 +54,21 @@ class StepResult(msgspec.Struct, gc=False):
     # and their log-probs when asked for.
     spec_token_ids: dict[str, list[int]] = {}
     spec_logprobs: dict[str, list[Logprob | None]] = {}
+    # Beam search (core/beam.py): per beam sampled, its row's top candidates, best first (ids
+    # and raw log-probs, EOS and stop tokens at -inf before min_tokens).
+    beam_ids: dict[str, list[int]] = {}
+    beam_logprobs: dict[str, list[float]] = {}
+
+
+class BeamSequence(msgspec.Struct, omit_defaults=True, gc=False):
+    """One of a beam search's returned sequences (the request's `n`, best first)."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    cumulative_logprob: float
+    score: float  # what it was ranked by: cumulative_logprob / length ** length_penalty
+    logprobs: list[Logprob] = []
 
 
 class RequestOutput(msgspec.Struct, omit_defaults=True, gc=False):
@@ -71,6 +86,9 @@ class RequestOutput(msgspec.Struct, omit_defaults=True, gc=False):
     embedding: bytes | None = None  # a pooling request's vector (little-endian float32)
     prompt_logprobs: list[Logprob | None] | None = None  # with the first output, when asked for
     error: str | None = None
+    # A beam search's sequences, best first, in its one (final) output; the fields above then
+    # describe the best of them.
+    beams: list[BeamSequence] = []
 
     def merge(self, later: RequestOutput) -> RequestOutput:
         """This output followed by a later one of the same request (several tokens of one
@@ -81,6 +99,7 @@ class RequestOutput(msgspec.Struct, omit_defaults=True, gc=False):
         self.finished, self.finish_reason = later.finished, later.finish_reason
         self.num_output_tokens = later.num_output_tokens
         self.error = later.error or self.error
+        self.beams = later.beams or self.beams
         return self
 
 
@@ -131,6 +150,9 @@ class Request:
         "spec_drafted",
         "spec_accepted",
         "lora",
+        "group",
+        "beam",
+        "forked",
     )
 
     def __init__(
@@ -188,6 +210,12 @@ class Request:
         self.spec_off = False
         self.spec_drafted = 0
         self.spec_accepted = 0
+        # Beam search (core/beam.py): the request's search, shared by its beams, and this
+        # sequence's beam (None while it is not one); `forked`: it may share the block it
+        # writes next with another beam (the scheduler then allocates, to copy it).
+        self.group = None
+        self.beam = None
+        self.forked = False
         # Index p: log-probability of prompt token p given the tokens before it (none for p = 0).
         self.prompt_logprobs: list[Logprob | None] | None = (
             [None] if params.prompt_logprobs is not None else None

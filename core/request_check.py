@@ -23,11 +23,17 @@ def _outside(ids: Iterable[int], vocab: int) -> str | None:
 
 
 def check_request(
-    req: EngineRequest, vocab_size: int, max_model_len: int, max_logprobs: int = 20
+    req: EngineRequest,
+    vocab_size: int,
+    max_model_len: int,
+    max_logprobs: int = 20,
+    max_beam_width: int = 16,
+    max_num_seqs: int | None = None,
 ) -> int:
     """Validate a request against the model (vocabulary, context length) and the server's
-    --max-logprobs (-1: up to the vocabulary); return its resolved max_tokens. Raises
-    InvalidParam naming the offending field."""
+    --max-logprobs (-1: up to the vocabulary), --max-beam-width and --max-num-seqs (a beam
+    search holds its width in sequences); return its resolved max_tokens. Raises InvalidParam
+    naming the offending field."""
     n = len(req.prompt_token_ids)
     if n == 0:
         raise InvalidParam("prompt", "the prompt is empty")
@@ -52,6 +58,17 @@ def check_request(
         problem = _outside(ids, vocab)
         if problem is not None:
             raise InvalidParam(field, f"{field}: {problem}")
+    width = params.beam_width
+    if width > max_beam_width:
+        raise InvalidParam(
+            "n",
+            f"n={width} beams is more than this server allows ({max_beam_width}; the limit is "
+            "set with --max-beam-width)",
+        )
+    if max_num_seqs is not None and width > max_num_seqs:
+        raise InvalidParam(
+            "n", f"n={width} beams is more than the server runs at once (--max-num-seqs)"
+        )
     limit = vocab if max_logprobs == -1 else min(max_logprobs, vocab)
     for field in ("logprobs", "prompt_logprobs"):
         asked = getattr(params, field)

@@ -6,12 +6,17 @@ keeps its own copy of each request (gpu/runner_state.py), built from `new` and g
 step's `scheduled` entries, so a field the runner reads reaches every rank or none.
 
 Per step, applied in this order:
+- `forks`: beams of a beam search (core/beam.py) that continue another beam: each `dst` becomes
+  a copy of `src` as it was before this step's forks (its first `num_tokens` token ids and
+  `num_blocks` block ids); the entry scheduling it then brings the rest.
 - `finished`: requests the runner has seen that have since finished or been aborted: forget.
 - `new`: requests scheduled for the first time: their prompt, sampling and pooling parameters,
   and their LoRA adapter (fixed for a request's life, like its sampling parameters).
 - `preempted`: requests whose blocks were freed this step (their tokens stay known).
 - `resumed`: preempted requests scheduled again: their block table starts over (the entry's
   `new_block_ids` is the whole table).
+- `copies`: (src, dst) block pairs whose K/V the runner copies, on every layer, before the
+  forward: a beam writing into a partial block it shared writes into its own copy instead.
 - `scheduled`: the batch, in row order: where each request's new tokens start, how many, whether
   its last row is sampled, the tokens the runner has not been given yet (those sampled since
   the request last ran) and its new block ids.
@@ -61,12 +66,21 @@ class ScheduledRequest(msgspec.Struct, array_like=True, gc=False):
     draft_token_ids: list[int] = []
 
 
+class Fork(msgspec.Struct, array_like=True, gc=False):
+    dst: str
+    src: str
+    num_tokens: int
+    num_blocks: int
+
+
 class SchedulerOutput(msgspec.Struct, gc=False):
     finished: list[str]
     new: list[NewRequest]
     preempted: list[str]
     resumed: list[str]
     scheduled: list[ScheduledRequest]
+    forks: list[Fork] = []
+    copies: list[tuple[int, int]] = []
 
     @property
     def num_tokens(self) -> int:

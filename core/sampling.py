@@ -36,6 +36,12 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, gc=False):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     structured: Constraint | None = None  # the output must match this (core/structured.py)
+    # Beam search (core/beam.py) over this many beams, returning as many sequences, best first
+    # (0: off); hypotheses are scored by cumulative log-prob / length ** length_penalty, and
+    # early_stopping is transformers': True, False or "never".
+    beam_width: int = 0
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
 
     @property
     def greedy(self) -> bool:
@@ -93,6 +99,37 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, gc=False):
             # The upper bound is the server's --max-logprobs (core.request_check.check_request).
             if v is not None and v < 0:
                 raise InvalidParam(name, f"{name} must not be negative")
+        if self.beam_width:
+            self._validate_beams()
+
+    def _validate_beams(self) -> None:
+        """Beam search ranks the model's own log-probabilities: what would change the
+        distribution or draw from it cannot be honoured, and is refused naming the field."""
+        if self.beam_width < 0:
+            raise InvalidParam("n", "the beam width must be positive")
+        if self.early_stopping not in (True, False, "never"):
+            raise InvalidParam("early_stopping", 'early_stopping must be true, false or "never"')
+        if not -1e6 < self.length_penalty < 1e6:
+            raise InvalidParam("length_penalty", "length_penalty must be a finite number")
+        refused = {
+            "temperature": not self.greedy,
+            "top_p": self.top_p < 1.0,
+            "top_k": self.top_k > 0,
+            "min_p": self.min_p > 0.0,
+            "presence_penalty": self.presence_penalty != 0.0,
+            "frequency_penalty": self.frequency_penalty != 0.0,
+            "repetition_penalty": self.repetition_penalty != 1.0,
+            "logit_bias": bool(self.logit_bias),
+            "response_format": self.structured is not None,
+            "prompt_logprobs": self.prompt_logprobs is not None,
+        }
+        for name, bad in refused.items():
+            if bad:
+                raise InvalidParam(
+                    name,
+                    f"{name} cannot be used with beam search (use_beam_search), which ranks "
+                    "the model's own log-probabilities",
+                )
 
 
 class InvalidParam(ValueError):

@@ -6,6 +6,9 @@ or priority then arrival). A waiting request starts after the longest run of its
 the prefix cache. A prompt longer than what is left of the budget is chunked across steps. When the
 pool runs out of blocks the newest (or lowest-priority) running request is preempted: its blocks
 are freed and it is recomputed later; a step that preempted admits nothing new.
+
+A beam search (core/beam.py) holds its width in running sequences from admission on; its beams
+are admitted together, preempted together and removed together.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import msgspec
 
 from core.kv_cache_manager import KVCacheManager
 from core.request import Request, Status
-from core.runner_step import NewRequest, ScheduledRequest, SchedulerOutput
+from core.runner_step import Fork, NewRequest, ScheduledRequest, SchedulerOutput
 
 
 class ScheduledSeq(msgspec.Struct, gc=False):
@@ -83,6 +86,10 @@ class Scheduler:
         self.num_preemptions = 0
         # Requests the runner holds that have finished since the last step: it forgets them.
         self._forget: list[str] = []
+        # Beam searches with beams running (each holds `width` seats), and the beams forked
+        # since the runner last heard (core/runner_step.py Fork).
+        self.groups: set = set()
+        self._forks: list[Fork] = []
 
     def _key(self, request: Request) -> tuple[int, ...]:
         if self.policy == "priority":
@@ -110,6 +117,10 @@ class Scheduler:
         request.status = Status.FINISHED
         if request.shown:
             self._forget.append(request.request_id)
+        if request.group is not None:
+            self.groups.discard(request.group)
+            if self._forks:
+                self._forks = [f for f in self._forks if f.dst != request.request_id]
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
@@ -117,6 +128,10 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.status = Status.PREEMPTED
         request.runner_blocks = 0  # the runner's table starts over when it is resumed
+        if request.group is not None:  # its beams run again from the start: rows too
+            self.groups.discard(request.group)
+            request.beam.candidates = None
+            request.forked = False
         request.num_preemptions += 1
         self.num_preemptions += 1
         bisect.insort(
@@ -204,7 +219,7 @@ class Scheduler:
             ):
                 continue  # its pending sample is its last: nothing will follow it
             table = tables.get(request.request_id)
-            if table is not None and computed + num_new <= len(table) * bs:
+            if table is not None and computed + num_new <= len(table) * bs and not request.forked:
                 # The common decode step: the new tokens fit in blocks the request already
                 # holds, so there is nothing to allocate (and nothing to preempt for).
                 scheduled[request.request_id] = ScheduledSeq(
@@ -219,23 +234,29 @@ class Scheduler:
                 continue
             while not self.kv.can_allocate(request, num_new):
                 victim = max(self.running, key=self._key)
-                self._preempt(victim)
-                preempted.append(victim.request_id)
-                undone = scheduled.pop(victim.request_id, None)
-                if undone is not None:
-                    budget += undone.num_new_tokens
-                if victim is request:
+                # A beam search's beams go together.
+                for v in victim.group.live if victim.group is not None else (victim,):
+                    self._preempt(v)
+                    preempted.append(v.request_id)
+                    undone = scheduled.pop(v.request_id, None)
+                    if undone is not None:
+                        budget += undone.num_new_tokens
+                if request.status is not Status.RUNNING:
                     break
             if request.status is not Status.RUNNING:
                 continue
+            request.forked = False
             table = self.kv.allocate(request, num_new)
             scheduled[request.request_id] = self._seq(request, num_new, table)
             budget -= num_new
 
         if not preempted:
             loras = {r.lora.key for r in self.running if r.lora is not None}
+            # Seats taken: the running sequences, and those beam searches hold beyond their
+            # running beams.
+            seats = len(self.running) + sum(g.width - len(g.live) for g in self.groups)
             i = 0
-            while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            while i < len(self.waiting) and budget > 0 and seats < self.max_num_seqs:
                 request = self.waiting[i]
                 if self._held(request) or request.num_pending:
                     i += 1
@@ -243,6 +264,15 @@ class Scheduler:
                 lora = request.lora
                 if lora is not None and lora.key not in loras and len(loras) >= self.max_loras:
                     i += 1  # every slot is another adapter's: it waits, never fails
+                    continue
+                if request.group is not None:
+                    admitted = self._admit_beams(request.group, budget, seats, scheduled)
+                    if admitted is None:
+                        break
+                    budget -= admitted
+                    seats += request.group.width
+                    if lora is not None:
+                        loras.add(lora.key)
                     continue
                 hits = self.kv.find_cached(request)
                 cached = len(hits) * self.kv.block_size
@@ -258,6 +288,7 @@ class Scheduler:
                     request.num_cached_tokens = cached
                 request.status = Status.RUNNING
                 self.running.append(request)
+                seats += 1
                 if lora is not None:
                     loras.add(lora.key)
                 scheduled[request.request_id] = self._seq(request, num_new, table)
@@ -266,12 +297,99 @@ class Scheduler:
         seqs = list(scheduled.values())
         return ScheduledStep(seqs, preempted, self._runner_output(seqs, preempted))
 
+    def _admit_beams(
+        self, group, budget: int, seats: int, scheduled: dict[str, ScheduledSeq]
+    ) -> int | None:
+        """Admit a beam search's waiting beams together (each from its cached prefix, as the
+        budget allows: one left without tokens this step is scheduled with the running ones
+        next step), if its width fits the seats and all their blocks fit; the tokens
+        scheduled, or None when it does not fit."""
+        if seats + group.width > self.max_num_seqs:
+            return None
+        kv = self.kv
+        plans = []
+        need = 0
+        idle: set[int] = set()
+        left = budget
+        for request in group.live:
+            hits = kv.find_cached(request)
+            cached = len(hits) * kv.block_size
+            num_new = min(request.num_tokens - cached, left)
+            left -= num_new
+            need += kv.blocks_needed(request, num_new, len(hits))
+            idle.update(b.block_id for b in hits if b.ref_cnt == 0)
+            plans.append((request, hits, cached, num_new))
+        if need + len(idle) > kv.num_free_blocks:
+            return None
+        # Every beam's cached blocks are taken first: new blocks for one must not evict
+        # another's hits from the free list.
+        for request, hits, cached, num_new in plans:
+            kv.allocate(request, 0, hits)
+            request.num_computed_tokens = cached
+        for request, hits, cached, num_new in plans:
+            self.waiting.remove(request)
+            table = kv.allocate(request, num_new)
+            kv.count_lookup(request.num_tokens, cached)
+            if request.num_preemptions == 0:
+                request.num_cached_tokens = cached
+            request.status = Status.RUNNING
+            self.running.append(request)
+            if num_new:
+                scheduled[request.request_id] = self._seq(request, num_new, table)
+        self.groups.add(group)
+        return budget - left
+
+    def fork(self, dst: Request, src: Request) -> None:
+        """A beam search's `dst` becomes a copy of its beam `src` (about to take a token of its
+        own): same tokens, every block shared; the runner copies src's as they are now."""
+        dst.all_token_ids = list(src.all_token_ids)
+        dst.output_token_ids = list(src.output_token_ids)
+        dst.num_computed_tokens = src.num_computed_tokens
+        dst.block_hashes = list(src.block_hashes)
+        self.kv.fork(dst, src)
+        dst.forked = True
+        dst.shown = True
+        # The runner takes src's tokens and its full blocks; a partial last block comes with
+        # dst's next entry (after its copy, if dst writes into a copy of it).
+        dst.runner_tokens = len(src.all_token_ids)
+        dst.runner_blocks = src.num_computed_tokens // self.kv.block_size
+        self._forks.append(
+            Fork(dst.request_id, src.request_id, dst.runner_tokens, dst.runner_blocks)
+        )
+        if dst.status is not Status.RUNNING:
+            dst.status = Status.RUNNING
+            self.running.append(dst)
+
+    def share_last_block(self, request: Request) -> None:
+        """A beam whose partial last block another beam now shares: whichever of them writes
+        into it first takes a copy, so the runner's table must take it again."""
+        bs = self.kv.block_size
+        if request.num_computed_tokens % bs:
+            request.forked = True
+            full = request.num_computed_tokens // bs
+            if request.runner_blocks > full:
+                request.runner_blocks = full
+                self._forks.append(
+                    Fork(request.request_id, request.request_id, request.runner_tokens, full)
+                )
+
+    def park(self, request: Request) -> None:
+        """A beam search's sequence that no beam continues: out of the batch, blocks freed,
+        kept (unscheduled) for a later fork."""
+        if request.status is Status.RUNNING:
+            self.running.remove(request)
+        self.kv.free(request)
+        request.status = Status.FINISHED
+        request.forked = False
+
     def _runner_output(self, seqs: list[ScheduledSeq], preempted: list[str]) -> SchedulerOutput:
         """The step for the model runner: what changed since it last saw each request. A step
         that schedules nothing does not reach the runner: what it would forget waits."""
+        copies = self.kv.take_copies() if self.kv.copies else []
         if not seqs:
             return SchedulerOutput([], [], [], [], [])
         finished, self._forget = self._forget, []
+        forks, self._forks = self._forks, []
         new, resumed, entries = [], [], []
         for s in seqs:
             r = s.request
@@ -301,7 +419,7 @@ class Scheduler:
             )
             r.runner_tokens, r.runner_blocks = len(tokens), len(table)
         # Every preempted request was running, so the runner has seen it.
-        return SchedulerOutput(finished, new, list(preempted), resumed, entries)
+        return SchedulerOutput(finished, new, list(preempted), resumed, entries, forks, copies)
 
     def commit(self, out: ScheduledStep) -> None:
         """Once the step is launched: its tokens count as computed (their KV is written before
@@ -313,7 +431,7 @@ class Scheduler:
             request = s.request
             before = request.num_computed_tokens
             request.num_computed_tokens = after = before + s.num_new_tokens
-            if s.sample:
+            if s.sample and request.group is None:  # a beam's row decides its next token later
                 request.num_pending += 1
             if after // bs > before // bs:  # a block filled up: register it in the prefix cache
                 self.kv.cache_computed(request)

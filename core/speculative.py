@@ -135,12 +135,14 @@ class Speculator:
 
     def wants(self, request) -> bool:
         """Whether a request speculates at all: not with penalties (their counts move with
-        every accepted token) or pooling; with a grammar only from n-gram proposals (cut where
-        the grammar refuses them, before the step: a draft model's are made too late)."""
+        every accepted token), pooling or beams (each step ranks every beam's next token); with
+        a grammar only from n-gram proposals (cut where the grammar refuses them, before the
+        step: a draft model's are made too late)."""
         params = request.sampling_params
         return (
             request.pooling is None
             and not params.needs_penalties
+            and not params.beam_width
             and not request.spec_off
             and (params.structured is None or self.config.method == "ngram")
         )

@@ -130,6 +130,7 @@ def load(config: EngineConfig) -> Loaded:
         enable_prefix_caching=config.enable_prefix_caching,
         scheduling_policy=config.scheduling_policy,
         max_logprobs=config.max_logprobs,
+        max_beam_width=config.max_beam_width,
         max_loras=config.max_loras if config.enable_lora else 0,
         async_scheduling=resolve_async(config, device),
         speculative=speculative_config(config, device),

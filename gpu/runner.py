@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from core.beam import num_candidates, stop_ids
 from core.request import Logprob, StepResult
 from core.runner_step import GrammarBatch, SchedulerOutput
 from gpu import grammar_mask
@@ -258,6 +259,8 @@ class ModelRunner:
         """The step's work queued on the device (on a CPU, done): nothing here waits for the
         GPU unless the step asks for prompt log-probs or pooled vectors."""
         scheduled = self.state.update(out)
+        if out.copies:
+            self._copy_blocks(out.copies)
         if self.draft is not None:  # proposals for the rows that speculate
             self.draft.propose(out, scheduled, self._tensor)
         input_ids, positions, meta, logits_rows = self.prepare(out, scheduled)
@@ -301,7 +304,43 @@ class ModelRunner:
             requests = [r for r, n in runs for _ in range(n)]
         self._last_sampled = sampled.token_ids
         self._last_rows = {r.request_id: i for i, r in enumerate(requests)}  # a run's last row
-        return LaunchedStep(requests, sampled, prompt_lp, pooled, runs, accepted)
+        step = LaunchedStep(requests, sampled, prompt_lp, pooled, runs, accepted)
+        if any(r.sampling_params.beam_width for r in requests):
+            step.beams = self._beam_candidates(logits, requests)
+        return step
+
+    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """K/V blocks copied on every layer before the forward (a beam's copy of a partial
+        block it shared): torch indexing, so the same on every device and cache dtype."""
+        src = self._tensor([s for s, _ in copies], torch.int64)
+        dst = self._tensor([d for _, d in copies], torch.int64)
+        for k, v in self.kv_caches:
+            k[dst] = k[src]
+            v[dst] = v[src]
+
+    def _beam_candidates(self, logits: torch.Tensor, requests: list[RunnerRequest]):
+        """Each beam row's top candidates: the model's own log-probabilities (as transformers'
+        beam search ranks them: log-softmax of the logits, then EOS and stop tokens at -inf
+        before min_tokens), as many as its search looks at (or its log-probs ask for)."""
+        rows, ks, ban_rows, ban_tokens = [], [], [], []
+        for i, r in enumerate(requests):
+            p = r.sampling_params
+            if not p.beam_width:
+                continue
+            if r.num_output_tokens < p.min_tokens:
+                banned = stop_ids(p, self.eos_token_ids)
+                ban_rows += [len(rows)] * len(banned)
+                ban_tokens += banned
+            rows.append(i)
+            ks.append(max(num_candidates(p, self.eos_token_ids), p.logprobs or 0))
+        lps = logits.index_select(0, self._tensor(rows, torch.int64)).float().log_softmax(-1)
+        if ban_rows:
+            where = (self._tensor(ban_rows, torch.int64), self._tensor(ban_tokens, torch.int64))
+            lps = lps.index_put(where, torch.tensor(float("-inf"), device=lps.device))
+        values, ids = lps.topk(min(max(ks), lps.shape[1]), dim=-1)
+        # On the host before the step is handed back (a blocking copy on a GPU): the engine
+        # ranks them before it schedules again anyway.
+        return [requests[i].request_id for i in rows], ks, values.cpu(), ids.cpu()
 
     def _verify(self, out: SchedulerOutput, runs, logits, grammar_rows):
         """Speculative runs: a logits row per verified position, the sampler's verdicts."""
@@ -336,6 +375,8 @@ class LaunchedStep:
         self.prompt_lp, self.pooled = prompt_lp or {}, pooled or {}
         self.event = None
         self.host: list[torch.Tensor | None] = []
+        # Beam rows' candidates (ids, top log-probs, per-row counts), set by the runner.
+        self.beams = None
         if sampled is None:
             return
         parts = [sampled.token_ids, sampled.logprobs, sampled.top_ids, sampled.top_logprobs]
@@ -365,8 +406,15 @@ class LaunchedStep:
                         ids[i], chosen[i], top_ids[i][:k] if k else [], top_lps[i][:k] if k else []
                     )
         if self.runs is None:
-            return StepResult(ids, logprobs, self.prompt_lp, self.pooled)
-        return self._runs(ids, logprobs, accepted_t.tolist())
+            result = StepResult(ids, logprobs, self.prompt_lp, self.pooled)
+        else:
+            result = self._runs(ids, logprobs, accepted_t.tolist())
+        if self.beams is not None:
+            rids, ks, values, top = self.beams
+            values, top = values.tolist(), top.tolist()
+            result.beam_ids = {rid: top[j][: ks[j]] for j, rid in enumerate(rids)}
+            result.beam_logprobs = {rid: values[j][: ks[j]] for j, rid in enumerate(rids)}
+        return result
 
     def _runs(self, ids: list[int], logprobs: list, accepted: list[bool]) -> StepResult:
         """Each speculating request keeps its rows up to its first unaccepted one: the first

@@ -1,10 +1,10 @@
 """The model runner's own copy of its requests, kept from the step protocol (core/runner_step.py).
 
-Each request the runner has been shown: its token ids (the prompt, then the outputs as each step
-brings them), its sampling and pooling parameters, its block table, and what the runner keeps for
-it between steps (a seeded generator, a pooling sum). The same code serves the engine's own
-runner and every tensor-parallel rank: what a rank knows is what the protocol said, nothing read
-from the engine's objects.
+Each request the runner has been shown (or a beam forked from one): its token ids (the prompt,
+then the outputs as each step brings them), its sampling and pooling parameters, its block
+table, and what the runner keeps for it between steps (a seeded generator, a pooling sum). The
+same code serves the engine's own runner and every tensor-parallel rank: what a rank knows is
+what the protocol said, nothing read from the engine's objects.
 
 A step needs every scheduled request's whole table, padded to the longest: 256 sequences at 4k
 tokens are 64k ids. Each table is an `array('i')` that takes only its new blocks, and a step
@@ -17,7 +17,7 @@ from __future__ import annotations
 from array import array
 
 from core.pooling import PoolingParams
-from core.runner_step import NewRequest, SchedulerOutput
+from core.runner_step import Fork, NewRequest, SchedulerOutput
 from core.sampling import SamplingParams
 from gpu.block_tables import StepTables
 
@@ -78,6 +78,8 @@ class RunnerRequests:
     def update(self, out: SchedulerOutput) -> list[RunnerRequest]:
         """Apply a step; the scheduled requests, in row order."""
         requests = self.requests
+        if out.forks:
+            self._fork(out.forks)
         for rid in out.finished:
             requests.pop(rid, None)
         for new in out.new:
@@ -100,6 +102,26 @@ class RunnerRequests:
                 r.table.extend(s.new_block_ids)
             scheduled.append(r)
         return scheduled
+
+    def _fork(self, forks: list[Fork]) -> None:
+        """Beams continuing other beams: each dst a copy of its src as it was before any of
+        these forks (a beam may continue in its own sequence and be copied into others)."""
+        requests = self.requests
+        before = {f.src: requests[f.src] for f in forks}
+        for f in forks:
+            src = before[f.src]
+            r = RunnerRequest.__new__(RunnerRequest)
+            r.request_id = f.dst
+            r.token_ids = src.token_ids[: f.num_tokens]
+            r.num_prompt_tokens = src.num_prompt_tokens
+            r.sampling_params = src.sampling_params
+            r.pooling = src.pooling
+            r.table = src.table[: f.num_blocks]
+            r.generator = None
+            r.pool_state = None
+            r.num_known = f.num_tokens
+            r.lora = src.lora
+            requests[f.dst] = r
 
     def tables(self, scheduled: list[RunnerRequest]) -> StepTables:
         """The scheduled requests' tables, padded with block 0 to the longest."""

@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 import torch
 
 
-
 @dataclass
 class SamplingMetadata:
     """Per-step sampling inputs, one row per sampled sequence (built by the model runner)."""

@@ -241,6 +241,12 @@ def build_parser() -> argparse.ArgumentParser:
         "-1: the whole vocabulary",
     )
     s.add_argument(
+        "--max-beam-width",
+        type=int,
+        default=16,
+        help="most beams a beam search request (use_beam_search, n beams) may ask for",
+    )
+    s.add_argument(
         "--return-tokens-as-token-ids",
         action="store_true",
         help="write log-prob tokens as token_id:N (a request's return_tokens_as_token_ids "

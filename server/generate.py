@@ -12,6 +12,7 @@ from core.request import Logprob
 from server import sse, structured
 from server.chat import echo_text
 from server.chat_job import prepare_chat
+from server.errors import APIError
 from server.prompts import token_lists
 from server.logprobs import CompletionLogprobsBuilder, chat_logprobs, prompt_logprobs
 from server.params import check_common, include_usage, sampling_params, tokens_as_ids
@@ -44,12 +45,14 @@ async def chat_completions() -> Response:
     job = await prepare_chat(st, req)
     thinker = job.thinker
     logprobs = job.params.logprobs
-    sub = Submitted(st, engine, request_id("chatcmpl"), req.n, req.stream, model)
+    sub = Submitted(
+        st, engine, request_id("chatcmpl"), req.n, req.stream, model, req.use_beam_search
+    )
     sub.add([job.prompt], job.params, req.priority, req.cache_salt)
     created = int(time.time())
-    usage = UsageCounter(req.n, len(sub.ids))
+    usage = UsageCounter(req.n, sub.choices)
     if thinker is not None:
-        usage.reasoning = [0] * len(sub.ids)
+        usage.reasoning = [0] * sub.choices
     text_of = st.token_text
     as_ids = tokens_as_ids(st, req)
     echo = echo_text(req)
@@ -80,12 +83,12 @@ async def chat_completions() -> Response:
                 )
             )
 
-        replies = [job.reply() for _ in sub.ids]
+        replies = [job.reply() for _ in range(sub.choices)]
 
         async def events() -> AsyncIterator[bytes]:
-            for i in range(len(sub.ids)):
+            for i in range(sub.choices):
                 yield chunk(i, Delta(role="assistant", content=""))
-            for i in range(len(sub.ids) if echo else 0):
+            for i in range(sub.choices if echo else 0):
                 yield chunk(i, Delta(content=echo))
             async for i, out in sub.outputs():
                 usage.update(i, out)
@@ -116,7 +119,7 @@ async def chat_completions() -> Response:
 
     got = await collect(sub, usage)
     shaped = []
-    for i in range(len(sub.ids)):
+    for i in range(sub.choices):
         reply, text = job.reply(), "".join(got.text[i])
         message, finish = reply.whole(text, got.finish[i])
         if echo:
@@ -138,7 +141,7 @@ async def chat_completions() -> Response:
                     if logprobs is not None
                     else None,
                 )
-                for i in range(len(sub.ids))
+                for i in range(sub.choices)
             ],
             usage=usage.usage(),
             prompt_logprobs=prompt_logprobs(got.prompt_logprobs[0], text_of)
@@ -163,19 +166,26 @@ async def completions() -> Response:
         st, req, req.max_tokens, max(len(p) for p in prompts), req.logprobs, constraint
     )
     if req.echo and params.logprobs is not None:
+        if req.use_beam_search:
+            raise APIError(
+                400,
+                "echo with logprobs (the prompt's log-probs) cannot be used with beam search",
+                "echo",
+                "invalid_value",
+            )
         # Echoed prompt tokens carry log-probs too: ask the engine for them.
         want = max(params.logprobs, params.prompt_logprobs or 0)
         params = msgspec.structs.replace(params, prompt_logprobs=want)
-    sub = Submitted(st, engine, request_id("cmpl"), req.n, req.stream, model)
+    sub = Submitted(st, engine, request_id("cmpl"), req.n, req.stream, model, req.use_beam_search)
     sub.add(prompts, params, req.priority, req.cache_salt)
     created = int(time.time())
-    usage = UsageCounter(req.n, len(sub.ids))
+    usage = UsageCounter(req.n, sub.choices)
     text_of = st.token_text
     echo_text = [
-        st.tokenizer.decode(prompts[i // req.n]) if req.echo else "" for i in range(len(sub.ids))
+        st.tokenizer.decode(prompts[i // req.n]) if req.echo else "" for i in range(sub.choices)
     ]
     as_ids = tokens_as_ids(st, req)
-    builders = [CompletionLogprobsBuilder(text_of, as_ids) for _ in sub.ids]
+    builders = [CompletionLogprobsBuilder(text_of, as_ids) for _ in range(sub.choices)]
 
     def choice_logprobs(
         i: int, out_ids: list[int], entries: list[Logprob], prompt_lp: list[Logprob | None] | None
@@ -190,7 +200,7 @@ async def completions() -> Response:
 
     if req.stream:
         want_usage, continuous = include_usage(req)
-        started = [False] * len(sub.ids)
+        started = [False] * sub.choices
 
         async def events() -> AsyncIterator[bytes]:
             async for i, out in sub.outputs():
@@ -234,7 +244,7 @@ async def completions() -> Response:
 
     got = await collect(sub, usage)
     choices = []
-    for i in range(len(sub.ids)):
+    for i in range(sub.choices):
         plp = got.prompt_logprobs[i]
         choices.append(
             CompletionChoice(

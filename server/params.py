@@ -9,6 +9,16 @@ from server.errors import APIError
 from server.protocol import ChatCompletionRequest, SamplingFields
 from server.state import ServerState
 
+# The fields that carry a structured-output constraint, in the order they are named.
+CONSTRAINT_FIELDS = (
+    "response_format",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+)
+
 # Request fields that fall back to the model's generation config, then to these defaults.
 SAMPLING_DEFAULTS = {
     "temperature": 1.0,
@@ -29,11 +39,29 @@ def sampling_params(
     logprobs: int | None,
     structured: Constraint | None = None,
 ) -> SamplingParams:
-    defaults = st.generation_defaults
+    beams = req.use_beam_search
+    # A beam search ranks the model's own log-probabilities: the generation config's sampling
+    # defaults do not apply, and a field set to change the distribution is refused.
+    defaults = {} if beams else st.generation_defaults
     values = {
         name: getattr(req, name) if getattr(req, name) is not None else defaults.get(name, default)
         for name, default in SAMPLING_DEFAULTS.items()
     }
+    if beams:
+        if req.temperature is None:
+            values["temperature"] = 0.0
+        if structured is not None:
+            field = next(
+                (f for f in CONSTRAINT_FIELDS if getattr(req, f, None) is not None), "tool_choice"
+            )
+            raise APIError(
+                400,
+                f"{field} cannot be used with beam search (use_beam_search): a constraint on "
+                "each beam's tokens is not honoured",
+                field,
+                "invalid_value",
+            )
+    defaults = st.generation_defaults
     if max_tokens is None and "max_tokens" in defaults:
         room = st.max_model_len - prompt_len
         max_tokens = min(defaults["max_tokens"], room) if room >= 1 else None
@@ -71,13 +99,16 @@ def sampling_params(
         include_stop_str_in_output=req.include_stop_str_in_output,
         stop_token_ids=list(req.stop_token_ids or []),
         ignore_eos=req.ignore_eos,
-        seed=req.seed,
+        seed=None if beams else req.seed,
         logit_bias=bias,
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
         skip_special_tokens=req.skip_special_tokens,
         spaces_between_special_tokens=req.spaces_between_special_tokens,
         structured=structured,
+        beam_width=req.n if beams else 0,
+        length_penalty=req.length_penalty,
+        early_stopping=req.early_stopping,
     )
     try:
         params.validate()

@@ -119,6 +119,12 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     guided_whitespace_pattern: str | None = None
+    # Beam search (vLLM's use_beam_search): `n` beams inside the engine, `n` choices returned
+    # best first; hypotheses scored cumulative log-prob / length ** length_penalty, and
+    # early_stopping as transformers': true, false or "never".
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):

@@ -41,12 +41,21 @@ def request_id(prefix: str) -> str:
 class Submitted:
     """The engine requests behind one HTTP request: n samples of each prompt, read through one
     channel. Choice index = prompt index * n + sample index, as the OpenAI API numbers them.
+    A beam search (`beams`) is one engine request per prompt whose final output carries its n
+    sequences: they become its n choices, best first.
 
     `close()` (synchronous, so it runs in the `finally` of a cancelled handler) aborts whatever
     is unfinished, logs the request and takes it off the server's in-flight set."""
 
     def __init__(
-        self, st: ServerState, engine: Engine, base: str, n: int, stream: bool, model: str = ""
+        self,
+        st: ServerState,
+        engine: Engine,
+        base: str,
+        n: int,
+        stream: bool,
+        model: str = "",
+        beams: bool = False,
     ) -> None:
         self.st = st
         # The LoRA adapter the request's model names (or None), held in use until close(); the
@@ -58,10 +67,11 @@ class Submitted:
         self.engine = engine
         self.base = base
         self.n = n
+        self.beams = beams
         # Streams wake every --stream-interval tokens; a non-streaming request only at the end.
         self.channel = RequestChannel(st.options.stream_interval if stream else 0)
-        self.ids: list[str] = []
-        self.index: dict[str, int] = {}
+        self.ids: list[str] = []  # the engine requests
+        self.index: dict[str, int] = {}  # engine request -> its (first) choice
         self.started = time.monotonic()
         self.first_output: float | None = None
         self.last: dict[int, RequestOutput] = {}
@@ -91,7 +101,8 @@ class Submitted:
                 "overloaded",
                 headers={"Retry-After": "1"},
             )
-        single = len(prompts) == 1 and self.n == 1
+        per_prompt = 1 if self.beams else self.n
+        single = len(prompts) == 1 and per_prompt == 1
         self.st.begin(self)
         if self.lora is not None and not self._holds_lora:
             self.st.lora.acquire(self.lora.name)
@@ -99,8 +110,8 @@ class Submitted:
         try:
             for p, prompt in enumerate(prompts):
                 leader = None
-                for j in range(self.n):
-                    rid = self.base if single else f"{self.base}-{p * self.n + j}"
+                for j in range(per_prompt):
+                    rid = self.base if single else f"{self.base}-{p * per_prompt + j}"
                     # Each sample gets its own reproducible stream: seed, seed + 1, ...
                     sample_params = (
                         params
@@ -122,7 +133,7 @@ class Submitted:
                         self.channel,
                     )
                     leader = leader or rid
-                    self.index[rid] = len(self.ids)
+                    self.index[rid] = p * self.n + j
                     self.ids.append(rid)
         except InvalidParam as e:
             self.close()
@@ -130,6 +141,41 @@ class Submitted:
         except EngineDeadError as e:
             self.close()
             raise APIError(503, str(e), None, "engine_dead") from None
+
+    @property
+    def choices(self) -> int:
+        """The choices the reply has (n per prompt)."""
+        return len(self.ids) * self.n if self.beams else len(self.ids)
+
+    def _choices_of(self, rid: str) -> range:
+        first = self.index[rid]
+        return range(first, first + self.n) if self.beams else range(first, first + 1)
+
+    def _expand(self, out: RequestOutput) -> list[tuple[int, RequestOutput]]:
+        """An engine output as (choice, output) pairs: a beam search's final output as one
+        output per sequence; its abort or error as the same end for each of its choices."""
+        if not self.beams:
+            return [(self.index[out.request_id], out)]
+        first = self.index[out.request_id]
+        if not out.beams:
+            return [(first + j, out) for j in range(self.n)]
+        return [
+            (
+                first + j,
+                RequestOutput(
+                    request_id=out.request_id,
+                    new_token_ids=b.token_ids,
+                    new_text=b.text,
+                    finished=True,
+                    finish_reason=b.finish_reason,
+                    num_prompt_tokens=out.num_prompt_tokens,
+                    num_output_tokens=len(b.token_ids),
+                    num_cached_tokens=out.num_cached_tokens,
+                    logprobs=b.logprobs,
+                ),
+            )
+            for j, b in enumerate(out.beams)
+        ]
 
     def close(self) -> None:
         if self.closed:
@@ -141,7 +187,7 @@ class Submitted:
         if self._holds_lora:
             self.st.lora.release(self.lora.name)
         if self.st.metrics is not None and self.ids:
-            self.st.metrics.request_params_n(self.n, len(self.ids) // self.n)
+            self.st.metrics.request_params_n(self.n, self.choices // self.n)
         if self.st.options.log_requests and self.ids:
             outs = self.last.values()
             ttft = (self.first_output - self.started) if self.first_output else None
@@ -154,7 +200,7 @@ class Submitted:
                 sum(o.num_cached_tokens for i, o in self.last.items() if i % self.n == 0),
                 f"{ttft:.3f}s" if ttft is not None else "-",
                 time.monotonic() - self.started,
-                ",".join(self.finish.get(i, "abort") for i in range(len(self.ids))),
+                ",".join(self.finish.get(i, "abort") for i in range(self.choices)),
             )
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -170,13 +216,15 @@ class Submitted:
                     outs = await self.channel.get()
             if outs is None:
                 for out in self.channel.take_nowait():  # what arrived but was not yet due
-                    i = self.index[out.request_id]
-                    self.last[i] = out
-                    if out.finished:
-                        self.finish[i] = out.finish_reason
-                    yield i, out
-                for i, rid in enumerate(self.ids):
-                    if i not in self.finish:
+                    for i, o in self._expand(out):
+                        self.last[i] = o
+                        if o.finished:
+                            self.finish[i] = o.finish_reason
+                        yield i, o
+                for rid in self.ids:
+                    for i in self._choices_of(rid):
+                        if i in self.finish:
+                            continue
                         self.engine.abort(rid)
                         prev = self.last.get(i)
                         self.finish[i] = "length"
@@ -197,12 +245,13 @@ class Submitted:
             for out in outs:
                 if out.error is not None:
                     raise APIError(500, f"The engine failed: {out.error}", None, "engine_error")
-                i = self.index[out.request_id]
-                self.last[i] = out
                 if out.finished:
                     left -= 1
-                    self.finish[i] = out.finish_reason
-                yield i, out
+                for i, o in self._expand(out):
+                    self.last[i] = o
+                    if o.finished:
+                        self.finish[i] = o.finish_reason
+                    yield i, o
 
 
 class UsageCounter:
@@ -269,7 +318,7 @@ class Collected:
 
 
 async def collect(sub: Submitted, usage: UsageCounter) -> Collected:
-    got = Collected(len(sub.ids))
+    got = Collected(sub.choices)
     try:
         async for i, out in sub.outputs():
             got.text[i].append(out.new_text)

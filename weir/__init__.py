@@ -1,10 +1,18 @@
 """weir's offline Python API: `from weir import LLM, SamplingParams` (and `Constraint` for
-structured outputs: `SamplingParams(structured=Constraint("regex", "[a-z]+"))`)."""
+structured outputs: `SamplingParams(structured=Constraint("regex", "[a-z]+"))`; `BeamSearchParams`
+for `LLM.beam_search`)."""
 
 from core.lora import LoRARequest
 from core.sampling import SamplingParams
 from core.structured import Constraint
-from weir.llm import LLM, CompletionOutput, RequestOutput
+from weir.llm import (
+    LLM,
+    BeamSearchOutput,
+    BeamSearchParams,
+    BeamSearchSequence,
+    CompletionOutput,
+    RequestOutput,
+)
 
 __all__ = [
     "LLM",
@@ -13,4 +21,7 @@ __all__ = [
     "RequestOutput",
     "CompletionOutput",
     "LoRARequest",
+    "BeamSearchParams",
+    "BeamSearchOutput",
+    "BeamSearchSequence",
 ]

@@ -4,6 +4,8 @@ from weir import LLM, SamplingParams
 llm = LLM("Qwen/Qwen3-0.6B", max_num_seqs=128)
 for out in llm.generate(["Hello", "The river"], SamplingParams(max_tokens=32)):
     print(out.outputs[0].text)
+for out in llm.beam_search(["Hello"], BeamSearchParams(beam_width=4, max_tokens=32)):
+    print([seq.text for seq in out.sequences])  # best first
 """
 
 from __future__ import annotations
@@ -49,6 +51,60 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return all(o.finish_reason is not None for o in self.outputs)
+
+
+@dataclass
+class BeamSearchParams:
+    """vLLM's BeamSearchParams (`beam_width` beams, as many sequences returned), with weir's
+    further fields: transformers' `early_stopping` (True, False or "never"), stop strings and
+    token ids, `min_tokens`, and `logprobs` (top alternatives per returned token)."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+    early_stopping: bool | str = False
+    stop: list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    min_tokens: int = 0
+    logprobs: int | None = None
+
+    def sampling_params(self) -> SamplingParams:
+        return SamplingParams(
+            temperature=self.temperature,
+            max_tokens=self.max_tokens,
+            min_tokens=self.min_tokens,
+            ignore_eos=self.ignore_eos,
+            stop=list(self.stop or []),
+            stop_token_ids=list(self.stop_token_ids or []),
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            logprobs=self.logprobs,
+            beam_width=self.beam_width,
+            length_penalty=self.length_penalty,
+            early_stopping=self.early_stopping,
+        )
+
+
+@dataclass
+class BeamSearchSequence:
+    """One returned beam, as vLLM gives it: `tokens` and `text` include the prompt."""
+
+    tokens: list[int]
+    text: str
+    cum_logprob: float
+    finish_reason: str | None
+    score: float = 0.0  # what it was ranked by: cum_logprob / output length ** length_penalty
+    logprobs: list[Logprob] = field(default_factory=list)  # per output token, if asked
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class BeamSearchOutput:
+    """A prompt's beams, best first."""
+
+    sequences: list[BeamSearchSequence]
 
 
 @dataclass
@@ -151,14 +207,80 @@ class LLM:
             self._run(adds, publish)
         return [results[rid] for rid in order]
 
+    def beam_search(
+        self,
+        prompts: list,
+        params: BeamSearchParams,
+        lora_request: LoRARequest | list[LoRARequest | None] | None = None,
+        use_tqdm: bool = False,
+        concurrency_limit: int | None = None,
+    ) -> list[BeamSearchOutput]:
+        """vLLM's LLM.beam_search: each prompt (text, token ids, or vLLM's TextPrompt /
+        TokensPrompt dicts) searched with `params.beam_width` beams inside the engine, the
+        beams of every prompt batched together; at most `concurrency_limit` prompts at once."""
+        sampling = params.sampling_params()
+        sampling.validate()
+        loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError("one lora_request per prompt, or one for all")
+        order, adds = [], deque()
+        prompt_ids: dict[str, list[int]] = {}
+        for prompt, lora in zip(prompts, loras):
+            if isinstance(prompt, dict):
+                prompt = prompt.get("prompt_token_ids") or prompt["prompt"]
+            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            rid = str(next(self._ids))
+            req = EngineRequest(rid, ids, sampling, lora=self._lora(lora))
+            self.engine.check(req)
+            adds.append(AddRequest(req))
+            prompt_ids[rid] = ids
+            order.append(rid)
+        results: dict[str, BeamSearchOutput] = {}
+        limit = concurrency_limit or len(order)
+        with tqdm(total=len(order), desc="Beam search", unit="req", disable=not use_tqdm) as bar:
+
+            def publish(outputs, stats) -> bool:
+                for out in outputs:
+                    if out.error is not None:
+                        raise RuntimeError(f"request {out.request_id}: {out.error}")
+                    ids = prompt_ids[out.request_id]
+                    head = self.tokenizer.decode(ids)
+                    results[out.request_id] = BeamSearchOutput(
+                        [
+                            BeamSearchSequence(
+                                ids + b.token_ids,
+                                head + b.text,
+                                b.cumulative_logprob,
+                                b.finish_reason,
+                                b.score,
+                                b.logprobs,
+                            )
+                            for b in out.beams
+                        ]
+                    )
+                    bar.update(1)
+                return True
+
+            def take(block: bool):
+                if adds and len(order) - len(adds) - len(results) < limit:
+                    return adds.popleft()
+                return None
+
+            self._run_with(take, publish)
+        return [results[rid] for rid in order]
+
     def _run(self, adds: deque, publish) -> None:
         """The engine loop (core/engine_loop.py) over `adds`, until every request has ended."""
+        self._run_with(lambda block: adds.popleft() if adds else None, publish)
+
+    def _run_with(self, take, publish) -> None:
+        """The engine loop over the commands `take` gives, until every request has ended."""
 
         def refuse(out) -> None:
             raise RuntimeError(f"request {out.request_id}: {out.error}")
 
         loop = EngineLoop(self.engine, publish, refuse)
-        loop.run(lambda block: adds.popleft() if adds else None, until_idle=True)
+        loop.run(take, until_idle=True)
 
     def embed(
         self,
