@@ -11,15 +11,13 @@ from typing import Protocol
 from tokenizers import Tokenizer
 
 from core.beam import BeamGroup, BeamSearch, num_candidates, stop_ids
+from core.beam_steps import BeamSteps
 from core.detokenizer import Detokenizer
 from core.kv_cache_manager import KVCacheManager
 from core.request import (
-    BeamSequence,
     EngineRequest,
-    Logprob,
     Request,
     RequestOutput,
-    Status,
     StepResult,
 )
 from core.request_check import check_request
@@ -28,8 +26,8 @@ from core.runner_step import GrammarBatch, SchedulerOutput
 from core.scheduler import ScheduledSeq, ScheduledStep, Scheduler
 from core.speculative import SpeculativeConfig, Speculator
 from core.stats import StepStats, finished_stats
-from core.stop import StopStrings
 from core.structured import Grammars
+from core.take_in import TakeIn
 
 
 class ModelRunner(Protocol):
@@ -42,7 +40,7 @@ class ModelRunner(Protocol):
     def execute(self, out: SchedulerOutput, grammar: GrammarBatch | None) -> StepResult: ...
 
 
-class EngineCore:
+class EngineCore(TakeIn, BeamSteps):
     def __init__(
         self,
         runner: ModelRunner,
@@ -217,19 +215,6 @@ class EngineCore:
         self.stats.finished.append(finished_stats(request, "abort", time.monotonic()))
         return request.output([], "", "abort")
 
-    def _stop_reason(self, request: Request, token_id: int) -> str | None:
-        params = request.sampling_params
-        # min_tokens is enforced in the sampler (EOS and stop tokens are banned until then).
-        if not params.ignore_eos and token_id in self.eos_token_ids:
-            return "stop"
-        if token_id in params.stop_token_ids:
-            return "stop"
-        if request.num_output_tokens >= request.max_tokens:
-            return "length"
-        if request.num_tokens >= self.max_model_len:
-            return "length"
-        return None
-
     def take_stats(self) -> StepStats:
         """The increments gathered since the last call, with the current gauges."""
         out = self.stats
@@ -245,57 +230,6 @@ class EngineCore:
         out.kv_usage, out.num_free_blocks = self.kv.usage, self.kv.num_free_blocks
         out.num_adds_seen = self.num_adds_seen
         self.stats = StepStats()
-        return out
-
-    def _append_token(
-        self, request: Request, token_id: int, logprob: Logprob | None, now: float
-    ) -> RequestOutput:
-        stats = self.stats
-        if request.first_token_time is None:
-            request.first_token_time = now
-            stats.ttft.append(now - request.arrival_time)
-            stats.prompt_tokens += request.num_prompt_tokens
-        else:
-            stats.itl.append(now - request.last_token_time)
-        request.last_token_time = now
-        stats.generation_tokens += 1
-        request.append_output(token_id)
-        detok = request.detokenizer
-        text = detok.step(token_id) if detok else ""
-        reason = self._stop_reason(request, token_id)
-        error = None
-        if request.grammar is not None:  # the token was consumed in step(), all at once
-            matcher = request.grammar
-            if matcher.is_error():
-                reason, error = "error", f"structured output: {matcher.get_error()}"
-            elif matcher.is_stopped():
-                reason = "stop"  # the grammar is complete: nothing more may follow
-        if reason is not None and detok:
-            text += detok.flush()  # the request ends: release bytes held for an unfinished char
-        if request.stop is not None:
-            text, matched = request.stop.feed(text)
-            if matched:
-                reason = "stop"
-            elif reason is not None:
-                text += request.stop.flush()
-        if reason is not None:
-            self.scheduler.remove(request)
-            self._drop(request)
-            self.stats.finished.append(finished_stats(request, reason, now))
-        out = request.output([token_id], text, reason, [logprob] if logprob is not None else None)
-        out.error = error
-        return out
-
-    def _pooled(self, request: Request, vector: bytes, now: float) -> RequestOutput:
-        """A pooling request whose prompt is done: its vector is the output; it ends here."""
-        request.first_token_time = request.last_token_time = now
-        self.stats.ttft.append(now - request.arrival_time)
-        self.stats.prompt_tokens += request.num_prompt_tokens
-        self.scheduler.remove(request)
-        self._drop(request)
-        self.stats.finished.append(finished_stats(request, "stop", now))
-        out = request.output([], "", "stop")
-        out.embedding = vector
         return out
 
     def _grammar_batch(self, seqs: list[ScheduledSeq]) -> GrammarBatch | None:
@@ -383,202 +317,6 @@ class EngineCore:
         self.scheduler.commit(out)
         self.num_steps += 1
         return out, pending
-
-    def _take_in(self, out: ScheduledStep, pending) -> list[RequestOutput]:
-        """A launched step's results (waited for): sampled tokens appended, stops checked,
-        pooled vectors and prompt log-probs handed out. Rows of requests that ended meanwhile
-        (finished by the step before, or aborted) are dropped."""
-        result = pending.result()
-        outputs: list[RequestOutput] = []
-        sampled = [s.request for s in out.seqs if s.sample]
-        if self._grammars is not None:
-            # The constrained requests' matchers take their tokens in one call (on llguidance's
-            # threads, without the interpreter lock) rather than one call per request.
-            taken = [
-                (r.grammar, t)
-                for r, t in zip(sampled, result.token_ids)
-                if r.grammar is not None and r.status is not Status.FINISHED
-            ]
-            if taken:
-                self._grammars.consume(taken)
-        row = 0
-        now = time.monotonic()
-        ranked: list[BeamGroup] = []  # beam searches whose every live beam has its row
-        for seq in out.seqs:
-            request = seq.request
-            if request.status is Status.FINISHED:
-                row += seq.sample
-                continue
-            prompt_end = request.num_prompt_tokens
-            if seq.start < prompt_end:
-                self.num_computed_prompt_tokens += (
-                    min(seq.start + seq.num_new_tokens, prompt_end) - seq.start
-                )
-                if request.prompt_logprobs is not None:
-                    request.record_prompt_logprobs(
-                        seq.start, result.prompt_logprobs.get(request.request_id)
-                    )
-            if not seq.sample:
-                vector = result.pooled.get(request.request_id)
-                if vector is not None:
-                    outputs.append(self._pooled(request, vector, now))
-                else:
-                    self.num_partial_prefills += 1
-                continue
-            token_id, logprob = result.token_ids[row], result.logprobs[row]
-            row += 1
-            if request.group is not None:
-                rid = request.request_id
-                request.beam.candidates = (result.beam_ids[rid], result.beam_logprobs[rid])
-                if request.group.ready:
-                    ranked.append(request.group)
-                continue
-            if seq.num_draft:
-                outputs.append(self._take_run(seq, token_id, logprob, result, now))
-                continue
-            outputs.append(self._append_token(request, token_id, logprob, now))
-            if self.async_scheduling and request.status is not Status.FINISHED:
-                self.scheduler.cache_known(request)
-        for group in ranked:
-            out = self._rank_beams(group, now)
-            if out is not None:
-                outputs.append(out)
-        return outputs
-
-    # ---- beam search (core/beam.py) ----
-    def _rank_beams(self, group: BeamGroup, now: float) -> RequestOutput | None:
-        """A beam search step: its candidates ranked, its beams moved on (forks, parks), or its
-        sequences handed out when the search is over."""
-        root, live = group.root, group.live
-        params = root.sampling_params
-        stops = group.stop_ids
-
-        def ends(b: int, token: int) -> str | None:
-            if token in stops:
-                return "stop"
-            r = live[b]
-            if r.num_output_tokens + 1 >= root.max_tokens or r.num_tokens + 1 >= self.max_model_len:
-                return "length"
-            if params.stop and self._makes_stop_string(r, token):
-                return "stop"
-            return None
-
-        outputs = [r.output_token_ids for r in live]
-        going, done = group.search.rank([r.beam for r in live], outputs, ends)
-        stats = self.stats
-        if root.first_token_time is None:
-            root.first_token_time = now
-            stats.ttft.append(now - root.arrival_time)
-            stats.prompt_tokens += root.num_prompt_tokens
-        else:
-            stats.itl.append(now - root.last_token_time)
-        root.last_token_time = now
-        stats.generation_tokens += len(going) if not done else 1
-        if done:
-            return self._end_beams(group, now)
-        group.advance(going, self.scheduler, self._beam_slot)
-        return None
-
-    def _beam_slot(self, group: BeamGroup) -> Request:
-        """A new sequence for a beam search (its beams outnumber its sequences)."""
-        root = group.root
-        req = EngineRequest(
-            f"{root.request_id}\x1fbeam{len(group.slots)}",  # ids the server never gives
-            root.prompt_token_ids,
-            root.sampling_params,
-            root.arrival_time,
-            priority=root.priority,
-            cache_salt=root.cache_salt,
-            lora=root.lora,
-        )
-        slot = Request(req, root.max_tokens, None, root.seq_no)
-        slot.group = group
-        slot.first_scheduled_time = root.first_scheduled_time
-        group.slots.append(slot)
-        return slot
-
-    def _makes_stop_string(self, request: Request, token: int) -> bool:
-        """Whether `token` completes a stop string after the beam's output (decoded over a
-        window of its last tokens: a stop found earlier would have ended it)."""
-        stops = request.sampling_params.stop
-        longest = max(len(s) for s in stops)
-        window = request.output_token_ids[-(4 * longest + 4) :]
-        decode = self.tokenizer.decode
-        before = decode(window, skip_special_tokens=False)
-        after = decode([*window, token], skip_special_tokens=False)
-        tail = after[max(0, len(before) - longest + 1) :]
-        return any(s in tail for s in stops)
-
-    def _end_beams(self, group: BeamGroup, now: float) -> RequestOutput:
-        """The search is over: its best hypotheses become the request's sequences."""
-        root = group.root
-        params = root.sampling_params
-        hyps = group.search.results(
-            [r.beam for r in group.live], [r.output_token_ids for r in group.live]
-        )
-        seqs = []
-        for h in hyps:
-            text = ""
-            if self.tokenizer is not None:
-                text = self.tokenizer.decode(
-                    h.token_ids, skip_special_tokens=params.skip_special_tokens
-                )
-                if params.stop:
-                    stop = StopStrings(params.stop, params.include_stop_str_in_output)
-                    cut, matched = stop.feed(text)
-                    text = cut if matched else cut + stop.flush()
-            seqs.append(
-                BeamSequence(
-                    h.token_ids, text, h.finish_reason, h.cumulative_logprob, h.score, h.logprobs
-                )
-            )
-        for r in group.slots:
-            self.scheduler.remove(r)
-        self._drop(root)
-        best = seqs[0]
-        self.stats.finished.append(finished_stats(root, best.finish_reason, now))
-        return RequestOutput(
-            request_id=root.request_id,
-            new_token_ids=best.token_ids,
-            new_text=best.text,
-            finished=True,
-            finish_reason=best.finish_reason,
-            num_prompt_tokens=root.num_prompt_tokens,
-            num_output_tokens=len(best.token_ids),
-            num_cached_tokens=root.num_cached_tokens,
-            logprobs=best.logprobs,
-            beams=seqs,
-        )
-
-    def _take_run(self, seq: ScheduledSeq, token_id, logprob, result, now) -> RequestOutput:
-        """A verified run of proposals: the kept tokens appended one by one (a stop inside the
-        run ends it there), the computed positions cut back to the kept ones, one output."""
-        request = seq.request
-        rid = request.request_id
-        tokens = [token_id, *result.spec_token_ids.get(rid, ())]
-        logprobs = [logprob, *result.spec_logprobs.get(rid, ())]
-        accepted = len(tokens) - 1
-        stats = self.stats
-        stats.spec_drafts += 1
-        stats.spec_draft_tokens += seq.num_draft
-        stats.spec_accepted_tokens += accepted
-        per_pos = stats.spec_accepted_per_pos
-        per_pos.extend([0] * (accepted - len(per_pos)))
-        for i in range(accepted):
-            per_pos[i] += 1
-        self.speculator.judge(request, seq.num_draft, accepted)
-        out = None
-        for i, (token, lp) in enumerate(zip(tokens, logprobs)):
-            if i and request.grammar is not None:  # the first was taken with the batch's
-                request.grammar.consume_token(token)
-            step = self._append_token(request, token, lp, now)
-            out = step if out is None else out.merge(step)
-            if step.finished:
-                return out
-        # the rejected proposals' positions are computed again from the kept tokens
-        request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
-        self.scheduler.cache_known(request)
-        return out
 
 
 def _needs_known(params) -> bool:

@@ -1,0 +1,118 @@
+"""A beam search's steps inside the engine (EngineCore's part for core/beam.py): a step's
+candidates ranked as transformers ranks them, beams moved on (forks, parks), and the search's
+sequences handed out when it is over."""
+
+from __future__ import annotations
+
+from core.beam import BeamGroup
+from core.request import BeamSequence, EngineRequest, Request, RequestOutput
+from core.stats import finished_stats
+from core.stop import StopStrings
+
+
+class BeamSteps:
+    """A part of core/engine_core.py EngineCore (its attributes are the core's)."""
+
+    def _rank_beams(self, group: BeamGroup, now: float) -> RequestOutput | None:
+        """A beam search step: its candidates ranked, its beams moved on (forks, parks), or its
+        sequences handed out when the search is over."""
+        root, live = group.root, group.live
+        params = root.sampling_params
+        stops = group.stop_ids
+
+        def ends(b: int, token: int) -> str | None:
+            if token in stops:
+                return "stop"
+            r = live[b]
+            if r.num_output_tokens + 1 >= root.max_tokens or r.num_tokens + 1 >= self.max_model_len:
+                return "length"
+            if params.stop and self._makes_stop_string(r, token):
+                return "stop"
+            return None
+
+        outputs = [r.output_token_ids for r in live]
+        going, done = group.search.rank([r.beam for r in live], outputs, ends)
+        stats = self.stats
+        if root.first_token_time is None:
+            root.first_token_time = now
+            stats.ttft.append(now - root.arrival_time)
+            stats.prompt_tokens += root.num_prompt_tokens
+        else:
+            stats.itl.append(now - root.last_token_time)
+        root.last_token_time = now
+        stats.generation_tokens += len(going) if not done else 1
+        if done:
+            return self._end_beams(group, now)
+        group.advance(going, self.scheduler, self._beam_slot)
+        return None
+
+    def _beam_slot(self, group: BeamGroup) -> Request:
+        """A new sequence for a beam search (its beams outnumber its sequences)."""
+        root = group.root
+        req = EngineRequest(
+            f"{root.request_id}\x1fbeam{len(group.slots)}",  # ids the server never gives
+            root.prompt_token_ids,
+            root.sampling_params,
+            root.arrival_time,
+            priority=root.priority,
+            cache_salt=root.cache_salt,
+            lora=root.lora,
+        )
+        slot = Request(req, root.max_tokens, None, root.seq_no)
+        slot.group = group
+        slot.first_scheduled_time = root.first_scheduled_time
+        group.slots.append(slot)
+        return slot
+
+    def _makes_stop_string(self, request: Request, token: int) -> bool:
+        """Whether `token` completes a stop string after the beam's output (decoded over a
+        window of its last tokens: a stop found earlier would have ended it)."""
+        stops = request.sampling_params.stop
+        longest = max(len(s) for s in stops)
+        window = request.output_token_ids[-(4 * longest + 4) :]
+        decode = self.tokenizer.decode
+        before = decode(window, skip_special_tokens=False)
+        after = decode([*window, token], skip_special_tokens=False)
+        tail = after[max(0, len(before) - longest + 1) :]
+        return any(s in tail for s in stops)
+
+    def _end_beams(self, group: BeamGroup, now: float) -> RequestOutput:
+        """The search is over: its best hypotheses become the request's sequences."""
+        root = group.root
+        params = root.sampling_params
+        hyps = group.search.results(
+            [r.beam for r in group.live], [r.output_token_ids for r in group.live]
+        )
+        seqs = []
+        for h in hyps:
+            text = ""
+            if self.tokenizer is not None:
+                text = self.tokenizer.decode(
+                    h.token_ids, skip_special_tokens=params.skip_special_tokens
+                )
+                if params.stop:
+                    stop = StopStrings(params.stop, params.include_stop_str_in_output)
+                    cut, matched = stop.feed(text)
+                    text = cut if matched else cut + stop.flush()
+            seqs.append(
+                BeamSequence(
+                    h.token_ids, text, h.finish_reason, h.cumulative_logprob, h.score, h.logprobs
+                )
+            )
+        for r in group.slots:
+            self.scheduler.remove(r)
+        self._drop(root)
+        best = seqs[0]
+        self.stats.finished.append(finished_stats(root, best.finish_reason, now))
+        return RequestOutput(
+            request_id=root.request_id,
+            new_token_ids=best.token_ids,
+            new_text=best.text,
+            finished=True,
+            finish_reason=best.finish_reason,
+            num_prompt_tokens=root.num_prompt_tokens,
+            num_output_tokens=len(best.token_ids),
+            num_cached_tokens=root.num_cached_tokens,
+            logprobs=best.logprobs,
+            beams=seqs,
+        )
