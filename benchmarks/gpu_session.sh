@@ -80,6 +80,7 @@ import server.app, core.engine, gpu.runner; print(\"imports ok\")'; git log --on
         LIVE_FAILURES=$LOGS/failures.log stage gputests 150 $PY -m pytest -q \
             -p no:cacheprovider -p benchmarks.live_failures --timeout 120 -n "${WORKERS:-8}" \
             -rfE --durations 15 $GPU_TESTS tests/test_w4a16.py tests/test_fp8.py \
+            tests/test_speculative_draft.py \
             tests/test_async_scheduling.py tests/test_cpu_ops.py tests/test_cpu_quant.py
         ;;
     # the offline protocol with asynchronous scheduling on and off, alternated

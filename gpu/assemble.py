@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from core.config import CheckpointError, EngineConfig
+from core.speculative import SpeculativeConfig, auto_batch_limit
 from gpu import kv_cache
 from gpu.attention.select import get_backend
 from gpu.backend import TorchBackend
@@ -149,6 +150,16 @@ def fit_model_len(config: EngineConfig, max_positions: int, num_blocks: int, ran
     return min(max_model_len, capacity)
 
 
+def speculative_config(config: EngineConfig, device: torch.device) -> SpeculativeConfig | None:
+    """--speculative-config, its batch limit resolved for the device when left out."""
+    if not config.speculative_config:
+        return None
+    spec = SpeculativeConfig.parse(config.speculative_config)
+    if spec.disable_by_batch_size is None:
+        spec.disable_by_batch_size = auto_batch_limit(spec.num_speculative_tokens, device.type)
+    return spec
+
+
 def build_runner(
     config: EngineConfig,
     model: DecoderForCausalLM,
@@ -185,6 +196,21 @@ def build_runner(
             default_capture_sizes(config.max_num_seqs),
         )
         runner.graphs.capture()
+        spec = speculative_config(config, device)
+        if spec is not None:  # verification steps: every row k+1 tokens
+            from gpu.cuda.verify_graphs import VerifyGraphs
+
+            limit = min(config.max_num_seqs, spec.disable_by_batch_size)
+            runner.verify_graphs = VerifyGraphs(
+                model,
+                caches,
+                device,
+                config.block_size,
+                max_model_len,
+                default_capture_sizes(max(limit, 1)),
+                spec.num_speculative_tokens,
+            )
+            runner.verify_graphs.capture()
     runner.eos_token_ids = eos
     return runner
 

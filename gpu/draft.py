@@ -18,6 +18,8 @@ import torch
 from core.runner_step import SchedulerOutput
 from gpu.attention.backend import AttentionMetadata
 from gpu.block_tables import StepTables
+from gpu.cuda.graphs import DecodeGraphs, replay_or_run
+from gpu.cuda.verify_graphs import VerifyGraphs
 
 
 class DraftModel:
@@ -27,13 +29,40 @@ class DraftModel:
         self.block_size = block_size
         self.device = device
         self.num_forwards = 0  # draft forwards run (tests count them)
+        self.graphs = None  # with CUDA graphs: DecodeGraphs for the proposals' steps
+        self.verify_graphs = None  # and VerifyGraphs for catching up with a verification step
+
+    def capture_graphs(
+        self,
+        max_model_len: int,
+        decode_sizes: list[int],
+        verify_sizes: list[int],
+        num_speculative_tokens: int,
+        graph_factory=None,
+    ) -> None:
+        """The draft's own CUDA graphs over its cache: proposals are decode steps (the target's
+        decode sizes), catching up is the target's step again (its verification sizes)."""
+        where = (self.model, self.kv_caches, self.device, self.block_size, max_model_len)
+        self.graphs = DecodeGraphs(*where, decode_sizes, graph_factory)
+        self.graphs.capture()
+        if verify_sizes:
+            self.verify_graphs = VerifyGraphs(
+                *where, verify_sizes, num_speculative_tokens, graph_factory
+            )
+            self.verify_graphs.capture()
+
+    def _forward(self, input_ids, positions, meta, logits_rows):
+        self.num_forwards += 1
+        graph_sets = (self.graphs, self.verify_graphs)
+        return replay_or_run(
+            self.model, self.kv_caches, graph_sets, input_ids, positions, meta, logits_rows
+        )
 
     @torch.inference_mode()
     def catch_up(self, input_ids, positions, meta: AttentionMetadata) -> None:
         """The step's rows through the draft model: its K/V written where the target's is."""
         empty = torch.empty(0, dtype=torch.int64, device=input_ids.device)
-        self.model(input_ids, positions, self.kv_caches, meta, empty)
-        self.num_forwards += 1
+        self._forward(input_ids, positions, meta, empty)
 
     @torch.inference_mode()
     def propose(self, out: SchedulerOutput, scheduled, tensor) -> None:
@@ -62,8 +91,7 @@ class DraftModel:
             ids = tensor([current[j] for j in live], torch.int64)
             pos = tensor(positions, torch.int64)
             logits_rows = torch.arange(len(live), device=ids.device)
-            _, logits = self.model(ids, pos, self.kv_caches, meta, logits_rows)
-            self.num_forwards += 1
+            _, logits = self._forward(ids, pos, meta, logits_rows)
             proposed = logits.argmax(dim=-1).tolist()
             for j, token in zip(live, proposed):
                 rows[j][0].draft_token_ids[i] = token

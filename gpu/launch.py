@@ -14,7 +14,7 @@ import torch
 
 from core.config import CheckpointError, EngineConfig
 from core.engine_core import EngineCore
-from core.speculative import SpeculativeConfig, auto_batch_limit
+from core.speculative import SpeculativeConfig
 from gpu import kv_cache
 from gpu.cache import cache_dir
 from gpu.draft import DraftModel, load_draft
@@ -26,6 +26,7 @@ from gpu.assemble import (
     resident_weights,
     resolve_device,
     set_threads,
+    speculative_config,
 )
 from gpu.gguf_file import GgufCheckpoint, is_gguf
 from gpu.loader import eos_token_ids, int4_scheme, load_config, resolve_dtype
@@ -58,16 +59,6 @@ def resolve_async(config: EngineConfig, device: torch.device) -> bool:
         and config.tensor_parallel_size == 1
         and config.speculative_config is None
     )
-
-
-def speculative_config(config: EngineConfig, device: torch.device) -> SpeculativeConfig | None:
-    """--speculative-config, its batch limit resolved for the device when left out."""
-    if not config.speculative_config:
-        return None
-    spec = SpeculativeConfig.parse(config.speculative_config)
-    if spec.disable_by_batch_size is None:
-        spec.disable_by_batch_size = auto_batch_limit(spec.num_speculative_tokens, device.type)
-    return spec
 
 
 def load_draft_of(config: EngineConfig, dtype: torch.dtype, device: torch.device, hf_config):
@@ -116,6 +107,13 @@ def load(config: EngineConfig) -> Loaded:
                 draft.local_spec, num_blocks, config.block_size, kv_dtype_t, device
             )
             runner.draft = DraftModel(draft, caches, config.block_size, device)
+            if runner.graphs is not None:
+                runner.draft.capture_graphs(
+                    max_model_len,
+                    runner.graphs.sizes,
+                    runner.verify_graphs.sizes if runner.verify_graphs else [],
+                    speculative_config(config, device).num_speculative_tokens,
+                )
         where = f"{device}, {torch.get_num_threads()} threads" if device.type == "cpu" else device
     core = EngineCore(
         runner,

@@ -21,6 +21,7 @@ from core.request import Logprob, StepResult
 from core.runner_step import GrammarBatch, SchedulerOutput
 from gpu import grammar_mask
 from gpu.attention.backend import AttentionMetadata
+from gpu.cuda.graphs import replay_or_run
 from gpu.models.decoder import DecoderForCausalLM
 from gpu.launched_step import LaunchedStep
 from gpu.pooler import pool
@@ -46,6 +47,7 @@ class ModelRunner:
         self.eos_token_ids: set[int] = set()  # banned before a request's min_tokens
         self.last_logits: torch.Tensor | None = None  # kept for tests that compare logits
         self.graphs = None  # DecodeGraphs when decode steps replay CUDA graphs (see launch)
+        self.verify_graphs = None  # VerifyGraphs, with speculative decoding as well
         self._mask_pool: ThreadPoolExecutor | None = None
         # False on tensor-parallel ranks other than 0: they run the forward (and its
         # collectives) but leave sampling, pooling and the grammar masks to rank 0.
@@ -272,13 +274,16 @@ class ModelRunner:
             )
         if grammar is not None and self.samples:
             masks = self._start_masks(grammar)
-        if self.graphs is not None and self.graphs.can_run(meta):
-            hidden = self.graphs.run(input_ids, positions, meta, lora)
-            logits = self.model.logits(hidden, logits_rows)
-        else:
-            hidden, logits = self.model(
-                input_ids, positions, self.kv_caches, meta, logits_rows, lora
-            )
+        hidden, logits = replay_or_run(
+            self.model,
+            self.kv_caches,
+            (self.graphs, self.verify_graphs),
+            input_ids,
+            positions,
+            meta,
+            logits_rows,
+            lora,
+        )
         if self.draft is not None:  # the draft model's cache kept in step with the model's
             self.draft.catch_up(input_ids, positions, meta)
         grammar_rows = masks() if masks is not None else None

@@ -4,7 +4,8 @@ A decode step's shapes depend only on its batch size, so the model forward is ca
 size in `capture_sizes` over static input buffers. A step of n decodes copies its inputs into the
 first n rows, pads up to the next captured size (padding rows write no K/V: slot -1, and attend to
 one harmless slot), replays, and reads back the first n hidden rows. Steps with prefill chunks,
-or more decodes than the largest size, run eagerly. `--enforce-eager` turns all of this off.
+or more decodes than the largest size, run eagerly (speculative decoding's verification steps
+have graphs of their own: gpu/cuda/verify_graphs.py). `--enforce-eager` turns all of this off.
 
 With --enable-lora each size is captured twice: without adapters (a step with none runs no
 LoRA work) and with them, over static LoRA buffers (gpu/lora.py LoraBatch: each row's slot,
@@ -31,6 +32,16 @@ from gpu.attention.backend import AttentionMetadata
 from gpu.lora import LoraBatch
 
 log = logging.getLogger("weir.cuda_graph")
+
+
+def replay_or_run(model, kv_caches, graph_sets, input_ids, positions, meta, logits_rows, lora=None):
+    """A step's (hidden states, logits): replayed by the first of `graph_sets` that can run it
+    (a set without LoRA buffers takes no step with adapters), else the model's eager forward."""
+    for graphs in graph_sets:
+        if graphs is not None and graphs.can_run(meta) and (lora is None or graphs.lora):
+            hidden = graphs.run(input_ids, positions, meta, lora)
+            return hidden, model.logits(hidden, logits_rows)
+    return model(input_ids, positions, kv_caches, meta, logits_rows, lora)
 
 
 def default_capture_sizes(max_num_seqs: int) -> list[int]:
@@ -69,6 +80,9 @@ class EagerGraph:
 
 
 class DecodeGraphs:
+    query_len = 1  # tokens a row (gpu/cuda/verify_graphs.py: more)
+    kind = "decode"
+
     def __init__(
         self,
         model,
@@ -86,16 +100,18 @@ class DecodeGraphs:
         self.max_size = self.sizes[-1]
         self.graph_factory = graph_factory or _CudaGraph
         n, width = self.max_size, -(-max_model_len // block_size)
+        q = self.query_len
+        self.block_size = block_size
         i64, i32 = torch.int64, torch.int32
-        self.input_ids = torch.zeros(n, dtype=i64, device=device)
-        self.positions = torch.zeros(n, dtype=i64, device=device)
-        self.slot_mapping = torch.full((n,), -1, dtype=i64, device=device)
+        self.input_ids = torch.zeros(n * q, dtype=i64, device=device)
+        self.positions = torch.zeros(n * q, dtype=i64, device=device)
+        self.slot_mapping = torch.full((n * q,), -1, dtype=i64, device=device)
         self.block_tables = torch.zeros((n, width), dtype=i32, device=device)
-        self.seq_lens = torch.ones(n, dtype=i32, device=device)
-        self.query_start_loc = torch.arange(n + 1, dtype=i32, device=device)
+        self.seq_lens = torch.full((n,), q, dtype=i32, device=device)
+        self.query_start_loc = torch.arange(0, q * (n + 1), q, dtype=i32, device=device)
         self.seq_ids = torch.arange(n, dtype=i32, device=device)
         self.lora: LoraBatch | None = None  # the static LoRA buffers, with --enable-lora
-        if getattr(model, "lora", None) is not None:
+        if getattr(model, "lora", None) is not None and q == 1:
             slots = model.lora.max_loras
             self.lora = LoraBatch(
                 torch.full((n,), -1, dtype=i32, device=device),
@@ -134,10 +150,11 @@ class DecodeGraphs:
             if self.lora is not None:
                 variants.append((self.lora_graphs, self._lora(size)))
             for graphs, lora in variants:
+                tokens = size * self.query_len
 
-                def forward(size=size, meta=meta, lora=lora):
+                def forward(tokens=tokens, meta=meta, lora=lora):
                     return self.model.hidden_states(
-                        self.input_ids[:size], self.positions[:size], self.kv_caches, meta, lora
+                        self.input_ids[:tokens], self.positions[:tokens], self.kv_caches, meta, lora
                     )
 
                 if self.device.type == "cuda":
@@ -146,7 +163,7 @@ class DecodeGraphs:
                 graphs[size] = self.graph_factory(forward, pool)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        log.info("captured decode graphs for batch sizes %s", self.sizes)
+        log.info("captured %s graphs for batch sizes %s", self.kind, self.sizes)
 
     def _lora(self, size: int) -> LoraBatch:
         rows, order, counts, starts = self.lora
