@@ -6,10 +6,17 @@ prompt: a small Llama (and a smaller one for a draft model) trained on CPU, in m
 copy a new x: weir without speculation, with n-gram proposals and with the small model as its
 draft, alternated over rounds; output tok/s and what each kept.
 
-    python -m benchmarks.spec_copy [--rounds 3] [--length 32] [--steps 1500]
+    python -m benchmarks.spec_copy [--rounds 3] [--length 32] [--steps 1500] [--pad-mlp N]
 
-The trained models are cached in weir's cache folder (keyed by their settings). Writes
-benchmarks/results/spec_copy.json.
+A model this small lives in cache, where verifying k+1 rows costs more than one (the products
+are compute-bound); a real model streams its weights from memory for every step, one row or k+1
+alike. `--pad-mlp N` widens the trained model's MLP to N with zero down-projection columns: the
+same function (the padding's products add zeros), N/512 times the MLP's bytes, read every step
+as a real model's are, so the step is memory-bound as it would be at 1B and up.
+
+Rates: output tokens over the stream's whole time, and the decode rate (tokens after the first
+over the time after it, as llama.cpp's `predicted_per_second`). The trained models are cached in
+weir's cache folder (keyed by their settings). Writes benchmarks/results/spec_copy.json.
 """
 
 from __future__ import annotations
@@ -87,7 +94,38 @@ def copy_model(layers: int, hidden: int, steps: int, length: int) -> Path:
     return path
 
 
-def one_stream(llm, length: int, seed: int) -> tuple[float, dict]:
+def padded(path: Path, width: int) -> Path:
+    """`path`'s model with its MLP widened to `width`: gate and up get random rows, down zero
+    columns, so every output is the trained model's (cached beside it)."""
+    from safetensors.torch import load_file, save_file
+
+    out = path.with_name(f"{path.name}-mlp{width}")
+    if (out / "done").exists():
+        return out
+    out.mkdir(exist_ok=True)
+    config = json.loads((path / "config.json").read_text())
+    extra = width - config["intermediate_size"]
+    g = torch.Generator().manual_seed(0)
+    tensors = load_file(str(path / "model.safetensors"))
+    for name, t in list(tensors.items()):
+        if name.endswith(("mlp.gate_proj.weight", "mlp.up_proj.weight")):
+            rows = torch.randn(extra, t.shape[1], generator=g, dtype=t.dtype) * 0.02
+            tensors[name] = torch.cat([t, rows])
+        elif name.endswith("mlp.down_proj.weight"):
+            tensors[name] = torch.cat([t, t.new_zeros(t.shape[0], extra)], dim=1)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config["intermediate_size"] = width
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    for f in path.iterdir():  # tokenizer, chat template, generation config
+        if f.is_file() and f.name not in ("config.json", "model.safetensors", "done"):
+            (out / f.name).write_bytes(f.read_bytes())
+    (out / "done").write_text((path / "done").read_text())
+    return out
+
+
+def one_stream(llm, length: int, seed: int) -> tuple[float, float, dict]:
+    """(output tok/s over the whole stream, decode tok/s after the first token, counts)."""
+    from core.request import EngineRequest
     from core.sampling import SamplingParams
 
     g = torch.Generator().manual_seed(seed)
@@ -95,36 +133,49 @@ def one_stream(llm, length: int, seed: int) -> tuple[float, dict]:
     params = SamplingParams(temperature=0, max_tokens=length, ignore_eos=True)
     counts = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "steps": 0}
     core = llm.engine
-    take = core.take_stats
-
-    def counting():
-        s = take()
+    core.add(EngineRequest(f"copy-{seed}-{time.monotonic_ns()}", x + [SEP], params))
+    out: list[int] = []
+    t = time.perf_counter()
+    first = None
+    while core.has_work:
+        for o in core.step():
+            out += o.new_token_ids
+        if out and first is None:
+            first = time.perf_counter()
+        s = core.take_stats()
         counts["drafts"] += s.spec_drafts
         counts["draft_tokens"] += s.spec_draft_tokens
         counts["accepted"] += s.spec_accepted_tokens
         counts["steps"] += 1
-        return s
-
-    core.take_stats = counting
-    t = time.perf_counter()
-    out = llm.generate([x + [SEP]], params, use_tqdm=False)[0].outputs[0].token_ids
-    elapsed = time.perf_counter() - t
-    core.take_stats = take
+    end = time.perf_counter()
     counts["copied"] = sum(a == b for a, b in zip(out, x)) / length
-    return length / elapsed, counts
+    return length / (end - t), (len(out) - 1) / (end - first), counts
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def options(doc: str) -> argparse.Namespace:
+    """The options this benchmark and benchmarks/spec_peer.py share."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--streams", type=int, default=5, help="streams a variant runs each round")
     ap.add_argument("--length", type=int, default=32)
     ap.add_argument("--steps", type=int, default=1500)
     ap.add_argument("--k", type=int, default=4)
-    args = ap.parse_args()
-    from weir import LLM
+    ap.add_argument("--pad-mlp", type=int, default=0, help="the target's MLP widened to this")
+    return ap.parse_args()
 
+
+def models(args: argparse.Namespace) -> tuple[Path, Path]:
+    """The copy model (padded with --pad-mlp) and its draft, trained on first use."""
     target = copy_model(4, 256, args.steps, args.length)
     draft = copy_model(2, 128, args.steps, args.length)
+    return (padded(target, args.pad_mlp) if args.pad_mlp else target), draft
+
+
+def main() -> None:
+    args = options(__doc__)
+    from weir import LLM
+
+    target, draft = models(args)
     limit = {"disable_by_batch_size": 1}
     configs = {
         "off": None,
@@ -142,26 +193,38 @@ def main() -> None:
     for llm in llms.values():
         one_stream(llm, 8, seed=99)  # warm up
     rates: dict[str, list[float]] = {name: [] for name in llms}
+    decode: dict[str, list[float]] = {name: [] for name in llms}
     last: dict[str, dict] = {}
     for r in range(args.rounds):
         for name in llms if r % 2 == 0 else reversed(list(llms)):
-            rate, counts = one_stream(llms[name], args.length, seed=r)
-            rates[name].append(rate)
-            last[name] = counts
+            runs = [
+                one_stream(llms[name], args.length, seed=r * args.streams + i)
+                for i in range(args.streams)
+            ]
+            # the round's rate: its streams' tokens over their time (harmonic means)
+            rates[name].append(len(runs) / sum(1 / rate for rate, _, _ in runs))
+            decode[name].append(len(runs) / sum(1 / d for _, d, _ in runs))
+            last[name] = runs[-1][2]
     base = statistics.median(rates["off"])
+    base_decode = statistics.median(decode["off"])
     accuracy = {p.name: json.loads((p / "done").read_text()) for p in (target, draft)}
     print(f"{machine()['cpu']}: copy models {accuracy}")
     for name in llms:
-        med, c = statistics.median(rates[name]), last[name]
+        med, dec, c = statistics.median(rates[name]), statistics.median(decode[name]), last[name]
         kept = c["accepted"] / max(c["draft_tokens"], 1)
         print(
-            f"  {name}: {med:.0f} tok/s ({med / base:.2f}x), {c['steps']} steps for {args.length} "
-            f"tokens, {kept:.0%} of {c['draft_tokens']} proposed tokens kept, copied "
-            f"{c['copied']:.0%}"
+            f"  {name}: {med:.1f} tok/s ({med / base:.2f}x), decode {dec:.1f} tok/s "
+            f"({dec / base_decode:.2f}x), {c['steps']} steps for {args.length} tokens, "
+            f"{kept:.0%} of {c['draft_tokens']} proposed tokens kept, copied {c['copied']:.0%}"
         )
     save(
-        "spec_copy",
-        {"meta": {**machine(), **vars(args), "models": accuracy}, "rates": rates, "last": last},
+        "spec_copy" + (f"_mlp{args.pad_mlp}" if args.pad_mlp else ""),
+        {
+            "meta": {**machine(), **vars(args), "models": accuracy},
+            "rates": rates,
+            "decode_rates": decode,
+            "last": last,
+        },
     )
 
 
