@@ -10,7 +10,7 @@
 # (a session has 15 minutes of device time in all, starts included: the first call checks and
 # measures this round's GPU work (asynchronous scheduling, the fused kernels, 4-bit and FP8
 # products, the decode split rule), the second the whole suite and serving.) Other stages:
-#   kernels correctness fusedkernels offline profile overhead step suite api_servers
+#   kernels correctness fusedkernels offline profile overhead step suite api_servers spec
 #
 # Stage limits in seconds can be changed with LIMIT_<stage>=N; the defaults of each call above
 # sum to under the device tool's 600 s a command (the stages seen on an H100 took: env 10 s,
@@ -88,6 +88,17 @@ import server.app, core.engine, gpu.runner; print(\"imports ok\")'; git log --on
         stage asyncoffline 170 $PY -m benchmarks.offline --model qwen3-0.6b --requests 256 \
             --input-len 100,1024 --output-len 100,1024 --hf-batch-sizes none --repeats 2 \
             --compare-async
+        ;;
+    # speculative decoding on the GPU (verification steps replaying CUDA graphs): the copy models
+    # trained on CPU by benchmarks/spec_copy.py, carried in .gpu-cache (`mkdir -p .gpu-cache &&
+    # cp -r ~/.cache/weir/copy-llama-{4x256,2x128}-1500-32 .gpu-cache/`, carry ".gpu-cache")
+    spec)
+        if [ -f .gpu-cache/copy-llama-4x256-1500-32/done ]; then
+            stage spec 120 env WEIR_CACHE="$PWD/.gpu-cache" $PY -m benchmarks.spec_copy \
+                --rounds 3 --pad-mlp 32768
+        else
+            echo "== spec skipped: no .gpu-cache/copy-llama-4x256-1500-32" | tee -a "$OUT/summary.txt"
+        fi
         ;;
     # 4-bit (W4A16) and FP8 against bf16: tok/s at batch 1 and 64, agreement
     quant) stage quant 120 $PY -m benchmarks.quant_gpu --rounds 1 ;;
