@@ -111,7 +111,15 @@ def test_core_never_imports_torch():
 
 
 def test_serve_builtin_tiny_model_with_openai_sdk(tmp_path):
+    """`weir serve` with no model builds the built-in tiny model into an empty cache and
+    serves it. The compiled kernels come from the usual cache (what this test is about is the
+    model; compiling them again here took most of a busy machine's two minutes)."""
+    from gpu.cache import cache_dir
+
     port = free_port()
+    (tmp_path / "cache").mkdir()
+    (cache_dir() / "kernels").mkdir(parents=True, exist_ok=True)
+    (tmp_path / "cache" / "kernels").symlink_to(cache_dir() / "kernels")
     env = dict(os.environ, WEIR_CACHE=str(tmp_path / "cache"))
     proc = subprocess.Popen(
         [sys.executable, "-m", "server", "serve", "--port", str(port), "--num-kv-blocks", "256"],
@@ -121,8 +129,9 @@ def test_serve_builtin_tiny_model_with_openai_sdk(tmp_path):
     )
     url = f"http://127.0.0.1:{port}"
     try:
+        # ready or dead: the wait ends on either, and its bound is only for a hang
         assert wait_for(
-            lambda: proc.poll() is not None or http_status(url + "/health") == 200, timeout=120
+            lambda: proc.poll() is not None or http_status(url + "/health") == 200, timeout=600
         )
         assert proc.poll() is None, proc.stdout.read().decode()
         client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
