@@ -195,6 +195,37 @@ def test_beams_match_transformers(arch, pool, model_dir):
     assert not core.requests and not core.scheduler.groups
 
 
+def test_beams_at_two_ranks(model_dir):
+    """Tensor parallelism (two CPU workers): every rank copies the shared partial blocks a fork
+    writes into, rank 0 ranks the candidates; the sequences and their order are still
+    transformers'."""
+    path = model_dir("qwen3")
+    config = EngineConfig(
+        model=str(path), dtype="float32", device="cpu", tensor_parallel_size=2, **POOLS["roomy"]
+    )
+    core = load(config).core
+    try:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        prompts = [tokenizer.encode(p) for p in PROMPTS]
+        want_beams, _ = reference("qwen3", path, prompts, sorted(core.eos_token_ids))
+        for p, ids in enumerate(prompts):
+            for s, search in enumerate(SEARCHES[:4]):
+                core.add(EngineRequest(f"{p}-{s}", ids, beam_params(*search)))
+        outs = {}
+        while core.has_work:
+            for out in core.step():
+                outs[out.request_id] = out
+        for p in range(len(prompts)):
+            for s in range(4):
+                got = [b.token_ids for b in outs[f"{p}-{s}"].beams]
+                assert got == want_beams[p, s], (p, SEARCHES[s])
+        assert core.kv.num_free_blocks == core.kv.num_blocks
+    finally:
+        core.close()
+
+
 def test_beam_outputs_logprobs_stops_and_abort(model_dir):
     """Each returned sequence's log-probs add up to its cumulative log-prob; a stop string ends
     a hypothesis (its text cut before it); an aborted beam search frees every block and the
