@@ -284,7 +284,8 @@ class ModelRunner:
             logits_rows,
             lora,
         )
-        if self.draft is not None:  # the draft model's cache kept in step with the model's
+        verifies = any(s.draft_token_ids for s in out.scheduled)
+        if self.draft is not None and not verifies:  # the draft's cache kept in step
             self.draft.catch_up(input_ids, positions, meta)
         grammar_rows = masks() if masks is not None else None
         prompt_lp = {}
@@ -308,6 +309,9 @@ class ModelRunner:
         else:
             sampled, accepted = self._verify(out, runs, logits, grammar_rows)
             requests = [r for r, n in runs for _ in range(n)]
+            if self.draft is not None:  # caught up as far as kept: the next first proposals
+                verdicts = sampled.token_ids.tolist(), accepted.tolist()
+                self.draft.advance(out, scheduled, *verdicts, self._tensor)
         self._last_sampled = sampled.token_ids
         self._last_rows = {r.request_id: i for i, r in enumerate(requests)}  # a run's last row
         step = LaunchedStep(requests, sampled, prompt_lp, pooled, runs, accepted)

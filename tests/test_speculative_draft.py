@@ -62,6 +62,7 @@ def test_a_draft_model_proposes_and_outputs_stay_the_same(model_dir, tmp_path, d
     if draft == "itself":
         assert counts["accepted"] >= 0.9 * counts["drafted"]
         assert counts["steps"] < 0.6 * sum(len(v[0]) for v in want.values())
+    assert core.runner.draft.num_kept_first > 5  # first proposals made while catching up
 
     def sized(spec):
         config = EngineConfig(
