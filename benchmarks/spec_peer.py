@@ -22,6 +22,7 @@ import os
 import statistics
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -47,7 +48,7 @@ def gguf(model: Path) -> Path:
     return Path(out.stdout.strip().splitlines()[-1])
 
 
-def servers(target: Path, draft: Path, k: int) -> dict[str, callable]:
+def servers(target: Path, draft: Path, k: int) -> dict[str, Callable[[int], list[str]]]:
     ngram = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 3}
     drafted = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": k}
     limit = {"disable_by_batch_size": 1}

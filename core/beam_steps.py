@@ -32,15 +32,8 @@ class BeamSteps:
 
         outputs = [r.output_token_ids for r in live]
         going, done = group.search.rank([r.beam for r in live], outputs, ends)
-        stats = self.stats
-        if root.first_token_time is None:
-            root.first_token_time = now
-            stats.ttft.append(now - root.arrival_time)
-            stats.prompt_tokens += root.num_prompt_tokens
-        else:
-            stats.itl.append(now - root.last_token_time)
-        root.last_token_time = now
-        stats.generation_tokens += len(going) if not done else 1
+        self._time_token(root, now)
+        self.stats.generation_tokens += len(going) if not done else 1
         if done:
             return self._end_beams(group, now)
         group.advance(going, self.scheduler, self._beam_slot)
@@ -104,15 +97,4 @@ class BeamSteps:
         self._drop(root)
         best = seqs[0]
         self.stats.finished.append(finished_stats(root, best.finish_reason, now))
-        return RequestOutput(
-            request_id=root.request_id,
-            new_token_ids=best.token_ids,
-            new_text=best.text,
-            finished=True,
-            finish_reason=best.finish_reason,
-            num_prompt_tokens=root.num_prompt_tokens,
-            num_output_tokens=len(best.token_ids),
-            num_cached_tokens=root.num_cached_tokens,
-            logprobs=best.logprobs,
-            beams=seqs,
-        )
+        return best.output(root.request_id, root.num_prompt_tokens, root.num_cached_tokens, seqs)

@@ -70,6 +70,24 @@ class BeamSequence(msgspec.Struct, omit_defaults=True, gc=False):
     score: float  # what it was ranked by: cumulative_logprob / length ** length_penalty
     logprobs: list[Logprob] = []
 
+    def output(
+        self, request_id: str, num_prompt_tokens: int, num_cached_tokens: int, beams=()
+    ) -> RequestOutput:
+        """This sequence as its request's finished output (`beams`: every returned sequence,
+        carried by the engine's one output of the search)."""
+        return RequestOutput(
+            request_id=request_id,
+            new_token_ids=self.token_ids,
+            new_text=self.text,
+            finished=True,
+            finish_reason=self.finish_reason,
+            num_prompt_tokens=num_prompt_tokens,
+            num_output_tokens=len(self.token_ids),
+            num_cached_tokens=num_cached_tokens,
+            logprobs=self.logprobs,
+            beams=list(beams),
+        )
+
 
 class RequestOutput(msgspec.Struct, omit_defaults=True, gc=False):
     """One step's news for one request. Deltas of the same request merge (see outputs.py)."""

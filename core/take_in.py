@@ -107,9 +107,9 @@ class TakeIn:
         self.scheduler.cache_known(request)
         return out
 
-    def _append_token(
-        self, request: Request, token_id: int, logprob: Logprob | None, now: float
-    ) -> RequestOutput:
+    def _time_token(self, request: Request, now: float) -> None:
+        """A token (or a beam search's step) out at `now`: its time to first token or its
+        inter-token latency, and the prompt counted once."""
         stats = self.stats
         if request.first_token_time is None:
             request.first_token_time = now
@@ -118,7 +118,12 @@ class TakeIn:
         else:
             stats.itl.append(now - request.last_token_time)
         request.last_token_time = now
-        stats.generation_tokens += 1
+
+    def _append_token(
+        self, request: Request, token_id: int, logprob: Logprob | None, now: float
+    ) -> RequestOutput:
+        self._time_token(request, now)
+        self.stats.generation_tokens += 1
         request.append_output(token_id)
         detok = request.detokenizer
         text = detok.step(token_id) if detok else ""

@@ -160,20 +160,7 @@ class Submitted:
         if not out.beams:
             return [(first + j, out) for j in range(self.n)]
         return [
-            (
-                first + j,
-                RequestOutput(
-                    request_id=out.request_id,
-                    new_token_ids=b.token_ids,
-                    new_text=b.text,
-                    finished=True,
-                    finish_reason=b.finish_reason,
-                    num_prompt_tokens=out.num_prompt_tokens,
-                    num_output_tokens=len(b.token_ids),
-                    num_cached_tokens=out.num_cached_tokens,
-                    logprobs=b.logprobs,
-                ),
-            )
+            (first + j, b.output(out.request_id, out.num_prompt_tokens, out.num_cached_tokens))
             for j, b in enumerate(out.beams)
         ]
 

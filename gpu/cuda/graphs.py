@@ -125,20 +125,24 @@ class DecodeGraphs:
         self.num_lora_replays = 0  # of those, steps with adapters
 
     def _meta(self, size: int) -> AttentionMetadata:
-        """Metadata over the first `size` static rows; host fields describe the padded batch."""
+        """Metadata over the first `size` static rows; host fields describe the padded batch:
+        decodes (one token a row), or with more tokens a row the varlen kernel's rows."""
+        q, rows, none = self.query_len, self.seq_ids[:size], self.seq_ids[:0]
+        decode = q == 1
         return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:size],
+            slot_mapping=self.slot_mapping[: size * q],
             block_tables=self.block_tables[:size],
             query_start_loc=self.query_start_loc[: size + 1],
             seq_lens=self.seq_lens[:size],
-            query_lens_cpu=[1] * size,
+            query_lens_cpu=[q] * size,
             seq_lens_cpu=[self.max_model_len] * size,
-            decode_seq_ids=self.seq_ids[:size],
-            prefill_seq_ids=self.seq_ids[:0],
-            decode_seq_ids_cpu=list(range(size)),
-            prefill_seq_ids_cpu=[],
-            max_decode_seq_len=self.max_model_len,  # fixes the KV split count for any length
-            max_prefill_query_len=0,
+            decode_seq_ids=rows if decode else none,
+            prefill_seq_ids=none if decode else rows,
+            decode_seq_ids_cpu=list(range(size)) if decode else [],
+            prefill_seq_ids_cpu=[] if decode else list(range(size)),
+            # fixes the decode kernel's KV split count for any length
+            max_decode_seq_len=self.max_model_len if decode else 0,
+            max_prefill_query_len=0 if decode else q,
         )
 
     @torch.inference_mode()

@@ -45,23 +45,6 @@ class VerifyGraphs(DecodeGraphs):
         )
         self.lora = None  # no LoRA buffers: a step with adapters runs eagerly
 
-    def _meta(self, size: int) -> AttentionMetadata:
-        q = self.query_len
-        return AttentionMetadata(
-            slot_mapping=self.slot_mapping[: size * q],
-            block_tables=self.block_tables[:size],
-            query_start_loc=self.query_start_loc[: size + 1],
-            seq_lens=self.seq_lens[:size],
-            query_lens_cpu=[q] * size,
-            seq_lens_cpu=[self.max_model_len] * size,
-            decode_seq_ids=self.seq_ids[:0],
-            prefill_seq_ids=self.seq_ids[:size],
-            decode_seq_ids_cpu=[],
-            prefill_seq_ids_cpu=list(range(size)),
-            max_decode_seq_len=0,
-            max_prefill_query_len=q,
-        )
-
     def can_run(self, meta: AttentionMetadata) -> bool:
         """Steps of rows with at most k+1 new tokens each (some with more than one), every
         row's padded places inside `max_model_len`, no more rows than the largest size."""
