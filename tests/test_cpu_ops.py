@@ -115,8 +115,7 @@ def _static_libstdcxx_compiler(tmp_path):
     """A compiler whose every link takes libstdc++ statically (as one machine's image did), and
     an object that formats an integer with a stream."""
     cxx = cpu_build.compiler()
-    if cxx is None:
-        pytest.skip("no C++ compiler")
+    assert cxx is not None, "no C++ compiler: weir's CPU kernels cannot be built either"
     wrapper = tmp_path / "cxx-static"
     wrapper.write_text(f'#!/bin/sh\nexec "{cxx}" "$@" -static-libstdc++\n')
     wrapper.chmod(0o755)
