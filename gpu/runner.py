@@ -284,9 +284,8 @@ class ModelRunner:
             logits_rows,
             lora,
         )
-        verifies = any(s.draft_token_ids for s in out.scheduled)
-        if self.draft is not None and not verifies:  # the draft's cache kept in step
-            self.draft.catch_up(input_ids, positions, meta)
+        if self.draft is not None and not any(s.draft_token_ids for s in out.scheduled):
+            self.draft.catch_up(input_ids, positions, meta)  # (after a verification: advance)
         grammar_rows = masks() if masks is not None else None
         prompt_lp = {}
         if any(r.sampling_params.prompt_logprobs is not None for r in scheduled):
