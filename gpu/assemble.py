@@ -208,7 +208,7 @@ def build_runner(
                 config.block_size,
                 max_model_len,
                 default_capture_sizes(max(limit, 1)),
-                spec.num_speculative_tokens,
+                query_len=spec.num_speculative_tokens + 1,
             )
             runner.verify_graphs.capture()
     runner.eos_token_ids = eos

@@ -59,9 +59,8 @@ class DraftModel:
         self.graphs = DecodeGraphs(*where, decode_sizes, graph_factory)
         self.graphs.capture()
         if verify_sizes:
-            self.verify_graphs = VerifyGraphs(
-                *where, verify_sizes, num_speculative_tokens, graph_factory
-            )
+            k = num_speculative_tokens
+            self.verify_graphs = VerifyGraphs(*where, verify_sizes, graph_factory, query_len=k + 1)
             self.verify_graphs.capture()
 
     def _forward(self, input_ids, positions, meta, logits_rows):

@@ -113,7 +113,7 @@ def test_speculation_replays_cuda_graphs_with_the_same_tokens(
         where = (runner.model, runner.kv_caches, runner.device, runner.block_size)
         where += (core.max_model_len,)
         runner.graphs = DecodeGraphs(*where, sizes, graph_factory=EagerGraph)
-        runner.verify_graphs = VerifyGraphs(*where, sizes, k, graph_factory=EagerGraph)
+        runner.verify_graphs = VerifyGraphs(*where, sizes, EagerGraph, query_len=k + 1)
         runner.graphs.capture()
         runner.verify_graphs.capture()
         if method == "draft":

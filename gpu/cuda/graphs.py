@@ -80,7 +80,6 @@ class EagerGraph:
 
 
 class DecodeGraphs:
-    query_len = 1  # tokens a row (gpu/cuda/verify_graphs.py: more)
     kind = "decode"
 
     def __init__(
@@ -92,7 +91,9 @@ class DecodeGraphs:
         max_model_len: int,
         capture_sizes: list[int],
         graph_factory=None,
+        query_len: int = 1,  # tokens a row (gpu/cuda/verify_graphs.py: k + 1)
     ) -> None:
+        self.query_len = query_len
         self.model, self.kv_caches = model, kv_caches
         self.device = device
         self.max_model_len = max_model_len

@@ -26,24 +26,9 @@ from gpu.cuda.graphs import DecodeGraphs
 
 
 class VerifyGraphs(DecodeGraphs):
-    kind = "verification"
+    """Made with `query_len` k + 1 (a decode graph's is 1); no LoRA buffers."""
 
-    def __init__(
-        self,
-        model,
-        kv_caches,
-        device: torch.device,
-        block_size: int,
-        max_model_len: int,
-        capture_sizes: list[int],
-        num_speculative_tokens: int,
-        graph_factory=None,
-    ) -> None:
-        self.query_len = num_speculative_tokens + 1
-        super().__init__(
-            model, kv_caches, device, block_size, max_model_len, capture_sizes, graph_factory
-        )
-        self.lora = None  # no LoRA buffers: a step with adapters runs eagerly
+    kind = "verification"
 
     def can_run(self, meta: AttentionMetadata) -> bool:
         """Steps of rows with at most k+1 new tokens each (some with more than one), every
