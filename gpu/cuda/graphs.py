@@ -102,7 +102,6 @@ class DecodeGraphs:
         self.graph_factory = graph_factory or _CudaGraph
         n, width = self.max_size, -(-max_model_len // block_size)
         q = self.query_len
-        self.block_size = block_size
         i64, i32 = torch.int64, torch.int32
         self.input_ids = torch.zeros(n * q, dtype=i64, device=device)
         self.positions = torch.zeros(n * q, dtype=i64, device=device)
