@@ -72,11 +72,20 @@ def allocate(
     spec: ModelSpec, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
-    # Zeroed, not empty: padded reads of unused slots must never meet NaN garbage.
     return [
-        (
-            torch.zeros(shape, dtype=dtype, device=device),
-            torch.zeros(shape, dtype=dtype, device=device),
-        )
+        (_zeros(shape, dtype, device), _zeros(shape, dtype, device))
         for _ in range(spec.num_layers)
     ]
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zeroed, not empty: padded reads of unused slots must never meet NaN garbage. On a CPU
+    whose backend loaded weir's kernels, in memory advised for huge pages as the packed weights
+    are (gpu/cpu/csrc/huge_pages.h): every decode step reads the sequences' K/V whole."""
+    if device.type == "cpu":
+        from gpu.cpu import build as cpu_build
+
+        ops = cpu_build.loaded()
+        if ops is not None:
+            return ops.huge_zeros(list(shape), dtype)
+    return torch.zeros(shape, dtype=dtype, device=device)

@@ -63,7 +63,15 @@ X86 = platform.machine().lower() in ("x86_64", "amd64")
 # the torch operators and the stack's class
 BINDINGS = [CSRC / "ops.cpp", CSRC / "quant_ops.cpp", CSRC / "stack.cpp"]
 HEADERS = [
-    CSRC / n for n in ("weir.h", "attention_simd.h", "checks.h", "activation.h", "quant_layout.h")
+    CSRC / n
+    for n in (
+        "weir.h",
+        "attention_simd.h",
+        "checks.h",
+        "huge_pages.h",
+        "activation.h",
+        "quant_layout.h",
+    )
 ]
 # -ffast-math lets g++ vectorize exp (glibc's libmvec) and reassociate the dot products; it is
 # given to the kernels' compile step only, so the link does not add crtfastmath.o, which would
@@ -261,6 +269,11 @@ def load():
             except OSError as e:
                 raise BuildError(f"could not load {path}: {e}") from e
             _ops = torch.ops.weir
+    return _ops
+
+
+def loaded():
+    """torch.ops.weir if this process has loaded it already, else None (never builds)."""
     return _ops
 
 

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "checks.h"
+#include "huge_pages.h"
 #include "weir.h"
 
 namespace {
@@ -64,7 +65,7 @@ Tensor gemm_pack(const Tensor& w, const optional<Tensor>& w2) {
                           "w2: needs a contiguous tensor the shape of w");
     }
     const int64_t n = w.size(0), k = w.size(1);
-    Tensor packed = at::empty({weir::gemm_packed_size(n, k, w2.has_value())}, w.options());
+    Tensor packed = huge_empty({weir::gemm_packed_size(n, k, w2.has_value())}, at::kFloat);
     weir::gemm_pack(w.data_ptr<float>(), w2 ? w2->data_ptr<float>() : nullptr, n, k,
                     w2.has_value(), packed.data_ptr<float>());
     return packed;
@@ -182,6 +183,13 @@ std::vector<double> forward_profile(bool enable) {
     return out;
 }
 
+// The paged KV cache's tensors (gpu/kv_cache.py): zeroed now, so that its pages are faulted in
+// at load (as huge pages where the system gives them) and not by the first steps that reach them.
+Tensor huge_zeros(c10::IntArrayRef sizes, c10::ScalarType dtype) {
+    for (const int64_t s : sizes) TORCH_CHECK_VALUE(s >= 0, "size: ", sizes, " has a negative dimension");
+    return huge_empty(sizes, dtype).zero_();
+}
+
 }  // namespace
 
 TORCH_LIBRARY(weir, m) {
@@ -203,4 +211,5 @@ TORCH_LIBRARY(weir, m) {
     m.def("pool_selftest(int tasks, int threads, bool hold, int worker_us) -> (Tensor, Tensor)",
           &pool_selftest);
     m.def("forward_profile(bool enable) -> float[]", &forward_profile);
+    m.def("huge_zeros(int[] size, ScalarType dtype) -> Tensor", &huge_zeros);
 }

@@ -7,6 +7,7 @@
 #include <torch/library.h>
 
 #include "checks.h"
+#include "huge_pages.h"
 #include "weir.h"
 
 namespace {
@@ -32,8 +33,7 @@ Tensor wpack(const Tensor& rows, const optional<Tensor>& rows2, int64_t format, 
     const int64_t bytes = n * weir::wformat_row_bytes(int(format), k);
     check_flat(rows, at::kByte, bytes, "rows");
     if (rows2) check_flat(*rows2, at::kByte, bytes, "rows2");
-    Tensor packed =
-        at::empty({weir::wpacked_size(int(format), n, k, rows2.has_value())}, rows.options());
+    Tensor packed = huge_empty({weir::wpacked_size(int(format), n, k, rows2.has_value())}, at::kByte);
     weir::wpack(int(format), rows.data_ptr<uint8_t>(), rows2 ? rows2->data_ptr<uint8_t>() : nullptr,
                 n, k, packed.data_ptr<uint8_t>(), threads());
     return packed;
