@@ -20,28 +20,34 @@ namespace weir::q {
 
 namespace {
 
+// The helpers below run once a block (32 weights of k, 16 columns): each one inlined, so that
+// a pass keeps its sums and the block's decoded integers in registers. Left to itself g++ called
+// block<>() for the k-quants, Q4_0 and Q4_1 and decode<>() for Q5_K and Q6_K, passing the sums
+// and the integers through the stack on every block.
+#define WEIR_INLINE inline __attribute__((always_inline))
+
 // rows held in registers at a time: block and 16-bit formats keep two sums a row
 constexpr int kRows = 8;
 constexpr int kHalfRows = 8;
 
-inline __m512i bcast4(const int8_t* p) {
+WEIR_INLINE __m512i bcast4(const int8_t* p) {
     int32_t v;
     std::memcpy(&v, p, 4);
     return _mm512_set1_epi32(v);
 }
 
-inline __m512 f16x16(const uint8_t* p) {
+WEIR_INLINE __m512 f16x16(const uint8_t* p) {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
-inline __m512 u8x16(const uint8_t* p, bool is_signed) {
+WEIR_INLINE __m512 u8x16(const uint8_t* p, bool is_signed) {
     const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
     return _mm512_cvtepi32_ps(is_signed ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b));
 }
 
 // The block's integers, one register per quad of k (t = 0..7).
 template <int F>
-inline void decode(const uint8_t* ints, __m512i w[8]) {
+WEIR_INLINE void decode(const uint8_t* ints, __m512i w[8]) {
     constexpr int bits = geometry(F).bits;
     if constexpr (bits == 8) {
         for (int t = 0; t < 8; ++t) w[t] = _mm512_loadu_si512(ints + 64 * t);
@@ -75,7 +81,7 @@ inline void decode(const uint8_t* ints, __m512i w[8]) {
 }
 
 // The 4-byte dot products of quads t0..t0+3 of w against a row's quads, as two chains.
-inline __m512i dot4(const __m512i* w, const int8_t* xq, int t0) {
+WEIR_INLINE __m512i dot4(const __m512i* w, const int8_t* xq, int t0) {
     __m512i a = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[t0], bcast4(xq + 4 * t0));
     __m512i b = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[t0 + 1], bcast4(xq + 4 * t0 + 4));
     a = _mm512_dpbusd_epi32(a, w[t0 + 2], bcast4(xq + 4 * t0 + 8));
@@ -83,7 +89,7 @@ inline __m512i dot4(const __m512i* w, const int8_t* xq, int t0) {
     return _mm512_add_epi32(a, b);
 }
 
-inline __m512 update(__m512 e, __m512i dot, __m512 alpha, __m512 beta, float dx, float xs) {
+WEIR_INLINE __m512 update(__m512 e, __m512i dot, __m512 alpha, __m512 beta, float dx, float xs) {
     const __m512 ad = _mm512_mul_ps(alpha, _mm512_set1_ps(dx));
     e = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), ad, e);
     return _mm512_fnmadd_ps(beta, _mm512_set1_ps(xs), e);
@@ -97,7 +103,7 @@ struct Cursor {
 
 // Block b of the panel into the rows' sums e (one of the two chains).
 template <int F, int R>
-inline void block(Cursor& cur, int64_t b, const Acts& a, int64_t r0, int64_t nb, __m512 (&e)[R]) {
+WEIR_INLINE void block(Cursor& cur, int64_t b, const Acts& a, int64_t r0, int64_t nb, __m512 (&e)[R]) {
     constexpr Geometry g = geometry(F);
     if constexpr (g.header != 0) {
         if (b % 8 == 0) {
@@ -142,7 +148,7 @@ inline void block(Cursor& cur, int64_t b, const Acts& a, int64_t r0, int64_t nb,
 
 // Lines of `next` up to the offset the cursor has reached in this panel, into L2 (`*fetched`:
 // the offset fetched so far).
-inline void fetch_along(const uint8_t* panel, const Cursor& cur, const uint8_t* next,
+WEIR_INLINE void fetch_along(const uint8_t* panel, const Cursor& cur, const uint8_t* next,
                         int64_t* fetched) {
     for (const int64_t to = cur.at - panel; *fetched < to; *fetched += 64)
         _mm_prefetch(reinterpret_cast<const char*>(next + *fetched), _MM_HINT_T1);
@@ -187,14 +193,14 @@ void blocks_rows(const uint8_t* panel, const Acts& a, int64_t rows, float* out) 
 }
 
 // ---- 16-bit formats: two sums per row, pair p of k into sum p % 2 ----
-inline __m512 pair_bcast(const uint16_t* x) {
+WEIR_INLINE __m512 pair_bcast(const uint16_t* x) {
     uint32_t v;
     std::memcpy(&v, x, 4);
     return _mm512_castsi512_ps(_mm512_set1_epi32(int(v)));
 }
 
 // Pair p of an F16 panel as (even k, odd k) floats for its 16 columns.
-inline void f16_pair(const uint8_t* wp, __m512& w0, __m512& w1) {
+WEIR_INLINE void f16_pair(const uint8_t* wp, __m512& w0, __m512& w1) {
     const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
     const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
     const __m512 lo = f16x16(wp), hi = f16x16(wp + 32);
@@ -203,7 +209,7 @@ inline void f16_pair(const uint8_t* wp, __m512& w0, __m512& w1) {
 }
 
 template <bool BF, int R>
-inline void pair(const uint8_t* panel, int64_t p, const void* x, int64_t stride, int64_t r0,
+WEIR_INLINE void pair(const uint8_t* panel, int64_t p, const void* x, int64_t stride, int64_t r0,
                  __m512 (&e)[R]) {
     if constexpr (BF) {
         const __m512bh wp = (__m512bh)_mm512_loadu_si512(panel + 64 * p);
