@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from gpu.cpu import quant
+from gpu.cpu import build as cpu_build, quant
 from gpu.quant.formats import FORMATS
 from gpu.quant.quantize import quantize
 
@@ -135,6 +135,34 @@ def test_bias_residual_and_gated_pair(fmt):
     pair = quant.pack(g_rows, FORMATS[fmt], (n, k), up=u_rows, act="silu")
     want = torch.nn.functional.silu(plain) * up
     torch.testing.assert_close(quant.linear(x, pair), want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("path", ["auto", *FAST_PATHS, "ref"])
+@pytest.mark.parametrize(
+    "fmts", [("q4_k", "q4_k", "q6_k"), ("bf16", "q8_0", "f16"), ("q5_k", "q4_0")]
+)
+@pytest.mark.parametrize("m", [1, 5, 70])
+def test_parts_in_one_pass_are_each_part_bit_for_bit(path, fmts, m):
+    """Q, K and V of a Q4_K_M file (V in Q6_K) as one product: each part's columns are its own
+    product's, with the parts' biases (one part without) and a residual over all the outputs;
+    m = 70 crosses a 64-row chunk."""
+    k = 512
+    ns = [48, 16, 16][: len(fmts)]
+    parts = [
+        quant.pack(
+            random_rows(f, n, k, seed=i), FORMATS[f], (n, k), None if i == 1 else torch.randn(n)
+        )
+        for i, (f, n) in enumerate(zip(fmts, ns))
+    ]
+    x, res = torch.randn(m, k) * 2, torch.randn(m, sum(ns))
+    want = torch.cat([quant.linear(x, p, path=path) for p in parts], dim=-1)
+    assert torch.equal(quant.linear_parts(x, parts, path=path), want)
+    assert torch.equal(quant.linear_parts(x, parts, res, path=path), want + res)
+    ops = cpu_build.load()
+    with pytest.raises(ValueError, match="ns"):
+        ops.wgemm_parts(x, [parts[0].packed], [parts[0].fmt.ggml_type], [48, 16], None, None, 0)
+    with pytest.raises(ValueError, match="packed"):
+        ops.wgemm_parts(x, [parts[0].packed], [parts[0].fmt.ggml_type], [80], None, None, 0)
 
 
 def test_bad_arguments_are_errors_not_crashes():

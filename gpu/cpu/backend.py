@@ -165,6 +165,8 @@ class CpuBackend(OneDnnBackend):
         if isinstance(w, gemm.GemmWeight):
             return gemm.linear(x, w, residual)
         if isinstance(w, Stacked):
+            if all(isinstance(p, quant.QuantWeight) and not p.act for p in w.parts):
+                return quant.linear_parts(x, w.parts, residual)
             y = torch.cat([self.linear(x, p) for p in w.parts], dim=-1)
             return y if residual is None else residual + y
         return super().linear(x, w, residual)

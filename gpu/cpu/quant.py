@@ -104,3 +104,32 @@ def linear(
         _rows(x), w.packed, w.fmt.ggml_type, w.out_features, w.act, w.bias, res, PATHS[path]
     )
     return out.view(*shape[:-1], w.out_features)
+
+
+def linear_parts(
+    x: torch.Tensor,
+    parts: list[QuantWeight],
+    residual: torch.Tensor | None = None,
+    path: str = "auto",
+) -> torch.Tensor:
+    """Plain weights sharing x, each in its own format (Q, K and V of a Q4_K_M file), their
+    outputs side by side: one pass of the threads, x converted once per form; each part's
+    columns are `linear(x, part)`'s bit for bit."""
+    shape = x.shape
+    biases = [p.bias for p in parts]
+    bias = None
+    if any(b is not None for b in biases):
+        bias = torch.cat(
+            [b if b is not None else torch.zeros(p.out_features) for b, p in zip(biases, parts)]
+        )
+    res = None if residual is None else _rows(residual)
+    out = cpu_build.load().wgemm_parts(
+        _rows(x),
+        [p.packed for p in parts],
+        [p.fmt.ggml_type for p in parts],
+        [p.out_features for p in parts],
+        bias,
+        res,
+        PATHS[path],
+    )
+    return out.view(*shape[:-1], sum(p.out_features for p in parts))

@@ -97,6 +97,15 @@ void product(const StackLinear& w, const float* x, int64_t m, int64_t k, int gat
                 out[r * out_stride + j] = weir::activate(gated, out[r * out_stride + j]) * spare[r * n + j];
         return;
     }
+    bool packed = true;  // every part in a wpack format: one pass for all
+    for (int i = 0; i < w.parts; ++i) packed &= w.part[i].format != weir::kWF32;
+    if (packed) {
+        weir::WPart parts[3];
+        for (int i = 0; i < w.parts; ++i)
+            parts[i] = {w.part[i].format, static_cast<const uint8_t*>(w.part[i].data), w.part[i].n};
+        return weir::wgemm_parts(parts, w.parts, x, m, k, k, bias, residual, res_stride, out,
+                                 out_stride, nt, weir::kPathAuto);
+    }
     int64_t off = 0;
     for (int i = 0; i < w.parts; ++i) {
         part_product(w.part[i], x, m, k, k, 0, bias ? bias + off : nullptr,

@@ -154,9 +154,13 @@ int qpath_best() {
     return best;
 }
 
-void wgemm(int format, const float* x, int64_t m, int64_t k, int64_t x_stride,
-           const uint8_t* packed, int64_t n, int gated, const float* bias, const float* residual,
-           int64_t res_stride, float* out, int64_t out_stride, int64_t num_threads, int path) {
+namespace {
+
+// Parts' products over one pass of the threads (wgemm, wgemm_parts): `count` parts, or one gated
+// pair (count 1, gated: gate and up panels side by side).
+void products(const WPart* parts, int count, const float* x, int64_t m, int64_t k,
+              int64_t x_stride, int gated, const float* bias, const float* residual,
+              int64_t res_stride, float* out, int64_t out_stride, int64_t num_threads, int path) {
     if (m <= 0) return;
     if (path == kPathAuto) path = qpath_best();
     PanelFn fn = panel_ref;
@@ -164,21 +168,27 @@ void wgemm(int format, const float* x, int64_t m, int64_t k, int64_t x_stride,
     if (path == kPathAvx512) fn = panel_avx512;
     if (path == kPathAvx2) fn = panel_avx2;
 #endif
-    const bool half = is_half(format);
-    const int64_t panels = (n + kPanel - 1) / kPanel, bytes = panel_bytes(format, k);
     const int64_t chunks = (m + kRowChunk - 1) / kRowChunk;
-    const int64_t parts = gated ? 2 : 1;  // a gated pair: gate and up panels side by side
-    // the activations, in the form the weight's products take them
+    const int64_t pair = gated ? 2 : 1;  // a gated pair: gate and up panels side by side
+    bool bf16 = false, blocks = false;
+    int64_t all_panels = 0;
+    for (int i = 0; i < count; ++i) {
+        bf16 |= parts[i].format == kWBF16;
+        blocks |= !is_half(parts[i].format);
+        all_panels += (parts[i].n + kPanel - 1) / kPanel;
+    }
+    // the activations, in the forms the weights' products take them
     std::vector<int8_t> xq;
     std::vector<float> dx, xs, xs16;
     std::vector<int32_t> sums;
     std::vector<uint16_t> xb;
-    if (format == kWBF16) {
+    if (bf16) {
         xb.resize(m * k);
         parallel_for(m, m > 8 ? num_threads : 1, [&](int64_t r) {
             for (int64_t kk = 0; kk < k; ++kk) xb[r * k + kk] = float_to_bf16(x[r * x_stride + kk]);
         });
-    } else if (!half) {
+    }
+    if (blocks) {
         xq.resize(m * k);
         dx.resize(m * k / 32);
         sums.resize(m * k / 32);
@@ -191,35 +201,54 @@ void wgemm(int format, const float* x, int64_t m, int64_t k, int64_t x_stride,
                           xs.data() + r0 * k / 32, xs16.data() + r0 * k / 16);
         });
     }
-    // A task: a run of panels for one chunk of rows; about 16 tasks a thread, so that a thread
-    // another process preempts holds up little, without a task per panel's dispatch cost.
-    const int64_t group = std::max<int64_t>(1, panels * chunks / (16 * std::max<int64_t>(1, num_threads)));
-    const int64_t runs = (panels + group - 1) / group, tasks = runs * chunks;
+    // A task: a run of one part's panels for one chunk of rows; about 16 tasks a thread, so that
+    // a thread another process preempts holds up little, without a task per panel's dispatch
+    // cost. Runs never cross parts; first_run[i]: part i's first run, col[i] its first output.
+    const int64_t group =
+        std::max<int64_t>(1, all_panels * chunks / (16 * std::max<int64_t>(1, num_threads)));
+    std::vector<int64_t> first_run(count + 1, 0), col(count + 1, 0);
+    for (int i = 0; i < count; ++i) {
+        const int64_t panels = (parts[i].n + kPanel - 1) / kPanel;
+        first_run[i + 1] = first_run[i] + (panels + group - 1) / group;
+        col[i + 1] = col[i] + parts[i].n;
+    }
+    const int64_t runs = first_run[count], tasks = runs * chunks;
     parallel_for(tasks, tasks > 1 ? num_threads : 1, [&](int64_t t) {
-        const int64_t c = t / runs, p0 = t % runs * group, p1 = std::min(panels, p0 + group);
+        const int64_t c = t / runs, run = t % runs;
+        int i = 0;
+        while (run >= first_run[i + 1]) ++i;
+        const WPart& w = parts[i];
+        const int64_t n = w.n, panels = (n + kPanel - 1) / kPanel;
+        const int64_t bytes = panel_bytes(w.format, k);
+        const int64_t p0 = (run - first_run[i]) * group, p1 = std::min(panels, p0 + group);
         const int64_t r0 = c * kRowChunk, rows = std::min(kRowChunk, m - r0);
         alignas(64) float acc[2][kRowChunk * kPanel];
         Acts a{nullptr, nullptr, nullptr, nullptr, nullptr, k};
         const void* x16 = nullptr;
         int64_t x16_stride = 0;
-        if (format == kWBF16) {
+        if (w.format == kWBF16) {
             x16 = xb.data() + r0 * k;
             x16_stride = k;
-        } else if (half) {
+        } else if (is_half(w.format)) {
             x16 = x + r0 * x_stride;
             x16_stride = x_stride;
         } else {
             a = Acts{xq.data() + r0 * k, dx.data() + r0 * k / 32, sums.data() + r0 * k / 32,
                      xs.data() + r0 * k / 32, xs16.data() + r0 * k / 16, k};
         }
+        // this part's outputs, bias and residual columns
+        float* part_out = out + col[i];
+        const float* part_bias = bias ? bias + col[i] : nullptr;
+        const float* part_res = residual ? residual + col[i] : nullptr;
         for (int64_t p = p0; p < p1; ++p) {
-            for (int64_t part = 0; part < parts; ++part)
-                fn(format, packed + (p * parts + part) * bytes, a, x16, x16_stride, rows, acc[part]);
+            for (int64_t half = 0; half < pair; ++half)
+                fn(w.format, w.packed + (p * pair + half) * bytes, a, x16, x16_stride, rows,
+                   acc[half]);
             const int64_t n0 = p * kPanel, cols = std::min(kPanel, n - n0);
             for (int64_t r = 0; r < rows; ++r) {
-                float* o = out + (r0 + r) * out_stride + n0;
+                float* o = part_out + (r0 + r) * out_stride + n0;
                 const float* g = acc[0] + r * kPanel;
-                const float* res = residual ? residual + (r0 + r) * res_stride + n0 : nullptr;
+                const float* res = part_res ? part_res + (r0 + r) * res_stride + n0 : nullptr;
                 if (gated) {
                     const float* u = acc[1] + r * kPanel;
                     if (res) {  // a pre-activation addend [m, 2n]: gate's, then up's
@@ -232,13 +261,30 @@ void wgemm(int format, const float* x, int64_t m, int64_t k, int64_t x_stride,
                 }
                 for (int64_t j = 0; j < cols; ++j) {
                     float v = g[j];
-                    if (bias) v += bias[n0 + j];
+                    if (part_bias) v += part_bias[n0 + j];
                     if (res) v += res[j];
                     o[j] = v;
                 }
             }
         }
     });
+}
+
+}  // namespace
+
+void wgemm(int format, const float* x, int64_t m, int64_t k, int64_t x_stride,
+           const uint8_t* packed, int64_t n, int gated, const float* bias, const float* residual,
+           int64_t res_stride, float* out, int64_t out_stride, int64_t num_threads, int path) {
+    const WPart part{format, packed, n};
+    products(&part, 1, x, m, k, x_stride, gated, bias, residual, res_stride, out, out_stride,
+             num_threads, path);
+}
+
+void wgemm_parts(const WPart* parts, int count, const float* x, int64_t m, int64_t k,
+                 int64_t x_stride, const float* bias, const float* residual, int64_t res_stride,
+                 float* out, int64_t out_stride, int64_t num_threads, int path) {
+    products(parts, count, x, m, k, x_stride, 0, bias, residual, res_stride, out, out_stride,
+             num_threads, path);
 }
 
 }  // namespace weir

@@ -6,6 +6,8 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include <vector>
+
 #include "checks.h"
 #include "huge_pages.h"
 #include "weir.h"
@@ -89,6 +91,42 @@ Tensor wgemm(const Tensor& x, const Tensor& packed, int64_t format, int64_t n, i
     return out;
 }
 
+// Weights sharing x, each in its own format, their outputs side by side in one pass
+// (weir.h wgemm_parts): bias and residual over all the outputs.
+Tensor wgemm_parts(const Tensor& x, at::TensorList packed, at::IntArrayRef formats,
+                   at::IntArrayRef ns, const optional<Tensor>& bias,
+                   const optional<Tensor>& residual, int64_t path) {
+    check_f32(x, "x");
+    TORCH_CHECK_VALUE(x.dim() == 2, "x: needs [rows, k], got ", x.sizes());
+    const int64_t m = x.size(0), k = x.size(1);
+    check_rows(x, m, k, "x");
+    const int64_t count = int64_t(packed.size());
+    TORCH_CHECK_VALUE(count >= 1 && count <= 3, "packed: 1 to 3 parts, got ", count);
+    TORCH_CHECK_VALUE(int64_t(formats.size()) == count && int64_t(ns.size()) == count,
+                      "formats, ns: one per part");
+    TORCH_CHECK_VALUE(path >= weir::kPathAuto && path <= weir::kPathAvx512, "path: 0 to 3");
+    TORCH_CHECK_VALUE(weir::qpath_available(int(path)) || path == weir::kPathAuto, "path ", path,
+                      " does not run on this CPU");
+    std::vector<weir::WPart> parts;
+    int64_t n = 0;
+    for (int64_t i = 0; i < count; ++i) {
+        check_format(formats[i], k);
+        TORCH_CHECK_VALUE(ns[i] > 0, "ns: part ", i, " has no outputs");
+        check_packed_w(packed[i], formats[i], ns[i], k, false);
+        parts.push_back({int(formats[i]), packed[i].data_ptr<uint8_t>(), ns[i]});
+        n += ns[i];
+    }
+    if (bias) check_flat(*bias, at::kFloat, n, "bias");
+    if (residual) check_rows(*residual, m, n, "residual");
+    Tensor out = at::empty({m, n}, x.options());
+    weir::wgemm_parts(parts.data(), int(count), x.data_ptr<float>(), m, k, x.stride(0),
+                      bias ? bias->data_ptr<float>() : nullptr,
+                      residual ? residual->data_ptr<float>() : nullptr,
+                      residual ? residual->stride(0) : 0, out.data_ptr<float>(), n, threads(),
+                      int(path));
+    return out;
+}
+
 bool qpath_available(int64_t path) { return weir::qpath_available(int(path)); }
 int64_t qpath_best() { return weir::qpath_best(); }
 
@@ -101,6 +139,9 @@ TORCH_LIBRARY_FRAGMENT(weir, m) {
     m.def("wgemm(Tensor x, Tensor packed, int format, int n, int gated, Tensor? bias, "
           "Tensor? residual, int path) -> Tensor",
           &wgemm);
+    m.def("wgemm_parts(Tensor x, Tensor[] packed, int[] formats, int[] ns, Tensor? bias, "
+          "Tensor? residual, int path) -> Tensor",
+          &wgemm_parts);
     m.def("qpath_available(int path) -> bool", &qpath_available);
     m.def("qpath_best() -> int", &qpath_best);
 }

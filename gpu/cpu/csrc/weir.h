@@ -166,6 +166,20 @@ void wgemm(int format, const float* x, int64_t m, int64_t k, int64_t x_stride,
            const uint8_t* packed, int64_t n, int gated, const float* bias, const float* residual,
            int64_t res_stride, float* out, int64_t out_stride, int64_t num_threads, int path);
 
+// Weights sharing an input, each its own packed format, their outputs side by side (Q, K and V
+// of a Q4_K_M file: V in Q6_K): one pass over the threads, the input converted once per form
+// (int8 blocks, bfloat16), where one wgemm a part paid each time for its dispatch and the
+// threads' ramp onto a few hundred KB. Each part's outputs are what wgemm gives it, bit for bit.
+// bias and residual as wgemm's, over all the parts' outputs [m, sum of n]; no gated part.
+struct WPart {
+    int format;
+    const uint8_t* packed;
+    int64_t n;
+};
+void wgemm_parts(const WPart* parts, int count, const float* x, int64_t m, int64_t k,
+                 int64_t x_stride, const float* bias, const float* residual, int64_t res_stride,
+                 float* out, int64_t out_stride, int64_t num_threads, int path);
+
 // ---- LoRA adapters (lora.cpp) ----
 // One product group's adapters, held in slots (gpu/lora.py): per slot and slice (Q, K and V of
 // the Q/K/V product; gate and up), A [rank, k] as the first rows of a [max_rank, k] block, and
