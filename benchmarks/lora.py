@@ -90,10 +90,11 @@ def main() -> int:
     from gpu.launch import load
 
     # The first engine a process loads measured 6% slower than later ones of the same
-    # configuration (two base engines, steps alternated: 15.5 vs 14.6 ms at 16 streams; where
-    # its tensors land, it seems): a throwaway engine takes that place, kept so that nothing
-    # later reuses its memory. The adapters against the LoRA engine's own rounds without
-    # adapters (vs_no_adapter) do not depend on it at all.
+    # configuration while weights sat on 4 KiB pages (two base engines, steps alternated: 15.5
+    # vs 14.6 ms at 16 streams); on huge pages (gpu/cpu/csrc/huge_pages.h) the gap measured
+    # -1.7 to +1.3%. The throwaway engine stays so that figures compare with earlier sittings'.
+    # The adapters against the LoRA engine's own rounds without adapters (vs_no_adapter) do not
+    # depend on it at all.
     first = load(EngineConfig(**common)).core
     lora_loaded = load(
         EngineConfig(
