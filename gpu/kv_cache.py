@@ -73,8 +73,7 @@ def allocate(
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
     return [
-        (_zeros(shape, dtype, device), _zeros(shape, dtype, device))
-        for _ in range(spec.num_layers)
+        (_zeros(shape, dtype, device), _zeros(shape, dtype, device)) for _ in range(spec.num_layers)
     ]
 
 

@@ -144,20 +144,22 @@ def test_bias_residual_and_gated_pair(fmt):
 @pytest.mark.parametrize("m", [1, 5, 70])
 def test_parts_in_one_pass_are_each_part_bit_for_bit(path, fmts, m):
     """Q, K and V of a Q4_K_M file (V in Q6_K) as one product: each part's columns are its own
-    product's, with the parts' biases (one part without) and a residual over all the outputs;
-    m = 70 crosses a 64-row chunk."""
+    product's, with and without a bias over all the outputs and a residual; m = 70 crosses a
+    64-row chunk."""
     k = 512
     ns = [48, 16, 16][: len(fmts)]
-    parts = [
-        quant.pack(
-            random_rows(f, n, k, seed=i), FORMATS[f], (n, k), None if i == 1 else torch.randn(n)
-        )
-        for i, (f, n) in enumerate(zip(fmts, ns))
+    rows = [random_rows(f, n, k, seed=i) for i, (f, n) in enumerate(zip(fmts, ns))]
+    parts = [quant.pack(r, FORMATS[f], (n, k)) for r, f, n in zip(rows, fmts, ns)]
+    bias = torch.randn(sum(ns))
+    biased = [  # each part with its share of the bias: what its product alone adds
+        quant.pack(r, FORMATS[f], (n, k), b) for r, f, n, b in zip(rows, fmts, ns, bias.split(ns))
     ]
     x, res = torch.randn(m, k) * 2, torch.randn(m, sum(ns))
-    want = torch.cat([quant.linear(x, p, path=path) for p in parts], dim=-1)
-    assert torch.equal(quant.linear_parts(x, parts, path=path), want)
-    assert torch.equal(quant.linear_parts(x, parts, res, path=path), want + res)
+    plain = torch.cat([quant.linear(x, p, path=path) for p in parts], dim=-1)
+    want = torch.cat([quant.linear(x, p, path=path) for p in biased], dim=-1)
+    assert torch.equal(quant.linear_parts(x, parts, path=path), plain)
+    assert torch.equal(quant.linear_parts(x, parts, bias, path=path), want)
+    assert torch.equal(quant.linear_parts(x, parts, bias, res, path=path), want + res)
     ops = cpu_build.load()
     with pytest.raises(ValueError, match="ns"):
         ops.wgemm_parts(x, [parts[0].packed], [parts[0].fmt.ggml_type], [48, 16], None, None, 0)

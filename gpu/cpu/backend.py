@@ -157,7 +157,8 @@ class CpuBackend(OneDnnBackend):
             joined = cat_rows(sources)
             if joined is not None:
                 return self.prepare_linear(joined, bias)
-        return Stacked([self.prepare_linear(s, b) for s, (_, b) in zip(sources, parts)])
+        prepared = [self.prepare_linear(s, b) for s, (_, b) in zip(sources, parts)]
+        return Stacked(prepared, None if bias is None else bias.contiguous())
 
     def linear(self, x, w, residual=None) -> torch.Tensor:
         if isinstance(w, quant.QuantWeight):
@@ -166,7 +167,7 @@ class CpuBackend(OneDnnBackend):
             return gemm.linear(x, w, residual)
         if isinstance(w, Stacked):
             if all(isinstance(p, quant.QuantWeight) and not p.act for p in w.parts):
-                return quant.linear_parts(x, w.parts, residual)
+                return quant.linear_parts(x, w.parts, w.bias, residual)
             y = torch.cat([self.linear(x, p) for p in w.parts], dim=-1)
             return y if residual is None else residual + y
         return super().linear(x, w, residual)

@@ -111,12 +111,9 @@ def _gated(w) -> tuple[list[tuple[int, torch.Tensor]], int] | None:
 
 
 def _bias(w, none: torch.Tensor) -> torch.Tensor:
-    """A product's bias (Q/K/V in parts: theirs joined), or `none`."""
-
-    parts = w.parts if isinstance(w, Stacked) else [w]
-    if all(getattr(p, "bias", None) is None for p in parts):
-        return none
-    return torch.cat([p.bias for p in parts])
+    """A product's bias (Q/K/V in parts: Stacked.bias, theirs joined), or `none`."""
+    bias = getattr(w, "bias", None)
+    return none if bias is None else bias
 
 
 def _embed(model) -> tuple[int, torch.Tensor] | None:

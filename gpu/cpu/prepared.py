@@ -9,9 +9,11 @@ from typing import Any, NamedTuple
 
 class Stacked(NamedTuple):
     """Weights of different formats sharing an input (Q, K and V of a Q4_K_M file: V in Q6_K),
-    each its own product, their outputs side by side."""
+    each its own product, their outputs side by side; `bias` their biases joined (made once, at
+    load: the parts' own are what a part's product alone adds)."""
 
     parts: list[Any]
+    bias: Any = None
 
 
 class GatedPair(NamedTuple):

@@ -109,19 +109,15 @@ def linear(
 def linear_parts(
     x: torch.Tensor,
     parts: list[QuantWeight],
+    bias: torch.Tensor | None = None,
     residual: torch.Tensor | None = None,
     path: str = "auto",
 ) -> torch.Tensor:
     """Plain weights sharing x, each in its own format (Q, K and V of a Q4_K_M file), their
     outputs side by side: one pass of the threads, x converted once per form; each part's
-    columns are `linear(x, part)`'s bit for bit."""
+    columns are `linear(x, part)`'s bit for bit. `bias`: over all the outputs (Stacked.bias;
+    the parts' own biases are not read)."""
     shape = x.shape
-    biases = [p.bias for p in parts]
-    bias = None
-    if any(b is not None for b in biases):
-        bias = torch.cat(
-            [b if b is not None else torch.zeros(p.out_features) for b, p in zip(biases, parts)]
-        )
     res = None if residual is None else _rows(residual)
     out = cpu_build.load().wgemm_parts(
         _rows(x),

@@ -4,9 +4,9 @@
 // allows them: in "madvise" mode, the usual default, only memory that asks gets them, and
 // torch's allocator does not ask (unless THP_MEM_ALLOC_ENABLE is set). A one-row product
 // streams its weights once a token; on 4 KiB pages that is a TLB miss every 4 KiB. Measured on
-// a 2-core Zen 4 (docs/benchmarks.md): the same one-row Q4_K products over 150 MB of weights
-// 5% faster on two threads, 14% on one. The advice is only advice: where it is refused (no
-// THP in the kernel) the memory is ordinary pages.
+// a 2-core Zen 4 (benchmarks/huge_pages.py, docs/benchmarks.md): one-row products over 150-290
+// MB of weights 1.27-1.36x on one thread, 1.09-1.14x on two. The advice is only advice: where
+// it is refused (no THP in the kernel) the memory is ordinary pages.
 #pragma once
 
 #include <sys/mman.h>
@@ -16,7 +16,6 @@
 #include <ATen/ops/from_blob.h>
 
 #include <cstdint>
-#include <vector>
 
 namespace weir_ops {
 

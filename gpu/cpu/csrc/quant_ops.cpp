@@ -28,6 +28,19 @@ void check_packed_w(const Tensor& packed, int64_t format, int64_t n, int64_t k, 
     check_flat(packed, at::kByte, weir::wpacked_size(int(format), n, k, gated), "packed");
 }
 
+// x [rows, k] float32, rows contiguous.
+void check_x(const Tensor& x) {
+    check_f32(x, "x");
+    TORCH_CHECK_VALUE(x.dim() == 2, "x: needs [rows, k], got ", x.sizes());
+    check_rows(x, x.size(0), x.size(1), "x");
+}
+
+void check_path(int64_t path) {
+    TORCH_CHECK_VALUE(path >= weir::kPathAuto && path <= weir::kPathAvx512, "path: 0 to 3");
+    TORCH_CHECK_VALUE(weir::qpath_available(int(path)) || path == weir::kPathAuto, "path ", path,
+                      " does not run on this CPU");
+}
+
 Tensor wpack(const Tensor& rows, const optional<Tensor>& rows2, int64_t format, int64_t n,
              int64_t k) {
     check_format(format, k);
@@ -69,16 +82,12 @@ Tensor wgather(const Tensor& packed, int64_t format, int64_t n, int64_t k, const
 
 Tensor wgemm(const Tensor& x, const Tensor& packed, int64_t format, int64_t n, int64_t gated,
              const optional<Tensor>& bias, const optional<Tensor>& residual, int64_t path) {
-    check_f32(x, "x");
-    TORCH_CHECK_VALUE(x.dim() == 2, "x: needs [rows, k], got ", x.sizes());
+    check_x(x);
     const int64_t m = x.size(0), k = x.size(1);
-    check_rows(x, m, k, "x");
     check_format(format, k);
     TORCH_CHECK_VALUE(gated >= weir::kPlain && gated <= weir::kGeluTanh, "gated: 0 to 3");
     TORCH_CHECK_VALUE(!(gated && bias), "a gated pair takes no bias");
-    TORCH_CHECK_VALUE(path >= weir::kPathAuto && path <= weir::kPathAvx512, "path: 0 to 3");
-    TORCH_CHECK_VALUE(weir::qpath_available(int(path)) || path == weir::kPathAuto, "path ", path,
-                      " does not run on this CPU");
+    check_path(path);
     check_packed_w(packed, format, n, k, gated != weir::kPlain);
     if (bias) check_flat(*bias, at::kFloat, n, "bias");
     if (residual) check_rows(*residual, m, gated ? 2 * n : n, "residual");
@@ -96,17 +105,13 @@ Tensor wgemm(const Tensor& x, const Tensor& packed, int64_t format, int64_t n, i
 Tensor wgemm_parts(const Tensor& x, at::TensorList packed, at::IntArrayRef formats,
                    at::IntArrayRef ns, const optional<Tensor>& bias,
                    const optional<Tensor>& residual, int64_t path) {
-    check_f32(x, "x");
-    TORCH_CHECK_VALUE(x.dim() == 2, "x: needs [rows, k], got ", x.sizes());
+    check_x(x);
     const int64_t m = x.size(0), k = x.size(1);
-    check_rows(x, m, k, "x");
     const int64_t count = int64_t(packed.size());
     TORCH_CHECK_VALUE(count >= 1 && count <= 3, "packed: 1 to 3 parts, got ", count);
     TORCH_CHECK_VALUE(int64_t(formats.size()) == count && int64_t(ns.size()) == count,
                       "formats, ns: one per part");
-    TORCH_CHECK_VALUE(path >= weir::kPathAuto && path <= weir::kPathAvx512, "path: 0 to 3");
-    TORCH_CHECK_VALUE(weir::qpath_available(int(path)) || path == weir::kPathAuto, "path ", path,
-                      " does not run on this CPU");
+    check_path(path);
     std::vector<weir::WPart> parts;
     int64_t n = 0;
     for (int64_t i = 0; i < count; ++i) {
