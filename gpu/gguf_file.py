@@ -181,13 +181,18 @@ class GgufCheckpoint:
 
     # ---- tokenizer ----
     def tokenizer(self) -> Any:
-        """transformers' fast tokenizer built from the tokenizer.ggml.* entries, with the file's
-        chat template."""
+        """The tokenizer the tokenizer.ggml.* entries describe (gpu/gguf_tokenizer.py: weir's own
+        for byte-level BPE, transformers' for the rest), with the file's chat template."""
         from transformers import AutoTokenizer
 
+        from gpu.gguf_tokenizer import build_byte_level, set_special_tokens
+
         try:
-            tok = AutoTokenizer.from_pretrained(str(self.path.parent), gguf_file=self.path.name)
-        except Exception as e:  # noqa: BLE001 - a tokenizer transformers cannot build
+            tok = build_byte_level(self.get)
+            if tok is None:
+                tok = AutoTokenizer.from_pretrained(str(self.path.parent), gguf_file=self.path.name)
+                set_special_tokens(tok, self.get)
+        except Exception as e:  # noqa: BLE001 - a tokenizer that cannot be built
             raise CheckpointError(
                 f"{self.path.name}: no tokenizer from its tokenizer.ggml entries "
                 f"({type(e).__name__}: {e}); give one with --tokenizer DIR"

@@ -15,7 +15,7 @@ import torch
 from core.config import CheckpointError, EngineConfig
 from core.engine_core import EngineCore
 from core.speculative import SpeculativeConfig
-from gpu import kv_cache
+from gpu import gguf_tokenizer, kv_cache
 from gpu.cache import cache_dir
 from gpu.draft import DraftModel, load_draft
 from gpu.assemble import (
@@ -206,7 +206,9 @@ def load_tokenizer(config: EngineConfig, path: Path, hf_config: Any) -> tuple[An
         tokenizer = AutoTokenizer.from_pretrained(folder)
     elif is_gguf(path):
         stat = path.stat()
-        key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+        key = hashlib.sha256(
+            f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{gguf_tokenizer.VERSION}".encode()
+        )
         folder = cache_dir() / "tokenizers" / f"{path.stem}-{key.hexdigest()[:12]}"
         if (folder / "tokenizer.json").exists():
             tokenizer = AutoTokenizer.from_pretrained(folder)

@@ -57,13 +57,17 @@ def corpus(n_lines: int = 4000, seed: int = 0) -> list[str]:
     return lines
 
 
-def train_tokenizer(vocab_size: int = 1024, seed: int = 0):
-    """A byte-level BPE tokenizer (every byte has a token, so any text encodes)."""
+def train_tokenizer(vocab_size: int = 1024, seed: int = 0, pretokenizer: str = "gpt-2"):
+    """A byte-level BPE tokenizer (every byte has a token, so any text encodes), its text split
+    as the `tokenizer.ggml.pre` name says (gpu/gguf_tokenizer.py: "gpt-2", "llama-bpe" as
+    Llama 3 splits, "qwen2" as Qwen does)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    from gpu.gguf_tokenizer import ignores_merges, pre_tokenizer
+
+    tok = Tokenizer(models.BPE(ignore_merges=ignores_merges(pretokenizer)))
+    tok.pre_tokenizer = pre_tokenizer(pretokenizer)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
@@ -104,6 +108,7 @@ def build_tiny_model(
     extra_eos: tuple[str, ...] = (),
     zero_padding_rows: bool = False,
     mlp_bias: bool = False,
+    pretokenizer: str = "gpt-2",
 ) -> Path:
     """Write a random-weight model of the given shape with a trained tokenizer to `path`.
     `added_tokens`: whole-text tokens added to the vocabulary, not special (as Qwen3's
@@ -112,7 +117,8 @@ def build_tiny_model(
     `zero_padding_rows`: the output rows past the tokenizer's tokens zeroed, so that greedy
     decoding (whose best logit over random rows is positive) never picks a token without text,
     as a real model never does; the matrix products keep their full size. `mlp_bias`: biases
-    on the MLP's products (Llama's config option)."""
+    on the MLP's products (Llama's config option). `pretokenizer`: how the tokenizer splits
+    text (train_tokenizer)."""
     import torch
     from transformers import (
         AutoModelForCausalLM,
@@ -125,7 +131,7 @@ def build_tiny_model(
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tokenizer = train_tokenizer(vocab_size, seed)
+    tokenizer = train_tokenizer(vocab_size, seed, pretokenizer)
     if added_tokens:
         tokenizer.add_tokens(list(added_tokens))
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")

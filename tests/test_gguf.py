@@ -57,7 +57,13 @@ FILES = {
 def files(tmp_path_factory):
     root = tmp_path_factory.mktemp("gguf")
     hf = {
-        arch: build_tiny_model(root / arch, arch, tie_word_embeddings=arch != "llama", **SHAPE)
+        arch: build_tiny_model(
+            root / arch,
+            arch,
+            tie_word_embeddings=arch != "llama",
+            pretokenizer="llama-bpe" if arch == "llama" else "qwen2",  # as the real ones split
+            **SHAPE,
+        )
         for arch in ("llama", "qwen2", "qwen3")
     }
     paths = {

@@ -19,6 +19,7 @@ import numpy as np
 
 from gpu.gguf_names import ARCHES as GGUF_ARCHES
 from gpu.gguf_names import gguf_name, llama_permute
+from gpu.gguf_tokenizer import split_of
 from gpu.quant.formats import FORMATS
 from gpu.quant.quantize import quantize
 
@@ -112,7 +113,7 @@ def _writer(out: Path, config: dict, tokenizer_dir: Path) -> tuple[gguf.GGUFWrit
     w.add_rope_freq_base(float(config.get("rope_theta") or rope.get("rope_theta", 10000.0)))
     w.add_layer_norm_rms_eps(float(config["rms_norm_eps"]))
     w.add_vocab_size(config["vocab_size"])
-    _write_tokenizer(w, tokenizer_dir, arch, config)
+    _write_tokenizer(w, tokenizer_dir, config)
     return w, arch
 
 
@@ -125,7 +126,7 @@ def _checkpoint(hf_dir: Path) -> Iterator[tuple[str, np.ndarray]]:
                 yield name, f.get_tensor(name).float().numpy()
 
 
-def _write_tokenizer(w: gguf.GGUFWriter, hf_dir: Path, arch: str, config: dict) -> None:
+def _write_tokenizer(w: gguf.GGUFWriter, hf_dir: Path, config: dict) -> None:
     tok = json.loads((hf_dir / "tokenizer.json").read_text())
     if tok["model"]["type"] != "BPE":
         raise ValueError("gguf_write: only BPE tokenizers are written")
@@ -148,7 +149,7 @@ def _write_tokenizer(w: gguf.GGUFWriter, hf_dir: Path, arch: str, config: dict) 
             )
     merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2" if arch.startswith("qwen") else "gpt-2")
+    w.add_tokenizer_pre(split_of(tok["pre_tokenizer"]))
     w.add_token_list(tokens)
     w.add_token_types(types)
     w.add_token_merges(merges)

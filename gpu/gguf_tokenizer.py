@@ -1,0 +1,171 @@
+"""The tokenizer of a GGUF file, built by weir from its `tokenizer.ggml.*` entries.
+
+A byte-level BPE vocabulary (`tokenizer.ggml.model` "gpt2": Llama 3, Qwen2, Qwen3 and most files
+weir serves) is built here with `tokenizers`, as llama.cpp builds its own: the merges and tokens
+as written, the text split by the regular expression `tokenizer.ggml.pre` names (the one the
+merges were learned on), control tokens special and user-defined ones whole, BOS/EOS/padding
+from the file's ids, BOS or EOS added to a plain encoding where the file's `add_bos_token` /
+`add_eos_token` say so.
+
+Why not transformers' GGUF converter alone: what it builds depends on its version. 5.17 (the
+GPU image's) fails on a Llama file without a BOS id, names the BOS token as EOS when there is
+one, and splits a Llama 3 file's text with GPT-2's expression (so "2026" is one piece, where
+Llama 3 makes "202" "6"); later versions read `tokenizer.ggml.pre`. Other vocabularies
+(SentencePiece "llama", unknown split names) still go to transformers; their special tokens are
+then set from the file's ids, which it may have got wrong.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+log = logging.getLogger("weir.gguf")
+
+# Part of the key of a file's tokenizer in weir's cache (gpu/launch.py): a change to what is built
+# here bumps it, so that tokenizers built before are built again.
+VERSION = 2
+
+# The split expressions by the names llama.cpp's converter writes (llama-vocab.cpp's table);
+# None: GPT-2's own, which the ByteLevel pre-tokenizer applies itself.
+_LLAMA3 = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2 = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+SPLITS: dict[str, str | None] = {
+    "gpt-2": None,
+    "default": None,
+    "llama-bpe": _LLAMA3,  # what llama.cpp's converter writes for Llama 3 (first: split_name)
+    "llama3": _LLAMA3,
+    "llama-v3": _LLAMA3,
+    "falcon3": _LLAMA3,
+    "pixtral": _LLAMA3,
+    "smaug-bpe": _LLAMA3,
+    "dbrx": _LLAMA3,
+    "qwen2": _QWEN2,
+    "deepseek-r1-qwen": _QWEN2,
+    "megrez": _QWEN2,
+}
+
+_CONTROL, _USER_DEFINED = 3, 4  # gguf.TokenType
+
+
+def split_name(expression: str | None) -> str:
+    """The `tokenizer.ggml.pre` name a split expression is written under (None: GPT-2's)."""
+    for name, known in SPLITS.items():
+        if known == expression:
+            return name
+    raise ValueError(f"no tokenizer.ggml.pre name for the split expression {expression!r}")
+
+
+def ignores_merges(name: str) -> bool:
+    """Llama 3's tokenizer takes a piece that is a whole token as it is (llama.cpp does too)."""
+    return SPLITS[name] == _LLAMA3
+
+
+def split_of(pre_tokenizer_json: dict) -> str:
+    """The split name of a tokenizer.json's pre-tokenizer (the two forms pre_tokenizer makes)."""
+    kind = pre_tokenizer_json.get("type")
+    if kind == "ByteLevel" and pre_tokenizer_json.get("use_regex", True):
+        return split_name(None)
+    parts = pre_tokenizer_json.get("pretokenizers", []) if kind == "Sequence" else []
+    if len(parts) == 2 and parts[0].get("type") == "Split" and parts[1].get("type") == "ByteLevel":
+        return split_name(parts[0].get("pattern", {}).get("Regex"))
+    raise ValueError(f"no tokenizer.ggml.pre name for the pre-tokenizer {pre_tokenizer_json}")
+
+
+def pre_tokenizer(name: str) -> Any:
+    """The `tokenizers` pre-tokenizer of a split name: the expression, then the byte alphabet."""
+    from tokenizers import Regex, pre_tokenizers
+
+    split = SPLITS[name]
+    if split is None:
+        return pre_tokenizers.ByteLevel(add_prefix_space=False)
+    return pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(split), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+
+
+def build_byte_level(get: Callable[[str, Any], Any]) -> Any | None:
+    """A PreTrainedTokenizerFast for a byte-level BPE file whose split weir knows, else None.
+    `get(key, default)` reads the file's metadata."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    pre = get("tokenizer.ggml.pre", "default")
+    if get("tokenizer.ggml.model", None) != "gpt2":
+        return None
+    if pre not in SPLITS:
+        log.warning("tokenizer.ggml.pre %r is not one weir knows; transformers builds it", pre)
+        return None
+    tokens = list(get("tokenizer.ggml.tokens", None))
+    types = list(get("tokenizer.ggml.token_type", None) or [1] * len(tokens))
+    merges = [tuple(m.split(" ", 1)) for m in get("tokenizer.ggml.merges", None) or []]
+    vocab: dict[str, int] = {}
+    for i, text in enumerate(tokens):
+        vocab.setdefault(text, i)
+    tok = Tokenizer(models.BPE(vocab, merges, ignore_merges=ignores_merges(pre)))
+    tok.pre_tokenizer = pre_tokenizer(pre)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_tokens(
+        [
+            AddedToken(t, special=k == _CONTROL, normalized=False)
+            for i, (t, k) in enumerate(zip(tokens, types))
+            if k in (_CONTROL, _USER_DEFINED) and vocab[t] == i
+        ]
+    )
+    specials = special_tokens(get, tokens)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, clean_up_tokenization_spaces=False, **specials
+    )
+    _post_process(fast, get, specials)
+    return fast
+
+
+def special_tokens(get: Callable[[str, Any], Any], tokens: list[str]) -> dict[str, str]:
+    """bos/eos/unk/pad tokens by the file's ids (those it names and that exist)."""
+    out = {}
+    for name, key in (
+        ("bos_token", "bos_token_id"),
+        ("eos_token", "eos_token_id"),
+        ("unk_token", "unknown_token_id"),
+        ("pad_token", "padding_token_id"),
+    ):
+        i = get(f"tokenizer.ggml.{key}", None)
+        if i is not None and 0 <= int(i) < len(tokens):
+            out[name] = tokens[int(i)]
+    return out
+
+
+def set_special_tokens(tok: Any, get: Callable[[str, Any], Any]) -> None:
+    """Put the file's BOS/EOS/padding on a tokenizer transformers built (see the module note)."""
+    specials = special_tokens(get, list(get("tokenizer.ggml.tokens", None) or []))
+    for name, text in specials.items():
+        if getattr(tok, name, None) != text:
+            setattr(tok, name, text)
+
+
+def _post_process(tok: Any, get: Callable[[str, Any], Any], specials: dict[str, str]) -> None:
+    """BOS and EOS added to a plain encoding as the file says (Llama 3: BOS, Qwen: neither)."""
+    from tokenizers import processors
+
+    bos = specials.get("bos_token") if get("tokenizer.ggml.add_bos_token", False) else None
+    eos = specials.get("eos_token") if get("tokenizer.ggml.add_eos_token", False) else None
+    if bos is None and eos is None:
+        return
+    first = " ".join(x for x in (bos, "$A", eos) if x)
+    pair = " ".join(x for x in (bos, "$A", eos, bos, "$B:1", eos) if x)
+    ids = tok.convert_tokens_to_ids
+    tok.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single=first,
+        pair=pair,
+        special_tokens=[(t, ids(t)) for t in {bos, eos} if t],
+    )
