@@ -182,10 +182,17 @@ void products(const WPart* parts, int count, const float* x, int64_t m, int64_t 
     std::vector<float> dx, xs, xs16;
     std::vector<int32_t> sums;
     std::vector<uint16_t> xb;
+    std::vector<float> xbf;  // the AVX2 path (no bf16 product) takes them as floats, once rounded
+    const bool bf16_floats = bf16 && path == kPathAvx2;
     if (bf16) {
-        xb.resize(m * k);
+        if (bf16_floats) xbf.resize(m * k);
+        else xb.resize(m * k);
         parallel_for(m, m > 8 ? num_threads : 1, [&](int64_t r) {
-            for (int64_t kk = 0; kk < k; ++kk) xb[r * k + kk] = float_to_bf16(x[r * x_stride + kk]);
+            for (int64_t kk = 0; kk < k; ++kk) {
+                const uint16_t b = float_to_bf16(x[r * x_stride + kk]);
+                if (bf16_floats) xbf[r * k + kk] = bf16_to_float(b);
+                else xb[r * k + kk] = b;
+            }
         });
     }
     if (blocks) {
@@ -227,7 +234,7 @@ void products(const WPart* parts, int count, const float* x, int64_t m, int64_t 
         const void* x16 = nullptr;
         int64_t x16_stride = 0;
         if (w.format == kWBF16) {
-            x16 = xb.data() + r0 * k;
+            x16 = bf16_floats ? static_cast<const void*>(xbf.data() + r0 * k) : xb.data() + r0 * k;
             x16_stride = k;
         } else if (is_half(w.format)) {
             x16 = x + r0 * x_stride;

@@ -171,42 +171,66 @@ inline void f16_pairs(const uint8_t* p, __m256& w0, __m256& w1) {
     w1 = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(o), 0xD8));
 }
 
-// One row, one half panel c: two sums in registers, pair p into sum p % 2.
-void halves_row(int format, const uint8_t* panel, int64_t k, const void* x, int c, float* out) {
-    __m256 s[kHalfSums];
-    for (auto& v : s) v = _mm256_setzero_ps();
-    for (int64_t p = 0; p < k / 2; ++p) {
-        __m256 w0, w1;
-        float x0, x1;
-        if (format == kWBF16) {
-            bf16_pairs(panel + 64 * p + 32 * c, w0, w1);
-            const uint16_t* xb = static_cast<const uint16_t*>(x);
-            x0 = bf16_to_float(xb[2 * p]);
-            x1 = bf16_to_float(xb[2 * p + 1]);
-        } else {
-            f16_pairs(panel + 64 * p + 32 * c, w0, w1);
-            const float* xf = static_cast<const float*>(x);
-            x0 = xf[2 * p];
-            x1 = xf[2 * p + 1];
-        }
-        __m256& acc = s[p % kHalfSums];
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(x1), w1, acc);
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(x0), w0, acc);
+// ---- 16-bit formats: R rows (1 or 2) over both half panels in registers, pair p of k into
+// sum p % 2 (the reference's two chains); 2 chains x R rows x 2 halves sums, the pair's four
+// weight registers and x's two fill AVX2's sixteen. Format and rows are template arguments so
+// that nothing is decided, and no sum stored, inside the loop over k. x is float32 for both
+// formats: BF16's activations come rounded to bf16 as floats (quant.cpp products() makes them
+// once), so that a row's pair is two broadcasts from memory.
+#define WEIR_INLINE inline __attribute__((always_inline))
+
+// Pair p of the panel into chain e (e[r][c]: row r's sum over half c).
+template <bool BF, int R>
+WEIR_INLINE void pair(const uint8_t* panel, int64_t p, const void* x, int64_t stride, int64_t r0,
+                      __m256 (&e)[R][2]) {
+    __m256 w[2][2];  // [half c][even, odd k]
+    for (int c = 0; c < 2; ++c) {
+        if constexpr (BF) bf16_pairs(panel + 64 * p + 32 * c, w[c][0], w[c][1]);
+        else f16_pairs(panel + 64 * p + 32 * c, w[c][0], w[c][1]);
     }
-    _mm256_storeu_ps(out + 8 * c, _mm256_add_ps(s[0], s[1]));
+    for (int r = 0; r < R; ++r) {
+        const float* xr = static_cast<const float*>(x) + (r0 + r) * stride + 2 * p;
+        const __m256 x0 = _mm256_broadcast_ss(xr), x1 = _mm256_broadcast_ss(xr + 1);
+        for (int c = 0; c < 2; ++c) {
+            e[r][c] = _mm256_fmadd_ps(x1, w[c][1], e[r][c]);
+            e[r][c] = _mm256_fmadd_ps(x0, w[c][0], e[r][c]);
+        }
+    }
+}
+
+template <bool BF, int R>
+void halves(const uint8_t* panel, int64_t k, const void* x, int64_t stride, int64_t r0,
+            float* out) {
+    __m256 e0[R][2], e1[R][2];
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < 2; ++c) e0[r][c] = e1[r][c] = _mm256_setzero_ps();
+    const int64_t pairs = k / 2;
+    int64_t p = 0;
+    for (; p + 2 <= pairs; p += 2) {
+        pair<BF, R>(panel, p, x, stride, r0, e0);
+        pair<BF, R>(panel, p + 1, x, stride, r0, e1);
+    }
+    if (p < pairs) pair<BF, R>(panel, p, x, stride, r0, e0);
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < 2; ++c)
+            _mm256_storeu_ps(out + (r0 + r) * kPanel + 8 * c, _mm256_add_ps(e0[r][c], e1[r][c]));
+}
+
+template <bool BF>
+void halves_rows(const uint8_t* panel, int64_t k, const void* x, int64_t stride, int64_t rows,
+                 float* out) {
+    int64_t r0 = 0;
+    for (; r0 + 2 <= rows; r0 += 2) halves<BF, 2>(panel, k, x, stride, r0, out);
+    if (r0 < rows) halves<BF, 1>(panel, k, x, stride, r0, out);
 }
 
 }  // namespace
 
 void panel_avx2(int format, const uint8_t* panel, const Acts& a, const void* x16,
                 int64_t x16_stride, int64_t rows, float* out) {
-    if (!is_half(format)) return blocks(format, panel, a, rows, out);
-    const int64_t size = format == kWBF16 ? 2 : 4;  // bytes of an element of x
-    for (int64_t r = 0; r < rows; ++r)
-        for (int c = 0; c < 2; ++c)
-            halves_row(format, panel, a.k,
-                       static_cast<const uint8_t*>(x16) + r * x16_stride * size, c,
-                       out + r * kPanel);
+    if (format == kWBF16) return halves_rows<true>(panel, a.k, x16, x16_stride, rows, out);
+    if (format == kWF16) return halves_rows<false>(panel, a.k, x16, x16_stride, rows, out);
+    blocks(format, panel, a, rows, out);
 }
 
 }  // namespace weir::q
