@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from functools import partial
 
 import trio
 
@@ -129,18 +130,28 @@ def main(argv: list[str] | None = None) -> int:
         # transformers imports torch for its tokenizers whenever torch is installed: about 200 MB
         # resident and a second of start-up. A None entry makes torch unavailable here.
         sys.modules["torch"] = None  # type: ignore[assignment]
+    from server.listen import api_server_sockets, listening_socket
     from server.server_count import api_server_count
 
     count = api_server_count(config, options)
+    try:  # the port first: one in use is a line and exit code 1, before any model loads
+        if count > 1:
+            ports = api_server_sockets(args.host, args.port, count, options.tcp_user_timeout)
+        else:
+            ports = [listening_socket(args.host, args.port, options.tcp_user_timeout)]
+    except OSError as e:
+        print(f"weir: cannot listen on {args.host}:{args.port}: {e.strerror or e}", file=sys.stderr)
+        return 1
     if count > 1:  # N HTTP processes in front of one engine process
         from server.supervisor import supervise
 
-        return supervise(config, options, count, args.host, args.port)
+        return supervise(config, options, args.host, ports)
     from server.app import create_app, serve
 
     app = create_app(config, options)
-    logging.getLogger("weir.server").info("listening on http://%s:%d/v1", args.host, args.port)
-    return trio.run(serve, app, args.host, args.port)
+    port = ports[0].getsockname()[1]
+    logging.getLogger("weir.server").info("listening on http://%s:%d/v1", args.host, port)
+    return trio.run(partial(serve, app, args.host, port, sock=ports[0]))
 
 
 if __name__ == "__main__":

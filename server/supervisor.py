@@ -1,8 +1,8 @@
 """The supervisor: `weir serve --api-server-count N` with N > 1, N HTTP processes (API servers,
 server/api_server.py) serving one port in front of one engine process, as vLLM runs them.
 
-It binds the port once (server/listen.py api_server_sockets: a SO_REUSEPORT group, one socket
-per API server), makes a private run directory (server/api_server_messages.py: Prometheus'
+It is handed the port bound once (server/listen.py api_server_sockets: a SO_REUSEPORT group, one
+socket per API server), makes a private run directory (server/api_server_messages.py: Prometheus'
 multiprocess files, each server's Unix socket, the shared admission count, the Responses
 store), starts the engine process with its own pipes and one pair per API server
 (core/child.py Link, core/engine_fanout.py), then the API servers, each handed its seat. It
@@ -27,6 +27,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import tempfile
 
@@ -46,7 +47,7 @@ from server.api_server_messages import (
     metrics_dir,
     responses_file,
 )
-from server.listen import api_server_sockets, local_listening_socket
+from server.listen import local_listening_socket
 from server.options import ServerOptions
 
 log = logging.getLogger("weir.server")
@@ -56,12 +57,16 @@ DRAIN_MARGIN_S = 20.0  # past --drain-timeout, before an API server that has not
 
 
 def supervise(
-    config: EngineConfig, options: ServerOptions, count: int, host: str, port: int
+    config: EngineConfig,
+    options: ServerOptions,
+    host: str,
+    ports: list[socket.socket],
 ) -> int:
-    """Run the API servers and the engine until they stop; the exit code."""
+    """Run an API server on each of `ports` (server/listen.py api_server_sockets, bound by the
+    caller) and the engine until they stop; the exit code."""
     run_dir = tempfile.mkdtemp(prefix="weir-")  # mode 0700: this user's alone
     try:
-        return trio.run(Supervisor(config, options, count, host, port, run_dir).run)
+        return trio.run(Supervisor(config, options, host, ports, run_dir).run)
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
 
@@ -89,13 +94,13 @@ class Supervisor:
         self,
         config: EngineConfig,
         options: ServerOptions,
-        count: int,
         host: str,
-        port: int,
+        ports: list[socket.socket],
         run_dir: str,
     ) -> None:
-        self.config, self.options, self.count = config, options, count
-        self.host, self.port, self.run_dir = host, port, run_dir
+        self.config, self.options, self.count = config, options, len(ports)
+        self.host, self.ports, self.run_dir = host, ports, run_dir
+        self.port = ports[0].getsockname()[1]
         self.engine: Child | None = None
         self.servers: list[Child] = []
         self.stopping = False  # the API servers were told to drain
@@ -124,8 +129,7 @@ class Supervisor:
 
     def _start(self) -> None:
         self._prepare()
-        ports = api_server_sockets(self.host, self.port, self.count, self.options.tcp_user_timeout)
-        self.port = ports[0].getsockname()[1]
+        ports = self.ports
         locals_ = [local_listening_socket(local_socket(self.run_dir, i)) for i in range(self.count)]
         links = [Link() for _ in range(self.count)]
         engine_fds = [fd for link in links for fd in link.engine_ends]

@@ -175,3 +175,35 @@ def test_unloadable_model_exits_nonzero(tmp_path):
     )
     assert proc.returncode == 2  # the model given is bad input, as a bad flag is
     assert "does not exist" in proc.stderr
+
+
+@pytest.mark.parametrize("count", [1, 2])
+def test_a_port_in_use_is_one_line_and_exit_code_1(tmp_path, count):
+    """Bound before the model loads: an operator sees why, not a traceback, and nothing starts."""
+    import socket
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    try:
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "server",
+                "serve",
+                str(tmp_path / "never-loaded"),
+                "--port",
+                str(port),
+                "--api-server-count",
+                str(count),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        taken.close()
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == f"weir: cannot listen on 127.0.0.1:{port}: Address already in use"
