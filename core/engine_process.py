@@ -100,8 +100,11 @@ def main() -> None:
 
         loaded = load(init.config)
     except BaseException as e:  # noqa: BLE001 - reported to the server, which fails its startup
-        log.error("loading failed\n%s", traceback.format_exc())
         bad = isinstance(e, CheckpointError)
+        if bad:  # the model given: its message says it all
+            log.error("loading failed: %s", e)
+        else:
+            log.error("loading failed\n%s", traceback.format_exc())
         tell(EngineDied(f"loading failed: {type(e).__name__}: {e}", bad))
         return
     core = loaded.core

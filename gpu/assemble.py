@@ -139,6 +139,16 @@ def fit_model_len(config: EngineConfig, max_positions: int, num_blocks: int, ran
     """--max-model-len (or the model's own), cut to what the KV cache holds (said once: by
     rank 0 under tensor parallelism)."""
     capacity = num_blocks * config.block_size
+    if (
+        config.max_model_len
+        and config.max_model_len > max_positions
+        and os.environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN") != "1"
+    ):
+        raise CheckpointError(
+            f"--max-model-len {config.max_model_len} is more than the model's "
+            f"{max_positions} positions (max_position_embeddings, rope scaling included): past "
+            "them it was never trained; VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 allows it (as in vLLM)"
+        )
     max_model_len = config.max_model_len or max_positions
     if max_model_len > capacity and rank == 0:
         log.warning(

@@ -130,6 +130,10 @@ def main(argv: list[str] | None = None) -> int:
         # transformers imports torch for its tokenizers whenever torch is installed: about 200 MB
         # resident and a second of start-up. A None entry makes torch unavailable here.
         sys.modules["torch"] = None  # type: ignore[assignment]
+        # ... which transformers, when imported, would announce as "PyTorch was not found".
+        logging.getLogger("transformers").addFilter(
+            lambda record: "PyTorch was not found" not in record.getMessage()
+        )
     from server.listen import api_server_sockets, listening_socket
     from server.server_count import api_server_count
 

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from core.config import EngineConfig
+from core.config import CheckpointError, EngineConfig
 from core.request import EngineRequest
 from core.sampling import SamplingParams
 from gpu.launch import load
@@ -55,6 +55,24 @@ def test_untied_head_and_llama3_rope_scaling(model_dir):
     assert hasattr(loaded.core.runner.model, "lm_head")
     ids = loaded.tokenizer.encode("token " * 30)  # long enough for the scaled band to matter
     assert greedy(loaded, ids) == hf_greedy(path, ids)
+
+
+def test_max_model_len_past_the_models_positions_is_refused(model_dir, monkeypatch):
+    """As vLLM: --max-model-len beyond the positions the model serves (rope scaling included) is
+    a start-up error unless VLLM_ALLOW_LONG_MAX_MODEL_LEN=1; the KV cache still cuts it."""
+    monkeypatch.delenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", raising=False)
+    path = model_dir("llama", max_position_embeddings=512)
+    with pytest.raises(CheckpointError, match="--max-model-len 1024 is more than the model's 512"):
+        load(EngineConfig(model=str(path), num_kv_blocks=128, max_model_len=1024))
+    assert load(EngineConfig(model=str(path), num_kv_blocks=128)).max_model_len == 512
+    monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
+    long = load(EngineConfig(model=str(path), num_kv_blocks=128, max_model_len=1024))
+    assert long.max_model_len == 1024
+    monkeypatch.delenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN")
+    # yarn serves its original length times its factor
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}
+    path = model_dir("qwen2", max_position_embeddings=256, rope_scaling=yarn)
+    assert load(EngineConfig(model=str(path), num_kv_blocks=128)).max_model_len == 1024
 
 
 def test_older_rope_theta_config_is_read(model_dir, tmp_path):

@@ -140,7 +140,7 @@ def test_second_signal_exits_at_once(tiny):
 
 def test_client_that_stops_reading_is_dropped_and_aborted(tiny):
     server = LiveServer(
-        EngineConfig(model=tiny, num_kv_blocks=2048, max_model_len=8192), tcp_user_timeout=1.0
+        EngineConfig(model=tiny, num_kv_blocks=2048, max_model_len=4096), tcp_user_timeout=1.0
     ).start()
     try:
         engine = server.engine
@@ -151,7 +151,7 @@ def test_client_that_stops_reading_is_dropped_and_aborted(tiny):
         sock = socket.socket()
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)  # a tiny receive window
         sock.connect(("127.0.0.1", server.port))
-        body = b'{"prompt": "hi", "max_tokens": 8000, "stream": true, "ignore_eos": true}'
+        body = b'{"prompt": "hi", "max_tokens": 4000, "stream": true, "ignore_eos": true}'
         sock.sendall(
             b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
             b"application/json\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body

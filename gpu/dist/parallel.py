@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from core.config import CheckpointError
 from gpu.models.spec import ModelSpec
 
 
@@ -54,7 +55,8 @@ class TensorParallel:
 
 
 def check(spec: ModelSpec, world_size: int) -> None:
-    """Raise ValueError when the model's shapes do not split over `world_size` ranks."""
+    """Raise CheckpointError (the model given cannot be served so: exit code 2) when the
+    model's shapes do not split over `world_size` ranks."""
     if world_size < 1:
         raise ValueError("--tensor-parallel-size must be at least 1")
     if world_size == 1:
@@ -68,7 +70,7 @@ def check(spec: ModelSpec, world_size: int) -> None:
     if spec.intermediate_size % world_size:
         problems.append(f"an MLP of {spec.intermediate_size}")
     if problems:
-        raise ValueError(
+        raise CheckpointError(
             f"--tensor-parallel-size {world_size} does not divide this model: "
             + ", ".join(problems)
         )

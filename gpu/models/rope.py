@@ -19,6 +19,20 @@ def rope_parameters(config: Any) -> dict[str, Any]:
     return scaling
 
 
+def context_length(config: Any) -> int:
+    """The positions the model serves (vLLM's derived max_model_len): max_position_embeddings,
+    times the factor of a linear, dynamic or yarn scaling (yarn's from its original length);
+    llama3 and longrope configs give the scaled length already."""
+    length = int(getattr(config, "max_position_embeddings", None) or 4096)
+    params = rope_parameters(config)
+    factor = params.get("factor")
+    if not factor or params.get("rope_type") in ("default", "llama3", "longrope", "su"):
+        return length
+    if params.get("rope_type") == "yarn":
+        length = int(params.get("original_max_position_embeddings") or length)
+    return int(length * float(factor))
+
+
 class Rope:
     def __init__(
         self,

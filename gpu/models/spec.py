@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from core.config import CheckpointError
+from gpu.models.rope import context_length
 
 # Architecture -> how it differs from plain Llama. Mistral is Llama with its own config defaults.
 ARCHITECTURES: dict[str, dict[str, Any]] = {
@@ -32,7 +33,7 @@ class ModelSpec:
     mlp_bias: bool
     qk_norm: bool
     hidden_act: str
-    max_position_embeddings: int
+    max_position_embeddings: int  # the positions served, rope scaling included (rope.py)
     sliding_window: int = 0  # 0: every layer attends to the whole context
 
     @classmethod
@@ -65,6 +66,6 @@ class ModelSpec:
             mlp_bias=bool(getattr(config, "mlp_bias", False)),
             qk_norm=extra["qk_norm"],
             hidden_act=getattr(config, "hidden_act", "silu"),
-            max_position_embeddings=getattr(config, "max_position_embeddings", 4096),
+            max_position_embeddings=context_length(config),
             sliding_window=int(window or 0),
         )
