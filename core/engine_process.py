@@ -188,6 +188,14 @@ class EngineProcess(Engine):
         self._cmd.send_bytes(self._encode(EngineInit(self.config, level)))
         return self._await_ready()
 
+    def kill_loading(self) -> None:
+        """Kill the engine process while it loads (launch() then raises): it has taken no
+        request, and reads no command until its model is loaded."""
+        if self._child is not None and self.info is None:
+            self._closing = True
+            self._child.proc.kill()
+            self._child.proc.wait()  # at once after SIGKILL
+
     def _await_ready(self) -> EngineReady:
         """Blocking: the engine's first reply, EngineReady; raises when loading failed."""
         try:

@@ -44,10 +44,21 @@ async def load_engine(app: QuartTrio, st: ServerState) -> None:
         if st.options.engine_process:
             # One of several API servers (a seat) shares the engine the supervisor started.
             engine = _attached(st.config, st.seat) if st.seat else EngineProcess(st.config)
+            watch = trio.CancelScope()
+            if isinstance(engine, EngineProcess):
+                app.nursery.start_soon(_stop_loading_on_shutdown, app, engine, watch)
             try:
-                loaded = await trio.to_thread.run_sync(_launch, engine)
-            except BaseException:
+                try:
+                    loaded = await trio.to_thread.run_sync(_launch, engine)
+                finally:
+                    watch.cancel()
+            except BaseException as e:
+                stopped = isinstance(e, Exception) and app.weir_shutdown.is_set()
+                if stopped and not app.weir_failed:
+                    log.info("stopped while the model was loading")
                 await engine.shutdown()  # no child may outlive a failed start
+                if stopped and not app.weir_failed:
+                    return
                 raise
         else:
             loaded = await trio.to_thread.run_sync(_load, st.config)
@@ -154,6 +165,17 @@ async def load_engine(app: QuartTrio, st: ServerState) -> None:
     if st.status == "loading":
         st.status, st.reason = "ready", "ok"
     log.info("serving %s", ", ".join(st.served_names))
+
+
+async def _stop_loading_on_shutdown(
+    app: QuartTrio, engine: EngineProcess, watch: trio.CancelScope
+) -> None:
+    """A signal while the model loads (until `watch` is cancelled): the engine process is killed
+    (it serves nothing yet, and loading an 8B model can outlast an orchestrator's grace period),
+    so the server exits now."""
+    with watch:
+        await app.weir_shutdown.wait()
+        engine.kill_loading()
 
 
 def _attached(config: EngineConfig, seat: Seat) -> AttachedEngine:

@@ -164,3 +164,42 @@ def test_client_that_stops_reading_is_dropped_and_aborted(tiny):
         sock.close()
     finally:
         server.stop()
+
+
+def test_sigterm_while_the_model_loads_exits_0_at_once():
+    """The engine process is killed while it loads (it has taken nothing), instead of the server
+    waiting out a load that may outlast an orchestrator's grace period. Held in loading for
+    sure: the model is a hub id, the hub a socket here that accepts the download's connection
+    and never answers (the signal goes once the engine has connected)."""
+    hub = socket.socket()
+    hub.bind(("127.0.0.1", 0))
+    hub.listen()
+    env = {
+        **os.environ,
+        "HF_ENDPOINT": f"http://127.0.0.1:{hub.getsockname()[1]}",
+        "HF_HUB_OFFLINE": "0",
+        "HF_HUB_ETAG_TIMEOUT": "600",
+        "HF_HUB_DOWNLOAD_TIMEOUT": "600",
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "server", "serve", "someone/some-model", "--port", str(free_port())],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+    try:
+        hub.settimeout(120)
+        conn, _ = hub.accept()  # the engine process is downloading: it is loading
+        engine = engine_process_of(proc.pid)
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(60)
+        conn.close()
+    finally:
+        hub.close()
+        if proc.poll() is None:
+            proc.kill()
+    out = proc.stdout.read()
+    assert code == 0, out
+    assert "stopped while the model was loading" in out
+    assert not alive(engine)
