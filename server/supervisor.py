@@ -9,7 +9,7 @@ store), starts the engine process with its own pipes and one pair per API server
 serves no HTTP itself; it watches:
 
 - SIGINT/SIGTERM: every API server is told to drain (Drain); once all have exited, the engine
-  is told to stop (Shutdown) and joined; exit 0. A second signal: every server exits at once;
+  is told to stop (Shutdown) and joined; exit 0. An engine still loading is killed at once. A second signal: every server exits at once;
   exit 1. The children ignore those signals, so a Ctrl-C or systemd's SIGTERM to the whole
   group is one drain.
 - An API server that exits while nothing asked it to: the whole server stops, as vLLM stops
@@ -110,6 +110,7 @@ class Supervisor:
         self.exit_codes: dict[int, int] = {}
         self.all_gone = trio.Event()
         self.engine_ready = False
+        self.stopped_loading = False  # a signal came before the engine was ready: killed
 
     # ---- start-up ----
     def _prepare(self) -> None:
@@ -228,6 +229,10 @@ class Supervisor:
                 if not self.stopping:
                     log.info("signal received: draining %d API servers", self.count)
                     self._drain(nursery)
+                    if not self.engine_ready:  # it has taken nothing: no load to wait out
+                        log.info("stopped while the model was loading")
+                        self.stopped_loading = True
+                        self.engine.proc.kill()
                 elif not self.forced:
                     log.warning("second signal: exiting now")
                     self.forced = True
@@ -253,8 +258,8 @@ class Supervisor:
 
     async def _watch_engine(self, nursery: trio.Nursery) -> None:
         code = await wait_exit(self.engine.proc)
-        if self.all_gone.is_set() or self.failure:
-            return  # stopped by _stop_engine, or its failure is already told
+        if self.all_gone.is_set() or self.failure or self.stopped_loading:
+            return  # stopped by _stop_engine or by a signal, or its failure is already told
         message = f"the engine process exited unexpectedly ({describe(code)})"
         if self.options.exit_on_engine_error:
             self._fail(message + ": stopping the API servers", nursery)

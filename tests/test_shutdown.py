@@ -166,7 +166,8 @@ def test_client_that_stops_reading_is_dropped_and_aborted(tiny):
         server.stop()
 
 
-def test_sigterm_while_the_model_loads_exits_0_at_once():
+@pytest.mark.parametrize("servers", ["1", "2"])
+def test_sigterm_while_the_model_loads_exits_0_at_once(servers):
     """The engine process is killed while it loads (it has taken nothing), instead of the server
     waiting out a load that may outlast an orchestrator's grace period. Held in loading for
     sure: the model is a hub id, the hub a socket here that accepts the download's connection
@@ -182,7 +183,8 @@ def test_sigterm_while_the_model_loads_exits_0_at_once():
         "HF_HUB_DOWNLOAD_TIMEOUT": "600",
     }
     proc = subprocess.Popen(
-        [sys.executable, "-m", "server", "serve", "someone/some-model", "--port", str(free_port())],
+        [sys.executable, "-m", "server", "serve", "someone/some-model", "--port", str(free_port())]
+        + ["--api-server-count", servers],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
