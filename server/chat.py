@@ -11,15 +11,43 @@ from server.protocol import ChatMessage
 
 
 def load_template(value: str | None) -> str | None:
-    """--chat-template takes a file path or the template text itself."""
+    """--chat-template takes a file path or the template text itself; ValueError for neither,
+    or for a template Jinja cannot parse (checked at start-up, not at every chat request)."""
     if value is None:
         return None
     path = Path(value).expanduser()
     if path.is_file():
-        return path.read_text()
-    if "{" not in value:
+        text = path.read_text()
+    elif "{" not in value:
         raise ValueError(f"--chat-template {value!r} is neither a file nor a template")
-    return value
+    else:
+        text = value
+    check_template(text)
+    return text
+
+
+def check_template(text: str) -> None:
+    """Parse a chat template as transformers will render it (loop controls, and the
+    `{% generation %}` blocks of assistant-mask templates); ValueError naming the line."""
+    import jinja2
+    import jinja2.ext
+    import jinja2.sandbox
+
+    class Generation(jinja2.ext.Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):  # type: ignore[no-untyped-def]
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.Scope(body, lineno=lineno)
+
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        extensions=[jinja2.ext.loopcontrols, Generation]
+    )
+    try:
+        env.parse(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"--chat-template: not a valid template (line {e.lineno}: {e.message})")
 
 
 def _content(message: ChatMessage, index: int) -> str:

@@ -11,6 +11,7 @@ import trio
 
 from core.config import EngineConfig
 from server import vllm_flags
+from server.chat import load_template
 from server.flags import build_parser
 
 __all__ = ["build_parser", "config_from_args", "main", "options_from_args"]
@@ -110,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         notes = vllm_flags.check(args)
         config.validate()
         options.validate()
+        load_template(config.chat_template)
     except ValueError as e:
         print(f"weir: {e}", file=sys.stderr)
         return 2

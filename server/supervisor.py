@@ -9,9 +9,9 @@ store), starts the engine process with its own pipes and one pair per API server
 serves no HTTP itself; it watches:
 
 - SIGINT/SIGTERM: every API server is told to drain (Drain); once all have exited, the engine
-  is told to stop (Shutdown) and joined; exit 0. An engine still loading is killed at once. A second signal: every server exits at once;
-  exit 1. The children ignore those signals, so a Ctrl-C or systemd's SIGTERM to the whole
-  group is one drain.
+  is told to stop (Shutdown) and joined; exit 0. An engine still loading is killed at once. A
+  second signal: every server exits at once; exit 1. The children ignore those signals, so a
+  Ctrl-C or systemd's SIGTERM to the whole group is one drain.
 - An API server that exits while nothing asked it to: the whole server stops, as vLLM stops
   when one of its API servers dies, never leaving a server that silently answers on some
   connections only: a log line names the server, its pid and exit status, the others drain,

@@ -207,3 +207,33 @@ def test_a_port_in_use_is_one_line_and_exit_code_1(tmp_path, count):
         taken.close()
     assert proc.returncode == 1
     assert proc.stderr.strip() == f"weir: cannot listen on 127.0.0.1:{port}: Address already in use"
+
+
+@pytest.mark.parametrize(
+    "template,message",
+    [
+        ("/no/such/template.jinja", "is neither a file nor a template"),
+        ("{% if %}hi", "not a valid template (line 1: Expected an expression"),
+    ],
+)
+def test_a_bad_chat_template_is_refused_at_start(template, message):
+    """Before any model loads (exit 2, as any bad flag), not as a 400 on every chat request."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "server", "serve", "--chat-template", template],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert message in proc.stderr
+
+
+def test_templates_transformers_renders_pass_the_start_up_check():
+    from server.chat import check_template
+    from gpu.tiny_model import CHATML
+
+    check_template(CHATML)
+    check_template(  # assistant-mask blocks and loop controls
+        "{% for m in messages %}{% if m.role == 'system' %}{% continue %}{% endif %}"
+        "{% generation %}{{ m.content }}{% endgeneration %}{% endfor %}"
+    )
