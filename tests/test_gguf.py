@@ -31,6 +31,7 @@ from core.request import EngineRequest
 from core.sampling import SamplingParams
 from gpu.gguf_names import hf_name, llama_unpermute_index
 from gpu.launch import load
+from gpu.quant.formats import BY_GGML_TYPE
 from gpu.quant.gguf_write import q4_k_m, uniform, write_gguf, write_random_gguf
 from gpu.tiny_model import build_tiny_model
 
@@ -131,10 +132,15 @@ def test_f32_file_is_transformers_exactly(files, arch):
 )  # fmt: skip
 def test_block_formats_against_transformers(files, arch, fmt):
     hf, paths = files
-    loaded = load_file(paths[arch, fmt])
+    close_to_transformers(paths[arch, fmt], hf[arch])
+
+
+def close_to_transformers(path, hf_dir):
+    """The module docstring's bar, and the compiled stack equal to the module path."""
+    loaded = load_file(path)
     ids = loaded.tokenizer.encode(TEXT, add_special_tokens=False)
     tokens, plp = run(loaded, ids, n=1, prompt_logprobs=1)
-    ref = hf_from_gguf(paths[arch, fmt], hf[arch])
+    ref = hf_from_gguf(path, hf_dir)
     with torch.no_grad():
         logprobs = torch.log_softmax(ref(torch.tensor([ids])).logits[0].double(), -1)
     ours = [plp[i].top_ids[0] for i in range(1, len(ids))] + tokens[:1]
@@ -144,9 +150,27 @@ def test_block_formats_against_transformers(files, arch, fmt):
     gaps = logprobs.max(-1).values - logprobs[torch.arange(len(ours)), torch.tensor(ours)]
     assert float(gaps.mean()) < 0.1, gaps
     # the compiled stack and the module path: the same kernels in the same order
-    modules = load_file(paths[arch, fmt], cpu_forward="modules")
+    modules = load_file(path, cpu_forward="modules")
     assert loaded.core.runner.model.stack is not None and modules.core.runner.model.stack is None
-    assert run(load_file(paths[arch, fmt]), ids)[0] == run(modules, ids)[0]
+    assert run(load_file(path), ids)[0] == run(modules, ids)[0]
+
+
+@pytest.mark.parametrize(
+    "rule,formats",
+    [(q4_k_m, {"q5_0", "q8_0"}), (uniform("q5_k"), {"q5_1"}), (uniform("q4_1"), {"q4_1"})],
+)
+def test_rows_that_are_not_whole_super_blocks(tmp_path, rule, formats):
+    """A hidden size that is no multiple of 256 (Qwen2.5-0.5B's 896): llama-quantize writes
+    those products as Q5_0 in a Q4_K_M file, Q5_1 in a Q5_K_M one, Q8_0 for Q6_K's; weir serves
+    them (and Q4_1) against transformers."""
+    hf_dir = build_tiny_model(
+        tmp_path / "m", "qwen2", hidden_size=384, intermediate_size=512, num_heads=6,
+        num_kv_heads=2, num_layers=2, pretokenizer="qwen2",
+    )  # fmt: skip
+    path = write_gguf(hf_dir, tmp_path / "m.gguf", rule)
+    written = {BY_GGML_TYPE[int(t.tensor_type)].name for t in gguf.GGUFReader(path).tensors}
+    assert formats <= written, written
+    close_to_transformers(path, hf_dir)
 
 
 def test_a_random_file_written_in_blocks(files, tmp_path):

@@ -25,7 +25,7 @@ def weights(seed: int, n: int = 24, k: int = 1024) -> np.ndarray:
     return w
 
 
-@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1", "bf16", "f16"])
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "bf16", "f16"])
 def test_bytes_equal_the_gguf_package_quantizer(fmt):
     w = weights(0)
     theirs = gguf.quants.quantize(w, gguf.GGMLQuantizationType(FORMATS[fmt].ggml_type))
@@ -41,6 +41,8 @@ ERRORS = {
     "q8_0": (0.006, 0.005, 32),
     "q4_0": (0.08, 0.13, 32),
     "q4_1": (0.08, 0.07, 32),
+    "q5_0": (0.04, 0.065, 32),
+    "q5_1": (0.04, 0.035, 32),
     "q4_k": (0.08, 0.07, 256),
     "q5_k": (0.04, 0.035, 256),
     "q6_k": (0.02, 0.02, 256),

@@ -3,7 +3,10 @@ is k / block_size blocks of block_bytes bytes each.
 
 F32, F16, BF16: plain elements. Q8_0 (32 weights: f16 scale, 32 int8), Q4_0 (32: f16 scale, 16
 bytes of nibbles, w = d (q - 8)), Q4_1 (32: f16 d and m, 16 bytes of nibbles, w = d q + m; AWQ
-and GPTQ checkpoints are repacked into it and Q4_0: gpu/quant/int4.py), and the k-quants over
+and GPTQ checkpoints are repacked into it and Q4_0: gpu/quant/int4.py), Q5_0 and Q5_1 (Q4_0 and
+Q4_1 with a fifth bit: 4 bytes of high bits before the nibbles, w = d (q - 16) or d q + m;
+llama-quantize writes them in K-quant files for tensors whose rows are not whole super-blocks of
+256, as Qwen2.5-0.5B's 896), and the k-quants over
 super-blocks of 256 weights: Q4_K (f16 d and dmin, eight 6-bit scales and mins, 4-bit q:
 w = d sc q - dmin m per 32), Q5_K (the same with a fifth bit), Q6_K (16 int8 scales of 16
 weights, 6-bit q: w = d sc (q - 32)). The codes are ggml's type ids; weir's kernels take these
@@ -39,6 +42,8 @@ FORMATS: dict[str, Format] = {
         Format("q8_0", 8, 32, 34, True),
         Format("q4_0", 2, 32, 18, True),
         Format("q4_1", 3, 32, 20, True),
+        Format("q5_0", 6, 32, 22, True),
+        Format("q5_1", 7, 32, 24, True),
         Format("q4_k", 12, 256, 144, True),
         Format("q5_k", 13, 256, 176, True),
         Format("q6_k", 14, 256, 210, True),

@@ -42,9 +42,15 @@ def uniform(fmt: str) -> Callable[[str, tuple[int, ...]], str]:
     return lambda name, shape: "f32" if len(shape) == 1 else fmt
 
 
+# llama-quantize's format for a k-quant tensor whose rows are not whole super-blocks of 256
+# (Qwen2.5-0.5B's 896): its "incompatible tensor" fallbacks.
+FALLBACK = {"q4_k": "q5_0", "q5_k": "q5_1", "q6_k": "q8_0"}
+
+
 def _fitting(fmt: str, k: int) -> str:
-    """`fmt`, or the nearest format whose blocks divide rows of k (llama.cpp falls back too)."""
-    for f in (fmt, "q8_0", "f16"):
+    """`fmt`, or the format llama.cpp falls back to for rows of k, else the nearest whose
+    blocks divide them."""
+    for f in (fmt, FALLBACK.get(fmt, "q8_0"), "q8_0", "f16"):
         if k % FORMATS[f].block_size == 0:
             return f
     return "f32"
@@ -206,8 +212,11 @@ def random_blocks(fmt: str, n: int, k: int, rng: np.random.Generator) -> np.ndar
             np.full(len(blocks), value, np.float16).view(np.uint8)[:, None].reshape(-1, 2)
         )
 
-    if fmt in ("q8_0", "q4_0"):
-        f16(0, 0.1 / (127 if fmt == "q8_0" else 8))
+    if fmt in ("q8_0", "q4_0", "q5_0"):
+        f16(0, 0.1 / {"q8_0": 127, "q4_0": 8, "q5_0": 16}[fmt])
+    elif fmt in ("q4_1", "q5_1"):
+        f16(0, 0.1 / (15 if fmt == "q4_1" else 31))
+        f16(2, -0.05)
     elif fmt in ("q4_k", "q5_k"):
         f16(0, 0.1 / 63 / (15 if fmt == "q4_k" else 31))
         f16(2, 0.05 / 63)

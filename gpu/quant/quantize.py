@@ -78,6 +78,31 @@ def _q4_1(b: np.ndarray) -> np.ndarray:
     return np.concatenate([_f16_bytes(d), _f16_bytes(lo), q], axis=1)
 
 
+def _fifth_bits(q: np.ndarray) -> np.ndarray:
+    """[blocks, 32] 5-bit values -> ggml's 4 bytes of their fifth bits (bit i: weight i) and the
+    16 bytes of nibbles (weight j low, j + 16 high)."""
+    high = ((q >> 4) & 1).astype(np.uint32) << np.arange(32, dtype=np.uint32)
+    qh = high.sum(axis=1, dtype=np.uint32).astype("<u4").view(np.uint8).reshape(len(q), 4)
+    low = q & 0x0F
+    return np.concatenate([qh, low[:, :16] | (low[:, 16:] << 4)], axis=1)
+
+
+def _q5_0(b: np.ndarray) -> np.ndarray:
+    imax = np.abs(b).argmax(axis=1)[:, None]
+    d = np.take_along_axis(b, imax, axis=1) / -16
+    inv = np.divide(1.0, d, out=np.zeros_like(d), where=d != 0)
+    q = np.clip(np.trunc(b * inv + np.float32(16.5)), 0, 31).astype(np.uint8)
+    return np.concatenate([_f16_bytes(d), _fifth_bits(q)], axis=1)
+
+
+def _q5_1(b: np.ndarray) -> np.ndarray:
+    lo = b.min(axis=1, keepdims=True)
+    d = (b.max(axis=1, keepdims=True) - lo) / 31
+    inv = np.divide(1.0, d, out=np.zeros_like(d), where=d != 0)
+    q = np.clip(np.trunc((b - lo) * inv + np.float32(0.5)), 0, 31).astype(np.uint8)
+    return np.concatenate([_f16_bytes(d), _f16_bytes(lo), _fifth_bits(q)], axis=1)
+
+
 def _grid(values: np.ndarray, top: int) -> tuple[np.ndarray, np.ndarray]:
     """Non-negative per-sub-block values [blocks, subs] on a grid of `top` steps: (the f16 step
     per block [blocks, 1], the integer multiples [blocks, subs])."""
@@ -164,6 +189,8 @@ QUANTIZERS = {
     "q8_0": _q8_0,
     "q4_0": _q4_0,
     "q4_1": _q4_1,
+    "q5_0": _q5_0,
+    "q5_1": _q5_1,
     "q4_k": _q4_k,
     "q5_k": _q5_k,
     "q6_k": _q6_k,

@@ -1,8 +1,8 @@
-// Products on weights in 16-bit and block formats (GGUF's F16, BF16, Q8_0, Q4_0, Q4_K, Q5_K,
-// Q6_K) packed into weir's panels (quant_pack.cpp): the reference product, the quantization of
-// the activations, and the dispatch to the fastest path this CPU runs (quant_avx512.cpp with
-// VNNI and BF16, quant_avx2.cpp), each tested against the reference. The layout and the
-// arithmetic every path shares: quant_layout.h.
+// Products on weights in 16-bit and block formats (GGUF's F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0,
+// Q5_1, Q4_K, Q5_K, Q6_K) packed into weir's panels (quant_pack.cpp): the reference product,
+// the quantization of the activations, and the dispatch to the fastest path this CPU runs
+// (quant_avx512.cpp with VNNI and BF16, quant_avx2.cpp), each tested against the reference. The
+// layout and the arithmetic every path shares: quant_layout.h.
 //
 // A product streams each panel once per chunk of up to kRowChunk rows: a decode step or a
 // prefill chunk reads every weight block once for all its rows, so many streams cost arithmetic,

@@ -114,10 +114,10 @@ void blocks(int format, const uint8_t* panel, const Acts& a, int64_t rows, float
         at += g.scales + g.ints;
         for (int c = 0; c < 2; ++c) {
             __m256 alpha[2], beta[2];
-            if (format == kWQ8_0 || format == kWQ4_0) {
+            if (is_d_only(format)) {
                 alpha[0] = f16x8(scales + 16 * c);
-                beta[0] = _mm256_mul_ps(_mm256_set1_ps(q8 ? 128.f : 8.f), alpha[0]);
-            } else if (format == kWQ4_1) {
+                beta[0] = _mm256_mul_ps(_mm256_set1_ps(zero_u(format)), alpha[0]);
+            } else if (is_d_m(format)) {
                 alpha[0] = f16x8(scales + 16 * c);
                 beta[0] = _mm256_sub_ps(_mm256_setzero_ps(), f16x8(scales + 32 + 16 * c));
             } else if (format == kWQ6_K) {

@@ -116,10 +116,10 @@ WEIR_INLINE void block(Cursor& cur, int64_t b, const Acts& a, int64_t r0, int64_
     const uint8_t* ints = cur.at + g.scales;
     cur.at += g.scales + g.ints;
     __m512 alpha[2], beta[2];
-    if constexpr (F == kWQ8_0 || F == kWQ4_0) {
+    if constexpr (is_d_only(F)) {
         alpha[0] = f16x16(scales);
-        beta[0] = _mm512_mul_ps(_mm512_set1_ps(F == kWQ8_0 ? 128.f : 8.f), alpha[0]);
-    } else if constexpr (F == kWQ4_1) {
+        beta[0] = _mm512_mul_ps(_mm512_set1_ps(zero_u(F)), alpha[0]);
+    } else if constexpr (is_d_m(F)) {
         alpha[0] = f16x16(scales);
         beta[0] = _mm512_sub_ps(_mm512_setzero_ps(), f16x16(scales + 32));
     } else if constexpr (F == kWQ6_K) {
@@ -282,6 +282,8 @@ void panel_avx512(int format, const uint8_t* panel, const Acts& a, const void* x
         case kWQ8_0: return blocks_rows<kWQ8_0>(panel, a, rows, out);
         case kWQ4_0: return blocks_rows<kWQ4_0>(panel, a, rows, out);
         case kWQ4_1: return blocks_rows<kWQ4_1>(panel, a, rows, out);
+        case kWQ5_0: return blocks_rows<kWQ5_0>(panel, a, rows, out);
+        case kWQ5_1: return blocks_rows<kWQ5_1>(panel, a, rows, out);
         case kWQ4_K: return blocks_rows<kWQ4_K>(panel, a, rows, out);
         case kWQ5_K: return blocks_rows<kWQ5_K>(panel, a, rows, out);
         case kWQ6_K: return blocks_rows<kWQ6_K>(panel, a, rows, out);

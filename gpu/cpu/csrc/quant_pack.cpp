@@ -36,16 +36,23 @@ void parse(int format, const uint8_t* b, Parsed& p) {
             for (int i = 0; i < 32; ++i) p.u[i] = uint8_t(int8_t(b[2 + i]) + 128);
             return;
         case kWQ4_0:
-        case kWQ4_1: {
+        case kWQ4_1:
+        case kWQ5_0:
+        case kWQ5_1: {
             p.d16 = load16(b);
-            const uint8_t* qs = b + 2;
-            if (format == kWQ4_1) {
-                p.dmin16 = load16(b + 2);  // m
-                qs = b + 4;
+            const uint8_t* at = b + 2;
+            if (is_d_m(format)) {
+                p.dmin16 = load16(at);  // m
+                at += 2;
+            }
+            uint32_t qh = 0;  // Q5_0/Q5_1: bit i is weight i's fifth bit
+            if (geometry(format).bits == 5) {
+                std::memcpy(&qh, at, 4);
+                at += 4;
             }
             for (int i = 0; i < 16; ++i) {
-                p.u[i] = qs[i] & 0x0F;
-                p.u[16 + i] = qs[i] >> 4;
+                p.u[i] = (at[i] & 0x0F) | (((qh >> i) & 1) << 4);
+                p.u[16 + i] = (at[i] >> 4) | (((qh >> (16 + i)) & 1) << 4);
             }
             return;
         }
@@ -144,9 +151,9 @@ void pack_block_panel(int format, const uint8_t* rows, int64_t row_bytes, int64_
             const int64_t off = (b * 32) % g.block;  // where they start in it
             put_ints(g.bits, p.u + off, col, ints);
             const int64_t sub = off / 32;
-            if (format == kWQ8_0 || format == kWQ4_0) {
+            if (is_d_only(format)) {
                 std::memcpy(scales + 2 * col, &p.d16, 2);
-            } else if (format == kWQ4_1) {
+            } else if (is_d_m(format)) {
                 std::memcpy(scales + 2 * col, &p.d16, 2);
                 std::memcpy(scales + 2 * (kPanel + col), &p.dmin16, 2);
             } else if (format == kWQ6_K) {
@@ -194,11 +201,11 @@ void read_column(int format, const uint8_t* header, const uint8_t* scales, const
         if (g.bits == 5) u[kk] |= ((ints[256 + col * 4 + i] >> t) & 1) << 4;
         if (g.bits == 6) u[kk] |= ((ints[256 + 64 * (t / 4) + col * 4 + i] >> (2 * (t % 4))) & 3) << 4;
     }
-    if (format == kWQ8_0 || format == kWQ4_0) {
+    if (is_d_only(format)) {
         const float d = half_to_float(load16(scales + 2 * col));
         alpha[0] = alpha[1] = d;
-        beta[0] = beta[1] = (format == kWQ8_0 ? 128.f : 8.f) * d;
-    } else if (format == kWQ4_1) {
+        beta[0] = beta[1] = zero_u(format) * d;
+    } else if (is_d_m(format)) {
         alpha[0] = alpha[1] = half_to_float(load16(scales + 2 * col));
         beta[0] = beta[1] = -half_to_float(load16(scales + 2 * (kPanel + col)));
     } else if (format == kWQ6_K) {
@@ -254,10 +261,10 @@ void dequant_row(int format, const uint8_t* packed, int64_t k, int64_t row, floa
         float* o = out + 32 * b;
         for (int kk = 0; kk < 32; ++kk) {
             const int h = g.halves == 2 ? kk / 16 : 0;
-            if (format == kWQ8_0 || format == kWQ4_0) {
+            if (is_d_only(format)) {
                 const float d = half_to_float(load16(scales + 2 * col));
-                o[kk] = d * float(int(u[kk]) - (format == kWQ8_0 ? 128 : 8));
-            } else if (format == kWQ4_1) {
+                o[kk] = d * float(int(u[kk]) - int(zero_u(format)));
+            } else if (is_d_m(format)) {
                 o[kk] = alpha[h] * float(u[kk]) + (-beta[h]);  // ggml: q d + m
             } else if (format == kWQ6_K) {
                 o[kk] = alpha[h] * float(int(u[kk]) - 32);

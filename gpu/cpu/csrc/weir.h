@@ -120,6 +120,8 @@ enum WFormat : int {
     kWF16 = 1,
     kWQ4_0 = 2,
     kWQ4_1 = 3,
+    kWQ5_0 = 6,
+    kWQ5_1 = 7,
     kWQ8_0 = 8,
     kWQ4_K = 12,
     kWQ5_K = 13,
