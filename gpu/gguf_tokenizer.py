@@ -12,7 +12,11 @@ GPU image's) fails on a Llama file without a BOS id, names the BOS token as EOS 
 one, and splits a Llama 3 file's text with GPT-2's expression (so "2026" is one piece, where
 Llama 3 makes "202" "6"); later versions read `tokenizer.ggml.pre`. Other vocabularies
 (SentencePiece "llama", unknown split names) still go to transformers; their special tokens are
-then set from the file's ids, which it may have got wrong.
+then set from the file's ids, which it may have got wrong, and BOS added as the file says (5.17
+left it out of a SentencePiece file's encodings). A SentencePiece file converted by llama.cpp
+from a trained SentencePiece model encoded as the model's own folder does under 5.24 (8 texts,
+with and without special tokens), and under 5.17 as SentencePiece itself does, leading spaces
+included (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -146,11 +150,14 @@ def special_tokens(get: Callable[[str, Any], Any], tokens: list[str]) -> dict[st
 
 
 def set_special_tokens(tok: Any, get: Callable[[str, Any], Any]) -> None:
-    """Put the file's BOS/EOS/padding on a tokenizer transformers built (see the module note)."""
+    """Put the file's BOS/EOS/padding on a tokenizer transformers built, and add BOS/EOS to a
+    plain encoding as the file says (see the module note: 5.17 builds a SentencePiece file's
+    tokenizer without the BOS its `add_bos_token` asks for)."""
     specials = special_tokens(get, list(get("tokenizer.ggml.tokens", None) or []))
     for name, text in specials.items():
         if getattr(tok, name, None) != text:
             setattr(tok, name, text)
+    _post_process(tok, get, specials)
 
 
 def _post_process(tok: Any, get: Callable[[str, Any], Any], specials: dict[str, str]) -> None:

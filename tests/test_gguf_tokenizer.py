@@ -120,3 +120,38 @@ def test_an_unknown_split_goes_to_transformers_with_the_files_special_tokens(mad
     tok = ckpt.tokenizer()  # transformers' converter (which reads the name itself, or not)
     assert tok.eos_token == "<|im_end|>"
     assert ids(tok, TEXTS[0], special=False) == ids(build_byte_level(overridden(path)[1]), TEXTS[0])
+
+
+def test_a_sentencepiece_file_adds_its_bos(tmp_path):
+    """A SentencePiece vocabulary (`tokenizer.ggml.model` "llama": Llama 2, Mistral, TinyLlama)
+    is built by transformers; its BOS, EOS and `add_bos_token` come from the file (transformers
+    5.17 built it without the BOS: a completion prompt would start without it)."""
+    import gguf
+    import numpy as np
+
+    words = ["the", "river", "flows", "over", "stone"]
+    pieces = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + ["▁"]
+    pieces += [f"▁{w}" for w in words] + list("abcdefghijklmnopqrstuvwxyz")  # no merges to them
+    types = [2, 3, 3] + [6] * 256 + [1] * (len(pieces) - 259)  # unknown, control, byte, normal
+    scores = [0.0] * 259 + [-float(i) for i in range(len(pieces) - 259)]
+    path = tmp_path / "spm.gguf"
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_tokenizer_model("llama")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(pieces)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_add_bos_token(True)
+    w.add_tensor("token_embd.weight", np.zeros((len(pieces), 8), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    tok = GgufCheckpoint(path).tokenizer()
+    assert (tok.bos_token, tok.eos_token, tok.unk_token) == ("<s>", "</s>", "<unk>")
+    plain = ids(tok, "the river flows", special=False)
+    assert plain and 1 not in plain and tok.decode(plain) == "the river flows"
+    assert ids(tok, "the river flows") == [1, *plain]
