@@ -18,7 +18,9 @@ from gpu.cpu import build as cpu_build, quant
 from gpu.quant.formats import FORMATS
 from gpu.quant.quantize import quantize
 
-KERNEL_FORMATS = ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "bf16", "f16"]
+KERNEL_FORMATS = [
+    "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q3_k", "q4_k", "q5_k", "q6_k", "bf16", "f16"
+]  # fmt: skip
 FAST_PATHS = [p for p in quant.available_paths() if p != "ref"]
 
 
@@ -37,8 +39,8 @@ def random_rows(fmt: str, n: int, k: int, seed: int) -> np.ndarray:
         return quantize(rng.standard_normal((n, k)).astype(np.float32), fmt)
     blocks = rng.integers(0, 256, size=(n * k // f.block_size, f.block_bytes), dtype=np.uint8)
     scale_offsets = {
-        "q8_0": [0], "q4_0": [0], "q4_1": [0, 2], "q5_0": [0], "q5_1": [0, 2], "q4_k": [0, 2],
-        "q5_k": [0, 2], "q6_k": [208]
+        "q8_0": [0], "q4_0": [0], "q4_1": [0, 2], "q5_0": [0], "q5_1": [0, 2], "q3_k": [108],
+        "q4_k": [0, 2], "q5_k": [0, 2], "q6_k": [208]
     }  # fmt: skip
     for off in scale_offsets[fmt]:
         d = rng.uniform(-0.05, 0.05, size=len(blocks)).astype(np.float16)
@@ -66,7 +68,8 @@ def test_packed_weight_is_the_gguf_dequantization(fmt, source):
     w = quant.pack(rows, FORMATS[fmt], (n, k))
     assert torch.equal(quant.dequantize(w), gguf_dequant(rows, fmt))
     # repacked, the bytes of the rows padded to 48 (3 panels), k-quants' 6-bit scales unpacked
-    assert w.resident_bytes <= 1.03 * rows.nbytes * 48 / 40
+    # (Q3_K's twelve bytes of scales to sixteen: 1,824 bytes where the file has 1,760)
+    assert w.resident_bytes <= (1.04 if fmt == "q3_k" else 1.03) * rows.nbytes * 48 / 40
 
 
 @pytest.mark.parametrize("fmt", KERNEL_FORMATS)

@@ -49,6 +49,7 @@ FILES = {
     ("qwen3", "bf16"): uniform("bf16"),
     ("qwen3", "q4_k_m"): q4_k_m,
     ("qwen3", "q5_k"): uniform("q5_k"),
+    ("llama", "q3_k"): uniform("q3_k"),
     ("qwen2", "q4_0"): uniform("q4_0"),
     ("qwen2", "q4_k_m"): q4_k_m,  # Q/K/V in two formats, with biases
 }
@@ -128,7 +129,7 @@ def test_f32_file_is_transformers_exactly(files, arch):
 @pytest.mark.parametrize(
     "arch,fmt",
     [("llama", "q8_0"), ("llama", "q4_k_m"), ("qwen3", "bf16"), ("qwen3", "q4_k_m"),
-     ("qwen3", "q5_k"), ("qwen2", "q4_0"), ("qwen2", "q4_k_m")],
+     ("qwen3", "q5_k"), ("qwen2", "q4_0"), ("qwen2", "q4_k_m"), ("llama", "q3_k")],
 )  # fmt: skip
 def test_block_formats_against_transformers(files, arch, fmt):
     hf, paths = files

@@ -36,13 +36,15 @@ def test_bytes_equal_the_gguf_package_quantizer(fmt):
 # Gaussian weights: about 0.004, 0.06, 0.06, 0.06, 0.03, 0.015), and the largest error over the
 # largest weight of its block (32 weights; the k-quants' super-block of 256): half a step of the
 # grid, 1/254 and 1/8 (Q4_0 gives the far side one level less), 1/15 (Q4_1: of a range up to
-# twice the largest), 1/15, 1/31, 1/63 of the range, with the scales' own rounding.
+# twice the largest), 1/15, 1/31, 1/63 of the range, with the scales' own rounding; Q3_K
+# (0.15 rms) a quarter: its largest magnitude maps to -4 and the far side stops at +3.
 ERRORS = {
     "q8_0": (0.006, 0.005, 32),
     "q4_0": (0.08, 0.13, 32),
     "q4_1": (0.08, 0.07, 32),
     "q5_0": (0.04, 0.065, 32),
     "q5_1": (0.04, 0.035, 32),
+    "q3_k": (0.2, 0.3, 256),
     "q4_k": (0.08, 0.07, 256),
     "q5_k": (0.04, 0.035, 256),
     "q6_k": (0.02, 0.02, 256),

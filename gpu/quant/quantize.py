@@ -157,6 +157,37 @@ def _q5_k(b: np.ndarray) -> np.ndarray:
     )
 
 
+def _q3_k(b: np.ndarray) -> np.ndarray:
+    """Each 16 weights w ~ d sc (q - 4), q in 0..7: the largest magnitude maps to -4 (as Q4_0's
+    does to -8), sc on a signed 6-bit grid of the super-block's d."""
+    sub = b.reshape(len(b), 16, 16)
+    imax = np.abs(sub).argmax(axis=2)[..., None]
+    s = np.take_along_axis(sub, imax, axis=2)[..., 0] / -4
+    d = (np.abs(s).max(axis=1, keepdims=True) / 32).astype(np.float16).astype(np.float32)
+    inv_d = np.divide(1.0, d, out=np.zeros_like(d), where=d != 0)
+    sc = np.clip(_round(s * inv_d), -32, 31)
+    scale = d * sc
+    inv = np.divide(1.0, scale, out=np.zeros_like(scale), where=scale != 0)[:, :, None]
+    q = (np.clip(_round(sub * inv), -4, 3) + 4).astype(np.uint8).reshape(len(b), 256)
+    # weight 128 c + 32 j + l: bits 2j, 2j + 1 of qs[32 c + l] and bit 4c + j of hmask[l]
+    qs = np.zeros((len(b), 64), dtype=np.uint8)
+    hmask = np.zeros((len(b), 32), dtype=np.uint8)
+    for c in range(2):
+        for j in range(4):
+            part = q[:, 128 * c + 32 * j : 128 * c + 32 * j + 32]
+            qs[:, 32 * c : 32 * c + 32] |= (part & 3) << (2 * j)
+            hmask |= ((part >> 2) & 1) << (4 * c + j)
+    s6 = (sc + 32).astype(np.uint8)  # ggml's 12 bytes (the inverse of dequantize_row_q3_K's)
+    raw = np.empty((len(b), 12), dtype=np.uint8)
+    raw[:, 0:4] = (s6[:, 0:4] & 0x0F) | ((s6[:, 8:12] & 0x0F) << 4)
+    raw[:, 4:8] = (s6[:, 4:8] & 0x0F) | ((s6[:, 12:16] & 0x0F) << 4)
+    raw[:, 8:12] = (
+        (s6[:, 0:4] >> 4) | ((s6[:, 4:8] >> 4) << 2) | ((s6[:, 8:12] >> 4) << 4)
+        | ((s6[:, 12:16] >> 4) << 6)
+    )  # fmt: skip
+    return np.concatenate([hmask, qs, raw, _f16_bytes(d)], axis=1)
+
+
 def _q6_k(b: np.ndarray) -> np.ndarray:
     sub = b.reshape(len(b), 16, 16)
     amax = np.abs(sub).max(axis=2)
@@ -191,6 +222,7 @@ QUANTIZERS = {
     "q4_1": _q4_1,
     "q5_0": _q5_0,
     "q5_1": _q5_1,
+    "q3_k": _q3_k,
     "q4_k": _q4_k,
     "q5_k": _q5_k,
     "q6_k": _q6_k,

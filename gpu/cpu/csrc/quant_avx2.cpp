@@ -41,6 +41,19 @@ inline void decode(int bits, const uint8_t* ints, int c, __m256i w[8], __m256i s
         }
         return;
     }
+    if (bits == 3) {
+        const __m256i low2 = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
+        for (int p = 0; p < 2; ++p) {
+            const __m256i v = load(ints + 64 * p + 32 * c);
+            for (int j = 0; j < 4; ++j) w[p + 2 * j] = _mm256_and_si256(_mm256_srli_epi16(v, 2 * j), low2);
+        }
+        const __m256i hb = load(ints + 128 + 32 * c);
+        for (int t = 0; t < 8; ++t) {
+            const __m256i bit = _mm256_and_si256(_mm256_srli_epi16(hb, t), one);
+            w[t] = _mm256_or_si256(w[t], _mm256_slli_epi16(bit, 2));
+        }
+        return;
+    }
     const __m256i low4 = _mm256_set1_epi8(0x0F);
     for (int t = 0; t < 4; ++t) {
         const __m256i v = load(ints + 64 * t + 32 * c);
@@ -120,11 +133,11 @@ void blocks(int format, const uint8_t* panel, const Acts& a, int64_t rows, float
             } else if (is_d_m(format)) {
                 alpha[0] = f16x8(scales + 16 * c);
                 beta[0] = _mm256_sub_ps(_mm256_setzero_ps(), f16x8(scales + 32 + 16 * c));
-            } else if (format == kWQ6_K) {
+            } else if (is_sc16(format)) {
                 const __m256 d = f16x8(header + 16 * c);
                 for (int h = 0; h < 2; ++h) {
                     alpha[h] = _mm256_mul_ps(d, u8x8(scales + 16 * h + 8 * c, true));
-                    beta[h] = _mm256_mul_ps(_mm256_set1_ps(32.f), alpha[h]);
+                    beta[h] = _mm256_mul_ps(_mm256_set1_ps(sc16_zero(format)), alpha[h]);
                 }
             } else {
                 alpha[0] = _mm256_mul_ps(f16x8(header + 16 * c), u8x8(scales + 8 * c, false));

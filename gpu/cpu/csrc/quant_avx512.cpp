@@ -53,6 +53,20 @@ WEIR_INLINE void decode(const uint8_t* ints, __m512i w[8]) {
         for (int t = 0; t < 8; ++t) w[t] = _mm512_loadu_si512(ints + 64 * t);
         return;
     }
+    if constexpr (bits == 3) {
+        const __m512i low2 = _mm512_set1_epi8(3), bit2 = _mm512_set1_epi8(4);
+        for (int p = 0; p < 2; ++p) {
+            const __m512i v = _mm512_loadu_si512(ints + 64 * p);
+            for (int j = 0; j < 4; ++j) w[p + 2 * j] = _mm512_and_si512(_mm512_srli_epi16(v, 2 * j), low2);
+        }
+        const __m512i hb = _mm512_loadu_si512(ints + 128);
+        for (int t = 0; t < 8; ++t) {
+            // bit t of each byte, moved to bit 2
+            const __m512i moved = t <= 2 ? _mm512_slli_epi16(hb, 2 - t) : _mm512_srli_epi16(hb, t - 2);
+            w[t] = _mm512_or_si512(w[t], _mm512_and_si512(moved, bit2));
+        }
+        return;
+    }
     const __m512i low4 = _mm512_set1_epi8(0x0F);
     for (int t = 0; t < 4; ++t) {
         const __m512i v = _mm512_loadu_si512(ints + 64 * t);
@@ -108,7 +122,7 @@ WEIR_INLINE void block(Cursor& cur, int64_t b, const Acts& a, int64_t r0, int64_
     if constexpr (g.header != 0) {
         if (b % 8 == 0) {
             cur.d = f16x16(cur.at);
-            if constexpr (F != kWQ6_K) cur.dmin = f16x16(cur.at + 32);
+            if constexpr (!is_sc16(F)) cur.dmin = f16x16(cur.at + 32);
             cur.at += g.header;
         }
     }
@@ -122,10 +136,10 @@ WEIR_INLINE void block(Cursor& cur, int64_t b, const Acts& a, int64_t r0, int64_
     } else if constexpr (is_d_m(F)) {
         alpha[0] = f16x16(scales);
         beta[0] = _mm512_sub_ps(_mm512_setzero_ps(), f16x16(scales + 32));
-    } else if constexpr (F == kWQ6_K) {
+    } else if constexpr (is_sc16(F)) {
         for (int h = 0; h < 2; ++h) {
             alpha[h] = _mm512_mul_ps(cur.d, u8x16(scales + 16 * h, true));
-            beta[h] = _mm512_mul_ps(_mm512_set1_ps(32.f), alpha[h]);
+            beta[h] = _mm512_mul_ps(_mm512_set1_ps(sc16_zero(F)), alpha[h]);
         }
     } else {
         alpha[0] = _mm512_mul_ps(cur.d, u8x16(scales, false));
@@ -284,6 +298,7 @@ void panel_avx512(int format, const uint8_t* panel, const Acts& a, const void* x
         case kWQ4_1: return blocks_rows<kWQ4_1>(panel, a, rows, out);
         case kWQ5_0: return blocks_rows<kWQ5_0>(panel, a, rows, out);
         case kWQ5_1: return blocks_rows<kWQ5_1>(panel, a, rows, out);
+        case kWQ3_K: return blocks_rows<kWQ3_K>(panel, a, rows, out);
         case kWQ4_K: return blocks_rows<kWQ4_K>(panel, a, rows, out);
         case kWQ5_K: return blocks_rows<kWQ5_K>(panel, a, rows, out);
         case kWQ6_K: return blocks_rows<kWQ6_K>(panel, a, rows, out);

@@ -81,6 +81,27 @@ void parse(int format, const uint8_t* b, Parsed& p) {
                         p.u[32 * s2 + l] |= ((qh[l] >> s2) & 1) << 4;
             return;
         }
+        case kWQ3_K: {
+            // ggml's 12 bytes of sixteen 6-bit scales, unpacked as dequantize_row_q3_K does
+            const uint8_t* raw = b + 96;
+            for (int j = 0; j < 4; ++j) {
+                const uint8_t hi = raw[8 + j];
+                p.sc[j] = uint8_t(((raw[j] & 0x0F) | ((hi & 3) << 4)) - 32);
+                p.sc[4 + j] = uint8_t(((raw[4 + j] & 0x0F) | (((hi >> 2) & 3) << 4)) - 32);
+                p.sc[8 + j] = uint8_t(((raw[j] >> 4) | (((hi >> 4) & 3) << 4)) - 32);
+                p.sc[12 + j] = uint8_t(((raw[4 + j] >> 4) | (((hi >> 6) & 3) << 4)) - 32);
+            }
+            p.d16 = load16(b + 108);
+            const uint8_t* hmask = b;
+            const uint8_t* qs = b + 32;
+            for (int e = 0; e < 256; ++e) {  // 128-weight half c, 32-weight part j, l in it
+                const int c = e / 128, j = (e % 128) / 32, l = e % 32;
+                const int low = (qs[32 * c + l] >> (2 * j)) & 3;
+                const int high = (hmask[l] >> (4 * c + j)) & 1;
+                p.u[e] = uint8_t(low | (high << 2));
+            }
+            return;
+        }
         case kWQ6_K: {
             const uint8_t* ql = b;
             const uint8_t* qh = b + 128;
@@ -104,6 +125,20 @@ void put_ints(int bits, const uint8_t* u, int col, uint8_t* ints) {
     if (bits == 8) {
         for (int t = 0; t < 8; ++t)
             for (int i = 0; i < 4; ++i) ints[(t * kPanel + col) * 4 + i] = u[4 * t + i];
+        return;
+    }
+    if (bits == 3) {
+        for (int p = 0; p < 2; ++p)
+            for (int i = 0; i < 4; ++i) {
+                uint8_t v = 0;
+                for (int j = 0; j < 4; ++j) v |= (u[4 * (p + 2 * j) + i] & 3) << (2 * j);
+                ints[(p * kPanel + col) * 4 + i] = v;
+            }
+        for (int i = 0; i < 4; ++i) {
+            uint8_t v = 0;
+            for (int t = 0; t < 8; ++t) v |= ((u[4 * t + i] >> 2) & 1) << t;
+            ints[128 + col * 4 + i] = v;
+        }
         return;
     }
     for (int t = 0; t < 4; ++t)
@@ -156,7 +191,7 @@ void pack_block_panel(int format, const uint8_t* rows, int64_t row_bytes, int64_
             } else if (is_d_m(format)) {
                 std::memcpy(scales + 2 * col, &p.d16, 2);
                 std::memcpy(scales + 2 * (kPanel + col), &p.dmin16, 2);
-            } else if (format == kWQ6_K) {
+            } else if (is_sc16(format)) {
                 scales[col] = p.sc[2 * sub];
                 scales[kPanel + col] = p.sc[2 * sub + 1];
                 if (header) std::memcpy(header + 2 * col, &p.d16, 2);
@@ -196,6 +231,11 @@ void read_column(int format, const uint8_t* header, const uint8_t* scales, const
             u[kk] = ints[(t * kPanel + col) * 4 + i];
             continue;
         }
+        if (g.bits == 3) {
+            const uint8_t low = ints[((t % 2) * kPanel + col) * 4 + i] >> (2 * (t / 2));
+            u[kk] = (low & 3) | (((ints[128 + col * 4 + i] >> t) & 1) << 2);
+            continue;
+        }
         const uint8_t byte = ints[((t % 4) * kPanel + col) * 4 + i];
         u[kk] = t < 4 ? (byte & 0x0F) : (byte >> 4);
         if (g.bits == 5) u[kk] |= ((ints[256 + col * 4 + i] >> t) & 1) << 4;
@@ -208,11 +248,11 @@ void read_column(int format, const uint8_t* header, const uint8_t* scales, const
     } else if (is_d_m(format)) {
         alpha[0] = alpha[1] = half_to_float(load16(scales + 2 * col));
         beta[0] = beta[1] = -half_to_float(load16(scales + 2 * (kPanel + col)));
-    } else if (format == kWQ6_K) {
+    } else if (is_sc16(format)) {
         const float d = half_to_float(load16(header + 2 * col));
         for (int h = 0; h < 2; ++h) {
             alpha[h] = d * float(int8_t(scales[h * kPanel + col]));
-            beta[h] = 32.f * alpha[h];
+            beta[h] = sc16_zero(format) * alpha[h];
         }
     } else {
         const float d = half_to_float(load16(header + 2 * col));
@@ -266,8 +306,8 @@ void dequant_row(int format, const uint8_t* packed, int64_t k, int64_t row, floa
                 o[kk] = d * float(int(u[kk]) - int(zero_u(format)));
             } else if (is_d_m(format)) {
                 o[kk] = alpha[h] * float(u[kk]) + (-beta[h]);  // ggml: q d + m
-            } else if (format == kWQ6_K) {
-                o[kk] = alpha[h] * float(int(u[kk]) - 32);
+            } else if (is_sc16(format)) {
+                o[kk] = alpha[h] * float(int(u[kk]) - int(sc16_zero(format)));
             } else {
                 o[kk] = alpha[h] * float(u[kk]) - beta[h];
             }
