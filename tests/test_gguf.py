@@ -50,6 +50,7 @@ FILES = {
     ("qwen3", "q4_k_m"): q4_k_m,
     ("qwen3", "q5_k"): uniform("q5_k"),
     ("llama", "q3_k"): uniform("q3_k"),
+    ("qwen2", "q2_k"): uniform("q2_k"),
     ("qwen2", "q4_0"): uniform("q4_0"),
     ("qwen2", "q4_k_m"): q4_k_m,  # Q/K/V in two formats, with biases
 }
@@ -129,7 +130,8 @@ def test_f32_file_is_transformers_exactly(files, arch):
 @pytest.mark.parametrize(
     "arch,fmt",
     [("llama", "q8_0"), ("llama", "q4_k_m"), ("qwen3", "bf16"), ("qwen3", "q4_k_m"),
-     ("qwen3", "q5_k"), ("qwen2", "q4_0"), ("qwen2", "q4_k_m"), ("llama", "q3_k")],
+     ("qwen3", "q5_k"), ("qwen2", "q4_0"), ("qwen2", "q4_k_m"), ("llama", "q3_k"),
+     ("qwen2", "q2_k")],
 )  # fmt: skip
 def test_block_formats_against_transformers(files, arch, fmt):
     hf, paths = files
@@ -293,8 +295,8 @@ def test_bad_files_are_named_start_up_errors(files, tmp_path):
     cases.append(
         (rewrite(src, tmp_path / "arch.gguf", arch="gpt2"), "architecture 'gpt2' is not served")
     )
-    q2 = rewrite(src, tmp_path / "q2k.gguf", tensor_type=gguf.GGMLQuantizationType.Q2_K)
-    cases.append((q2, r"tensor \S+ has type Q2_K"))
+    iq4 = rewrite(src, tmp_path / "iq4xs.gguf", tensor_type=gguf.GGMLQuantizationType.IQ4_XS)
+    cases.append((iq4, r"tensor \S+ has type IQ4_XS"))
     for path, message in cases:
         with pytest.raises(CheckpointError, match=message):
             load_file(path)

@@ -37,13 +37,15 @@ def test_bytes_equal_the_gguf_package_quantizer(fmt):
 # largest weight of its block (32 weights; the k-quants' super-block of 256): half a step of the
 # grid, 1/254 and 1/8 (Q4_0 gives the far side one level less), 1/15 (Q4_1: of a range up to
 # twice the largest), 1/15, 1/31, 1/63 of the range, with the scales' own rounding; Q3_K
-# (0.15 rms) a quarter: its largest magnitude maps to -4 and the far side stops at +3.
+# (0.15 rms) a quarter: its largest magnitude maps to -4 and the far side stops at +3; Q2_K
+# (0.33 rms) about a third: half of one of three steps, and the 4-bit scales' rounding.
 ERRORS = {
     "q8_0": (0.006, 0.005, 32),
     "q4_0": (0.08, 0.13, 32),
     "q4_1": (0.08, 0.07, 32),
     "q5_0": (0.04, 0.065, 32),
     "q5_1": (0.04, 0.035, 32),
+    "q2_k": (0.4, 0.4, 256),
     "q3_k": (0.2, 0.3, 256),
     "q4_k": (0.08, 0.07, 256),
     "q5_k": (0.04, 0.035, 256),

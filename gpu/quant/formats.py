@@ -10,7 +10,8 @@ llama-quantize writes them in K-quant files for tensors whose rows are not whole
 super-blocks of 256 weights: Q4_K (f16 d and dmin, eight 6-bit scales and mins, 4-bit q:
 w = d sc q - dmin m per 32), Q5_K (the same with a fifth bit), Q6_K (16 int8 scales of 16
 weights, 6-bit q: w = d sc (q - 32)), Q3_K (16 6-bit scales of 16 weights, 3-bit q:
-w = d (sc - 32) (q - 4); Q3_K_S/M/L files and Q2_K's attention). The codes are ggml's type ids;
+w = d (sc - 32) (q - 4); Q3_K_S/M/L files and Q2_K's attention), Q2_K (4-bit scales and mins
+of 16 weights, 2-bit q: w = d sc q - dmin m). The codes are ggml's type ids;
 weir's kernels take these names (gpu/cpu/quant.py).
 """
 
@@ -45,6 +46,7 @@ FORMATS: dict[str, Format] = {
         Format("q4_1", 3, 32, 20, True),
         Format("q5_0", 6, 32, 22, True),
         Format("q5_1", 7, 32, 24, True),
+        Format("q2_k", 10, 256, 84, True),
         Format("q3_k", 11, 256, 110, True),
         Format("q4_k", 12, 256, 144, True),
         Format("q5_k", 13, 256, 176, True),

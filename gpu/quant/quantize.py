@@ -157,6 +157,32 @@ def _q5_k(b: np.ndarray) -> np.ndarray:
     )
 
 
+def _low_bits(q: np.ndarray) -> np.ndarray:
+    """[blocks, 256] -> ggml's 64 bytes of their low two bits: weight 128 c + 32 j + l at bits
+    2j, 2j + 1 of byte 32 c + l (Q2_K's and Q3_K's qs)."""
+    qs = np.zeros((len(q), 64), dtype=np.uint8)
+    for c in range(2):
+        for j in range(4):
+            part = q[:, 128 * c + 32 * j : 128 * c + 32 * j + 32]
+            qs[:, 32 * c : 32 * c + 32] |= (part & 3) << (2 * j)
+    return qs
+
+
+def _q2_k(b: np.ndarray) -> np.ndarray:
+    """Each 16 weights w ~ d sc q - dmin m, q in 0..3, sc and m on 4-bit grids."""
+    sub = b.reshape(len(b), 16, 16)
+    lo = np.minimum(sub.min(axis=2), 0)
+    d, sc = _grid((sub.max(axis=2) - lo) / 3, 15)
+    dmin, m = _grid(-lo, 15)
+    scale = d * sc
+    inv = np.divide(1.0, scale, out=np.zeros_like(scale), where=scale != 0)[:, :, None]
+    q = np.clip(_round((sub + (dmin * m)[:, :, None]) * inv), 0, 3).astype(np.uint8)
+    q = q.reshape(len(b), 256)
+    return np.concatenate(
+        [sc | (m << 4), _low_bits(q), _f16_bytes(d), _f16_bytes(dmin)], axis=1
+    )
+
+
 def _q3_k(b: np.ndarray) -> np.ndarray:
     """Each 16 weights w ~ d sc (q - 4), q in 0..7: the largest magnitude maps to -4 (as Q4_0's
     does to -8), sc on a signed 6-bit grid of the super-block's d."""
@@ -169,14 +195,12 @@ def _q3_k(b: np.ndarray) -> np.ndarray:
     scale = d * sc
     inv = np.divide(1.0, scale, out=np.zeros_like(scale), where=scale != 0)[:, :, None]
     q = (np.clip(_round(sub * inv), -4, 3) + 4).astype(np.uint8).reshape(len(b), 256)
-    # weight 128 c + 32 j + l: bits 2j, 2j + 1 of qs[32 c + l] and bit 4c + j of hmask[l]
-    qs = np.zeros((len(b), 64), dtype=np.uint8)
+    # weight 128 c + 32 j + l: its low bits in qs (_low_bits), its third at bit 4c + j of hmask[l]
+    qs = _low_bits(q)
     hmask = np.zeros((len(b), 32), dtype=np.uint8)
     for c in range(2):
         for j in range(4):
-            part = q[:, 128 * c + 32 * j : 128 * c + 32 * j + 32]
-            qs[:, 32 * c : 32 * c + 32] |= (part & 3) << (2 * j)
-            hmask |= ((part >> 2) & 1) << (4 * c + j)
+            hmask |= ((q[:, 128 * c + 32 * j : 128 * c + 32 * j + 32] >> 2) & 1) << (4 * c + j)
     s6 = (sc + 32).astype(np.uint8)  # ggml's 12 bytes (the inverse of dequantize_row_q3_K's)
     raw = np.empty((len(b), 12), dtype=np.uint8)
     raw[:, 0:4] = (s6[:, 0:4] & 0x0F) | ((s6[:, 8:12] & 0x0F) << 4)
@@ -222,6 +246,7 @@ QUANTIZERS = {
     "q4_1": _q4_1,
     "q5_0": _q5_0,
     "q5_1": _q5_1,
+    "q2_k": _q2_k,
     "q3_k": _q3_k,
     "q4_k": _q4_k,
     "q5_k": _q5_k,

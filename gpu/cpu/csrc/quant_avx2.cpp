@@ -41,12 +41,13 @@ inline void decode(int bits, const uint8_t* ints, int c, __m256i w[8], __m256i s
         }
         return;
     }
-    if (bits == 3) {
+    if (bits <= 3) {
         const __m256i low2 = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
         for (int p = 0; p < 2; ++p) {
             const __m256i v = load(ints + 64 * p + 32 * c);
             for (int j = 0; j < 4; ++j) w[p + 2 * j] = _mm256_and_si256(_mm256_srli_epi16(v, 2 * j), low2);
         }
+        if (bits == 2) return;
         const __m256i hb = load(ints + 128 + 32 * c);
         for (int t = 0; t < 8; ++t) {
             const __m256i bit = _mm256_and_si256(_mm256_srli_epi16(hb, t), one);
@@ -86,6 +87,13 @@ inline __m256 f16x8(const uint8_t* p) {
 inline __m256 u8x8(const uint8_t* p, bool is_signed) {
     const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
     return _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b));
+}
+
+// The low (or high) nibbles of 8 bytes as floats (Q2_K's scales and minimums).
+inline __m256 nib8(const uint8_t* p, bool high) {
+    __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+    if (high) b = _mm_srli_epi16(b, 4);
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(b, _mm_set1_epi8(0x0F))));
 }
 
 // dot += the 4-byte dot products of quads t0..t1 of w against the row's quads.
@@ -138,6 +146,12 @@ void blocks(int format, const uint8_t* panel, const Acts& a, int64_t rows, float
                 for (int h = 0; h < 2; ++h) {
                     alpha[h] = _mm256_mul_ps(d, u8x8(scales + 16 * h + 8 * c, true));
                     beta[h] = _mm256_mul_ps(_mm256_set1_ps(sc16_zero(format)), alpha[h]);
+                }
+            } else if (format == kWQ2_K) {
+                const __m256 d = f16x8(header + 16 * c), dmin = f16x8(header + 32 + 16 * c);
+                for (int h = 0; h < 2; ++h) {
+                    alpha[h] = _mm256_mul_ps(d, nib8(scales + 16 * h + 8 * c, false));
+                    beta[h] = _mm256_mul_ps(dmin, nib8(scales + 16 * h + 8 * c, true));
                 }
             } else {
                 alpha[0] = _mm256_mul_ps(f16x8(header + 16 * c), u8x8(scales + 8 * c, false));

@@ -45,6 +45,13 @@ WEIR_INLINE __m512 u8x16(const uint8_t* p, bool is_signed) {
     return _mm512_cvtepi32_ps(is_signed ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b));
 }
 
+// The low (or high) nibbles of 16 bytes as floats (Q2_K's scales and minimums).
+WEIR_INLINE __m512 nib16(const uint8_t* p, bool high) {
+    __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    if (high) b = _mm_srli_epi16(b, 4);
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b, _mm_set1_epi8(0x0F))));
+}
+
 // The block's integers, one register per quad of k (t = 0..7).
 template <int F>
 WEIR_INLINE void decode(const uint8_t* ints, __m512i w[8]) {
@@ -53,12 +60,13 @@ WEIR_INLINE void decode(const uint8_t* ints, __m512i w[8]) {
         for (int t = 0; t < 8; ++t) w[t] = _mm512_loadu_si512(ints + 64 * t);
         return;
     }
-    if constexpr (bits == 3) {
+    if constexpr (bits <= 3) {
         const __m512i low2 = _mm512_set1_epi8(3), bit2 = _mm512_set1_epi8(4);
         for (int p = 0; p < 2; ++p) {
             const __m512i v = _mm512_loadu_si512(ints + 64 * p);
             for (int j = 0; j < 4; ++j) w[p + 2 * j] = _mm512_and_si512(_mm512_srli_epi16(v, 2 * j), low2);
         }
+        if constexpr (bits == 2) return;
         const __m512i hb = _mm512_loadu_si512(ints + 128);
         for (int t = 0; t < 8; ++t) {
             // bit t of each byte, moved to bit 2
@@ -140,6 +148,11 @@ WEIR_INLINE void block(Cursor& cur, int64_t b, const Acts& a, int64_t r0, int64_
         for (int h = 0; h < 2; ++h) {
             alpha[h] = _mm512_mul_ps(cur.d, u8x16(scales + 16 * h, true));
             beta[h] = _mm512_mul_ps(_mm512_set1_ps(sc16_zero(F)), alpha[h]);
+        }
+    } else if constexpr (F == kWQ2_K) {
+        for (int h = 0; h < 2; ++h) {
+            alpha[h] = _mm512_mul_ps(cur.d, nib16(scales + 16 * h, false));
+            beta[h] = _mm512_mul_ps(cur.dmin, nib16(scales + 16 * h, true));
         }
     } else {
         alpha[0] = _mm512_mul_ps(cur.d, u8x16(scales, false));
@@ -298,6 +311,7 @@ void panel_avx512(int format, const uint8_t* panel, const Acts& a, const void* x
         case kWQ4_1: return blocks_rows<kWQ4_1>(panel, a, rows, out);
         case kWQ5_0: return blocks_rows<kWQ5_0>(panel, a, rows, out);
         case kWQ5_1: return blocks_rows<kWQ5_1>(panel, a, rows, out);
+        case kWQ2_K: return blocks_rows<kWQ2_K>(panel, a, rows, out);
         case kWQ3_K: return blocks_rows<kWQ3_K>(panel, a, rows, out);
         case kWQ4_K: return blocks_rows<kWQ4_K>(panel, a, rows, out);
         case kWQ5_K: return blocks_rows<kWQ5_K>(panel, a, rows, out);

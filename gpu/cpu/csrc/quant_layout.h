@@ -7,30 +7,34 @@
 // panel's bytes in k order.
 //
 // Block formats, per 32 weights of k ("a block"), every column's part side by side:
-//   k-quants, before each 256 (8 blocks): a header, per column f16 d (and for Q4_K/Q5_K f16 dmin)
+//   k-quants, before each 256 (8 blocks): a header, per column f16 d (and for Q2_K/Q4_K/Q5_K f16
+//           dmin)
 //   scales: Q8_0/Q4_0/Q5_0 f16 d per column; Q4_1/Q5_1 f16 d [16] then f16 m [16]; Q4_K/Q5_K
 //           u8 sc[16] then u8 m[16]; Q6_K and Q3_K int8 sc of the block's first 16 weights [16],
-//           then of its second 16 [16] (Q3_K's as the signed sc - 32)
-//   integers, each an unsigned value u (Q8_0: q + 128 in 0..255; Q3_K: 0..7; Q4_0, Q4_1, Q4_K:
-//   0..15; Q5_0, Q5_1, Q5_K: 0..31; Q6_K: 0..63) laid out for a dot product that takes 4
-//   consecutive k of a column per 32-bit lane ("quad" t: k = 4t..4t+3, t = 0..7):
+//           then of its second 16 [16] (Q3_K's as the signed sc - 32); Q2_K a byte sc | m << 4
+//           of the first 16 [16], then of the second [16] (as its file holds them)
+//   integers, each an unsigned value u (Q8_0: q + 128 in 0..255; Q2_K: 0..3; Q3_K: 0..7; Q4_0,
+//   Q4_1, Q4_K: 0..15; Q5_0, Q5_1, Q5_K: 0..31; Q6_K: 0..63) laid out for a dot product that
+//   takes 4 consecutive k of a column per 32-bit lane ("quad" t: k = 4t..4t+3, t = 0..7):
 //     8-bit: [t 0..7][column 16][4 bytes]
 //     4-bit: [t 0..3][column 16][4 bytes], low nibble quad t, high nibble quad t + 4
 //     5-bit: the 4-bit part of u as above, then [column 16][4 bytes] whose bit t is u's bit 4 in
 //           quad t
-//     3-bit: [p 0..1][column 16][4 bytes] whose bits 2j, 2j + 1 are u's bits 0, 1 in quad
-//           p + 2j, then [column 16][4 bytes] whose bit t is u's bit 2 in quad t
+//     2-bit: [p 0..1][column 16][4 bytes] whose bits 2j, 2j + 1 are u's bits 0, 1 in quad
+//           p + 2j
+//     3-bit: the 2-bit part of u as above, then [column 16][4 bytes] whose bit t is u's bit 2
+//           in quad t
 //     Q6_K: the 4-bit part, then two [column 16][4 bytes] regions h = 0, 1 whose bits 2j, 2j + 1
 //           are u's bits 4, 5 in quad 4h + j
 // Weight value: Q8_0 d (u - 128); Q4_0 d (u - 8); Q5_0 d (u - 16); Q4_1/Q5_1 d u + m;
-// Q4_K/Q5_K d sc u - dmin m; Q6_K d sc (u - 32), Q3_K d sc (u - 4) with sc the scale of the
-// weight's 16. So a
+// Q4_K/Q5_K d sc u - dmin m (Q2_K the same per 16); Q6_K d sc (u - 32), Q3_K d sc (u - 4) with
+// sc the scale of the weight's 16. So a
 // block's sum over k of x w is
 //   dx (alpha A - beta S)
 // per column, with x = dx xq (xq int8, per 32 weights of a row of x), A = sum xq u and
 // S = sum xq: alpha = d, beta = 128 d (Q8_0), 8 d (Q4_0), 16 d (Q5_0) or -m (Q4_1, Q5_1);
-// alpha = d sc, beta = dmin m (Q4_K, Q5_K); for Q6_K and Q3_K the same per half with
-// alpha = d sc, beta = 32 d sc or 4 d sc.
+// alpha = d sc, beta = dmin m (Q4_K, Q5_K; Q2_K per half); for Q6_K and Q3_K the same per half
+// with alpha = d sc, beta = 32 d sc or 4 d sc.
 //
 // 16-bit formats: [k / 2][column 16][2 elements]: each 32-bit lane one column's two weights of k.
 
@@ -62,6 +66,7 @@ constexpr Geometry geometry(int format) {
         case kWQ4_1: return {0, 64, 256, 4, 1, 32, 20};
         case kWQ5_0: return {0, 32, 320, 5, 1, 32, 22};
         case kWQ5_1: return {0, 64, 320, 5, 1, 32, 24};
+        case kWQ2_K: return {64, 32, 128, 2, 2, 256, 84};
         case kWQ3_K: return {32, 32, 192, 3, 2, 256, 110};
         case kWQ4_K: return {64, 32, 256, 4, 1, 256, 144};
         case kWQ5_K: return {64, 32, 320, 5, 1, 256, 176};

@@ -19,8 +19,8 @@ struct Parsed {  // one GGUF block of one row
     uint8_t u[256];
     float d, dmin;        // f16 values as floats
     uint16_t d16, dmin16;  // their bits
-    uint8_t sc[16];       // Q4_K/Q5_K: 8 scales; Q6_K: 16 (int8 bits)
-    uint8_t mn[8];
+    uint8_t sc[16];       // Q4_K/Q5_K: 8 scales; Q2_K: 16; Q3_K/Q6_K: 16 (int8 bits)
+    uint8_t mn[16];       // Q4_K/Q5_K: 8 minimums; Q2_K: 16
 };
 
 uint16_t load16(const uint8_t* p) {
@@ -81,6 +81,20 @@ void parse(int format, const uint8_t* b, Parsed& p) {
                         p.u[32 * s2 + l] |= ((qh[l] >> s2) & 1) << 4;
             return;
         }
+        case kWQ2_K: {
+            for (int s = 0; s < 16; ++s) {
+                p.sc[s] = b[s] & 0x0F;
+                p.mn[s] = b[s] >> 4;
+            }
+            p.d16 = load16(b + 80);
+            p.dmin16 = load16(b + 82);
+            const uint8_t* qs = b + 16;
+            for (int e = 0; e < 256; ++e) {  // 128-weight half c, 32-weight part j, l in it
+                const int c = e / 128, j = (e % 128) / 32, l = e % 32;
+                p.u[e] = (qs[32 * c + l] >> (2 * j)) & 3;
+            }
+            return;
+        }
         case kWQ3_K: {
             // ggml's 12 bytes of sixteen 6-bit scales, unpacked as dequantize_row_q3_K does
             const uint8_t* raw = b + 96;
@@ -127,13 +141,14 @@ void put_ints(int bits, const uint8_t* u, int col, uint8_t* ints) {
             for (int i = 0; i < 4; ++i) ints[(t * kPanel + col) * 4 + i] = u[4 * t + i];
         return;
     }
-    if (bits == 3) {
+    if (bits <= 3) {
         for (int p = 0; p < 2; ++p)
             for (int i = 0; i < 4; ++i) {
                 uint8_t v = 0;
                 for (int j = 0; j < 4; ++j) v |= (u[4 * (p + 2 * j) + i] & 3) << (2 * j);
                 ints[(p * kPanel + col) * 4 + i] = v;
             }
+        if (bits == 2) return;
         for (int i = 0; i < 4; ++i) {
             uint8_t v = 0;
             for (int t = 0; t < 8; ++t) v |= ((u[4 * t + i] >> 2) & 1) << t;
@@ -191,6 +206,13 @@ void pack_block_panel(int format, const uint8_t* rows, int64_t row_bytes, int64_
             } else if (is_d_m(format)) {
                 std::memcpy(scales + 2 * col, &p.d16, 2);
                 std::memcpy(scales + 2 * (kPanel + col), &p.dmin16, 2);
+            } else if (format == kWQ2_K) {
+                for (int h = 0; h < 2; ++h)
+                    scales[h * kPanel + col] = uint8_t(p.sc[2 * sub + h] | (p.mn[2 * sub + h] << 4));
+                if (header) {
+                    std::memcpy(header + 2 * col, &p.d16, 2);
+                    std::memcpy(header + 2 * (kPanel + col), &p.dmin16, 2);
+                }
             } else if (is_sc16(format)) {
                 scales[col] = p.sc[2 * sub];
                 scales[kPanel + col] = p.sc[2 * sub + 1];
@@ -231,9 +253,10 @@ void read_column(int format, const uint8_t* header, const uint8_t* scales, const
             u[kk] = ints[(t * kPanel + col) * 4 + i];
             continue;
         }
-        if (g.bits == 3) {
+        if (g.bits <= 3) {
             const uint8_t low = ints[((t % 2) * kPanel + col) * 4 + i] >> (2 * (t / 2));
-            u[kk] = (low & 3) | (((ints[128 + col * 4 + i] >> t) & 1) << 2);
+            u[kk] = low & 3;
+            if (g.bits == 3) u[kk] |= ((ints[128 + col * 4 + i] >> t) & 1) << 2;
             continue;
         }
         const uint8_t byte = ints[((t % 4) * kPanel + col) * 4 + i];
@@ -253,6 +276,13 @@ void read_column(int format, const uint8_t* header, const uint8_t* scales, const
         for (int h = 0; h < 2; ++h) {
             alpha[h] = d * float(int8_t(scales[h * kPanel + col]));
             beta[h] = sc16_zero(format) * alpha[h];
+        }
+    } else if (format == kWQ2_K) {
+        const float d = half_to_float(load16(header + 2 * col));
+        const float dmin = half_to_float(load16(header + 2 * (kPanel + col)));
+        for (int h = 0; h < 2; ++h) {
+            alpha[h] = d * float(scales[h * kPanel + col] & 0x0F);
+            beta[h] = dmin * float(scales[h * kPanel + col] >> 4);
         }
     } else {
         const float d = half_to_float(load16(header + 2 * col));

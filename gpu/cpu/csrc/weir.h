@@ -123,6 +123,7 @@ enum WFormat : int {
     kWQ5_0 = 6,
     kWQ5_1 = 7,
     kWQ8_0 = 8,
+    kWQ2_K = 10,
     kWQ3_K = 11,
     kWQ4_K = 12,
     kWQ5_K = 13,
