@@ -220,6 +220,11 @@ def random_blocks(fmt: str, n: int, k: int, rng: np.random.Generator) -> np.ndar
     elif fmt in ("q4_k", "q5_k"):
         f16(0, 0.1 / 63 / (15 if fmt == "q4_k" else 31))
         f16(2, 0.05 / 63)
+    elif fmt == "q3_k":
+        f16(108, 0.1 / 4 / 32)
+    elif fmt == "q2_k":
+        f16(80, 0.1 / 3 / 15)
+        f16(82, 0.05 / 15)
     elif fmt == "q6_k":
         blocks[:, 192:208] = rng.integers(1, 64, size=(len(blocks), 16), dtype=np.uint8)
         f16(208, 0.1 / 63 / 32)
