@@ -19,7 +19,8 @@ from gpu.quant.formats import FORMATS
 from gpu.quant.quantize import quantize
 
 KERNEL_FORMATS = [
-    "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "bf16", "f16"
+    "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_nl",
+    "iq4_xs", "bf16", "f16",
 ]  # fmt: skip
 FAST_PATHS = [p for p in quant.available_paths() if p != "ref"]
 
@@ -40,7 +41,8 @@ def random_rows(fmt: str, n: int, k: int, seed: int) -> np.ndarray:
     blocks = rng.integers(0, 256, size=(n * k // f.block_size, f.block_bytes), dtype=np.uint8)
     scale_offsets = {
         "q8_0": [0], "q4_0": [0], "q4_1": [0, 2], "q5_0": [0], "q5_1": [0, 2],
-        "q2_k": [80, 82], "q3_k": [108], "q4_k": [0, 2], "q5_k": [0, 2], "q6_k": [208]
+        "q2_k": [80, 82], "q3_k": [108], "q4_k": [0, 2], "q5_k": [0, 2], "q6_k": [208],
+        "iq4_nl": [0], "iq4_xs": [0]
     }  # fmt: skip
     for off in scale_offsets[fmt]:
         d = rng.uniform(-0.05, 0.05, size=len(blocks)).astype(np.float16)

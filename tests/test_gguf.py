@@ -51,6 +51,7 @@ FILES = {
     ("qwen3", "q5_k"): uniform("q5_k"),
     ("llama", "q3_k"): uniform("q3_k"),
     ("qwen2", "q2_k"): uniform("q2_k"),
+    ("qwen3", "iq4_xs"): uniform("iq4_xs"),
     ("qwen2", "q4_0"): uniform("q4_0"),
     ("qwen2", "q4_k_m"): q4_k_m,  # Q/K/V in two formats, with biases
 }
@@ -131,7 +132,7 @@ def test_f32_file_is_transformers_exactly(files, arch):
     "arch,fmt",
     [("llama", "q8_0"), ("llama", "q4_k_m"), ("qwen3", "bf16"), ("qwen3", "q4_k_m"),
      ("qwen3", "q5_k"), ("qwen2", "q4_0"), ("qwen2", "q4_k_m"), ("llama", "q3_k"),
-     ("qwen2", "q2_k")],
+     ("qwen2", "q2_k"), ("qwen3", "iq4_xs")],
 )  # fmt: skip
 def test_block_formats_against_transformers(files, arch, fmt):
     hf, paths = files
@@ -295,8 +296,8 @@ def test_bad_files_are_named_start_up_errors(files, tmp_path):
     cases.append(
         (rewrite(src, tmp_path / "arch.gguf", arch="gpt2"), "architecture 'gpt2' is not served")
     )
-    iq4 = rewrite(src, tmp_path / "iq4xs.gguf", tensor_type=gguf.GGMLQuantizationType.IQ4_XS)
-    cases.append((iq4, r"tensor \S+ has type IQ4_XS"))
+    iq2 = rewrite(src, tmp_path / "iq2.gguf", tensor_type=gguf.GGMLQuantizationType.IQ2_XXS)
+    cases.append((iq2, r"tensor \S+ has type IQ2_XXS"))
     for path, message in cases:
         with pytest.raises(CheckpointError, match=message):
             load_file(path)

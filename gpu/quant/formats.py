@@ -11,8 +11,9 @@ super-blocks of 256 weights: Q4_K (f16 d and dmin, eight 6-bit scales and mins, 
 w = d sc q - dmin m per 32), Q5_K (the same with a fifth bit), Q6_K (16 int8 scales of 16
 weights, 6-bit q: w = d sc (q - 32)), Q3_K (16 6-bit scales of 16 weights, 3-bit q:
 w = d (sc - 32) (q - 4); Q3_K_S/M/L files and Q2_K's attention), Q2_K (4-bit scales and mins
-of 16 weights, 2-bit q: w = d sc q - dmin m). The codes are ggml's type ids;
-weir's kernels take these names (gpu/cpu/quant.py).
+of 16 weights, 2-bit q: w = d sc q - dmin m); IQ4_NL (32: f16 d, 4-bit indices into sixteen
+non-uniform values: w = d v[q]) and IQ4_XS (the same over 256 with a 6-bit scale per 32). The
+codes are ggml's type ids; weir's kernels take these names (gpu/cpu/quant.py).
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ FORMATS: dict[str, Format] = {
         Format("q4_k", 12, 256, 144, True),
         Format("q5_k", 13, 256, 176, True),
         Format("q6_k", 14, 256, 210, True),
+        Format("iq4_nl", 20, 32, 18, True),
+        Format("iq4_xs", 23, 256, 136, True),
     )
 }
 BY_GGML_TYPE = {f.ggml_type: f for f in FORMATS.values()}

@@ -225,6 +225,8 @@ def random_blocks(fmt: str, n: int, k: int, rng: np.random.Generator) -> np.ndar
     elif fmt == "q2_k":
         f16(80, 0.1 / 3 / 15)
         f16(82, 0.05 / 15)
+    elif fmt in ("iq4_nl", "iq4_xs"):
+        f16(0, 0.1 / 127 / (1 if fmt == "iq4_nl" else 32))
     elif fmt == "q6_k":
         blocks[:, 192:208] = rng.integers(1, 64, size=(len(blocks), 16), dtype=np.uint8)
         f16(208, 0.1 / 63 / 32)

@@ -103,6 +103,43 @@ def _q5_1(b: np.ndarray) -> np.ndarray:
     return np.concatenate([_f16_bytes(d), _f16_bytes(lo), _fifth_bits(q)], axis=1)
 
 
+# IQ4_NL's and IQ4_XS's values (llama.cpp's kvalues_iq4nl)
+IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113])
+
+
+def _iq4_indices(b: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """[rows, 32] weights over their scale [rows, 1] -> the nearest value's index, packed into
+    16 bytes as Q4_0's nibbles (weight j low, j + 16 high)."""
+    inv = np.divide(1.0, scale, out=np.zeros_like(scale), where=scale != 0)
+    q = np.abs((b * inv)[:, :, None] - IQ4_VALUES).argmin(axis=2).astype(np.uint8)
+    return q[:, :16] | (q[:, 16:] << 4)
+
+
+def _iq4_nl(b: np.ndarray) -> np.ndarray:
+    """The largest magnitude maps to the first value, -127 (as llama.cpp's does)."""
+    imax = np.abs(b).argmax(axis=1)[:, None]
+    d = (np.take_along_axis(b, imax, axis=1) / -127).astype(np.float16).astype(np.float32)
+    return np.concatenate([_f16_bytes(d), _iq4_indices(b, d)], axis=1)
+
+
+def _iq4_xs(b: np.ndarray) -> np.ndarray:
+    """Each 32's scale from its largest magnitude (as IQ4_NL's), on a signed 6-bit grid of d."""
+    sub = b.reshape(len(b), 8, 32)
+    imax = np.abs(sub).argmax(axis=2)[..., None]
+    s = np.take_along_axis(sub, imax, axis=2)[..., 0] / -127
+    d = (np.abs(s).max(axis=1, keepdims=True) / 32).astype(np.float16).astype(np.float32)
+    inv_d = np.divide(1.0, d, out=np.zeros_like(d), where=d != 0)
+    ls = np.clip(_round(s * inv_d), -32, 31)
+    qs = _iq4_indices(sub.reshape(-1, 32), (d * ls).reshape(-1, 1)).reshape(len(b), 128)
+    l6 = (ls + 32).astype(np.uint16)
+    high = ((l6 >> 4) << (2 * np.arange(8, dtype=np.uint16))).sum(axis=1, dtype=np.uint16)
+    low = (l6[:, 0::2] & 0x0F) | ((l6[:, 1::2] & 0x0F) << 4)
+    return np.concatenate(
+        [_f16_bytes(d), high.astype("<u2").view(np.uint8).reshape(-1, 2), low.astype(np.uint8), qs],
+        axis=1,
+    )
+
+
 def _grid(values: np.ndarray, top: int) -> tuple[np.ndarray, np.ndarray]:
     """Non-negative per-sub-block values [blocks, subs] on a grid of `top` steps: (the f16 step
     per block [blocks, 1], the integer multiples [blocks, subs])."""
@@ -251,4 +288,6 @@ QUANTIZERS = {
     "q4_k": _q4_k,
     "q5_k": _q5_k,
     "q6_k": _q6_k,
+    "iq4_nl": _iq4_nl,
+    "iq4_xs": _iq4_xs,
 }

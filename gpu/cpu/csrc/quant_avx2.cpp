@@ -32,7 +32,8 @@ inline __m256i load(const uint8_t* p) {
 
 // Half c of the block's integers, one register per quad of k (t = 0..7); Q8_0's as |q| in w and
 // q in sign, q = u - 128.
-inline void decode(int bits, const uint8_t* ints, int c, __m256i w[8], __m256i sign[8]) {
+inline void decode(int format, const uint8_t* ints, int c, __m256i w[8], __m256i sign[8]) {
+    const int bits = geometry(format).bits;
     if (bits == 8) {
         const __m256i flip = _mm256_set1_epi8(char(0x80));
         for (int t = 0; t < 8; ++t) {
@@ -60,6 +61,16 @@ inline void decode(int bits, const uint8_t* ints, int c, __m256i w[8], __m256i s
         const __m256i v = load(ints + 64 * t + 32 * c);
         w[t] = _mm256_and_si256(v, low4);
         w[t + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+    }
+    if (is_iq4(format)) {  // indices to their signed values, taken as Q8_0's are (q = u - 128)
+        alignas(16) static constexpr int8_t values[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                                          1,    13,   25,  38,  53,  69,  89,  113};
+        const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(values)));
+        for (int t = 0; t < 8; ++t) {
+            sign[t] = _mm256_shuffle_epi8(table, w[t]);
+            w[t] = _mm256_abs_epi8(sign[t]);
+        }
+        return;
     }
     if (bits == 5) {
         const __m256i hb = load(ints + 256 + 32 * c);
@@ -119,7 +130,7 @@ inline __m256 update(__m256 acc, __m256i dot, __m256 alpha, __m256 beta, float d
 void blocks(int format, const uint8_t* panel, const Acts& a, int64_t rows, float* out) {
     const Geometry g = geometry(format);
     const int64_t nb = a.k / 32;
-    const bool q8 = format == kWQ8_0;
+    const bool q8 = format == kWQ8_0 || is_iq4(format);  // signed values: |q| against sign(x, q)
     alignas(32) float e[kRowChunk][2][2][8];  // [row][half c][b % 2][column]
     std::memset(e, 0, sizeof(float) * rows * 32);
     const uint8_t* at = panel;
@@ -147,6 +158,9 @@ void blocks(int format, const uint8_t* panel, const Acts& a, int64_t rows, float
                     alpha[h] = _mm256_mul_ps(d, u8x8(scales + 16 * h + 8 * c, true));
                     beta[h] = _mm256_mul_ps(_mm256_set1_ps(sc16_zero(format)), alpha[h]);
                 }
+            } else if (format == kWIQ4_XS) {
+                alpha[0] = _mm256_mul_ps(f16x8(header + 16 * c), u8x8(scales + 8 * c, true));
+                beta[0] = _mm256_mul_ps(_mm256_set1_ps(128.f), alpha[0]);
             } else if (format == kWQ2_K) {
                 const __m256 d = f16x8(header + 16 * c), dmin = f16x8(header + 32 + 16 * c);
                 for (int h = 0; h < 2; ++h) {
@@ -157,7 +171,7 @@ void blocks(int format, const uint8_t* panel, const Acts& a, int64_t rows, float
                 alpha[0] = _mm256_mul_ps(f16x8(header + 16 * c), u8x8(scales + 8 * c, false));
                 beta[0] = _mm256_mul_ps(f16x8(header + 32 + 16 * c), u8x8(scales + 16 + 8 * c, false));
             }
-            decode(g.bits, ints, c, w, sign);
+            decode(format, ints, c, w, sign);
             for (int64_t r = 0; r < rows; ++r) {
                 const int8_t* xq = a.xq + r * a.k + b * 32;
                 const int64_t blk = r * nb + b;

@@ -81,6 +81,10 @@ WEIR_INLINE void decode(const uint8_t* ints, __m512i w[8]) {
         w[t] = _mm512_and_si512(v, low4);
         w[t + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
     }
+    if constexpr (is_iq4(F)) {  // indices to their values' u
+        const __m512i table = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kIq4U)));
+        for (int t = 0; t < 8; ++t) w[t] = _mm512_shuffle_epi8(table, w[t]);
+    }
     if constexpr (bits == 5) {
         const __m512i hb = _mm512_loadu_si512(ints + 256);
         const __m512i bit4 = _mm512_set1_epi8(0x10);
@@ -130,7 +134,7 @@ WEIR_INLINE void block(Cursor& cur, int64_t b, const Acts& a, int64_t r0, int64_
     if constexpr (g.header != 0) {
         if (b % 8 == 0) {
             cur.d = f16x16(cur.at);
-            if constexpr (!is_sc16(F)) cur.dmin = f16x16(cur.at + 32);
+            if constexpr (has_dmin(F)) cur.dmin = f16x16(cur.at + 32);
             cur.at += g.header;
         }
     }
@@ -149,6 +153,9 @@ WEIR_INLINE void block(Cursor& cur, int64_t b, const Acts& a, int64_t r0, int64_
             alpha[h] = _mm512_mul_ps(cur.d, u8x16(scales + 16 * h, true));
             beta[h] = _mm512_mul_ps(_mm512_set1_ps(sc16_zero(F)), alpha[h]);
         }
+    } else if constexpr (F == kWIQ4_XS) {
+        alpha[0] = _mm512_mul_ps(cur.d, u8x16(scales, true));
+        beta[0] = _mm512_mul_ps(_mm512_set1_ps(128.f), alpha[0]);
     } else if constexpr (F == kWQ2_K) {
         for (int h = 0; h < 2; ++h) {
             alpha[h] = _mm512_mul_ps(cur.d, nib16(scales + 16 * h, false));
@@ -316,6 +323,8 @@ void panel_avx512(int format, const uint8_t* panel, const Acts& a, const void* x
         case kWQ4_K: return blocks_rows<kWQ4_K>(panel, a, rows, out);
         case kWQ5_K: return blocks_rows<kWQ5_K>(panel, a, rows, out);
         case kWQ6_K: return blocks_rows<kWQ6_K>(panel, a, rows, out);
+        case kWIQ4_NL: return blocks_rows<kWIQ4_NL>(panel, a, rows, out);
+        case kWIQ4_XS: return blocks_rows<kWIQ4_XS>(panel, a, rows, out);
         default: return;
     }
 }

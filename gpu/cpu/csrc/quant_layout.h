@@ -13,11 +13,13 @@
 //           u8 sc[16] then u8 m[16]; Q6_K and Q3_K int8 sc of the block's first 16 weights [16],
 //           then of its second 16 [16] (Q3_K's as the signed sc - 32); Q2_K a byte sc | m << 4
 //           of the first 16 [16], then of the second [16] (as its file holds them)
+//   IQ4_NL f16 d per column; IQ4_XS int8 ls (its 6-bit scale less 32) per column, d in the header
 //   integers, each an unsigned value u (Q8_0: q + 128 in 0..255; Q2_K: 0..3; Q3_K: 0..7; Q4_0,
 //   Q4_1, Q4_K: 0..15; Q5_0, Q5_1, Q5_K: 0..31; Q6_K: 0..63) laid out for a dot product that
 //   takes 4 consecutive k of a column per 32-bit lane ("quad" t: k = 4t..4t+3, t = 0..7):
 //     8-bit: [t 0..7][column 16][4 bytes]
-//     4-bit: [t 0..3][column 16][4 bytes], low nibble quad t, high nibble quad t + 4
+//     4-bit: [t 0..3][column 16][4 bytes], low nibble quad t, high nibble quad t + 4 (IQ4_NL and
+//           IQ4_XS: the index i of the weight's value, u = kIq4U[i], its table's value + 128)
 //     5-bit: the 4-bit part of u as above, then [column 16][4 bytes] whose bit t is u's bit 4 in
 //           quad t
 //     2-bit: [p 0..1][column 16][4 bytes] whose bits 2j, 2j + 1 are u's bits 0, 1 in quad
@@ -27,7 +29,7 @@
 //     Q6_K: the 4-bit part, then two [column 16][4 bytes] regions h = 0, 1 whose bits 2j, 2j + 1
 //           are u's bits 4, 5 in quad 4h + j
 // Weight value: Q8_0 d (u - 128); Q4_0 d (u - 8); Q5_0 d (u - 16); Q4_1/Q5_1 d u + m;
-// Q4_K/Q5_K d sc u - dmin m (Q2_K the same per 16); Q6_K d sc (u - 32), Q3_K d sc (u - 4) with
+// IQ4_NL d (u - 128); IQ4_XS d ls (u - 128); Q4_K/Q5_K d sc u - dmin m (Q2_K the same per 16); Q6_K d sc (u - 32), Q3_K d sc (u - 4) with
 // sc the scale of the weight's 16. So a
 // block's sum over k of x w is
 //   dx (alpha A - beta S)
@@ -71,6 +73,8 @@ constexpr Geometry geometry(int format) {
         case kWQ4_K: return {64, 32, 256, 4, 1, 256, 144};
         case kWQ5_K: return {64, 32, 320, 5, 1, 256, 176};
         case kWQ6_K: return {32, 32, 384, 6, 2, 256, 210};
+        case kWIQ4_NL: return {0, 32, 256, 4, 1, 32, 18};
+        case kWIQ4_XS: return {32, 16, 256, 4, 1, 256, 136};
         default: return {0, 0, 0, 0, 0, 0, 0};
     }
 }
@@ -78,13 +82,22 @@ constexpr Geometry geometry(int format) {
 constexpr bool is_block(int format) { return geometry(format).bits != 0; }
 constexpr bool is_half(int format) { return format == kWF16 || format == kWBF16; }
 
+// IQ4_NL's and IQ4_XS's sixteen values (llama.cpp's kvalues_iq4nl), + 128: the u of each index.
+alignas(16) constexpr uint8_t kIq4U[16] = {1,   24,  45,  63,  79,  93,  106, 118,
+                                           129, 141, 153, 166, 181, 197, 217, 241};
+constexpr bool is_iq4(int format) { return format == kWIQ4_NL || format == kWIQ4_XS; }
+
 // Formats whose blocks carry one f16 d (beta = offset d: the u of a zero weight) or d and m.
 constexpr bool is_d_only(int format) {
-    return format == kWQ8_0 || format == kWQ4_0 || format == kWQ5_0;
+    return format == kWQ8_0 || format == kWQ4_0 || format == kWQ5_0 || format == kWIQ4_NL;
 }
 constexpr bool is_d_m(int format) { return format == kWQ4_1 || format == kWQ5_1; }
 constexpr float zero_u(int format) {
-    return format == kWQ8_0 ? 128.f : format == kWQ5_0 ? 16.f : 8.f;
+    return format == kWQ8_0 || format == kWIQ4_NL ? 128.f : format == kWQ5_0 ? 16.f : 8.f;
+}
+// k-quants whose header holds dmin after d.
+constexpr bool has_dmin(int format) {
+    return format == kWQ2_K || format == kWQ4_K || format == kWQ5_K;
 }
 // k-quants with int8 scales per 16 weights and a header of d alone; their u of a zero weight.
 constexpr bool is_sc16(int format) { return format == kWQ6_K || format == kWQ3_K; }

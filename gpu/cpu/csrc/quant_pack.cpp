@@ -81,6 +81,26 @@ void parse(int format, const uint8_t* b, Parsed& p) {
                         p.u[32 * s2 + l] |= ((qh[l] >> s2) & 1) << 4;
             return;
         }
+        case kWIQ4_NL:
+            p.d16 = load16(b);
+            for (int i = 0; i < 16; ++i) {
+                p.u[i] = b[2 + i] & 0x0F;  // indices: their values in read_column
+                p.u[16 + i] = b[2 + i] >> 4;
+            }
+            return;
+        case kWIQ4_XS: {
+            p.d16 = load16(b);
+            const uint16_t high = load16(b + 2);
+            for (int s = 0; s < 8; ++s) {
+                const int ls = ((b[4 + s / 2] >> (4 * (s % 2))) & 0x0F) | (((high >> (2 * s)) & 3) << 4);
+                p.sc[s] = uint8_t(ls - 32);
+                for (int j = 0; j < 16; ++j) {
+                    p.u[32 * s + j] = b[8 + 16 * s + j] & 0x0F;
+                    p.u[32 * s + 16 + j] = b[8 + 16 * s + j] >> 4;
+                }
+            }
+            return;
+        }
         case kWQ2_K: {
             for (int s = 0; s < 16; ++s) {
                 p.sc[s] = b[s] & 0x0F;
@@ -213,6 +233,9 @@ void pack_block_panel(int format, const uint8_t* rows, int64_t row_bytes, int64_
                     std::memcpy(header + 2 * col, &p.d16, 2);
                     std::memcpy(header + 2 * (kPanel + col), &p.dmin16, 2);
                 }
+            } else if (format == kWIQ4_XS) {
+                scales[col] = p.sc[sub];
+                if (header) std::memcpy(header + 2 * col, &p.d16, 2);
             } else if (is_sc16(format)) {
                 scales[col] = p.sc[2 * sub];
                 scales[kPanel + col] = p.sc[2 * sub + 1];
@@ -261,6 +284,7 @@ void read_column(int format, const uint8_t* header, const uint8_t* scales, const
         }
         const uint8_t byte = ints[((t % 4) * kPanel + col) * 4 + i];
         u[kk] = t < 4 ? (byte & 0x0F) : (byte >> 4);
+        if (is_iq4(format)) u[kk] = kIq4U[u[kk]];
         if (g.bits == 5) u[kk] |= ((ints[256 + col * 4 + i] >> t) & 1) << 4;
         if (g.bits == 6) u[kk] |= ((ints[256 + 64 * (t / 4) + col * 4 + i] >> (2 * (t % 4))) & 3) << 4;
     }
@@ -277,6 +301,9 @@ void read_column(int format, const uint8_t* header, const uint8_t* scales, const
             alpha[h] = d * float(int8_t(scales[h * kPanel + col]));
             beta[h] = sc16_zero(format) * alpha[h];
         }
+    } else if (format == kWIQ4_XS) {
+        alpha[0] = alpha[1] = half_to_float(load16(header + 2 * col)) * float(int8_t(scales[col]));
+        beta[0] = beta[1] = 128.f * alpha[0];
     } else if (format == kWQ2_K) {
         const float d = half_to_float(load16(header + 2 * col));
         const float dmin = half_to_float(load16(header + 2 * (kPanel + col)));
@@ -336,6 +363,8 @@ void dequant_row(int format, const uint8_t* packed, int64_t k, int64_t row, floa
                 o[kk] = d * float(int(u[kk]) - int(zero_u(format)));
             } else if (is_d_m(format)) {
                 o[kk] = alpha[h] * float(u[kk]) + (-beta[h]);  // ggml: q d + m
+            } else if (format == kWIQ4_XS) {
+                o[kk] = alpha[h] * float(int(u[kk]) - 128);
             } else if (is_sc16(format)) {
                 o[kk] = alpha[h] * float(int(u[kk]) - int(sc16_zero(format)));
             } else {

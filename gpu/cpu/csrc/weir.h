@@ -128,6 +128,8 @@ enum WFormat : int {
     kWQ4_K = 12,
     kWQ5_K = 13,
     kWQ6_K = 14,
+    kWIQ4_NL = 20,
+    kWIQ4_XS = 23,
     kWBF16 = 30,
 };
 constexpr int64_t kPanel = 16;
