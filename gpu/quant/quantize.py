@@ -122,14 +122,21 @@ def _iq4_nl(b: np.ndarray) -> np.ndarray:
     return np.concatenate([_f16_bytes(d), _iq4_indices(b, d)], axis=1)
 
 
+def _signed_scales(sub: np.ndarray, lowest: int) -> tuple[np.ndarray, np.ndarray]:
+    """[blocks, subs, weights]: each sub-block's scale mapping its largest magnitude to the
+    format's `lowest` level, on a signed 6-bit grid of the block's f16 d: (d [blocks, 1], the
+    grid's integers [blocks, subs], -32..31)."""
+    imax = np.abs(sub).argmax(axis=2)[..., None]
+    s = np.take_along_axis(sub, imax, axis=2)[..., 0] / lowest
+    d = (np.abs(s).max(axis=1, keepdims=True) / 32).astype(np.float16).astype(np.float32)
+    inv_d = np.divide(1.0, d, out=np.zeros_like(d), where=d != 0)
+    return d, np.clip(_round(s * inv_d), -32, 31)
+
+
 def _iq4_xs(b: np.ndarray) -> np.ndarray:
     """Each 32's scale from its largest magnitude (as IQ4_NL's), on a signed 6-bit grid of d."""
     sub = b.reshape(len(b), 8, 32)
-    imax = np.abs(sub).argmax(axis=2)[..., None]
-    s = np.take_along_axis(sub, imax, axis=2)[..., 0] / -127
-    d = (np.abs(s).max(axis=1, keepdims=True) / 32).astype(np.float16).astype(np.float32)
-    inv_d = np.divide(1.0, d, out=np.zeros_like(d), where=d != 0)
-    ls = np.clip(_round(s * inv_d), -32, 31)
+    d, ls = _signed_scales(sub, -127)
     qs = _iq4_indices(sub.reshape(-1, 32), (d * ls).reshape(-1, 1)).reshape(len(b), 128)
     l6 = (ls + 32).astype(np.uint16)
     high = ((l6 >> 4) << (2 * np.arange(8, dtype=np.uint16))).sum(axis=1, dtype=np.uint16)
@@ -224,11 +231,7 @@ def _q3_k(b: np.ndarray) -> np.ndarray:
     """Each 16 weights w ~ d sc (q - 4), q in 0..7: the largest magnitude maps to -4 (as Q4_0's
     does to -8), sc on a signed 6-bit grid of the super-block's d."""
     sub = b.reshape(len(b), 16, 16)
-    imax = np.abs(sub).argmax(axis=2)[..., None]
-    s = np.take_along_axis(sub, imax, axis=2)[..., 0] / -4
-    d = (np.abs(s).max(axis=1, keepdims=True) / 32).astype(np.float16).astype(np.float32)
-    inv_d = np.divide(1.0, d, out=np.zeros_like(d), where=d != 0)
-    sc = np.clip(_round(s * inv_d), -32, 31)
+    d, sc = _signed_scales(sub, -4)
     scale = d * sc
     inv = np.divide(1.0, scale, out=np.zeros_like(scale), where=scale != 0)[:, :, None]
     q = (np.clip(_round(sub * inv), -4, 3) + 4).astype(np.uint8).reshape(len(b), 256)
