@@ -45,7 +45,7 @@ KERNELS = [
 # The block- and 16-bit-format products: exact integer arithmetic and float operations in one
 # order on every path, so no -ffast-math; the x86 paths are built for their instruction sets
 # whatever this CPU has (quant.cpp runs each only where the CPU has it).
-QUANT = [CSRC / "quant.cpp", CSRC / "quant_pack.cpp"]
+QUANT = [CSRC / "quant.cpp", CSRC / "quant_pack.cpp", CSRC / "gguf_blocks.cpp"]
 QUANT_PATHS = {
     CSRC / "quant_avx2.cpp": ["-mavx2", "-mfma", "-mf16c"],
     CSRC / "quant_avx512.cpp": [
