@@ -290,21 +290,7 @@ void panel_avx2(int format, const uint8_t* panel, const Acts& a, const void* x16
                 int64_t x16_stride, int64_t rows, float* out) {
     if (format == kWBF16) return halves_rows<true>(panel, a.k, x16, x16_stride, rows, out);
     if (format == kWF16) return halves_rows<false>(panel, a.k, x16, x16_stride, rows, out);
-    switch (format) {
-        case kWQ8_0: return blocks<kWQ8_0>(panel, a, rows, out);
-        case kWQ4_0: return blocks<kWQ4_0>(panel, a, rows, out);
-        case kWQ4_1: return blocks<kWQ4_1>(panel, a, rows, out);
-        case kWQ5_0: return blocks<kWQ5_0>(panel, a, rows, out);
-        case kWQ5_1: return blocks<kWQ5_1>(panel, a, rows, out);
-        case kWQ2_K: return blocks<kWQ2_K>(panel, a, rows, out);
-        case kWQ3_K: return blocks<kWQ3_K>(panel, a, rows, out);
-        case kWQ4_K: return blocks<kWQ4_K>(panel, a, rows, out);
-        case kWQ5_K: return blocks<kWQ5_K>(panel, a, rows, out);
-        case kWQ6_K: return blocks<kWQ6_K>(panel, a, rows, out);
-        case kWIQ4_NL: return blocks<kWIQ4_NL>(panel, a, rows, out);
-        case kWIQ4_XS: return blocks<kWIQ4_XS>(panel, a, rows, out);
-        default: return;
-    }
+    with_block_format(format, [&](auto f) { blocks<decltype(f)::value>(panel, a, rows, out); });
 }
 
 }  // namespace weir::q

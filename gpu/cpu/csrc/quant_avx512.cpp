@@ -313,19 +313,8 @@ void panel_avx512(int format, const uint8_t* panel, const Acts& a, const void* x
     switch (format) {
         case kWBF16: return halves_rows<true>(panel, a.k, x16, x16_stride, rows, out);
         case kWF16: return halves_rows<false>(panel, a.k, x16, x16_stride, rows, out);
-        case kWQ8_0: return blocks_rows<kWQ8_0>(panel, a, rows, out);
-        case kWQ4_0: return blocks_rows<kWQ4_0>(panel, a, rows, out);
-        case kWQ4_1: return blocks_rows<kWQ4_1>(panel, a, rows, out);
-        case kWQ5_0: return blocks_rows<kWQ5_0>(panel, a, rows, out);
-        case kWQ5_1: return blocks_rows<kWQ5_1>(panel, a, rows, out);
-        case kWQ2_K: return blocks_rows<kWQ2_K>(panel, a, rows, out);
-        case kWQ3_K: return blocks_rows<kWQ3_K>(panel, a, rows, out);
-        case kWQ4_K: return blocks_rows<kWQ4_K>(panel, a, rows, out);
-        case kWQ5_K: return blocks_rows<kWQ5_K>(panel, a, rows, out);
-        case kWQ6_K: return blocks_rows<kWQ6_K>(panel, a, rows, out);
-        case kWIQ4_NL: return blocks_rows<kWIQ4_NL>(panel, a, rows, out);
-        case kWIQ4_XS: return blocks_rows<kWIQ4_XS>(panel, a, rows, out);
-        default: return;
+        default:
+            with_block_format(format, [&](auto f) { blocks_rows<decltype(f)::value>(panel, a, rows, out); });
     }
 }
 

@@ -46,6 +46,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "weir.h"
 
@@ -80,6 +81,27 @@ constexpr Geometry geometry(int format) {
 }
 
 constexpr bool is_block(int format) { return geometry(format).bits != 0; }
+
+// fn(std::integral_constant<int, F>{}) for block format F (nothing for any other): the one list
+// of block formats each fast path instantiates its per-format pass from.
+template <typename Fn>
+inline void with_block_format(int format, Fn&& fn) {
+    switch (format) {
+        case kWQ8_0: return fn(std::integral_constant<int, kWQ8_0>{});
+        case kWQ4_0: return fn(std::integral_constant<int, kWQ4_0>{});
+        case kWQ4_1: return fn(std::integral_constant<int, kWQ4_1>{});
+        case kWQ5_0: return fn(std::integral_constant<int, kWQ5_0>{});
+        case kWQ5_1: return fn(std::integral_constant<int, kWQ5_1>{});
+        case kWQ2_K: return fn(std::integral_constant<int, kWQ2_K>{});
+        case kWQ3_K: return fn(std::integral_constant<int, kWQ3_K>{});
+        case kWQ4_K: return fn(std::integral_constant<int, kWQ4_K>{});
+        case kWQ5_K: return fn(std::integral_constant<int, kWQ5_K>{});
+        case kWQ6_K: return fn(std::integral_constant<int, kWQ6_K>{});
+        case kWIQ4_NL: return fn(std::integral_constant<int, kWIQ4_NL>{});
+        case kWIQ4_XS: return fn(std::integral_constant<int, kWIQ4_XS>{});
+        default: return;
+    }
+}
 constexpr bool is_half(int format) { return format == kWF16 || format == kWBF16; }
 
 // IQ4_NL's and IQ4_XS's sixteen values (llama.cpp's kvalues_iq4nl), + 128: the u of each index.
