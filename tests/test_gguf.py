@@ -52,6 +52,8 @@ FILES = {
     ("llama", "q3_k"): uniform("q3_k"),
     ("qwen2", "q2_k"): uniform("q2_k"),
     ("qwen3", "iq4_xs"): uniform("iq4_xs"),
+    ("llama", "iq3_xxs"): uniform("iq3_xxs"),
+    ("qwen2", "iq3_s"): uniform("iq3_s"),
     ("qwen2", "q4_0"): uniform("q4_0"),
     ("qwen2", "q4_k_m"): q4_k_m,  # Q/K/V in two formats, with biases
 }
@@ -132,7 +134,7 @@ def test_f32_file_is_transformers_exactly(files, arch):
     "arch,fmt",
     [("llama", "q8_0"), ("llama", "q4_k_m"), ("qwen3", "bf16"), ("qwen3", "q4_k_m"),
      ("qwen3", "q5_k"), ("qwen2", "q4_0"), ("qwen2", "q4_k_m"), ("llama", "q3_k"),
-     ("qwen2", "q2_k"), ("qwen3", "iq4_xs")],
+     ("qwen2", "q2_k"), ("qwen3", "iq4_xs"), ("llama", "iq3_xxs"), ("qwen2", "iq3_s")],
 )  # fmt: skip
 def test_block_formats_against_transformers(files, arch, fmt):
     hf, paths = files

@@ -19,6 +19,7 @@ import torch
 from gpu.cpu import build as cpu_build
 from gpu.cpu.gemm import ACTIVATIONS
 from gpu.quant.formats import Format
+from gpu.quant.iq3 import is_iq3, transcode
 
 PATHS = {"auto": 0, "ref": 1, "avx2": 2, "avx512": 3}
 
@@ -69,6 +70,9 @@ def pack(
     """GGUF's rows of a [n, k] weight (bytes, or bf16/f16 elements) -> a QuantWeight; with
     `up` (the up projection's rows) and `act`, a gated MLP pair."""
     n, k = shape
+    if is_iq3(fmt.name):  # the kernels read IQ3 blocks rewritten as IQ4_XS's (gpu/quant/iq3.py)
+        rows = transcode(np.asarray(rows), fmt.name)
+        up = None if up is None else transcode(np.asarray(up), fmt.name)
     ops = cpu_build.load()
     packed = ops.wpack(_bytes(rows), None if up is None else _bytes(up), fmt.ggml_type, n, k)
     bias = None if bias is None else bias.detach().float().contiguous()

@@ -44,7 +44,10 @@ def uniform(fmt: str) -> Callable[[str, tuple[int, ...]], str]:
 
 # llama-quantize's format for a k-quant tensor whose rows are not whole super-blocks of 256
 # (Qwen2.5-0.5B's 896): its "incompatible tensor" fallbacks.
-FALLBACK = {"q4_k": "q5_0", "q5_k": "q5_1", "q6_k": "q8_0"}
+FALLBACK = {
+    "q4_k": "q5_0", "q5_k": "q5_1", "q6_k": "q8_0",
+    **dict.fromkeys(("q2_k", "q3_k", "iq4_xs", "iq3_xxs", "iq3_s"), "iq4_nl"),
+}  # fmt: skip
 
 
 def _fitting(fmt: str, k: int) -> str:

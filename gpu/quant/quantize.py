@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from gpu.quant.formats import FORMATS
+from gpu.quant.iq3 import quantize_iq3_s, quantize_iq3_xxs, xs_blocks
 
 
 def _round(x: np.ndarray) -> np.ndarray:
@@ -138,13 +139,8 @@ def _iq4_xs(b: np.ndarray) -> np.ndarray:
     sub = b.reshape(len(b), 8, 32)
     d, ls = _signed_scales(sub, -127)
     qs = _iq4_indices(sub.reshape(-1, 32), (d * ls).reshape(-1, 1)).reshape(len(b), 128)
-    l6 = (ls + 32).astype(np.uint16)
-    high = ((l6 >> 4) << (2 * np.arange(8, dtype=np.uint16))).sum(axis=1, dtype=np.uint16)
-    low = (l6[:, 0::2] & 0x0F) | ((l6[:, 1::2] & 0x0F) << 4)
-    return np.concatenate(
-        [_f16_bytes(d), high.astype("<u2").view(np.uint8).reshape(-1, 2), low.astype(np.uint8), qs],
-        axis=1,
-    )
+    return xs_blocks(d, ls + 32, qs)
+
 
 
 def _grid(values: np.ndarray, top: int) -> tuple[np.ndarray, np.ndarray]:
@@ -293,4 +289,6 @@ QUANTIZERS = {
     "q6_k": _q6_k,
     "iq4_nl": _iq4_nl,
     "iq4_xs": _iq4_xs,
+    "iq3_xxs": quantize_iq3_xxs,
+    "iq3_s": quantize_iq3_s,
 }

@@ -66,7 +66,9 @@ void parse_block(int format, const uint8_t* b, Parsed& p) {
                 p.u[16 + i] = b[2 + i] >> 4;
             }
             return;
-        case kWIQ4_XS: {
+        case kWIQ4_XS:
+        case kWIQ3_XXS:  // transcoded into IQ4_XS's bytes (gpu/quant/iq3.py)
+        case kWIQ3_S: {
             p.d16 = load16(b);
             const uint16_t high = load16(b + 2);
             for (int s = 0; s < 8; ++s) {

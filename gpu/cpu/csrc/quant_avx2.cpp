@@ -69,10 +69,9 @@ WEIR_INLINE void decode(const uint8_t* ints, int c, __m256i w[8], __m256i sign[8
         w[t] = _mm256_and_si256(v, low4);
         w[t + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
     }
-    if (is_iq4(format)) {  // indices to their signed values, taken as Q8_0's are (q = u - 128)
-        alignas(16) static constexpr int8_t values[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
-                                                          1,    13,   25,  38,  53,  69,  89,  113};
-        const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(values)));
+    if (is_iq(format)) {  // indices to their signed values, taken as Q8_0's are (q = u - 128)
+        const __m256i table = _mm256_broadcastsi128_si256(
+            _mm_load_si128(reinterpret_cast<const __m128i*>(iq_values(format))));
         for (int t = 0; t < 8; ++t) {
             sign[t] = _mm256_shuffle_epi8(table, w[t]);
             w[t] = _mm256_abs_epi8(sign[t]);
@@ -149,7 +148,7 @@ template <int format>
 void blocks(const uint8_t* panel, const Acts& a, int64_t rows, float* out) {
     const Geometry g = geometry(format);
     const int64_t nb = a.k / 32;
-    constexpr bool q8 = format == kWQ8_0 || is_iq4(format);  // signed: |q| against sign(x, q)
+    constexpr bool q8 = format == kWQ8_0 || is_iq(format);  // signed: |q| against sign(x, q)
     constexpr int group = group_of(geometry(format).bits, q8);
     alignas(32) float e[kRowChunk][2][2][8];  // [row][half c][b % 2][column]
     std::memset(e, 0, sizeof(float) * rows * 32);
@@ -178,8 +177,10 @@ void blocks(const uint8_t* panel, const Acts& a, int64_t rows, float* out) {
                     alpha[h] = _mm256_mul_ps(d, u8x8(scales + 16 * h + 8 * c, true));
                     beta[h] = _mm256_mul_ps(_mm256_set1_ps(sc16_zero(format)), alpha[h]);
                 }
-            } else if (format == kWIQ4_XS) {
+            } else if (is_xs(format)) {
                 alpha[0] = _mm256_mul_ps(f16x8(header + 16 * c), u8x8(scales + 8 * c, true));
+                if constexpr (xs_unit(format) != 1.f)
+                    alpha[0] = _mm256_mul_ps(alpha[0], _mm256_set1_ps(xs_unit(format)));
                 beta[0] = _mm256_mul_ps(_mm256_set1_ps(128.f), alpha[0]);
             } else if (format == kWQ2_K) {
                 const __m256 d = f16x8(header + 16 * c), dmin = f16x8(header + 32 + 16 * c);

@@ -81,8 +81,8 @@ WEIR_INLINE void decode(const uint8_t* ints, __m512i w[8]) {
         w[t] = _mm512_and_si512(v, low4);
         w[t + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
     }
-    if constexpr (is_iq4(F)) {  // indices to their values' u
-        const __m512i table = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kIq4U)));
+    if constexpr (is_iq(F)) {  // indices to their values' u
+        const __m512i table = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(iq_u(F))));
         for (int t = 0; t < 8; ++t) w[t] = _mm512_shuffle_epi8(table, w[t]);
     }
     if constexpr (bits == 5) {
@@ -153,8 +153,9 @@ WEIR_INLINE void block(Cursor& cur, int64_t b, const Acts& a, int64_t r0, int64_
             alpha[h] = _mm512_mul_ps(cur.d, u8x16(scales + 16 * h, true));
             beta[h] = _mm512_mul_ps(_mm512_set1_ps(sc16_zero(F)), alpha[h]);
         }
-    } else if constexpr (F == kWIQ4_XS) {
+    } else if constexpr (is_xs(F)) {
         alpha[0] = _mm512_mul_ps(cur.d, u8x16(scales, true));
+        if constexpr (xs_unit(F) != 1.f) alpha[0] = _mm512_mul_ps(alpha[0], _mm512_set1_ps(xs_unit(F)));
         beta[0] = _mm512_mul_ps(_mm512_set1_ps(128.f), alpha[0]);
     } else if constexpr (F == kWQ2_K) {
         for (int h = 0; h < 2; ++h) {

@@ -14,12 +14,15 @@
 //           then of its second 16 [16] (Q3_K's as the signed sc - 32); Q2_K a byte sc | m << 4
 //           of the first 16 [16], then of the second [16] (as its file holds them)
 //   IQ4_NL f16 d per column; IQ4_XS int8 ls (its 6-bit scale less 32) per column, d in the header
+//   (IQ3_XXS and IQ3_S as IQ4_XS: gpu/quant/iq3.py transcodes their grids into its layout, ls the
+//   odd 1..31 of their scales)
 //   integers, each an unsigned value u (Q8_0: q + 128 in 0..255; Q2_K: 0..3; Q3_K: 0..7; Q4_0,
 //   Q4_1, Q4_K: 0..15; Q5_0, Q5_1, Q5_K: 0..31; Q6_K: 0..63) laid out for a dot product that
 //   takes 4 consecutive k of a column per 32-bit lane ("quad" t: k = 4t..4t+3, t = 0..7):
 //     8-bit: [t 0..7][column 16][4 bytes]
-//     4-bit: [t 0..3][column 16][4 bytes], low nibble quad t, high nibble quad t + 4 (IQ4_NL and
-//           IQ4_XS: the index i of the weight's value, u = kIq4U[i], its table's value + 128)
+//     4-bit: [t 0..3][column 16][4 bytes], low nibble quad t, high nibble quad t + 4 (IQ4_NL,
+//           IQ4_XS, IQ3_XXS, IQ3_S: the index i of the weight's value in its format's table of
+//           sixteen, u = iq_u(format)[i], the value + 128)
 //     5-bit: the 4-bit part of u as above, then [column 16][4 bytes] whose bit t is u's bit 4 in
 //           quad t
 //     2-bit: [p 0..1][column 16][4 bytes] whose bits 2j, 2j + 1 are u's bits 0, 1 in quad
@@ -29,7 +32,7 @@
 //     Q6_K: the 4-bit part, then two [column 16][4 bytes] regions h = 0, 1 whose bits 2j, 2j + 1
 //           are u's bits 4, 5 in quad 4h + j
 // Weight value: Q8_0 d (u - 128); Q4_0 d (u - 8); Q5_0 d (u - 16); Q4_1/Q5_1 d u + m;
-// IQ4_NL d (u - 128); IQ4_XS d ls (u - 128); Q4_K/Q5_K d sc u - dmin m (Q2_K the same per 16); Q6_K d sc (u - 32), Q3_K d sc (u - 4) with
+// IQ4_NL d (u - 128); IQ4_XS (IQ3_S) d ls (u - 128), IQ3_XXS d ls (u - 128) / 4; Q4_K/Q5_K d sc u - dmin m (Q2_K the same per 16); Q6_K d sc (u - 32), Q3_K d sc (u - 4) with
 // sc the scale of the weight's 16. So a
 // block's sum over k of x w is
 //   dx (alpha A - beta S)
@@ -75,7 +78,9 @@ constexpr Geometry geometry(int format) {
         case kWQ5_K: return {64, 32, 320, 5, 1, 256, 176};
         case kWQ6_K: return {32, 32, 384, 6, 2, 256, 210};
         case kWIQ4_NL: return {0, 32, 256, 4, 1, 32, 18};
-        case kWIQ4_XS: return {32, 16, 256, 4, 1, 256, 136};
+        case kWIQ4_XS:
+        case kWIQ3_XXS:
+        case kWIQ3_S: return {32, 16, 256, 4, 1, 256, 136};  // IQ3: the transcoded block's bytes
         default: return {0, 0, 0, 0, 0, 0, 0};
     }
 }
@@ -99,15 +104,52 @@ inline void with_block_format(int format, Fn&& fn) {
         case kWQ6_K: return fn(std::integral_constant<int, kWQ6_K>{});
         case kWIQ4_NL: return fn(std::integral_constant<int, kWIQ4_NL>{});
         case kWIQ4_XS: return fn(std::integral_constant<int, kWIQ4_XS>{});
+        case kWIQ3_XXS: return fn(std::integral_constant<int, kWIQ3_XXS>{});
+        case kWIQ3_S: return fn(std::integral_constant<int, kWIQ3_S>{});
         default: return;
     }
 }
 constexpr bool is_half(int format) { return format == kWF16 || format == kWBF16; }
 
-// IQ4_NL's and IQ4_XS's sixteen values (llama.cpp's kvalues_iq4nl), + 128: the u of each index.
+// The sixteen values of the table formats' indices, ascending: IQ4_NL's and IQ4_XS's (llama.cpp's
+// kvalues_iq4nl); IQ3_XXS's grid magnitudes 4..62, signed (its scale's quarter: xs_unit); IQ3_S's
+// odd 1..15, signed.
+alignas(16) constexpr int8_t kIq4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                               1,    13,   25,  38,  53,  69,  89,  113};
+alignas(16) constexpr int8_t kIq3XxsValues[16] = {-62, -52, -44, -36, -28, -20, -12, -4,
+                                                  4,   12,  20,  28,  36,  44,  52, 62};
+alignas(16) constexpr int8_t kIq3SValues[16] = {-15, -13, -11, -9, -7, -5, -3, -1,
+                                                1,   3,   5,   7,  9,  11, 13, 15};
+constexpr const int8_t* iq_values(int format) {
+    return format == kWIQ3_XXS ? kIq3XxsValues : format == kWIQ3_S ? kIq3SValues : kIq4Values;
+}
+// Each table's u (value + 128).
 alignas(16) constexpr uint8_t kIq4U[16] = {1,   24,  45,  63,  79,  93,  106, 118,
                                            129, 141, 153, 166, 181, 197, 217, 241};
-constexpr bool is_iq4(int format) { return format == kWIQ4_NL || format == kWIQ4_XS; }
+alignas(16) constexpr uint8_t kIq3XxsU[16] = {66,  76,  84,  92,  100, 108, 116, 124,
+                                              132, 140, 148, 156, 164, 172, 180, 190};
+alignas(16) constexpr uint8_t kIq3SU[16] = {113, 115, 117, 119, 121, 123, 125, 127,
+                                            129, 131, 133, 135, 137, 139, 141, 143};
+constexpr const uint8_t* iq_u(int format) {
+    return format == kWIQ3_XXS ? kIq3XxsU : format == kWIQ3_S ? kIq3SU : kIq4U;
+}
+constexpr bool u_tables_agree() {
+    for (int f : {kWIQ4_NL, kWIQ3_XXS, kWIQ3_S})
+        for (int i = 0; i < 16; ++i)
+            if (iq_u(f)[i] != iq_values(f)[i] + 128) return false;
+    return true;
+}
+static_assert(u_tables_agree(), "a table's u is its value + 128");
+// Formats whose 4-bit integers index a table of sixteen values.
+constexpr bool is_iq(int format) {
+    return format == kWIQ4_NL || format == kWIQ4_XS || format == kWIQ3_XXS || format == kWIQ3_S;
+}
+// IQ4_XS's layout: f16 d per 256 in the header, an int8 scale per 32.
+constexpr bool is_xs(int format) {
+    return format == kWIQ4_XS || format == kWIQ3_XXS || format == kWIQ3_S;
+}
+// The factor of d ls in an IQ4_XS-layout weight: IQ3_XXS's d (2 ls + 1) / 4 (every product exact).
+constexpr float xs_unit(int format) { return format == kWIQ3_XXS ? 0.25f : 1.f; }
 
 // Formats whose blocks carry one f16 d (beta = offset d: the u of a zero weight) or d and m.
 constexpr bool is_d_only(int format) {

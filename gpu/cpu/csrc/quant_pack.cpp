@@ -94,7 +94,7 @@ void pack_block_panel(int format, const uint8_t* rows, int64_t row_bytes, int64_
                     std::memcpy(header + 2 * col, &p.d16, 2);
                     std::memcpy(header + 2 * (kPanel + col), &p.dmin16, 2);
                 }
-            } else if (format == kWIQ4_XS) {
+            } else if (is_xs(format)) {
                 scales[col] = p.sc[sub];
                 if (header) std::memcpy(header + 2 * col, &p.d16, 2);
             } else if (is_sc16(format)) {
@@ -145,7 +145,7 @@ void read_column(int format, const uint8_t* header, const uint8_t* scales, const
         }
         const uint8_t byte = ints[((t % 4) * kPanel + col) * 4 + i];
         u[kk] = t < 4 ? (byte & 0x0F) : (byte >> 4);
-        if (is_iq4(format)) u[kk] = kIq4U[u[kk]];
+        if (is_iq(format)) u[kk] = iq_u(format)[u[kk]];
         if (g.bits == 5) u[kk] |= ((ints[256 + col * 4 + i] >> t) & 1) << 4;
         if (g.bits == 6) u[kk] |= ((ints[256 + 64 * (t / 4) + col * 4 + i] >> (2 * (t % 4))) & 3) << 4;
     }
@@ -162,8 +162,9 @@ void read_column(int format, const uint8_t* header, const uint8_t* scales, const
             alpha[h] = d * float(int8_t(scales[h * kPanel + col]));
             beta[h] = sc16_zero(format) * alpha[h];
         }
-    } else if (format == kWIQ4_XS) {
-        alpha[0] = alpha[1] = half_to_float(load16(header + 2 * col)) * float(int8_t(scales[col]));
+    } else if (is_xs(format)) {
+        alpha[0] = alpha[1] = half_to_float(load16(header + 2 * col)) * float(int8_t(scales[col])) *
+                              xs_unit(format);
         beta[0] = beta[1] = 128.f * alpha[0];
     } else if (format == kWQ2_K) {
         const float d = half_to_float(load16(header + 2 * col));
@@ -224,7 +225,7 @@ void dequant_row(int format, const uint8_t* packed, int64_t k, int64_t row, floa
                 o[kk] = d * float(int(u[kk]) - int(zero_u(format)));
             } else if (is_d_m(format)) {
                 o[kk] = alpha[h] * float(u[kk]) + (-beta[h]);  // ggml: q d + m
-            } else if (format == kWIQ4_XS) {
+            } else if (is_xs(format)) {
                 o[kk] = alpha[h] * float(int(u[kk]) - 128);
             } else if (is_sc16(format)) {
                 o[kk] = alpha[h] * float(int(u[kk]) - int(sc16_zero(format)));

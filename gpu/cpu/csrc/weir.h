@@ -128,7 +128,9 @@ enum WFormat : int {
     kWQ4_K = 12,
     kWQ5_K = 13,
     kWQ6_K = 14,
+    kWIQ3_XXS = 18,  // held as weir's transcoding (gpu/quant/iq3.py): IQ4_XS's layout
     kWIQ4_NL = 20,
+    kWIQ3_S = 21,    // the same
     kWIQ4_XS = 23,
     kWBF16 = 30,
 };
