@@ -17,6 +17,9 @@ class CheckpointError(ValueError):
 # --quantization: weir's own round-to-nearest formats (gpu/quant/quantize.py); "gguf", "awq" and
 # "gptq" name what a checkpoint already holds (a .gguf path, config.json's quantization_config).
 QUANTIZATIONS = ("q8_0", "q4_0", "q4_k", "fp8", "gguf", "awq", "gptq")
+# --logprobs-mode, vLLM's: the model's own distribution or the one sampled from, as log-probs
+# or logits (gpu/sampler.py).
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits")
 
 
 # --gpu-memory-utilization's default; WEIR_GPU_MEMORY_UTILIZATION sets it for every engine a
@@ -70,6 +73,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     generation_config: str = "auto"
     # Most log-probs (top alternatives) a request may ask for; -1: the whole vocabulary.
     max_logprobs: int = 20
+    # What log-probs report (vLLM's --logprobs-mode): the model's own distribution (raw_*), or
+    # the one sampled from after penalties, bias, temperature and filters (processed_*); as
+    # log-probs or as logits.
+    logprobs_mode: str = "raw_logprobs"
     # Most beams a beam search request (use_beam_search, n beams) may ask for.
     max_beam_width: int = 16
     check_integrity: bool = False  # assert the block pool invariant after every step (tests)
@@ -138,6 +145,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise ValueError("--max-beam-width must be at least 1")
         if self.max_logprobs < -1:
             raise ValueError("--max-logprobs must be -1 (no limit) or at least 0")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"--logprobs-mode must be one of {', '.join(LOGPROBS_MODES)}")
         if self.tensor_parallel_size < 1:
             raise ValueError("--tensor-parallel-size must be at least 1")
         if self.speculative_config is not None:

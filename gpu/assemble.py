@@ -183,7 +183,9 @@ def build_runner(
     captured for contexts up to `max_model_len`."""
     kv_dtype = kv_cache.cache_dtype(config.kv_cache_dtype, dtype)
     caches = kv_cache.allocate(model.local_spec, num_blocks, config.block_size, kv_dtype, device)
-    runner = ModelRunner(model, caches, config.block_size, device, seed=config.seed)
+    runner = ModelRunner(
+        model, caches, config.block_size, device, config.seed, config.logprobs_mode
+    )
     if config.enable_lora:
         from gpu.lora import LoraSlots
 

@@ -37,13 +37,14 @@ class ModelRunner:
         block_size: int,
         device: torch.device,
         seed: int = 0,
+        logprobs_mode: str = "raw_logprobs",
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
         self.vocab_size = model.spec.vocab_size
-        self.sampler = Sampler(seed, device, model.backend)
+        self.sampler = Sampler(seed, device, model.backend, logprobs_mode)
         self.eos_token_ids: set[int] = set()  # banned before a request's min_tokens
         self.last_logits: torch.Tensor | None = None  # kept for tests that compare logits
         self.graphs = None  # DecodeGraphs when decode steps replay CUDA graphs (see launch)

@@ -2,8 +2,11 @@
 
 Order, as vLLM applies it: the structured-output grammar's mask, logit bias, min_tokens bans,
 repetition/frequency/presence penalties, temperature, top-k/top-p/min-p filtering, then sampling
-(greedy rows take the argmax). Log-probs are of the distribution actually sampled from: after
-all of the above (greedy rows at temperature 1).
+(greedy rows take the argmax). Log-probs are, as vLLM's default (`--logprobs-mode
+raw_logprobs`) and OpenAI's, the model's own distribution: before any of the above, whatever the
+temperature or filters. `processed_logprobs` gives those of the distribution actually sampled
+from (after all of the above; greedy rows at temperature 1; filtered tokens -inf), and
+`raw_logits` / `processed_logits` the logits themselves.
 """
 
 from __future__ import annotations
@@ -11,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
+from core.config import LOGPROBS_MODES
 
 
 @dataclass
@@ -104,9 +109,15 @@ def filter_logits(
 
 
 class Sampler:
-    def __init__(self, seed: int, device: torch.device, backend) -> None:
+    def __init__(
+        self, seed: int, device: torch.device, backend, logprobs_mode: str = "raw_logprobs"
+    ) -> None:
         """`backend` (gpu/backend.py) runs the argmax and applies the grammar's bitmask."""
+        if logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs mode {logprobs_mode!r}: one of {', '.join(LOGPROBS_MODES)}")
         self.backend = backend
+        self.processed = logprobs_mode.startswith("processed")
+        self.normalized = logprobs_mode.endswith("logprobs")
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
 
@@ -128,11 +139,12 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, m: SamplingMetadata) -> SamplerOutput:
         """logits: [n, vocab] float32, one row per sampled sequence."""
+        raw = logits
         logits, greedy = self._process(logits, m)
         ids = self.backend.argmax(logits)
         if not m.all_greedy:
             ids = torch.where(greedy, ids, self._draw(logits.softmax(dim=-1), m.seeded))
-        return self._with_logprobs(SamplerOutput(token_ids=ids), logits, m)
+        return self._with_logprobs(SamplerOutput(token_ids=ids), raw, logits, m)
 
     def verify(self, logits: torch.Tensor, m: SamplingMetadata, drafts: torch.Tensor):
         """Speculative rows: row i of a request's run scores the position after its i-th input
@@ -145,6 +157,7 @@ class Sampler:
         probability the model gives it (the proposal is certain, so min(1, p / q) is p) and
         otherwise draw from the model's distribution without it: the token after a run of
         accepted proposals has exactly the model's distribution (rejection sampling)."""
+        raw = logits
         logits, greedy = self._process(logits, m)
         ids = self.backend.argmax(logits)
         has = drafts >= 0
@@ -164,11 +177,15 @@ class Sampler:
             ids = torch.where(greedy, ids, drawn)
             accepted = torch.where(greedy, accepted, sampled_accept)
         ids = torch.where(accepted, target, ids)
-        return self._with_logprobs(SamplerOutput(token_ids=ids), logits, m), accepted
+        return self._with_logprobs(SamplerOutput(token_ids=ids), raw, logits, m), accepted
 
-    def _with_logprobs(self, out: SamplerOutput, logits, m: SamplingMetadata) -> SamplerOutput:
+    def _with_logprobs(
+        self, out: SamplerOutput, raw: torch.Tensor, processed: torch.Tensor, m: SamplingMetadata
+    ) -> SamplerOutput:
         if m.max_logprobs is not None:
-            logprobs = logits.log_softmax(dim=-1)
+            logprobs = processed if self.processed else raw
+            if self.normalized:
+                logprobs = logprobs.log_softmax(dim=-1)
             out.logprobs = logprobs.gather(1, out.token_ids[:, None]).squeeze(1)
             if m.max_logprobs > 0:
                 out.top_logprobs, out.top_ids = logprobs.topk(m.max_logprobs, dim=-1)

@@ -72,6 +72,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         chat_template=args.chat_template,
         generation_config=args.generation_config,
         max_logprobs=args.max_logprobs,
+        logprobs_mode=args.logprobs_mode,
         max_beam_width=args.max_beam_width,
         tensor_parallel_size=args.tensor_parallel_size,
         distributed_init_method=args.distributed_init_method,

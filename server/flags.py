@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from core.config import DEFAULT_GPU_MEMORY_UTILIZATION
+from core.config import DEFAULT_GPU_MEMORY_UTILIZATION, LOGPROBS_MODES
 from server import vllm_flags
 from server.embedding_config import add_arguments as embedding_flags
 from server.responses.flags import add_arguments as responses_flags
@@ -239,6 +239,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=20,
         help="most log-probs a request may ask for (logprobs, top_logprobs, prompt_logprobs); "
         "-1: the whole vocabulary",
+    )
+    s.add_argument(
+        "--logprobs-mode",
+        choices=LOGPROBS_MODES,
+        default="raw_logprobs",
+        help="what log-probs report, as vLLM's: raw_* the model's own distribution (whatever "
+        "the temperature, penalties, bias or filters), processed_* the one sampled from; "
+        "*_logits the logits instead of log-probs",
     )
     s.add_argument(
         "--max-beam-width",

@@ -12,8 +12,9 @@ from gpu.sampler import Sampler as _Sampler
 from gpu.sampler import SamplingMetadata, apply_penalties, filter_logits
 
 
-def Sampler(seed: int, device: torch.device) -> _Sampler:  # noqa: N802 - the class, on torch ops
-    return _Sampler(seed, device, TorchBackend(None, fuse=False))
+def Sampler(seed: int, device: torch.device, mode: str = "raw_logprobs") -> _Sampler:  # noqa: N802
+    """The class, on torch ops."""
+    return _Sampler(seed, device, TorchBackend(None, fuse=False), mode)
 
 
 def meta(n, **kw):
@@ -89,11 +90,37 @@ def test_bias_ban_greedy_and_logprobs():
         bias=(torch.tensor([0]), torch.tensor([2]), torch.tensor([10.0])),
         ban=(torch.tensor([1]), torch.tensor([1])),
     )
-    out = Sampler(0, torch.device("cpu"))(logits, m)
+    out = Sampler(0, torch.device("cpu"), "processed_logprobs")(logits, m)
     assert out.token_ids.tolist() == [2, 3]  # row 0 biased to 2; row 1 has 1 banned, so 3
     ref0 = torch.tensor([0.0, 5.0, 11.0, 2.0]).log_softmax(-1)
     assert math.isclose(out.logprobs[0].item(), ref0[2].item(), rel_tol=1e-6)
     assert out.top_ids[0].tolist() == [2, 1]
+    # raw (vLLM's default): the same tokens, their log-probs the model's own
+    raw = Sampler(0, torch.device("cpu"))(logits, m)
+    assert raw.token_ids.tolist() == [2, 3]
+    model = logits[0].log_softmax(-1)
+    assert raw.logprobs.tolist() == [model[2].item(), model[3].item()]
+    assert raw.top_ids.tolist() == [[1, 3], [1, 3]]  # the banned token is still the model's best
+    logits_mode = Sampler(0, torch.device("cpu"), "raw_logits")(logits, m)
+    assert logits_mode.logprobs.tolist() == [1.0, 2.0]
+
+
+def test_raw_logprobs_do_not_depend_on_temperature_or_filters():
+    """A request's log-probs are the model's distribution whatever it samples with: no -inf for
+    tokens top-k leaves out, the same numbers at temperature 0.3 and 1.5 (vLLM's raw_logprobs,
+    and OpenAI's)."""
+    logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(5))
+    model = logits.log_softmax(-1)
+    for temperature in (0.3, 1.5):
+        m = meta(
+            3, temperature=torch.full((3,), temperature), max_logprobs=5,
+            top_k=torch.tensor([2, 2, 2]), need_top_k=True,
+        )  # fmt: skip
+        out = Sampler(1, torch.device("cpu"))(logits, m)
+        torch.testing.assert_close(out.top_logprobs, model.topk(5, dim=-1).values)
+        assert torch.equal(out.logprobs, model.gather(1, out.token_ids[:, None]).squeeze(1))
+        processed = Sampler(1, torch.device("cpu"), "processed_logprobs")(logits, m)
+        assert (processed.top_logprobs[:, 2:] == float("-inf")).all()  # top-k 2 left them out
 
 
 def test_seeded_rows_are_reproducible_whatever_the_batch():
