@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import struct
 from pathlib import Path
 
@@ -90,8 +91,13 @@ class AdapterInfo(msgspec.Struct, frozen=True, gc=False):
     targets: tuple[str, ...]
 
 
+_ITEM_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2}
+
+
 def safetensors_header(path: Path) -> dict:
-    """The JSON header of a safetensors file (tensor name -> dtype, shape, offsets)."""
+    """The JSON header of a safetensors file (tensor name -> dtype, shape, offsets), each
+    tensor's bytes checked to lie whole in the file (a truncated copy is refused here, at load,
+    not when a request first reads it)."""
     with open(path, "rb") as f:
         head = f.read(8)
         if len(head) != 8:
@@ -103,7 +109,19 @@ def safetensors_header(path: Path) -> dict:
             header = json.loads(f.read(n))
         except ValueError:
             raise LoraError(f"{path}: not a safetensors file") from None
+        data = os.fstat(f.fileno()).st_size - 8 - n
+    if not isinstance(header, dict):
+        raise LoraError(f"{path}: not a safetensors file")
     header.pop("__metadata__", None)
+    for name, t in header.items():
+        try:
+            begin, end = (int(v) for v in t["data_offsets"])
+            count = math.prod(int(d) for d in t["shape"])
+        except (TypeError, KeyError, ValueError):
+            raise LoraError(f"{path}: tensor {name}: a malformed header entry") from None
+        size = _ITEM_BYTES.get(t.get("dtype"))
+        if not 0 <= begin <= end <= data or (size is not None and end - begin != count * size):
+            raise LoraError(f"{path}: tensor {name} runs past the end of the file (truncated?)")
     return header
 
 
@@ -173,7 +191,11 @@ def read_adapter(name: str, path: str | Path, base: LoraBase, max_rank: int) -> 
                 f"LoRA adapter {name!r} adds tokens ({extra}): weir serves adapters that keep "
                 "the base model's vocabulary"
             )
-    seen = _check_tensors(name, safetensors_header(weights_file), base, r, targets)
+    try:
+        header = safetensors_header(weights_file)
+    except LoraError as e:
+        raise LoraError(f"LoRA adapter {name!r}: {e}") from None
+    seen = _check_tensors(name, header, base, r, targets)
     digest = hashlib.sha256(raw_config)
     with open(weights_file, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):

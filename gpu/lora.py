@@ -240,7 +240,11 @@ class LoraSlots:
             )
         tp, spec = self.model.tp, self.model.spec
         pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-        for key, t in load_file(str(Path(ref.path) / WEIGHTS_FILE)).items():
+        try:
+            tensors = load_file(str(Path(ref.path) / WEIGHTS_FILE))
+        except Exception as e:  # noqa: BLE001 - a file changed under us fails its requests only
+            raise LoraError(f"LoRA adapter {ref.name!r}: {WEIGHTS_FILE} unreadable: {e}") from None
+        for key, t in tensors.items():
             layer, module, ab = parse_key(key)
             if tp is not None:
                 from gpu.dist.parallel import shard

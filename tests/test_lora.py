@@ -213,6 +213,12 @@ def test_adapters_refused_with_a_message_naming_them(lora_models, model_dir, tmp
     added = _copy(src, tmp_path / "t")
     (added / "added_tokens.json").write_text("{}")
     cases.append((added, 16, "adds tokens"))
+    # a copy cut short: its header promises bytes the file lacks (refused here, at load; it
+    # had passed and then failed in the engine at the first request)
+    cut = _copy(src, tmp_path / "c")
+    weights = cut / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-200])
+    cases.append((cut, 16, "runs past the end of the file"))
     for path, rank, message in cases:
         with pytest.raises(LoraError, match="'bad'") as e:
             read_adapter("bad", path, shape, rank)
@@ -326,3 +332,26 @@ def test_tensor_parallel_adapters_sharded_like_their_layers(lora_models):
         assert_matches_peft(got, logprobs, want, names, 3)
     finally:
         core.close()
+
+
+def test_an_adapter_unreadable_at_first_use_fails_its_request_not_the_engine(
+    lora_models, monkeypatch
+):
+    """Reading the weights fails (an I/O error, a file the header check let through): that
+    request is refused with a LoraError naming the adapter, and the engine goes on serving."""
+    import safetensors.torch
+
+    base, adapters = lora_models("llama")
+    loaded = engine(base)
+    core = loaded.core
+    ref = refs_of(loaded, {"qv8": adapters["qv8"]})["qv8"]
+
+    def unreadable(path, *args, **kw):
+        raise OSError(f"{path}: Input/output error")
+
+    monkeypatch.setattr(safetensors.torch, "load_file", unreadable)
+    ids = loaded.tokenizer.encode(PROMPTS[0])
+    with pytest.raises(LoraError, match="'qv8'.*Input/output error"):
+        core.add(EngineRequest("a", ids, SamplingParams(max_tokens=2), lora=ref))
+    monkeypatch.undo()
+    assert len(run(core, [("b", ids, ref), ("c", ids, None)])["b"]) == MAX_TOKENS
