@@ -15,6 +15,7 @@ from server.protocol import ChatCompletionRequest
 from server.reasoning import ThinkParser
 from server.reply import Reply
 from server.state import ServerState
+from server.submit import UsageCounter
 from server.tool_parsers import ToolParser
 
 
@@ -30,10 +31,22 @@ class ChatJob:
     def reply(self) -> Reply:
         return Reply(self.thinker, self.prompt_text, self.call_parser)
 
-    def reasoning_tokens(self, st: ServerState, reply: Reply, text: str | None = None) -> int:
-        """Reasoning tokens, by re-encoding the reasoning (the streamed deltas merge tokens)."""
-        think = reply.reasoning_text(text)
-        return len(st.tokenizer.encode(think, add_special_tokens=False)) if think else 0
+    def reasoning_tokens(
+        self,
+        st: ServerState,
+        reply: Reply,
+        usage: UsageCounter,
+        index: int,
+        text: str | None = None,
+    ) -> int:
+        """Generated tokens that wrote the reasoning, its markers included: counted among the
+        output's tokens, not re-encoded (a re-encoding could exceed the output)."""
+        skip = self.params.skip_special_tokens
+
+        def decode(ids: list[int]) -> str:
+            return st.tokenizer.decode(ids, skip_special_tokens=skip)
+
+        return usage.tokens_writing(index, len(reply.reasoning_text(text)), decode)
 
 
 async def prepare_chat(

@@ -52,7 +52,7 @@ async def chat_completions() -> Response:
     created = int(time.time())
     usage = UsageCounter(req.n, sub.choices)
     if thinker is not None:
-        usage.reasoning = [0] * sub.choices
+        usage.count_reasoning()
     text_of = st.token_text
     as_ids = tokens_as_ids(st, req)
     echo = echo_text(req)
@@ -95,7 +95,7 @@ async def chat_completions() -> Response:
                 reply = replies[i]
                 delta = reply.delta(out.new_text, out.finished)
                 if out.finished and thinker is not None:
-                    usage.reasoning[i] = job.reasoning_tokens(st, reply)
+                    usage.reasoning[i] = job.reasoning_tokens(st, reply, usage, i)
                 if out.finished:
                     yield chunk(i, delta, reply.finish(out.finish_reason), out.logprobs)
                 elif (
@@ -126,7 +126,7 @@ async def chat_completions() -> Response:
             message.content = echo + (message.content or "")
         shaped.append((message, finish))
         if thinker is not None:
-            usage.reasoning[i] = job.reasoning_tokens(st, reply, text)
+            usage.reasoning[i] = job.reasoning_tokens(st, reply, usage, i, text)
     return json_response(
         ChatCompletionResponse(
             id=sub.base,

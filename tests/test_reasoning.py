@@ -114,11 +114,22 @@ def forced(**kw) -> dict:
     }
 
 
+def tokens_to_end_of_reasoning(entries) -> int:
+    """The generated tokens (log-prob entries) up to the one that completes </think>: what
+    reasoning_tokens counts (the grammar lets the model spell the text in any tokens)."""
+    written = b""
+    for count, entry in enumerate(entries, 1):
+        written += bytes(entry.bytes)
+        if b"</think>" in written:
+            return count
+    raise AssertionError("no </think> written")
+
+
 def test_reasoning_through_the_sdk(server, client):
-    r = client.chat.completions.create(**forced(n=2, temperature=1.0))
-    reasoning_part = THINK[: THINK.index("</think>") + len("</think>")]
-    per_choice = len(server.state.tokenizer.encode(reasoning_part, add_special_tokens=False))
-    assert r.usage.completion_tokens_details.reasoning_tokens == 2 * per_choice
+    r = client.chat.completions.create(**forced(n=2, temperature=1.0, logprobs=True))
+    counts = [tokens_to_end_of_reasoning(c.logprobs.content) for c in r.choices]
+    assert r.usage.completion_tokens_details.reasoning_tokens == sum(counts)
+    assert sum(counts) < r.usage.completion_tokens
     for choice in r.choices:
         msg = choice.message
         assert msg.content == "\n\nThe answer is 42." and choice.finish_reason == "stop"
@@ -126,10 +137,28 @@ def test_reasoning_through_the_sdk(server, client):
         assert msg.model_extra["reasoning_content"] == "\nLet me think: 2 × 21 🤔\n"
     chunks = list(
         client.chat.completions.create(
-            **forced(n=2, stream=True, stream_options={"include_usage": True})
+            **forced(n=2, stream=True, stream_options={"include_usage": True}, logprobs=True)
         )
     )
-    assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == 2 * per_choice
+    counts = [
+        tokens_to_end_of_reasoning(
+            [e for c in chunks if c.choices and c.choices[0].index == i and c.choices[0].logprobs
+             for e in c.choices[0].logprobs.content]
+        )
+        for i in range(2)
+    ]  # fmt: skip
+    assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == sum(counts)
+    # cut inside the reasoning: every generated token was reasoning, and no more than those
+    # (it had re-encoded the text, which a cut multi-byte character made longer)
+    for stream in (False, True):
+        kw = forced(max_tokens=12, stream=stream)
+        if stream:
+            kw["stream_options"] = {"include_usage": True}
+            cut = list(client.chat.completions.create(**kw))[-1].usage
+        else:
+            cut = client.chat.completions.create(**kw).usage
+        assert cut.completion_tokens == 12
+        assert cut.completion_tokens_details.reasoning_tokens == 12
     for i in range(2):
         deltas = [c.choices[0].delta for c in chunks if c.choices and c.choices[0].index == i]
         think = "".join(d.model_extra.get("reasoning_content") or "" for d in deltas)

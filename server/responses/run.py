@@ -52,8 +52,9 @@ class Progress:
         self.job = job
         self.reply = job.reply()
         self.usage = UsageCounter(1, 1)
+        if job.thinker is not None:
+            self.usage.count_reasoning()
         self.finish: str | None = None
-        self.reasoning = 0  # reasoning tokens, counted at the end
 
 
 class Run:
@@ -129,8 +130,6 @@ class Run:
         self.builder.feed(progress.reply.delta(out.new_text, out.finished), logprobs)
         if out.finished:
             progress.finish = out.finish_reason
-            if progress.job.thinker is not None:
-                progress.reasoning = progress.job.reasoning_tokens(progress.st, progress.reply)
 
     async def foreground(self, st: Any, sub: Submitted, job: ChatJob) -> AsyncIterator[bytes]:
         progress = Progress(st, job)
@@ -205,7 +204,9 @@ class Run:
             usage.prompt_tokens,
             InputTokensDetails(usage.prompt_tokens_details.cached_tokens),
             usage.completion_tokens,
-            OutputTokensDetails(progress.reasoning),
+            OutputTokensDetails(
+                progress.job.reasoning_tokens(progress.st, progress.reply, progress.usage, 0)
+            ),
             usage.total_tokens,
         )
         r.output = self.builder.items
