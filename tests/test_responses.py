@@ -115,6 +115,29 @@ def test_logprobs_match_chat(client):
     )
 
 
+def test_logprobs_of_tokens_that_write_part_of_a_character(client):
+    """An emoji spelled in byte tokens: the tokens before its last byte write no text yet; their
+    log-probs come with the text they complete, one per output token (they had been dropped)."""
+    kw = dict(
+        model="tiny",
+        input="Think?",
+        max_output_tokens=40,
+        reasoning=NO_THINKING,
+        top_logprobs=1,
+        include=["message.output_text.logprobs"],
+        extra_body=forced("🤔 x 🤔🤔"),
+    )
+    r = client.responses.create(**kw)
+    assert r.output_text == "🤔 x 🤔🤔"
+    lps = r.output[0].content[0].logprobs
+    assert len(lps) == r.usage.output_tokens  # the end-of-text token too
+    assert b"".join(bytes(lp.bytes) for lp in lps).decode() == r.output_text
+    with client.responses.stream(**kw) as stream:
+        events = list(stream)
+    streamed = [lp for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    assert len(streamed) == stream.get_final_response().usage.output_tokens
+
+
 def test_streamed_events_build_the_same_response(client):
     kw = dict(
         model="tiny",

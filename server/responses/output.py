@@ -21,6 +21,9 @@ class OutputBuilder:
         self.open: dict[str, Any] | None = None
         self.text = ""  # the open item's text or arguments so far
         self.logprobs: list[dict[str, Any]] = []  # the open message's token log-probs
+        # log-probs of tokens whose text has not shown yet (part of a multi-byte character):
+        # given with the text they write
+        self.pending: list[dict[str, Any]] = []
         self.call_index: int | None = None
 
     @property
@@ -44,6 +47,10 @@ class OutputBuilder:
 
     def feed(self, delta: Delta, logprobs: list[dict[str, Any]] | None = None) -> None:
         """`logprobs`: those of this step's tokens, given with its text (output_text only)."""
+        logprobs, self.pending = self.pending + (logprobs or []), []
+        if not (delta.reasoning or delta.content or delta.tool_calls):
+            self.pending = logprobs
+            return
         if delta.reasoning:
             if self.open is None or self.open["type"] != "reasoning":
                 self._start(
@@ -69,12 +76,9 @@ class OutputBuilder:
                     }
                 )
                 self._part({"type": "output_text", "text": "", "annotations": [], "logprobs": []})
-            self.logprobs += logprobs or []
+            self.logprobs += logprobs
             self._delta(
-                "response.output_text.delta",
-                delta.content,
-                content_index=0,
-                logprobs=logprobs or [],
+                "response.output_text.delta", delta.content, content_index=0, logprobs=logprobs
             )
         for call in delta.tool_calls or []:
             if call.index != self.call_index:
