@@ -67,4 +67,6 @@ class Reply:
         return "" if think is None else text[: len(text) - len(content)]
 
     def finish(self, reason: str | None) -> str | None:
-        return finish_reason(reason, bool(self.calls and self.calls.ids))
+        """After the final delta: "tool_calls" where the final parse has calls (a call cut
+        short and dropped there is no reason, though its start was streamed)."""
+        return finish_reason(reason, bool(self.calls and self.calls.parsed.calls))

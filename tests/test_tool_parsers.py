@@ -38,8 +38,8 @@ NESTED = '{"name": "plan", "arguments": {"steps": [{"do": "a", "then": {"x": nul
 
 def test_hermes():
     text = f"Let me look.\n<tool_call>\n{WEATHER}\n</tool_call>\n<tool_call>{NESTED}</tool_call>"
-    content, calls = whole("hermes", text)
-    assert content == "Let me look.\n\n"
+    content, calls = whole("hermes", text + "\n")
+    assert content == "Let me look.\n"  # whitespace after a call separates, is no content
     assert calls == [
         ("get_weather", '{"city": "Zürich", "days": [1, 2]}'),
         ("plan", '{"steps": [{"do": "a", "then": {"x": null}}], "ok": true}'),
@@ -48,6 +48,16 @@ def test_hermes():
     broken = "Hi <tool_call>not json at all</tool_call> bye"
     assert whole("hermes", broken) == (broken, [])
     assert whole("hermes", 'cut off <tool_call>{"na') == ('cut off <tool_call>{"na', [])
+    # a call cut short in its arguments (max_tokens, a stop string) is its text, not a call with
+    # arguments it never wrote; one whose JSON is whole but lacks the closing tag is a call
+    cut = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "St'
+    assert whole("hermes", cut) == (cut, [])
+    assert whole("hermes", '<tool_call>{"name": "f", "arguments": {"a": 1}}\n') == (
+        "",
+        [("f", '{"a": 1}')],
+    )
+    not_a_call = "<tool_call>{}</tool_call> after"
+    assert whole("hermes", not_a_call) == (not_a_call, [])
     assert whole("hermes", "no calls, 5 < 6") == ("no calls, 5 < 6", [])
     # Arguments written as a JSON string are read as JSON.
     as_string = '<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>'
@@ -134,6 +144,16 @@ FRAGMENTS = {
 }  # fmt: skip
 
 
+def reassembles(name: str, text: str, got, expect) -> bool:
+    """The stream's content and calls are the whole parse's; but for hermes text that ends in a
+    call cut short: its start was streamed as a call before the end showed it cut, and the whole
+    parse gives its text back as content (the stream's last delta carries that text)."""
+    if got == expect:
+        return True
+    cut = name == "hermes" and text.rfind("<tool_call>") > text.rfind("</tool_call>")
+    return cut and got[0] == expect[0] and got[1][:-1] == expect[1]
+
+
 @settings(max_examples=250, deadline=None)
 @given(data=st.data(), name=st.sampled_from(sorted(FRAGMENTS)))
 def test_streamed_deltas_reassemble_to_the_whole_parse(data, name):
@@ -143,7 +163,7 @@ def test_streamed_deltas_reassemble_to_the_whole_parse(data, name):
     bounds = sorted(set(cuts) | {0, len(text)})
     chunks = [text[a:b] for a, b in zip(bounds, bounds[1:])] or [""]
     expect = whole(name, text)
-    assert streamed(name, chunks) == expect, (text, chunks)
-    assert streamed(name, list(text) + [""]) == expect
+    assert reassembles(name, text, streamed(name, chunks), expect), (text, chunks)
+    assert reassembles(name, text, streamed(name, list(text) + [""]), expect)
     for _, args in expect[1]:
         json.loads(args)  # whatever was parsed is JSON

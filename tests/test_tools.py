@@ -80,7 +80,7 @@ def test_tool_calls_whole_and_streamed(client):
         assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == want
         assert all(c.id.startswith("call_") and c.type == "function" for c in calls)
         assert len({c.id for c in calls}) == 2
-        assert choice.message.content == "Checking.\n\n" and choice.finish_reason == "tool_calls"
+        assert choice.message.content == "Checking.\n" and choice.finish_reason == "tool_calls"
     whole_args = [c.function.arguments for c in r.choices[0].message.tool_calls]
     chunks = list(ask(client, n=2, stream=True))
     for i in range(2):
@@ -95,7 +95,7 @@ def test_tool_calls_whole_and_streamed(client):
             zip(["get_weather", "get_time"], whole_args)
         )
         text = "".join(ch.delta.content or "" for ch in choices)
-        assert text == "Checking.\n\n" and "<tool_call>" not in text
+        assert text == "Checking.\n" and "<tool_call>" not in text
         assert choices[-1].finish_reason == "tool_calls"
 
 
@@ -112,7 +112,7 @@ def test_reasoning_then_calls(client):
     msg = r.choices[0].message
     assert msg.model_extra["reasoning_content"] == "\nneeds a tool\n"
     assert [c.function.name for c in msg.tool_calls] == ["get_weather", "get_time"]
-    assert msg.content == "\n\nChecking.\n\n"
+    assert msg.content == "\n\nChecking.\n"
 
 
 def test_round_trip(client):
@@ -199,6 +199,32 @@ def test_required_and_named_calls_are_enforced(server, choice):
                 jsonschema.validate(args, schemas[call["function"]["name"]])
             seen += 1
     assert seen == 20
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_call_cut_short_is_no_call(server, stream):
+    """max_tokens ends a required call inside its arguments: no tool_calls with arguments the
+    model never wrote ("{}" had been invented); its text comes back as content, finish length."""
+    body = {
+        "messages": USER,
+        "tools": BOUNDED,
+        "tool_choice": {"type": "function", "function": {"name": "get_time"}},
+        "max_tokens": 6,
+        "stream": stream,
+        **NO_THINKING,
+    }
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    if stream:
+        chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line[6:7] == "{"]
+        finish = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1]
+        content = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+        # the call's start was streamed as it came; its text follows as content at the end
+        assert finish == "length" and content.startswith("<tool_call>")
+        return
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "length" and not choice["message"]["tool_calls"]
+    assert choice["message"]["content"].startswith("<tool_call>")
 
 
 BAD = [

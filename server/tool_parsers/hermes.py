@@ -13,6 +13,7 @@ from server.tool_parsers.base import (
     call_schema,
     lark_json,
     partial_json,
+    whole_json,
 )
 
 
@@ -22,6 +23,10 @@ class HermesParser(ToolParser):
     open, close = "<tool_call>", "</tool_call>"
 
     def parse(self, text: str, final: bool = False) -> Parsed:
+        """Text around the calls is content, but for whitespace alone after a call (what
+        separates calls, and ends the text, held until other text follows). A call cut short
+        (no closing tag) is a call only if its JSON is whole, as vLLM's parser reads it: else,
+        once the text is final, its text is content (no call with arguments it never wrote)."""
         out = Parsed()
         content: list[str] = []
         pos = 0
@@ -30,14 +35,20 @@ class HermesParser(ToolParser):
             if start < 0:
                 tail = text[pos:]
                 keep = len(tail) if final else len(tail) - held(tail, self.open)
+                if out.calls and not tail[:keep].strip():
+                    keep = 0  # after a call: a separator, or text still to come
                 content.append(tail[:keep])
                 break
-            content.append(text[pos:start])
+            if not out.calls or text[pos:start].strip():
+                content.append(text[pos:start])
             body_at = start + len(self.open)
             end = text.find(self.close, body_at)
             body = text[body_at : end if end >= 0 else len(text)]
             done = end >= 0
-            call = call_from(partial_json(body), done)
+            if final and not done:
+                call = call_from(whole_json(body.strip()), True)
+            else:
+                call = call_from(partial_json(body), done)
             if call is None and (done or final):
                 # Not a call after all (broken markup): its text is content, as written.
                 stop = end + len(self.close) if done else len(text)
