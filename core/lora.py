@@ -36,7 +36,12 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 
 
 class LoraError(ValueError):
-    """An adapter that cannot be served: the message names it and what is wrong."""
+    """An adapter that cannot be served: the message names it and what is wrong; `param` the
+    load request's field at fault (its files, unless its name)."""
+
+    def __init__(self, message: str, param: str = "lora_path") -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class LoRARequest(msgspec.Struct, frozen=True, gc=False):

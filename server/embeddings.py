@@ -95,7 +95,15 @@ async def embeddings() -> Response:
     inputs = _fit(st, token_lists(st, req.input, "input"), req.truncate_prompt_tokens)
     normalize = config.normalize if req.normalize is None else req.normalize
     pooling = PoolingParams(config.kind, normalize, req.dimensions)
-    sub = Submitted(st, engine, request_id("embd"), 1, False, model)
+    sub = Submitted(
+        st,
+        engine,
+        request_id("embd"),
+        1,
+        False,
+        model,
+        names={"prompt": "input", "messages": "input"},
+    )
     sub.add(inputs, SamplingParams(max_tokens=1), req.priority, None, pooling)
     usage = UsageCounter(1, len(sub.ids))
     vectors: list[bytes | None] = [None] * len(sub.ids)

@@ -79,7 +79,7 @@ async def chat_completions() -> Response:
                     choices=[
                         ChunkChoice(index=index, delta=delta, finish_reason=finish, logprobs=lp)
                     ],
-                    usage=usage.usage() if continuous else None,
+                    usage=usage.of_choice(index, len(job.prompt)) if continuous else None,
                 )
             )
 
@@ -160,6 +160,10 @@ async def completions() -> Response:
     st.check_task("generate")
     model = st.model_name(req.model)
     check_common(st, req)
+    if req.suffix is not None:
+        raise APIError(400, "suffix (text after the insertion point) is not supported", "suffix")
+    if (req.best_of or 1) > 1:
+        raise APIError(400, "best_of above 1 is not supported; ask for n samples", "best_of")
     prompts = token_lists(st, req.prompt, "prompt")
     constraint = await structured.request_constraint(st, req)
     params = sampling_params(
@@ -176,7 +180,10 @@ async def completions() -> Response:
         # Echoed prompt tokens carry log-probs too: ask the engine for them.
         want = max(params.logprobs, params.prompt_logprobs or 0)
         params = msgspec.structs.replace(params, prompt_logprobs=want)
-    sub = Submitted(st, engine, request_id("cmpl"), req.n, req.stream, model, req.use_beam_search)
+    sub = Submitted(
+        st, engine, request_id("cmpl"), req.n, req.stream, model, req.use_beam_search,
+        names={"messages": "prompt"},
+    )  # fmt: skip
     sub.add(prompts, params, req.priority, req.cache_salt)
     created = int(time.time())
     usage = UsageCounter(req.n, sub.choices)
@@ -229,7 +236,9 @@ async def completions() -> Response:
                                     else None,
                                 )
                             ],
-                            usage=usage.usage() if continuous else None,
+                            usage=usage.of_choice(i, len(prompts[i // req.n]))
+                            if continuous
+                            else None,
                         )
                     )
             if want_usage:

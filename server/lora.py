@@ -46,7 +46,7 @@ class LoraRegistry:
         """Read and check the adapter in `path` (files are read: off the event loop at
         runtime); LoraError names what is wrong."""
         if not name:
-            raise LoraError("a LoRA adapter needs a name")
+            raise LoraError("a LoRA adapter needs a name", "lora_name")
         self._unused(name)
         return read_adapter(name, path, self.base, self.max_rank)
 
@@ -61,7 +61,7 @@ class LoraRegistry:
 
     def _unused(self, name: str) -> None:
         if name in self.adapters:
-            raise LoraError(f"The lora adapter '{name}' has already been loaded.")
+            raise LoraError(f"The lora adapter '{name}' has already been loaded.", "lora_name")
 
     def load(self, name: str, path: str, base_model_name: str | None = None) -> Adapter:
         return self.add(self.check(name, path), base_model_name)
@@ -100,4 +100,4 @@ class LoraRegistry:
 
 
 def bad_adapter(e: LoraError) -> APIError:
-    return APIError(400, str(e), "lora_path", "invalid_lora_adapter")
+    return APIError(400, str(e), e.param, "invalid_lora_adapter")

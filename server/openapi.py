@@ -19,6 +19,7 @@ from server.protocol import (
     DetokenizeResponse,
     LoadLoRAAdapterRequest,
     ErrorResponse,
+    ModelCard,
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
@@ -46,6 +47,7 @@ ROUTES: list[tuple[str, str, str, type | None, type, bool]] = [
         True,
     ),
     ("/v1/models", "get", "List the served models", None, ModelList, False),
+    ("/v1/models/{model}", "get", "Retrieve one served model", None, ModelCard, False),
     (
         "/tokenize",
         "post",

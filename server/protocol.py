@@ -88,8 +88,10 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     repetition_penalty: Annotated[float, Meta(gt=0.0, le=2.0)] | None = None
-    n: Annotated[int, Meta(ge=1, le=MAX_N)] = 1
-    stream: bool = False
+    # n, stream, logprobs and echo may be null (OpenAI's spec types them nullable; the SDK sends
+    # None as null): null is the default (__post_init__).
+    n: Annotated[int, Meta(ge=1, le=MAX_N)] | None = 1
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     seed: Annotated[int, Meta(ge=-(1 << 63), le=(1 << 63) - 1)] | None = None
     stop: str | Annotated[list[str], Meta(max_length=16)] | None = None
@@ -126,12 +128,18 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     length_penalty: float = 1.0
     early_stopping: bool | str = False
 
+    def __post_init__(self) -> None:
+        if self.n is None:
+            self.n = 1
+        if self.stream is None:
+            self.stream = False
+
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
     max_tokens: PositiveInt | None = None
     max_completion_tokens: PositiveInt | None = None
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: LogprobCount | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -141,7 +149,12 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     parallel_tool_calls: bool = True
     # vLLM's: the reply starts with the last message's content when that message has the
     # reply's role (the assistant's, or the last message's own without a generation prompt).
-    echo: bool = False
+    echo: bool | None = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.logprobs = bool(self.logprobs)
+        self.echo = bool(self.echo)
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
@@ -149,7 +162,15 @@ class CompletionRequest(SamplingFields, kw_only=True):
     prompt: str | list[Any]
     max_tokens: PositiveInt | None = 16
     logprobs: LogprobCount | None = None
-    echo: bool = False
+    echo: bool | None = False
+    # OpenAI's legacy fields weir does not serve, refused by name (not ignored): suffix (text
+    # after the insertion point), best_of above 1 (vLLM refuses both as well).
+    suffix: str | None = None
+    best_of: Annotated[int, Meta(ge=1)] | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.echo = bool(self.echo)
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):

@@ -40,7 +40,19 @@ def weir_version() -> str:
 
 @bp.get("/v1/models")
 async def models() -> Response:
-    st = state()
+    return json_response(ModelList(data=_cards(state())))
+
+
+@bp.get("/v1/models/<path:name>")
+async def model(name: str) -> Response:
+    """OpenAI's retrieve (the SDK's `models.retrieve`): one card, 404 naming an unknown one."""
+    for card in _cards(state()):
+        if card.id == name:
+            return json_response(card)
+    raise APIError(404, f"The model `{name}` does not exist.", "model", "model_not_found")
+
+
+def _cards(st) -> list[ModelCard]:
     root = str(st.config.model or st.served_names[0]) if st.served_names else None
     cards = [
         ModelCard(id=name, created=st.created, root=root, max_model_len=st.max_model_len or None)
@@ -57,7 +69,7 @@ async def models() -> Response:
             )
             for name, a in st.lora.adapters.items()
         ]
-    return json_response(ModelList(data=cards))
+    return cards
 
 
 def _runtime_lora(st):

@@ -56,8 +56,12 @@ class Submitted:
         stream: bool,
         model: str = "",
         beams: bool = False,
+        names: dict[str, str] | None = None,
     ) -> None:
+        """`names`: the route's own names of the fields the engine's checks name after chat
+        completions' ("messages": the prompt, "max_tokens")."""
         self.st = st
+        self.names = names or {}
         # The LoRA adapter the request's model names (or None), held in use until close(); the
         # name is looked up again, as it may have been unloaded while the prompt was prepared.
         self.lora = st.lora_ref(model) if model else None
@@ -137,7 +141,11 @@ class Submitted:
                     self.ids.append(rid)
         except InvalidParam as e:
             self.close()
-            raise APIError(400, e.message, e.param, "invalid_value") from None
+            message, param = e.message, self.names.get(e.param, e.param)
+            for ours, theirs in self.names.items():
+                if "_" in ours:  # a field's name in the text (not a word such as "prompt")
+                    message = message.replace(ours, theirs)
+            raise APIError(400, message, param, "invalid_value") from None
         except EngineDeadError as e:
             self.close()
             raise APIError(503, str(e), None, "engine_dead") from None
@@ -281,6 +289,12 @@ class UsageCounter:
             else:
                 lo = mid + 1
         return lo
+
+    def of_choice(self, index: int, prompt_tokens: int) -> Usage:
+        """One choice's usage so far (continuous_usage_stats, as vLLM reports it per choice):
+        its prompt's tokens (known before any output) and its own completion tokens."""
+        done = self.completion[index]
+        return Usage(prompt_tokens, done, prompt_tokens + done)
 
     def usage(self) -> Usage:
         done = sum(self.completion)

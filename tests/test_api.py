@@ -306,3 +306,18 @@ def test_continuous_usage_stats(client):
     counts = [c.usage.completion_tokens for c in chunks if c.choices]
     assert counts == sorted(counts) and counts[-1] == 6
     assert all(c.usage is not None for c in chunks)
+    # every chunk carries the prompt's tokens, the role chunk too (it had 0), and with n=2 each
+    # choice's own completion tokens (as vLLM reports them)
+    prompt = chunks[-1].usage.prompt_tokens
+    two = list(
+        chat(
+            client, temperature=1.0, max_tokens=5, n=2, stream=True,
+            extra_body={"ignore_eos": True},
+            stream_options={"include_usage": True, "continuous_usage_stats": True},
+        )
+    )  # fmt: skip
+    assert all(c.usage.prompt_tokens == prompt for c in two)
+    for i in range(2):
+        mine = [c.usage.completion_tokens for c in two if c.choices and c.choices[0].index == i]
+        assert mine[0] == 0 and mine == sorted(mine) and mine[-1] == 5
+    assert two[-1].usage.completion_tokens == 10

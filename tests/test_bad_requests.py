@@ -82,6 +82,10 @@ BAD = [  # (route, body, status, param)
     ("completions", {"prompt": "hi", "logprobs": 21}, 400, "logprobs"),
     ("completions", {"prompt": "hi", "echo": 3}, 400, "echo"),
     ("completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("completions", {"prompt": "word " * 600}, 400, "prompt"),  # the context, named as sent
+    ("completions", {"prompt": "hi", "suffix": "x"}, 400, "suffix"),  # refused, not ignored
+    ("completions", {"prompt": "hi", "best_of": 3}, 400, "best_of"),
+    ("completions", {"prompt": "hi", "best_of": "x"}, 400, "best_of"),
     ("tokenize", {}, 400, "prompt"),
     ("tokenize", {"prompt": "a", "messages": M}, 400, "prompt"),
     ("tokenize", {"prompt": 5}, 400, "prompt"),
@@ -106,6 +110,17 @@ def test_bad_request_table(server, route, body, status, param):
     # Nested problems name their path (messages[0].role); others the top-level field.
     got = err["param"] if "[" in param else (err["param"] or "").split("[")[0].split(".")[0]
     assert got == param, err
+
+
+def test_null_where_openai_allows_it(server, client):
+    """n, stream, logprobs and echo are nullable in OpenAI's spec (the SDK sends None as null):
+    null is the default, not a 400."""
+    nulls = {"n": None, "stream": None, "logprobs": None, "max_tokens": 2}
+    r = httpx.post(server.url + ROUTES["chat"], json={"messages": M, **nulls})
+    assert r.status_code == 200 and len(r.json()["choices"]) == 1, r.text
+    r = httpx.post(server.url + ROUTES["completions"], json={"prompt": "hi", "echo": None, **nulls})
+    assert r.status_code == 200 and r.json()["choices"][0]["logprobs"] is None, r.text
+    assert chat(client, n=None, stream=None, logprobs=None, max_tokens=2).choices
 
 
 def test_healthy_after_the_bad_requests(server, client):

@@ -131,6 +131,8 @@ BAD = [
     ({"input": "x", "dimensions": 999}, "dimensions"),
     ({"input": "x", "truncate_prompt_tokens": 10_000}, "truncate_prompt_tokens"),
     ({"input": [10**9]}, "input"),
+    ({"input": ""}, "input"),
+    ({"input": ["a", ""]}, "input"),
 ]
 
 

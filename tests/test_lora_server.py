@@ -109,6 +109,13 @@ def test_models_lists_adapters_with_parent_and_root(lora_server):
     assert cards["base"]["parent"] is None
     assert cards["qv8"]["parent"] == "base" and cards["qv8"]["root"] == str(adapters["qv8"])
     assert cards["mlp"]["parent"] == "b"
+    # one card by name (OpenAI's retrieve: the SDK's models.retrieve), a 404 for another
+    for name in ("base", "qv8"):
+        one = httpx.get(server.url + f"/v1/models/{name}", headers=AUTH)
+        assert one.status_code == 200 and one.json() == cards[name]
+    gone = httpx.get(server.url + "/v1/models/nope", headers=AUTH)
+    assert gone.status_code == 404 and gone.json()["error"]["param"] == "model"
+    assert httpx.get(server.url + "/v1/models/base").status_code == 401
 
 
 def test_unknown_model_is_a_404(lora_server):
@@ -131,6 +138,7 @@ def test_runtime_load_and_unload(lora_server):
     assert "late" in [c["id"] for c in httpx.get(url + "/v1/models", headers=AUTH).json()["data"]]
     again = httpx.post(url + "/v1/load_lora_adapter", json=body, headers=AUTH)
     assert again.status_code == 400 and "already been loaded" in again.json()["error"]["message"]
+    assert again.json()["error"]["param"] == "lora_name"
     # refused whole, naming it: a rank above --max-lora-rank (16 by default), DoRA
     big = out / "big"
     shutil.copytree(adapters["mlp4"], big)

@@ -51,6 +51,10 @@ BAD = [
     ({"max_output_tokens": 0}, 400, "max_output_tokens"),
     ({"metadata": {"k": "v" * 600}}, 400, "metadata"),
     ({"metadata": {"k" * 65: "v"}}, 400, "metadata"),
+    # the context's limits, named by this API's fields (they had been chat's)
+    ({"input": "word " * 5000}, 400, "input"),
+    ({"max_output_tokens": 10**6}, 400, "max_output_tokens"),
+    ({"truncation": "sometimes"}, 400, "truncation"),
 ]
 
 
@@ -61,7 +65,7 @@ def test_bad_input(server, fields, status, param):
     assert r.status_code == status, r.text
     error = r.json()["error"]
     assert error["param"] is not None and error["param"].startswith(param), error
-    assert error["message"] and error["type"]
+    assert error["message"] and error["type"] and "max_tokens" not in error["message"]
 
 
 def test_unknown_ids_are_404(server):
@@ -123,3 +127,23 @@ def test_an_engine_failure_mid_stream_is_an_error_event_then_failed():
     assert failed["status"] == "failed" and failed["error"]["code"] == "engine_error"
     assert failed["output"][0]["content"][0]["text"] == "Hel"
     assert sub.closed and State.responses.store.get("resp_x").status == "failed"
+
+
+def test_truncation_auto_drops_the_oldest_items(server):
+    """A conversation past the context: refused with truncation disabled (the default), served
+    with "auto" less its oldest items, and the response says which truncation it had."""
+    long = [
+        {"role": "user", "content": "word " * 5000},
+        {"role": "assistant", "content": "ok"},
+        {"role": "user", "content": "and now?"},
+    ]
+    body = {"model": "tiny", "input": long, "max_output_tokens": 4}
+    r = httpx.post(server.url + "/v1/responses", json=body, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input", r.text
+    r = httpx.post(server.url + "/v1/responses", json=body | {"truncation": "auto"}, timeout=30)
+    assert r.status_code == 200, r.text
+    got = r.json()
+    assert got["truncation"] == "auto" and got["status"] in ("completed", "incomplete")
+    assert got["usage"]["input_tokens"] < 100  # the 5000 words left out
+    plain = {"model": "tiny", "input": "hi", "max_output_tokens": 2}
+    assert httpx.post(server.url + "/v1/responses", json=plain).json()["truncation"] == "disabled"

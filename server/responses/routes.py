@@ -11,6 +11,7 @@ from typing import Any
 from quart import Blueprint, Response, current_app, request
 
 from core.structured import Constraint
+from server import chat as chat_module
 from server import sse, structured
 from server.chat_job import prepare_chat
 from server.api_server_messages import local_socket
@@ -88,6 +89,36 @@ def chat_request(req: ResponsesRequest, messages: list[ChatMessage]) -> ChatComp
     )
 
 
+def _fit(st: Any, req: ResponsesRequest, context: list[dict]) -> list[dict]:
+    """truncation "auto": the conversation less its oldest items, as few as make the prompt
+    and max_output_tokens (or one token) fit the context (found by bisection: a few templates
+    rendered); the last item is always kept (a prompt still too long is then the usual 400).
+    Items that no longer make a conversation alone (an output whose call was dropped) go with
+    the items before them."""
+    room = st.max_model_len - (req.max_output_tokens or 1)
+
+    def fits(start: int) -> bool | None:  # None: context[start:] is no conversation
+        try:
+            messages = item_forms.to_messages(context[start:], req.instructions)
+        except APIError:
+            return None
+        text = chat_module.request_text(st.tokenizer, st.chat_template, chat_request(req, messages))
+        return len(st.tokenizer.encode(text, add_special_tokens=False)) <= room
+
+    if fits(0) is not False:
+        return context
+    low, high = 1, len(context) - 1  # the answer lies in [low, high]: high always kept
+    while low < high:
+        mid = (low + high) // 2
+        if fits(mid) is False:
+            low = mid + 1
+        else:
+            high = mid
+    while low < len(context) - 1 and fits(low) is None:
+        low += 1
+    return context[low:]
+
+
 def _runs() -> Runs:
     return state().responses
 
@@ -114,7 +145,10 @@ async def create() -> Response:
     if not new_items and not context:
         raise _bad("input", "give input (a string or a list of items)")
     context = context + new_items
-    chat = chat_request(req, item_forms.to_messages(context, req.instructions))
+    if req.truncation not in (None, "disabled", "auto"):
+        raise _bad("truncation", "truncation must be auto or disabled")
+    kept = _fit(st, req, context) if req.truncation == "auto" else context
+    chat = chat_request(req, item_forms.to_messages(kept, req.instructions))
     check_common(st, chat)
     job = await prepare_chat(st, chat, text_format(req.text))
     if req.max_tool_calls is not None and job.call_parser is not None:
@@ -140,12 +174,16 @@ async def create() -> Response:
         tools=req.tools or [],
         top_p=job.params.top_p,
         top_logprobs=req.top_logprobs,
+        truncation=req.truncation or "disabled",
         user=req.user,
     )
     run = Run(response, context, record=req.background)
     # Log-probs go with the text of the step that made them: read the outputs step by step.
     stepwise = req.stream or req.background or job.params.logprobs is not None
-    sub = Submitted(st, engine, response.id, 1, stepwise, model)
+    sub = Submitted(
+        st, engine, response.id, 1, stepwise, model,
+        names={"messages": "input", "max_tokens": "max_output_tokens"},
+    )  # fmt: skip
     sub.add([job.prompt], job.params, req.priority, req.prompt_cache_key or req.cache_salt)
     runs.start(run)
     if req.background or runs.shared:  # shared: the other API servers see it running
