@@ -57,13 +57,19 @@ def _content(message: ChatMessage, index: int) -> str:
     if isinstance(content, str):
         return content
     texts = []
-    for part in content:
-        if part.type != "text" or part.text is None:
+    for j, part in enumerate(content):
+        if part.type != "text":
             raise APIError(
                 400,
                 f"messages[{index}]: content part of type {part.type!r} is not supported; "
                 "this model takes text only",
-                "messages",
+                f"messages[{index}].content[{j}].type",
+            )
+        if part.text is None:
+            raise APIError(
+                400,
+                f"messages[{index}].content[{j}]: a text part needs its text",
+                f"messages[{index}].content[{j}].text",
             )
         texts.append(part.text)
     return "\n".join(texts)
