@@ -28,7 +28,7 @@ log = logging.getLogger("weir.gguf")
 
 SERVED_TYPES = (
     "F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, "
-    "IQ3_XXS, IQ3_S"
+    "IQ3_XXS, IQ3_S, IQ2_XXS, IQ2_XS, IQ2_S"
 )
 _REQUIRED = object()
 

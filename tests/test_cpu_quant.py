@@ -16,11 +16,12 @@ import torch
 
 from gpu.cpu import build as cpu_build, quant
 from gpu.quant.formats import FORMATS
+from gpu.quant.iq_grids import GRIDS, transcoded_bytes
 from gpu.quant.quantize import quantize
 
 KERNEL_FORMATS = [
     "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_nl",
-    "iq4_xs", "iq3_xxs", "iq3_s", "bf16", "f16",
+    "iq4_xs", "iq3_xxs", "iq3_s", "iq2_xxs", "iq2_xs", "iq2_s", "bf16", "f16",
 ]  # fmt: skip
 FAST_PATHS = [p for p in quant.available_paths() if p != "ref"]
 
@@ -42,7 +43,8 @@ def random_rows(fmt: str, n: int, k: int, seed: int) -> np.ndarray:
     scale_offsets = {
         "q8_0": [0], "q4_0": [0], "q4_1": [0, 2], "q5_0": [0], "q5_1": [0, 2],
         "q2_k": [80, 82], "q3_k": [108], "q4_k": [0, 2], "q5_k": [0, 2], "q6_k": [208],
-        "iq4_nl": [0], "iq4_xs": [0], "iq3_xxs": [0], "iq3_s": [0]
+        "iq4_nl": [0], "iq4_xs": [0], "iq3_xxs": [0], "iq3_s": [0], "iq2_xxs": [0],
+        "iq2_xs": [0], "iq2_s": [0],
     }  # fmt: skip
     for off in scale_offsets[fmt]:
         d = rng.uniform(-0.05, 0.05, size=len(blocks)).astype(np.float16)
@@ -70,9 +72,11 @@ def test_packed_weight_is_the_gguf_dequantization(fmt, source):
     w = quant.pack(rows, FORMATS[fmt], (n, k))
     assert torch.equal(quant.dequantize(w), gguf_dequant(rows, fmt))
     # repacked, the bytes of the rows padded to 48 (3 panels), k-quants' 6-bit scales unpacked
-    # (Q3_K's twelve bytes of scales to sixteen: 1,824 bytes where the file has 1,760); IQ3's
-    # blocks held as IQ4_XS's 136 bytes (98 and 110 in the file)
-    held = {"q3_k": 1.04, "iq3_xxs": 1.03 * 136 / 98, "iq3_s": 1.03 * 136 / 110}.get(fmt, 1.03)
+    # (Q3_K's twelve bytes of scales to sixteen: 1,824 bytes where the file has 1,760); the grid
+    # i-quants' blocks held transcoded (gpu/quant/iq_grids.py)
+    held = 1.04 if fmt == "q3_k" else 1.03
+    if fmt in GRIDS:
+        held *= transcoded_bytes(fmt) / GRIDS[fmt].block_bytes
     assert w.resident_bytes <= held * rows.nbytes * 48 / 40
 
 
@@ -131,7 +135,7 @@ def test_each_row_is_the_same_whatever_the_batch(fmt):
         assert torch.equal(quant.linear(x[r : r + 1], w), batch[r : r + 1])
 
 
-@pytest.mark.parametrize("fmt", ["q4_k", "q8_0", "bf16", "iq3_xxs"])
+@pytest.mark.parametrize("fmt", ["q4_k", "q8_0", "bf16", "iq3_xxs", "iq2_s"])
 def test_bias_residual_and_gated_pair(fmt):
     n, k = 48, 256
     g_rows, u_rows = random_rows(fmt, n, k, seed=4), random_rows(fmt, n, k, seed=5)
@@ -153,6 +157,7 @@ def test_bias_residual_and_gated_pair(fmt):
         ("bf16", "q8_0", "f16"),
         ("q5_k", "q4_0"),
         ("iq3_s", "iq3_xxs", "iq4_xs"),
+        ("iq2_s", "iq2_xs", "iq2_xxs"),
     ],
 )
 @pytest.mark.parametrize("m", [1, 5, 70])

@@ -54,6 +54,8 @@ FILES = {
     ("qwen3", "iq4_xs"): uniform("iq4_xs"),
     ("llama", "iq3_xxs"): uniform("iq3_xxs"),
     ("qwen2", "iq3_s"): uniform("iq3_s"),
+    ("qwen3", "iq2_xs"): uniform("iq2_xs"),
+    ("llama", "iq2_s"): uniform("iq2_s"),
     ("qwen2", "q4_0"): uniform("q4_0"),
     ("qwen2", "q4_k_m"): q4_k_m,  # Q/K/V in two formats, with biases
 }
@@ -134,7 +136,8 @@ def test_f32_file_is_transformers_exactly(files, arch):
     "arch,fmt",
     [("llama", "q8_0"), ("llama", "q4_k_m"), ("qwen3", "bf16"), ("qwen3", "q4_k_m"),
      ("qwen3", "q5_k"), ("qwen2", "q4_0"), ("qwen2", "q4_k_m"), ("llama", "q3_k"),
-     ("qwen2", "q2_k"), ("qwen3", "iq4_xs"), ("llama", "iq3_xxs"), ("qwen2", "iq3_s")],
+     ("qwen2", "q2_k"), ("qwen3", "iq4_xs"), ("llama", "iq3_xxs"), ("qwen2", "iq3_s"),
+     ("qwen3", "iq2_xs"), ("llama", "iq2_s")],
 )  # fmt: skip
 def test_block_formats_against_transformers(files, arch, fmt):
     hf, paths = files
@@ -298,8 +301,8 @@ def test_bad_files_are_named_start_up_errors(files, tmp_path):
     cases.append(
         (rewrite(src, tmp_path / "arch.gguf", arch="gpt2"), "architecture 'gpt2' is not served")
     )
-    iq2 = rewrite(src, tmp_path / "iq2.gguf", tensor_type=gguf.GGMLQuantizationType.IQ2_XXS)
-    cases.append((iq2, r"tensor \S+ has type IQ2_XXS"))
+    iq1 = rewrite(src, tmp_path / "iq1.gguf", tensor_type=gguf.GGMLQuantizationType.IQ1_S)
+    cases.append((iq1, r"tensor \S+ has type IQ1_S"))
     for path, message in cases:
         with pytest.raises(CheckpointError, match=message):
             load_file(path)

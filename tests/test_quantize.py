@@ -39,10 +39,11 @@ def test_bytes_equal_the_gguf_package_quantizer(fmt):
 # twice the largest), 1/15, 1/31, 1/63 of the range, with the scales' own rounding; Q3_K
 # (0.15 rms) a quarter: its largest magnitude maps to -4 and the far side stops at +3; Q2_K
 # (0.33 rms) about a third: half of one of three steps, and the 4-bit scales' rounding.
-# IQ3_XXS and IQ3_S (0.20 and 0.14 rms on plain Gaussian rows): each 4 weights the nearest of the
-# grid's 256 or 512 entries, not of all 8^4 level tuples, so a tuple mixing large and small
-# magnitudes lands far; IQ3_XXS also flips the smallest sign of 8 to keep their count even, and
-# the constant block here drives its neighbours' 4-bit scales to the floor.
+# The grid i-quants (IQ3_XXS 0.20, IQ3_S 0.14, IQ2_XXS 0.36, IQ2_XS 0.31, IQ2_S 0.26 rms on plain
+# Gaussian rows): each 4 or 8 weights the nearest of the grid's 256 to 1024 entries, not of all
+# level tuples, so a tuple mixing large and small magnitudes lands far; IQ3_XXS, IQ2_XXS and
+# IQ2_XS also flip the smallest sign of 8 to keep their count even, and the constant block here
+# drives its neighbours' 4-bit scales to the floor.
 ERRORS = {
     "q8_0": (0.006, 0.005, 32),
     "q4_0": (0.08, 0.13, 32),
@@ -58,6 +59,9 @@ ERRORS = {
     "iq4_xs": (0.09, 0.15, 256),
     "iq3_xxs": (0.32, 0.75, 256),
     "iq3_s": (0.26, 0.45, 256),
+    "iq2_xxs": (0.45, 0.85, 256),
+    "iq2_xs": (0.26, 0.82, 256),
+    "iq2_s": (0.22, 0.42, 256),
 }
 
 

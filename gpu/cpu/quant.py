@@ -19,7 +19,7 @@ import torch
 from gpu.cpu import build as cpu_build
 from gpu.cpu.gemm import ACTIVATIONS
 from gpu.quant.formats import Format
-from gpu.quant.iq3 import is_iq3, transcode
+from gpu.quant.iq_grids import is_grid, transcode
 
 PATHS = {"auto": 0, "ref": 1, "avx2": 2, "avx512": 3}
 
@@ -70,7 +70,7 @@ def pack(
     """GGUF's rows of a [n, k] weight (bytes, or bf16/f16 elements) -> a QuantWeight; with
     `up` (the up projection's rows) and `act`, a gated MLP pair."""
     n, k = shape
-    if is_iq3(fmt.name):  # the kernels read IQ3 blocks rewritten as IQ4_XS's (gpu/quant/iq3.py)
+    if is_grid(fmt.name):  # the kernels read grid blocks rewritten (gpu/quant/iq_grids.py)
         rows = transcode(np.asarray(rows), fmt.name)
         up = None if up is None else transcode(np.asarray(up), fmt.name)
     ops = cpu_build.load()

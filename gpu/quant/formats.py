@@ -12,9 +12,10 @@ w = d sc q - dmin m per 32), Q5_K (the same with a fifth bit), Q6_K (16 int8 sca
 weights, 6-bit q: w = d sc (q - 32)), Q3_K (16 6-bit scales of 16 weights, 3-bit q:
 w = d (sc - 32) (q - 4); Q3_K_S/M/L files and Q2_K's attention), Q2_K (4-bit scales and mins
 of 16 weights, 2-bit q: w = d sc q - dmin m); IQ4_NL (32: f16 d, 4-bit indices into sixteen
-non-uniform values: w = d v[q]) and IQ4_XS (the same over 256 with a 6-bit scale per 32); IQ3_XXS
-and IQ3_S (grids of 4-tuples, gpu/quant/iq3.py: the CPU kernels take them transcoded into IQ4_XS's
-layout). The codes are ggml's type ids; weir's kernels take these names (gpu/cpu/quant.py).
+non-uniform values: w = d v[q]) and IQ4_XS (the same over 256 with a 6-bit scale per 32); IQ3_XXS,
+IQ3_S, IQ2_XXS, IQ2_XS and IQ2_S (grids of 4- and 8-tuples, gpu/quant/iq_grids.py: the CPU kernels
+take them transcoded into IQ4_XS's layout or one with Q6_K's scales). The codes are ggml's type
+ids; weir's kernels take these names (gpu/cpu/quant.py).
 """
 
 from __future__ import annotations
@@ -57,6 +58,9 @@ FORMATS: dict[str, Format] = {
         Format("iq4_xs", 23, 256, 136, True),
         Format("iq3_xxs", 18, 256, 98, True),
         Format("iq3_s", 21, 256, 110, True),
+        Format("iq2_xxs", 16, 256, 66, True),
+        Format("iq2_xs", 17, 256, 74, True),
+        Format("iq2_s", 22, 256, 82, True),
     )
 }
 BY_GGML_TYPE = {f.ggml_type: f for f in FORMATS.values()}

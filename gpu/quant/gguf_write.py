@@ -46,7 +46,9 @@ def uniform(fmt: str) -> Callable[[str, tuple[int, ...]], str]:
 # (Qwen2.5-0.5B's 896): its "incompatible tensor" fallbacks.
 FALLBACK = {
     "q4_k": "q5_0", "q5_k": "q5_1", "q6_k": "q8_0",
-    **dict.fromkeys(("q2_k", "q3_k", "iq4_xs", "iq3_xxs", "iq3_s"), "iq4_nl"),
+    **dict.fromkeys(
+        ("q2_k", "q3_k", "iq4_xs", "iq3_xxs", "iq3_s", "iq2_xxs", "iq2_xs", "iq2_s"), "iq4_nl"
+    ),
 }  # fmt: skip
 
 

@@ -14,7 +14,8 @@ from __future__ import annotations
 import numpy as np
 
 from gpu.quant.formats import FORMATS
-from gpu.quant.iq3 import quantize_iq3_s, quantize_iq3_xxs, xs_blocks
+from gpu.quant.iq_grids import QUANTIZERS as GRID_QUANTIZERS
+from gpu.quant.iq_grids import xs_blocks
 
 
 def _round(x: np.ndarray) -> np.ndarray:
@@ -289,6 +290,5 @@ QUANTIZERS = {
     "q6_k": _q6_k,
     "iq4_nl": _iq4_nl,
     "iq4_xs": _iq4_xs,
-    "iq3_xxs": quantize_iq3_xxs,
-    "iq3_s": quantize_iq3_s,
+    **GRID_QUANTIZERS,
 }

@@ -66,9 +66,20 @@ void parse_block(int format, const uint8_t* b, Parsed& p) {
                 p.u[16 + i] = b[2 + i] >> 4;
             }
             return;
+        case kWIQ2_XS:  // transcoded (gpu/quant/iq_grids.py): f16 d, 16 int8 scales, indices
+        case kWIQ2_S:
+            p.d16 = load16(b);
+            std::memcpy(p.sc, b + 2, 16);
+            for (int s = 0; s < 8; ++s)
+                for (int j = 0; j < 16; ++j) {
+                    p.u[32 * s + j] = b[18 + 16 * s + j] & 0x0F;
+                    p.u[32 * s + 16 + j] = b[18 + 16 * s + j] >> 4;
+                }
+            return;
         case kWIQ4_XS:
-        case kWIQ3_XXS:  // transcoded into IQ4_XS's bytes (gpu/quant/iq3.py)
-        case kWIQ3_S: {
+        case kWIQ3_XXS:  // transcoded into IQ4_XS's bytes (gpu/quant/iq_grids.py)
+        case kWIQ3_S:
+        case kWIQ2_XXS: {
             p.d16 = load16(b);
             const uint16_t high = load16(b + 2);
             for (int s = 0; s < 8; ++s) {

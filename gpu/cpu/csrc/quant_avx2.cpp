@@ -136,6 +136,13 @@ constexpr int group_of(int bits, bool signed_w) {
     return signed_w ? 1 : std::min(4, 32767 / (2 * 127 * ((1 << bits) - 1)));
 }
 
+// The sum of 16 int8 activations (the sum of each + 128, less 16 x 128).
+inline int32_t half_sum(const int8_t* x) {
+    const __m128i v = _mm_xor_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)), _mm_set1_epi8(char(0x80)));
+    const __m128i s = _mm_sad_epu8(v, _mm_setzero_si128());
+    return _mm_cvtsi128_si32(s) + _mm_extract_epi16(s, 4) - 16 * 128;
+}
+
 inline __m256 update(__m256 acc, __m256i dot, __m256 alpha, __m256 beta, float dx, float xs) {
     const __m256 ad = _mm256_mul_ps(alpha, _mm256_set1_ps(dx));
     acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), ad, acc);
@@ -175,12 +182,14 @@ void blocks(const uint8_t* panel, const Acts& a, int64_t rows, float* out) {
                 const __m256 d = f16x8(header + 16 * c);
                 for (int h = 0; h < 2; ++h) {
                     alpha[h] = _mm256_mul_ps(d, u8x8(scales + 16 * h + 8 * c, true));
+                    if constexpr (scale_unit(format) != 1.f)
+                        alpha[h] = _mm256_mul_ps(alpha[h], _mm256_set1_ps(scale_unit(format)));
                     beta[h] = _mm256_mul_ps(_mm256_set1_ps(sc16_zero(format)), alpha[h]);
                 }
             } else if (is_xs(format)) {
                 alpha[0] = _mm256_mul_ps(f16x8(header + 16 * c), u8x8(scales + 8 * c, true));
-                if constexpr (xs_unit(format) != 1.f)
-                    alpha[0] = _mm256_mul_ps(alpha[0], _mm256_set1_ps(xs_unit(format)));
+                if constexpr (scale_unit(format) != 1.f)
+                    alpha[0] = _mm256_mul_ps(alpha[0], _mm256_set1_ps(scale_unit(format)));
                 beta[0] = _mm256_mul_ps(_mm256_set1_ps(128.f), alpha[0]);
             } else if (format == kWQ2_K) {
                 const __m256 d = f16x8(header + 16 * c), dmin = f16x8(header + 32 + 16 * c);
@@ -200,7 +209,9 @@ void blocks(const uint8_t* panel, const Acts& a, int64_t rows, float* out) {
                 __m256 sum = _mm256_load_ps(o);
                 if (g.halves == 2) {
                     for (int h = 0; h < 2; ++h) {
-                        const __m256i dot = dots<group>(w, sign, xq, 4 * h, 4 * h + 4, false, _mm256_setzero_si256());
+                        // signed table values (IQ2_XS, IQ2_S): sum x u = sum x q + 128 sum x
+                        const __m256i start = _mm256_set1_epi32(q8 ? 128 * half_sum(xq + 16 * h) : 0);
+                        const __m256i dot = dots<group>(w, sign, xq, 4 * h, 4 * h + 4, q8, start);
                         sum = update(sum, dot, alpha[h], beta[h], a.dx[blk], a.xs16[2 * blk + h]);
                     }
                 } else {

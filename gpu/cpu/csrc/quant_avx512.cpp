@@ -151,11 +151,12 @@ WEIR_INLINE void block(Cursor& cur, int64_t b, const Acts& a, int64_t r0, int64_
     } else if constexpr (is_sc16(F)) {
         for (int h = 0; h < 2; ++h) {
             alpha[h] = _mm512_mul_ps(cur.d, u8x16(scales + 16 * h, true));
+            if constexpr (scale_unit(F) != 1.f) alpha[h] = _mm512_mul_ps(alpha[h], _mm512_set1_ps(scale_unit(F)));
             beta[h] = _mm512_mul_ps(_mm512_set1_ps(sc16_zero(F)), alpha[h]);
         }
     } else if constexpr (is_xs(F)) {
         alpha[0] = _mm512_mul_ps(cur.d, u8x16(scales, true));
-        if constexpr (xs_unit(F) != 1.f) alpha[0] = _mm512_mul_ps(alpha[0], _mm512_set1_ps(xs_unit(F)));
+        if constexpr (scale_unit(F) != 1.f) alpha[0] = _mm512_mul_ps(alpha[0], _mm512_set1_ps(scale_unit(F)));
         beta[0] = _mm512_mul_ps(_mm512_set1_ps(128.f), alpha[0]);
     } else if constexpr (F == kWQ2_K) {
         for (int h = 0; h < 2; ++h) {

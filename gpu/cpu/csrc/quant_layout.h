@@ -14,7 +14,7 @@
 //           then of its second 16 [16] (Q3_K's as the signed sc - 32); Q2_K a byte sc | m << 4
 //           of the first 16 [16], then of the second [16] (as its file holds them)
 //   IQ4_NL f16 d per column; IQ4_XS int8 ls (its 6-bit scale less 32) per column, d in the header
-//   (IQ3_XXS and IQ3_S as IQ4_XS: gpu/quant/iq3.py transcodes their grids into its layout, ls the
+//   (IQ3_XXS and IQ3_S as IQ4_XS: gpu/quant/iq_grids.py transcodes their grids into its layout, ls the
 //   odd 1..31 of their scales)
 //   integers, each an unsigned value u (Q8_0: q + 128 in 0..255; Q2_K: 0..3; Q3_K: 0..7; Q4_0,
 //   Q4_1, Q4_K: 0..15; Q5_0, Q5_1, Q5_K: 0..31; Q6_K: 0..63) laid out for a dot product that
@@ -80,7 +80,10 @@ constexpr Geometry geometry(int format) {
         case kWIQ4_NL: return {0, 32, 256, 4, 1, 32, 18};
         case kWIQ4_XS:
         case kWIQ3_XXS:
-        case kWIQ3_S: return {32, 16, 256, 4, 1, 256, 136};  // IQ3: the transcoded block's bytes
+        case kWIQ3_S:
+        case kWIQ2_XXS: return {32, 16, 256, 4, 1, 256, 136};  // IQ3, IQ2: the transcoded block's
+        case kWIQ2_XS:
+        case kWIQ2_S: return {32, 32, 256, 4, 2, 256, 146};   // bytes (gpu/quant/iq_grids.py)
         default: return {0, 0, 0, 0, 0, 0, 0};
     }
 }
@@ -106,13 +109,16 @@ inline void with_block_format(int format, Fn&& fn) {
         case kWIQ4_XS: return fn(std::integral_constant<int, kWIQ4_XS>{});
         case kWIQ3_XXS: return fn(std::integral_constant<int, kWIQ3_XXS>{});
         case kWIQ3_S: return fn(std::integral_constant<int, kWIQ3_S>{});
+        case kWIQ2_XXS: return fn(std::integral_constant<int, kWIQ2_XXS>{});
+        case kWIQ2_XS: return fn(std::integral_constant<int, kWIQ2_XS>{});
+        case kWIQ2_S: return fn(std::integral_constant<int, kWIQ2_S>{});
         default: return;
     }
 }
 constexpr bool is_half(int format) { return format == kWF16 || format == kWBF16; }
 
 // The sixteen values of the table formats' indices, ascending: IQ4_NL's and IQ4_XS's (llama.cpp's
-// kvalues_iq4nl); IQ3_XXS's grid magnitudes 4..62, signed (its scale's quarter: xs_unit); IQ3_S's
+// kvalues_iq4nl); IQ3_XXS's grid magnitudes 4..62, signed (its scale's quarter: scale_unit); IQ3_S's
 // odd 1..15, signed.
 alignas(16) constexpr int8_t kIq4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
                                                1,    13,   25,  38,  53,  69,  89,  113};
@@ -120,8 +126,16 @@ alignas(16) constexpr int8_t kIq3XxsValues[16] = {-62, -52, -44, -36, -28, -20, 
                                                   4,   12,  20,  28,  36,  44,  52, 62};
 alignas(16) constexpr int8_t kIq3SValues[16] = {-15, -13, -11, -9, -7, -5, -3, -1,
                                                 1,   3,   5,   7,  9,  11, 13, 15};
+// IQ2_XXS's, IQ2_XS's and IQ2_S's grid magnitudes 8, 25, 43, signed (indices 6..15 unused).
+alignas(16) constexpr int8_t kIq2Values[16] = {-43, -25, -8, 8, 25, 43, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
+constexpr bool is_iq2(int format) {
+    return format == kWIQ2_XXS || format == kWIQ2_XS || format == kWIQ2_S;
+}
 constexpr const int8_t* iq_values(int format) {
-    return format == kWIQ3_XXS ? kIq3XxsValues : format == kWIQ3_S ? kIq3SValues : kIq4Values;
+    return format == kWIQ3_XXS ? kIq3XxsValues
+           : format == kWIQ3_S ? kIq3SValues
+           : is_iq2(format)    ? kIq2Values
+                               : kIq4Values;
 }
 // Each table's u (value + 128).
 alignas(16) constexpr uint8_t kIq4U[16] = {1,   24,  45,  63,  79,  93,  106, 118,
@@ -130,11 +144,16 @@ alignas(16) constexpr uint8_t kIq3XxsU[16] = {66,  76,  84,  92,  100, 108, 116,
                                               132, 140, 148, 156, 164, 172, 180, 190};
 alignas(16) constexpr uint8_t kIq3SU[16] = {113, 115, 117, 119, 121, 123, 125, 127,
                                             129, 131, 133, 135, 137, 139, 141, 143};
+alignas(16) constexpr uint8_t kIq2U[16] = {85,  103, 120, 136, 153, 171, 128, 128,
+                                           128, 128, 128, 128, 128, 128, 128, 128};
 constexpr const uint8_t* iq_u(int format) {
-    return format == kWIQ3_XXS ? kIq3XxsU : format == kWIQ3_S ? kIq3SU : kIq4U;
+    return format == kWIQ3_XXS ? kIq3XxsU
+           : format == kWIQ3_S ? kIq3SU
+           : is_iq2(format)    ? kIq2U
+                               : kIq4U;
 }
 constexpr bool u_tables_agree() {
-    for (int f : {kWIQ4_NL, kWIQ3_XXS, kWIQ3_S})
+    for (int f : {kWIQ4_NL, kWIQ3_XXS, kWIQ3_S, kWIQ2_XXS})
         for (int i = 0; i < 16; ++i)
             if (iq_u(f)[i] != iq_values(f)[i] + 128) return false;
     return true;
@@ -142,14 +161,18 @@ constexpr bool u_tables_agree() {
 static_assert(u_tables_agree(), "a table's u is its value + 128");
 // Formats whose 4-bit integers index a table of sixteen values.
 constexpr bool is_iq(int format) {
-    return format == kWIQ4_NL || format == kWIQ4_XS || format == kWIQ3_XXS || format == kWIQ3_S;
+    return format == kWIQ4_NL || format == kWIQ4_XS || format == kWIQ3_XXS || format == kWIQ3_S ||
+           is_iq2(format);
 }
 // IQ4_XS's layout: f16 d per 256 in the header, an int8 scale per 32.
 constexpr bool is_xs(int format) {
-    return format == kWIQ4_XS || format == kWIQ3_XXS || format == kWIQ3_S;
+    return format == kWIQ4_XS || format == kWIQ3_XXS || format == kWIQ3_S || format == kWIQ2_XXS;
 }
-// The factor of d ls in an IQ4_XS-layout weight: IQ3_XXS's d (2 ls + 1) / 4 (every product exact).
-constexpr float xs_unit(int format) { return format == kWIQ3_XXS ? 0.25f : 1.f; }
+// The factor of d sc in a weight of the table formats: IQ3_XXS's d (2 ls + 1) / 4, the IQ2s'
+// d (2 ls + 1) / 8 (every product exact).
+constexpr float scale_unit(int format) {
+    return format == kWIQ3_XXS ? 0.25f : is_iq2(format) ? 0.125f : 1.f;
+}
 
 // Formats whose blocks carry one f16 d (beta = offset d: the u of a zero weight) or d and m.
 constexpr bool is_d_only(int format) {
@@ -164,8 +187,12 @@ constexpr bool has_dmin(int format) {
     return format == kWQ2_K || format == kWQ4_K || format == kWQ5_K;
 }
 // k-quants with int8 scales per 16 weights and a header of d alone; their u of a zero weight.
-constexpr bool is_sc16(int format) { return format == kWQ6_K || format == kWQ3_K; }
-constexpr float sc16_zero(int format) { return format == kWQ6_K ? 32.f : 4.f; }
+constexpr bool is_sc16(int format) {
+    return format == kWQ6_K || format == kWQ3_K || format == kWIQ2_XS || format == kWIQ2_S;
+}
+constexpr float sc16_zero(int format) {
+    return format == kWQ6_K ? 32.f : format == kWQ3_K ? 4.f : 128.f;
+}
 
 // Bytes of one panel for k weights of k.
 inline int64_t panel_bytes(int format, int64_t k) {

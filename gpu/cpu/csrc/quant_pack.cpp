@@ -159,12 +159,12 @@ void read_column(int format, const uint8_t* header, const uint8_t* scales, const
     } else if (is_sc16(format)) {
         const float d = half_to_float(load16(header + 2 * col));
         for (int h = 0; h < 2; ++h) {
-            alpha[h] = d * float(int8_t(scales[h * kPanel + col]));
+            alpha[h] = d * float(int8_t(scales[h * kPanel + col])) * scale_unit(format);
             beta[h] = sc16_zero(format) * alpha[h];
         }
     } else if (is_xs(format)) {
         alpha[0] = alpha[1] = half_to_float(load16(header + 2 * col)) * float(int8_t(scales[col])) *
-                              xs_unit(format);
+                              scale_unit(format);
         beta[0] = beta[1] = 128.f * alpha[0];
     } else if (format == kWQ2_K) {
         const float d = half_to_float(load16(header + 2 * col));

@@ -128,9 +128,12 @@ enum WFormat : int {
     kWQ4_K = 12,
     kWQ5_K = 13,
     kWQ6_K = 14,
-    kWIQ3_XXS = 18,  // held as weir's transcoding (gpu/quant/iq3.py): IQ4_XS's layout
+    kWIQ2_XXS = 16,  // weir's transcodings (gpu/quant/iq_grids.py): IQ4_XS's layout
+    kWIQ2_XS = 17,   // IQ2_XS, IQ2_S: 4-bit indices, an int8 scale per 16 (Q6_K's scales)
+    kWIQ3_XXS = 18,
     kWIQ4_NL = 20,
-    kWIQ3_S = 21,    // the same
+    kWIQ3_S = 21,
+    kWIQ2_S = 22,
     kWIQ4_XS = 23,
     kWBF16 = 30,
 };
