@@ -136,9 +136,10 @@ def xs_blocks(d: np.ndarray, l6: np.ndarray, qs: np.ndarray) -> np.ndarray:
 def _transcode_blocks(b: np.ndarray, fmt: str) -> np.ndarray:
     g = GRIDS[fmt]
     entry, neg, ls = _decode(b, fmt)
-    level = table(fmt)[1][entry].reshape(len(b), 256).astype(np.int64)
+    level = table(fmt)[1][entry].reshape(len(b), 256)
     # the table of each format: its levels' negatives descending, then the levels ascending
-    idx = np.where(neg != 0, g.levels - 1 - level, g.levels + level).astype(np.uint8)
+    # (index levels + level, or levels - 1 - level where negative; in uint8, never below 0)
+    idx = (g.levels + level) - neg * (2 * level + 1)
     sub = idx.reshape(len(b), 8, 32)
     qs = (sub[:, :, :16] | (sub[:, :, 16:] << 4)).reshape(len(b), 128)
     d = b[:, :2].copy().view(np.float16)
