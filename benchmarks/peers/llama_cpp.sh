@@ -9,7 +9,9 @@
 #   benchmarks/peers/llama_cpp.sh serve-file GGUF PORT [NAME]  serve a GGUF file as it is
 # LLAMA_CPP_QUANT picks the format: f32 (default), f16, bf16, q8_0 (written by llama.cpp's
 # convert_hf_to_gguf.py), or any type llama-quantize takes (q4_k_m, q5_k_m, q4_0, ...: quantized
-# by llama-quantize from the BF16 file).
+# by llama-quantize from the BF16 file). The i-quants that need an importance matrix (iq1_*,
+# iq2_*, iq3_xxs) take LLAMA_CPP_IMATRIX, else a uniform one (every column alike: rounding as
+# without one, which is what a random benchmark model calls for).
 # The source is the llama.cpp tree vendored in the llama-cpp-python sdist (the package index is
 # reachable here, GitHub is not). Three things differ from a plain build:
 # - llama-server drops a keep-alive connection after every streamed response (its stream
@@ -90,7 +92,26 @@ EOF
     if [ "$outtype" != "$quant" ]; then
       out=$base-$quant.gguf
       if [ ! -f "$out" ] || [ "$gguf" -nt "$out" ]; then
-        "$H/build/bin/llama-quantize" "$gguf" "$out.$$" "$quant" "$(nproc)" >&2
+        imatrix=()
+        case $quant in iq1_*|iq2_*|iq3_xxs)  # llama-quantize needs an importance matrix
+          imatrix=(--imatrix "${LLAMA_CPP_IMATRIX:-$base-uniform.imatrix}")
+          [ -n "${LLAMA_CPP_IMATRIX:-}" ] || "$H/venv/bin/python" - "$SRC" "$gguf" "${imatrix[1]}" <<'IMATRIX'
+import struct, sys
+sys.path[:0] = [sys.argv[1] + "/gguf-py"]
+import gguf
+# every input column of every block matrix equally important: rounded as without a matrix
+entries = [(t.name, int(t.shape[0])) for t in gguf.GGUFReader(sys.argv[2]).tensors
+           if len(t.shape) == 2 and t.name.startswith("blk.")]
+with open(sys.argv[3], "wb") as f:  # llama.cpp's legacy .dat layout
+    f.write(struct.pack("<i", len(entries)))
+    for name, n in entries:
+        f.write(struct.pack("<i", len(name)) + name.encode() + struct.pack("<ii", 1, n))
+        f.write(struct.pack(f"<{n}f", *([1.0] * n)))
+    f.write(struct.pack("<ii", 1, 7) + b"uniform")
+IMATRIX
+          ;;
+        esac
+        "$H/build/bin/llama-quantize" ${imatrix[@]+"${imatrix[@]}"} "$gguf" "$out.$$" "$quant" "$(nproc)" >&2
         mv "$out.$$" "$out"
       fi
       gguf=$out
