@@ -126,6 +126,7 @@ class EngineCore(TakeIn, BeamSteps):
             self.max_logprobs,
             self.max_beam_width,
             self.scheduler.max_num_seqs,
+            (self.kv.num_blocks, self.kv.block_size),
         )
 
     def add(self, req: EngineRequest) -> None:
@@ -215,6 +216,22 @@ class EngineCore(TakeIn, BeamSteps):
         self.stats.finished.append(finished_stats(request, "abort", time.monotonic()))
         return request.output([], "", "abort")
 
+    def _fail_stuck(self) -> list[RequestOutput]:
+        """Beam searches the scheduler can never admit end with an error (not a queue that
+        waits on them forever: a server that answers /health and serves nothing)."""
+        outputs = []
+        while self.scheduler.stuck:
+            group = self.scheduler.stuck.pop()
+            out = self.abort(group.root.request_id)
+            if out is not None:
+                out.finish_reason = "error"
+                out.error = (
+                    f"the KV cache cannot hold this beam search's {group.width} beams (their "
+                    "shared prefix was evicted while they were preempted); lower n or max_tokens"
+                )
+                outputs.append(out)
+        return outputs
+
     def take_stats(self) -> StepStats:
         """The increments gathered since the last call, with the current gauges."""
         out = self.stats
@@ -275,6 +292,7 @@ class EngineCore(TakeIn, BeamSteps):
             outputs += self._take_in(*previous)
             previous = None
         launched = self._launch()
+        outputs += self._fail_stuck()
         if previous is not None:
             outputs += self._take_in(*previous)
         if launched is not None:

@@ -85,6 +85,7 @@ class EngineReady(msgspec.Struct, tag="ready", gc=False):
     kv_cache_bytes: int = 0
     device: str = ""  # cpu, cuda: where the model runs
     lora_base: LoraBase | None = None  # the shapes an adapter must fit, with --enable-lora
+    block_size: int = 16
 
 
 class StepOutputs(msgspec.Struct, tag="step", gc=False):

@@ -123,6 +123,7 @@ def main() -> None:
         loaded.kv_cache_bytes,
         loaded.device,
         loaded.lora_base,
+        core.kv.block_size,
     )
 
     def publish(outputs, stats) -> bool:
@@ -248,6 +249,7 @@ class EngineProcess(Engine):
             config.max_logprobs,
             config.max_beam_width,
             config.max_num_seqs,
+            (self.info.num_blocks, self.info.block_size),
         )
 
     def _submit(self, cmd) -> None:

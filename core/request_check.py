@@ -29,11 +29,13 @@ def check_request(
     max_logprobs: int = 20,
     max_beam_width: int = 16,
     max_num_seqs: int | None = None,
+    kv_blocks: tuple[int, int] | None = None,
 ) -> int:
     """Validate a request against the model (vocabulary, context length) and the server's
     --max-logprobs (-1: up to the vocabulary), --max-beam-width and --max-num-seqs (a beam
-    search holds its width in sequences); return its resolved max_tokens. Raises InvalidParam
-    naming the offending field."""
+    search holds its width in sequences), and a beam search against the KV cache (`kv_blocks`:
+    its blocks and their size); return its resolved max_tokens. Raises InvalidParam naming the
+    offending field."""
     n = len(req.prompt_token_ids)
     if n == 0:
         raise InvalidParam("prompt", "the prompt is empty")
@@ -101,4 +103,16 @@ def check_request(
             f"However, you requested {n + max_tokens} tokens ({n} in the prompt, "
             f"{max_tokens} for the completion). Please reduce the prompt or max_tokens.",
         )
+    if width and kv_blocks is not None:
+        blocks, size = kv_blocks
+        # its beams share the prompt's whole blocks; each holds the rest of its own sequence
+        shared = n // size
+        need = shared + width * (-(-(n + max_tokens) // size) - shared)
+        if need > blocks:
+            raise InvalidParam(
+                "n",
+                f"a beam search of n={width} beams over {n} prompt tokens and max_tokens "
+                f"{max_tokens} needs up to {need} KV cache blocks; the cache holds {blocks}. "
+                "Lower n or max_tokens (or give the cache more memory).",
+            )
     return max_tokens

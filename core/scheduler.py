@@ -57,6 +57,10 @@ class Scheduler:
         # Beam searches with beams running (each holds `width` seats), and the beams forked
         # since the runner last heard (core/runner_step.py Fork).
         self.groups: set = set()
+        # Beam searches that can never be admitted: at the head of the queue with nothing running
+        # (no blocks will be freed) and still too big (their beams' shared prefix evicted while
+        # they were preempted). The engine fails them (take_stuck) instead of waiting forever.
+        self.stuck: list = []
         self._forks: list[Fork] = []
 
     def _key(self, request: Request) -> tuple[int, ...]:
@@ -236,6 +240,8 @@ class Scheduler:
                 if request.group is not None:
                     admitted = self._admit_beams(request.group, budget, seats, scheduled)
                     if admitted is None:
+                        if not self.running and not scheduled and request.group not in self.stuck:
+                            self.stuck.append(request.group)
                         break
                     budget -= admitted
                     seats += request.group.width

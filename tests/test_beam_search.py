@@ -299,6 +299,36 @@ def test_beam_params_refused_naming_the_field(model_dir):
     with pytest.raises(InvalidParam) as e:
         loaded.core.check(EngineRequest("x", [1, 2], beam_params(5, 1.0, False, 4, 0, False)))
     assert e.value.param == "n" and "--max-beam-width" in e.value.message
+    # a search the cache can never hold: 32 blocks of 16; 4 beams share the prompt's 16 whole
+    # blocks and each needs 6 more (its partial block and 80 tokens): 40. It had waited at the
+    # head of the queue forever, with every request behind it.
+    prompt = [1 + i % 50 for i in range(257)]
+    with pytest.raises(InvalidParam) as e:
+        loaded.core.check(EngineRequest("x", prompt, beam_params(4, 1.0, False, 80, 0, False)))
+    assert e.value.param == "n" and "needs up to 40 KV cache blocks" in e.value.message
+    loaded.core.check(EngineRequest("x", prompt, beam_params(2, 1.0, False, 80, 0, False)))
+
+
+def test_a_beam_search_that_can_never_be_admitted_fails_and_frees_the_queue(
+    model_dir, monkeypatch
+):
+    """Preempted beams whose shared prefix was evicted may need more blocks than the cache has:
+    with nothing running, the scheduler marks the search stuck and the engine ends it with an
+    error; the request behind it runs."""
+    from core.scheduler import Scheduler
+
+    loaded = load(EngineConfig(model=str(model_dir("qwen3")), num_kv_blocks=32))
+    core = loaded.core
+    monkeypatch.setattr(Scheduler, "_admit_beams", lambda self, *a: None)
+    core.add(EngineRequest("beams", [1, 2, 3], beam_params(2, 1.0, False, 4, 0, False)))
+    core.add(EngineRequest("next", [1, 2, 3], SamplingParams(temperature=0, max_tokens=2)))
+    outs = {}
+    while core.has_work:
+        for out in core.step():
+            outs.setdefault(out.request_id, []).append(out)
+    assert outs["beams"][-1].finish_reason == "error" and "beam search" in outs["beams"][-1].error
+    assert outs["next"][-1].finished and len(outs["next"][-1].new_token_ids) >= 1
+    assert core.kv.num_free_blocks == core.kv.num_blocks
 
 
 def test_llm_beam_search(model_dir):
