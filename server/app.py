@@ -216,7 +216,19 @@ async def serve(
                     while st.inflight:
                         await st.idle.wait()
                 if st.inflight:
-                    log.warning("drain timeout: %d requests still in flight", len(st.inflight))
+                    log.warning(
+                        "drain timeout: %d requests still in flight, ended with a 503",
+                        len(st.inflight),
+                    )
+                    for sub in list(st.inflight):
+                        sub.cut(
+                            "The server is shutting down: this request did not finish within "
+                            f"its drain time ({options.drain_timeout:g} s)"
+                        )
+                    # their handlers answer (a 503, or an error event ending the stream) at once
+                    with trio.move_on_after(2):
+                        while st.inflight:
+                            await st.idle.wait()
                 drain.cancel_scope.cancel()
             # Background responses still running are stopped and stored as incomplete.
             with trio.move_on_after(5):

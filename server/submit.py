@@ -81,6 +81,8 @@ class Submitted:
         self.last: dict[int, RequestOutput] = {}
         self.finish: dict[int, str] = {}
         self.closed = False
+        self.cut_reason: str | None = None  # set by cut(): the server is shutting down
+        self.prompt_tokens: dict[str, int] = {}  # engine request -> its prompt's tokens
         timeout = st.options.request_timeout
         self.deadline = trio.current_time() + timeout if timeout else float("inf")
 
@@ -137,6 +139,7 @@ class Submitted:
                         self.channel,
                     )
                     leader = leader or rid
+                    self.prompt_tokens[rid] = len(prompt)
                     self.index[rid] = p * self.n + j
                     self.ids.append(rid)
         except InvalidParam as e:
@@ -198,6 +201,12 @@ class Submitted:
                 ",".join(self.finish.get(i, "abort") for i in range(self.choices)),
             )
 
+    def cut(self, reason: str) -> None:
+        """End this request at its reader's next wake: unfinished, it gets `reason` as a 503
+        (a stream: an error event, then [DONE]) instead of a dropped connection."""
+        self.cut_reason = reason
+        self.channel.wake()
+
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(choice index, output) until every request has finished; an engine error raises.
         Past --request-timeout the unfinished ones end with finish_reason "length"."""
@@ -209,6 +218,9 @@ class Submitted:
             else:
                 with trio.move_on_at(self.deadline):
                     outs = await self.channel.get()
+            if self.cut_reason is not None:
+                self.close()  # aborts what is unfinished
+                raise APIError(503, self.cut_reason, None, "server_shutting_down")
             if outs is None:
                 for out in self.channel.take_nowait():  # what arrived but was not yet due
                     for i, o in self._expand(out):
@@ -229,7 +241,9 @@ class Submitted:
                                 request_id=rid,
                                 finished=True,
                                 finish_reason="length",
-                                num_prompt_tokens=prev.num_prompt_tokens if prev else 0,
+                                num_prompt_tokens=prev.num_prompt_tokens
+                                if prev
+                                else self.prompt_tokens.get(rid, 0),
                                 num_output_tokens=prev.num_output_tokens if prev else 0,
                                 num_cached_tokens=prev.num_cached_tokens if prev else 0,
                             ),

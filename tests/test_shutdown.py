@@ -205,3 +205,44 @@ def test_sigterm_while_the_model_loads_exits_0_at_once(servers):
     assert code == 0, out
     assert "stopped while the model was loading" in out
     assert not alive(engine)
+
+
+def test_past_the_drain_timeout_requests_end_with_a_503(tiny):
+    """--drain-timeout 1 with a stream and a plain request that cannot finish (the engine is
+    stopped): at the timeout each gets an answer, the stream an error event and [DONE], the
+    plain one a 503 (they had been dropped without one, and the server kept running)."""
+    proc, url = start_process(tiny, "--drain-timeout", "1")
+    engine = engine_process_of(proc.pid)
+    got: dict[str, object] = {}
+    try:
+
+        def stream() -> None:
+            body = {"prompt": "long", "max_tokens": 1500, "stream": True, "ignore_eos": True}
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+                got["stream"] = [line for line in r.iter_lines() if line]
+
+        def plain() -> None:
+            body = {"prompt": "long", "max_tokens": 1500, "ignore_eos": True}
+            got["plain"] = httpx.post(url + "/v1/completions", json=body, timeout=120)
+
+        threads = [threading.Thread(target=f) for f in (stream, plain)]
+        for t in threads:
+            t.start()
+        assert wait_for(
+            lambda: metric(httpx.get(url + "/metrics").text, "weir:num_requests_running") == 2,
+            timeout=60,
+        )
+        os.kill(engine, signal.SIGSTOP)
+        proc.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(60)
+        assert got["plain"].status_code == 503
+        assert "drain" in got["plain"].json()["error"]["message"]
+        lines = got["stream"]
+        assert lines[-1] == "data: [DONE]" and "shutting down" in lines[-2]
+        os.kill(engine, signal.SIGCONT)
+        assert proc.wait(60) == 0
+    finally:
+        signal_pid(engine, signal.SIGCONT)
+        if proc.poll() is None:
+            proc.kill()
