@@ -166,6 +166,7 @@ class EngineProcess(Engine):
         self.info: EngineReady | None = None
         self._child: Child | None = None
         self._closing = False
+        self._stop_loading = False  # kill_loading() was called: launch() must not go on
         self._outbox = bytearray()  # command frames the pipe has not taken yet
         self._flush_done: trio.Event | None = None  # set while a task waits for room to write
         self._encode = msgspec.msgpack.Encoder().encode
@@ -180,6 +181,8 @@ class EngineProcess(Engine):
     def launch(self) -> EngineReady:
         """Blocking (call it from a worker thread): start the engine process and wait until its
         model is loaded. Raises RuntimeError when loading fails or the process dies first."""
+        if self._stop_loading:  # a signal came before the process was started
+            raise RuntimeError("stopped before the engine process started")
         self._child = child = Child("core.engine_process")
         self._cmd, self._reply = child.commands, child.replies
         # On any exit that skipped shutdown(), close the command pipe first: the engine ignores
@@ -187,11 +190,15 @@ class EngineProcess(Engine):
         atexit.register(self._stop_at_exit)
         level = logging.getLogger().getEffectiveLevel()
         self._cmd.send_bytes(self._encode(EngineInit(self.config, level)))
+        if self._stop_loading:  # a signal came while the process started
+            self.kill_loading()
         return self._await_ready()
 
     def kill_loading(self) -> None:
         """Kill the engine process while it loads (launch() then raises): it has taken no
-        request, and reads no command until its model is loaded."""
+        request, and reads no command until its model is loaded. Called before the process
+        is started (the server still importing), launch() raises when it comes to start it."""
+        self._stop_loading = True
         if self._child is not None and self.info is None:
             self._closing = True
             self._child.proc.kill()

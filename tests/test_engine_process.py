@@ -15,6 +15,7 @@ import pytest
 
 from core.config import EngineConfig
 from core.engine import Hold
+from core.engine_process import EngineProcess
 from tests.conftest import (
     LiveServer,
     aborted,
@@ -205,3 +206,13 @@ def test_a_server_that_exits_without_shutdown_takes_its_engine_process_along(mod
     )
     pid = int(done.stdout.split()[-1])
     assert wait_for(lambda: not os.path.exists(f"/proc/{pid}"), timeout=10)
+
+
+def test_a_stop_before_the_process_starts_keeps_it_from_starting(model_dir):
+    """SIGTERM in a server's first seconds (still importing, no engine process yet): launch()
+    then refuses to start one, instead of loading the whole model first."""
+    engine = EngineProcess(EngineConfig(model=str(model_dir("qwen3")), num_kv_blocks=32))
+    engine.kill_loading()
+    with pytest.raises(RuntimeError, match="stopped before"):
+        engine.launch()
+    assert engine._child is None
