@@ -280,7 +280,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-waiting-requests",
         type=int,
         default=None,
-        help="refuse a request that would wait behind this many others",
+        help="refuse a request that would wait behind this many others (0: one that would "
+        "wait at all, with every seat of --max-num-seqs taken)",
     )
     o.add_argument(
         "--shed-status",

@@ -95,7 +95,7 @@ class Submitted:
         pooling: PoolingParams | None = None,
     ) -> None:
         limit = self.st.options.max_waiting_requests
-        if limit is not None and self.engine.num_waiting >= limit:
+        if limit is not None and self._ahead() >= limit:
             status = self.st.options.shed_status
             if self.st.metrics is not None:
                 self.st.metrics.admission_rejected()
@@ -200,6 +200,16 @@ class Submitted:
                 time.monotonic() - self.started,
                 ",".join(self.finish.get(i, "abort") for i in range(self.choices)),
             )
+
+    def _ahead(self) -> int:
+        """How many requests a new one would wait behind (--max-waiting-requests): those
+        waiting less the seats still free (as of the engine's last step); -1 when it would take
+        a free seat at once (so --max-waiting-requests 0 refuses only a request that would
+        wait)."""
+        last = self.engine.last_stats
+        free = 0 if last.num_waiting else max(0, self.st.config.max_num_seqs - last.num_running)
+        ahead = self.engine.num_waiting - free
+        return ahead if ahead >= 0 else -1
 
     def cut(self, reason: str) -> None:
         """End this request at its reader's next wake: unfinished, it gets `reason` as a 503

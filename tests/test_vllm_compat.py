@@ -4,17 +4,19 @@ shapes and limits, usage options, /tokenize keys, metric families and `vllm serv
 from __future__ import annotations
 
 import json
+import threading
 
 import httpx
 import pytest
 
 from core.config import EngineConfig
+from core.engine import Hold
 from core.request import EngineRequest
 from core.sampling import InvalidParam, SamplingParams
 from core.stats import StepStats
 from server.cli import build_parser, config_from_args, main, options_from_args
 from server.stats_log import StatsLog
-from tests.conftest import LiveServer, tiny_config
+from tests.conftest import LiveServer, tiny_config, wait_for
 from tests.test_scheduler import make_core
 
 USER = [{"role": "user", "content": "Tell me about the river and the stone bridge"}]
@@ -251,13 +253,27 @@ def test_vllm_metric_families(server, client):
 
 
 def test_admission_rejections_are_counted(model_dir):
+    """--max-waiting-requests 0: a request that finds a free seat is served (an idle server had
+    refused everything); with the one seat taken, each further request is refused and counted."""
     s = LiveServer(
-        EngineConfig(model=str(model_dir("qwen3")), num_kv_blocks=32), max_waiting_requests=0
+        EngineConfig(model=str(model_dir("qwen3")), num_kv_blocks=32, max_num_seqs=1),
+        max_waiting_requests=0,
     ).start()
     try:
+        assert post(s, "/v1/completions", {"prompt": "hi", "max_tokens": 2}).status_code == 200
+        s.engine.hold(Hold(paused=True))
+        first = {}
+        t = threading.Thread(
+            target=lambda: first.setdefault("r", post(s, "/v1/completions", {"prompt": "x"}))
+        )
+        t.start()
+        assert wait_for(lambda: s.engine.num_waiting == 1)  # it has the seat, not yet stepped
         for _ in range(3):
             r = post(s, "/v1/completions", {"prompt": "hi", "max_tokens": 2})
             assert r.status_code == 503 and r.headers["Retry-After"]
+        s.engine.release()
+        t.join(60)
+        assert first["r"].status_code == 200
         counts = [
             v for k, v in samples(s).items() if k.startswith("weir:admission_rejections_total")
         ]
