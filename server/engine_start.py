@@ -105,6 +105,8 @@ async def load_engine(app: QuartTrio, st: ServerState) -> None:
         # Of several API servers, one publishes the engine's statistics (core/engine_fanout.py).
         publishes = st.seat is None or st.seat.publishes_engine_stats
         engine.on_stats = metrics.publish if publishes else None
+        metrics.clear_gauges()
+        stats_log = None
         if st.options.log_stats and publishes:
             stats_log = StatsLog()
 
@@ -117,6 +119,9 @@ async def load_engine(app: QuartTrio, st: ServerState) -> None:
 
         def died(message: str) -> None:
             log.error("%s", message)
+            metrics.clear_gauges()  # nothing runs or waits any more
+            if stats_log is not None:
+                stats_log.observe(StepStats())
             if st.options.exit_on_engine_error:
                 # In-flight requests already got the error; exit so the orchestrator restarts us.
                 _fail(app, st, message)

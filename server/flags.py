@@ -384,7 +384,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     responses_flags(s)
     embedding_flags(s)
-    s.add_argument("--log-level", default="info")
+    s.add_argument(
+        "--log-level",
+        default="info",
+        type=str.lower,
+        choices=["debug", "info", "warning", "error", "critical"],
+        help="the server's logging threshold (as vLLM's --uvicorn-log-level names them)",
+    )
     vllm_flags.add_arguments(s)
     return parser
 

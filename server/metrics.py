@@ -294,6 +294,14 @@ class Metrics:
             [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384],
         )
 
+    def clear_gauges(self) -> None:
+        """The engine's gauges at zero: at start (with several API servers they would be absent
+        until the first step, and alerts on them would see no data) and once the engine is gone
+        (they had kept its last values)."""
+        for g in (self.running, self.waiting, self.waiting_capacity, self.waiting_deferred):
+            g.set(0)
+        self.kv_usage.set(0)
+
     def publish(self, s: StepStats) -> None:
         self.running.set(s.num_running)
         self.waiting.set(s.num_waiting)

@@ -187,6 +187,11 @@ class Submitted:
         if self.st.metrics is not None and self.ids:
             self.st.metrics.request_params_n(self.n, self.choices // self.n)
         if self.st.options.log_requests and self.ids:
+            # outputs the reader never took (a non-streaming request is woken only at its end):
+            # their counts are the latest (aborted, it had logged its first output's)
+            for out in self.channel.take_nowait():
+                for i, o in self._expand(out):
+                    self.last[i] = o
             outs = self.last.values()
             ttft = (self.first_output - self.started) if self.first_output else None
             log.info(

@@ -236,6 +236,13 @@ def check_engine_died(server: LiveServer, lines: list[str], reason: str, exits: 
     assert health.status_code == 503 and "engine died" in health.json()["error"]["message"]
     r = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2})
     assert r.status_code == 503 and r.json()["error"]["message"]
+    # nothing runs any more: the gauges say so (they had kept the dead engine's last values)
+    text = httpx.get(server.url + "/metrics").text
+    gauges = [
+        line for line in text.splitlines()
+        if line.startswith(("weir:num_requests_running{", "weir:kv_cache_usage_perc{"))
+    ]  # fmt: skip
+    assert len(gauges) == 2 and all(line.endswith(" 0.0") for line in gauges), gauges
 
 
 def aborted(server: LiveServer) -> float:

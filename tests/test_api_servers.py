@@ -34,6 +34,12 @@ def cluster(tiny, tmp_path_factory):
 
 
 def test_every_route_answers_from_every_api_server(cluster):
+    # before any request: the engine's gauges are there, at zero (they had been absent until
+    # the first step with several API servers: alerts on them saw no data)
+    for client in cluster.clients:
+        text = client.get("/metrics").text
+        for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
+            assert f"weir:{name}{{" in text, name
     for i, client in enumerate(cluster.clients):
         here = str(i)
 

@@ -301,6 +301,37 @@ def test_one_log_line_per_finished_request(tiny, caplog):
         quiet.stop()
 
 
+def test_an_aborted_plain_request_logs_what_it_generated(tiny, caplog):
+    """A non-streaming request whose client leaves at 40 tokens logs generated=40 (its reader,
+    woken only at the end, had logged its first output's count)."""
+    import logging
+    import socket
+
+    server = LiveServer(EngineConfig(model=tiny, num_kv_blocks=256)).start()
+    try:
+        server.engine.hold(Hold(at_output_tokens=40))
+        with caplog.at_level(logging.INFO, logger="weir.requests"):
+            sock = socket.create_connection(("127.0.0.1", server.port))
+            body = b'{"prompt": "hi", "max_tokens": 4000, "ignore_eos": true}'
+            sock.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Request-Id: left\r\n"
+                b"Content-Type: application/json\r\nContent-Length: "
+                + str(len(body)).encode() + b"\r\n\r\n" + body
+            )  # fmt: skip
+            assert wait_for(
+                lambda: metric(
+                    httpx.get(server.url + "/metrics").text, "weir:generation_tokens_total"
+                )
+                >= 40
+            )
+            sock.close()
+            assert wait_for(lambda: any("left" in m for m in caplog.messages))
+        line = next(m for m in caplog.messages if "left" in m)
+        assert "generated=40 " in line and "finish=abort" in line, line
+    finally:
+        server.stop()
+
+
 def test_stream_interval_batches_tokens_per_event(tiny):
     server = LiveServer(EngineConfig(model=tiny, num_kv_blocks=64), stream_interval=4).start()
     # Lockstep: the engine steps again only once the handler has taken what was due, so how

@@ -364,3 +364,13 @@ def test_stats_line():
     log.observe(StepStats())
     assert log.line(10.0) is None
     assert options_from_args(parse()).log_stats
+
+
+def test_log_level_is_checked_as_a_flag(capsys):
+    """--log-level takes the logging levels in either case; another value is argparse's one
+    line and exit 2 (it had been a traceback from logging)."""
+    args = build_parser().parse_args(["serve", "--log-level", "WARNING"])
+    assert args.log_level == "warning"
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["serve", "--log-level", "bogus"])
+    assert e.value.code == 2 and "--log-level" in capsys.readouterr().err
