@@ -29,6 +29,7 @@ from server.state import ServerState
 from server.listen import hypercorn_config, listening_socket
 
 log = logging.getLogger("weir.server")
+request_log = logging.getLogger("weir.requests")
 
 PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
 
@@ -112,6 +113,16 @@ def create_app(
             response.headers["Vary"] = "Origin"
         if seat is not None:  # which API server answered (tests, and operators reading logs)
             response.headers["X-Weir-Api-Server"] = str(seat.index)
+        if response.status_code >= 400 and options.log_requests:
+            # refused or failed before any generation (a served request logs its own line):
+            # what an access log shows, for 400s, 401s, 404s and shedding alike
+            request_log.info(
+                "refused %s %s%s: %d",
+                request.method,
+                request.path,
+                f" ({rid})" if rid else "",
+                response.status_code,
+            )
         return response
 
     @app.errorhandler(APIError)

@@ -53,6 +53,10 @@ async def model(name: str) -> Response:
 
 
 def _cards(st) -> list[ModelCard]:
+    if not st.served_names:  # loading (or failed to): no model to list yet
+        raise APIError(
+            503, f"The server is not ready: {st.reason or st.status}", None, "service_unavailable"
+        )
     root = str(st.config.model or st.served_names[0]) if st.served_names else None
     cards = [
         ModelCard(id=name, created=st.created, root=root, max_model_len=st.max_model_len or None)

@@ -277,6 +277,17 @@ def test_one_log_line_per_finished_request(tiny, caplog):
             assert r.status_code == 200
             assert wait_for(lambda: any("log-me" in m for m in caplog.messages))
         line = next(m for m in caplog.messages if "log-me" in m)
+        # a refused request has its line too (as an access log shows it)
+        with caplog.at_level(logging.INFO, logger="weir.requests"):
+            bad = httpx.post(
+                server.url + "/v1/completions",
+                headers={"X-Request-Id": "bad-one"},
+                json={"prompt": "hi", "max_tokens": -1},
+            )
+            assert bad.status_code == 400
+            assert wait_for(lambda: any("bad-one" in m for m in caplog.messages))
+        refused = next(m for m in caplog.messages if "bad-one" in m)
+        assert "refused POST /v1/completions" in refused and refused.endswith(": 400")
         for part in (
             "prompt_tokens=3",
             "generated=3",

@@ -182,8 +182,9 @@ def test_sigterm_while_the_model_loads_exits_0_at_once(servers):
         "HF_HUB_ETAG_TIMEOUT": "600",
         "HF_HUB_DOWNLOAD_TIMEOUT": "600",
     }
+    port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "server", "serve", "someone/some-model", "--port", str(free_port())]
+        [sys.executable, "-m", "server", "serve", "someone/some-model", "--port", str(port)]
         + ["--api-server-count", servers],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -194,6 +195,10 @@ def test_sigterm_while_the_model_loads_exits_0_at_once(servers):
         hub.settimeout(120)
         conn, _ = hub.accept()  # the engine process is downloading: it is loading
         engine = engine_process_of(proc.pid)
+        # no model to list yet (it had answered 200 with an empty list)
+        assert wait_for(lambda: http_status(f"http://127.0.0.1:{port}/health") == 503)
+        models = httpx.get(f"http://127.0.0.1:{port}/v1/models")
+        assert models.status_code == 503 and "loading" in models.json()["error"]["message"]
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(60)
         conn.close()
