@@ -231,15 +231,16 @@ async def serve(
                         "drain timeout: %d requests still in flight, ended with a 503",
                         len(st.inflight),
                     )
-                    for sub in list(st.inflight):
+                    for sub in [s for s in st.inflight if not s.background]:
                         sub.cut(
                             "The server is shutting down: this request did not finish within "
                             f"its drain time ({options.drain_timeout:g} s)"
                         )
-                    # their handlers answer (a 503, or an error event ending the stream) at once
+                    # their handlers answer (a 503, or an error event ending the stream) at once;
+                    # background responses are stopped below, stored as incomplete
                     with trio.move_on_after(2):
-                        while st.inflight:
-                            await st.idle.wait()
+                        while any(not s.background for s in st.inflight):
+                            await trio.sleep(0.01)
                 drain.cancel_scope.cancel()
             # Background responses still running are stopped and stored as incomplete.
             with trio.move_on_after(5):

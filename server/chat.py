@@ -163,12 +163,6 @@ def render_text(
             "continue_final_message and add_generation_prompt cannot both be true",
             "continue_final_message",
         )
-    if continue_final_message and messages[-1].role != "assistant":
-        raise APIError(
-            400,
-            "continue_final_message needs the last message to be from the assistant",
-            "continue_final_message",
-        )
     kwargs = dict(template_kwargs or {})
     for reserved in ("conversation", "messages", "chat_template", "tokenize", "tools"):
         if reserved in kwargs:

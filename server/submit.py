@@ -82,6 +82,7 @@ class Submitted:
         self.finish: dict[int, str] = {}
         self.closed = False
         self.cut_reason: str | None = None  # set by cut(): the server is shutting down
+        self.background = False  # a background response's: the drain stores it incomplete
         self.prompt_tokens: dict[str, int] = {}  # engine request -> its prompt's tokens
         timeout = st.options.request_timeout
         self.deadline = trio.current_time() + timeout if timeout else float("inf")
@@ -95,7 +96,7 @@ class Submitted:
         pooling: PoolingParams | None = None,
     ) -> None:
         limit = self.st.options.max_waiting_requests
-        if limit is not None and self._ahead() >= limit:
+        if limit is not None and self._refuses(limit):
             status = self.st.options.shed_status
             if self.st.metrics is not None:
                 self.st.metrics.admission_rejected()
@@ -206,15 +207,17 @@ class Submitted:
                 ",".join(self.finish.get(i, "abort") for i in range(self.choices)),
             )
 
-    def _ahead(self) -> int:
-        """How many requests a new one would wait behind (--max-waiting-requests): those
-        waiting less the seats still free (as of the engine's last step); -1 when it would take
-        a free seat at once (so --max-waiting-requests 0 refuses only a request that would
-        wait)."""
+    def _refuses(self, limit: int) -> bool:
+        """--max-waiting-requests: whether a new request would wait behind `limit` others or
+        more (those sent and not yet running). 0 refuses only one that would wait at all: every
+        seat of --max-num-seqs taken as of the engine's last step (an idle server had refused
+        everything)."""
+        waiting = self.engine.num_waiting
+        if limit > 0:
+            return waiting >= limit
         last = self.engine.last_stats
         free = 0 if last.num_waiting else max(0, self.st.config.max_num_seqs - last.num_running)
-        ahead = self.engine.num_waiting - free
-        return ahead if ahead >= 0 else -1
+        return waiting >= free
 
     def cut(self, reason: str) -> None:
         """End this request at its reader's next wake: unfinished, it gets `reason` as a 503

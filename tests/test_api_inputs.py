@@ -59,6 +59,15 @@ def test_chat_inputs(client, server):
         json={"messages": history, "continue_final_message": True, "add_generation_prompt": False},
     )
     assert tokens.json()["count"] == r.usage.prompt_tokens
+    # a user's last message continued (as vLLM and transformers allow: the prompt ends inside it)
+    open_user = [{"role": "user", "content": "Complete this: the river"}]
+    kw = {"continue_final_message": True, "add_generation_prompt": False}
+    r = chat(client, messages=open_user, max_tokens=2, extra_body=kw)
+    assert r.choices[0].finish_reason is not None
+    rendered = httpx.post(
+        server.url + "/tokenize", json={"messages": open_user, **kw, "return_token_strs": True}
+    ).json()
+    assert "".join(rendered["token_strs"]).replace("Ġ", " ").endswith("the river")
     r = chat(client, max_tokens=2, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     assert r.choices[0].finish_reason is not None
 

@@ -184,6 +184,7 @@ async def create() -> Response:
         st, engine, response.id, 1, stepwise, model,
         names={"messages": "input", "max_tokens": "max_output_tokens"},
     )  # fmt: skip
+    sub.background = req.background
     sub.add([job.prompt], job.params, req.priority, req.prompt_cache_key or req.cache_salt)
     runs.start(run)
     if req.background or runs.shared:  # shared: the other API servers see it running
