@@ -120,9 +120,16 @@ def echo_text(req: Any) -> str:
     if not req.echo:
         return ""
     last = req.messages[-1]
-    adds_prompt = req.add_generation_prompt and not req.continue_final_message
-    role = "assistant" if adds_prompt else last.role
+    role = "assistant" if adds_generation_prompt(req) else last.role
     return _content(last, len(req.messages) - 1) if last.role == role else ""
+
+
+def adds_generation_prompt(req: Any) -> bool:
+    """add_generation_prompt as sent, else (unset) true unless continue_final_message: as vLLM,
+    which refuses the two only when both are sent true (render_text)."""
+    if req.add_generation_prompt is None:
+        return not req.continue_final_message
+    return req.add_generation_prompt
 
 
 def request_text(tokenizer: Any, template: str | None, req: Any) -> str:
@@ -131,7 +138,7 @@ def request_text(tokenizer: Any, template: str | None, req: Any) -> str:
         tokenizer,
         template,
         req.messages,
-        req.add_generation_prompt and not req.continue_final_message,
+        adds_generation_prompt(req),
         req.continue_final_message,
         req.chat_template_kwargs,
         req.tools,

@@ -79,7 +79,12 @@ BAD = [  # (route, body, status, param)
     ("chat", {"messages": M, "priority": 3}, 400, "priority"),
     ("chat", {"messages": M, "prompt_logprobs": 99}, 400, "prompt_logprobs"),
     ("chat", {"messages": [{"role": "user", "content": "word " * 600}]}, 400, "messages"),
-    ("chat", {"messages": M, "continue_final_message": True}, 400, "continue_final_message"),
+    (
+        "chat",
+        {"messages": M, "continue_final_message": True, "add_generation_prompt": True},
+        400,
+        "continue_final_message",
+    ),
     (
         "chat",
         {"messages": M, "chat_template_kwargs": {"messages": []}},
