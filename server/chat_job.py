@@ -15,7 +15,7 @@ from server.protocol import ChatCompletionRequest
 from server.reasoning import ThinkParser
 from server.reply import Reply
 from server.state import ServerState
-from server.submit import UsageCounter
+from server.usage import UsageCounter
 from server.tool_parsers import ToolParser
 
 

@@ -16,7 +16,8 @@ from core.pooling import PoolingParams
 from core.sampling import SamplingParams
 from server.errors import APIError
 from server.prompts import token_lists
-from server.submit import Submitted, UsageCounter, request_id
+from server.submit import Submitted, request_id
+from server.usage import UsageCounter
 from server.wire import decode, json_response, state
 
 bp = Blueprint("embeddings", __name__)

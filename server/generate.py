@@ -27,7 +27,8 @@ from server.protocol import (
     CompletionResponse,
     Delta,
 )
-from server.submit import Submitted, UsageCounter, collect, request_id, stream_response
+from server.submit import Submitted, collect, request_id, stream_response
+from server.usage import UsageCounter
 from server.wire import decode, json_response, state
 
 bp = Blueprint("generate", __name__)

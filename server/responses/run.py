@@ -32,7 +32,8 @@ from server.responses.protocol import (
     ResponseUsage,
 )
 from server.responses.store import Stored
-from server.submit import Submitted, UsageCounter
+from server.submit import Submitted
+from server.usage import UsageCounter
 
 log = logging.getLogger("weir.responses")
 _encoder = msgspec.json.Encoder()
