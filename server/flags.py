@@ -9,6 +9,7 @@ import os
 from core.config import DEFAULT_GPU_MEMORY_UTILIZATION, LOGPROBS_MODES
 from server import vllm_flags
 from server.embedding_config import add_arguments as embedding_flags
+from server.lora import add_arguments as lora_flags
 from server.responses.flags import add_arguments as responses_flags
 
 
@@ -150,43 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=True,
         help="reuse the KV of shared prompt prefixes (on by default)",
     )
-    lora = s.add_argument_group("LoRA adapters (vLLM's flags)")
-    lora.add_argument(
-        "--enable-lora", action="store_true", help="serve LoRA adapters beside the base model"
-    )
-    lora.add_argument(
-        "--lora-modules",
-        nargs="+",
-        default=[],
-        help="adapters served from start-up: name=path, or JSON "
-        '\'{"name": ..., "path": ..., "base_model_name": ...}\'',
-    )
-    lora.add_argument(
-        "--max-loras", type=int, default=1, help="distinct adapters in one batch (default 1)"
-    )
-    lora.add_argument(
-        "--max-lora-rank", type=int, default=16, help="the highest rank an adapter may have"
-    )
-    lora.add_argument(
-        "--max-cpu-loras",
-        type=int,
-        default=None,
-        help="adapters kept in host memory, least recently used dropped (default: --max-loras)",
-    )
-    lora.add_argument(
-        "--lora-dtype",
-        default="auto",
-        choices=["auto", "float32", "bfloat16", "float16"],
-        help="the dtype adapters are held in (default auto: the activations'; on CPU float32 or "
-        "bfloat16, which halves the bytes each step reads)",
-    )
-    lora.add_argument(
-        "--allow-runtime-lora-updating",
-        action="store_true",
-        default=os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true"),
-        help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (default: "
-        "$VLLM_ALLOW_RUNTIME_LORA_UPDATING, as vLLM)",
-    )
+    lora_flags(s)
     s.add_argument(
         "--scheduling-policy",
         default="fcfs",
