@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from core.stats import StepStats
 
@@ -361,11 +361,16 @@ class Metrics:
         for _ in range(prompts):
             self.params_n.observe(n)
 
-    def render(self) -> bytes:
+    def render(self, accept: str = "") -> tuple[bytes, str]:
+        """The exposition (body, content type) the scraper's Accept header asks for: Prometheus
+        text, or OpenMetrics (as prometheus_client's own HTTP handler negotiates it)."""
+        from prometheus_client.exposition import choose_encoder
+
+        encode, content_type = choose_encoder(accept)
         if not self.multiprocess:
-            return generate_latest(self.registry)
+            return encode(self.registry), content_type
         from prometheus_client import multiprocess
 
         every_server = CollectorRegistry()
         multiprocess.MultiProcessCollector(every_server)
-        return generate_latest(every_server)
+        return encode(every_server), content_type

@@ -7,7 +7,7 @@ from importlib.metadata import PackageNotFoundError, version
 import logging
 
 import trio
-from quart import Blueprint, Response
+from quart import Blueprint, Response, request
 
 from core.lora import LoraError
 from server.lora import bad_adapter
@@ -173,10 +173,20 @@ async def detokenize() -> Response:
 
 @bp.get("/metrics")
 async def metrics() -> Response:
+    """Prometheus text or OpenMetrics as the Accept header asks, gzipped where the scraper takes
+    it (as prometheus_client's own handler, and so vLLM's /metrics, answer)."""
+    import gzip
+
     from prometheus_client import CONTENT_TYPE_LATEST
 
     m = state().metrics
-    return Response(m.render() if m is not None else b"", content_type=CONTENT_TYPE_LATEST)
+    if m is None:
+        return Response(b"", content_type=CONTENT_TYPE_LATEST)
+    body, content_type = m.render(request.headers.get("Accept", ""))
+    headers = {}
+    if "gzip" in request.headers.get("Accept-Encoding", ""):
+        body, headers["Content-Encoding"] = gzip.compress(body, compresslevel=1), "gzip"
+    return Response(body, content_type=content_type, headers=headers)
 
 
 @bp.get("/openapi.json")

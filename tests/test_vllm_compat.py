@@ -220,6 +220,26 @@ def samples(server) -> dict[str, float]:
     return out
 
 
+def test_metrics_negotiate_openmetrics_and_gzip(server):
+    """As prometheus_client's handler (and vLLM's /metrics): OpenMetrics when the scraper asks
+    for it, Prometheus text otherwise, gzipped when it takes gzip."""
+    import gzip
+
+    plain = httpx.get(server.url + "/metrics", headers={"Accept-Encoding": "identity"})
+    assert plain.headers["content-type"].startswith("text/plain")
+    assert "Content-Encoding" not in plain.headers
+    accept = {"Accept": "application/openmetrics-text; version=1.0.0", "Accept-Encoding": "gzip"}
+    om = httpx.get(server.url + "/metrics", headers=accept)
+    assert om.headers["content-type"].startswith("application/openmetrics-text")
+    assert om.headers["content-encoding"] == "gzip" and om.text.rstrip().endswith("# EOF")
+    raw = httpx.Client().send(
+        httpx.Request("GET", server.url + "/metrics", headers={"Accept-Encoding": "gzip"}),
+        stream=True,
+    )
+    body = b"".join(raw.iter_raw())
+    assert "vllm:num_requests_running" in gzip.decompress(body).decode()
+
+
 def test_vllm_metric_families(server, client):
     before = samples(server)
     client.completions.create(
