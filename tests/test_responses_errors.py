@@ -55,6 +55,7 @@ BAD = [
     ({"input": "word " * 5000}, 400, "input"),
     ({"max_output_tokens": 10**6}, 400, "max_output_tokens"),
     ({"truncation": "sometimes"}, 400, "truncation"),
+    ({"input": [{"role": "user", "content": "hi", "id": 123}]}, 400, "input[0].id"),
 ]
 
 

@@ -77,11 +77,21 @@ def _message(item: dict[str, Any], param: str) -> dict[str, Any]:
     prefix = "msg"
     return {
         "type": "message",
-        "id": item.get("id") or new_id(prefix),
+        "id": _id(item, prefix, param),
         "role": role,
         "content": _text_parts(item.get("content"), f"{param}.content", role),
         "status": "completed",
     }
+
+
+def _id(item: dict[str, Any], prefix: str, param: str) -> str:
+    """The item's own id (a string: it names the item in input_items' paging), else a new one."""
+    given = item.get("id")
+    if given is None or given == "":
+        return new_id(prefix)
+    if not isinstance(given, str):
+        raise _bad(f"{param}.id", f"an item's id must be a string (got {type(given).__name__})")
+    return given
 
 
 def _string(item: dict[str, Any], key: str, param: str) -> str:
@@ -101,7 +111,7 @@ def _function_call(item: dict[str, Any], param: str) -> dict[str, Any]:
         raise _bad(f"{param}.arguments", "arguments is not valid JSON") from None
     return {
         "type": "function_call",
-        "id": item.get("id") or new_id("fc"),
+        "id": _id(item, "fc", param),
         "call_id": _string(item, "call_id", param),
         "name": _string(item, "name", param),
         "arguments": arguments,
@@ -117,7 +127,7 @@ def _function_call_output(item: dict[str, Any], param: str) -> dict[str, Any]:
         raise _bad(f"{param}.output", "output must be a string or a list of text parts")
     return {
         "type": "function_call_output",
-        "id": item.get("id") or new_id("fco"),
+        "id": _id(item, "fco", param),
         "call_id": _string(item, "call_id", param),
         "output": output,
         "status": "completed",
@@ -125,7 +135,7 @@ def _function_call_output(item: dict[str, Any], param: str) -> dict[str, Any]:
 
 
 def _reasoning(item: dict[str, Any], param: str) -> dict[str, Any]:
-    out: dict[str, Any] = {"type": "reasoning", "id": item.get("id") or new_id("rs")}
+    out: dict[str, Any] = {"type": "reasoning", "id": _id(item, "rs", param)}
     for key, kind in (("summary", "summary_text"), ("content", "reasoning_text")):
         parts = item.get(key) or []
         if not isinstance(parts, list):
