@@ -100,3 +100,8 @@ def watch_parent() -> None:
                 os._exit(1)
 
     threading.Thread(target=watch, name="weir-watch-parent", daemon=True).start()
+
+
+def exit_text(code: int) -> str:
+    """How a child exited, for a message: "signal N" or "code N"."""
+    return f"signal {-code}" if code < 0 else f"code {code}"

@@ -38,7 +38,7 @@ import traceback
 import msgspec
 import trio
 
-from core.child import Child, linked_pipes, pipes, watch_parent
+from core.child import Child, exit_text, linked_pipes, pipes, watch_parent
 from core.config import CheckpointError, EngineConfig
 from core.engine import Engine
 from core.engine_fanout import Fanout
@@ -210,7 +210,8 @@ class EngineProcess(Engine):
             msg = msgspec.msgpack.decode(self._reply.recv_bytes(), type=EngineReply)
         except EOFError:
             code = self._wait(5)
-            raise RuntimeError(f"the engine process exited (code {code}) before loading") from None
+            how = "" if code is None else f" ({exit_text(code)})"
+            raise RuntimeError(f"the engine process exited{how} before loading") from None
         if isinstance(msg, EngineDied):
             self._wait(5)
             raise (CheckpointError if msg.bad_input else RuntimeError)(msg.message)
@@ -316,7 +317,9 @@ class EngineProcess(Engine):
                     if self._closing:
                         return
                     code = await trio.to_thread.run_sync(self._wait, 1)
-                    raise RuntimeError(f"the engine process exited unexpectedly (code {code})")
+                    # no code where this process is not its parent (an API server of several)
+                    how = "" if code is None else f" ({exit_text(code)})"
+                    raise RuntimeError(f"the engine process exited unexpectedly{how}")
                 buf += view[:n]
                 for frame in _take_frames(buf):
                     msg = decode(frame)

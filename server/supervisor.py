@@ -34,7 +34,7 @@ import tempfile
 import msgspec
 import trio
 
-from core.child import Child, Link
+from core.child import Child, Link, exit_text
 from core.config import EngineConfig
 from core.engine_messages import EngineDied, EngineInit, EngineReady, EngineReply, Shutdown
 from core.shared_count import SharedCounts
@@ -83,10 +83,6 @@ async def wait_exit(proc: subprocess.Popen) -> int:
         trio.lowlevel.notify_closing(fd)
         os.close(fd)
     return proc.wait()
-
-
-def describe(code: int) -> str:
-    return f"signal {-code}" if code < 0 else f"code {code}"
 
 
 class Supervisor:
@@ -249,7 +245,7 @@ class Supervisor:
             self.bad_input = True
         if not self.stopping:
             self._fail(
-                f"API server {i} (pid {child.proc.pid}) exited with {describe(code)}: stopping "
+                f"API server {i} (pid {child.proc.pid}) exited with {exit_text(code)}: stopping "
                 f"the server (its in-flight requests are lost; the other API servers drain)",
                 nursery,
             )
@@ -260,7 +256,7 @@ class Supervisor:
         code = await wait_exit(self.engine.proc)
         if self.all_gone.is_set() or self.failure or self.stopped_loading:
             return  # stopped by _stop_engine or by a signal, or its failure is already told
-        message = f"the engine process exited unexpectedly ({describe(code)})"
+        message = f"the engine process exited unexpectedly ({exit_text(code)})"
         if self.options.exit_on_engine_error:
             self._fail(message + ": stopping the API servers", nursery)
         else:
