@@ -124,6 +124,23 @@ def echo_text(req: Any) -> str:
     return _content(last, len(req.messages) - 1) if last.role == role else ""
 
 
+def generation_tail(tokenizer: Any, template: str | None, prompt_text: str, req: Any) -> str:
+    """Where a reasoning parser looks for a think block the prompt opened or closed: what the
+    template wrote after the conversation (its generation prompt: the prompt less the same
+    conversation rendered without one), or the continued last message's own text. A marker a
+    user wrote inside a message opens nothing. The whole prompt where the two renderings do not
+    line up."""
+    if req.continue_final_message:
+        index = len(req.messages) - 1
+        return _content(req.messages[index], index)
+    if not adds_generation_prompt(req):
+        return ""
+    bare = render_text(
+        tokenizer, template, req.messages, False, False, req.chat_template_kwargs, req.tools
+    )
+    return prompt_text[len(bare) :] if prompt_text.startswith(bare) else prompt_text
+
+
 def adds_generation_prompt(req: Any) -> bool:
     """add_generation_prompt as sent, else (unset) true unless continue_final_message: as vLLM,
     which refuses the two only when both are sent true (render_text)."""

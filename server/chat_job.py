@@ -21,7 +21,7 @@ from server.tool_parsers import ToolParser
 
 @dataclass
 class ChatJob:
-    prompt_text: str
+    prompt_text: str  # where a reasoning parser looks for an opened think block (chat.py tail)
     prompt: list[int]
     thinker: type[ThinkParser] | None
     call_parser: ToolParser | None
@@ -62,11 +62,13 @@ async def prepare_chat(
     call_parser, call_constraint = tools.tool_parser(st, req)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     think = ""
+    tail = prompt_text
     if thinker is not None:  # constraints hold once the reasoning has ended, as in vLLM
-        reader = thinker(prompt_text)
+        tail = chat.generation_tail(st.tokenizer, st.chat_template, prompt_text, req)
+        reader = thinker(tail)
         think = "open" if reader.in_reasoning else "" if reader.thinking_off else "optional"
     constraint = await structured.request_constraint(st, req, call_constraint, think, given)
     params = sampling_params(
         st, req, req.max_completion_tokens or req.max_tokens, len(prompt), logprobs, constraint
     )
-    return ChatJob(prompt_text, prompt, thinker, call_parser, params, req)
+    return ChatJob(tail, prompt, thinker, call_parser, params, req)

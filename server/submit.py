@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 
 import msgspec
 import trio
-from quart import Response, current_app, request
+from quart import Response, request
 
 from core.engine import Engine, EngineDeadError
 from core.outputs import RequestChannel
@@ -291,7 +291,7 @@ def stream_response(events: AsyncIterator[bytes], sub: Submitted) -> Response:
             yield sse.event(error_body(e.status, e.message, e.param, e.code))
             yield sse.DONE
         except Exception as e:  # noqa: BLE001 - a cut stream with no reason is worse
-            current_app.logger.exception("stream failed")
+            log.exception("stream failed")  # (no app context here: the module's logger)
             yield sse.event(error_body(500, f"Internal error: {type(e).__name__}: {e}"))
             yield sse.DONE
         finally:

@@ -248,3 +248,42 @@ def test_earlier_reasoning_and_tool_arguments_reach_the_template(model_dir):
 def test_reasoning_parser_flag(capsys):
     assert main(["serve", "--reasoning-parser", "bogus"]) == 2
     assert "--reasoning-parser 'bogus' is unknown" in capsys.readouterr().err
+
+
+def test_a_marker_inside_a_message_opens_no_reasoning(server):
+    """Where the template opened or closed a think block is read in its generation prompt, not
+    anywhere in the prompt: a user asking about the <think> tag had put the whole answer into
+    reasoning (and kept a structured output from being enforced)."""
+    import msgspec
+
+    from server import chat
+    from server.protocol import ChatCompletionRequest
+    from server.reasoning import PARSERS
+
+    st = server.state
+
+    def tail(content: str, **kw) -> str:
+        req = msgspec.convert(
+            {"messages": [{"role": "user", "content": content}], **kw}, ChatCompletionRequest
+        )
+        prompt = chat.request_text(st.tokenizer, st.chat_template, req)
+        return chat.generation_tail(st.tokenizer, st.chat_template, prompt, req)
+
+    asked = tail("What does the <think> tag do?", chat_template_kwargs={"think_first": False})
+    assert "<think>" not in asked
+    assert PARSERS["qwen3"](asked).split("It marks reasoning.", True) == (
+        None, "It marks reasoning.",
+    )  # fmt: skip
+    # the template's own generation prompt still opens or closes it
+    assert PARSERS["qwen3"](tail("hi", chat_template_kwargs={"think_first": True})).in_reasoning
+    off = tail("Why write </think>?", chat_template_kwargs={"enable_thinking": False})
+    assert PARSERS["qwen3"](off).thinking_off
+    # a continued message: its own text says
+    req = msgspec.convert(
+        {
+            "messages": [{"role": "assistant", "content": "<think>so far"}],
+            "continue_final_message": True,
+        },
+        ChatCompletionRequest,
+    )
+    assert chat.generation_tail(st.tokenizer, st.chat_template, "", req) == "<think>so far"

@@ -133,7 +133,7 @@ def partial_json(text: str) -> Any:
         return None
     try:
         return _decoder.raw_decode(text)[0]
-    except ValueError:
+    except (ValueError, RecursionError):
         pass
     try:
         return _partial_loads(text, Allow.OBJ | Allow.ARR)
@@ -144,22 +144,48 @@ def partial_json(text: str) -> Any:
 def whole_json(text: str) -> Any:
     try:
         return json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # nesting past the parser's depth: no call either
         return None
 
 
 def call_from(obj: Any, complete: bool) -> Call | None:
-    """{"name": ..., "arguments" | "parameters": {...}} -> a Call (None without a whole name)."""
+    """{"name": ..., "arguments" | "parameters": {...}} -> a Call (None without a whole name).
+    While the call is being written its arguments are None until they begin (nothing of them
+    is sent: they may turn out a number or a list, not an object); arguments written as a
+    JSON string are read once whole, and a string that is not JSON makes no call."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
-    args = obj.get("arguments", obj.get("parameters", {}))
+    key = "arguments" if "arguments" in obj else "parameters" if "parameters" in obj else None
+    args = obj[key] if key is not None else None
     if isinstance(args, str):  # some models write the arguments as a JSON string
-        args = whole_json(args) if complete else {}
-    return Call(obj["name"], args if args is not None else {}, complete)
+        if not complete:
+            args = None
+        else:
+            args = whole_json(args)
+            if args is None:
+                return None
+    if complete and args is None:
+        args = {}
+    return Call(obj["name"], args, complete)
+
+
+def whole_call(text: str) -> Call | None:
+    """A call's finished JSON text -> its Call; None where it does not parse whole (a raw
+    newline in a string, a dropped quote, a cut) or holds no call: its text is then content,
+    as vLLM's parsers (which json.loads it) give it, never a call with arguments the model
+    did not write."""
+    return call_from(whole_json(text.strip()), True)
 
 
 def dumps(arguments: Any) -> str:
-    return json.dumps(arguments, ensure_ascii=False)
+    """The arguments' JSON text, non-ASCII as itself; escaped where it holds a lone surrogate
+    (a `\\ud800` the model wrote), which no UTF-8 reply can carry."""
+    text = json.dumps(arguments, ensure_ascii=False)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return json.dumps(arguments)
+    return text
 
 
 def stable_prefix(arguments: Any) -> str:

@@ -13,7 +13,7 @@ from server.tool_parsers.base import (
     call_schema,
     lark_json,
     partial_json,
-    whole_json,
+    whole_call,
 )
 
 
@@ -25,8 +25,9 @@ class HermesParser(ToolParser):
     def parse(self, text: str, final: bool = False) -> Parsed:
         """Text around the calls is content, but for whitespace alone after a call (what
         separates calls, and ends the text, held until other text follows). A call cut short
-        (no closing tag) is a call only if its JSON is whole, as vLLM's parser reads it: else,
-        once the text is final, its text is content (no call with arguments it never wrote)."""
+        (no closing tag), or one closed on JSON that does not parse whole (a raw newline in a
+        string, a dropped quote), is a call only if its JSON is whole, as vLLM's parser reads
+        it: else its text is content (never a call with arguments it did not write)."""
         out = Parsed()
         content: list[str] = []
         pos = 0
@@ -45,10 +46,10 @@ class HermesParser(ToolParser):
             end = text.find(self.close, body_at)
             body = text[body_at : end if end >= 0 else len(text)]
             done = end >= 0
-            if final and not done:
-                call = call_from(whole_json(body.strip()), True)
+            if done or final:  # its JSON must be whole: else its text is content, as vLLM's
+                call = whole_call(body)
             else:
-                call = call_from(partial_json(body), done)
+                call = call_from(partial_json(body), False)
             if call is None and (done or final):
                 # Not a call after all (broken markup): its text is content, as written.
                 stop = end + len(self.close) if done else len(text)

@@ -13,6 +13,7 @@ from server.tool_parsers.base import (
     call_schema,
     lark_json,
     partial_json,
+    whole_call,
 )
 
 TAG = "<|python_tag|>"
@@ -56,13 +57,17 @@ class Llama3JsonParser(ToolParser):
             return Parsed(content=text)
         out = Parsed()
         pieces = _split_top(body)
+        if final:  # every piece a whole call, else the text is content (as vLLM's parser)
+            calls = [whole_call(piece) for piece in pieces if piece.strip()]
+            if not calls or None in calls:
+                return Parsed(content=text)
+            return Parsed(calls=calls)
         for j, piece in enumerate(pieces):
             last = j == len(pieces) - 1
-            call = call_from(partial_json(piece), not last or final)
-            if call is not None:
-                out.calls.append(call)
-        if final and not out.calls:
-            return Parsed(content=text)  # it looked like JSON but held no call
+            call = whole_call(piece) if not last else call_from(partial_json(piece), False)
+            if call is None:
+                break  # not a whole call: nothing after it is read as calls
+            out.calls.append(call)
         return out
 
     def call_grammar(self, tools: list[dict[str, Any]], parallel: bool) -> str:

@@ -16,6 +16,7 @@ from server.tool_parsers.base import (
     lift_defs,
     lark_json,
     partial_json,
+    whole_json,
 )
 
 MARK = "[TOOL_CALLS]"
@@ -31,6 +32,8 @@ class MistralParser(ToolParser):
         if at < 0:
             keep = len(text) if final else len(text) - held(text, MARK)
             return Parsed(content=text[:keep])
+        if final:
+            return self._whole(text, at)
         out = Parsed(content=text[:at])
         rest = text[at + len(MARK) :]
         if rest.lstrip().startswith("[") or (not final and not rest.strip()):
@@ -53,8 +56,26 @@ class MistralParser(ToolParser):
                 continue
             value = partial_json(args)
             done = final or j < len(parts) - 1
-            out.calls.append(Call(name, value if isinstance(value, dict) else {}, done))
+            out.calls.append(Call(name, value if isinstance(value, dict) else None, done))
         return out
+
+    def _whole(self, text: str, at: int) -> Parsed:
+        """The finished text: its calls only if every one is whole (a JSON list of calls, or
+        each name[ARGS]{...}); else all of it is content, as vLLM's parser gives it."""
+        rest = text[at + len(MARK) :].strip()
+        calls: list[Call | None] = []
+        if rest.startswith("["):
+            value = whole_json(rest)
+            calls = [call_from(item, True) for item in value] if isinstance(value, list) else [None]
+        else:
+            for part in rest.split(MARK):
+                name, sep, args = part.partition(ARGS)
+                value = whole_json(args) if sep else None
+                ok = re.fullmatch(r"[\w.\-]+", name.strip()) and isinstance(value, dict)
+                calls.append(Call(name.strip(), value, True) if ok else None)
+        if not calls or None in calls:
+            return Parsed(content=text)
+        return Parsed(content=text[:at], calls=calls)
 
     def call_grammar(self, tools: list[dict[str, Any]], parallel: bool) -> str:
         bound = {} if parallel else {"maxItems": 1}

@@ -6,8 +6,17 @@ Python literals, which have no useful partial form)."""
 from __future__ import annotations
 
 import ast
+import math
+from typing import Any
 
 from server.tool_parsers.base import Call, Parsed, ToolParser
+
+
+def _after_list(body: str) -> str:
+    """The text after the reply's closing `]` (body starts with its `[`)."""
+    items, closed = _items(body[1:])
+    consumed = sum(len(i) + 1 for i in items)  # each item and its `,` or the closing `]`
+    return body[1 + consumed :] if closed else ""
 
 
 def _items(body: str) -> tuple[list[str], bool]:
@@ -36,19 +45,44 @@ def _items(body: str) -> tuple[list[str], bool]:
     return items, False
 
 
+_NOT_JSON = object()
+
+
+def _json(value: Any) -> Any:
+    """A Python literal as JSON holds it (tuples and sets as lists), or _NOT_JSON (bytes,
+    complex numbers, Ellipsis, non-string keys)."""
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else _NOT_JSON
+    if isinstance(value, (list, tuple, set, frozenset)):
+        items = [_json(v) for v in value]
+        return _NOT_JSON if any(v is _NOT_JSON for v in items) else items
+    if isinstance(value, dict):
+        out = {k: _json(v) for k, v in value.items()}
+        ok = all(isinstance(k, str) for k in out) and _NOT_JSON not in out.values()
+        return out if ok else _NOT_JSON
+    return _NOT_JSON
+
+
 def _call(item: str) -> Call | None:
+    """One call of plain keyword arguments, `name(key=literal, ...)`, as vLLM reads them: a
+    plain function name, no positional or ** arguments, literals JSON can hold."""
     try:
         node = ast.parse(item.strip(), mode="eval").body
-    except SyntaxError:
+    except (SyntaxError, RecursionError, ValueError):
         return None
-    if not isinstance(node, ast.Call) or node.args:
+    if not isinstance(node, ast.Call) or node.args or not isinstance(node.func, ast.Name):
         return None
-    name = ast.unparse(node.func)
+    if any(kw.arg is None for kw in node.keywords):
+        return None
     try:
-        args = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords if kw.arg}
-    except (ValueError, SyntaxError, TypeError):
+        args = {kw.arg: _json(ast.literal_eval(kw.value)) for kw in node.keywords}
+    except (ValueError, SyntaxError, TypeError, RecursionError, MemoryError):
         return None
-    return Call(name, args, True)
+    if _NOT_JSON in args.values():
+        return None
+    return Call(node.func.id, args, True)
 
 
 class PythonicParser(ToolParser):
@@ -61,13 +95,15 @@ class PythonicParser(ToolParser):
             return Parsed(content=text if final else "")
         if not body.startswith("["):
             return Parsed(content=text)
-        items, _ = _items(body[1:])
+        items, closed = _items(body[1:])
         calls = []
         for item in items:
             call = _call(item)
             if call is None:
                 break  # not a call: what follows is not read as calls either
             calls.append(call)
-        if final and not calls:
-            return Parsed(content=text)
+        if final:  # the whole reply a closed list of calls, else all of it is content (vLLM's)
+            whole = closed and calls and len(calls) == len(items)
+            if not whole or _after_list(body).strip():
+                return Parsed(content=text)
         return Parsed(calls=calls)

@@ -6,6 +6,7 @@ types are read as JSON); each parameter is reported once its closing tag arrives
 from __future__ import annotations
 
 import json
+import math
 import re
 from typing import Any
 
@@ -17,25 +18,48 @@ FUNCTION = re.compile(r"<function=([^>\n]+)>")
 PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.S)
 
 
+def _text(schema: Any) -> bool:
+    """Whether a parameter's schema allows a string (a string type, in a type list or in
+    anyOf/oneOf, or an enum of strings): its value is then kept as the text written."""
+    if not isinstance(schema, dict):
+        return schema is True  # the schema `true` takes anything
+    kind = schema.get("type")
+    if kind == "string" or (isinstance(kind, list) and "string" in kind):
+        return True
+    if any(isinstance(v, str) for v in schema.get("enum") or []):
+        return True
+    return any(_text(s) for s in (schema.get("anyOf") or []) + (schema.get("oneOf") or []))
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is no JSON value")
+
+
 class Qwen3CoderParser(ToolParser):
     name = "qwen3_coder"
     markers = ("<function=", "<parameter=")
 
     def __init__(self, tools: list[dict[str, Any]] | None = None) -> None:
-        self.types: dict[str, dict[str, Any]] = {}
+        self.text_params: dict[str, set[str]] = {}  # function -> parameters that take text
         for tool in tools or []:
             fn = tool.get("function") or {}
             props = (fn.get("parameters") or {}).get("properties") or {}
-            self.types[fn.get("name", "")] = {k: v.get("type") for k, v in props.items()}
+            if isinstance(props, dict):
+                self.text_params[fn.get("name", "")] = {k for k, v in props.items() if _text(v)}
 
     def _value(self, function: str, key: str, raw: str) -> Any:
-        raw = raw.strip("\n")
-        if self.types.get(function, {}).get(key) == "string":
+        """One newline either side is the markup's (as vLLM strips them), the rest the value's:
+        kept as text where the schema allows a string, else read as JSON (a value that is no
+        JSON, or no finite number, stays text)."""
+        raw = raw[1:] if raw.startswith("\n") else raw
+        raw = raw[:-1] if raw.endswith("\n") else raw
+        if key in self.text_params.get(function, ()):
             return raw
         try:
-            return json.loads(raw)
-        except ValueError:
+            value = json.loads(raw, parse_constant=_no_constant)
+        except (ValueError, RecursionError):
             return raw
+        return raw if isinstance(value, float) and not math.isfinite(value) else value
 
     def parse(self, text: str, final: bool = False) -> Parsed:
         out = Parsed()
@@ -59,6 +83,9 @@ class Qwen3CoderParser(ToolParser):
                     pos = stop
                     if done:
                         continue
+                break
+            if final and not done:  # cut short: its text, not a call it did not finish
+                content.append(text[start:])
                 break
             name = head.group(1).strip()
             args = {

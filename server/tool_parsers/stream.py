@@ -42,7 +42,10 @@ class ToolStream:
                 self.ids.append(call_id())
                 self.sent_args.append("")
             done = call.complete or final
-            args = dumps(call.arguments) if done else stable_prefix(call.arguments)
+            if call.arguments is None:  # not begun
+                args = ""
+            else:
+                args = dumps(call.arguments) if done else stable_prefix(call.arguments)
             piece = args[len(self.sent_args[i]) :] if args.startswith(self.sent_args[i]) else ""
             self.sent_args[i] += piece
             if first:
