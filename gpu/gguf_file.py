@@ -104,7 +104,7 @@ class GgufCheckpoint:
             rope_parameters=self._rope(),
             tie_word_embeddings="output.weight" not in self.tensors,
             bos_token_id=self.get("tokenizer.ggml.bos_token_id", None),
-            eos_token_id=self.get("tokenizer.ggml.eos_token_id", None),
+            eos_token_id=self._end_tokens(),
             dtype=self._dtype(),
         )
         if a == "qwen2":
@@ -113,6 +113,16 @@ class GgufCheckpoint:
             return Qwen2Config(**common)
         cls = LlamaConfig if a == "llama" else Qwen3Config
         return cls(**common, head_dim=head_dim)
+
+    def _end_tokens(self) -> int | list[int] | None:
+        """The tokens that end generation, as llama.cpp reads them: EOS, and the end-of-turn
+        and end-of-message tokens where the file names them (Llama 3's <|eot_id|>, <|eom_id|>)."""
+        ids = []
+        for key in ("eos", "eot", "eom"):
+            value = self.get(f"tokenizer.ggml.{key}_token_id", None)
+            if isinstance(value, int) and value not in ids:
+                ids.append(value)
+        return None if not ids else ids[0] if len(ids) == 1 else ids
 
     def _rope(self) -> dict[str, Any]:
         a = self.arch

@@ -56,7 +56,10 @@ SPLITS: dict[str, str | None] = {
     "megrez": _QWEN2,
 }
 
-_CONTROL, _USER_DEFINED = 3, 4  # gguf.TokenType
+_CONTROL, _USER_DEFINED, _UNUSED = 3, 4, 5  # gguf.TokenType
+# Tokens special (not text: skipped when a reply is decoded, as llama.cpp writes nothing for
+# them): control tokens, and the unused ones files pad their vocabularies with ([PAD151643]).
+_SPECIAL = (_CONTROL, _UNUSED)
 
 
 def split_name(expression: str | None) -> str:
@@ -121,9 +124,9 @@ def build_byte_level(get: Callable[[str, Any], Any]) -> Any | None:
     tok.decoder = decoders.ByteLevel()
     tok.add_tokens(
         [
-            AddedToken(t, special=k == _CONTROL, normalized=False)
+            AddedToken(t, special=k in _SPECIAL, normalized=False)
             for i, (t, k) in enumerate(zip(tokens, types))
-            if k in (_CONTROL, _USER_DEFINED) and vocab[t] == i
+            if k in (*_SPECIAL, _USER_DEFINED) and vocab[t] == i
         ]
     )
     specials = special_tokens(get, tokens)
@@ -153,10 +156,17 @@ def set_special_tokens(tok: Any, get: Callable[[str, Any], Any]) -> None:
     """Put the file's BOS/EOS/padding on a tokenizer transformers built, and add BOS/EOS to a
     plain encoding as the file says (see the module note: 5.17 builds a SentencePiece file's
     tokenizer without the BOS its `add_bos_token` asks for)."""
-    specials = special_tokens(get, list(get("tokenizer.ggml.tokens", None) or []))
+    tokens = list(get("tokenizer.ggml.tokens", None) or [])
+    specials = special_tokens(get, tokens)
     for name, text in specials.items():
         if getattr(tok, name, None) != text:
             setattr(tok, name, text)
+    types = list(get("tokenizer.ggml.token_type", None) or [])
+    unused = [t for t, k in zip(tokens, types) if k == _UNUSED]
+    if unused:  # not text: skipped when decoding (the converter had made them text)
+        from tokenizers import AddedToken
+
+        tok.add_tokens([AddedToken(t, special=True, normalized=False) for t in unused], True)
     _post_process(tok, get, specials)
 
 

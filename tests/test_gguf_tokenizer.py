@@ -112,6 +112,32 @@ def test_special_token_ids_come_from_the_file(made):
     assert tok.eos_token == "<|endoftext|>" and tok.eos_token_id == 0
 
 
+def test_end_of_turn_and_message_tokens_end_generation(made, monkeypatch):
+    """A file's eot and eom ids (Llama 3's <|eot_id|>, <|eom_id|>) end generation beside its
+    EOS, as llama.cpp reads them (they had been ignored: an instruct model ran to max_tokens)."""
+    from gpu.loader import eos_token_ids
+
+    _, path = made["qwen2"]
+    ckpt, get = overridden(path, eos_token_id=2, eot_token_id=7, eom_token_id=9)
+    monkeypatch.setattr(ckpt, "get", get)
+    assert eos_token_ids(path.parent, ckpt.config()) == {2, 7, 9}
+    ckpt, get = overridden(path, eos_token_id=2, eot_token_id=2)
+    monkeypatch.setattr(ckpt, "get", get)
+    assert ckpt.config().eos_token_id == 2
+
+
+def test_unused_tokens_are_no_text(made):
+    """Tokens a file marks unused (the [PAD...] rows vocabularies are padded with) write nothing
+    in a reply, as llama.cpp's token_to_piece gives them (they had been decoded as text)."""
+    _, path = made["qwen2"]
+    ckpt = GgufCheckpoint(path)
+    types = list(ckpt.get("tokenizer.ggml.token_type"))
+    types[300] = 5  # gguf.TokenType.UNUSED
+    tok = build_byte_level(overridden(path, token_type=types)[1])
+    plain = build_byte_level(overridden(path)[1])
+    assert tok.decode([40, 300, 41], skip_special_tokens=True) == plain.decode([40, 41])
+
+
 def test_an_unknown_split_goes_to_transformers_with_the_files_special_tokens(made, monkeypatch):
     _, path = made["qwen2"]  # a Qwen3 file: transformers 5.17 fails on Llama files without BOS
     ckpt, get = overridden(path, pre="some-new-split")
