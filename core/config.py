@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import msgspec
@@ -12,6 +13,13 @@ class CheckpointError(ValueError):
     """The model given cannot be served as it is: a truncated or corrupt file, an unsupported
     architecture, tensor type or quantization method, a tokenizer that does not fit its
     vocabulary. Start-up fails with its message and exit code 2 (bad input), not 1."""
+
+
+def is_bad_input(e: BaseException) -> bool:
+    """Whether an error while the model loads is the input's (the model given, its files, the
+    flags against them: a ValueError, an unreadable file, a safetensors file cut short): one
+    line and exit code 2, as for a bad argument, not a traceback."""
+    return isinstance(e, (ValueError, OSError)) or type(e).__name__ == "SafetensorError"
 
 
 # --quantization: weir's own round-to-nearest formats (gpu/quant/quantize.py); "gguf", "awq" and
@@ -143,6 +151,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise ValueError("--scheduling-policy must be fcfs or priority")
         if self.max_beam_width < 1:
             raise ValueError("--max-beam-width must be at least 1")
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
+            raise ValueError(f"--device {self.device!r}: one of auto, cpu, cuda, cuda:N")
         if self.max_logprobs < -1:
             raise ValueError("--max-logprobs must be -1 (no limit) or at least 0")
         if self.logprobs_mode not in LOGPROBS_MODES:

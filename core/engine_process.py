@@ -39,7 +39,7 @@ import msgspec
 import trio
 
 from core.child import Child, exit_text, linked_pipes, pipes, watch_parent
-from core.config import CheckpointError, EngineConfig
+from core.config import CheckpointError, EngineConfig, is_bad_input
 from core.engine import Engine
 from core.engine_fanout import Fanout
 from core.engine_loop import EngineLoop
@@ -100,7 +100,7 @@ def main() -> None:
 
         loaded = load(init.config)
     except BaseException as e:  # noqa: BLE001 - reported to the server, which fails its startup
-        bad = isinstance(e, CheckpointError)
+        bad = is_bad_input(e)
         if bad:  # the model given: its message says it all
             log.error("loading failed: %s", e)
         else:

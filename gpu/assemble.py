@@ -26,6 +26,8 @@ log = logging.getLogger("weir.launch")
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: this machine has no CUDA device torch can use")
     return torch.device(name)
 
 
@@ -136,8 +138,9 @@ def load_shard(
 
 
 def fit_model_len(config: EngineConfig, max_positions: int, num_blocks: int, rank: int = 0) -> int:
-    """--max-model-len (or the model's own), cut to what the KV cache holds (said once: by
-    rank 0 under tensor parallelism)."""
+    """--max-model-len (or the model's own positions, cut to what the KV cache holds: said
+    once, by rank 0 under tensor parallelism); an explicit one the cache cannot hold is
+    refused."""
     capacity = num_blocks * config.block_size
     if (
         config.max_model_len
@@ -148,6 +151,14 @@ def fit_model_len(config: EngineConfig, max_positions: int, num_blocks: int, ran
             f"--max-model-len {config.max_model_len} is more than the model's "
             f"{max_positions} positions (max_position_embeddings, rope scaling included): past "
             "them it was never trained; VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 allows it (as in vLLM)"
+        )
+    if config.max_model_len and config.max_model_len > capacity:
+        # asked for explicitly: refused, as vLLM refuses it (a silent cut surprised users)
+        raise CheckpointError(
+            f"--max-model-len {config.max_model_len} is more than the KV cache holds "
+            f"({num_blocks} blocks of {config.block_size}: {capacity} tokens): give the cache "
+            "more memory (--kv-cache-memory, --num-kv-blocks, --gpu-memory-utilization) or "
+            "lower --max-model-len"
         )
     max_model_len = config.max_model_len or max_positions
     if max_model_len > capacity and rank == 0:

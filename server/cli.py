@@ -25,9 +25,9 @@ def cpu_threads(value: str) -> int:
     try:
         n = int(value)
     except ValueError:
-        raise SystemExit(f"--cpu-threads must be a number or auto, not {value!r}") from None
+        raise ValueError(f"--cpu-threads must be a number or auto, not {value!r}") from None
     if n < 1:
-        raise SystemExit("--cpu-threads must be positive")
+        raise ValueError("--cpu-threads must be positive")
     return n
 
 
@@ -36,7 +36,7 @@ DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 
 def model_arg(args: argparse.Namespace) -> str | None:
     if args.model and args.model_flag and args.model != args.model_flag:
-        raise SystemExit(
+        raise ValueError(
             f"weir: the model is given twice ({args.model!r} and --model {args.model_flag!r})"
         )
     return args.model or args.model_flag
@@ -106,9 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    config = config_from_args(args)
-    options = options_from_args(args)
     try:
+        config = config_from_args(args)
+        options = options_from_args(args)
         notes = vllm_flags.check(args)
         config.validate()
         options.validate()

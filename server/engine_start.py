@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 import trio
 from quart_trio import QuartTrio
 
-from core.config import CheckpointError, EngineConfig
+from core.config import CheckpointError, EngineConfig, is_bad_input
 from core.engine import EngineThread
 from core.engine_attached import AttachedEngine
 from core.engine_process import EngineProcess
@@ -134,7 +134,11 @@ async def load_engine(app: QuartTrio, st: ServerState) -> None:
         _fail(app, st, str(e) if str(e).startswith("loading failed") else f"loading failed: {e}")
         return
     except Exception as e:  # noqa: BLE001 - reported, and the server shuts itself down
-        log.exception("could not load the model")
+        if is_bad_input(e):  # the model's files or the flags against them: one line, exit 2
+            log.error("could not load the model: %s: %s", type(e).__name__, e)
+            app.weir_bad_input = True
+        else:
+            log.exception("could not load the model")
         _fail(app, st, f"loading failed: {type(e).__name__}: {e}")
         return
     st.engine = engine

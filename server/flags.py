@@ -30,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="the model, as vLLM's --model (same as the positional MODEL)",
     )
     s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--port", type=port_number, default=8000)
     s.add_argument(
         "--served-model-name",
         nargs="+",
@@ -358,6 +358,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     vllm_flags.add_arguments(s)
     return parser
+
+
+def port_number(value: str) -> int:
+    """A TCP port, 0..65535 (0: any free one)."""
+    try:
+        port = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a port number") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a port (0..65535)")
+    return port
 
 
 def human_int(value: str) -> int:

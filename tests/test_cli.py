@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from core.config import EngineConfig
-from server.cli import build_parser, config_from_args
+from server.cli import build_parser, config_from_args, main
 from tests.conftest import free_port, http_status, wait_for
 
 
@@ -69,9 +69,13 @@ def test_cpu_threads_auto_follows_the_model_size():
 
     assert threads() == 0  # auto: decided when the model is loaded
     assert threads("--cpu-threads", "3") == 3
-    for bad in ("0", "many"):
-        with pytest.raises(SystemExit):
+    for bad in ("0", "many"):  # a ValueError: main's one line and exit 2
+        with pytest.raises(ValueError, match="--cpu-threads"):
             threads("--cpu-threads", bad)
+    assert main(["serve", "--cpu-threads", "0"]) == 2
+    with pytest.raises(SystemExit) as e:  # argparse's: exit 2, one line
+        build_parser().parse_args(["serve", "--port", "99999"])
+    assert e.value.code == 2
     with pytest.raises(ValueError, match="cpu-threads"):
         EngineConfig(cpu_threads=-1).validate()
     cores = len(os.sched_getaffinity(0))

@@ -65,6 +65,11 @@ def test_max_model_len_past_the_models_positions_is_refused(model_dir, monkeypat
     with pytest.raises(CheckpointError, match="--max-model-len 1024 is more than the model's 512"):
         load(EngineConfig(model=str(path), num_kv_blocks=128, max_model_len=1024))
     assert load(EngineConfig(model=str(path), num_kv_blocks=128)).max_model_len == 512
+    # a cache too small for it: the model's own length is cut to the cache, one asked for is
+    # refused (as vLLM refuses it; it had been cut without a word but a warning)
+    assert load(EngineConfig(model=str(path), num_kv_blocks=10)).max_model_len == 160
+    with pytest.raises(CheckpointError, match="more than the KV cache holds .* 160 tokens"):
+        load(EngineConfig(model=str(path), num_kv_blocks=10, max_model_len=400))
     monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
     long = load(EngineConfig(model=str(path), num_kv_blocks=128, max_model_len=1024))
     assert long.max_model_len == 1024

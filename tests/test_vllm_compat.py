@@ -340,7 +340,7 @@ def test_vllm_flags_that_work():
     assert config_from_args(parse("--dtype", "float")).dtype == "float32"
     with pytest.raises(SystemExit):
         parse("--max-model-len", "lots")
-    with pytest.raises(SystemExit):
+    with pytest.raises(ValueError, match="--model"):
         config_from_args(parse("a/model", "--model", "b/model"))
 
 
