@@ -43,14 +43,17 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
         where = "--speculative-config"
         try:
             raw = json.loads(text) if isinstance(text, str) else dict(text)
+            if isinstance(raw, dict) and "method" not in raw and raw.get("model"):
+                raw = {**raw, "method": "draft_model"}  # as vLLM reads a draft model's path
             config = msgspec.convert(raw, cls)
         except (json.JSONDecodeError, msgspec.ValidationError, TypeError) as e:
             raise ValueError(f"{where}: {e}") from None
         if config.method not in METHODS:
             raise ValueError(
                 f"{where}: method {config.method!r} is not served: weir speculates with "
-                "'ngram' (prompt lookup); eagle, medusa, mlp_speculator and the MTP heads need "
-                "trained proposal weights it does not load"
+                "'ngram' (prompt lookup) and 'draft_model' (a smaller model of the same "
+                "vocabulary, \"model\": its path); eagle, medusa, mlp_speculator and the MTP "
+                "heads need trained proposal weights it does not load"
             )
         if config.method == "draft_model" and not config.model:
             raise ValueError(f"{where}: method 'draft_model' needs \"model\": the draft's path")

@@ -49,6 +49,9 @@ def test_the_config_is_vllms_and_refuses_what_it_cannot_serve():
             SpeculativeConfig.parse(text)
     with pytest.raises(ValueError, match="synchronous scheduling"):
         EngineConfig(speculative_config=NGRAM, async_scheduling=True).validate()
+    # a draft model's path alone means draft_model, as vLLM reads it
+    draft = SpeculativeConfig.parse('{"model": "/a/draft", "num_speculative_tokens": 3}')
+    assert (draft.method, draft.model) == ("draft_model", "/a/draft")
 
 
 def test_ngram_lookup_takes_the_latest_longest_match():
