@@ -25,6 +25,7 @@ import trio
 
 from core.child import pipes, watch_parent
 from server.api_server_messages import ApiServerInit, Drain, SupervisorCommand
+from server.cli import keep_torch_out
 
 log = logging.getLogger("weir.server")
 
@@ -46,8 +47,7 @@ def main() -> int:
         level=init.log_level,
         format=f"%(asctime)s %(levelname)s %(name)s[api {seat.index}]: %(message)s",
     )
-    # No model runs here (server/cli.py says why torch is kept out of an HTTP process).
-    sys.modules["torch"] = None  # type: ignore[assignment]
+    keep_torch_out()  # no model runs here
     from server.app import create_app, serve
 
     app = create_app(init.config, init.options, seat)

@@ -101,6 +101,17 @@ def options_from_args(args: argparse.Namespace):
     return ServerOptions(**fields)
 
 
+def keep_torch_out() -> None:
+    """For a process that serves HTTP and never runs a model (the engine is a child process):
+    transformers imports torch for its tokenizers whenever torch is installed, about 200 MB
+    resident and a second of start-up. A None entry makes torch unavailable here, which
+    transformers, when imported, would announce as "PyTorch was not found": filtered."""
+    sys.modules["torch"] = None  # type: ignore[assignment]
+    logging.getLogger("transformers").addFilter(
+        lambda record: "PyTorch was not found" not in record.getMessage()
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
@@ -129,14 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         print("weir: a node other than 0 runs with --headless", file=sys.stderr)
         return 2
     if options.engine_process and "torch" not in sys.modules:
-        # This process serves HTTP and never runs a model (the engine is a child process), but
-        # transformers imports torch for its tokenizers whenever torch is installed: about 200 MB
-        # resident and a second of start-up. A None entry makes torch unavailable here.
-        sys.modules["torch"] = None  # type: ignore[assignment]
-        # ... which transformers, when imported, would announce as "PyTorch was not found".
-        logging.getLogger("transformers").addFilter(
-            lambda record: "PyTorch was not found" not in record.getMessage()
-        )
+        keep_torch_out()
     from server.listen import api_server_sockets, listening_socket
     from server.server_count import api_server_count
 
