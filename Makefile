@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(VENV)/bin/weir serve $(MODEL) --host $(HOST) --port $(PORT) $(ARGS)
+	$(VENV)/bin/weir serve $(if $(MODEL),"$(MODEL)",) --host $(HOST) --port $(PORT) $(ARGS)
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
