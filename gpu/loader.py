@@ -46,7 +46,8 @@ def resolve_model_path(model: str, revision: str | None = None) -> Path:
     if path.exists():
         raise CheckpointError(f"model path {model!r} is not a directory or a .gguf file")
     if model.startswith(("/", "./", "../", "~")) or model.count("/") > 1 or path.suffix == ".gguf":
-        raise CheckpointError(f"model directory {model!r} does not exist")
+        what = "model file" if path.suffix.lower() == ".gguf" else "model directory"
+        raise CheckpointError(f"{what} {model!r} does not exist")
     from huggingface_hub import snapshot_download
 
     try:
