@@ -173,7 +173,8 @@ def test_every_kind_holds_for_sampled_outputs_beside_unconstrained_requests(serv
 def test_constraints_hold_under_preemption(model_dir):
     """A pool too small for the batch: requests are preempted and recomputed, their matchers
     keep their place (the generated tokens stay), every output still parses."""
-    s = LiveServer(tiny_config(model_dir, num_kv_blocks=14, max_num_batched_tokens=64)).start()
+    config = tiny_config(model_dir, num_kv_blocks=14, max_num_batched_tokens=64, max_model_len=224)
+    s = LiveServer(config).start()
     try:
         tok = s.state.tokenizer
         body = {
