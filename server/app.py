@@ -113,7 +113,8 @@ def create_app(
             response.headers["Vary"] = "Origin"
         if seat is not None:  # which API server answered (tests, and operators reading logs)
             response.headers["X-Weir-Api-Server"] = str(seat.index)
-        if response.status_code >= 400 and options.log_requests:
+        probe = request.path in ("/health", "/ping")  # a balancer's, every few seconds
+        if response.status_code >= 400 and options.log_requests and not probe:
             # refused or failed before any generation (a served request logs its own line):
             # what an access log shows, for 400s, 401s, 404s and shedding alike
             request_log.info(
