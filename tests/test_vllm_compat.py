@@ -281,6 +281,7 @@ def test_admission_rejections_are_counted(model_dir):
     ).start()
     try:
         assert post(s, "/v1/completions", {"prompt": "hi", "max_tokens": 2}).status_code == 200
+        assert wait_for(lambda: s.engine.last_stats.num_running == 0)  # its seat is free again
         s.engine.hold(Hold(paused=True))
         first = {}
         t = threading.Thread(

@@ -21,6 +21,7 @@ from gpu.gguf_names import ARCHES as GGUF_ARCHES
 from gpu.gguf_names import gguf_name, llama_permute
 from gpu.gguf_tokenizer import split_of
 from gpu.quant.formats import FORMATS
+from gpu.quant.iq_grids import GRIDS, table
 from gpu.quant.quantize import quantize
 
 ARCHES = {v: k for k, v in GGUF_ARCHES.items()}  # HF class -> GGUF architecture
@@ -235,6 +236,8 @@ def random_blocks(fmt: str, n: int, k: int, rng: np.random.Generator) -> np.ndar
     elif fmt == "q6_k":
         blocks[:, 192:208] = rng.integers(1, 64, size=(len(blocks), 16), dtype=np.uint8)
         f16(208, 0.1 / 63 / 32)
+    elif fmt in GRIDS:  # d first; the largest weight d unit 31 top
+        f16(0, 0.1 / (GRIDS[fmt].unit * 31 * float(table(fmt)[2][-1])))
     else:
         raise ValueError(f"random_blocks: {fmt} is not a block format")
     return blocks.reshape(n, f.row_bytes(k))
