@@ -5,6 +5,7 @@ exception, never a read or write out of bounds."""
 from __future__ import annotations
 
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -112,12 +113,20 @@ def test_the_library_uses_the_processes_cpp_runtime_and_hides_its_own_symbols(op
 
 
 def _static_libstdcxx_compiler(tmp_path):
-    """A compiler whose every link takes libstdc++ statically (as one machine's image did), and
-    an object that formats an integer with a stream."""
+    """A compiler whose every link takes libstdc++ statically, and where `-lstdc++` finds only
+    the static archive (as a GPU machine's image did: there `-Bdynamic -lstdc++` still linked the
+    archive), and an object that formats an integer with a stream."""
     cxx = cpu_build.compiler()
     assert cxx is not None, "no C++ compiler: weir's CPU kernels cannot be built either"
+    archive = subprocess.run(
+        [cxx, "-print-file-name=libstdc++.a"], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    assert Path(archive).is_file(), f"{cxx} has no static libstdc++ to emulate that image with"
+    static_only = tmp_path / "static-only"
+    static_only.mkdir()
+    (static_only / "libstdc++.a").symlink_to(archive)
     wrapper = tmp_path / "cxx-static"
-    wrapper.write_text(f'#!/bin/sh\nexec "{cxx}" "$@" -static-libstdc++\n')
+    wrapper.write_text(f'#!/bin/sh\nexec "{cxx}" "$@" -L"{static_only}" -static-libstdc++\n')
     wrapper.chmod(0o755)
     src = tmp_path / "fmt.cpp"
     src.write_text(

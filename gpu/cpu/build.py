@@ -14,6 +14,7 @@ folder (gpu/cache.py), so it happens once per machine.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import platform
@@ -88,14 +89,36 @@ COMPILE_QUANT = ["-O3", "-fopenmp", "-fPIC", "-std=c++17", "-ffp-contract=off"]
 # definitions stands in for another library's, nor another library's for one of weir's.
 HIDDEN = ["-fvisibility=hidden"]
 LINK = ["-shared", "-fopenmp", "-shared-libgcc", "-Wl,--exclude-libs,ALL"]
+
+
 # The C++ runtime must be the process's own libstdc++.so.6, the one torch's libraries use: a
 # compiler that links libstdc++ statically (-static-libstdc++ in its specs or wrapper: seen on a
 # GPU machine's image) gives the library a private copy whose locale code runs on the process's
 # facet ids (GNU-unique symbols bind process-wide), so the first `<<` of an integer into a
 # check's message crashed, or the message lost its numbers. Named here, after the objects and
 # torch's libraries and before anything the driver appends, the shared library resolves every
-# reference first, and a static archive after it is never pulled in. check_runtime() verifies.
-LINK_RUNTIME = ["-Wl,--push-state,--no-as-needed,-Bdynamic", "-lstdc++", "-Wl,--pop-state"]
+# reference first, and a static archive after it is never pulled in. It is named by the path
+# of the file this process has loaded: on that image `-lstdc++` found only the static archive
+# (no libstdc++.so in the linker's search path), even under -Bdynamic. check_runtime() verifies.
+def link_runtime() -> list[str]:
+    """The link flags that make the library need the process's own shared libstdc++."""
+    loaded = _loaded_libstdcxx()
+    return ["-Wl,--push-state,--no-as-needed,-Bdynamic", loaded or "-lstdc++", "-Wl,--pop-state"]
+
+
+def _loaded_libstdcxx() -> str | None:
+    """The path of the libstdc++.so this process has mapped (torch's libraries need it), or None
+    (not Linux, or not loaded)."""
+    try:
+        maps = Path("/proc/self/maps").read_text().splitlines()
+    except OSError:
+        return None
+    for line in maps:  # address, permissions, offset, device, inode, path
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and Path(fields[5]).name.startswith("libstdc++.so"):
+            return fields[5]
+    return None
+
 
 _lock = threading.Lock()
 _ops = None  # torch.ops.weir once the library is loaded
@@ -137,7 +160,7 @@ def library_path(cxx: str) -> Path:
         *(src.read_bytes() for src in [*KERNELS, *QUANT, *QUANT_PATHS, *BINDINGS, *HEADERS]),
         cxx.encode(),
         " ".join(
-            COMPILE + COMPILE_BINDINGS + COMPILE_QUANT + HIDDEN + LINK + LINK_RUNTIME
+            COMPILE + COMPILE_BINDINGS + COMPILE_QUANT + HIDDEN + LINK + link_runtime()
         ).encode(),
         str(QUANT_PATHS).encode(),
         torch.__version__.encode(),
@@ -156,7 +179,13 @@ def build() -> Path:
     if path.exists():
         return path
     try:
-        return _compile(cxx, path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # One builder at a time: processes starting together (test workers, tensor-parallel
+        # ranks) wait for the first one's library instead of each compiling it on the same
+        # cores (eight pytest workers on a 16-core GPU machine took over two minutes each).
+        with open(path.with_suffix(".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            return path if path.exists() else _compile(cxx, path)
     except OSError as e:  # an unwritable cache, a vanished compiler: fall back, don't crash
         raise BuildError(f"could not build {path.name}: {e}") from e
 
@@ -178,7 +207,7 @@ def _run_all(cmds: list[list[str]]) -> None:
 
 def link_command(cxx: str, objs: list[str], out: Path, libs: list[str]) -> list[str]:
     """The command that links `objs` into the shared library `out` against `libs` (torch's)."""
-    return [cxx, *LINK, *objs, "-o", str(out), *libs, *LINK_RUNTIME]
+    return [cxx, *LINK, *objs, "-o", str(out), *libs, *link_runtime()]
 
 
 # Definitions that only a copy of the C++ runtime has (libstdc++'s locale, libsupc++'s throw).
@@ -220,7 +249,7 @@ def elf_dynamic(path: Path) -> tuple[list[str], set[str]]:
 
 def check_runtime(lib: Path) -> None:
     """A BuildError unless `lib` uses the process's shared libstdc++ and brings no copy of the
-    C++ runtime of its own (see LINK_RUNTIME)."""
+    C++ runtime of its own (see link_runtime)."""
     needed, defined = elf_dynamic(lib)
     if not needed and not defined:
         return  # not an ELF library: nothing to check here
@@ -234,7 +263,6 @@ def check_runtime(lib: Path) -> None:
 
 
 def _compile(cxx: str, path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
     torch_compile, torch_link = _torch_flags()
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
         flags = {src: COMPILE for src in KERNELS}

@@ -117,9 +117,15 @@ def fp8_linear(x: torch.Tensor, w: Fp8Tensor, bias: torch.Tensor | None = None) 
     else:
         x_scale = torch.full((rows.shape[0], 1), w.input_scale, device=x.device)
     xq = (rows.float() / x_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-    y = torch._scaled_mm(
-        xq, w.weight.t(), scale_a=x_scale, scale_b=w.scale[None, :], out_dtype=torch.bfloat16
-    ).to(x.dtype)
+    if x.device.type == "cpu":
+        # the same product in float32 (exact products of 4-bit significands): torch before 2.13
+        # takes only per-tensor scales in its CPU _scaled_mm (the GPU image's 2.11 refused these)
+        y = xq.float() @ w.weight.float().t() * x_scale * w.scale[None, :]
+    else:
+        y = torch._scaled_mm(
+            xq, w.weight.t(), scale_a=x_scale, scale_b=w.scale[None, :], out_dtype=torch.bfloat16
+        )
+    y = y.to(torch.bfloat16).to(x.dtype)
     if bias is not None:
         y = y + bias
     return y.reshape(*x.shape[:-1], y.shape[-1])
