@@ -137,6 +137,10 @@ def test_split_count_is_chosen_for_small_batches_and_long_contexts():
     assert num_splits_for(1, 8, 16384, 132, 64) > 1  # one long sequence: split it
     assert num_splits_for(256, 8, 16384, 132, 64) == 1  # plenty of programs already
     assert num_splits_for(1, 8, 100, 132, 64) == 1  # too short to be worth it
+    # the H200's sweep: one tile a split at batch 1 x 1k, 4 splits at batch 32, never above 32
+    assert num_splits_for(1, 8, 1024, 132, 64) == 16
+    assert num_splits_for(32, 8, 4096, 132, 64) == 4
+    assert num_splits_for(1, 8, 1 << 20, 132, 64) == 32
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

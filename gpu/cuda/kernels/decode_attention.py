@@ -162,13 +162,16 @@ def _reduce_kernel(
 def num_splits_for(
     num_seqs: int, kv_heads: int, max_seq_len: int, num_sms: int, block_n: int
 ) -> int:
-    """Split the KV length when there are too few (sequence, KV head) programs to fill the GPU;
-    each split keeps at least 4 KV tiles of work."""
+    """Split the KV length when there are too few (sequence, KV head) programs to fill the GPU:
+    about four programs an SM, rounded up to a power of two (fewer distinct compilations), each
+    split at least one KV tile, at most 32. Set from the H200's sweep (`benchmarks.attention
+    --split-sweep`, 2026-11-26): at batch 1 x 1k 16 splits took 6.8 µs where 4 took 11.1; at
+    batch 32 x 4k/16k 4 splits 151/551 µs where 2 took 177/670 (2 was the worst count there);
+    at batch 256 one split is within 8% of the best and stays."""
     programs = max(1, num_seqs * kv_heads)
-    want = triton.cdiv(2 * num_sms, programs)
-    most = max(1, max_seq_len // (4 * block_n))
-    splits = max(1, min(want, most, 64))
-    return 1 << (splits.bit_length() - 1)  # a power of two: fewer distinct compilations
+    want = 1 << (min(triton.cdiv(4 * num_sms, programs), 32) - 1).bit_length()
+    most = min(max(1, max_seq_len // block_n), 32)
+    return min(want, 1 << (most.bit_length() - 1))
 
 
 def decode_attention(
