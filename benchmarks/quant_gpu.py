@@ -5,8 +5,9 @@ For each variant: decode tok/s at batch 1 (one stream) and at batch 64, alternat
 --rounds, and its agreement with a reference: teacher-forced along the reference's own greedy
 continuations, the share of positions where the variant's top token is the reference's (prompt
 log-probs of prompt + continuation), and the mean log-prob gap there. The 4-bit product's
-reference is the same file dequantized to bf16 on torch's ops (what the blocks mean); FP8's
-and the 4-bit file's distance from the original weights are against the bf16 model.
+reference is the same file dequantized to bf16 on torch's ops (what the blocks mean); FP8's is
+its own weights dequantized to bf16 (what is left is the activations' quantization, per token);
+both variants' distance from the original weights is against the bf16 model.
 
     python -m benchmarks.quant_gpu [--model qwen3-0.6b] [--rounds 2]
 
@@ -63,18 +64,27 @@ def agreement(llm, sequences: list[list[int]], prompt_len: int) -> tuple[float, 
     return agree / max(len(gaps), 1), statistics.mean(gaps) if gaps else 0.0
 
 
-def dequantized():
-    """A context in which models load on torch's ops with every weight dequantized."""
+def dequantized(fp8: bool = False):
+    """A context in which models load on torch's ops with every weight dequantized; `fp8`: each
+    product's weight first quantized to FP8 as `--quantization fp8` does, then dequantized."""
     from contextlib import contextmanager
 
     from gpu import assemble
     from gpu.attention.select import get_backend
     from gpu.backend import TorchBackend
+    from gpu.quant.fp8 import Fp8Tensor
+
+    class Fp8RoundTrip(TorchBackend):
+        def prepare_linear(self, weight, bias):
+            if isinstance(weight, torch.Tensor):
+                weight = Fp8Tensor.quantize(self.dense(weight)).dequantize(self.dtype)
+            return super().prepare_linear(weight, bias)
 
     @contextmanager
     def ctx():
         real = assemble.choose_backend
-        assemble.choose_backend = lambda c, d, t: TorchBackend(
+        kind = Fp8RoundTrip if fp8 else TorchBackend
+        assemble.choose_backend = lambda c, d, t: kind(
             get_backend(c.attention_backend, d), fuse=True, name="dequantized"
         )
         try:
@@ -103,7 +113,7 @@ def main() -> None:
         "bf16": dict(model=hf, dtype="bfloat16"),
         "q4_0": dict(model=str(q4), dtype="bfloat16", tokenizer=hf),
     }
-    references = {"bf16": "bf16", "q4_0": "q4_0 dequantized"}
+    references = {"bf16": "bf16", "q4_0": "q4_0 dequantized", "fp8": "fp8 dequantized"}
     if device == "cuda":
         variants["fp8"] = dict(model=hf, dtype="bfloat16", quantization="fp8")
     runs = [tuple(map(int, bt.split(":"))) for bt in args.batch_tokens.split(",")]
@@ -116,6 +126,9 @@ def main() -> None:
     }
     with dequantized():
         sequences["q4_0 dequantized"] = continuations(LLM(**variants["q4_0"], **common), prompts)
+    if "fp8" in variants:
+        with dequantized(fp8=True):
+            sequences["fp8 dequantized"] = continuations(LLM(**variants["bf16"], **common), prompts)
     gc.collect()
     for r in range(args.rounds):
         for name, kw in variants.items():
