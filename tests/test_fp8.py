@@ -1,7 +1,8 @@
 """FP8 weights (gpu/quant/fp8.py): the scaled product against the float product over the same
 quantized values, FP8 checkpoints (AutoFP8's layout: float8 weights with weight_scale, and
 input_scale when static) and `--quantization fp8`, on the CUDA backend (its products on
-torch._scaled_mm, which runs on a CPU too) and dequantized on weir's CPU kernels."""
+torch._scaled_mm on a GPU, the same float32 product on a CPU; its input's quantization in one
+Triton kernel) and dequantized on weir's CPU kernels."""
 
 from __future__ import annotations
 
@@ -15,7 +16,16 @@ from core.config import CheckpointError, EngineConfig
 from core.request import EngineRequest
 from core.sampling import SamplingParams
 from gpu.launch import load
-from gpu.quant.fp8 import FP8, FP8_MAX, Fp8Scheme, Fp8Tensor, cat_rows, fp8_linear
+from gpu.cuda.kernels.fp8_quant import quantize_rows
+from gpu.quant.fp8 import (
+    FP8,
+    FP8_MAX,
+    Fp8Scheme,
+    Fp8Tensor,
+    cat_rows,
+    fp8_linear,
+    quantize_activations,
+)
 from gpu.tiny_model import build_tiny_model
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -45,6 +55,30 @@ def test_quantized_weights_and_the_scaled_product():
     xq = (x / 0.08).clamp(-FP8_MAX, FP8_MAX).to(FP8).float() * 0.08
     want = xq @ both.dequantize(torch.float32).T
     torch.testing.assert_close(y, want, atol=2e-2 * want.abs().max().item(), rtol=1e-2)
+
+
+@pytest.mark.parametrize("static", [None, 0.05])
+def test_the_input_quantization_kernel_gives_torchs_values(static):
+    """The kernel's scales and values equal torch's ops' bit for bit: rows of 1030 (two blocks,
+    the second ragged) in bfloat16, a row of zeros, a row past the FP8 range (static: clamped),
+    a strided view. On a GPU the FP8 values themselves; interpreted on CPU the values before the
+    cast to FP8 (the interpreter does not round to float8 as a GPU does)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(3)
+    base = torch.randn(6, 1100, generator=g) * 3
+    base[2] = 0
+    base[4, 7] = 1e4
+    rows = base.to(device, torch.bfloat16)[:, :1030]  # rows 1100 apart
+    out_dtype = FP8 if device == "cuda" else torch.float32
+    values, scales = quantize_rows(rows, static, out_dtype)
+    want_values, want_scales = quantize_activations(rows, static)
+    assert scales.shape == (6, 1) and torch.equal(scales, want_scales)
+    if device == "cpu":  # torch's values before its cast
+        want_values = (rows.float() / want_scales).clamp(-FP8_MAX, FP8_MAX)
+    assert torch.equal(values.float(), want_values.float())
+    assert scales[2].item() == pytest.approx(1e-12 if static is None else 0.05)
+    with pytest.raises(ValueError, match="contiguous"):
+        quantize_rows(rows.t())
 
 
 def test_the_scheme_refuses_what_it_cannot_serve():

@@ -17,6 +17,7 @@ import torch
 
 from gpu.cuda import int4_weight
 from gpu.cuda.int4_weight import Int4Weight
+from gpu.cuda.kernels.fp8_quant import quantize_rows
 from gpu.cuda.kernels.w4a16 import w4a16_linear
 from gpu.quant import fp8
 from gpu.quant.fp8 import Fp8Tensor
@@ -52,7 +53,10 @@ def form(w: Any, device: torch.device) -> Any:
 
 def linear(x: torch.Tensor, weight: Any, bias: torch.Tensor | None) -> torch.Tensor:
     if isinstance(weight, Fp8Tensor):
-        return fp8.fp8_linear(x, weight, bias)
+        # on a GPU the input's quantization is one kernel; interpreted on CPU, torch's ops
+        # (the interpreter does not round to float8 as a GPU does)
+        quantize = quantize_rows if x.is_cuda else fp8.quantize_activations
+        return fp8.fp8_linear(x, weight, bias, quantize)
     rows = x.reshape(-1, x.shape[-1])
     y = w4a16_linear(rows, weight.qweight, weight.scales, weight.mins, int4_weight.GROUP, bias)
     return y.reshape(*x.shape[:-1], y.shape[-1])

@@ -106,17 +106,28 @@ class Fp8Scheme:
         return Fp8Tensor.from_checkpoint(parts["weight"], parts["weight_scale"], static)
 
 
-def fp8_linear(x: torch.Tensor, w: Fp8Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x W^T (+ bias) in FP8: x's rows quantized with their own scale (amax / 448), or with the
-    checkpoint's static scale, then one scaled product with float32 accumulation (rowwise scales
-    need a bfloat16 result: it is cast to x's dtype). No host sync: graph-safe."""
-    rows = x.reshape(-1, x.shape[-1])
-    if w.input_scale is None:
+def quantize_activations(
+    rows: torch.Tensor, static_scale: float | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(FP8 values, float32 scales [rows, 1]) of a product's input rows on torch's ops: each row
+    with its own scale (amax / 448), or the checkpoint's static scale
+    (gpu/cuda/kernels/fp8_quant.py does the same in one kernel)."""
+    if static_scale is None:
         amax = rows.abs().amax(dim=1, keepdim=True).float()
         x_scale = torch.clamp(amax / FP8_MAX, min=1e-12)
     else:
-        x_scale = torch.full((rows.shape[0], 1), w.input_scale, device=x.device)
-    xq = (rows.float() / x_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+        x_scale = torch.full((rows.shape[0], 1), static_scale, device=rows.device)
+    return (rows.float() / x_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), x_scale
+
+
+def fp8_linear(
+    x: torch.Tensor, w: Fp8Tensor, bias: torch.Tensor | None = None, quantize=quantize_activations
+) -> torch.Tensor:
+    """x W^T (+ bias) in FP8: x's rows quantized (`quantize`, with the weight's static scale or
+    none), then one scaled product with float32 accumulation (rowwise scales need a bfloat16
+    result: it is cast to x's dtype). No host sync: graph-safe."""
+    rows = x.reshape(-1, x.shape[-1])
+    xq, x_scale = quantize(rows, w.input_scale)
     if x.device.type == "cpu":
         # the same product in float32 (exact products of 4-bit significands): torch before 2.13
         # takes only per-tensor scales in its CPU _scaled_mm (the GPU image's 2.11 refused these)
