@@ -44,6 +44,9 @@ CASES = [  # (kernel, dtype, head_dim or size, extra constexprs)
     ("lora_expand", "fp16", 32, {"SPLIT_K": 1, "UPCAST": False}),
     ("lora_expand", "fp32", 64, {"SPLIT_K": 1, "UPCAST": True}),
     ("lora_expand", "fp32/bf16", 16, {"SPLIT_K": 2, "UPCAST": True}),
+    # an FP8 product's input quantized per token, or with a checkpoint's static scale
+    ("fp8_quant", "bf16", 1024, {"STATIC": False}),
+    ("fp8_quant", "fp16", 4096, {"STATIC": True}),
 ]
 
 
@@ -57,7 +60,7 @@ def _signature(fn, pointers: dict[str, str], consts: dict):
             sig[n] = "constexpr"
         elif n in pointers:
             sig[n] = pointers[n]
-        elif n in ("scale", "eps"):
+        elif n in ("scale", "eps", "static_scale"):
             sig[n] = "fp32"
         elif "stride" in n:
             sig[n] = "i64"
@@ -72,6 +75,7 @@ def compile_case(kind: str, dtype: str, head_dim: int, extra: dict, arch: int) -
     from triton.backends.compiler import GPUTarget
 
     from gpu.cuda.kernels import decode_attention as da
+    from gpu.cuda.kernels import fp8_quant as fq
     from gpu.cuda.kernels import gated_act as ga
     from gpu.cuda.kernels import lora as lo
     from gpu.cuda.kernels import prefill_attention as pa
@@ -85,7 +89,11 @@ def compile_case(kind: str, dtype: str, head_dim: int, extra: dict, arch: int) -
     i32 = "*i32"
     precision = "ieee" if dtype == "fp32" else "tf32"
     size = head_dim
-    if kind == "w4a16":
+    if kind == "fp8_quant":
+        fn = fq._quantize_kernel
+        ptrs = dict(x_ptr=p, q_ptr="*fp8e4nv", scale_ptr="*fp32")
+        consts = dict(FP8_LIMIT=fq.FP8_MAX, BLOCK=min(size, fq.BLOCK))
+    elif kind == "w4a16":
         fn = wq._w4a16_kernel
         ptrs = dict(
             x_ptr=p, qweight_ptr="*i32", scales_ptr="*fp16", mins_ptr="*fp16", out_ptr="*fp32"
