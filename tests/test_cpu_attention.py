@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from gpu.cache import cache_dir
 from gpu.attention.backend import AttentionMetadata
 from gpu.attention.select import get_backend
 from gpu.cpu.attention import CpuAttention
@@ -153,21 +154,25 @@ def test_rejects_what_it_cannot_run():
         CpuAttention().forward(query, k_cache.transpose(1, 2), v_cache, meta, 0.125)
 
 
-def test_auto_picks_the_kernel_on_cpu_and_builds_it_once(tmp_path, monkeypatch):
+def test_auto_picks_the_kernel_on_cpu_and_builds_it_once():
+    # the cache every other test uses (a build of its own here took 38 s of the suite's time)
     assert get_backend("auto", torch.device("cpu")).name == "cpu"
-    monkeypatch.setenv("WEIR_CACHE", str(tmp_path))
     path = cpu_build.build()
-    assert path.parent.parent == tmp_path and path.stat().st_size > 0
+    assert path.parent.parent == cache_dir() and path.stat().st_size > 0
     mtime = path.stat().st_mtime_ns
     assert cpu_build.build() == path and path.stat().st_mtime_ns == mtime  # cached, not rebuilt
 
 
 def test_a_compiler_error_is_reported(tmp_path, monkeypatch):
+    # the broken source alone: the failure is reported without compiling the real ones first
     bad = tmp_path / "bad.cpp"
     bad.write_text("this is not C++\n")
-    monkeypatch.setattr(cpu_build, "KERNELS", [*cpu_build.KERNELS, bad])
+    for sources in ("QUANT", "BINDINGS", "HEADERS"):
+        monkeypatch.setattr(cpu_build, sources, [])
+    monkeypatch.setattr(cpu_build, "QUANT_PATHS", {})
+    monkeypatch.setattr(cpu_build, "KERNELS", [bad])
     monkeypatch.setenv("WEIR_CACHE", str(tmp_path))
-    with pytest.raises(cpu_build.BuildError, match="failed"):
+    with pytest.raises(cpu_build.BuildError, match="bad.cpp.* failed"):
         cpu_build.build()
 
 
