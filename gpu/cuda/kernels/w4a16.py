@@ -20,6 +20,13 @@ import triton.language as tl
 
 
 @triton.jit
+def _spread(rows, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
+    """[BLOCK_K / GROUP, BLOCK_N] -> [BLOCK_K, BLOCK_N]: each row repeated GROUP times."""
+    wide = tl.broadcast_to(rows[:, None, :], (BLOCK_K // GROUP, GROUP, BLOCK_N))
+    return tl.reshape(wide, (BLOCK_K, BLOCK_N))
+
+
+@triton.jit
 def _w4a16_kernel(
     x_ptr,
     qweight_ptr,
@@ -52,6 +59,8 @@ def _w4a16_kernel(
     first = split * per_split
     last = tl.minimum(first + per_split, tiles)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    # a k tile holds BLOCK_K // 8 int32 words of codes and BLOCK_K // GROUP scale rows
+    shifts = tl.arange(0, 8) * 4
     for t in range(first, last):
         offs_k = t * BLOCK_K + tl.arange(0, BLOCK_K)
         k_mask = offs_k < k
@@ -60,16 +69,22 @@ def _w4a16_kernel(
             mask=m_mask[:, None] & k_mask[None, :],
             other=0.0,
         )
-        tile_mask = k_mask[:, None] & n_mask[None, :]
+        # each word, scale and min read once and spread over the k it covers (code j of word
+        # i is k = 8 i + j), not read again for every k
+        offs_w = t * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)
         words = tl.load(
-            qweight_ptr + (offs_k[:, None] // 8).to(tl.int64) * n + offs_n[None, :],
-            mask=tile_mask,
+            qweight_ptr + offs_w[:, None].to(tl.int64) * n + offs_n[None, :],
+            mask=(offs_w[:, None] < k // 8) & n_mask[None, :],
             other=0,
         )
-        codes = (words >> ((offs_k[:, None] % 8) * 4)) & 0xF
-        group = (offs_k[:, None] // GROUP).to(tl.int64) * n + offs_n[None, :]
-        scale = tl.load(scales_ptr + group, mask=tile_mask, other=0.0).to(tl.float32)
-        low = tl.load(mins_ptr + group, mask=tile_mask, other=0.0).to(tl.float32)
+        codes = tl.reshape((words[:, None, :] >> shifts[None, :, None]) & 0xF, (BLOCK_K, BLOCK_N))
+        offs_g = t * (BLOCK_K // GROUP) + tl.arange(0, BLOCK_K // GROUP)
+        g_mask = (offs_g[:, None] < k // GROUP) & n_mask[None, :]
+        group = offs_g[:, None].to(tl.int64) * n + offs_n[None, :]
+        scale = tl.load(scales_ptr + group, mask=g_mask, other=0.0).to(tl.float32)
+        low = tl.load(mins_ptr + group, mask=g_mask, other=0.0).to(tl.float32)
+        scale = _spread(scale, BLOCK_K, BLOCK_N, GROUP)
+        low = _spread(low, BLOCK_K, BLOCK_N, GROUP)
         w = codes.to(tl.float32) * scale + low
         if UPCAST:  # float32 activations, or Triton's CPU interpreter (no 16-bit products)
             acc += tl.dot(x.to(tl.float32), w, input_precision="ieee")
@@ -106,8 +121,10 @@ def w4a16_linear(
     if qweight.dtype != torch.int32 or qweight.dim() != 2 or not qweight.is_contiguous():
         raise ValueError("qweight must be a contiguous [k / 8, n] int32 tensor")
     n = qweight.shape[1]
-    if k % group or group % 8 or qweight.shape[0] * 8 != k:
-        raise ValueError(f"k = {k} must be qweight's rows x 8 and a multiple of group {group}")
+    if k % group or group % 8 or group & (group - 1) or qweight.shape[0] * 8 != k:
+        raise ValueError(
+            f"k = {k} must be qweight's rows x 8 and a multiple of group {group} (a power of two)"
+        )
     for name, t in (("scales", scales), ("mins", mins)):
         if t.shape != (k // group, n) or not t.is_contiguous() or t.dtype != torch.float16:
             raise ValueError(f"{name} must be a contiguous [{k // group}, {n}] float16 tensor")
@@ -116,7 +133,7 @@ def w4a16_linear(
     if any(t.device != x.device for t in (qweight, scales, mins)):
         raise ValueError("x and the weight must be on one device")
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-    block_n, block_k = 64, 64
+    block_n, block_k = 64, max(64, group)  # whole groups in a k tile
     if split_k is None:
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 8
         split_k = split_k_for(m, n, k, block_m, block_n, block_k, sms)
