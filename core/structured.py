@@ -219,15 +219,28 @@ class Grammars:
         return self._executor
 
     def check(self, c: Constraint) -> str | None:
-        """None if the constraint compiles, else the compiler's message."""
+        """None if the constraint compiles and matches some text, else why not."""
         import llguidance as llg
 
         try:
             grammar = grammar_text(c)
+            # What follows a think block is checked alone: the block itself matches any text.
+            answer = grammar_text(msgspec.structs.replace(c, think="")) if c.think else grammar
         except (ValueError, TypeError) as e:
             return str(e)
         error = llg.LLMatcher.validate_grammar(grammar, self.tokenizer)
-        return error or None
+        if error:
+            return error
+        # A grammar can compile and still match no text at all (a regex such as [^\s\S]): its
+        # matcher fails on its first mask, which in the engine would end the request with an
+        # error once sampling reached it. Found here, it is the client's 400.
+        matcher = llg.LLMatcher(self.tokenizer, answer, log_level=0)
+        if not matcher.is_error():
+            matcher.compute_bitmask()
+        if matcher.is_error():
+            reason = matcher.get_error().split("\n", 1)[0].strip()
+            return f"it matches no text ({reason})" if reason else "it matches no text"
+        return None
 
     def _compile(self, c: Constraint):
         import llguidance as llg

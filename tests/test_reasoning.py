@@ -209,6 +209,22 @@ def test_constraints_hold_once_the_reasoning_ends(server, think_first):
                 assert msg["reasoning_content"] is not None
 
 
+@pytest.mark.parametrize("think_first", [False, True])
+def test_a_constraint_that_matches_nothing_after_the_reasoning_is_a_400(server, think_first):
+    """The think block matches any text: what follows it is checked alone (a regex that
+    matches nothing had let the request run, then fail as "The engine failed")."""
+    body = {
+        "messages": [{"role": "user", "content": "Yes or no?"}],
+        "max_tokens": 8,
+        "guided_regex": r"[^\s\S]",
+        "chat_template_kwargs": {"think_first": True} if think_first else {},
+    }
+    r = httpx.post(server.url + "/v1/chat/completions", json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "guided_regex" and "matches no text" in err["message"], err
+
+
 def test_earlier_reasoning_and_tool_arguments_reach_the_template(model_dir):
     template = (
         "{% for m in messages %}[{{ m.role }}]"

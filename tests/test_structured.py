@@ -264,6 +264,9 @@ BAD = [
     ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
      "structured_outputs"),
     ({"guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
+    # compiles, but matches no text at all (was a 500 "The engine failed" after one token)
+    ({"guided_regex": r"[^\s\S]"}, "guided_regex"),
+    ({"structured_outputs": {"grammar": "start: /[^\\s\\S]/"}}, "structured_outputs"),
 ]  # fmt: skip
 
 
