@@ -128,6 +128,10 @@ def _inner_grammar(c: Constraint) -> str:
         schema: Any = {"type": "object"} if c.kind == "json_object" else json.loads(c.spec)
         if not isinstance(schema, dict | bool):
             raise ValueError("a JSON schema must be an object")
+        if schema is False:
+            raise ValueError("the JSON schema false allows no value")
+        if schema is True:  # JSON Schema's own spelling of {}: any value (llguidance takes {})
+            schema = {}
         if c.kind == "json" and not c.additional_properties:
             schema = close_objects(schema)
         return llg.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=json_options(c))

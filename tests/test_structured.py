@@ -14,7 +14,8 @@ import jsonschema
 import pytest
 
 from core.engine import Hold
-from tests.conftest import LiveServer, tiny_config
+from core.structured import Constraint
+from tests.conftest import GrammarProbe, LiveServer, tiny_config
 
 SCHEMA = {
     "type": "object",
@@ -267,6 +268,7 @@ BAD = [
     # compiles, but matches no text at all (was a 500 "The engine failed" after one token)
     ({"guided_regex": r"[^\s\S]"}, "guided_regex"),
     ({"structured_outputs": {"grammar": "start: /[^\\s\\S]/"}}, "structured_outputs"),
+    ({"guided_json": False}, "guided_json"),
 ]  # fmt: skip
 
 
@@ -280,6 +282,21 @@ def test_a_constraint_that_cannot_be_enforced_is_a_400(server, fields, param, ro
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and err["message"].startswith(param), err
+
+
+def test_the_schema_true_means_any_json_value(server, model_dir):
+    """JSON Schema's `true` (what `{}` means) was refused as "Expecting object schema"."""
+    probe = GrammarProbe(model_dir)
+    for c in (Constraint("json", "true"), Constraint("json", "true", think="optional")):
+        assert probe.accepts(c, '[1, {"a": null}]') and probe.accepts(c, '"x"')
+        assert not probe.accepts(c, "x")
+    schema = {"type": "json_schema", "json_schema": {"name": "any", "schema": True}}
+    for fields in ({"guided_json": True}, {"response_format": schema}):
+        body = {"prompt": "x", "max_tokens": 4, **fields}
+        r = httpx.post(server.url + "/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "guided_json": False})
+    assert "allows no value" in r.json()["error"]["message"]
 
 
 def test_serving_goes_on_after_bad_constraints(server):
