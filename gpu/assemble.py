@@ -191,7 +191,8 @@ def build_runner(
     eos: set[int],
 ) -> ModelRunner:
     """The KV cache of `num_blocks` blocks and the runner over it, with its CUDA graphs
-    captured for contexts up to `max_model_len`."""
+    captured for contexts up to `max_model_len` (LongRoPE's factors chosen for it)."""
+    model.rope.fit_context(max_model_len)
     kv_dtype = kv_cache.cache_dtype(config.kv_cache_dtype, dtype)
     caches = kv_cache.allocate(model.local_spec, num_blocks, config.block_size, kv_dtype, device)
     runner = ModelRunner(

@@ -17,6 +17,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from core.config import CheckpointError
+from gpu.fused_weights import fused_parts, split_fused
 from gpu.gguf_file import GgufCheckpoint, is_gguf
 from gpu.models.decoder import DecoderForCausalLM
 from gpu.models.rope import Rope
@@ -210,6 +211,16 @@ def load_weights(model: DecoderForCausalLM, path: Path, int4=None) -> None:
                     prefix, _, part = name.rpartition(".")
                     if int4 is not None and _gathered(int4, part, _dtype(f, name)):
                         pending.setdefault(prefix, {})[part] = f.get_tensor(name)
+                        continue
+                    if fused_parts(name):
+                        if tp is not None:
+                            raise CheckpointError(
+                                f"{name}: tensor parallelism does not serve fused layers yet"
+                            )
+                        for part, rows in split_fused(name, f.get_tensor(name), model.spec):
+                            targets.wants(part)  # raises for a layer the model does not have
+                            targets.place(part, rows)
+                            bar.update(1)
                         continue
                     if not targets.wants(name):
                         continue

@@ -125,6 +125,7 @@ def build_tiny_model(
         GenerationConfig,
         LlamaConfig,
         MistralConfig,
+        Phi3Config,
         Qwen2Config,
         Qwen3Config,
     )
@@ -158,6 +159,16 @@ def build_tiny_model(
     elif arch == "mistral":
         config = MistralConfig(
             **common, tie_word_embeddings=bool(tie_word_embeddings), sliding_window=sliding_window
+        )
+    elif arch == "phi3":  # fused qkv_proj and gate_up_proj; original_max_position_embeddings
+        # as its configs carry it (LongRoPE's pretrained length)
+        config = Phi3Config(
+            **common,
+            tie_word_embeddings=bool(tie_word_embeddings),
+            sliding_window=sliding_window,
+            original_max_position_embeddings=(rope_scaling or {}).get(
+                "original_max_position_embeddings", max_position_embeddings
+            ),
         )
     elif arch == "qwen2":
         config = Qwen2Config(**common, tie_word_embeddings=tie_word_embeddings is not False)

@@ -15,6 +15,8 @@ def rope_parameters(config: Any) -> dict[str, Any]:
         return dict(params)
     scaling = dict(getattr(config, "rope_scaling", None) or {})
     scaling.setdefault("rope_type", scaling.pop("type", "default"))
+    if scaling["rope_type"] == "su":  # the first Phi-3 configs' name for LongRoPE
+        scaling["rope_type"] = "longrope"
     scaling["rope_theta"] = getattr(config, "rope_theta", 10000.0)
     return scaling
 
@@ -34,6 +36,9 @@ def context_length(config: Any) -> int:
 
 
 class Rope:
+    _long: tuple[torch.Tensor, float] | None = None  # LongRoPE's long factors' (inv_freq, scaling)
+    _original = 0  # LongRoPE's pretrained length
+
     def __init__(
         self,
         config: Any,
@@ -56,6 +61,12 @@ class Rope:
             if rope_type not in ROPE_INIT_FUNCTIONS:
                 raise ValueError(f"unsupported rope_type {rope_type!r}")
             inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, device)
+            if rope_type == "longrope":  # its long factors, for fit_context
+                self._original = int(
+                    params.get("original_max_position_embeddings")
+                    or getattr(config, "original_max_position_embeddings", 0)
+                )
+                self._long = ROPE_INIT_FUNCTIONS[rope_type](config, device, self._original + 1)
         if factors is not None:
             if factors.numel() != inv_freq.numel():
                 raise ValueError(f"rope_freqs: {factors.numel()} factors for {inv_freq.numel()}")
@@ -66,6 +77,19 @@ class Rope:
         # looked up instead of computed (six torch ops a step down to two).
         # The table's rows are bitwise what the same arithmetic gives per step (tested).
         self._tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def fit_context(self, max_model_len: int) -> None:
+        """LongRoPE's factors for the context served: the long ones when it passes the
+        pretrained length (llama.cpp's choice, by context size), else the short ones. Those
+        are transformers' for every sequence of the pretrained length or less, which is all
+        this server takes then; transformers switches a longer sequence to the long factors
+        per call, vLLM a whole batch when one of its positions is past that length."""
+        if self._long is None or max_model_len <= self._original:
+            return
+        inv_freq, scaling = self._long
+        self.inv_freq = inv_freq.float().to(self.inv_freq.device)
+        self.scaling = float(scaling)
+        self._tables.clear()
 
     def _compute(self, positions: torch.Tensor, dtype: torch.dtype):
         # Same arithmetic as transformers (float32 angles, then cast) so logits match closely.

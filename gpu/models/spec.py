@@ -6,12 +6,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from core.config import CheckpointError
-from gpu.models.rope import context_length
+from gpu.models.rope import context_length, rope_parameters
 
-# Architecture -> how it differs from plain Llama. Mistral is Llama with its own config defaults.
+# Architecture -> how it differs from plain Llama. Mistral is Llama with its own config defaults;
+# Phi-3 is Llama with Q/K/V and gate/up each one tensor in its checkpoint (gpu/fused_weights.py)
+# and LongRoPE (rope.py).
 ARCHITECTURES: dict[str, dict[str, Any]] = {
     "LlamaForCausalLM": {"qk_norm": False},
     "MistralForCausalLM": {"qk_norm": False},
+    "Phi3ForCausalLM": {"qk_norm": False},
     "Qwen2ForCausalLM": {"qk_norm": False, "qkv_bias": True},
     "Qwen3ForCausalLM": {"qk_norm": True},
 }
@@ -47,10 +50,19 @@ class ModelSpec:
             )
         extra = ARCHITECTURES[arch]
         heads = config.num_attention_heads
-        # Mistral's sliding window applies to every layer. (Qwen2's optional per-layer window is
-        # off in released checkpoints and not supported.)
-        window = getattr(config, "sliding_window", None) if arch == "MistralForCausalLM" else None
+        # Mistral's and Phi-3's sliding window applies to every layer. (Qwen2's optional
+        # per-layer window is off in released checkpoints and not supported.)
+        windowed = arch in ("MistralForCausalLM", "Phi3ForCausalLM")
+        window = getattr(config, "sliding_window", None) if windowed else None
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        partial = rope_parameters(config).get(
+            "partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)
+        )
+        if partial not in (None, 1, 1.0):
+            raise CheckpointError(
+                f"partial_rotary_factor {partial}: weir rotates every dimension of a head "
+                "(Phi-4-mini's partial rotation is not served)"
+            )
         return cls(
             architecture=arch,
             vocab_size=config.vocab_size,

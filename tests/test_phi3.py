@@ -1,0 +1,135 @@
+"""Phi-3 (Phi3ForCausalLM): Llama with fused qkv_proj / gate_up_proj tensors in its checkpoint
+(gpu/fused_weights.py), a sliding window, and LongRoPE's short and long factors (gpu/models/
+rope.py `fit_context`), against transformers on the same random weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from core.config import CheckpointError, EngineConfig
+from core.request import EngineRequest
+from core.sampling import SamplingParams
+from gpu.fused_weights import fused_parts, split_fused
+from gpu.launch import load
+from gpu.models.spec import ModelSpec
+from gpu.tiny_model import build_tiny_model
+
+HEAD_DIM = 16  # the tiny model's 64 / 4 heads: LongRoPE takes 8 factors of each kind
+LONGROPE = {
+    "rope_type": "longrope",
+    "original_max_position_embeddings": 64,
+    "short_factor": [1.0, 1.1, 1.2, 1.5, 2.0, 2.5, 3.0, 4.0],
+    "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0, 12.0, 16.0],
+}
+
+
+def first_logits(path, ids, **config) -> tuple[torch.Tensor, list[int]]:
+    """weir's logits after the prompt, and its greedy continuation of 6 tokens."""
+    core = load(EngineConfig(model=str(path), dtype="float32", device="cpu", **config)).core
+    core.add(EngineRequest("r", ids, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)))
+    logits, out = None, []
+    while core.has_work:
+        for o in core.step():
+            out += o.new_token_ids
+        if logits is None and out:  # the step that ended the prompt
+            logits = core.runner.last_logits[0].float().clone()
+    return logits, out
+
+
+def transformers_run(path, ids) -> tuple[torch.Tensor, list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = hf(torch.tensor([ids])).logits[0, -1]
+        out = hf.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False, eos_token_id=None)
+    return logits, out[0, len(ids) :].tolist()
+
+
+def prompt(n: int) -> list[int]:
+    return [(37 * i + 11) % 900 + 20 for i in range(n)]
+
+
+@pytest.mark.parametrize("window", [None, 8])
+def test_phi3_matches_transformers(tmp_path, window):
+    """The fused tensors cut into Q/K/V and gate/up; with a window of 8 over a 30-token prompt
+    only the last 8 positions are attended to, as transformers does."""
+    path = build_tiny_model(tmp_path / "phi3", "phi3", sliding_window=window)
+    ids = prompt(30)
+    got, tokens = first_logits(path, ids, num_kv_blocks=64)
+    want, hf_tokens = transformers_run(path, ids)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert tokens == hf_tokens
+
+
+def test_longrope_short_factors_within_the_pretrained_length(tmp_path):
+    """Served at the pretrained length or less, every sequence rotates with the short factors,
+    as transformers rotates a sequence that short."""
+    path = build_tiny_model(
+        tmp_path / "phi3", "phi3", max_position_embeddings=256, rope_scaling=LONGROPE
+    )
+    ids = prompt(40)
+    got, tokens = first_logits(path, ids, num_kv_blocks=64, max_model_len=64)
+    want, hf_tokens = transformers_run(path, ids)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert tokens == hf_tokens
+
+
+def test_longrope_long_factors_past_it(tmp_path):
+    """Served past the pretrained length, the long factors (and the attention factor): a prompt
+    of 80 tokens gives transformers' logits, which rotates a sequence past 64 with them."""
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    path = build_tiny_model(
+        tmp_path / "phi3", "phi3", max_position_embeddings=256, rope_scaling=LONGROPE
+    )
+    ids = prompt(80)
+    got, _ = first_logits(path, ids, num_kv_blocks=64)
+    want, _ = transformers_run(path, ids)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    config = AutoConfig.from_pretrained(path)
+    rope = load(EngineConfig(model=str(path), device="cpu", num_kv_blocks=64)).core.runner
+    long_freq, _ = ROPE_INIT_FUNCTIONS["longrope"](config, None, 65)
+    short_freq, _ = ROPE_INIT_FUNCTIONS["longrope"](config, None)
+    assert torch.equal(rope.model.rope.inv_freq.cpu(), long_freq.float())
+    assert not torch.equal(long_freq, short_freq)
+
+
+def test_partial_rotation_is_refused(tmp_path):
+    from transformers import Phi3Config
+
+    config = Phi3Config(
+        hidden_size=64,
+        num_attention_heads=4,
+        num_hidden_layers=1,
+        intermediate_size=128,
+        vocab_size=100,
+        partial_rotary_factor=0.75,
+    )
+    config.architectures = ["Phi3ForCausalLM"]
+    with pytest.raises(CheckpointError, match="partial_rotary_factor 0.75"):
+        ModelSpec.from_hf_config(config)
+
+
+def test_fused_tensors_are_cut_by_the_models_sizes(tmp_path):
+    path = build_tiny_model(tmp_path / "phi3", "phi3")
+    from transformers import AutoConfig
+
+    spec = ModelSpec.from_hf_config(AutoConfig.from_pretrained(path))
+    assert fused_parts("model.layers.0.self_attn.q_proj.weight") is None
+    name = "model.layers.3.self_attn.qkv_proj.weight"
+    qkv = torch.arange(128 * 64, dtype=torch.float32).reshape(128, 64)  # 64 + 32 + 32 rows
+    parts = split_fused(name, qkv, spec)
+    assert [(n, tuple(t.shape)) for n, t in parts] == [
+        ("model.layers.3.self_attn.q_proj.weight", (64, 64)),
+        ("model.layers.3.self_attn.k_proj.weight", (32, 64)),
+        ("model.layers.3.self_attn.v_proj.weight", (32, 64)),
+    ]
+    assert torch.equal(torch.cat([t for _, t in parts]), qkv)
+    gate_up = split_fused("model.layers.0.mlp.gate_up_proj.weight", torch.zeros(256, 64), spec)
+    assert [n for n, _ in gate_up] == ["model.layers.0.mlp.gate_proj.weight",
+                                       "model.layers.0.mlp.up_proj.weight"]  # fmt: skip
+    with pytest.raises(CheckpointError, match="has 100 rows, the model expects 128"):
+        split_fused(name, torch.zeros(100, 64), spec)
