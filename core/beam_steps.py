@@ -26,7 +26,11 @@ class BeamSteps:
             r = live[b]
             if r.num_output_tokens + 1 >= root.max_tokens or r.num_tokens + 1 >= self.max_model_len:
                 return "length"
-            if params.stop and self._makes_stop_string(r, token):
+            if (
+                params.stop
+                and r.num_output_tokens >= params.min_tokens
+                and self._makes_stop_string(r, token)
+            ):
                 return "stop"
             return None
 
@@ -78,15 +82,7 @@ class BeamSteps:
         )
         seqs = []
         for h in hyps:
-            text = ""
-            if self.tokenizer is not None:
-                text = self.tokenizer.decode(
-                    h.token_ids, skip_special_tokens=params.skip_special_tokens
-                )
-                if params.stop:
-                    stop = StopStrings(params.stop, params.include_stop_str_in_output)
-                    cut, matched = stop.feed(text)
-                    text = cut if matched else cut + stop.flush()
+            text = self._beam_text(h, params, group.stop_ids)
             seqs.append(
                 BeamSequence(
                     h.token_ids, text, h.finish_reason, h.cumulative_logprob, h.score, h.logprobs
@@ -98,3 +94,29 @@ class BeamSteps:
         best = seqs[0]
         self.stats.finished.append(finished_stats(root, best.finish_reason, now))
         return best.output(root.request_id, root.num_prompt_tokens, root.num_cached_tokens, seqs)
+
+    def _beam_text(self, h, params, stop_ids: set[int]) -> str:
+        """A finished hypothesis's reply text: a stop token's text left out (unless
+        include_stop_str_in_output, as vLLM's), cut at its first stop string that ends past the
+        first min_tokens tokens."""
+        if self.tokenizer is None:
+            return ""
+        ids = h.token_ids
+        if (
+            ids
+            and ids[-1] in stop_ids
+            and h.finish_reason == "stop"
+            and not params.include_stop_str_in_output
+        ):
+            ids = ids[:-1]
+        skip = params.skip_special_tokens
+        text = self.tokenizer.decode(ids, skip_special_tokens=skip)
+        if not params.stop:
+            return text
+        early = self.tokenizer.decode(ids[: params.min_tokens], skip_special_tokens=skip)
+        if not text.startswith(early):
+            early = ""
+        stop = StopStrings(params.stop, params.include_stop_str_in_output)
+        head, _ = stop.feed(early, armed=False)
+        cut, matched = stop.feed(text[len(early) :])
+        return head + (cut if matched else cut + stop.flush())

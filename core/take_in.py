@@ -126,8 +126,12 @@ class TakeIn:
         self.stats.generation_tokens += 1
         request.append_output(token_id)
         detok = request.detokenizer
-        text = detok.step(token_id) if detok else ""
         reason = self._stop_reason(request, token_id)
+        params = request.sampling_params
+        # A stop token (EOS, stop_token_ids) ends the text before it, as vLLM's does, unless
+        # include_stop_str_in_output; its id still counts, with its log-prob.
+        shown = reason != "stop" or params.include_stop_str_in_output
+        text = detok.step(token_id) if detok and shown else ""
         error = None
         if request.grammar is not None:  # the token was consumed in step(), all at once
             matcher = request.grammar
@@ -138,7 +142,7 @@ class TakeIn:
         if reason is not None and detok:
             text += detok.flush()  # the request ends: release bytes held for an unfinished char
         if request.stop is not None:
-            text, matched = request.stop.feed(text)
+            text, matched = request.stop.feed(text, request.num_output_tokens > params.min_tokens)
             if matched:
                 reason = "stop"
             elif reason is not None:
