@@ -1,0 +1,93 @@
+"""Stops as vLLM applies them: a stop token's text (EOS, stop_token_ids) is not part of the
+reply unless include_stop_str_in_output, and a stop string counts only once min_tokens tokens
+are out (it must end in a later token's text). On the engine, with the tiny model."""
+
+from __future__ import annotations
+
+import pytest
+
+from core.config import EngineConfig
+from core.request import EngineRequest
+from core.sampling import SamplingParams
+from core.stop import StopStrings
+from gpu.launch import load
+
+PROMPT = [5, 17, 300, 42, 9, 77, 120, 8]
+
+
+@pytest.fixture(scope="module")
+def core(model_dir):
+    config = EngineConfig(model=str(model_dir("qwen3")), device="cpu", num_kv_blocks=64)
+    return load(config).core
+
+
+def run(core, params: SamplingParams, prompt=PROMPT) -> tuple[list[int], str, str]:
+    """(token ids, text, finish reason) of one request run to its end."""
+    core.add(EngineRequest("r", list(prompt), params))
+    ids, text, reason = [], "", None
+    while core.has_work:
+        for out in core.step():
+            ids += out.new_token_ids
+            text += out.new_text
+            if out.finished:
+                reason = out.finish_reason
+    return ids, text, reason
+
+
+def greedy(**kw) -> SamplingParams:
+    """Seeded (the tiny model's greedy text repeats one token): the same tokens every run."""
+    kw.setdefault("max_tokens", 12)
+    return SamplingParams(temperature=1.0, seed=11, ignore_eos=True, **kw)
+
+
+def test_stop_strings_wait_for_min_tokens():
+    s = StopStrings(["ab", "xyz"], include_in_output=False)
+    # before min_tokens: nothing matches, the tail is held all the same
+    assert s.feed("ab q", armed=False) == ("ab", False)
+    assert s.feed("ab", armed=False) == (" q", False)
+    # the held "ab" ended before min_tokens: not a match, even now
+    assert s.feed("x", armed=True) == ("a", False)
+    assert s.feed("yz!", armed=True) == ("b", True)
+    late = StopStrings(["ab"], include_in_output=True)
+    assert late.feed("a", armed=False) == ("", False)
+    assert late.feed("b", armed=True) == ("ab", True)  # starts early, ends late: a match
+
+
+def test_a_stop_tokens_text_is_not_the_replys(core):
+    ids, text, _ = run(core, greedy())
+    stop = ids[4]
+    assert stop not in ids[:4]
+    tokenizer = core.tokenizer
+    upto = tokenizer.decode(ids[:4])
+    got_ids, got_text, reason = run(core, greedy(stop_token_ids=[stop]))
+    assert got_ids == ids[:5] and reason == "stop"
+    assert got_text == upto
+    got_ids, got_text, _ = run(core, greedy(stop_token_ids=[stop], include_stop_str_in_output=True))
+    assert got_ids == ids[:5] and got_text == tokenizer.decode(ids[:5])
+    # EOS, with special tokens shown: still not in the reply
+    eos = min(core.eos_token_ids)
+    params = SamplingParams(
+        temperature=0, max_tokens=12, logit_bias={eos: 100.0}, skip_special_tokens=False
+    )
+    got_ids, got_text, reason = run(core, params)
+    assert got_ids == [eos] and got_text == "" and reason == "stop"
+
+
+def test_stop_strings_before_min_tokens_do_not_stop(core):
+    ids, text, _ = run(core, greedy(max_tokens=16))
+    decode = core.tokenizer.decode
+    # a stop string made of an early token's text (whole characters): it first ends there
+    pieces = [(k, decode(ids[: k + 1])[len(decode(ids[:k])) :]) for k in range(6)]
+    k, stop = next((k, p) for k, p in pieces if p.strip() and "\ufffd" not in p)
+    assert decode(ids[: k + 1]) == text[: len(decode(ids[: k + 1]))]
+    _, early, reason = run(core, greedy(max_tokens=16, stop=[stop]))
+    assert reason == "stop" and early == text[: text.index(stop)]
+    min_tokens = k + 3
+    got_ids, got_text, reason = run(core, greedy(max_tokens=16, stop=[stop], min_tokens=min_tokens))
+    assert len(got_ids) > min_tokens
+    # the first occurrence that ends past the first min_tokens tokens' text
+    later = text.find(stop, len(decode(ids[:min_tokens])) - len(stop) + 1)
+    if later < 0:
+        assert reason == "length" and got_ids == ids and got_text == text
+    else:
+        assert reason == "stop" and got_text == text[:later]
