@@ -199,6 +199,7 @@ class EngineCore(TakeIn, BeamSteps):
                 self.stats.finished.append(finished_stats(request, "error", time.monotonic()))
                 out = request.output([], "", "error")
                 out.error = f"the structured output constraint did not compile: {e}"
+                out.error_status = 400
                 failed.append(out)
         return failed
 
@@ -229,6 +230,7 @@ class EngineCore(TakeIn, BeamSteps):
                     f"the KV cache cannot hold this beam search's {group.width} beams (their "
                     "shared prefix was evicted while they were preempted); lower n or max_tokens"
                 )
+                out.error_status = 503  # other requests held the cache: it may fit later
                 outputs.append(out)
         return outputs
 

@@ -104,6 +104,9 @@ class RequestOutput(msgspec.Struct, omit_defaults=True, gc=False):
     embedding: bytes | None = None  # a pooling request's vector (little-endian float32)
     prompt_logprobs: list[Logprob | None] | None = None  # with the first output, when asked for
     error: str | None = None
+    # the HTTP status of `error`: 500 an engine fault, 503 a request the server could not
+    # hold (retry later), 400 the request's own problem found only in the engine
+    error_status: int = 500
     # A beam search's sequences, best first, in its one (final) output; the fields above then
     # describe the best of them.
     beams: list[BeamSequence] = []
@@ -116,7 +119,8 @@ class RequestOutput(msgspec.Struct, omit_defaults=True, gc=False):
         self.logprobs = self.logprobs + later.logprobs
         self.finished, self.finish_reason = later.finished, later.finish_reason
         self.num_output_tokens = later.num_output_tokens
-        self.error = later.error or self.error
+        if later.error is not None:
+            self.error, self.error_status = later.error, later.error_status
         self.beams = later.beams or self.beams
         return self
 

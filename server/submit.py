@@ -26,6 +26,15 @@ from server.usage import UsageCounter
 log = logging.getLogger("weir.requests")
 
 
+def engine_error(out: RequestOutput) -> APIError:
+    """The client's error for a request the engine ended with one: a fault of the engine (500),
+    a request it could not hold then (503: retry), or one found invalid only there (400)."""
+    if out.error_status == 500:
+        return APIError(500, f"The engine failed: {out.error}", None, "engine_error")
+    code = "server_overloaded" if out.error_status == 503 else "invalid_value"
+    return APIError(out.error_status, out.error, None, code)
+
+
 def request_id(prefix: str) -> str:
     """The client's X-Request-Id when it sent one (vLLM does the same), else a fresh id."""
     given = request.headers.get("X-Request-Id")
@@ -271,7 +280,7 @@ class Submitted:
                 self.first_output = time.monotonic()
             for out in outs:
                 if out.error is not None:
-                    raise APIError(500, f"The engine failed: {out.error}", None, "engine_error")
+                    raise engine_error(out)
                 if out.finished:
                     left -= 1
                 for i, o in self._expand(out):

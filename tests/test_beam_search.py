@@ -326,7 +326,9 @@ def test_a_beam_search_that_can_never_be_admitted_fails_and_frees_the_queue(
     while core.has_work:
         for out in core.step():
             outs.setdefault(out.request_id, []).append(out)
-    assert outs["beams"][-1].finish_reason == "error" and "beam search" in outs["beams"][-1].error
+    last = outs["beams"][-1]
+    assert last.finish_reason == "error" and "beam search" in last.error
+    assert last.error_status == 503  # the server could not hold it then: retry later (not a 500)
     assert outs["next"][-1].finished and len(outs["next"][-1].new_token_ids) >= 1
     assert core.kv.num_free_blocks == core.kv.num_blocks
 
@@ -358,3 +360,21 @@ def test_llm_beam_search(model_dir):
     assert seqs[0].text == llm.tokenizer.decode(ids) + ref.beams[0].text
     assert outs[2].sequences[0].tokens[:3] == [5, 6, 7]
     assert all(len(o.sequences) == 3 for o in outs)
+
+
+def test_an_engine_error_keeps_its_status_on_the_wire():
+    """What the HTTP routes answer for a request the engine ended with an error: its status (503
+    for a beam search the cache could not hold then, 400 for the request's own fault found in
+    the engine), a 500 only for the engine's own failure."""
+    from core.request import RequestOutput
+    from server.submit import engine_error
+
+    def out(status):
+        return RequestOutput(request_id="r", finished=True, error="why", error_status=status)
+
+    stuck, bad, fault = engine_error(out(503)), engine_error(out(400)), engine_error(out(500))
+    assert (stuck.status, stuck.message, stuck.code) == (503, "why", "server_overloaded")
+    assert (bad.status, bad.code) == (400, "invalid_value")
+    assert (fault.status, fault.message) == (500, "The engine failed: why")
+    merged = RequestOutput(request_id="r").merge(out(503))
+    assert merged.error_status == 503
