@@ -67,7 +67,13 @@ async def prepare_chat(
         tail = chat.generation_tail(st.tokenizer, st.chat_template, prompt_text, req)
         reader = thinker(tail)
         think = "open" if reader.in_reasoning else "" if reader.thinking_off else "optional"
-    constraint = await structured.request_constraint(st, req, call_constraint, think, given)
+    try:
+        constraint = await structured.request_constraint(st, req, call_constraint, think, given)
+    except APIError as e:
+        if e.param != "tools":
+            raise
+        await tools.name_bad_parameters(st, req)  # raises the tool's own 400
+        raise
     params = sampling_params(
         st, req, req.max_completion_tokens or req.max_tokens, len(prompt), logprobs, constraint
     )

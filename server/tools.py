@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from core.structured import Constraint
+from server import structured
 from server.errors import APIError
 from server.protocol import ChatCompletionRequest
 from server.state import ServerState
@@ -93,3 +94,19 @@ def tool_parser(
         return None, None  # tools left to the template, the reply returned as text
     parser = PARSERS[st.tool_parser](tools)
     return (parser if req.parallel_tool_calls else FirstCall(parser)), None
+
+
+async def name_bad_parameters(st: ServerState, req: ChatCompletionRequest) -> None:
+    """For an enforced call's grammar that does not compile: a 400 naming the tool whose
+    `parameters` are to blame, with the schema compiler's message alone (not the call
+    grammar's text), from checking each chosen tool's schema as response_format's would be.
+    Returns when no tool alone fails (nothing to name)."""
+    choice = req.tool_choice
+    named = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+    for i, tool in enumerate(req.tools or []):
+        fn = tool["function"]
+        if fn.get("parameters") is None or named not in (None, fn["name"]):
+            continue
+        field = f"tools[{i}].function.parameters"
+        schema = structured.schema_text(field, fn["parameters"])
+        await structured.check(st, Constraint("json", schema), field)

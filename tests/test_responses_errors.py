@@ -22,6 +22,14 @@ BAD = [
     ({"previous_response_id": "resp_nope"}, 400, "previous_response_id"),
     ({"tools": [{"type": "web_search"}]}, 400, "tools[0].type"),
     ({"tools": [{"type": "function"}]}, 400, "tools[0].name"),
+    (
+        {
+            "tools": [{"type": "function", "name": "f", "parameters": {"not": {}}}],
+            "tool_choice": "required",
+        },
+        400,
+        "tools[0].parameters",
+    ),
     ({"background": True, "store": False}, 400, "background"),
     (
         {"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]},

@@ -51,6 +51,8 @@ TOOLS = [
     {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}},
 ]
 USER = [{"role": "user", "content": "Weather and time in Zürich?"}]
+# Parameters weir cannot enforce (pydantic writes uniqueItems for a set).
+SET = {"type": "object", "properties": {"tags": {"type": "array", "uniqueItems": True}}}
 
 
 @pytest.fixture(scope="module")
@@ -236,7 +238,13 @@ BAD = [
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tools": TOOLS, "tool_choice": "required", "guided_regex": "a"}, "guided_regex"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"not": {}}}}],
-      "tool_choice": "required"}, "tools"),
+      "tool_choice": "required"}, "tools[0].function.parameters"),
+    # the tool to blame is named (it had been "tools", with the whole call grammar's text)
+    ({"tools": [*TOOLS, {"type": "function", "function": {"name": "f", "parameters": SET}}],
+      "tool_choice": "required"}, "tools[2].function.parameters"),
+    ({"tools": [*TOOLS, {"type": "function", "function": {"name": "f", "parameters": SET}}],
+      "tool_choice": {"type": "function", "function": {"name": "f"}}},
+     "tools[2].function.parameters"),
 ]  # fmt: skip
 
 
@@ -247,6 +255,14 @@ def test_bad_tool_input(server, fields, param):
     )
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+    assert "<tool_call>" not in r.json()["error"]["message"]
+
+
+def test_a_bad_tool_that_is_not_chosen_is_not_enforced(server):
+    bad = {"type": "function", "function": {"name": "f", "parameters": SET}}
+    named = {"type": "function", "function": {"name": "get_time"}}
+    body = {"messages": USER, "max_tokens": 2, "tools": [*TOOLS, bad], "tool_choice": named}
+    assert httpx.post(server.url + "/v1/chat/completions", json=body).status_code == 200
 
 
 def test_auto_without_a_parser_is_a_400(model_dir):

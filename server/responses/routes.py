@@ -150,7 +150,15 @@ async def create() -> Response:
     kept = _fit(st, req, context) if req.truncation == "auto" else context
     chat = chat_request(req, item_forms.to_messages(kept, req.instructions))
     check_common(st, chat)
-    job = await prepare_chat(st, chat, text_format(req.text))
+    try:
+        job = await prepare_chat(st, chat, text_format(req.text))
+    except APIError as e:
+        # A tool's parameters, named as chat's tools are (tools[i].function.parameters), are
+        # the flat tool's own here (tools[i].parameters).
+        if e.param and e.param.startswith("tools[") and ".function." in e.param:
+            e.message = e.message.replace(e.param, e.param.replace(".function.", ".", 1))
+            e.param = e.param.replace(".function.", ".", 1)
+        raise
     if req.max_tool_calls is not None and job.call_parser is not None:
         job.call_parser = FirstCall(job.call_parser, req.max_tool_calls)
     response = ResponseObject(
