@@ -235,6 +235,10 @@ class Grammars:
         error = llg.LLMatcher.validate_grammar(grammar, self.tokenizer)
         if error:
             return error
+        if c.any_whitespace and c.whitespace_pattern is not None:
+            error = self._check_whitespace(c.whitespace_pattern)
+            if error:
+                return error
         # A grammar can compile and still match no text at all (a regex such as [^\s\S]): its
         # matcher fails on its first mask, which in the engine would end the request with an
         # error once sampling reached it. Found here, it is the client's 400.
@@ -245,6 +249,24 @@ class Grammars:
             reason = matcher.get_error().split("\n", 1)[0].strip()
             return f"it matches no text ({reason})" if reason else "it matches no text"
         return None
+
+    def _check_whitespace(self, pattern: str) -> str | None:
+        """A request's whitespace pattern may match JSON's whitespace only (space, tab, line
+        feed, carriage return): text of its that is anything else (an \\s* also matches form
+        feeds and Unicode spaces) would make the output invalid JSON."""
+        import llguidance as llg
+
+        # The pattern's strings that are not JSON whitespace, as a grammar: none, or a 400.
+        other = "start: OTHER\nOTHER: /(?:%s)/ & ~/[ \\t\\n\\r]*/" % pattern.replace("/", "\\/")
+        matcher = llg.LLMatcher(self.tokenizer, llg.grammar_from("lark", other), log_level=0)
+        if not matcher.is_error():
+            matcher.compute_bitmask()
+        if matcher.is_error():
+            return None
+        return (
+            f"whitespace_pattern {pattern!r} matches more than JSON whitespace (space, tab, "
+            "line feed, carriage return), which would make the output invalid JSON"
+        )
 
     def _compile(self, c: Constraint):
         import llguidance as llg

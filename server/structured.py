@@ -85,6 +85,8 @@ def _from_structured_outputs(req: SamplingFields) -> Constraint | None:
         c = Constraint(kind, getattr(so, kind))
     if so.whitespace_pattern is not None and c.kind not in ("json", "json_object"):
         raise _bad(field, "whitespace_pattern applies to json and json_object only")
+    if so.whitespace_pattern is not None and so.disable_any_whitespace:
+        raise _bad(field, "whitespace_pattern and disable_any_whitespace contradict: give one")
     return Constraint(
         c.kind,
         c.spec,

@@ -146,6 +146,15 @@ def test_the_request_options(server):
         ({so: {"json": SCHEMA, "whitespace_pattern": "(["}}, so),
         ({so: {"regex": "a", "whitespace_pattern": " "}}, so),
         ({"guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
+        # more than JSON's whitespace: the output would not parse (it had been {xxx})
+        ({so: {"json_object": True, "whitespace_pattern": "x+"}}, so),
+        ({so: {"json": SCHEMA, "whitespace_pattern": r"\s*"}}, so),
+        ({"guided_json": SCHEMA, "guided_whitespace_pattern": "[ ,]?"}, "guided_json"),
+        # a pattern beside no whitespace at all (the pattern had been ignored)
+        (
+            {so: {"json_object": True, "disable_any_whitespace": True, "whitespace_pattern": " "}},
+            so,
+        ),
     ):
         r = httpx.post(url, json=body | fields, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
