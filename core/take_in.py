@@ -132,11 +132,20 @@ class TakeIn:
         # include_stop_str_in_output; its id still counts, with its log-prob.
         shown = reason != "stop" or params.include_stop_str_in_output
         text = detok.step(token_id) if detok and shown else ""
-        error = None
+        error, error_status = None, 500
         if request.grammar is not None:  # the token was consumed in step(), all at once
             matcher = request.grammar
             if matcher.is_error():
                 reason, error = "error", f"structured output: {matcher.get_error()}"
+                if error.startswith("structured output: NoExtensionBias"):
+                    # The request's grammar allows no text after what it allowed so far (a
+                    # rule that matches nothing, which no check finds before): its own fault.
+                    error_status = 400
+                    error = (
+                        "structured output: the constraint allows nothing after the "
+                        f"{request.num_output_tokens - 1} tokens before this one (a rule of "
+                        "it matches no text)"
+                    )
             elif matcher.is_stopped():
                 reason = "stop"  # the grammar is complete: nothing more may follow
         if reason is not None and detok:
@@ -152,7 +161,7 @@ class TakeIn:
             self._drop(request)
             self.stats.finished.append(finished_stats(request, reason, now))
         out = request.output([token_id], text, reason, [logprob] if logprob is not None else None)
-        out.error = error
+        out.error, out.error_status = error, error_status
         return out
 
     def _pooled(self, request: Request, vector: bytes, now: float) -> RequestOutput:

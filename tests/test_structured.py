@@ -299,6 +299,16 @@ def test_the_schema_true_means_any_json_value(server, model_dir):
     assert "allows no value" in r.json()["error"]["message"]
 
 
+def test_a_grammar_that_dead_ends_is_the_requests_400(server):
+    """A rule that matches nothing, reached only after a first token (no check finds it
+    before): the request ends with a 400 of its own, not a 500 "The engine failed"."""
+    body = {"prompt": "x", "max_tokens": 5, "guided_grammar": 'start: "a" b\nb: /[^\\s\\S]/'}
+    r = httpx.post(server.url + "/v1/completions", json=body)
+    assert r.status_code == 400, r.text
+    assert "allows nothing after" in r.json()["error"]["message"], r.text
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
 def test_serving_goes_on_after_bad_constraints(server):
     r = httpx.post(
         server.url + "/v1/completions",
