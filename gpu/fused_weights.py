@@ -1,15 +1,17 @@
 """Checkpoint tensors that hold several of weir's weights: Phi-3's `qkv_proj` (Q, K and V
 stacked by output rows) and `gate_up_proj` (gate, then up). Each is cut by rows into the
 tensors a Llama checkpoint would have, which the model then stacks again as it stacks a
-Llama's (one product for Q/K/V, one for gate/up)."""
+Llama's (one product for Q/K/V, one for gate/up). A GGUF file's blocks are cut by whole rows."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 from core.config import CheckpointError
+from gpu.quant.tensor import BlockTensor
 
 FUSED = {
     "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
@@ -35,10 +37,13 @@ def split_fused(name: str, value: Any, spec: Any) -> list[tuple[str, torch.Tenso
         sizes = [spec.num_heads * spec.head_dim, kv, kv]
     else:
         sizes = [spec.intermediate_size] * 2
-    if not isinstance(value, torch.Tensor):
+    if not isinstance(value, torch.Tensor | BlockTensor):
         raise CheckpointError(f"{name}: a fused layer in {type(value).__name__} is not served")
     if value.shape[0] != sum(sizes):
         raise CheckpointError(
             f"weight {name!r} has {value.shape[0]} rows, the model expects {sum(sizes)}"
         )
-    return list(zip(names, torch.split(value, sizes)))
+    if isinstance(value, torch.Tensor):
+        return list(zip(names, torch.split(value, sizes)))
+    ends = np.cumsum([0, *sizes])  # a GGUF file's blocks: whole rows move, none requantized
+    return [(n, value.take_rows(np.arange(a, b))) for n, a, b in zip(names, ends, ends[1:])]

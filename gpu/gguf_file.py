@@ -37,6 +37,10 @@ def is_gguf(path: Path) -> bool:
     return path.is_file() and path.suffix.lower() == ".gguf"
 
 
+# tensors of the rotation, not of a layer: llama3-style divisors, Phi-3's LongRoPE factors
+ROTATION_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
+
+
 class GgufCheckpoint:
     def __init__(self, path: Path) -> None:
         import gguf
@@ -79,8 +83,9 @@ class GgufCheckpoint:
 
     # ---- configuration ----
     def config(self) -> Any:
-        """A Hugging Face config (LlamaConfig, Qwen2Config, Qwen3Config) of the file's shapes."""
-        from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+        """A Hugging Face config (LlamaConfig, Phi3Config, Qwen2Config, Qwen3Config) of the
+        file's shapes."""
+        from transformers import LlamaConfig, Phi3Config, Qwen2Config, Qwen3Config
 
         a = self.arch
         hidden = int(self.get(f"{a}.embedding_length"))
@@ -101,12 +106,19 @@ class GgufCheckpoint:
             num_key_value_heads=kv_heads,
             max_position_embeddings=int(self.get(f"{a}.context_length", 4096)),
             rms_norm_eps=float(self.get(f"{a}.attention.layer_norm_rms_epsilon")),
-            rope_parameters=self._rope(),
+            rope_parameters=self._rope(head_dim),
             tie_word_embeddings="output.weight" not in self.tensors,
             bos_token_id=self.get("tokenizer.ggml.bos_token_id", None),
             eos_token_id=self._end_tokens(),
             dtype=self._dtype(),
         )
+        if a == "phi3":  # a window of 0: none (llama.cpp's converter writes Phi-4's so)
+            window = int(self.get("phi3.attention.sliding_window", 0) or 0)
+            return Phi3Config(
+                **common,
+                sliding_window=window or None,
+                original_max_position_embeddings=self._original_context(),
+            )
         if a == "qwen2":
             if head_dim != hidden // heads:
                 raise CheckpointError(f"{self.path.name}: qwen2 with a head size of {head_dim}")
@@ -124,11 +136,26 @@ class GgufCheckpoint:
                 ids.append(value)
         return None if not ids else ids[0] if len(ids) == 1 else ids
 
-    def _rope(self) -> dict[str, Any]:
+    def _original_context(self) -> int:
+        a = self.arch
+        fallback = self.get(f"{a}.context_length", 4096)
+        return int(self.get(f"{a}.rope.scaling.original_context_length", fallback))
+
+    def _rope(self, head_dim: int) -> dict[str, Any]:
         a = self.arch
         params: dict[str, Any] = {"rope_theta": float(self.get(f"{a}.rope.freq_base", 10000.0))}
+        rotated = int(self.get(f"{a}.rope.dimension_count", head_dim))
+        if rotated != head_dim:  # refused by name (gpu/models/spec.py)
+            params["partial_rotary_factor"] = rotated / head_dim
         kind = self.get(f"{a}.rope.scaling.type", "none")
-        if kind in ("none", ""):
+        if "rope_factors_long.weight" in self.tensors:  # Phi-3's LongRoPE, as two tensors
+            params.update(
+                rope_type="longrope",
+                long_factor=self._floats("rope_factors_long.weight"),
+                short_factor=self._floats("rope_factors_short.weight"),
+                original_max_position_embeddings=self._original_context(),
+            )
+        elif kind in ("none", ""):
             params["rope_type"] = "default"
         elif kind == "linear":
             params.update(rope_type="linear", factor=float(self.get(f"{a}.rope.scaling.factor")))
@@ -143,6 +170,11 @@ class GgufCheckpoint:
         else:
             raise CheckpointError(f"{self.path.name}: rope scaling {kind!r} is not served")
         return params
+
+    def _floats(self, name: str) -> list[float]:
+        if name not in self.tensors:
+            raise CheckpointError(f"{self.path.name}: no {name} tensor")
+        return np.array(self.tensors[name].data, dtype=np.float32).tolist()
 
     def rope_factors(self) -> torch.Tensor | None:
         """llama3-style per-frequency divisors (the rope_freqs tensor), when the file has them."""
@@ -168,9 +200,9 @@ class GgufCheckpoint:
         heads = int(self.get(f"{self.arch}.attention.head_count"))
         kv_heads = int(self.get(f"{self.arch}.attention.head_count_kv", heads))
         for name, t in self.tensors.items():
-            if name == "rope_freqs.weight":
-                continue
-            target = hf_name(name)
+            if name in ROTATION_TENSORS:
+                continue  # read by rope_factors and _rope
+            target = hf_name(name, fused=self.arch == "phi3")
             if target is None:
                 raise CheckpointError(f"{self.path.name}: tensor {name} has no place in the model")
             fmt = BY_GGML_TYPE[int(t.tensor_type)]

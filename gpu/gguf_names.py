@@ -6,7 +6,12 @@ from __future__ import annotations
 import numpy as np
 
 # The GGUF architectures weir serves -> the Hugging Face class (gpu/models/spec.py ARCHITECTURES)
-ARCHES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+ARCHES = {
+    "llama": "LlamaForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
 
 # HF module names (under model.layers.N.) -> GGUF's (under blk.N.)
 LAYER_NAMES = {
@@ -22,8 +27,12 @@ LAYER_NAMES = {
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
 }
+# Phi-3's fused layers (gpu/fused_weights.py): Q/K/V as one tensor, gate and up as llama.cpp's
+# ffn_up of twice the rows
+FUSED_NAMES = {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
 TOP_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 _LAYER_HF = {v: k for k, v in LAYER_NAMES.items()}
+_FUSED_HF = {v: k for k, v in FUSED_NAMES.items()}
 _TOP_HF = {v: k for k, v in TOP_NAMES.items()}
 
 
@@ -33,21 +42,24 @@ def gguf_name(hf_name: str) -> str:
     if stem in TOP_NAMES:
         return f"{TOP_NAMES[stem]}.{kind}"
     parts = stem.split(".")
-    if parts[:2] == ["model", "layers"] and ".".join(parts[3:]) in LAYER_NAMES:
-        return f"blk.{parts[2]}.{LAYER_NAMES['.'.join(parts[3:])]}.{kind}"
+    layer = ".".join(parts[3:])
+    if parts[:2] == ["model", "layers"] and layer in {**LAYER_NAMES, **FUSED_NAMES}:
+        return f"blk.{parts[2]}.{LAYER_NAMES.get(layer) or FUSED_NAMES[layer]}.{kind}"
     raise ValueError(f"no GGUF name for {hf_name!r}")
 
 
-def hf_name(name: str) -> str | None:
-    """blk.3.ffn_up.weight -> model.layers.3.mlp.up_proj.weight; None for a tensor weir has no
-    module for."""
+def hf_name(name: str, fused: bool = False) -> str | None:
+    """blk.3.ffn_up.weight -> model.layers.3.mlp.up_proj.weight (`fused`, Phi-3's file:
+    mlp.gate_up_proj; attn_qkv -> self_attn.qkv_proj); None for a tensor weir has no module
+    for."""
     stem, _, kind = name.rpartition(".")
     if stem in _TOP_HF:
         return f"{_TOP_HF[stem]}.{kind}"
     parts = stem.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_HF:
-        return f"model.layers.{parts[1]}.{_LAYER_HF[parts[2]]}.{kind}"
-    return None
+    if len(parts) != 3 or parts[0] != "blk" or not parts[1].isdigit():
+        return None
+    layer = (_FUSED_HF.get(parts[2]) if fused else None) or _LAYER_HF.get(parts[2])
+    return None if layer is None else f"model.layers.{parts[1]}.{layer}.{kind}"
 
 
 def llama_permute(w: np.ndarray, heads: int) -> np.ndarray:

@@ -248,8 +248,10 @@ def load_gguf_weights(model: DecoderForCausalLM, ckpt: GgufCheckpoint) -> None:
         raise CheckpointError("tensor parallelism serves safetensors checkpoints, not GGUF files")
     targets = Targets(model)
     for name, value in ckpt.weights():
-        if targets.wants(name):
-            targets.place(name, value)
+        parts = split_fused(name, value, model.spec) if fused_parts(name) else [(name, value)]
+        for part, rows in parts:
+            if targets.wants(part):
+                targets.place(part, rows)
     targets.check_complete()
 
 

@@ -133,3 +133,41 @@ def test_fused_tensors_are_cut_by_the_models_sizes(tmp_path):
                                        "model.layers.0.mlp.up_proj.weight"]  # fmt: skip
     with pytest.raises(CheckpointError, match="has 100 rows, the model expects 128"):
         split_fused(name, torch.zeros(100, 64), spec)
+
+
+@pytest.mark.parametrize("rope", ["window", "longrope"])
+def test_a_phi3_gguf_file_serves_as_its_checkpoint(tmp_path, rope):
+    """Phi-3 as llama.cpp's converter writes it (attn_qkv, ffn_up of gate and up, the sliding
+    window and LongRoPE's factors as keys and tensors; written here by weir's writer, whose
+    names and keys were checked against that converter's file of the same model): the same
+    logits as transformers on the checkpoint, with the file's own tokenizer."""
+    from gpu.quant.gguf_write import uniform, write_gguf
+
+    if rope == "window":
+        hf = build_tiny_model(tmp_path / "hf", "phi3", sliding_window=8)
+        ids = prompt(30)
+    else:
+        hf = build_tiny_model(
+            tmp_path / "hf", "phi3", max_position_embeddings=256, rope_scaling=LONGROPE
+        )
+        ids = prompt(80)  # past the pretrained 64: the long factors
+    path = write_gguf(hf, tmp_path / "phi3.gguf", uniform("f32"))
+    got, tokens = first_logits(path, ids, num_kv_blocks=64)
+    want, hf_tokens = transformers_run(hf, ids)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert tokens == hf_tokens
+
+
+def test_a_quantized_fused_tensor_is_cut_by_whole_rows_of_blocks(tmp_path):
+    from gpu.gguf_file import GgufCheckpoint
+    from gpu.quant.gguf_write import uniform, write_gguf
+
+    hf = build_tiny_model(tmp_path / "hf", "phi3")
+    ckpt = GgufCheckpoint(write_gguf(hf, tmp_path / "q8.gguf", uniform("q8_0")))
+    spec = ModelSpec.from_hf_config(ckpt.config())
+    weights = dict(ckpt.weights())
+    for fused, sizes in (("self_attn.qkv_proj", [64, 32, 32]), ("mlp.gate_up_proj", [128, 128])):
+        whole = weights[f"model.layers.1.{fused}.weight"]
+        parts = split_fused(f"model.layers.1.{fused}.weight", whole, spec)
+        assert [p.shape[0] for _, p in parts] == sizes
+        assert torch.equal(torch.cat([p.dequantize() for _, p in parts]), whole.dequantize())

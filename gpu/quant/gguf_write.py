@@ -1,16 +1,17 @@
-"""A Hugging Face checkpoint (Llama, Qwen2, Qwen3) written as a GGUF file with the `gguf`
+"""A Hugging Face checkpoint (Llama, Phi-3, Qwen2, Qwen3) written as a GGUF file with the `gguf`
 package's writer, each weight in a chosen format (weir's quantizers, gpu/quant/quantize.py), the
 names, metadata and Q/K row order as llama.cpp's convert_hf_to_gguf.py writes them, and the
 tokenizer (byte-level BPE) as `tokenizer.ggml.*` entries with its chat template.
 
 The tests serve the files this writes (tests/test_gguf.py); the benchmarks write random-weight
 models of real sizes with it (`write_random_gguf`). Not a replacement for llama.cpp's converter: no
-rope scaling, no sentencepiece tokenizers.
+rope scaling but Phi-3's LongRoPE, no sentencepiece tokenizers.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -78,6 +79,11 @@ def write_gguf(
     if tensors is None:
         tensors = _checkpoint(hf_dir)
     tie = config.get("tie_word_embeddings", arch != "llama")
+    rope = config.get("rope_parameters") or {}
+    if rope.get("rope_type") == "longrope":  # Phi-3's factors, as llama.cpp writes them
+        for kind in ("long", "short"):
+            factors = np.array(rope[f"{kind}_factor"], np.float32)
+            w.add_tensor(f"rope_factors_{kind}.weight", factors)
     for name, t in tensors:
         if name.endswith("rotary_emb.inv_freq") or (tie and name == "lm_head.weight"):
             continue
@@ -107,8 +113,9 @@ def _writer(out: Path, config: dict, tokenizer_dir: Path) -> tuple[gguf.GGUFWrit
     if arch is None:
         raise ValueError(f"gguf_write: no GGUF architecture for {config.get('architectures')}")
     rope = config.get("rope_parameters") or {}
-    if config.get("rope_scaling") or rope.get("rope_type", "default") != "default":
-        raise ValueError("gguf_write: rope scaling is not written")
+    kind = rope.get("rope_type", "default")
+    if config.get("rope_scaling") or kind not in ("default", *(["longrope"] * (arch == "phi3"))):
+        raise ValueError("gguf_write: rope scaling is not written (Phi-3's LongRoPE is)")
     heads = config["num_attention_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
     w = gguf.GGUFWriter(str(out), arch)
@@ -125,8 +132,19 @@ def _writer(out: Path, config: dict, tokenizer_dir: Path) -> tuple[gguf.GGUFWrit
     w.add_rope_freq_base(float(config.get("rope_theta") or rope.get("rope_theta", 10000.0)))
     w.add_layer_norm_rms_eps(float(config["rms_norm_eps"]))
     w.add_vocab_size(config["vocab_size"])
+    if arch == "phi3":  # as llama.cpp's converter writes Phi-3 (its factors are tensors)
+        w.add_sliding_window(config.get("sliding_window") or 0)
+        original = rope.get("original_max_position_embeddings")
+        w.add_rope_scaling_orig_ctx_len(original or config.get("max_position_embeddings", 4096))
+        if kind == "longrope":
+            w.add_rope_scaling_attn_factors(_longrope_attention_factor(config, original))
     _write_tokenizer(w, tokenizer_dir, config)
     return w, arch
+
+
+def _longrope_attention_factor(config: dict, original: int) -> float:
+    scale = config.get("max_position_embeddings", original) / original
+    return math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1.0 else 1.0
 
 
 def _checkpoint(hf_dir: Path) -> Iterator[tuple[str, np.ndarray]]:
