@@ -56,6 +56,7 @@ def check_request(
         ("prompt", req.prompt_token_ids),
         ("logit_bias", params.logit_bias),
         ("stop_token_ids", params.stop_token_ids),
+        ("allowed_token_ids", params.allowed_token_ids or ()),
     ):
         problem = _outside(ids, vocab)
         if problem is not None:

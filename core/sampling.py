@@ -31,6 +31,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, gc=False):
     ignore_eos: bool = False
     seed: int | None = None
     logit_bias: dict[int, float] = {}
+    # Only these tokens may be sampled (vLLM's allowed_token_ids); None: any.
+    allowed_token_ids: list[int] | None = None
     logprobs: int | None = None  # top alternatives per generated token (0: just the chosen one)
     prompt_logprobs: int | None = None  # the same for every prompt token
     skip_special_tokens: bool = True
@@ -94,6 +96,11 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, gc=False):
                 raise InvalidParam(
                     "logit_bias", f"bias {bias} for token {token} is outside [-100, 100]"
                 )
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                raise InvalidParam("allowed_token_ids", "allowed_token_ids must not be empty")
+            if any(t < 0 for t in self.allowed_token_ids):
+                raise InvalidParam("allowed_token_ids", "token ids must not be negative")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
             # The upper bound is the server's --max-logprobs (core.request_check.check_request).
@@ -120,6 +127,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, gc=False):
             "frequency_penalty": self.frequency_penalty != 0.0,
             "repetition_penalty": self.repetition_penalty != 1.0,
             "logit_bias": bool(self.logit_bias),
+            "allowed_token_ids": self.allowed_token_ids is not None,
             "response_format": self.structured is not None,
             "prompt_logprobs": self.prompt_logprobs is not None,
         }

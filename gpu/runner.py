@@ -174,10 +174,26 @@ class ModelRunner:
             )
         if ban_rows:
             m.ban = (self._tensor(ban_rows, torch.int64), self._tensor(ban_tokens, torch.int64))
+        if any(p.allowed_token_ids is not None for p in params):
+            m.allowed = self._allowed(requests)
         if any(p.needs_penalties for p in params):
             self._penalties(m, requests, params)
         m.max_logprobs = max(asked) if asked else None
         return m
+
+    def _allowed(self, requests: list[RunnerRequest]):
+        """(rows, keep [rows, vocab]) of the rows with allowed_token_ids: one index per row,
+        each request's ids copied to the device once."""
+        rows = [
+            i for i, r in enumerate(requests) if r.sampling_params.allowed_token_ids is not None
+        ]
+        keep = torch.zeros((len(rows), self.vocab_size), dtype=torch.bool, device=self.device)
+        for j, i in enumerate(rows):
+            r = requests[i]
+            if r.allowed is None:
+                r.allowed = self._tensor(r.sampling_params.allowed_token_ids, torch.int64)
+            keep[j, r.allowed] = True
+        return self._tensor(rows, torch.int64), keep
 
     def _penalties(self, m: SamplingMetadata, requests, params) -> None:
         n, vocab = len(requests), self.vocab_size

@@ -34,6 +34,7 @@ class RunnerRequest:
         "pool_state",
         "num_known",
         "lora",
+        "allowed",
     )
 
     def __init__(self, new: NewRequest) -> None:
@@ -49,6 +50,7 @@ class RunnerRequest:
         # for a sample of its own the engine has not seen yet (a `pending` entry).
         self.num_known = len(self.token_ids)
         self.lora = new.lora  # its adapter (core/lora.py LoraRef), or None: the base model
+        self.allowed = None  # its allowed_token_ids on the device, made on first use
 
     @property
     def num_tokens(self) -> int:
@@ -121,6 +123,7 @@ class RunnerRequests:
             r.pool_state = None
             r.num_known = f.num_tokens
             r.lora = src.lora
+            r.allowed = None
             requests[f.dst] = r
 
     def tables(self, scheduled: list[RunnerRequest]) -> StepTables:

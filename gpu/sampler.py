@@ -1,12 +1,12 @@
 """Sampler: logits processing and sampling for the whole batch, in tensors.
 
-Order, as vLLM applies it: the structured-output grammar's mask, logit bias, min_tokens bans,
-repetition/frequency/presence penalties, temperature, top-k/top-p/min-p filtering, then sampling
-(greedy rows take the argmax). Log-probs are, as vLLM's default (`--logprobs-mode
-raw_logprobs`) and OpenAI's, the model's own distribution: before any of the above, whatever the
-temperature or filters. `processed_logprobs` gives those of the distribution actually sampled
-from (after all of the above; greedy rows at temperature 1; filtered tokens -inf), and
-`raw_logits` / `processed_logits` the logits themselves.
+Order, as vLLM applies it: the structured-output grammar's mask, allowed_token_ids, logit bias,
+min_tokens bans, repetition/frequency/presence penalties, temperature, top-k/top-p/min-p
+filtering, then sampling (greedy rows take the argmax). Log-probs are, as vLLM's default
+(`--logprobs-mode raw_logprobs`) and OpenAI's, the model's own distribution: before any of the
+above, whatever the temperature or filters. `processed_logprobs` gives those of the distribution
+actually sampled from (after all of the above; greedy rows at temperature 1; filtered tokens
+-inf), and `raw_logits` / `processed_logits` the logits themselves.
 """
 
 from __future__ import annotations
@@ -34,6 +34,8 @@ class SamplingMetadata:
     need_min_p: bool = False
     # (row, generator) for requests with their own seed.
     seeded: list[tuple[int, torch.Generator]] = field(default_factory=list)
+    # allowed_token_ids: (rows [k], keep [k, vocab] bool); the rest of a row's tokens -inf.
+    allowed: tuple[torch.Tensor, torch.Tensor] | None = None
     # Sparse additions: logits[rows, tokens] += values.
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     # Tokens banned (EOS and stop tokens before min_tokens): logits[rows, tokens] = -inf.
@@ -198,15 +200,20 @@ class Sampler:
         if m.grammar is not None:
             g_rows, g_mask = m.grammar
             logits = self.backend.apply_token_bitmask(logits, g_rows, g_mask)
-            if m.bias is not None or m.ban is not None:
+            if m.bias is not None or m.ban is not None or m.allowed is not None:
                 grammar_only = logits.index_select(0, g_rows)
+        if m.allowed is not None:
+            a_rows, keep = m.allowed
+            kept = logits.index_select(0, a_rows).masked_fill(~keep, float("-inf"))
+            logits = logits.index_copy(0, a_rows, kept)
         if m.bias is not None:
             rows, tokens, values = m.bias
             logits = logits.index_put((rows, tokens), values, accumulate=True)
         if m.ban is not None:
             logits = logits.index_put(m.ban, torch.tensor(float("-inf"), device=logits.device))
         if grammar_only is not None:
-            # A bias or a min_tokens ban can leave a constrained row nothing the grammar allows
+            # A bias, allowed_token_ids or a min_tokens ban can leave a constrained row nothing
+            # the grammar allows
             # (EOS banned where the grammar must end): the grammar wins, the row goes back to
             # its grammar-masked logits. No host sync: a where over the constrained rows.
             sub = logits.index_select(0, g_rows)

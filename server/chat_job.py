@@ -10,7 +10,7 @@ from core.sampling import SamplingParams
 from core.structured import Constraint
 from server import chat, reasoning, structured, tools
 from server.errors import APIError
-from server.params import sampling_params
+from server.params import sampling_params, truncate_prompt
 from server.protocol import ChatCompletionRequest
 from server.reasoning import ThinkParser
 from server.reply import Reply
@@ -57,7 +57,7 @@ async def prepare_chat(
         raise APIError(400, "top_logprobs needs logprobs to be true", "top_logprobs")
     prompt_text = chat.request_text(st.tokenizer, st.chat_template, req)
     # The template already wrote any BOS it wants; don't let the tokenizer add another.
-    prompt = st.tokenizer.encode(prompt_text, add_special_tokens=False)
+    prompt = truncate_prompt(st, req, st.tokenizer.encode(prompt_text, add_special_tokens=False))
     thinker = reasoning.PARSERS[st.reasoning_parser] if st.reasoning_parser else None
     call_parser, call_constraint = tools.tool_parser(st, req)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None

@@ -15,7 +15,13 @@ from server.chat_job import prepare_chat
 from server.errors import APIError
 from server.prompts import token_lists
 from server.logprobs import CompletionLogprobsBuilder, chat_logprobs, prompt_logprobs
-from server.params import check_common, include_usage, sampling_params, tokens_as_ids
+from server.params import (
+    check_common,
+    include_usage,
+    sampling_params,
+    tokens_as_ids,
+    truncate_prompt,
+)
 from server.protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -165,7 +171,7 @@ async def completions() -> Response:
         raise APIError(400, "suffix (text after the insertion point) is not supported", "suffix")
     if (req.best_of or 1) > 1:
         raise APIError(400, "best_of above 1 is not supported; ask for n samples", "best_of")
-    prompts = token_lists(st, req.prompt, "prompt")
+    prompts = [truncate_prompt(st, req, p) for p in token_lists(st, req.prompt, "prompt")]
     constraint = await structured.request_constraint(st, req)
     params = sampling_params(
         st, req, req.max_tokens, max(len(p) for p in prompts), req.logprobs, constraint

@@ -101,6 +101,7 @@ def sampling_params(
         ignore_eos=req.ignore_eos,
         seed=None if beams else req.seed,
         logit_bias=bias,
+        allowed_token_ids=req.allowed_token_ids,
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
         skip_special_tokens=req.skip_special_tokens,
@@ -115,6 +116,35 @@ def sampling_params(
     except InvalidParam as e:
         raise APIError(400, e.message, e.param, "invalid_value") from None
     return params
+
+
+def truncate_prompt(st: ServerState, req: SamplingFields, ids: list[int]) -> list[int]:
+    """truncate_prompt_tokens as vLLM reads it: keep that many prompt tokens (-1: the context
+    less one token for the output), the last ones, or the first with truncation_side "right"."""
+    keep = req.truncate_prompt_tokens
+    if keep is None:
+        return ids
+    if keep == -1:
+        keep = st.max_model_len - 1
+    if keep == 0:
+        raise APIError(
+            400,
+            "truncate_prompt_tokens=0 leaves no prompt; use a positive count, or -1 for as many "
+            "as the context holds",
+            "truncate_prompt_tokens",
+            "invalid_value",
+        )
+    if keep > st.max_model_len:
+        raise APIError(
+            400,
+            f"truncate_prompt_tokens={keep} is more than the model's context "
+            f"({st.max_model_len} tokens)",
+            "truncate_prompt_tokens",
+            "invalid_value",
+        )
+    if len(ids) <= keep:
+        return ids
+    return ids[:keep] if req.truncation_side == "right" else ids[-keep:]
 
 
 def logprobs_field(req: SamplingFields) -> str:

@@ -4,7 +4,7 @@ are accepted and ignored."""
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
@@ -106,6 +106,11 @@ class SamplingFields(msgspec.Struct, kw_only=True):
         | None
     ) = None
     prompt_logprobs: LogprobCount | None = None
+    allowed_token_ids: list[Annotated[int, Meta(ge=0)]] | None = None  # only these may be drawn
+    # vLLM's: keep this many prompt tokens (-1: the context less one), the last ones unless
+    # truncation_side is "right"
+    truncate_prompt_tokens: Annotated[int, Meta(ge=-1)] | None = None
+    truncation_side: Literal["left", "right"] | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     user: str | None = None
