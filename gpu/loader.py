@@ -20,11 +20,13 @@ from core.config import CheckpointError
 from gpu.fused_weights import fused_parts, split_fused
 from gpu.gguf_file import GgufCheckpoint, is_gguf
 from gpu.models.decoder import DecoderForCausalLM
+from gpu.models.partial_rope import reorder_heads, reordered
 from gpu.models.rope import Rope
 from gpu.models.spec import ModelSpec
 from gpu.quant.fp8 import Fp8Scheme
 from gpu.quant.fp8 import PARTS as FP8_PARTS
 from gpu.quant.int4 import PARTS, Int4Scheme, repack
+from gpu.quant.tensor import BlockTensor
 from gpu.dist.parallel import TensorParallel, shard
 
 log = logging.getLogger("weir.loader")
@@ -129,6 +131,13 @@ class Targets:
         raise CheckpointError(f"unexpected weight {name!r} in the checkpoint")
 
     def place(self, name: str, value: Any) -> None:
+        spec = self.model.spec
+        if spec.rotary_dim and reordered(name):  # a partial rotation (gpu/models/partial_rope.py)
+            if not isinstance(value, torch.Tensor | BlockTensor):
+                raise CheckpointError(
+                    f"{name}: a partial rotation over {type(value).__name__} weights is not served"
+                )
+            value = reorder_heads(value, spec.head_dim, spec.rotary_dim)
         shape = tuple(value.shape)
         if name in self.modules:
             mod, kind, want = self.modules[name]
@@ -279,7 +288,7 @@ def load_model(
     else:
         load_weights(model, path, int4_scheme(path, config))
     model.prepare()
-    model.rope = Rope(config, spec.head_dim, device, factors)
+    model.rope = Rope(config, spec.head_dim, device, factors, spec.rotary_dim)
     return model.eval()
 
 

@@ -12,6 +12,7 @@ from core.request import EngineRequest
 from core.sampling import SamplingParams
 from gpu.fused_weights import fused_parts, split_fused
 from gpu.launch import load
+from gpu.models.partial_rope import head_order
 from gpu.models.spec import ModelSpec
 from gpu.tiny_model import build_tiny_model
 
@@ -97,7 +98,33 @@ def test_longrope_long_factors_past_it(tmp_path):
     assert not torch.equal(long_freq, short_freq)
 
 
-def test_partial_rotation_is_refused(tmp_path):
+@pytest.mark.parametrize("rope", ["window", "longrope", "gguf"])
+def test_a_partial_rotation_matches_transformers(tmp_path, rope):
+    """Phi-4-mini's partial_rotary_factor (here half of each 16-element head rotated): each Q and
+    K head reordered at load (gpu/models/partial_rope.py) so that weir's full-head rotation
+    rotates those elements and passes the rest; with a window, with LongRoPE's long factors
+    (and their attention factor on the rotated elements only), and from a GGUF file."""
+    from gpu.quant.gguf_write import uniform, write_gguf
+
+    partial = {"rope_type": "default", "partial_rotary_factor": 0.5}
+    if rope == "longrope":
+        scaling = {**LONGROPE, "partial_rotary_factor": 0.5}
+        scaling["short_factor"], scaling["long_factor"] = [1.0, 1.5, 2.0, 3.0], [1.0, 3.0, 6, 9]
+        hf = build_tiny_model(
+            tmp_path / "hf", "phi3", max_position_embeddings=256, rope_scaling=scaling
+        )
+        ids = prompt(80)
+    else:
+        hf = build_tiny_model(tmp_path / "hf", "phi3", sliding_window=8, rope_scaling=partial)
+        ids = prompt(30)
+    path = write_gguf(hf, tmp_path / "p.gguf", uniform("f32")) if rope == "gguf" else hf
+    got, tokens = first_logits(path, ids, num_kv_blocks=64)
+    want, hf_tokens = transformers_run(hf, ids)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert tokens == hf_tokens
+
+
+def test_a_rotation_of_an_odd_number_of_elements_is_refused():
     from transformers import Phi3Config
 
     config = Phi3Config(
@@ -106,11 +133,16 @@ def test_partial_rotation_is_refused(tmp_path):
         num_hidden_layers=1,
         intermediate_size=128,
         vocab_size=100,
-        partial_rotary_factor=0.75,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 1e4,
+            "partial_rotary_factor": 0.1875,
+        },
     )
     config.architectures = ["Phi3ForCausalLM"]
-    with pytest.raises(CheckpointError, match="partial_rotary_factor 0.75"):
+    with pytest.raises(CheckpointError, match="partial_rotary_factor 0.1875: 3 rotated elements"):
         ModelSpec.from_hf_config(config)
+    assert head_order(16, 8).tolist() == [0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15]
 
 
 def test_fused_tensors_are_cut_by_the_models_sizes(tmp_path):
@@ -171,3 +203,23 @@ def test_a_quantized_fused_tensor_is_cut_by_whole_rows_of_blocks(tmp_path):
         parts = split_fused(f"model.layers.1.{fused}.weight", whole, spec)
         assert [p.shape[0] for _, p in parts] == sizes
         assert torch.equal(torch.cat([p.dequantize() for _, p in parts]), whole.dequantize())
+
+
+@pytest.mark.parametrize("partial", [1.0, 0.5])
+def test_phi3_on_the_cuda_backend(tmp_path, monkeypatch, partial):
+    """The CUDA backend's kernels (Triton's interpreter here: the fused rotation and K/V write,
+    the attention kernels with the window) on Phi-3, whole and partly rotated heads."""
+    from gpu import assemble
+    from gpu.attention.select import get_backend
+    from gpu.cuda.backend import CudaBackend
+
+    scaling = {"rope_type": "default", "partial_rotary_factor": partial}
+    hf = build_tiny_model(tmp_path / "hf", "phi3", sliding_window=8, rope_scaling=scaling)
+    monkeypatch.setattr(
+        assemble, "choose_backend", lambda c, d, t: CudaBackend(get_backend("triton", d))
+    )
+    ids = prompt(30)
+    got, tokens = first_logits(hf, ids, num_kv_blocks=64)
+    want, hf_tokens = transformers_run(hf, ids)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert tokens == hf_tokens

@@ -45,13 +45,15 @@ class Rope:
         head_dim: int,
         device: torch.device,
         factors: torch.Tensor | None = None,
+        rotary_dim: int = 0,
     ) -> None:
         """`factors`: per-frequency divisors of the inverse frequencies (a GGUF file's
-        rope_freqs tensor, which carries llama3-style scaling)."""
+        rope_freqs tensor, which carries llama3-style scaling). `rotary_dim`: the elements of a
+        head rotated, when fewer than all (partial_rope.py: the rest get frequency 0)."""
         params = rope_parameters(config)
         rope_type = params.get("rope_type", "default")
         if rope_type == "default":
-            dim = head_dim
+            dim = rotary_dim or head_dim
             arange = torch.arange(0, dim, 2, dtype=torch.int64).to(device=device, dtype=torch.float)
             inv_freq = 1.0 / (params["rope_theta"] ** (arange / dim))
             scaling = 1.0
@@ -71,8 +73,9 @@ class Rope:
             if factors.numel() != inv_freq.numel():
                 raise ValueError(f"rope_freqs: {factors.numel()} factors for {inv_freq.numel()}")
             inv_freq = inv_freq.float().cpu() / factors.float()
-        self.inv_freq = inv_freq.float().to(device)
-        self.scaling = float(scaling)
+        self.head_dim = head_dim
+        self.inv_freq = self._padded(inv_freq.float().to(device))
+        self.scaling = self._scales(float(scaling))
         # On CPU, cos/sin of positions [0, n) per dtype, grown on demand: a step's rows are
         # looked up instead of computed (six torch ops a step down to two).
         # The table's rows are bitwise what the same arithmetic gives per step (tested).
@@ -87,9 +90,24 @@ class Rope:
         if self._long is None or max_model_len <= self._original:
             return
         inv_freq, scaling = self._long
-        self.inv_freq = inv_freq.float().to(self.inv_freq.device)
-        self.scaling = float(scaling)
+        self.inv_freq = self._padded(inv_freq.float().to(self.inv_freq.device))
+        self.scaling = self._scales(float(scaling))
         self._tables.clear()
+
+    def _padded(self, inv_freq: torch.Tensor) -> torch.Tensor:
+        """A partial rotation's frequencies, zeros for the elements passed through."""
+        self._pairs = inv_freq.numel()  # rotated pairs
+        rest = self.head_dim // 2 - self._pairs
+        return torch.cat([inv_freq, inv_freq.new_zeros(rest)]) if rest > 0 else inv_freq
+
+    def _scales(self, scaling: float) -> float | torch.Tensor:
+        """cos and sin's factor: a float, or per element when only some are rotated (the
+        elements passed through keep cos 1, sin 0)."""
+        if scaling == 1.0 or self._pairs == self.head_dim // 2:
+            return scaling
+        half = torch.ones(self.head_dim // 2, device=self.inv_freq.device)
+        half[: self._pairs] = scaling
+        return torch.cat([half, half])
 
     def _compute(self, positions: torch.Tensor, dtype: torch.dtype):
         # Same arithmetic as transformers (float32 angles, then cast) so logits match closely.

@@ -38,6 +38,7 @@ class ModelSpec:
     hidden_act: str
     max_position_embeddings: int  # the positions served, rope scaling included (rope.py)
     sliding_window: int = 0  # 0: every layer attends to the whole context
+    rotary_dim: int = 0  # elements of a head rotated (partial_rope.py); 0: all of them
 
     @classmethod
     def from_hf_config(cls, config: Any) -> ModelSpec:
@@ -58,10 +59,11 @@ class ModelSpec:
         partial = rope_parameters(config).get(
             "partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)
         )
-        if partial not in (None, 1, 1.0):
+        rotary_dim = int(head_dim * float(partial or 1.0))
+        if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
             raise CheckpointError(
-                f"partial_rotary_factor {partial}: weir rotates every dimension of a head "
-                "(Phi-4-mini's partial rotation is not served)"
+                f"partial_rotary_factor {partial}: {rotary_dim} rotated elements of a head of "
+                f"{head_dim} (an even number, at least 2, is needed)"
             )
         return cls(
             architecture=arch,
@@ -80,4 +82,5 @@ class ModelSpec:
             hidden_act=getattr(config, "hidden_act", "silu"),
             max_position_embeddings=context_length(config),
             sliding_window=int(window or 0),
+            rotary_dim=rotary_dim if rotary_dim < head_dim else 0,
         )
