@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 from typing import Protocol
 
+import msgspec
 from tokenizers import Tokenizer
 
 from core.beam import BeamGroup, BeamSearch, num_candidates, stop_ids
@@ -21,7 +22,7 @@ from core.request import (
     StepResult,
 )
 from core.request_check import check_request
-from core.sampling import InvalidParam
+from core.sampling import InvalidParam, bad_words_ids
 from core.runner_step import GrammarBatch, SchedulerOutput
 from core.scheduler import ScheduledSeq, ScheduledStep, Scheduler
 from core.speculative import SpeculativeConfig, Speculator
@@ -134,6 +135,8 @@ class EngineCore(TakeIn, BeamSteps):
         if req.request_id in self.requests:
             raise InvalidParam("request_id", f"request id {req.request_id!r} is already running")
         max_tokens = self.check(req)
+        if req.sampling_params.bad_words and not req.sampling_params.bad_words_token_ids:
+            req = self._with_bad_words_ids(req)
         slots = getattr(self.runner, "lora", None)
         if req.lora is not None and slots is not None:
             # Read its weights now (once; kept in host memory): an adapter whose files went
@@ -166,6 +169,23 @@ class EngineCore(TakeIn, BeamSteps):
         if _needs_known(params):
             self._num_need_known += 1
         self.scheduler.add(request)
+
+    def _with_bad_words_ids(self, req: EngineRequest) -> EngineRequest:
+        """The request with its bad_words tokenized (the runner bans by token)."""
+        if self.tokenizer is None:
+            raise InvalidParam("bad_words", "bad_words need the model's tokenizer")
+        tokenizer = self.tokenizer
+
+        def encode(text: str) -> list[int]:
+            return tokenizer.encode(text, add_special_tokens=False).ids
+
+        params = req.sampling_params
+        ids = bad_words_ids(encode, params.bad_words)
+        problem = next((t for w in ids for t in w if not 0 <= t < self.runner.vocab_size), None)
+        if problem is not None:
+            raise InvalidParam("bad_words", f"bad_words: token id {problem} is outside the model")
+        params = msgspec.structs.replace(params, bad_words_token_ids=ids)
+        return msgspec.structs.replace(req, sampling_params=params)
 
     @property
     def grammars(self) -> Grammars:
@@ -341,7 +361,12 @@ class EngineCore(TakeIn, BeamSteps):
 
 def _needs_known(params) -> bool:
     """Whether a request's steps need the step before taken in (its tokens on the host)."""
-    return params.structured is not None or params.needs_penalties or params.beam_width > 0
+    return (
+        params.structured is not None
+        or params.needs_penalties
+        or params.beam_width > 0
+        or bool(params.bad_words)
+    )
 
 
 class _Done:

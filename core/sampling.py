@@ -8,6 +8,7 @@ from core.structured import Constraint
 
 MAX_LOGIT_BIAS = 300
 MAX_STOP_STRINGS = 16
+MAX_BAD_WORDS = 128  # vLLM's VLLM_MAX_NUM_BAD_WORDS
 
 
 class SamplingParams(msgspec.Struct, omit_defaults=True, gc=False):
@@ -33,6 +34,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, gc=False):
     logit_bias: dict[int, float] = {}
     # Only these tokens may be sampled (vLLM's allowed_token_ids); None: any.
     allowed_token_ids: list[int] | None = None
+    # Words never generated (vLLM's bad_words): the engine tokenizes them into
+    # bad_words_token_ids (bad_words_ids), whose last token is banned after the others.
+    bad_words: list[str] = []
+    bad_words_token_ids: list[list[int]] = []
     logprobs: int | None = None  # top alternatives per generated token (0: just the chosen one)
     prompt_logprobs: int | None = None  # the same for every prompt token
     skip_special_tokens: bool = True
@@ -101,6 +106,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, gc=False):
                 raise InvalidParam("allowed_token_ids", "allowed_token_ids must not be empty")
             if any(t < 0 for t in self.allowed_token_ids):
                 raise InvalidParam("allowed_token_ids", "token ids must not be negative")
+        if len(self.bad_words) > MAX_BAD_WORDS:
+            raise InvalidParam("bad_words", f"at most {MAX_BAD_WORDS} bad words")
+        if any(not w.strip() for w in self.bad_words):
+            raise InvalidParam("bad_words", "bad words must not be empty or only whitespace")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
             # The upper bound is the server's --max-logprobs (core.request_check.check_request).
@@ -128,6 +137,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, gc=False):
             "repetition_penalty": self.repetition_penalty != 1.0,
             "logit_bias": bool(self.logit_bias),
             "allowed_token_ids": self.allowed_token_ids is not None,
+            "bad_words": bool(self.bad_words),
             "response_format": self.structured is not None,
             "prompt_logprobs": self.prompt_logprobs is not None,
         }
@@ -138,6 +148,32 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, gc=False):
                     f"{name} cannot be used with beam search (use_beam_search), which ranks "
                     "the model's own log-probabilities",
                 )
+
+
+def bad_words_ids(encode, words: list[str]) -> list[list[int]]:
+    """vLLM's tokenization of bad_words (`encode`: text to ids, no special tokens): each word as
+    it is (less leading spaces), and with one leading space where that is another first token
+    of the same length (a word inside the text)."""
+    out: list[list[int]] = []
+    for word in words:
+        bare = encode(word.lstrip())
+        if bare:
+            out.append(bare)
+        spaced = encode(" " + word.lstrip())
+        if spaced and (not bare or (spaced[0] != bare[0] and len(spaced) == len(bare))):
+            out.append(spaced)
+    return out
+
+
+def banned_by_bad_words(words_ids: list[list[int]], output: list[int]) -> list[int]:
+    """The tokens that would complete a bad word after `output` (a word's last token, where
+    the output ends with the rest of it)."""
+    banned = []
+    for ids in words_ids:
+        n = len(ids) - 1
+        if n <= len(output) and (n == 0 or output[-n:] == ids[:-1]):
+            banned.append(ids[-1])
+    return banned
 
 
 class InvalidParam(ValueError):

@@ -137,14 +137,15 @@ class Speculator:
         self.max_model_len = max_model_len
 
     def wants(self, request) -> bool:
-        """Whether a request speculates at all: not with penalties (their counts move with
-        every accepted token), pooling or beams (each step ranks every beam's next token); with
-        a grammar only from n-gram proposals (cut where the grammar refuses them, before the
-        step: a draft model's are made too late)."""
+        """Whether a request speculates at all: not with penalties or bad words (their counts
+        and bans move with every accepted token), pooling or beams (each step ranks every
+        beam's next token); with a grammar only from n-gram proposals (cut where the grammar
+        refuses them, before the step: a draft model's are made too late)."""
         params = request.sampling_params
         return (
             request.pooling is None
             and not params.needs_penalties
+            and not params.bad_words
             and not params.beam_width
             and not request.spec_off
             and (params.structured is None or self.config.method == "ngram")

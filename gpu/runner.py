@@ -19,6 +19,7 @@ import torch
 from core.beam import num_candidates, stop_ids
 from core.request import Logprob, StepResult
 from core.runner_step import GrammarBatch, SchedulerOutput
+from core.sampling import banned_by_bad_words
 from gpu import grammar_mask
 from gpu.attention.backend import AttentionMetadata
 from gpu.cuda.graphs import replay_or_run
@@ -160,10 +161,15 @@ class ModelRunner:
                 bias_rows.append(i)
                 bias_tokens.append(token)
                 bias_values.append(value)
-            if r.num_output_tokens + (offsets[i] if offsets else 0) < p.min_tokens:
-                banned = set(p.stop_token_ids)
-                if not p.ignore_eos:
-                    banned |= self.eos_token_ids
+            early = r.num_output_tokens + (offsets[i] if offsets else 0) < p.min_tokens
+            if early or p.bad_words_token_ids:
+                banned = set()
+                if early:
+                    banned.update(p.stop_token_ids)
+                    if not p.ignore_eos:
+                        banned |= self.eos_token_ids
+                if p.bad_words_token_ids:  # (never speculating: its outputs are all known)
+                    banned.update(banned_by_bad_words(p.bad_words_token_ids, r.output_token_ids))
                 ban_rows += [i] * len(banned)
                 ban_tokens += banned
         if bias_rows:

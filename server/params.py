@@ -102,6 +102,7 @@ def sampling_params(
         seed=None if beams else req.seed,
         logit_bias=bias,
         allowed_token_ids=req.allowed_token_ids,
+        bad_words=list(req.bad_words or []),
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
         skip_special_tokens=req.skip_special_tokens,

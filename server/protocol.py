@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
-from core.sampling import MAX_LOGIT_BIAS
+from core.sampling import MAX_BAD_WORDS, MAX_LOGIT_BIAS
 
 MAX_N = 64  # parallel samples per prompt
 MAX_TOKENS_BOUND = 1 << 20
@@ -107,6 +107,7 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     ) = None
     prompt_logprobs: LogprobCount | None = None
     allowed_token_ids: list[Annotated[int, Meta(ge=0)]] | None = None  # only these may be drawn
+    bad_words: Annotated[list[str], Meta(max_length=MAX_BAD_WORDS)] | None = None
     # vLLM's: keep this many prompt tokens (-1: the context less one), the last ones unless
     # truncation_side is "right"
     truncate_prompt_tokens: Annotated[int, Meta(ge=-1)] | None = None

@@ -17,7 +17,7 @@ import torch
 from core.config import EngineConfig
 from core.request import EngineRequest
 from core.runner_step import NewRequest, ScheduledRequest, SchedulerOutput
-from core.sampling import SamplingParams
+from core.sampling import SamplingParams, bad_words_ids
 from core.structured import Constraint
 from gpu.launch import load
 from gpu.runner_state import RunnerRequests
@@ -197,12 +197,32 @@ def test_grammars_and_penalties_take_the_previous_step_in_first(model_dir):
         EngineRequest(
             "pen", prompt(3, 8), SamplingParams(max_tokens=10, repetition_penalty=1.3, seed=3)
         ),
+        # bad words of two tokens: banned by the token before, which must be known
+        EngineRequest(
+            "bad", prompt(4, 8), SamplingParams(max_tokens=10, temperature=0, bad_words=words)
+        ),
     ]
-    sync, _ = drive(engine(model_dir, False), reqs())
+    sync_core = engine(model_dir, False)
+    plain = SamplingParams(max_tokens=10, temperature=0)
+    ids = drive(sync_core, [EngineRequest("p", prompt(4, 8), plain)])[0]["p"][0]
+    tok = sync_core.tokenizer
+
+    def encode(text: str) -> list[int]:
+        return tok.encode(text, add_special_tokens=False).ids
+
+    pairs = [tok.decode(ids[i : i + 2]) for i in range(len(ids) - 1)]
+    words = [
+        w for w, i in zip(pairs, range(len(ids))) if ids[i : i + 2] in bad_words_ids(encode, [w])
+    ]
+    assert words
+    sync, _ = drive(sync_core, reqs())
+    assert sync["bad"][0] != ids
     core = engine(model_dir, True)
     got, pending = drive(core, reqs())
     assert pending == 0
     same(got, sync)
+    alone = drive(core, reqs()[3:])
+    assert alone == ({"bad": sync["bad"]}, 0)
     assert core._num_need_known == 0  # every such request counted out when it ended
 
 

@@ -90,3 +90,49 @@ def test_bad_truncate_prompt_tokens_are_refused_by_name(server, value):
     r = post(server, "completions", truncate_prompt_tokens=value)
     assert r.status_code == 400
     assert r.json()["error"]["param"] == "truncate_prompt_tokens"
+
+
+def contains(ids: list[int], seq: list[int]) -> bool:
+    return any(ids[i : i + len(seq)] == seq for i in range(len(ids) - len(seq) + 1))
+
+
+@pytest.mark.parametrize("route", ["chat/completions", "completions"])
+def test_bad_words_are_never_generated(server, route):
+    from core.sampling import bad_words_ids
+
+    tok = server.state.tokenizer
+
+    def encode(text: str) -> list[int]:
+        return tok.encode(text, add_special_tokens=False)
+
+    logprobs = {"logprobs": True} if route == "chat/completions" else {"logprobs": 0}
+    common = dict(
+        temperature=0, max_tokens=24, ignore_eos=True, return_tokens_as_token_ids=True, **logprobs
+    )
+    ids = token_ids(post(server, route, **common).json(), route)
+    # words the greedy reply writes: one of a single token, one of two (banned after the first)
+    words = []
+    for n in (1, 2):
+        for k in range(len(ids) - n + 1):
+            word = tok.decode(ids[k : k + n])
+            if (
+                word.strip()
+                and "\ufffd" not in word
+                and ids[k : k + n] in bad_words_ids(encode, [word])
+            ):
+                words.append(word)
+                break
+    assert len(words) == 2
+    banned = bad_words_ids(encode, words)
+    r = post(server, route, bad_words=words, **common)
+    assert r.status_code == 200, r.text
+    got = token_ids(r.json(), route)
+    assert len(got) == 24 and got != ids
+    assert not any(contains(got, seq) for seq in banned)
+
+
+@pytest.mark.parametrize("value", [[""], ["  "], ["w"] * 129])
+def test_bad_bad_words_are_refused_by_name(server, value):
+    r = post(server, "completions", bad_words=value)
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == "bad_words"
