@@ -44,6 +44,7 @@ HANDLED: dict[str, tuple | None] = {
     "hidden_act": (lambda v: v in gemm.ACTIVATIONS, "an activation the kernel has not"),
     "max_position_embeddings": None,
     "sliding_window": None,  # one window for every layer, or none
+    "rotary_dim": None,  # a partial rotation: heads reordered at load, cos/sin tables padded
 }
 
 
