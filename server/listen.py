@@ -50,14 +50,30 @@ def api_server_sockets(
     starts. On Linux each server gets its own socket of one SO_REUSEPORT group: the kernel hands
     each new connection to one of them by a hash of its addresses, so connections spread evenly
     and each server accepts from its own queue (one socket shared by all would let whichever
-    server wakes first take a whole burst of connections). Elsewhere (SO_REUSEPORT does not
+    server wakes first take a whole burst of connections); a port something already listens on
+    is refused (unused_port), as it is to a single server. Elsewhere (SO_REUSEPORT does not
     balance) the servers share one socket."""
     if sys.platform != "linux" or not hasattr(socket, "SO_REUSEPORT"):
         return [listening_socket(host, port, user_timeout)] * count
+    port = unused_port(host, port)
     first = listening_socket(host, port, user_timeout, reuse_port=True)
     port = first.getsockname()[1]  # port 0: the one the kernel chose, for the others too
     rest = [listening_socket(host, port, user_timeout, True) for _ in range(count - 1)]
     return [first, *rest]
+
+
+def unused_port(host: str, port: int) -> int:
+    """`port` (or, for 0, one the kernel picks) when nothing listens on it; else OSError
+    EADDRINUSE. A SO_REUSEPORT group admits any socket of the same user that asks for it: a
+    second weir (or anything else) with SO_REUSEPORT on a port weir's API servers hold would
+    join their group and take a share of their connections, with no error. A plain socket
+    (SO_REUSEADDR alone, so connections in TIME_WAIT do not count) cannot bind a port that has
+    a listener, whatever its options: bound and closed at once, it tells."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        probe.bind((host, port))
+        return probe.getsockname()[1]
 
 
 def local_listening_socket(path: str) -> socket.socket:

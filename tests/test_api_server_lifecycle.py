@@ -5,6 +5,7 @@ Order is made explicit by stopping the engine process (SIGSTOP), never by sleeps
 
 from __future__ import annotations
 
+import errno
 import glob
 import os
 import signal
@@ -15,7 +16,7 @@ import threading
 import httpx
 import pytest
 
-from server import cli, server_count
+from server import cli, listen, server_count
 from server.options import ServerOptions
 from tests.api_cluster import Cluster, gone
 from tests.conftest import free_port, wait_for
@@ -122,6 +123,28 @@ def test_sigterm_drains_every_api_server_then_exits_0(tiny, tmp_path):
 def test_bad_counts_are_refused_naming_the_flag(flags, says, capsys, tmp_path):
     assert cli.main(["serve", str(tmp_path), *flags]) == 2
     assert says in capsys.readouterr().err
+
+
+def test_a_port_another_server_listens_on_is_refused(capsys, tmp_path):
+    # The API servers' SO_REUSEPORT group would admit a second weir's sockets on its port (they
+    # would take a share of its connections, silently): refused as for one server, exit 1.
+    held = listen.api_server_sockets("127.0.0.1", 0, 2, 30.0)
+    port = held[0].getsockname()[1]
+    try:
+        with pytest.raises(OSError) as refused:
+            listen.api_server_sockets("127.0.0.1", port, 2, 30.0)
+        assert refused.value.errno == errno.EADDRINUSE
+        argv = ["serve", str(tmp_path), "--port", str(port), "--api-server-count", "2"]
+        assert cli.main(argv) == 1
+        assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in (
+            capsys.readouterr().err
+        )
+    finally:
+        for sock in held:
+            sock.close()
+    # Closed, the port is free again.
+    for sock in listen.api_server_sockets("127.0.0.1", port, 2, 30.0):
+        sock.close()
 
 
 def test_the_count_defaults_to_one_on_cpu_and_to_the_cores_on_cuda(monkeypatch):
