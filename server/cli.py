@@ -144,7 +144,11 @@ def main(argv: list[str] | None = None) -> int:
     from server.listen import api_server_sockets, listening_socket
     from server.server_count import api_server_count
 
-    count = api_server_count(config, options)
+    try:
+        count = api_server_count(config, options)
+    except ValueError as e:
+        print(f"weir: {e}", file=sys.stderr)
+        return 2
     try:  # the port first: one in use is a line and exit code 1, before any model loads
         if count > 1:
             ports = api_server_sockets(args.host, args.port, count, options.tcp_user_timeout)

@@ -59,8 +59,23 @@ def on_cuda(device: str) -> bool:
     return device == "auto" and torch_built_for_cuda() and nvidia_gpu_visible()
 
 
+def most() -> int:
+    """The most API servers weir starts: one a core it may use (4 on a smaller machine). Each
+    is a process of its own with its own tokenizer; past the cores they only compete (2 on 2
+    cores already deliver less than 1: README), and a count in the thousands had run out of
+    file descriptors binding the port ("Too many open files") or forked that many processes."""
+    return max(MAX_AUTO, cores())
+
+
 def api_server_count(config: EngineConfig, options: ServerOptions) -> int:
+    """The count, chosen or checked (ValueError naming the flag)."""
     if options.api_server_count is not None:
+        if options.api_server_count > most():
+            raise ValueError(
+                f"--api-server-count {options.api_server_count} is more than {most()}, the "
+                f"cores this server may use ({cores()}) or {MAX_AUTO}: each API server is a "
+                "process of its own"
+            )
         return options.api_server_count
     if not options.engine_process or not on_cuda(config.device):
         return 1

@@ -116,6 +116,7 @@ def test_sigterm_drains_every_api_server_then_exits_0(tiny, tmp_path):
     [
         (["--api-server-count", "0"], "--api-server-count must be at least 1"),
         (["-asc", "-2"], "--api-server-count must be at least 1"),
+        (["-asc", "100000"], "--api-server-count 100000 is more than"),
         (["--api-server-count", "2", "--no-engine-process"], "drop --no-engine-process"),
         (["--api-server-count", "2", "--headless"], "--headless runs no server"),
     ],
@@ -164,6 +165,11 @@ def test_the_count_defaults_to_one_on_cpu_and_to_the_cores_on_cuda(monkeypatch):
     assert count("auto", 2, cuda=True) == 1
     assert count("auto", 16, cuda=True, engine_process=False) == 1
     assert count("auto", 2, cuda=False, api_server_count=3) == 3
+    assert count("auto", 2, cuda=False, api_server_count=4) == 4
+    assert count("auto", 16, cuda=True, api_server_count=16) == 16
+    for cores, too_many in ((2, 5), (16, 17)):
+        with pytest.raises(ValueError, match=f"--api-server-count {too_many} is more than"):
+            count("auto", cores, cuda=False, api_server_count=too_many)
 
 
 def test_a_model_that_cannot_load_stops_every_api_server_with_code_2(tmp_path):
