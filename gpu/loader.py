@@ -146,6 +146,8 @@ class Targets:
             mod.load(kind, value)
         else:
             target = self.params[name]
+            if spec.norm_plus_one and name.endswith("norm.weight"):
+                value = value.float() + 1.0  # Gemma's norms multiply by 1 + w
             if shape != tuple(target.shape):
                 raise CheckpointError(
                     f"weight {name!r} has shape {shape}, model expects {tuple(target.shape)}"
@@ -289,6 +291,10 @@ def load_model(
         load_weights(model, path, int4_scheme(path, config))
     model.prepare()
     model.rope = Rope(config, spec.head_dim, device, factors, spec.rotary_dim)
+    if any(layer.local_rope for layer in model.model.layers):
+        model.rope_local = Rope(
+            config, spec.head_dim, device, None, spec.rotary_dim, "sliding_attention"
+        )
     return model.eval()
 
 

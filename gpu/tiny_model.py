@@ -122,6 +122,7 @@ def build_tiny_model(
     import torch
     from transformers import (
         AutoModelForCausalLM,
+        Gemma3TextConfig,
         GenerationConfig,
         LlamaConfig,
         MistralConfig,
@@ -170,6 +171,19 @@ def build_tiny_model(
                 "original_max_position_embeddings", max_position_embeddings
             ),
         )
+    elif arch == "gemma3":  # every third layer global, the others a window of sliding_window
+        config = Gemma3TextConfig(
+            **common,
+            head_dim=head_dim or hidden_size // num_heads,
+            tie_word_embeddings=tie_word_embeddings is not False,
+            sliding_window=sliding_window or 8,
+            layer_types=[
+                "full_attention" if (i + 1) % 3 == 0 else "sliding_attention"
+                for i in range(num_layers)
+            ],
+            query_pre_attn_scalar=24,
+        )
+        config.architectures = ["Gemma3ForCausalLM"]
     elif arch == "qwen2":
         config = Qwen2Config(**common, tie_word_embeddings=tie_word_embeddings is not False)
     elif arch == "qwen3":

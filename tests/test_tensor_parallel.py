@@ -64,6 +64,8 @@ CASES = [
     ("qwen3", 4, {"head_dim": 24}, TIGHT),
     # fewer KV heads than ranks, and a vocabulary that does not split evenly
     ("qwen3", 2, {"num_kv_heads": 1, "model_vocab_size": 1031}, TIGHT),
+    # Gemma 3: each block's partial sums completed before its norm, sliding and global layers
+    ("gemma3", 2, {"num_layers": 3}, {}),
 ]
 
 

@@ -45,6 +45,11 @@ HANDLED: dict[str, tuple | None] = {
     "max_position_embeddings": None,
     "sliding_window": None,  # one window for every layer, or none
     "rotary_dim": None,  # a partial rotation: heads reordered at load, cos/sin tables padded
+    "layer_windows": (lambda v: not v, "a window of each layer's own"),
+    "embed_scale": (lambda v: v == 1.0, "scaled embeddings"),
+    "attn_scale": (lambda v: not v, "an attention scale of its own"),
+    "sandwich_norms": (lambda v: not v, "norms after each block"),
+    "norm_plus_one": None,  # the 1 is added to the weights at load
 }
 
 

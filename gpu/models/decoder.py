@@ -1,4 +1,5 @@
-"""One decoder-only transformer that covers Llama, Mistral, Qwen2 and Qwen3, built on a backend.
+"""One decoder-only transformer that covers Llama, Mistral, Phi-3, Qwen2, Qwen3 and Gemma 3 (its
+layer's norms in gemma.py), built on a backend.
 
 Module and parameter names follow the Hugging Face checkpoints, so weights load by name without
 a mapping. The model is built with one backend (gpu/backend.py), which every layer computes
@@ -15,6 +16,7 @@ from torch import nn
 
 from gpu.attention.backend import AttentionMetadata
 from gpu.dist.parallel import TensorParallel, local_spec
+from gpu.models.gemma import sandwich_forward
 from gpu.models.rope import Rope
 from gpu.models.spec import ModelSpec
 
@@ -96,7 +98,7 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: ModelSpec, backend) -> None:
+    def __init__(self, spec: ModelSpec, backend, window: int = 0) -> None:
         super().__init__()
         h, d = spec.hidden_size, spec.head_dim
         self.backend = backend
@@ -109,8 +111,8 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(d, spec.rms_norm_eps, backend)
             self.k_norm = RMSNorm(d, spec.rms_norm_eps, backend)
         self.qk_norm = spec.qk_norm
-        self.scale = d**-0.5
-        self.sliding_window = spec.sliding_window
+        self.scale = spec.attn_scale or d**-0.5
+        self.sliding_window = window
         self.qkv_sizes = [spec.num_heads * d, spec.num_kv_heads * d, spec.num_kv_heads * d]
         self.o_width = h
         self.qkv = None  # Q/K/V as one product, when the backend fuses them
@@ -203,12 +205,20 @@ def _output(backend, x, w, residual, norm: RMSNorm | None):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, backend, tp: TensorParallel | None = None) -> None:
+    def __init__(
+        self, spec: ModelSpec, backend, tp: TensorParallel | None = None, index: int = 0
+    ) -> None:
         super().__init__()
-        self.self_attn = Attention(spec, backend)
+        window = spec.layer_windows[index] if spec.layer_windows else spec.sliding_window
+        self.self_attn = Attention(spec, backend, window)
         self.mlp = MLP(spec, backend)
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, backend)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, backend)
+        self.sandwich = spec.sandwich_norms  # Gemma 3's norms after the blocks (gemma.py)
+        if self.sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, backend)
+            self.post_feedforward_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, backend)
+        self.local_rope = bool(spec.layer_windows) and window > 0  # its sliding layers' rotation
         self.tp = tp
 
     def forward(self, x, h, cos, sin, kv, meta, next_norm: RMSNorm, lora=None):
@@ -216,6 +226,8 @@ class DecoderLayer(nn.Module):
         of its output y. Each residual add is taken with the norm after it (the next layer's
         first, or the model's last), one backend call that may fuse them. `lora`: the step's
         adapters, or None."""
+        if self.sandwich:
+            return sandwich_forward(self, x, h, cos, sin, kv, meta, next_norm, lora)
         tp = self.tp
         if tp is None:
             h, x = self.self_attn(h, cos, sin, kv, meta, x, self.post_attention_layernorm, lora)
@@ -236,7 +248,9 @@ class DecoderModel(nn.Module):
     def __init__(self, spec: ModelSpec, backend, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.embed_tokens = Embedding(backend, spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(spec, backend, tp) for _ in range(spec.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(spec, backend, tp, i) for i in range(spec.num_layers)
+        )
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, backend)
 
 
@@ -255,6 +269,7 @@ class DecoderForCausalLM(nn.Module):
         if not spec.tie_word_embeddings:
             self.lm_head = Linear(backend, local.hidden_size, local.vocab_size, False)
         self.rope: Rope | None = None  # set after weights are on their device (see loader)
+        self.rope_local: Rope | None = None  # Gemma 3's sliding layers' own rotation
         self.stack = None  # the backend's whole-stack call, when it runs this model so
         self.lora = None  # gpu/lora.py LoraSlots: the adapters' slots, with --enable-lora
 
@@ -298,13 +313,15 @@ class DecoderForCausalLM(nn.Module):
         """The final hidden states, layer by layer (what CUDA graphs capture)."""
         x = self.embed(input_ids)
         cos, sin = self.rope.cos_sin(positions, x.dtype)
+        local = self.rope_local.cos_sin(positions, x.dtype) if self.rope_local else (cos, sin)
         layers = self.model.layers
         # Each layer applies the norm that follows it: the next layer's first, the model's last.
         nexts = [layer.input_layernorm for layer in layers[1:]] + [self.model.norm]
         h = nexts[0](x) if len(layers) == 0 else layers[0].input_layernorm(x)
         for i, (layer, kv, norm) in enumerate(zip(layers, kv_caches, nexts)):
             adapters = self.lora.layer(i, lora) if lora is not None else None
-            h, x = layer(x, h, cos, sin, kv, meta, norm, adapters)
+            c, s = local if layer.local_rope else (cos, sin)
+            h, x = layer(x, h, c, s, kv, meta, norm, adapters)
         return h
 
     def logits(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -315,6 +332,12 @@ class DecoderForCausalLM(nn.Module):
         return self.compute_logits(last)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self._embed(input_ids)
+        if self.spec.embed_scale != 1.0:  # Gemma's, rounded to the embeddings' dtype first
+            x = x * torch.tensor(self.spec.embed_scale, dtype=x.dtype).item()
+        return x
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp is None:
             return self.model.embed_tokens(input_ids)
         # Vocabulary-parallel: this rank's rows give their embeddings, others zeros; the

@@ -7,12 +7,18 @@ from typing import Any
 import torch
 
 
-def rope_parameters(config: Any) -> dict[str, Any]:
-    """The config's rope settings in one shape: newer configs carry `rope_parameters`, older
-    ones `rope_theta` plus an optional `rope_scaling`."""
+def rope_parameters(config: Any, layer_type: str = "full_attention") -> dict[str, Any]:
+    """The config's rope settings in one shape: newer configs carry `rope_parameters` (Gemma 3's
+    one per layer type: full or sliding attention), older ones `rope_theta` plus an optional
+    `rope_scaling` (and Gemma 3's `rope_local_base_freq` for its sliding layers)."""
     params = getattr(config, "rope_parameters", None)
-    if params and "rope_theta" in params and "full_attention" not in params:
+    if params and layer_type in params:
+        return dict(params[layer_type])
+    if params and "rope_theta" in params:
         return dict(params)
+    local = getattr(config, "rope_local_base_freq", None)
+    if layer_type == "sliding_attention" and local:
+        return {"rope_type": "default", "rope_theta": float(local)}
     scaling = dict(getattr(config, "rope_scaling", None) or {})
     scaling.setdefault("rope_type", scaling.pop("type", "default"))
     if scaling["rope_type"] == "su":  # the first Phi-3 configs' name for LongRoPE
@@ -46,11 +52,14 @@ class Rope:
         device: torch.device,
         factors: torch.Tensor | None = None,
         rotary_dim: int = 0,
+        layer_type: str = "full_attention",
     ) -> None:
         """`factors`: per-frequency divisors of the inverse frequencies (a GGUF file's
         rope_freqs tensor, which carries llama3-style scaling). `rotary_dim`: the elements of a
-        head rotated, when fewer than all (partial_rope.py: the rest get frequency 0)."""
-        params = rope_parameters(config)
+        head rotated, when fewer than all (partial_rope.py: the rest get frequency 0).
+        `layer_type`: which of a config's rotations (Gemma 3 turns its sliding layers with
+        another)."""
+        params = rope_parameters(config, layer_type)
         rope_type = params.get("rope_type", "default")
         if rope_type == "default":
             dim = rotary_dim or head_dim
@@ -62,7 +71,9 @@ class Rope:
 
             if rope_type not in ROPE_INIT_FUNCTIONS:
                 raise ValueError(f"unsupported rope_type {rope_type!r}")
-            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, device)
+            per_type = layer_type in (getattr(config, "rope_parameters", None) or {})
+            extra = (None, layer_type) if per_type else ()  # transformers 5's per-type settings
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, device, *extra)
             if rope_type == "longrope":  # its long factors, for fit_context
                 self._original = int(
                     params.get("original_max_position_embeddings")

@@ -15,6 +15,9 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     "LlamaForCausalLM": {"qk_norm": False},
     "MistralForCausalLM": {"qk_norm": False},
     "Phi3ForCausalLM": {"qk_norm": False},
+    # Gemma 3 (text): norms before and after each block, weights as 1 + w, scaled embeddings,
+    # its own attention scale, sliding layers with their own rotation (gpu/models/gemma.py)
+    "Gemma3ForCausalLM": {"qk_norm": True, "gemma": True},
     "Qwen2ForCausalLM": {"qk_norm": False, "qkv_bias": True},
     "Qwen3ForCausalLM": {"qk_norm": True},
 }
@@ -39,6 +42,14 @@ class ModelSpec:
     max_position_embeddings: int  # the positions served, rope scaling included (rope.py)
     sliding_window: int = 0  # 0: every layer attends to the whole context
     rotary_dim: int = 0  # elements of a head rotated (partial_rope.py); 0: all of them
+    # Gemma 3 (gpu/models/gemma.py): each layer's window (0: global), the embeddings' factor,
+    # the attention's scale (0: head_dim ** -0.5), norms after attention and MLP too, and norm
+    # weights stored as w where 1 + w multiplies (the loader adds the 1)
+    layer_windows: tuple[int, ...] = ()
+    embed_scale: float = 1.0
+    attn_scale: float = 0.0
+    sandwich_norms: bool = False
+    norm_plus_one: bool = False
 
     @classmethod
     def from_hf_config(cls, config: Any) -> ModelSpec:
@@ -65,7 +76,7 @@ class ModelSpec:
                 f"partial_rotary_factor {partial}: {rotary_dim} rotated elements of a head of "
                 f"{head_dim} (an even number, at least 2, is needed)"
             )
-        return cls(
+        fields: dict[str, Any] = dict(
             architecture=arch,
             vocab_size=config.vocab_size,
             hidden_size=config.hidden_size,
@@ -84,3 +95,33 @@ class ModelSpec:
             sliding_window=int(window or 0),
             rotary_dim=rotary_dim if rotary_dim < head_dim else 0,
         )
+        if extra.get("gemma"):
+            fields.update(_gemma(config, arch))
+        return cls(**fields)
+
+
+def _gemma(config: Any, arch: str) -> dict[str, Any]:
+    """Gemma 3's fields (refusing what weir does not compute: logit soft-capping, which is
+    Gemma 2's, and bidirectional attention)."""
+    for name in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if getattr(config, name, None):
+            raise CheckpointError(f"{arch} with {name} {getattr(config, name)} is not served")
+    if getattr(config, "use_bidirectional_attention", False):
+        raise CheckpointError(f"{arch} with bidirectional attention is not served")
+    n = config.num_hidden_layers
+    types = getattr(config, "layer_types", None)
+    if not types:  # transformers 4's configs: every pattern-th layer global
+        pattern = int(getattr(config, "sliding_window_pattern", 6) or 1)
+        types = ["full_attention" if (i + 1) % pattern == 0 else "sliding" for i in range(n)]
+    window = int(getattr(config, "sliding_window", 0) or 0)
+    scalar = getattr(config, "query_pre_attn_scalar", None)
+    return dict(
+        layer_windows=tuple(window if t != "full_attention" else 0 for t in types),
+        embed_scale=float(config.hidden_size) ** 0.5,
+        attn_scale=float(scalar) ** -0.5 if scalar else 0.0,
+        sandwich_norms=True,
+        norm_plus_one=True,
+        hidden_act=getattr(config, "hidden_activation", None) or "gelu_pytorch_tanh",
+        # its positions are the model's own (a linear scaling's factor is inside them)
+        max_position_embeddings=int(config.max_position_embeddings),
+    )

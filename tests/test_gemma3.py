@@ -1,0 +1,77 @@
+"""Gemma 3 (Gemma3ForCausalLM, text): norms before and after each block with weights 1 + w,
+scaled embeddings, query_pre_attn_scalar, sliding layers with their own rotation beside global
+ones (gpu/models/gemma.py, spec.py), against transformers on the same random weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from core.config import CheckpointError
+from gpu.models.spec import ModelSpec
+from gpu.tiny_model import build_tiny_model
+from tests.test_phi3 import first_logits, prompt, transformers_run
+
+
+def gemma(path):
+    """A tiny Gemma 3 of three layers (sliding, sliding, global; a window of 8) whose norm
+    weights are random: transformers initializes them to 0, where 1 + w and w could not be
+    told apart."""
+    from transformers import AutoModelForCausalLM
+
+    path = build_tiny_model(path, "gemma3", num_layers=3)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("backend", ["cpu", "cuda"])
+def test_gemma3_matches_transformers(tmp_path, monkeypatch, backend):
+    """A 30-token prompt (past the window of the sliding layers): the prompt's logits and six
+    greedy tokens, on weir's CPU kernels and on the CUDA backend's (Triton's interpreter)."""
+    path = gemma(tmp_path / "gemma")
+    if backend == "cuda":
+        from gpu import assemble
+        from gpu.attention.select import get_backend
+        from gpu.cuda.backend import CudaBackend
+
+        monkeypatch.setattr(
+            assemble, "choose_backend", lambda c, d, t: CudaBackend(get_backend("triton", d))
+        )
+    ids = prompt(30)
+    got, tokens = first_logits(path, ids, num_kv_blocks=64)
+    want, hf_tokens = transformers_run(path, ids)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert tokens == hf_tokens
+
+
+def test_gemma3_spec_and_what_is_refused():
+    from transformers import Gemma3TextConfig
+
+    common = dict(
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=16,
+        num_hidden_layers=7,
+        intermediate_size=128,
+        vocab_size=100,
+        sliding_window=16,
+        query_pre_attn_scalar=16,
+    )
+    config = Gemma3TextConfig(**common)
+    config.architectures = ["Gemma3ForCausalLM"]
+    spec = ModelSpec.from_hf_config(config)
+    assert spec.layer_windows == (16, 16, 16, 16, 16, 0, 16)  # every sixth layer global
+    assert spec.embed_scale == 8.0 and spec.attn_scale == 0.25
+    assert spec.hidden_act == "gelu_pytorch_tanh" and spec.sandwich_norms and spec.qk_norm
+    # Gemma 2's soft-capping is not computed: refused by name, never ignored
+    capped = Gemma3TextConfig(**common, final_logit_softcapping=30.0)
+    capped.architectures = ["Gemma3ForCausalLM"]
+    with pytest.raises(CheckpointError, match="final_logit_softcapping 30.0"):
+        ModelSpec.from_hf_config(capped)
