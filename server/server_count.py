@@ -59,6 +59,12 @@ def on_cuda(device: str) -> bool:
     return device == "auto" and torch_built_for_cuda() and nvidia_gpu_visible()
 
 
+def runtime_lora(config: EngineConfig, options: ServerOptions) -> bool:
+    """/v1/load_lora_adapter and /v1/unload_lora_adapter are served: each API server keeps its
+    own adapters by name (server/lora.py), so these need the one server."""
+    return config.enable_lora and options.allow_runtime_lora_updating
+
+
 def most() -> int:
     """The most API servers weir starts: one a core it may use (4 on a smaller machine). Each
     is a process of its own with its own tokenizer; past the cores they only compete (2 on 2
@@ -76,7 +82,14 @@ def api_server_count(config: EngineConfig, options: ServerOptions) -> int:
                 f"cores this server may use ({cores()}) or {MAX_AUTO}: each API server is a "
                 "process of its own"
             )
+        if options.api_server_count > 1 and runtime_lora(config, options):
+            raise ValueError(
+                f"--api-server-count {options.api_server_count} with "
+                "--allow-runtime-lora-updating (or VLLM_ALLOW_RUNTIME_LORA_UPDATING): an adapter "
+                "loaded at runtime would be known to the API server that loaded it alone; "
+                "serve the adapters with --lora-modules, or run one API server"
+            )
         return options.api_server_count
-    if not options.engine_process or not on_cuda(config.device):
+    if not options.engine_process or runtime_lora(config, options) or not on_cuda(config.device):
         return 1
     return max(1, min(MAX_AUTO, cores() // CORES_EACH))

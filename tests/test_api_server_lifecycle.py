@@ -119,6 +119,10 @@ def test_sigterm_drains_every_api_server_then_exits_0(tiny, tmp_path):
         (["-asc", "100000"], "--api-server-count 100000 is more than"),
         (["--api-server-count", "2", "--no-engine-process"], "drop --no-engine-process"),
         (["--api-server-count", "2", "--headless"], "--headless runs no server"),
+        (
+            ["-asc", "2", "--enable-lora", "--allow-runtime-lora-updating"],
+            "--api-server-count 2 with --allow-runtime-lora-updating",
+        ),
     ],
 )
 def test_bad_counts_are_refused_naming_the_flag(flags, says, capsys, tmp_path):
@@ -151,11 +155,12 @@ def test_a_port_another_server_listens_on_is_refused(capsys, tmp_path):
 def test_the_count_defaults_to_one_on_cpu_and_to_the_cores_on_cuda(monkeypatch):
     from core.config import EngineConfig
 
-    def count(device: str, cores: int, cuda: bool, **options) -> int:
+    def count(device: str, cores: int, cuda: bool, lora: bool = False, **options) -> int:
         monkeypatch.setattr(server_count, "cores", lambda: cores)
         monkeypatch.setattr(server_count, "torch_built_for_cuda", lambda: cuda)
         monkeypatch.setattr(server_count, "nvidia_gpu_visible", lambda: cuda)
-        return server_count.api_server_count(EngineConfig(device=device), ServerOptions(**options))
+        config = EngineConfig(device=device, enable_lora=lora)
+        return server_count.api_server_count(config, ServerOptions(**options))
 
     assert count("auto", 16, cuda=False) == 1
     assert count("cpu", 16, cuda=True) == 1
@@ -167,6 +172,13 @@ def test_the_count_defaults_to_one_on_cpu_and_to_the_cores_on_cuda(monkeypatch):
     assert count("auto", 2, cuda=False, api_server_count=3) == 3
     assert count("auto", 2, cuda=False, api_server_count=4) == 4
     assert count("auto", 16, cuda=True, api_server_count=16) == 16
+    # Adapters loaded at runtime are known to the API server that loaded them alone: one.
+    runtime = {"allow_runtime_lora_updating": True}
+    assert count("auto", 16, cuda=True, lora=True, **runtime) == 1
+    assert count("auto", 16, cuda=True, lora=True) == 4  # --lora-modules: every server loads them
+    assert count("auto", 16, cuda=True, **runtime) == 4  # no LoRA: nothing to update
+    with pytest.raises(ValueError, match="--api-server-count 2 with --allow-runtime-lora"):
+        count("auto", 16, cuda=True, lora=True, api_server_count=2, **runtime)
     for cores, too_many in ((2, 5), (16, 17)):
         with pytest.raises(ValueError, match=f"--api-server-count {too_many} is more than"):
             count("auto", cores, cuda=False, api_server_count=too_many)
