@@ -180,6 +180,7 @@ class Metrics:
                 "waiting requests (comma-separated names), and --max-loras.",
                 ["running_lora_adapters", "waiting_lora_adapters", "max_lora"],
                 registry=reg,
+                multiprocess_mode="livemostrecent",  # one publisher: no pid label
             )
             self.lora_requests = Counter(
                 p + "lora_requests",
@@ -349,7 +350,11 @@ class Metrics:
         labels = (",".join(s.lora_running), ",".join(s.lora_waiting))
         if labels != self._lora_labels:  # one series at a time: the current adapters
             if self._lora_labels is not None:
-                self.lora_info.remove(*self._lora_labels, str(self.max_loras))
+                old = (*self._lora_labels, str(self.max_loras))
+                if self.multiprocess:  # prometheus_client cannot remove a series there: 0
+                    self.lora_info.labels(*old).set(0)
+                else:
+                    self.lora_info.remove(*old)
             self._lora_labels = labels
         self.lora_info.labels(*labels, str(self.max_loras)).set_to_current_time()
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 
 import httpx
@@ -182,3 +184,32 @@ def test_responses_state_and_cancel_work_across_api_servers(cluster):
     assert len(items["data"]) == 3  # hello, its reply, and then?
     assert first.delete(f"/v1/responses/{rid}").status_code == 200
     assert second.get(f"/v1/responses/{rid}").status_code == 404
+
+
+def test_lora_info_keeps_one_live_series_with_several_api_servers(tmp_path):
+    # prometheus_client's multiprocess mode (every API server's files) cannot remove a series:
+    # lora_requests_info had kept a series for every set of adapters ever seen, each with a
+    # pid label, and warned at each change. The current one is now the only one above 0.
+    script = (
+        "import sys, warnings\n"
+        "warnings.simplefilter('error')\n"
+        "from core.stats import StepStats\n"
+        "from server.metrics import Metrics\n"
+        "m = Metrics('weir', 'base', 64, multiprocess=True, max_loras=2)\n"
+        "for running in (['a'], [], ['b']):\n"
+        "    m.publish(StepStats(lora_running=running))\n"
+        "sys.stdout.write(m.render()[0].decode())\n"
+    )
+    env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(tmp_path))
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    series = {}
+    for line in done.stdout.splitlines():
+        if line.startswith("weir:lora_requests_info{"):
+            labels, value = line.rsplit(" ", 1)
+            assert "pid=" not in labels
+            series[labels.split('running_lora_adapters="')[1].split('"')[0]] = float(value)
+    assert set(series) == {"a", "", "b"}
+    assert series["b"] > 0 and series["a"] == series[""] == 0
