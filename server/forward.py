@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 
 import h11
 import trio
-from quart import Response, request
+from quart import Response, current_app, request
 
 from server.errors import APIError
 
@@ -52,6 +52,17 @@ async def _next_event(conn: h11.Connection, stream: trio.SocketStream):
         return event
 
 
+class Relay:
+    """A forwarded answer being passed on, in flight on this server as the request it follows is
+    on its own: a drain waits for it (the other server may still be draining that request: a
+    follower of a background response had been cut when this server stopped first). It is not
+    cut at the drain's deadline, as a background response is not (server/app.py serve): the
+    server running what it follows stops that at the same deadline, and its last events
+    (response.incomplete) still come through; Hypercorn's graceful timeout bounds the rest."""
+
+    background = True
+
+
 async def forward(path: str, server: int) -> Response:
     """The current request, answered by API server `server` listening on `path`."""
     body = await request.get_data()
@@ -85,7 +96,11 @@ async def forward(path: str, server: int) -> Response:
         await stream.aclose()
         raise APIError(502, f"API server {server} sent no answer", None, "bad_gateway")
 
+    st = current_app.weir_state
+
     async def relay() -> AsyncIterator[bytes]:
+        relaying = Relay()
+        st.begin(relaying)
         try:
             while True:
                 event = await _next_event(conn, stream)
@@ -94,6 +109,7 @@ async def forward(path: str, server: int) -> Response:
                 elif isinstance(event, (h11.EndOfMessage, h11.ConnectionClosed)):
                     return
         finally:
+            st.end(relaying)
             with trio.CancelScope(shield=True):  # the client left: so does the other server
                 await stream.aclose()
 

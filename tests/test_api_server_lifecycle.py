@@ -111,6 +111,41 @@ def test_sigterm_drains_every_api_server_then_exits_0(tiny, tmp_path):
         c.close()
 
 
+def test_a_follower_through_another_api_server_is_drained_with_what_it_follows(tiny, tmp_path):
+    # A background response runs on API server 0; a client follows its stream through API
+    # server 1 (forwarded). On SIGTERM, server 0 drains the response to its deadline; server 1,
+    # with nothing of its own in flight, had stopped at once and cut the follower after
+    # Hypercorn's 5 s grace. Now its relay is in flight too: the follower gets the last event.
+    c = Cluster(tiny, tmp_path, "--drain-timeout", "15")
+    pids = [c.engine, *c.api_server_pids()]
+    try:
+        first, second = c.clients
+        os.kill(c.engine, signal.SIGSTOP)  # the response runs until the drain's deadline
+        body = {"input": "a long story", "background": True, "max_output_tokens": 200}
+        rid = first.post("/v1/responses", json=body).json()["id"]
+        events: list[str] = []
+
+        def follow() -> None:
+            try:
+                with second.stream("GET", f"/v1/responses/{rid}?stream=true") as r:
+                    assert r.headers["x-weir-forwarded-to"] == "0"
+                    events.extend(x for x in r.iter_lines() if x.startswith("event: "))
+            except httpx.HTTPError as e:
+                events.append(f"cut: {type(e).__name__}")
+
+        follower = threading.Thread(target=follow)
+        follower.start()
+        assert wait_for(lambda: "event: response.in_progress" in events, timeout=30)
+        c.proc.send_signal(signal.SIGTERM)
+        follower.join(90)
+        assert events[-1] == "event: response.incomplete", events  # interrupted by the drain
+        os.kill(c.engine, signal.SIGCONT)
+        assert c.proc.wait(60) == 0
+        assert wait_for(lambda: gone(c, pids), timeout=30)
+    finally:
+        c.close()
+
+
 @pytest.mark.parametrize(
     "flags, says",
     [
