@@ -217,9 +217,11 @@ def test_load_shedding_refuses_the_excess_at_once(tiny):
             return r, time.monotonic() - t
 
         with ThreadPoolExecutor(20) as pool:
-            # Two requests fill both running slots first; then the engine is paused and a burst
-            # of 18 arrives: two may wait, the rest must be refused, all while the engine has not
-            # stepped again (refusals never wait for it).
+            # Two requests fill both running slots first (gathered, then held after their first
+            # token: on a fast engine the first could otherwise finish before the second came);
+            # then the engine is paused and a burst of 18 arrives: two may wait, the rest must
+            # be refused, all while the engine has not stepped again (refusals never wait).
+            server.engine.hold(Hold(gather=2, at_output_tokens=1))
             first = [pool.submit(ask, i) for i in range(2)]
             assert wait_for(lambda: server.engine.last_stats.num_running == 2)
             server.engine.hold(Hold(paused=True))
