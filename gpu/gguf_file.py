@@ -85,7 +85,7 @@ class GgufCheckpoint:
     def config(self) -> Any:
         """A Hugging Face config (LlamaConfig, Phi3Config, Qwen2Config, Qwen3Config) of the
         file's shapes."""
-        from transformers import LlamaConfig, Phi3Config, Qwen2Config, Qwen3Config
+        from transformers import Gemma3TextConfig, LlamaConfig, Phi3Config, Qwen2Config, Qwen3Config
 
         a = self.arch
         hidden = int(self.get(f"{a}.embedding_length"))
@@ -112,6 +112,8 @@ class GgufCheckpoint:
             eos_token_id=self._end_tokens(),
             dtype=self._dtype(),
         )
+        if a == "gemma3":
+            return self._gemma3(common, head_dim, Gemma3TextConfig)
         if a == "phi3":  # a window of 0: none (llama.cpp's converter writes Phi-4's so)
             window = int(self.get("phi3.attention.sliding_window", 0) or 0)
             return Phi3Config(
@@ -135,6 +137,36 @@ class GgufCheckpoint:
             if isinstance(value, int) and value not in ids:
                 ids.append(value)
         return None if not ids else ids[0] if len(ids) == 1 else ids
+
+    def _gemma3(self, common: dict, head_dim: int, cls: Any) -> Any:
+        """Gemma 3 as llama.cpp reads its file: a window on all layers but every pattern-th
+        (`attention.sliding_window_pattern`, 6 if absent, or one flag per layer), the sliding
+        layers turning at `rope.freq_base_swa` (10,000 if absent), the attention scale derived
+        as llama.cpp derives it (the file has none: 1/sqrt(hidden / heads) for the 62-layer
+        27B, else 1/sqrt(head size))."""
+        n, heads = common["num_hidden_layers"], common["num_attention_heads"]
+        window = int(self.get("gemma3.attention.sliding_window", 0) or 0)
+        pattern = self.get("gemma3.attention.sliding_window_pattern", 6)
+        if isinstance(pattern, list):  # per layer: sliding or not
+            sliding = [bool(p) for p in pattern]
+        else:
+            sliding = [int(pattern) <= 1 or (i % int(pattern)) < int(pattern) - 1 for i in range(n)]
+        full = dict(common.pop("rope_parameters"))
+        local = {
+            "rope_type": "default",
+            "rope_theta": float(self.get("gemma3.rope.freq_base_swa", 1e4)),
+        }
+        return cls(
+            **common,
+            head_dim=head_dim,
+            sliding_window=window or None,
+            layer_types=[
+                "sliding_attention" if s and window else "full_attention" for s in sliding
+            ],
+            rope_parameters={"full_attention": full, "sliding_attention": local},
+            query_pre_attn_scalar=common["hidden_size"] // heads if n == 62 else head_dim,
+            final_logit_softcapping=self.get("gemma3.final_logit_softcapping", None),
+        )
 
     def _original_context(self) -> int:
         a = self.arch
@@ -202,7 +234,7 @@ class GgufCheckpoint:
         for name, t in self.tensors.items():
             if name in ROTATION_TENSORS:
                 continue  # read by rope_factors and _rope
-            target = hf_name(name, fused=self.arch == "phi3")
+            target = hf_name(name, self.arch)
             if target is None:
                 raise CheckpointError(f"{self.path.name}: tensor {name} has no place in the model")
             fmt = BY_GGML_TYPE[int(t.tensor_type)]
@@ -212,6 +244,8 @@ class GgufCheckpoint:
                 raise CheckpointError(f"{self.path.name}: vector {name} in {fmt.name}")
             if len(dims) == 1 or fmt.name == "f32":  # small: read into memory as float32
                 values = gguf.quants.dequantize(raw, t.tensor_type).astype(np.float32)
+                if self.arch == "gemma3" and name.endswith("norm.weight"):
+                    values = values - 1.0  # the file holds 1 + w; the loader adds the 1 again
                 value: Any = torch.from_numpy(values).reshape(list(reversed(dims)))
                 if self.arch == "llama" and target.endswith(("q_proj.weight", "k_proj.weight")):
                     h = heads if "q_proj" in target else kv_heads

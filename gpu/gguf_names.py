@@ -7,6 +7,7 @@ import numpy as np
 
 # The GGUF architectures weir serves -> the Hugging Face class (gpu/models/spec.py ARCHITECTURES)
 ARCHES = {
+    "gemma3": "Gemma3ForCausalLM",
     "llama": "LlamaForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
@@ -30,35 +31,48 @@ LAYER_NAMES = {
 # Phi-3's fused layers (gpu/fused_weights.py): Q/K/V as one tensor, gate and up as llama.cpp's
 # ffn_up of twice the rows
 FUSED_NAMES = {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
+# Gemma 3's norms (gpu/models/gemma.py): after attention, and before and after the MLP
+SANDWICH_NAMES = {
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
+_NAMES = {  # an architecture's layer names where they are not Llama's
+    "phi3": {**LAYER_NAMES, **FUSED_NAMES, "mlp.up_proj": None, "mlp.gate_proj": None},
+    "gemma3": {**LAYER_NAMES, **SANDWICH_NAMES},
+}
 TOP_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
-_LAYER_HF = {v: k for k, v in LAYER_NAMES.items()}
-_FUSED_HF = {v: k for k, v in FUSED_NAMES.items()}
 _TOP_HF = {v: k for k, v in TOP_NAMES.items()}
 
 
-def gguf_name(hf_name: str) -> str:
-    """model.layers.3.mlp.up_proj.weight -> blk.3.ffn_up.weight."""
+def _layer_names(arch: str) -> dict[str, str]:
+    names = _NAMES.get(arch, LAYER_NAMES)
+    return {k: v for k, v in names.items() if v is not None}
+
+
+def gguf_name(hf_name: str, arch: str = "llama") -> str:
+    """model.layers.3.mlp.up_proj.weight -> blk.3.ffn_up.weight (Phi-3's fused layers and
+    Gemma 3's norms by their own names)."""
     stem, _, kind = hf_name.rpartition(".")
     if stem in TOP_NAMES:
         return f"{TOP_NAMES[stem]}.{kind}"
     parts = stem.split(".")
-    layer = ".".join(parts[3:])
-    if parts[:2] == ["model", "layers"] and layer in {**LAYER_NAMES, **FUSED_NAMES}:
-        return f"blk.{parts[2]}.{LAYER_NAMES.get(layer) or FUSED_NAMES[layer]}.{kind}"
+    names = _layer_names(arch)
+    if parts[:2] == ["model", "layers"] and ".".join(parts[3:]) in names:
+        return f"blk.{parts[2]}.{names['.'.join(parts[3:])]}.{kind}"
     raise ValueError(f"no GGUF name for {hf_name!r}")
 
 
-def hf_name(name: str, fused: bool = False) -> str | None:
-    """blk.3.ffn_up.weight -> model.layers.3.mlp.up_proj.weight (`fused`, Phi-3's file:
-    mlp.gate_up_proj; attn_qkv -> self_attn.qkv_proj); None for a tensor weir has no module
-    for."""
+def hf_name(name: str, arch: str = "llama") -> str | None:
+    """blk.3.ffn_up.weight -> model.layers.3.mlp.up_proj.weight (a Phi-3 file's ffn_up:
+    mlp.gate_up_proj); None for a tensor weir has no module for."""
     stem, _, kind = name.rpartition(".")
     if stem in _TOP_HF:
         return f"{_TOP_HF[stem]}.{kind}"
     parts = stem.split(".")
     if len(parts) != 3 or parts[0] != "blk" or not parts[1].isdigit():
         return None
-    layer = (_FUSED_HF.get(parts[2]) if fused else None) or _LAYER_HF.get(parts[2])
+    layer = {v: k for k, v in _layer_names(arch).items()}.get(parts[2])
     return None if layer is None else f"model.layers.{parts[1]}.{layer}.{kind}"
 
 

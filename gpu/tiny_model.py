@@ -109,6 +109,8 @@ def build_tiny_model(
     zero_padding_rows: bool = False,
     mlp_bias: bool = False,
     pretokenizer: str = "gpt-2",
+    global_every: int = 3,
+    query_pre_attn_scalar: int | None = None,
 ) -> Path:
     """Write a random-weight model of the given shape with a trained tokenizer to `path`.
     `added_tokens`: whole-text tokens added to the vocabulary, not special (as Qwen3's
@@ -118,7 +120,8 @@ def build_tiny_model(
     decoding (whose best logit over random rows is positive) never picks a token without text,
     as a real model never does; the matrix products keep their full size. `mlp_bias`: biases
     on the MLP's products (Llama's config option). `pretokenizer`: how the tokenizer splits
-    text (train_tokenizer)."""
+    text (train_tokenizer). Gemma 3: every `global_every`-th layer global, the others sliding;
+    `query_pre_attn_scalar` (24 unless given)."""
     import torch
     from transformers import (
         AutoModelForCausalLM,
@@ -178,10 +181,10 @@ def build_tiny_model(
             tie_word_embeddings=tie_word_embeddings is not False,
             sliding_window=sliding_window or 8,
             layer_types=[
-                "full_attention" if (i + 1) % 3 == 0 else "sliding_attention"
+                "full_attention" if (i + 1) % global_every == 0 else "sliding_attention"
                 for i in range(num_layers)
             ],
-            query_pre_attn_scalar=24,
+            query_pre_attn_scalar=query_pre_attn_scalar or 24,
         )
         config.architectures = ["Gemma3ForCausalLM"]
     elif arch == "qwen2":

@@ -13,13 +13,13 @@ from gpu.tiny_model import build_tiny_model
 from tests.test_phi3 import first_logits, prompt, transformers_run
 
 
-def gemma(path):
+def gemma(path, **shape):
     """A tiny Gemma 3 of three layers (sliding, sliding, global; a window of 8) whose norm
     weights are random: transformers initializes them to 0, where 1 + w and w could not be
     told apart."""
     from transformers import AutoModelForCausalLM
 
-    path = build_tiny_model(path, "gemma3", num_layers=3)
+    path = build_tiny_model(path, "gemma3", num_layers=3, **shape)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     g = torch.Generator().manual_seed(5)
     with torch.no_grad():
@@ -75,3 +75,23 @@ def test_gemma3_spec_and_what_is_refused():
     capped.architectures = ["Gemma3ForCausalLM"]
     with pytest.raises(CheckpointError, match="final_logit_softcapping 30.0"):
         ModelSpec.from_hf_config(capped)
+
+
+def test_a_gemma3_gguf_file_serves_as_its_checkpoint(tmp_path):
+    """Gemma 3 as llama.cpp's converter writes it (norms stored as 1 + w, post_attention_norm,
+    ffn_norm before the MLP and post_ffw_norm after it, the window, the sliding layers' flags and
+    rotation base; written here by weir's writer, whose names and keys were checked against
+    that converter's file of a six-layer model, served by weir within 3e-6 of transformers),
+    with the file's own tokenizer. Its attention scale is llama.cpp's derivation (the file has
+    no key for it), so the model's query_pre_attn_scalar is its head size."""
+    from gpu.quant.gguf_write import uniform, write_gguf
+
+    hf = gemma(tmp_path / "hf", query_pre_attn_scalar=16)
+    path = write_gguf(hf, tmp_path / "gemma.gguf", uniform("f32"))
+    ids = prompt(30)
+    got, tokens = first_logits(path, ids, num_kv_blocks=64)
+    want, hf_tokens = transformers_run(hf, ids)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert tokens == hf_tokens
+    with pytest.raises(ValueError, match="query_pre_attn_scalar must be 16"):
+        write_gguf(gemma(tmp_path / "other"), tmp_path / "x.gguf", uniform("f32"))

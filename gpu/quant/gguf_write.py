@@ -1,7 +1,8 @@
-"""A Hugging Face checkpoint (Llama, Phi-3, Qwen2, Qwen3) written as a GGUF file with the `gguf`
-package's writer, each weight in a chosen format (weir's quantizers, gpu/quant/quantize.py), the
-names, metadata and Q/K row order as llama.cpp's convert_hf_to_gguf.py writes them, and the
-tokenizer (byte-level BPE) as `tokenizer.ggml.*` entries with its chat template.
+"""A Hugging Face checkpoint (Llama, Phi-3, Qwen2, Qwen3, Gemma 3) written as a GGUF file with
+the `gguf` package's writer, each weight in a chosen format (weir's quantizers,
+gpu/quant/quantize.py), the names, metadata and Q/K row order as llama.cpp's
+convert_hf_to_gguf.py writes them, and the tokenizer (byte-level BPE) as `tokenizer.ggml.*`
+entries with its chat template.
 
 The tests serve the files this writes (tests/test_gguf.py); the benchmarks write random-weight
 models of real sizes with it (`write_random_gguf`). Not a replacement for llama.cpp's converter: no
@@ -90,7 +91,9 @@ def write_gguf(
         t = np.ascontiguousarray(t, dtype=np.float32)
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             t = llama_permute(t, heads if "q_proj" in name else kv_heads)
-        gname = gguf_name(name)
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            t = t + 1.0  # Gemma's norms multiply by 1 + w: llama.cpp's converter stores that
+        gname = gguf_name(name, arch)
         fmt = formats(gname, t.shape)
         fmt = "f32" if t.ndim == 1 else _fitting(fmt, t.shape[-1])
         f = FORMATS[fmt]
@@ -113,6 +116,9 @@ def _writer(out: Path, config: dict, tokenizer_dir: Path) -> tuple[gguf.GGUFWrit
     if arch is None:
         raise ValueError(f"gguf_write: no GGUF architecture for {config.get('architectures')}")
     rope = config.get("rope_parameters") or {}
+    if arch == "gemma3":
+        local = rope.get("sliding_attention", {"rope_theta": 10000.0})
+        rope = rope.get("full_attention", rope)
     kind = rope.get("rope_type", "default")
     if config.get("rope_scaling") or kind not in ("default", *(["longrope"] * (arch == "phi3"))):
         raise ValueError("gguf_write: rope scaling is not written (Phi-3's LongRoPE is)")
@@ -129,9 +135,11 @@ def _writer(out: Path, config: dict, tokenizer_dir: Path) -> tuple[gguf.GGUFWrit
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
     w.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
-    w.add_rope_freq_base(float(config.get("rope_theta") or rope.get("rope_theta", 10000.0)))
+    w.add_rope_freq_base(float(rope.get("rope_theta") or config.get("rope_theta") or 10000.0))
     w.add_layer_norm_rms_eps(float(config["rms_norm_eps"]))
     w.add_vocab_size(config["vocab_size"])
+    if arch == "gemma3":
+        _gemma3_keys(w, config, local, head_dim)
     if arch == "phi3":  # as llama.cpp's converter writes Phi-3 (its factors are tensors)
         w.add_sliding_window(config.get("sliding_window") or 0)
         original = rope.get("original_max_position_embeddings")
@@ -140,6 +148,20 @@ def _writer(out: Path, config: dict, tokenizer_dir: Path) -> tuple[gguf.GGUFWrit
             w.add_rope_scaling_attn_factors(_longrope_attention_factor(config, original))
     _write_tokenizer(w, tokenizer_dir, config)
     return w, arch
+
+
+def _gemma3_keys(w: gguf.GGUFWriter, config: dict, local: dict, head_dim: int) -> None:
+    """Gemma 3's window, its pattern (one flag per layer), the sliding layers' rotation base; its
+    attention scale has no key (llama.cpp derives it), so a model whose query_pre_attn_scalar
+    is not the one llama.cpp derives cannot be written."""
+    n, heads = config["num_hidden_layers"], config["num_attention_heads"]
+    derived = config["hidden_size"] // heads if n == 62 else head_dim
+    if config.get("query_pre_attn_scalar", derived) != derived:
+        raise ValueError(f"gguf_write: query_pre_attn_scalar must be {derived} in a GGUF file")
+    types = config.get("layer_types") or []
+    w.add_sliding_window(config.get("sliding_window") or 0)
+    w.add_sliding_window_pattern([t == "sliding_attention" for t in types])
+    w.add_rope_freq_base_swa(float(local.get("rope_theta", 10000.0)))
 
 
 def _longrope_attention_factor(config: dict, original: int) -> float:
