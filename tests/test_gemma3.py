@@ -10,7 +10,7 @@ import torch
 from core.config import CheckpointError
 from gpu.models.spec import ModelSpec
 from gpu.tiny_model import build_tiny_model
-from tests.test_phi3 import first_logits, prompt, transformers_run
+from tests.test_phi3 import assert_as_transformers, prompt, use_cuda_backend
 
 
 def gemma(path, **shape):
@@ -36,18 +36,8 @@ def test_gemma3_matches_transformers(tmp_path, monkeypatch, backend):
     greedy tokens, on weir's CPU kernels and on the CUDA backend's (Triton's interpreter)."""
     path = gemma(tmp_path / "gemma")
     if backend == "cuda":
-        from gpu import assemble
-        from gpu.attention.select import get_backend
-        from gpu.cuda.backend import CudaBackend
-
-        monkeypatch.setattr(
-            assemble, "choose_backend", lambda c, d, t: CudaBackend(get_backend("triton", d))
-        )
-    ids = prompt(30)
-    got, tokens = first_logits(path, ids, num_kv_blocks=64)
-    want, hf_tokens = transformers_run(path, ids)
-    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
-    assert tokens == hf_tokens
+        use_cuda_backend(monkeypatch)
+    assert_as_transformers(path, path, prompt(30))
 
 
 def test_gemma3_spec_and_what_is_refused():
@@ -87,11 +77,6 @@ def test_a_gemma3_gguf_file_serves_as_its_checkpoint(tmp_path):
     from gpu.quant.gguf_write import uniform, write_gguf
 
     hf = gemma(tmp_path / "hf", query_pre_attn_scalar=16)
-    path = write_gguf(hf, tmp_path / "gemma.gguf", uniform("f32"))
-    ids = prompt(30)
-    got, tokens = first_logits(path, ids, num_kv_blocks=64)
-    want, hf_tokens = transformers_run(hf, ids)
-    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
-    assert tokens == hf_tokens
+    assert_as_transformers(write_gguf(hf, tmp_path / "gemma.gguf", uniform("f32")), hf, prompt(30))
     with pytest.raises(ValueError, match="query_pre_attn_scalar must be 16"):
         write_gguf(gemma(tmp_path / "other"), tmp_path / "x.gguf", uniform("f32"))

@@ -52,16 +52,33 @@ def prompt(n: int) -> list[int]:
     return [(37 * i + 11) % 900 + 20 for i in range(n)]
 
 
+def assert_as_transformers(path, hf, ids, **config) -> None:
+    """weir serving `path` gives transformers' logits after the prompt and its greedy tokens on
+    the checkpoint `hf` (the same weights)."""
+    got, tokens = first_logits(path, ids, num_kv_blocks=64, **config)
+    want, hf_tokens = transformers_run(hf, ids)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert tokens == hf_tokens
+
+
+def use_cuda_backend(monkeypatch) -> None:
+    """Models load on the CUDA backend's kernels (Triton's interpreter on CPU tensors)."""
+    from gpu import assemble
+    from gpu.attention.select import get_backend
+    from gpu.cuda.backend import CudaBackend
+
+    monkeypatch.setattr(
+        assemble, "choose_backend", lambda c, d, t: CudaBackend(get_backend("triton", d))
+    )
+
+
 @pytest.mark.parametrize("window", [None, 8])
 def test_phi3_matches_transformers(tmp_path, window):
     """The fused tensors cut into Q/K/V and gate/up; with a window of 8 over a 30-token prompt
     only the last 8 positions are attended to, as transformers does."""
     path = build_tiny_model(tmp_path / "phi3", "phi3", sliding_window=window)
     ids = prompt(30)
-    got, tokens = first_logits(path, ids, num_kv_blocks=64)
-    want, hf_tokens = transformers_run(path, ids)
-    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
-    assert tokens == hf_tokens
+    assert_as_transformers(path, path, ids)
 
 
 def test_longrope_short_factors_within_the_pretrained_length(tmp_path):
@@ -71,10 +88,7 @@ def test_longrope_short_factors_within_the_pretrained_length(tmp_path):
         tmp_path / "phi3", "phi3", max_position_embeddings=256, rope_scaling=LONGROPE
     )
     ids = prompt(40)
-    got, tokens = first_logits(path, ids, num_kv_blocks=64, max_model_len=64)
-    want, hf_tokens = transformers_run(path, ids)
-    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
-    assert tokens == hf_tokens
+    assert_as_transformers(path, path, ids, max_model_len=64)
 
 
 def test_longrope_long_factors_past_it(tmp_path):
@@ -118,10 +132,7 @@ def test_a_partial_rotation_matches_transformers(tmp_path, rope):
         hf = build_tiny_model(tmp_path / "hf", "phi3", sliding_window=8, rope_scaling=partial)
         ids = prompt(30)
     path = write_gguf(hf, tmp_path / "p.gguf", uniform("f32")) if rope == "gguf" else hf
-    got, tokens = first_logits(path, ids, num_kv_blocks=64)
-    want, hf_tokens = transformers_run(hf, ids)
-    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
-    assert tokens == hf_tokens
+    assert_as_transformers(path, hf, ids)
 
 
 def test_a_rotation_of_an_odd_number_of_elements_is_refused():
@@ -184,10 +195,7 @@ def test_a_phi3_gguf_file_serves_as_its_checkpoint(tmp_path, rope):
         )
         ids = prompt(80)  # past the pretrained 64: the long factors
     path = write_gguf(hf, tmp_path / "phi3.gguf", uniform("f32"))
-    got, tokens = first_logits(path, ids, num_kv_blocks=64)
-    want, hf_tokens = transformers_run(hf, ids)
-    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
-    assert tokens == hf_tokens
+    assert_as_transformers(path, hf, ids)
 
 
 def test_a_quantized_fused_tensor_is_cut_by_whole_rows_of_blocks(tmp_path):
@@ -209,17 +217,7 @@ def test_a_quantized_fused_tensor_is_cut_by_whole_rows_of_blocks(tmp_path):
 def test_phi3_on_the_cuda_backend(tmp_path, monkeypatch, partial):
     """The CUDA backend's kernels (Triton's interpreter here: the fused rotation and K/V write,
     the attention kernels with the window) on Phi-3, whole and partly rotated heads."""
-    from gpu import assemble
-    from gpu.attention.select import get_backend
-    from gpu.cuda.backend import CudaBackend
-
     scaling = {"rope_type": "default", "partial_rotary_factor": partial}
     hf = build_tiny_model(tmp_path / "hf", "phi3", sliding_window=8, rope_scaling=scaling)
-    monkeypatch.setattr(
-        assemble, "choose_backend", lambda c, d, t: CudaBackend(get_backend("triton", d))
-    )
-    ids = prompt(30)
-    got, tokens = first_logits(hf, ids, num_kv_blocks=64)
-    want, hf_tokens = transformers_run(hf, ids)
-    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
-    assert tokens == hf_tokens
+    use_cuda_backend(monkeypatch)
+    assert_as_transformers(hf, hf, prompt(30))
