@@ -27,6 +27,7 @@ from gpu.quant.fp8 import Fp8Scheme
 from gpu.quant.fp8 import PARTS as FP8_PARTS
 from gpu.quant.int4 import PARTS, Int4Scheme, repack
 from gpu.quant.tensor import BlockTensor
+from gpu.text_of import text_config, text_name
 from gpu.dist.parallel import TensorParallel, shard
 
 log = logging.getLogger("weir.loader")
@@ -73,9 +74,10 @@ def load_config(path: Path) -> Any:
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(path)
+        config = AutoConfig.from_pretrained(path)
     except (OSError, ValueError, KeyError) as e:
         raise CheckpointError(f"{path}: no readable config.json ({e})") from None
+    return text_config(config)
 
 
 def resolve_dtype(dtype: str, config: Any, device: torch.device) -> torch.dtype:
@@ -199,11 +201,12 @@ def _dtype(f, name: str) -> str:
     return f.get_slice(name).get_dtype()
 
 
-def load_weights(model: DecoderForCausalLM, path: Path, int4=None) -> None:
+def load_weights(model: DecoderForCausalLM, path: Path, int4=None, text_only: bool = False) -> None:
     """Every weight from the checkpoint by name; under tensor parallelism only this rank's part
     of each tensor is read (a safetensors slice, gpu/dist/parallel.py `shard`). A quantized
     layer's parts (int4: qweight, qzeros, scales, g_idx; FP8: the weight, its weight_scale and
-    input_scale) are gathered and placed as one weight."""
+    input_scale) are gathered and placed as one weight. `text_only`: a multimodal checkpoint's
+    text model (gpu/text_of.py)."""
     targets = Targets(model)
     tp = model.tp
     if int4 is not None and tp is not None:
@@ -218,17 +221,20 @@ def load_weights(model: DecoderForCausalLM, path: Path, int4=None) -> None:
     ) as bar:
         for file in files:
             with safe_open(str(file), framework="pt", device="cpu") as f:
-                for name in f.keys():
+                for stored in f.keys():
+                    name = text_name(stored) if text_only else stored
+                    if name is None:
+                        continue  # a multimodal checkpoint's other towers (gpu/text_of.py)
                     prefix, _, part = name.rpartition(".")
-                    if int4 is not None and _gathered(int4, part, _dtype(f, name)):
-                        pending.setdefault(prefix, {})[part] = f.get_tensor(name)
+                    if int4 is not None and _gathered(int4, part, _dtype(f, stored)):
+                        pending.setdefault(prefix, {})[part] = f.get_tensor(stored)
                         continue
                     if fused_parts(name):
                         if tp is not None:
                             raise CheckpointError(
                                 f"{name}: tensor parallelism does not serve fused layers yet"
                             )
-                        for part, rows in split_fused(name, f.get_tensor(name), model.spec):
+                        for part, rows in split_fused(name, f.get_tensor(stored), model.spec):
                             targets.wants(part)  # raises for a layer the model does not have
                             targets.place(part, rows)
                             bar.update(1)
@@ -236,9 +242,9 @@ def load_weights(model: DecoderForCausalLM, path: Path, int4=None) -> None:
                     if not targets.wants(name):
                         continue
                     if tp is None:
-                        tensor = f.get_tensor(name)
+                        tensor = f.get_tensor(stored)
                     else:
-                        tensor = shard(name, f.get_slice(name), model.spec, tp)
+                        tensor = shard(name, f.get_slice(stored), model.spec, tp)
                     targets.place(name, tensor)
                     bar.update(1)
             # a layer whose parts are all read (its g_idx, if in a later file, goes unchecked)
@@ -288,7 +294,8 @@ def load_model(
         factors = ckpt.rope_factors()
         ckpt.close()
     else:
-        load_weights(model, path, int4_scheme(path, config))
+        text_only = getattr(config, "weir_text_of", None) is not None
+        load_weights(model, path, int4_scheme(path, config), text_only)
     model.prepare()
     model.rope = Rope(config, spec.head_dim, device, factors, spec.rotary_dim)
     if any(layer.local_rope for layer in model.model.layers):

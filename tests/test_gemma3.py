@@ -80,3 +80,45 @@ def test_a_gemma3_gguf_file_serves_as_its_checkpoint(tmp_path):
     assert_as_transformers(write_gguf(hf, tmp_path / "gemma.gguf", uniform("f32")), hf, prompt(30))
     with pytest.raises(ValueError, match="query_pre_attn_scalar must be 16"):
         write_gguf(gemma(tmp_path / "other"), tmp_path / "x.gguf", uniform("f32"))
+
+
+def test_the_text_model_of_a_multimodal_gemma3_checkpoint(tmp_path):
+    """Gemma 3's 4B-27B checkpoints (Gemma3ForConditionalGeneration): the language model served
+    alone under its checkpoint names (language_model.model.*), the vision tower and projector
+    not loaded: the logits of the same weights as a text-only model."""
+    import shutil
+
+    from transformers import (
+        AutoModelForCausalLM,
+        Gemma3Config,
+        Gemma3ForConditionalGeneration,
+        SiglipVisionConfig,
+    )
+
+    text = gemma(tmp_path / "text", query_pre_attn_scalar=16)
+    lm = AutoModelForCausalLM.from_pretrained(text, dtype=torch.float32)
+    vision = SiglipVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=28,
+        patch_size=14,
+    )
+    vocab = lm.config.vocab_size
+    config = Gemma3Config(
+        text_config=lm.config,
+        vision_config=vision,
+        mm_tokens_per_image=4,
+        boi_token_index=vocab - 3,
+        eoi_token_index=vocab - 2,
+        image_token_index=vocab - 1,
+    )
+    both = Gemma3ForConditionalGeneration(config)
+    both.model.language_model.load_state_dict(lm.model.state_dict())
+    both.lm_head.weight = both.model.language_model.embed_tokens.weight
+    mm = tmp_path / "mm"
+    both.save_pretrained(mm)
+    for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(text / f, mm / f)
+    assert_as_transformers(mm, text, prompt(30))

@@ -1,0 +1,50 @@
+"""The text model of a multimodal checkpoint (Gemma 3's 4B-27B, `Gemma3ForConditionalGeneration`),
+served alone: its language model's config and weights, under the names of the text-only
+architecture; the vision tower and its projector are not loaded (weir takes no images: a request
+with one is refused), which start-up says once."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+log = logging.getLogger("weir")
+
+TEXT_OF = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+# the language model's tensors, in the checkpoints' layout and in transformers 5's
+_RENAMED = (
+    ("language_model.model.", "model."),
+    ("model.language_model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+)
+_OTHER = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.")
+_OTHER += ("model.multi_modal_projector.",)
+
+
+def text_config(config: Any) -> Any:
+    """`config`, or its text model's config when it is a multimodal checkpoint weir serves the
+    text of (marked `weir_text_of` for the loader)."""
+    archs = getattr(config, "architectures", None) or []
+    multimodal = next((a for a in archs if a in TEXT_OF), None)
+    if multimodal is None:
+        return config
+    text = config.text_config
+    text.architectures = [TEXT_OF[multimodal]]
+    text.weir_text_of = multimodal
+    for shared in ("dtype", "quantization_config"):  # the checkpoint's, kept at its top
+        if getattr(text, shared, None) is None and getattr(config, shared, None) is not None:
+            setattr(text, shared, getattr(config, shared))
+    log.info("%s: serving its text model (images are refused; the vision tower is not loaded)",
+             multimodal)  # fmt: skip
+    return text
+
+
+def text_name(name: str) -> str | None:
+    """A multimodal checkpoint's tensor under the text model's name; None for the other
+    towers' tensors (not loaded)."""
+    for old, new in _RENAMED:
+        if name.startswith(old):
+            return new + name[len(old) :]
+    if name.startswith(_OTHER):
+        return None
+    return name
