@@ -65,6 +65,10 @@ def test_gemma3_spec_and_what_is_refused():
     capped.architectures = ["Gemma3ForCausalLM"]
     with pytest.raises(CheckpointError, match="final_logit_softcapping 30.0"):
         ModelSpec.from_hf_config(capped)
+    windowless = Gemma3TextConfig(**{**common, "sliding_window": None})
+    windowless.architectures = ["Gemma3ForCausalLM"]
+    with pytest.raises(CheckpointError, match="sliding layers but no sliding_window"):
+        ModelSpec.from_hf_config(windowless)
 
 
 def test_a_gemma3_gguf_file_serves_as_its_checkpoint(tmp_path):

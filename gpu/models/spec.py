@@ -114,6 +114,9 @@ def _gemma(config: Any, arch: str) -> dict[str, Any]:
         pattern = int(getattr(config, "sliding_window_pattern", 6) or 1)
         types = ["full_attention" if (i + 1) % pattern == 0 else "sliding" for i in range(n)]
     window = int(getattr(config, "sliding_window", 0) or 0)
+    if not window and any(t != "full_attention" for t in types):
+        # its sliding layers would still turn with their own rotation: not what weir computes
+        raise CheckpointError(f"{arch} with sliding layers but no sliding_window is not served")
     scalar = getattr(config, "query_pre_attn_scalar", None)
     return dict(
         layer_windows=tuple(window if t != "full_attention" else 0 for t in types),
