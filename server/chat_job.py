@@ -29,7 +29,8 @@ class ChatJob:
     request: ChatCompletionRequest
 
     def reply(self) -> Reply:
-        return Reply(self.thinker, self.prompt_text, self.call_parser)
+        named = isinstance(self.request.tool_choice, dict)
+        return Reply(self.thinker, self.prompt_text, self.call_parser, named)
 
     def reasoning_tokens(
         self,

@@ -10,16 +10,24 @@ from server.reasoning import ReasoningStream, ThinkParser
 from server.tool_parsers import ToolParser, ToolStream, tool_calls
 
 
-def finish_reason(reason: str | None, has_calls: bool) -> str | None:
-    return "tool_calls" if has_calls and reason == "stop" else reason
+def finish_reason(reason: str | None, has_calls: bool, named: bool = False) -> str | None:
+    """"tool_calls" for a reply that ended with calls; "stop" as it is for a call the request
+    named (tool_choice naming a function), as OpenAI answers it and vLLM (since its #25054)."""
+    return "tool_calls" if has_calls and reason == "stop" and not named else reason
 
 
 class Reply:
     def __init__(
-        self, thinker: type[ThinkParser] | None, prompt_text: str, tools: ToolParser | None
+        self,
+        thinker: type[ThinkParser] | None,
+        prompt_text: str,
+        tools: ToolParser | None,
+        named: bool = False,
     ) -> None:
+        """`named`: tool_choice named the function (finish_reason)."""
         self.thinker = thinker(prompt_text) if thinker else None
         self.tools = tools
+        self.named = named
         self.reasoning = ReasoningStream(self.thinker) if self.thinker else None
         self.calls = ToolStream(tools) if tools else None
 
@@ -40,7 +48,7 @@ class Reply:
             parsed = self.tools.parse(text, final=True)
             message.content = parsed.content or None
             message.tool_calls = tool_calls(parsed)
-            return message, finish_reason(reason, bool(parsed.calls))
+            return message, finish_reason(reason, bool(parsed.calls), self.named)
         return message, reason
 
     def delta(self, new_text: str, final: bool) -> Delta:
@@ -68,5 +76,6 @@ class Reply:
 
     def finish(self, reason: str | None) -> str | None:
         """After the final delta: "tool_calls" where the final parse has calls (a call cut
-        short and dropped there is no reason, though its start was streamed)."""
-        return finish_reason(reason, bool(self.calls and self.calls.parsed.calls))
+        short and dropped there is no reason, though its start was streamed); a named call's
+        "stop" (finish_reason)."""
+        return finish_reason(reason, bool(self.calls and self.calls.parsed.calls), self.named)

@@ -193,7 +193,9 @@ def test_required_and_named_calls_are_enforced(server, choice):
         assert r.status_code == 200, r.text
         for c in r.json()["choices"]:
             calls = c["message"]["tool_calls"]
-            assert c["finish_reason"] == "tool_calls" and calls, c
+            # OpenAI's (and vLLM's) finish_reason: "stop" for the call the request named
+            assert c["finish_reason"] == ("stop" if choice == "named" else "tool_calls"), c
+            assert calls, c
             if choice == "named":
                 assert [call["function"]["name"] for call in calls] == ["get_time"]
             for call in calls:
@@ -201,6 +203,13 @@ def test_required_and_named_calls_are_enforced(server, choice):
                 jsonschema.validate(args, schemas[call["function"]["name"]])
             seen += 1
     assert seen == 20
+    # streamed, the last chunk says the same
+    stream = body | {"seed": 0, "n": 1, "stream": True}
+    r = httpx.post(server.url + "/v1/chat/completions", json=stream, timeout=60)
+    chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line[6:7] == "{"]
+    deltas = [c["choices"][0] for c in chunks if c["choices"]]
+    assert any(d["delta"].get("tool_calls") for d in deltas)
+    assert deltas[-1]["finish_reason"] == ("stop" if choice == "named" else "tool_calls")
 
 
 @pytest.mark.parametrize("stream", [False, True])
