@@ -119,4 +119,4 @@ class BeamSteps:
         stop = StopStrings(params.stop, params.include_stop_str_in_output)
         head, _ = stop.feed(early, armed=False)
         cut, matched = stop.feed(text[len(early) :])
-        return head + (cut if matched else cut + stop.flush())
+        return head + (cut if matched is not None else cut + stop.flush())

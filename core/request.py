@@ -104,6 +104,9 @@ class RequestOutput(msgspec.Struct, omit_defaults=True, gc=False):
     embedding: bytes | None = None  # a pooling request's vector (little-endian float32)
     prompt_logprobs: list[Logprob | None] | None = None  # with the first output, when asked for
     error: str | None = None
+    # vLLM's stop_reason: the stop string or stop_token_ids entry that ended it (None: EOS,
+    # length, or anything else)
+    stop_reason: str | int | None = None
     # the HTTP status of `error`: 500 an engine fault, 503 a request the server could not
     # hold (retry later), 400 the request's own problem found only in the engine
     error_status: int = 500
@@ -121,6 +124,7 @@ class RequestOutput(msgspec.Struct, omit_defaults=True, gc=False):
         self.num_output_tokens = later.num_output_tokens
         if later.error is not None:
             self.error, self.error_status = later.error, later.error_status
+        self.stop_reason = later.stop_reason if later.finished else self.stop_reason
         self.beams = later.beams or self.beams
         return self
 

@@ -24,32 +24,33 @@ class StopStrings:
         # min_tokens tokens, where no stop string may end).
         self.floor = 0
 
-    def feed(self, delta: str, armed: bool = True) -> tuple[str, bool]:
-        """New text in; (text safe to emit now, whether a stop string matched). `armed`: the
-        text is past min_tokens, so a stop string may end in it."""
+    def feed(self, delta: str, armed: bool = True) -> tuple[str, str | None]:
+        """New text in; (text safe to emit now, the stop string that matched or None). `armed`:
+        the text is past min_tokens, so a stop string may end in it."""
         text = self.pending + delta
         best = -1
         cut = 0
+        found = None
         if armed:
             floor = self.floor
             for stop in self.stops:
                 i = text.find(stop, max(0, floor - len(stop) + 1))
                 if i >= 0 and (best < 0 or i < best):
-                    best = i
+                    best, found = i, stop
                     cut = i + len(stop) if self.include else i
         if best >= 0:
             self.pending = ""
             self.floor = 0
-            return text[:cut], True
+            return text[:cut], found
         if len(text) <= self.hold:
             self.pending = text
             if not armed:
                 self.floor = len(text)
-            return "", False
+            return "", None
         split = len(text) - self.hold
         self.pending = text[split:]
         self.floor = max(0, self.floor - split) if armed else self.hold
-        return text[:split], False
+        return text[:split], None
 
     def flush(self) -> str:
         """The held tail, released when the request ends for another reason."""

@@ -133,6 +133,13 @@ class TakeIn:
         shown = reason != "stop" or params.include_stop_str_in_output
         text = detok.step(token_id) if detok and shown else ""
         error, error_status = None, 500
+        stop_reason = (
+            token_id  # a stop_token_ids entry, not the model's own EOS (vLLM's stop_reason)
+            if reason == "stop"
+            and token_id in params.stop_token_ids
+            and (params.ignore_eos or token_id not in self.eos_token_ids)
+            else None
+        )
         if request.grammar is not None:  # the token was consumed in step(), all at once
             matcher = request.grammar
             if matcher.is_error():
@@ -152,8 +159,8 @@ class TakeIn:
             text += detok.flush()  # the request ends: release bytes held for an unfinished char
         if request.stop is not None:
             text, matched = request.stop.feed(text, request.num_output_tokens > params.min_tokens)
-            if matched:
-                reason = "stop"
+            if matched is not None:
+                reason, stop_reason = "stop", matched
             elif reason is not None:
                 text += request.stop.flush()
         if reason is not None:
@@ -162,6 +169,7 @@ class TakeIn:
             self.stats.finished.append(finished_stats(request, reason, now))
         out = request.output([token_id], text, reason, [logprob] if logprob is not None else None)
         out.error, out.error_status = error, error_status
+        out.stop_reason = stop_reason if reason == "stop" else None
         return out
 
     def _pooled(self, request: Request, vector: bytes, now: float) -> RequestOutput:

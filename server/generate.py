@@ -72,6 +72,7 @@ async def chat_completions() -> Response:
             delta: Delta,
             finish: str | None = None,
             entries: list[Logprob] | None = None,
+            stop_reason: str | int | None = None,
         ) -> bytes:
             lp = (
                 chat_logprobs(entries, text_of, as_ids)
@@ -84,7 +85,13 @@ async def chat_completions() -> Response:
                     created=created,
                     model=model,
                     choices=[
-                        ChunkChoice(index=index, delta=delta, finish_reason=finish, logprobs=lp)
+                        ChunkChoice(
+                            index=index,
+                            delta=delta,
+                            finish_reason=finish,
+                            logprobs=lp,
+                            stop_reason=stop_reason,
+                        )
                     ],
                     usage=usage.of_choice(index, len(job.prompt)) if continuous else None,
                 )
@@ -104,7 +111,8 @@ async def chat_completions() -> Response:
                 if out.finished and thinker is not None:
                     usage.reasoning[i] = job.reasoning_tokens(st, reply, usage, i)
                 if out.finished:
-                    yield chunk(i, delta, reply.finish(out.finish_reason), out.logprobs)
+                    finish = reply.finish(out.finish_reason)
+                    yield chunk(i, delta, finish, out.logprobs, out.stop_reason)
                 elif (
                     delta.content
                     or delta.reasoning
@@ -147,6 +155,7 @@ async def chat_completions() -> Response:
                     logprobs=chat_logprobs(got.logprobs[i], text_of, as_ids)
                     if logprobs is not None
                     else None,
+                    stop_reason=got.stop_reason[i],
                 )
                 for i in range(sub.choices)
             ],
@@ -241,6 +250,7 @@ async def completions() -> Response:
                                     if out.prompt_logprobs is not None
                                     and req.prompt_logprobs is not None
                                     else None,
+                                    out.stop_reason,
                                 )
                             ],
                             usage=usage.of_choice(i, len(prompts[i // req.n]))
@@ -271,6 +281,7 @@ async def completions() -> Response:
                 prompt_logprobs(plp, text_of)
                 if plp is not None and req.prompt_logprobs is not None
                 else None,
+                got.stop_reason[i],
             )
         )
     return json_response(

@@ -287,6 +287,7 @@ class ChatChoice(msgspec.Struct):
     message: ResponseMessage
     finish_reason: str | None
     logprobs: ChatLogprobs | None = None
+    stop_reason: str | int | None = None  # vLLM's: the stop string or token id that ended it
 
 
 class ChatCompletionResponse(msgspec.Struct):
@@ -312,6 +313,7 @@ class ChunkChoice(msgspec.Struct):
     delta: Delta
     finish_reason: str | None = None
     logprobs: ChatLogprobs | None = None
+    stop_reason: str | int | None = None
 
 
 class ChatCompletionChunk(msgspec.Struct):
@@ -329,6 +331,7 @@ class CompletionChoice(msgspec.Struct):
     finish_reason: str | None
     logprobs: CompletionLogprobs | None = None
     prompt_logprobs: PromptLogprobs | None = None
+    stop_reason: str | int | None = None
 
 
 class CompletionResponse(msgspec.Struct):

@@ -320,6 +320,7 @@ class Collected:
     def __init__(self, count: int) -> None:
         self.text: list[list[str]] = [[] for _ in range(count)]
         self.finish: list[str | None] = [None] * count
+        self.stop_reason: list[str | int | None] = [None] * count
         self.logprobs: list[list[Logprob]] = [[] for _ in range(count)]
         self.token_ids: list[list[int]] = [[] for _ in range(count)]
         self.prompt_logprobs: list[list[Logprob | None] | None] = [None] * count
@@ -336,7 +337,7 @@ async def collect(sub: Submitted, usage: UsageCounter) -> Collected:
                 got.prompt_logprobs[i] = out.prompt_logprobs
             usage.update(i, out)
             if out.finished:
-                got.finish[i] = out.finish_reason
+                got.finish[i], got.stop_reason[i] = out.finish_reason, out.stop_reason
     finally:
         sub.close()
     return got

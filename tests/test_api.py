@@ -105,6 +105,7 @@ def test_stop_strings_cut_streamed_and_not(client, include):
     )
     assert r.choices[0].message.content == full[:cut]
     assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].model_extra["stop_reason"] == stop  # vLLM's: which stop ended it
     text, finish = streamed_text(
         chat(client, temperature=0, max_tokens=40, stop=stop, stream=True, extra_body=extra)
     )
@@ -129,6 +130,11 @@ def test_stop_strings_cut_streamed_and_not(client, include):
     )
     text, _ = streamed_text(stream, chat_api=False)
     assert text == ctext[: ctext.index(s2) + (len(s2) if include else 0)]
+    one = complete(
+        client, prompt="the river", temperature=0, max_tokens=30, stop=[s2], extra_body=extra
+    )
+    assert one.choices[0].model_extra["stop_reason"] == s2
+    assert rc.choices[0].model_extra["stop_reason"] is None  # a length cut
 
 
 def test_streaming_never_shows_half_a_stop_string(server):

@@ -23,15 +23,20 @@ def core(model_dir):
 
 def run(core, params: SamplingParams, prompt=PROMPT) -> tuple[list[int], str, str]:
     """(token ids, text, finish reason) of one request run to its end."""
+    ids, text, last = run_out(core, params, prompt)
+    return ids, text, last.finish_reason
+
+
+def run_out(core, params: SamplingParams, prompt=PROMPT):
+    """(token ids, text, the last output) of one request run to its end."""
     core.add(EngineRequest("r", list(prompt), params))
-    ids, text, reason = [], "", None
+    ids, text, last = [], "", None
     while core.has_work:
         for out in core.step():
             ids += out.new_token_ids
             text += out.new_text
-            if out.finished:
-                reason = out.finish_reason
-    return ids, text, reason
+            last = out
+    return ids, text, last
 
 
 def greedy(**kw) -> SamplingParams:
@@ -43,14 +48,14 @@ def greedy(**kw) -> SamplingParams:
 def test_stop_strings_wait_for_min_tokens():
     s = StopStrings(["ab", "xyz"], include_in_output=False)
     # before min_tokens: nothing matches, the tail is held all the same
-    assert s.feed("ab q", armed=False) == ("ab", False)
-    assert s.feed("ab", armed=False) == (" q", False)
+    assert s.feed("ab q", armed=False) == ("ab", None)
+    assert s.feed("ab", armed=False) == (" q", None)
     # the held "ab" ended before min_tokens: not a match, even now
-    assert s.feed("x", armed=True) == ("a", False)
-    assert s.feed("yz!", armed=True) == ("b", True)
+    assert s.feed("x", armed=True) == ("a", None)
+    assert s.feed("yz!", armed=True) == ("b", "xyz")  # the stop string that matched
     late = StopStrings(["ab"], include_in_output=True)
-    assert late.feed("a", armed=False) == ("", False)
-    assert late.feed("b", armed=True) == ("ab", True)  # starts early, ends late: a match
+    assert late.feed("a", armed=False) == ("", None)
+    assert late.feed("b", armed=True) == ("ab", "ab")  # starts early, ends late: a match
 
 
 def test_a_stop_tokens_text_is_not_the_replys(core):
@@ -91,3 +96,22 @@ def test_stop_strings_before_min_tokens_do_not_stop(core):
         assert reason == "length" and got_ids == ids and got_text == text
     else:
         assert reason == "stop" and got_text == text[:later]
+
+
+def test_stop_reason_names_what_ended_the_request(core):
+    """vLLM's stop_reason: the stop string that matched, or the stop_token_ids entry; None for
+    the model's EOS and for a length cut."""
+    ids, text, _ = run(core, greedy())
+    assert run_out(core, greedy())[2].stop_reason is None  # length
+    token = ids[4]
+    _, _, last = run_out(core, greedy(stop_token_ids=[token]))
+    assert (last.finish_reason, last.stop_reason) == ("stop", token)
+    word = text[len(text) // 2 :][:3]
+    _, _, last = run_out(core, greedy(stop=["zzzq", word]))
+    assert (last.finish_reason, last.stop_reason) == ("stop", word)
+    eos = next(iter(core.eos_token_ids))
+    params = SamplingParams(
+        temperature=1.0, seed=11, max_tokens=12, stop_token_ids=[eos], logit_bias={eos: 100}
+    )
+    _, _, last = run_out(core, params)  # the model's own EOS (listed too): not a stop_reason
+    assert (last.finish_reason, last.stop_reason) == ("stop", None)
