@@ -27,10 +27,10 @@ class ChatJob:
     call_parser: ToolParser | None
     params: SamplingParams
     request: ChatCompletionRequest
+    named_call: bool = False  # tool_choice named a function (its finish_reason: server/reply.py)
 
     def reply(self) -> Reply:
-        named = isinstance(self.request.tool_choice, dict)
-        return Reply(self.thinker, self.prompt_text, self.call_parser, named)
+        return Reply(self.thinker, self.prompt_text, self.call_parser, self.named_call)
 
     def reasoning_tokens(
         self,
@@ -78,4 +78,5 @@ async def prepare_chat(
     params = sampling_params(
         st, req, req.max_completion_tokens or req.max_tokens, len(prompt), logprobs, constraint
     )
-    return ChatJob(tail, prompt, thinker, call_parser, params, req)
+    named = isinstance(req.tool_choice, dict)
+    return ChatJob(tail, prompt, thinker, call_parser, params, req, named)

@@ -167,9 +167,9 @@ def test_sampling_never_draws_a_filtered_token_and_mixes_greedy_rows():
 def test_stop_strings_across_boundaries_and_hold_back():
     s = StopStrings(["END", "stop here"], include_in_output=False)
     # The last len("stop here") - 1 = 8 characters are held: they could start a stop string.
-    assert s.feed("hello world E") == ("hello", False)
-    assert s.feed("N") == (" ", False)
-    assert s.feed("D and more") == ("world ", True)  # "END" split over three tokens
+    assert s.feed("hello world E") == ("hello", None)
+    assert s.feed("N") == (" ", None)
+    assert s.feed("D and more") == ("world ", "END")  # "END" split over three tokens
     inc = StopStrings(["END"], include_in_output=True)
     text, matched = inc.feed("abcEN")
     rest, matched = inc.feed("Dxyz")
