@@ -2,30 +2,16 @@
 
 from __future__ import annotations
 
+import msgspec
 import trio
 
 from core.request import RequestOutput
 
 
 def merge(old: RequestOutput, new: RequestOutput) -> RequestOutput:
-    """Fold `new` into `old`: text concatenated, token ids appended, latest counts and finish
-    kept."""
-    return RequestOutput(
-        request_id=old.request_id,
-        new_token_ids=old.new_token_ids + new.new_token_ids,
-        new_text=old.new_text + new.new_text,
-        finished=new.finished,
-        finish_reason=new.finish_reason,
-        num_prompt_tokens=new.num_prompt_tokens,
-        num_output_tokens=new.num_output_tokens,
-        num_cached_tokens=new.num_cached_tokens,
-        logprobs=old.logprobs + new.logprobs,
-        prompt_logprobs=old.prompt_logprobs
-        if old.prompt_logprobs is not None
-        else new.prompt_logprobs,
-        error=new.error,
-        beams=new.beams or old.beams,
-    )
+    """Fold `new` into a copy of `old` (RequestOutput.merge: text concatenated, token ids
+    appended, the latest counts, finish, stop and error kept)."""
+    return msgspec.structs.replace(old).merge(new)
 
 
 class RequestChannel:

@@ -115,13 +115,21 @@ class RequestOutput(msgspec.Struct, omit_defaults=True, gc=False):
     beams: list[BeamSequence] = []
 
     def merge(self, later: RequestOutput) -> RequestOutput:
-        """This output followed by a later one of the same request (several tokens of one
-        step: a verified run of speculative proposals)."""
+        """This output followed by a later one of the same request: several tokens of one step
+        (a verified run of speculative proposals), or deltas a slow reader has not taken yet
+        (core/outputs.py). Ids, text and log-probs joined; the later one's finish, counts, stop
+        and error kept."""
         self.new_token_ids = self.new_token_ids + later.new_token_ids
         self.new_text += later.new_text
         self.logprobs = self.logprobs + later.logprobs
         self.finished, self.finish_reason = later.finished, later.finish_reason
+        self.num_prompt_tokens = later.num_prompt_tokens
         self.num_output_tokens = later.num_output_tokens
+        self.num_cached_tokens = later.num_cached_tokens
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = later.prompt_logprobs
+        if later.embedding is not None:
+            self.embedding = later.embedding
         if later.error is not None:
             self.error, self.error_status = later.error, later.error_status
         self.stop_reason = later.stop_reason if later.finished else self.stop_reason

@@ -115,3 +115,25 @@ def test_stop_reason_names_what_ended_the_request(core):
     )
     _, _, last = run_out(core, params)  # the model's own EOS (listed too): not a stop_reason
     assert (last.finish_reason, last.stop_reason) == ("stop", None)
+
+
+def test_deltas_merged_for_a_slow_reader_keep_what_ended_the_request():
+    """A reader behind the engine gets deltas merged (core/outputs.py): the last one's
+    stop_reason, error and its status survive (a loaded machine had lost the stop_reason)."""
+    from core.outputs import merge
+    from core.request import RequestOutput
+
+    first = RequestOutput(request_id="r", new_token_ids=[1], new_text="a")
+    last = RequestOutput(
+        request_id="r",
+        new_token_ids=[2],
+        new_text="b",
+        finished=True,
+        finish_reason="stop",
+        stop_reason="END",
+        error="why",
+        error_status=503,
+    )
+    merged = merge(first, last)
+    assert (merged.new_token_ids, merged.new_text) == ([1, 2], "ab")
+    assert (merged.stop_reason, merged.error, merged.error_status) == ("END", "why", 503)
