@@ -41,6 +41,15 @@ def is_gguf(path: Path) -> bool:
 ROTATION_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 
 
+def sliding_layers(pattern: int | list, n: int) -> list[bool]:
+    """Which of n layers slide, as llama.cpp reads `attention.sliding_window_pattern`: a flag
+    per layer, or a period (set_swa_pattern: every p-th layer global; 0 all sliding, 1 none)."""
+    if isinstance(pattern, list):
+        return [bool(p) for p in pattern]
+    p = int(pattern)
+    return [p == 0 or i % p < p - 1 for i in range(n)]
+
+
 class GgufCheckpoint:
     def __init__(self, path: Path) -> None:
         import gguf
@@ -146,11 +155,7 @@ class GgufCheckpoint:
         27B, else 1/sqrt(head size))."""
         n, heads = common["num_hidden_layers"], common["num_attention_heads"]
         window = int(self.get("gemma3.attention.sliding_window", 0) or 0)
-        pattern = self.get("gemma3.attention.sliding_window_pattern", 6)
-        if isinstance(pattern, list):  # per layer: sliding or not
-            sliding = [bool(p) for p in pattern]
-        else:
-            sliding = [int(pattern) <= 1 or (i % int(pattern)) < int(pattern) - 1 for i in range(n)]
+        sliding = sliding_layers(self.get("gemma3.attention.sliding_window_pattern", 6), n)
         full = dict(common.pop("rope_parameters"))
         local = {
             "rope_type": "default",

@@ -126,3 +126,11 @@ def test_the_text_model_of_a_multimodal_gemma3_checkpoint(tmp_path):
     for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         shutil.copy(text / f, mm / f)
     assert_as_transformers(mm, text, prompt(30))
+
+
+def test_a_gguf_files_sliding_pattern_reads_as_llama_cpps():
+    from gpu.gguf_file import sliding_layers
+
+    assert sliding_layers(6, 7) == [True] * 5 + [False, True]  # every sixth layer global
+    assert sliding_layers(0, 3) == [True] * 3 and sliding_layers(1, 3) == [False] * 3
+    assert sliding_layers([1, 0, 1], 3) == [True, False, True]

@@ -270,6 +270,7 @@ class DecoderForCausalLM(nn.Module):
             self.lm_head = Linear(backend, local.hidden_size, local.vocab_size, False)
         self.rope: Rope | None = None  # set after weights are on their device (see loader)
         self.rope_local: Rope | None = None  # Gemma 3's sliding layers' own rotation
+        self._embed_factor: float | None = None  # spec.embed_scale in the embeddings' dtype
         self.stack = None  # the backend's whole-stack call, when it runs this model so
         self.lora = None  # gpu/lora.py LoraSlots: the adapters' slots, with --enable-lora
 
@@ -334,7 +335,9 @@ class DecoderForCausalLM(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self._embed(input_ids)
         if self.spec.embed_scale != 1.0:  # Gemma's, rounded to the embeddings' dtype first
-            x = x * torch.tensor(self.spec.embed_scale, dtype=x.dtype).item()
+            if self._embed_factor is None:  # once: the dtype is the model's
+                self._embed_factor = torch.tensor(self.spec.embed_scale, dtype=x.dtype).item()
+            x = x * self._embed_factor
         return x
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
