@@ -18,6 +18,7 @@ from gpu.backend import TorchBackend
 from gpu.dist.parallel import TensorParallel
 from gpu.loader import load_model, resolve_model_path
 from gpu.models.decoder import DecoderForCausalLM
+from gpu.models.spec import ModelSpec
 from gpu.runner import ModelRunner
 
 log = logging.getLogger("weir.launch")
@@ -120,6 +121,8 @@ def load_shard(
 ) -> tuple[DecoderForCausalLM, int]:
     """The model (under `tp`, this rank's share of it) and how many KV blocks fit beside it
     (with a draft model, already loaded: blocks that hold both models' K/V)."""
+    if config.enable_lora and ModelSpec.from_hf_config(hf_config).num_experts:
+        raise CheckpointError("--enable-lora: adapters on a mixture of experts are not served yet")
     backend = choose_backend(config, device, dtype)
     model = load_model(path, hf_config, dtype, device, backend, tp)
     kv_dtype = kv_cache.cache_dtype(config.kv_cache_dtype, dtype)
@@ -208,7 +211,11 @@ def build_runner(
             config.max_cpu_loras or config.max_loras,
             config.lora_dtype,
         )
-    if device.type == "cuda" and not config.enforce_eager and model.backend.attention.graph_safe:
+    graphs = device.type == "cuda" and not config.enforce_eager
+    if graphs and model.spec.num_experts:  # its routing is read back by the host (moe.py)
+        log.info("a mixture of experts runs eagerly: no CUDA graphs")
+        graphs = False
+    if graphs and model.backend.attention.graph_safe:
         from gpu.cuda.graphs import DecodeGraphs, default_capture_sizes
 
         runner.graphs = DecodeGraphs(
@@ -287,6 +294,9 @@ def auto_threads(hf_config: Any) -> int:
     heads = hf_config.num_attention_heads
     d = getattr(hf_config, "head_dim", None) or h // heads
     q, kv = heads * d, getattr(hf_config, "num_key_value_heads", heads) * d
-    per_layer = h * (q + 2 * kv) + q * h + 3 * h * hf_config.intermediate_size
+    mlp = hf_config.intermediate_size
+    if getattr(hf_config, "num_experts_per_tok", 0):  # a mixture of experts: those a token runs
+        mlp = getattr(hf_config, "moe_intermediate_size", mlp) * hf_config.num_experts_per_tok
+    per_layer = h * (q + 2 * kv) + q * h + 3 * h * mlp
     weights = hf_config.num_hidden_layers * per_layer
     return cores if weights >= AUTO_ALL_CORES_WEIGHTS else max(1, cores - 1)

@@ -20,6 +20,7 @@ from core.config import CheckpointError
 from gpu.fused_weights import fused_parts, split_fused
 from gpu.gguf_file import GgufCheckpoint, is_gguf
 from gpu.models.decoder import DecoderForCausalLM
+from gpu.models.moe import checkpoint_name
 from gpu.models.partial_rope import reorder_heads, reordered
 from gpu.models.rope import Rope
 from gpu.models.spec import ModelSpec
@@ -225,6 +226,7 @@ def load_weights(model: DecoderForCausalLM, path: Path, int4=None, text_only: bo
                     name = text_name(stored) if text_only else stored
                     if name is None:
                         continue  # a multimodal checkpoint's other towers (gpu/text_of.py)
+                    name = checkpoint_name(name)  # Mixtral's experts (gpu/models/moe.py)
                     prefix, _, part = name.rpartition(".")
                     if int4 is not None and _gathered(int4, part, _dtype(f, stored)):
                         pending.setdefault(prefix, {})[part] = f.get_tensor(stored)

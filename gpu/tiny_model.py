@@ -111,6 +111,9 @@ def build_tiny_model(
     pretokenizer: str = "gpt-2",
     global_every: int = 3,
     query_pre_attn_scalar: int | None = None,
+    num_experts: int = 4,
+    experts_per_token: int = 2,
+    norm_topk_prob: bool = True,
 ) -> Path:
     """Write a random-weight model of the given shape with a trained tokenizer to `path`.
     `added_tokens`: whole-text tokens added to the vocabulary, not special (as Qwen3's
@@ -121,7 +124,9 @@ def build_tiny_model(
     as a real model never does; the matrix products keep their full size. `mlp_bias`: biases
     on the MLP's products (Llama's config option). `pretokenizer`: how the tokenizer splits
     text (train_tokenizer). Gemma 3: every `global_every`-th layer global, the others sliding;
-    `query_pre_attn_scalar` (24 unless given)."""
+    `query_pre_attn_scalar` (24 unless given). Mixtral and Qwen3-MoE ("mixtral", "qwen3_moe"):
+    `num_experts` of `intermediate_size` each, `experts_per_token` of them per token (Qwen3-MoE's
+    renormalized when `norm_topk_prob`)."""
     import torch
     from transformers import (
         AutoModelForCausalLM,
@@ -129,9 +134,11 @@ def build_tiny_model(
         GenerationConfig,
         LlamaConfig,
         MistralConfig,
+        MixtralConfig,
         Phi3Config,
         Qwen2Config,
         Qwen3Config,
+        Qwen3MoeConfig,
     )
 
     path = Path(path)
@@ -194,6 +201,24 @@ def build_tiny_model(
             **common,
             head_dim=head_dim or hidden_size // num_heads,
             tie_word_embeddings=tie_word_embeddings is not False,
+        )
+    elif arch == "mixtral":
+        config = MixtralConfig(
+            **common,
+            tie_word_embeddings=bool(tie_word_embeddings),
+            sliding_window=sliding_window,
+            num_local_experts=num_experts,
+            num_experts_per_tok=experts_per_token,
+        )
+    elif arch == "qwen3_moe":  # the dense intermediate_size is unused: every layer sparse
+        config = Qwen3MoeConfig(
+            **common,
+            head_dim=head_dim or hidden_size // num_heads,
+            tie_word_embeddings=bool(tie_word_embeddings),
+            moe_intermediate_size=intermediate_size,
+            num_experts=num_experts,
+            num_experts_per_tok=experts_per_token,
+            norm_topk_prob=norm_topk_prob,
         )
     else:
         raise ValueError(f"unknown tiny architecture {arch!r}")

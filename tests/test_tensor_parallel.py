@@ -2,8 +2,8 @@
 
 The sharded decoder must give transformers' greedy tokens, and the single-process engine's, for
 every architecture (Qwen2's biases, Qwen3's Q/K norms and a head size other than hidden / heads,
-fewer KV heads than ranks, a vocabulary that does not split evenly), under chunked prefill and
-preemption; log-probs, grammars and embeddings cross the worker boundary too.
+fewer KV heads than ranks, a vocabulary that does not split evenly, a mixture of experts), under
+chunked prefill and preemption; log-probs, grammars and embeddings cross the worker boundary too.
 """
 
 from __future__ import annotations
@@ -66,6 +66,8 @@ CASES = [
     ("qwen3", 2, {"num_kv_heads": 1, "model_vocab_size": 1031}, TIGHT),
     # Gemma 3: each block's partial sums completed before its norm, sliding and global layers
     ("gemma3", 2, {"num_layers": 3}, {}),
+    # a mixture of experts: every expert split as an MLP, the router replicated
+    ("qwen3_moe", 2, {"num_experts": 4}, TIGHT),
 ]
 
 

@@ -50,6 +50,11 @@ HANDLED: dict[str, tuple | None] = {
     "attn_scale": (lambda v: not v, "an attention scale of its own"),
     "sandwich_norms": (lambda v: not v, "norms after each block"),
     "norm_plus_one": None,  # the 1 is added to the weights at load
+    "num_experts": (lambda v: not v, "a mixture of experts"),
+    "experts_per_token": None,
+    "moe_intermediate_size": None,
+    "norm_topk_prob": None,
+    "dense_layers": None,
 }
 
 

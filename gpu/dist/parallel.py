@@ -5,7 +5,8 @@ Megatron-style sharding of the decoder (gpu/models/decoder.py) over `world_size`
 
 - Q/K/V and gate/up are column-parallel: each rank holds its heads' rows (num_heads / world
   query heads, and num_kv_heads / world KV heads, or one replicated KV head when there are
-  fewer KV heads than ranks) and intermediate / world MLP rows. A rank's attention and MLP
+  fewer KV heads than ranks) and intermediate / world MLP rows (each expert's too, in a mixture
+  of experts, whose router is replicated). A rank's attention and MLP
   activation then need nothing from the others.
 - O and down are row-parallel: each rank holds the matching input columns and produces a partial
   sum; one all-reduce per product adds them (the residual and any bias are added by rank 0
@@ -69,6 +70,8 @@ def check(spec: ModelSpec, world_size: int) -> None:
         problems.append(f"{kv} KV heads (neither a multiple nor a divisor of the ranks)")
     if spec.intermediate_size % world_size:
         problems.append(f"an MLP of {spec.intermediate_size}")
+    if spec.moe_intermediate_size % world_size:
+        problems.append(f"experts of {spec.moe_intermediate_size}")
     if problems:
         raise CheckpointError(
             f"--tensor-parallel-size {world_size} does not divide this model: "
@@ -90,6 +93,7 @@ def local_spec(spec: ModelSpec, tp: TensorParallel) -> ModelSpec:
         num_heads=spec.num_heads // w,
         num_kv_heads=max(1, spec.num_kv_heads // w),
         intermediate_size=spec.intermediate_size // w,
+        moe_intermediate_size=spec.moe_intermediate_size // w,
         vocab_size=vocab_shard(spec, w),
     )
 
@@ -123,6 +127,8 @@ def shard(name: str, full: Any, spec: ModelSpec, tp: TensorParallel) -> torch.Te
     indexed without reading the rest."""
     shape = tuple(full.get_shape()) if hasattr(full, "get_shape") else tuple(full.shape)
     kind = next((k for key, k in _SPLITS.items() if f"{key}." in name + "."), None)
+    if ".mlp.experts." in name:  # each expert split as an MLP (its router is replicated)
+        kind = "down" if name.endswith(".down_proj.weight") else "expert"
     if kind is None or tp.world_size == 1:
         return full[:] if hasattr(full, "get_shape") else full
     w, r, d = tp.world_size, tp.rank, spec.head_dim
@@ -133,8 +139,8 @@ def shard(name: str, full: Any, spec: ModelSpec, tp: TensorParallel) -> torch.Te
     if kind == "kv":
         first, count = kv_head_range(spec, tp)
         return full[first * d : (first + count) * d]
-    if kind == "mlp":
-        n = spec.intermediate_size // w
+    if kind in ("mlp", "expert"):
+        n = (spec.intermediate_size if kind == "mlp" else spec.moe_intermediate_size) // w
         return full[r * n : (r + 1) * n]
     if kind in ("o", "down"):
         if not is_weight:  # a row-parallel bias is added once: rank 0 keeps it, the rest zeros

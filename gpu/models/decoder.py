@@ -1,5 +1,6 @@
-"""One decoder-only transformer that covers Llama, Mistral, Phi-3, Qwen2, Qwen3 and Gemma 3 (its
-layer's norms in gemma.py), built on a backend.
+"""One decoder-only transformer that covers Llama, Mistral, Phi-3, Qwen2, Qwen3, Gemma 3 (its
+layer's norms in gemma.py) and the mixtures of experts Mixtral and Qwen3-MoE (moe.py), built on a
+backend.
 
 Module and parameter names follow the Hugging Face checkpoints, so weights load by name without
 a mapping. The model is built with one backend (gpu/backend.py), which every layer computes
@@ -17,6 +18,7 @@ from torch import nn
 from gpu.attention.backend import AttentionMetadata
 from gpu.dist.parallel import TensorParallel, local_spec
 from gpu.models.gemma import sandwich_forward
+from gpu.models.moe import SparseMoE
 from gpu.models.rope import Rope
 from gpu.models.spec import ModelSpec
 
@@ -156,9 +158,11 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, spec: ModelSpec, backend) -> None:
+    """A gated MLP of `intermediate` (the model's intermediate_size unless given: an expert's)."""
+
+    def __init__(self, spec: ModelSpec, backend, intermediate: int = 0) -> None:
         super().__init__()
-        h, m = spec.hidden_size, spec.intermediate_size
+        h, m = spec.hidden_size, intermediate or spec.intermediate_size
         self.backend = backend
         self.gate_proj = Linear(backend, h, m, spec.mlp_bias)
         self.up_proj = Linear(backend, h, m, spec.mlp_bias)
@@ -211,7 +215,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         window = spec.layer_windows[index] if spec.layer_windows else spec.sliding_window
         self.self_attn = Attention(spec, backend, window)
-        self.mlp = MLP(spec, backend)
+        self.mlp = SparseMoE(spec, backend) if spec.is_moe_layer(index) else MLP(spec, backend)
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, backend)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, backend)
         self.sandwich = spec.sandwich_norms  # Gemma 3's norms after the blocks (gemma.py)

@@ -20,6 +20,9 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     "Gemma3ForCausalLM": {"qk_norm": True, "gemma": True},
     "Qwen2ForCausalLM": {"qk_norm": False, "qkv_bias": True},
     "Qwen3ForCausalLM": {"qk_norm": True},
+    # mixtures of experts in place of the MLP (gpu/models/moe.py)
+    "MixtralForCausalLM": {"qk_norm": False, "moe": True},
+    "Qwen3MoeForCausalLM": {"qk_norm": True, "moe": True},
 }
 
 
@@ -50,6 +53,15 @@ class ModelSpec:
     attn_scale: float = 0.0
     sandwich_norms: bool = False
     norm_plus_one: bool = False
+    # A mixture of experts (gpu/models/moe.py): each token's MLP is the weighted sum of the
+    # top `experts_per_token` of `num_experts` gated MLPs of `moe_intermediate_size` (0: a dense
+    # MLP of intermediate_size); their weights renormalized over the chosen ones when
+    # `norm_topk_prob`; `dense_layers`: the layers that keep the dense MLP all the same
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    dense_layers: tuple[int, ...] = ()
 
     @classmethod
     def from_hf_config(cls, config: Any) -> ModelSpec:
@@ -62,9 +74,9 @@ class ModelSpec:
             )
         extra = ARCHITECTURES[arch]
         heads = config.num_attention_heads
-        # Mistral's and Phi-3's sliding window applies to every layer. (Qwen2's optional
+        # Mistral's, Mixtral's and Phi-3's sliding window applies to every layer. (Qwen2's optional
         # per-layer window is off in released checkpoints and not supported.)
-        windowed = arch in ("MistralForCausalLM", "Phi3ForCausalLM")
+        windowed = arch in ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM")
         window = getattr(config, "sliding_window", None) if windowed else None
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         partial = rope_parameters(config).get(
@@ -97,7 +109,38 @@ class ModelSpec:
         )
         if extra.get("gemma"):
             fields.update(_gemma(config, arch))
+        if extra.get("moe"):
+            fields.update(_moe(config, arch))
         return cls(**fields)
+
+    def is_moe_layer(self, index: int) -> bool:
+        return self.num_experts > 0 and index not in self.dense_layers
+
+
+def _moe(config: Any, arch: str) -> dict[str, Any]:
+    """A mixture of experts' fields: Mixtral's (every layer sparse, its chosen experts' weights
+    always renormalized) or Qwen3-MoE's (norm_topk_prob; dense layers by mlp_only_layers and
+    decoder_sparse_step, as transformers builds them)."""
+    experts = int(getattr(config, "num_local_experts", None) or getattr(config, "num_experts", 0))
+    k = int(getattr(config, "num_experts_per_tok", 0) or 0)
+    if not 0 < k <= experts:
+        raise CheckpointError(f"{arch} with {k} experts per token of {experts}")
+    n = config.num_hidden_layers
+    if arch == "MixtralForCausalLM":
+        size, norm, dense = config.intermediate_size, True, ()
+    else:
+        size = int(config.moe_intermediate_size)
+        norm = bool(getattr(config, "norm_topk_prob", False))
+        step = int(getattr(config, "decoder_sparse_step", 1) or 1)
+        only = set(getattr(config, "mlp_only_layers", None) or ())
+        dense = tuple(i for i in range(n) if i in only or (i + 1) % step)
+    return dict(
+        num_experts=experts,
+        experts_per_token=k,
+        moe_intermediate_size=size,
+        norm_topk_prob=norm,
+        dense_layers=dense,
+    )
 
 
 def _gemma(config: Any, arch: str) -> dict[str, Any]:

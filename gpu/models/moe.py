@@ -1,0 +1,99 @@
+"""A mixture of experts in place of a layer's MLP (Mixtral, Qwen3-MoE), as transformers computes
+it: a router's logits over the E experts, their softmax in float32, each token's top k experts
+(their probabilities renormalized over the k when the model says so: Mixtral always, Qwen3-MoE
+by norm_topk_prob), and the token's output the sum of those experts' gated MLPs weighted by them.
+
+The tokens are grouped by expert on the host (the step's routing is read back: one sync a layer)
+and each expert multiplies only its own rows, so a token reads the weights of k experts, not E,
+as llama.cpp's and vLLM's kernels do. Each expert is an MLP on the backend, so its weights take
+every form a dense MLP's can (16-bit, packed float32, GGUF's block formats, ...).
+
+Mixtral's checkpoints name the block `block_sparse_moe` and the experts' products w1 (gate), w3
+(up) and w2 (down); `checkpoint_name` reads them as Qwen3-MoE's, the names the modules load by.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from gpu.models.spec import ModelSpec
+
+_MIXTRAL = (
+    (re.compile(r"\.block_sparse_moe\."), ".mlp."),
+    (re.compile(r"(\.experts\.\d+)\.w1\."), r"\1.gate_proj."),
+    (re.compile(r"(\.experts\.\d+)\.w3\."), r"\1.up_proj."),
+    (re.compile(r"(\.experts\.\d+)\.w2\."), r"\1.down_proj."),
+)
+
+
+def checkpoint_name(name: str) -> str:
+    """The name weir's modules load a checkpoint tensor by: Mixtral's expert names as Qwen3-MoE's
+    (model.layers.0.block_sparse_moe.experts.3.w1.weight -> ...mlp.experts.3.gate_proj.weight);
+    any other name as it is."""
+    if ".block_sparse_moe." not in name:
+        return name
+    for pattern, replacement in _MIXTRAL:
+        name = pattern.sub(replacement, name)
+    return name
+
+
+class SparseMoE(nn.Module):
+    """The layer's experts (`experts`, gated MLPs) and its router (`gate`, a product of the hidden
+    state to one logit per expert), in the checkpoints' names."""
+
+    def __init__(self, spec: ModelSpec, backend) -> None:
+        from gpu.models.decoder import MLP, Linear
+
+        super().__init__()
+        self.backend = backend
+        self.gate = Linear(backend, spec.hidden_size, spec.num_experts, False)
+        self.experts = nn.ModuleList(
+            MLP(spec, backend, spec.moe_intermediate_size) for _ in range(spec.num_experts)
+        )
+        self.top_k, self.renormalize = spec.experts_per_token, spec.norm_topk_prob
+        self.router = None
+
+    def prepare(self) -> None:
+        self.router = self.backend.prepare_linear(*self.gate.take())
+        del self.gate
+        for expert in self.experts:
+            expert.prepare()
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the weights [tokens, k] in x's dtype, the experts [tokens, k]) of each token."""
+        logits = self.backend.linear(x, self.router)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, chosen = probs.topk(self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(x.dtype), chosen
+
+    def forward(self, x, residual=None, norm=None, lora=None):
+        """moe(x), plus residual when given; with `norm`, the pair (norm(that), that) (the
+        signature of decoder.MLP's forward). `lora` is None: adapters are refused on these
+        models (gpu/assemble.py)."""
+        b = self.backend
+        weights, chosen = self.route(x)
+        # Each (token, choice) pair by expert, in token order within an expert: an expert's rows,
+        # and the weight each row's output is scaled by.
+        flat = chosen.flatten()
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
+        tokens = order // self.top_k
+        scale = weights.flatten()[order, None]
+        out = torch.zeros_like(x)
+        start = 0
+        for expert, count in zip(self.experts, counts):
+            if count:
+                rows = tokens[start : start + count]
+                y = expert(x[rows]) * scale[start : start + count]
+                out.index_add_(0, rows, y)
+                start += count
+        if residual is not None:
+            out = out + residual
+        if norm is None:
+            return out
+        return b.rms_norm(out, norm.weight, norm.eps), out
