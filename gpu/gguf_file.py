@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from core.config import CheckpointError
-from gpu.gguf_names import ARCHES, hf_name, llama_unpermute_index
+from gpu.gguf_names import ARCHES, expert_name, hf_name, llama_unpermute_index
 from gpu.quant.formats import BY_GGML_TYPE
 from gpu.quant.tensor import BlockTensor
 
@@ -48,6 +48,18 @@ def sliding_layers(pattern: int | list, n: int) -> list[bool]:
         return [bool(p) for p in pattern]
     p = int(pattern)
     return [p == 0 or i % p < p - 1 for i in range(n)]
+
+
+def experts(stacked: str, value: Any, count: int) -> Iterator[tuple[str, Any]]:
+    """(name, weight) of each expert in a 3-D tensor of `count` (llama.cpp's ffn_*_exps): a
+    float tensor's slices [rows, columns], or a BlockTensor's rows in place (nothing copied)."""
+    for e in range(count):
+        if isinstance(value, BlockTensor):
+            n = value.shape[0] // count
+            rows = value.rows[e * n : (e + 1) * n]
+            yield expert_name(stacked, e), BlockTensor(rows, value.fmt, (n, value.shape[1]))
+        else:
+            yield expert_name(stacked, e), value[e]
 
 
 class GgufCheckpoint:
@@ -94,7 +106,15 @@ class GgufCheckpoint:
     def config(self) -> Any:
         """A Hugging Face config (LlamaConfig, Phi3Config, Qwen2Config, Qwen3Config) of the
         file's shapes."""
-        from transformers import Gemma3TextConfig, LlamaConfig, Phi3Config, Qwen2Config, Qwen3Config
+        from transformers import (
+            Gemma3TextConfig,
+            LlamaConfig,
+            MixtralConfig,
+            Phi3Config,
+            Qwen2Config,
+            Qwen3Config,
+            Qwen3MoeConfig,
+        )
 
         a = self.arch
         hidden = int(self.get(f"{a}.embedding_length"))
@@ -109,7 +129,7 @@ class GgufCheckpoint:
             architectures=[ARCHES[a]],
             vocab_size=vocab,
             hidden_size=hidden,
-            intermediate_size=int(self.get(f"{a}.feed_forward_length")),
+            intermediate_size=int(self.get(f"{a}.feed_forward_length", 0)),
             num_hidden_layers=int(self.get(f"{a}.block_count")),
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
@@ -134,8 +154,32 @@ class GgufCheckpoint:
             if head_dim != hidden // heads:
                 raise CheckpointError(f"{self.path.name}: qwen2 with a head size of {head_dim}")
             return Qwen2Config(**common)
+        experts = int(self.get(f"{a}.expert_count", 0) or 0)
+        if a == "qwen3moe" or (a == "llama" and experts):
+            return self._experts(common, head_dim, MixtralConfig, Qwen3MoeConfig)
         cls = LlamaConfig if a == "llama" else Qwen3Config
         return cls(**common, head_dim=head_dim)
+
+    def _experts(self, common: dict, head_dim: int, mixtral: Any, qwen3moe: Any) -> Any:
+        """A mixture of experts as llama.cpp reads its file: a "llama" with experts is Mixtral
+        (its feed_forward_length the experts' size); Qwen3-MoE's experts have their own
+        (`expert_feed_forward_length`), and llama.cpp renormalizes both's chosen experts."""
+        a = self.arch
+        experts = int(self.get(f"{a}.expert_count"))
+        used = int(self.get(f"{a}.expert_used_count"))
+        if a == "llama":
+            common["architectures"] = ["MixtralForCausalLM"]
+            return mixtral(
+                **common, head_dim=head_dim, num_local_experts=experts, num_experts_per_tok=used
+            )
+        return qwen3moe(
+            **common,
+            head_dim=head_dim,
+            num_experts=experts,
+            num_experts_per_tok=used,
+            moe_intermediate_size=int(self.get(f"{a}.expert_feed_forward_length")),
+            norm_topk_prob=True,
+        )
 
     def _end_tokens(self) -> int | list[int] | None:
         """The tokens that end generation, as llama.cpp reads them: EOS, and the end-of-turn
@@ -261,7 +305,10 @@ class GgufCheckpoint:
                 if self.arch == "llama" and target.endswith(("q_proj.weight", "k_proj.weight")):
                     h = heads if "q_proj" in target else kv_heads
                     value = value.take_rows(llama_unpermute_index(n, h))
-            yield target, value
+            if len(dims) == 3:  # a mixture's experts, one after another: each its own rows
+                yield from experts(target, value, dims[2])
+            else:
+                yield target, value
 
     # ---- tokenizer ----
     def tokenizer(self) -> Any:

@@ -12,7 +12,9 @@ ARCHES = {
     "phi3": "Phi3ForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
 }
+# A "llama" file with experts is a Mixtral (llama.cpp's converter writes it so).
 
 # HF module names (under model.layers.N.) -> GGUF's (under blk.N.)
 LAYER_NAMES = {
@@ -27,6 +29,12 @@ LAYER_NAMES = {
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
+    # a mixture of experts (gpu/models/moe.py): its router, and each product's experts as one
+    # 3-D tensor [experts, rows, columns] (mlp.experts.gate_proj: weir's name for that stack)
+    "mlp.gate": "ffn_gate_inp",
+    "mlp.experts.gate_proj": "ffn_gate_exps",
+    "mlp.experts.up_proj": "ffn_up_exps",
+    "mlp.experts.down_proj": "ffn_down_exps",
 }
 # Phi-3's fused layers (gpu/fused_weights.py): Q/K/V as one tensor, gate and up as llama.cpp's
 # ffn_up of twice the rows
@@ -74,6 +82,12 @@ def hf_name(name: str, arch: str = "llama") -> str | None:
         return None
     layer = {v: k for k, v in _layer_names(arch).items()}.get(parts[2])
     return None if layer is None else f"model.layers.{parts[1]}.{layer}.{kind}"
+
+
+def expert_name(stacked: str, expert: int) -> str:
+    """One expert's name in a stack's: model.layers.3.mlp.experts.up_proj.weight, 5 ->
+    model.layers.3.mlp.experts.5.up_proj.weight."""
+    return stacked.replace(".mlp.experts.", f".mlp.experts.{expert}.")
 
 
 def llama_permute(w: np.ndarray, heads: int) -> np.ndarray:

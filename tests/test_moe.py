@@ -121,3 +121,84 @@ def test_adapters_on_a_mixture_of_experts_are_refused(tmp_path):
     config = EngineConfig(model=str(path), device="cpu", num_kv_blocks=16, enable_lora=True)
     with pytest.raises(CheckpointError, match="mixture of experts"):
         load(config)
+
+
+def dequantized(path, hf_dir, out):
+    """A Hugging Face directory of `hf_dir`'s config holding the GGUF file's weights as the `gguf`
+    package dequantizes them (experts unstacked, Llama's Q/K rows back in Hugging Face's order):
+    the reference a quantized file's serving is held to."""
+    import shutil
+
+    import gguf
+    import numpy as np
+    from safetensors.torch import save_file
+
+    from gpu.gguf_names import expert_name, hf_name, llama_unpermute_index
+
+    reader = gguf.GGUFReader(path)
+    arch = reader.fields["general.architecture"].contents()
+    heads = reader.fields[f"{arch}.attention.head_count"].contents()
+    kv_heads = reader.fields[f"{arch}.attention.head_count_kv"].contents()
+    state = {}
+    for t in reader.tensors:
+        w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+        w = torch.from_numpy(w.reshape([int(d) for d in reversed(t.shape)]))
+        name = hf_name(t.name, arch)
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            n = heads if "q_proj" in name else kv_heads
+            w = w[torch.from_numpy(llama_unpermute_index(w.shape[0], n))]
+        if w.dim() == 3:
+            state.update({expert_name(name, e): w[e].contiguous() for e in range(w.shape[0])})
+        else:
+            state[name] = w.contiguous()
+    shutil.copytree(hf_dir, out, ignore=shutil.ignore_patterns("*.safetensors*"))
+    save_file(state, str(out / "model.safetensors"))
+    return out
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_a_gguf_file_of_experts_serves_as_its_checkpoint(tmp_path, arch):
+    """Experts stacked in 3-D tensors (ffn_*_exps), the router as ffn_gate_inp, the counts as
+    metadata, as llama.cpp's converter writes them (a Mixtral: a "llama" file with experts; weir's
+    writer checked against that converter's files): in float32, transformers' logits."""
+    from gpu.quant.gguf_write import uniform, write_gguf
+
+    hf = moe(tmp_path / "hf", arch)
+    path = write_gguf(hf, tmp_path / "moe.gguf", uniform("f32"))
+    assert_as_transformers(path, hf, prompt(30))
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_k_m"])
+def test_quantized_experts_against_their_dequantized_weights(tmp_path, monkeypatch, fmt):
+    """Each expert's rows of a block-format stack are its own: dequantized by weir's loader, the
+    file gives transformers' logits on the `gguf` package's dequantization of it; on weir's
+    kernels, whose products round the activations to 8 bits as llama.cpp's do (which can swap a
+    token's experts where two are close), the prompt's greedy choices mostly agree."""
+    from gpu import assemble
+    from gpu.attention.select import get_backend
+    from gpu.backend import TorchBackend
+    from gpu.quant.gguf_write import q4_k_m, uniform, write_gguf
+
+    hf = moe(tmp_path / "hf", hidden_size=256, intermediate_size=256)
+    path = write_gguf(hf, tmp_path / "moe.gguf", q4_k_m if fmt == "q4_k_m" else uniform(fmt))
+    ref = dequantized(path, hf, tmp_path / "ref")
+    ids = prompt(40)
+    config = EngineConfig(model=str(path), device="cpu", dtype="float32", num_kv_blocks=64)
+    core = load(config).core
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, prompt_logprobs=1)
+    core.add(EngineRequest("r", ids, params))
+    plp = None
+    while core.has_work:
+        for o in core.step():
+            plp = o.prompt_logprobs or plp
+    ours = [plp[i].top_ids[0] for i in range(1, len(ids))]
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(ref, dtype=torch.float32).eval()
+    with torch.no_grad():
+        theirs = model(torch.tensor([ids])).logits[0, :-1].argmax(-1).tolist()
+    agree = sum(a == b for a, b in zip(ours, theirs))
+    assert agree >= 0.8 * len(ours), (agree, len(ours))
+    torch_ops = lambda c, d, t: TorchBackend(get_backend("auto", d), fuse=False)  # noqa: E731
+    monkeypatch.setattr(assemble, "choose_backend", torch_ops)
+    assert_as_transformers(path, ref, ids)

@@ -1,8 +1,8 @@
-"""A Hugging Face checkpoint (Llama, Phi-3, Qwen2, Qwen3, Gemma 3) written as a GGUF file with
-the `gguf` package's writer, each weight in a chosen format (weir's quantizers,
-gpu/quant/quantize.py), the names, metadata and Q/K row order as llama.cpp's
-convert_hf_to_gguf.py writes them, and the tokenizer (byte-level BPE) as `tokenizer.ggml.*`
-entries with its chat template.
+"""A Hugging Face checkpoint (Llama, Phi-3, Qwen2, Qwen3, Gemma 3, Mixtral, Qwen3-MoE) written
+as a GGUF file with the `gguf` package's writer, each weight in a chosen format (weir's
+quantizers, gpu/quant/quantize.py), the names, metadata, Q/K row order and stacked experts as
+llama.cpp's convert_hf_to_gguf.py writes them, and the tokenizer (byte-level BPE) as
+`tokenizer.ggml.*` entries with its chat template.
 
 The tests serve the files this writes (tests/test_gguf.py); the benchmarks write random-weight
 models of real sizes with it (`write_random_gguf`). Not a replacement for llama.cpp's converter: no
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -22,20 +23,24 @@ import numpy as np
 from gpu.gguf_names import ARCHES as GGUF_ARCHES
 from gpu.gguf_names import gguf_name, llama_permute
 from gpu.gguf_tokenizer import split_of
+from gpu.models.moe import checkpoint_name
 from gpu.quant.formats import FORMATS
 from gpu.quant.iq_grids import GRIDS, table
 from gpu.quant.quantize import quantize
 
 ARCHES = {v: k for k, v in GGUF_ARCHES.items()}  # HF class -> GGUF architecture
+ARCHES["MixtralForCausalLM"] = "llama"  # a Llama with experts, as llama.cpp writes it
 
 
 def q4_k_m(name: str, shape: tuple[int, ...]) -> str:
     """A Q4_K_M-like choice per tensor: Q6_K for the output and the V and down weights (llama.cpp
     gives half the layers' V and down Q6_K; this gives all), Q4_K for the other products, F32
     for norms and biases."""
-    if len(shape) == 1:
+    if len(shape) == 1 or name.endswith("ffn_gate_inp.weight"):  # llama.cpp keeps routers F32
         return "f32"
-    if name == "output.weight" or name.endswith(("attn_v.weight", "ffn_down.weight")):
+    if name == "output.weight" or name.endswith(
+        ("attn_v.weight", "ffn_down.weight", "ffn_down_exps.weight")
+    ):
         return "q6_k"
     return "q4_k"
 
@@ -79,6 +84,9 @@ def write_gguf(
     kv_heads = config.get("num_key_value_heads") or heads
     if tensors is None:
         tensors = _checkpoint(hf_dir)
+    count = config.get("num_local_experts") or config.get("num_experts") or 0
+    if count:
+        tensors = _stacked_experts(tensors, count)
     tie = config.get("tie_word_embeddings", arch != "llama")
     rope = config.get("rope_parameters") or {}
     if rope.get("rope_type") == "longrope":  # Phi-3's factors, as llama.cpp writes them
@@ -97,10 +105,11 @@ def write_gguf(
         fmt = formats(gname, t.shape)
         fmt = "f32" if t.ndim == 1 else _fitting(fmt, t.shape[-1])
         f = FORMATS[fmt]
-        data = quantize(t.reshape(-1, t.shape[-1]), fmt)
         if fmt == "f32":
             w.add_tensor(gname, t)
-        else:
+        else:  # an expert stack's rows quantized as one matrix's (the blocks lie within rows)
+            data = quantize(t.reshape(-1, t.shape[-1]), fmt)
+            data = data.reshape(*t.shape[:-1], data.shape[-1])
             qtype = gguf.GGMLQuantizationType(f.ggml_type)
             w.add_tensor(gname, data, raw_shape=data.shape, raw_dtype=qtype)
     w.write_header_to_file()
@@ -108,6 +117,28 @@ def write_gguf(
     w.write_tensors_to_file()
     w.close()
     return out
+
+
+def _stacked_experts(
+    tensors: Iterator[tuple[str, np.ndarray]], count: int
+) -> Iterator[tuple[str, np.ndarray]]:
+    """The checkpoint's tensors with each layer's experts of a product stacked into one
+    [experts, rows, columns] tensor (mlp.experts.gate_proj: gguf_names.py), as llama.cpp's
+    converter stacks them; Mixtral's names read as Qwen3-MoE's (gpu/models/moe.py)."""
+    held: dict[str, dict[int, np.ndarray]] = {}
+    for name, t in tensors:
+        name = checkpoint_name(name)
+        found = re.fullmatch(r"(.*\.mlp\.experts\.)(\d+)\.(.*)", name)
+        if found is None:
+            yield name, t
+            continue
+        stacked = found[1] + found[3]
+        held.setdefault(stacked, {})[int(found[2])] = t
+        if len(held[stacked]) == count:
+            parts = held.pop(stacked)
+            yield stacked, np.stack([parts[e] for e in range(count)])
+    if held:
+        raise ValueError(f"gguf_write: incomplete experts {sorted(held)[:3]}")
 
 
 def _writer(out: Path, config: dict, tokenizer_dir: Path) -> tuple[gguf.GGUFWriter, str]:
@@ -146,6 +177,12 @@ def _writer(out: Path, config: dict, tokenizer_dir: Path) -> tuple[gguf.GGUFWrit
         w.add_rope_scaling_orig_ctx_len(original or config.get("max_position_embeddings", 4096))
         if kind == "longrope":
             w.add_rope_scaling_attn_factors(_longrope_attention_factor(config, original))
+    count = config.get("num_local_experts") or config.get("num_experts")
+    if count:  # a mixture of experts (Qwen3-MoE's experts have their own size)
+        w.add_expert_count(count)
+        w.add_expert_used_count(config["num_experts_per_tok"])
+        if config.get("moe_intermediate_size"):
+            w.add_expert_feed_forward_length(config["moe_intermediate_size"])
     _write_tokenizer(w, tokenizer_dir, config)
     return w, arch
 
