@@ -14,6 +14,10 @@ served by weir and llama-server: memory and one stream.
 
     python -m benchmarks.real_checkpoints [--rounds 2] [--levels 1,16,64] [--skip-8b]
 
+`--shape qwen3-moe` runs a mixture of experts (Qwen3-30B-A3B's layer shape, 6 layers of 32
+experts, 8 per token): its one-stream floor counts the experts' bytes a token reads (8 of 32),
+not the file's.
+
 `--shape qwen2.5-0.5b` runs Qwen2.5-0.5B's shape instead (hidden 896, 24 layers, MLP 4864, GQA
 14/2, tied 151,936-row embedding): its hidden size is no multiple of 256, so llama-quantize's
 Q4_K_M holds mostly Q5_0 and a Q8_0 embedding (its k-quants' fallbacks).
@@ -62,8 +66,26 @@ SHAPE_QWEN05 = dict(
     dtype="bfloat16",
     extra_eos=("<|endoftext|>",),
 )
+# Qwen3-30B-A3B's layer (hidden 2048, GQA 32/4 of 128, experts of 768, 8 per token) with 6 layers
+# of 32 experts: 1.0B weights, 0.27B of them read per token
+SHAPE_MOE = dict(
+    hidden_size=2048,
+    num_layers=6,
+    num_heads=32,
+    num_kv_heads=4,
+    head_dim=128,
+    intermediate_size=768,
+    num_experts=32,
+    experts_per_token=8,
+    vocab_size=2048,
+    max_position_embeddings=4096,
+    initializer_range=0.02,
+    dtype="bfloat16",
+    extra_eos=("<|endoftext|>",),
+)
 SHAPES = {"llama-1b": ("llama", "bench-llama-1b-bf16", SHAPE_1B),
-          "qwen2.5-0.5b": ("qwen2", "bench-qwen2.5-0.5b-bf16", SHAPE_QWEN05)}  # fmt: skip
+          "qwen2.5-0.5b": ("qwen2", "bench-qwen2.5-0.5b-bf16", SHAPE_QWEN05),
+          "qwen3-moe": ("qwen3_moe", "bench-qwen3-moe-bf16", SHAPE_MOE)}  # fmt: skip
 CONFIG_8B = dict(
     hidden_size=4096,
     num_hidden_layers=32,
@@ -115,13 +137,26 @@ def model_8b(tokenizer_dir: Path) -> Path:
     return path
 
 
-def weight_bytes(path: Path) -> int:
-    """Bytes of a GGUF file's tensors, or of a folder's safetensors."""
-    if path.is_dir():
-        return sum(f.stat().st_size for f in path.glob("*.safetensors"))
+def weight_bytes(path: Path, experts_read: float = 1.0) -> int:
+    """Bytes of a GGUF file's tensors, or of a folder's safetensors; with `experts_read` (a
+    mixture's experts per token over its experts), those one token reads: that share of the
+    experts' bytes, all of the rest."""
     import gguf
+    from safetensors import safe_open
 
-    return sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors)
+    sizes: list[tuple[str, int]] = []
+    if path.is_dir():
+        for f in path.glob("*.safetensors"):
+            with safe_open(str(f), "pt") as st:
+                for k in st.keys():
+                    t = st.get_slice(k)
+                    n = 1
+                    for d in t.get_shape():
+                        n *= d
+                    sizes.append((k, n * (2 if t.get_dtype() in ("BF16", "F16") else 4)))
+    else:
+        sizes = [(t.name, int(t.n_bytes)) for t in gguf.GGUFReader(path).tensors]
+    return int(sum(n * (experts_read if "exps" in k or ".experts." in k else 1) for k, n in sizes))
 
 
 def rss_tree(pid: int) -> int:
@@ -234,6 +269,9 @@ def main() -> None:
     if args.only:
         table = {k: v for k, v in table.items() if k in args.only.split(",")}
     sizes = {label: weight_bytes(path) for label, (_, path) in table.items()}
+    kwargs = SHAPES[args.shape][2]
+    share = kwargs.get("experts_per_token", 1) / kwargs.get("num_experts", 1)
+    per_token = {label: weight_bytes(path, share) for label, (_, path) in table.items()}
     runs: dict[str, list[dict]] = {label: [] for label in table}
     bandwidth: dict[int, float] = {}
     for r in range(args.rounds):
@@ -256,7 +294,7 @@ def main() -> None:
                 "itl_p50_ms": med["itl_p50_ms"],
                 "errors": sum(r[c]["errors"] for r in rs),
             }
-        floor_ms = sizes[label] / (read * 1e9) * 1e3
+        floor_ms = per_token[label] / (read * 1e9) * 1e3  # a mixture's: the experts it reads
         itl = entry[levels[0]]["itl_p50_ms"] or float("inf")
         entry["floor_ms"] = floor_ms
         entry["of_floor"] = floor_ms / itl

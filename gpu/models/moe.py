@@ -5,7 +5,9 @@ by norm_topk_prob), and the token's output the sum of those experts' gated MLPs 
 
 The tokens are grouped by expert on the host (the step's routing is read back: one sync a layer)
 and each expert multiplies only its own rows, so a token reads the weights of k experts, not E,
-as llama.cpp's and vLLM's kernels do. Each expert is an MLP on the backend, so its weights take
+as llama.cpp's and vLLM's kernels do. A token's k outputs are summed in the order of its choices
+(transformers adds them into the layer's output expert by expert: in float32 the two agree to
+rounding, the greedy tokens exactly). Each expert is an MLP on the backend, so its weights take
 every form a dense MLP's can (16-bit, packed float32, GGUF's block formats, ...).
 
 Mixtral's checkpoints name the block `block_sparse_moe` and the experts' products w1 (gate), w3
@@ -77,21 +79,21 @@ class SparseMoE(nn.Module):
         models (gpu/assemble.py)."""
         b = self.backend
         weights, chosen = self.route(x)
-        # Each (token, choice) pair by expert, in token order within an expert: an expert's rows,
-        # and the weight each row's output is scaled by.
-        flat = chosen.flatten()
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
-        tokens = order // self.top_k
-        scale = weights.flatten()[order, None]
-        out = torch.zeros_like(x)
-        start = 0
+        # The (token, choice) pairs ordered by expert, tokens in order within one: each
+        # expert's input rows are one slice of a single gather, its outputs one slice of a
+        # single result, put back in (token, choice) order and summed over the choices.
+        t, k = chosen.shape
+        order = torch.argsort(chosen.flatten(), stable=True)
+        counts = torch.bincount(chosen.flatten(), minlength=len(self.experts)).tolist()
+        rows = x.index_select(0, order // k)
+        outs, start = [], 0
         for expert, count in zip(self.experts, counts):
             if count:
-                rows = tokens[start : start + count]
-                y = expert(x[rows]) * scale[start : start + count]
-                out.index_add_(0, rows, y)
+                outs.append(expert(rows[start : start + count]))
                 start += count
+        y = torch.cat(outs) if len(outs) > 1 else outs[0]
+        y = y * weights.flatten().index_select(0, order)[:, None]
+        out = torch.empty_like(y).index_copy_(0, order, y).view(t, k, -1).sum(dim=1)
         if residual is not None:
             out = out + residual
         if norm is None:
