@@ -114,6 +114,13 @@ class TorchBackend:
             g, u = self.linear(x, weights[0], ga), self.linear(x, weights[1], ua)
         return ACTIVATIONS[act](g) * u
 
+    def experts(self, x: torch.Tensor, ws: list[Any], counts: list[int], gated: bool):
+        """A mixture's experts (gpu/models/moe.py) over x's rows ordered by expert, counts[i] of
+        them ws[i]'s: each expert's gated pair (`gated`: gate/up's form) or product (down's),
+        the outputs in x's rows' order."""
+        f = self.gated if gated else self.linear
+        return torch.cat([f(part, w) for part, w in zip(x.split(counts), ws)])
+
     # ---- LoRA ----
     def lora_add(self, y: torch.Tensor, x: torch.Tensor, group: Any, batch: Any) -> None:
         """y [tokens, n] += each row's adapter's delta of x [tokens, k], in place: the batched

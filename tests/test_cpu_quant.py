@@ -186,6 +186,31 @@ def test_parts_in_one_pass_are_each_part_bit_for_bit(path, fmts, m):
         ops.wgemm_parts(x, [parts[0].packed], [parts[0].fmt.ggml_type], [80], None, None, 0)
 
 
+@pytest.mark.parametrize("path", ["ref", *FAST_PATHS])
+@pytest.mark.parametrize("fmt", ["q4_k", "q6_k", "q8_0", "bf16"])
+def test_experts_in_one_pass_are_each_experts_product(path, fmt):
+    """A mixture's experts (gpu/models/moe.py): x's rows ordered by expert, one expert with none,
+    one with 70 (crossing a 64-row chunk); each row's outputs are its expert's own product bit
+    for bit, as gated pairs (gate/up) and as plain weights (down)."""
+    k, n = 256, 48
+    counts = [3, 0, 70, 1]
+    gate = [random_rows(fmt, n, k, seed=10 + e) for e in range(4)]
+    up = [random_rows(fmt, n, k, seed=20 + e) for e in range(4)]
+    pairs = [quant.pack(g, FORMATS[fmt], (n, k), up=u, act="silu") for g, u in zip(gate, up)]
+    plain = [quant.pack(g, FORMATS[fmt], (n, k)) for g in gate]
+    x = torch.randn(sum(counts), k) * 2
+    for ws in (pairs, plain):
+        want = torch.cat([quant.linear(part, w, path=path) for part, w in zip(x.split(counts), ws)])
+        assert torch.equal(quant.linear_experts(x, ws, counts, path=path), want)
+    ops, fmt_code = cpu_build.load(), FORMATS[fmt].ggml_type
+    with pytest.raises(ValueError, match="counts: 74 rows of x's 75"):
+        ops.wgemm_experts(
+            torch.randn(75, k), [w.packed for w in plain], [fmt_code] * 4, n, counts, 0, 0
+        )
+    with pytest.raises(ValueError, match="packed"):  # plain weights read as gated pairs
+        ops.wgemm_experts(x, [w.packed for w in plain], [fmt_code] * 4, n, counts, 1, 0)
+
+
 def test_bad_arguments_are_errors_not_crashes():
     rows = random_rows("q4_k", 16, 256, seed=6)
     w = quant.pack(rows, FORMATS["q4_k"], (16, 256))

@@ -204,6 +204,12 @@ class CpuBackend(OneDnnBackend):
             return ACTIVATIONS[w.act](self.linear(x, w.gate, ga)) * self.linear(x, w.up, ua)
         return super().gated(x, w, addend)
 
+    def experts(self, x, ws, counts, gated) -> torch.Tensor:
+        kinds = {(type(w), w.act) if isinstance(w, quant.QuantWeight) else None for w in ws}
+        if len(kinds) == 1 and None not in kinds and (ws[0].act != 0) == gated:
+            return quant.linear_experts(x, ws, counts)  # one pass of the threads
+        return super().experts(x, ws, counts, gated)
+
     # ---- LoRA ----
     def lora_add(self, y, x, group, batch) -> None:
         if y.dtype == torch.float32 and x.dtype == torch.float32 and x.dim() == 2:

@@ -133,3 +133,22 @@ def linear_parts(
         PATHS[path],
     )
     return out.view(*shape[:-1], sum(p.out_features for p in parts))
+
+
+def linear_experts(
+    x: torch.Tensor, experts: list[QuantWeight], counts: list[int], path: str = "auto"
+) -> torch.Tensor:
+    """A mixture's experts over x's rows ordered by expert (counts[i] of them experts[i]'s), in
+    one pass of the threads, x converted once: each row's outputs are `linear(row, expert)`'s
+    bit for bit. The experts are all plain weights or all gated pairs of one activation."""
+    w = experts[0]
+    out = cpu_build.load().wgemm_experts(
+        _rows(x),
+        [e.packed for e in experts],
+        [e.fmt.ggml_type for e in experts],
+        w.out_features,
+        counts,
+        w.act,
+        PATHS[path],
+    )
+    return out.view(*x.shape[:-1], w.out_features)

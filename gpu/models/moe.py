@@ -86,12 +86,10 @@ class SparseMoE(nn.Module):
         order = torch.argsort(chosen.flatten(), stable=True)
         counts = torch.bincount(chosen.flatten(), minlength=len(self.experts)).tolist()
         rows = x.index_select(0, order // k)
-        outs, start = [], 0
-        for expert, count in zip(self.experts, counts):
-            if count:
-                outs.append(expert(rows[start : start + count]))
-                start += count
-        y = torch.cat(outs) if len(outs) > 1 else outs[0]
+        used = [i for i, c in enumerate(counts) if c]
+        sizes = [counts[i] for i in used]
+        h = b.experts(rows, [self.experts[i].gate_up for i in used], sizes, gated=True)
+        y = b.experts(h, [self.experts[i].down for i in used], sizes, gated=False)
         y = y * weights.flatten().index_select(0, order)[:, None]
         out = torch.empty_like(y).index_copy_(0, order, y).view(t, k, -1).sum(dim=1)
         if residual is not None:

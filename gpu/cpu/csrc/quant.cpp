@@ -156,11 +156,15 @@ int qpath_best() {
 
 namespace {
 
-// Parts' products over one pass of the threads (wgemm, wgemm_parts): `count` parts, or one gated
-// pair (count 1, gated: gate and up panels side by side).
+// Parts' products over one pass of the threads (wgemm, wgemm_parts, wgemm_experts): `count`
+// parts side by side, each over all m rows, or one gated pair (count 1, gated: gate and up panels
+// side by side); with `segments` (count + 1 row offsets), part i over rows [segments[i],
+// segments[i + 1]) only, every part's outputs in the same columns (a mixture's experts, each a
+// gated pair when gated).
 void products(const WPart* parts, int count, const float* x, int64_t m, int64_t k,
               int64_t x_stride, int gated, const float* bias, const float* residual,
-              int64_t res_stride, float* out, int64_t out_stride, int64_t num_threads, int path) {
+              int64_t res_stride, float* out, int64_t out_stride, int64_t num_threads, int path,
+              const int64_t* segments = nullptr) {
     if (m <= 0) return;
     if (path == kPathAuto) path = qpath_best();
     PanelFn fn = panel_ref;
@@ -171,11 +175,9 @@ void products(const WPart* parts, int count, const float* x, int64_t m, int64_t 
     const int64_t chunks = (m + kRowChunk - 1) / kRowChunk;
     const int64_t pair = gated ? 2 : 1;  // a gated pair: gate and up panels side by side
     bool bf16 = false, blocks = false;
-    int64_t all_panels = 0;
     for (int i = 0; i < count; ++i) {
         bf16 |= parts[i].format == kWBF16;
         blocks |= !is_half(parts[i].format);
-        all_panels += (parts[i].n + kPanel - 1) / kPanel;
     }
     // the activations, in the forms the weights' products take them
     std::vector<int8_t> xq;
@@ -208,27 +210,44 @@ void products(const WPart* parts, int count, const float* x, int64_t m, int64_t 
                           xs.data() + r0 * k / 32, xs16.data() + r0 * k / 16);
         });
     }
-    // A task: a run of one part's panels for one chunk of rows; about 16 tasks a thread, so that
-    // a thread another process preempts holds up little, without a task per panel's dispatch
-    // cost. Runs never cross parts; first_run[i]: part i's first run, col[i] its first output.
-    const int64_t group =
-        std::max<int64_t>(1, all_panels * chunks / (16 * std::max<int64_t>(1, num_threads)));
-    std::vector<int64_t> first_run(count + 1, 0), col(count + 1, 0);
+    // A task: a run of one part's panels for one chunk of its rows; about 16 tasks a thread, so
+    // that a thread another process preempts holds up little, without a task per panel's
+    // dispatch cost. Runs never cross parts; col[i]: part i's first output.
+    auto rows_of = [&](int i) -> std::pair<int64_t, int64_t> {
+        return segments ? std::make_pair(segments[i], segments[i + 1]) : std::make_pair(int64_t(0), m);
+    };
+    int64_t work = 0;
     for (int i = 0; i < count; ++i) {
-        const int64_t panels = (parts[i].n + kPanel - 1) / kPanel;
-        first_run[i + 1] = first_run[i] + (panels + group - 1) / group;
-        col[i + 1] = col[i] + parts[i].n;
+        const auto [lo, hi] = rows_of(i);
+        work += (parts[i].n + kPanel - 1) / kPanel * ((hi - lo + kRowChunk - 1) / kRowChunk);
     }
-    const int64_t runs = first_run[count], tasks = runs * chunks;
-    parallel_for(tasks, tasks > 1 ? num_threads : 1, [&](int64_t t) {
-        const int64_t c = t / runs, run = t % runs;
-        int i = 0;
-        while (run >= first_run[i + 1]) ++i;
+    const int64_t group = std::max<int64_t>(1, work / (16 * std::max<int64_t>(1, num_threads)));
+    struct Task {
+        int part;
+        int64_t p0, p1, r0, rows;
+    };
+    std::vector<Task> tasks;
+    std::vector<int64_t> col(count + 1, 0);
+    for (int i = 0; i < count; ++i) col[i + 1] = segments ? 0 : col[i] + parts[i].n;
+    for (int64_t c = 0; c < chunks; ++c) {  // the rows' chunks, outermost (as without segments)
+        for (int i = 0; i < count; ++i) {
+            const auto [lo, hi] = rows_of(i);
+            const int64_t r0 = lo + c * kRowChunk;
+            if (r0 >= hi) continue;
+            const int64_t panels = (parts[i].n + kPanel - 1) / kPanel;
+            for (int64_t p0 = 0; p0 < panels; p0 += group)
+                tasks.push_back({i, p0, std::min(panels, p0 + group), r0,
+                                 std::min(kRowChunk, hi - r0)});
+        }
+    }
+    const int64_t ntasks = int64_t(tasks.size());
+    parallel_for(ntasks, ntasks > 1 ? num_threads : 1, [&](int64_t t) {
+        const Task& task = tasks[t];
+        const int i = task.part;
         const WPart& w = parts[i];
-        const int64_t n = w.n, panels = (n + kPanel - 1) / kPanel;
+        const int64_t n = w.n;
         const int64_t bytes = panel_bytes(w.format, k);
-        const int64_t p0 = (run - first_run[i]) * group, p1 = std::min(panels, p0 + group);
-        const int64_t r0 = c * kRowChunk, rows = std::min(kRowChunk, m - r0);
+        const int64_t p0 = task.p0, p1 = task.p1, r0 = task.r0, rows = task.rows;
         alignas(64) float acc[2][kRowChunk * kPanel];
         Acts a{nullptr, nullptr, nullptr, nullptr, nullptr, k};
         const void* x16 = nullptr;
@@ -292,6 +311,13 @@ void wgemm_parts(const WPart* parts, int count, const float* x, int64_t m, int64
                  float* out, int64_t out_stride, int64_t num_threads, int path) {
     products(parts, count, x, m, k, x_stride, 0, bias, residual, res_stride, out, out_stride,
              num_threads, path);
+}
+
+void wgemm_experts(const WPart* experts, int count, const int64_t* segments, const float* x,
+                   int64_t k, int64_t x_stride, int gated, float* out, int64_t out_stride,
+                   int64_t num_threads, int path) {
+    products(experts, count, x, segments[count], k, x_stride, gated, nullptr, nullptr, 0, out,
+             out_stride, num_threads, path, segments);
 }
 
 }  // namespace weir

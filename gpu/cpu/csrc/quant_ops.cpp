@@ -1,5 +1,5 @@
 // The torch operators over the block- and 16-bit-format kernels (quant.cpp): torch.ops.weir.
-// wpack, wdequant, wgather, wgemm, qpath_available, qpath_best. Built with torch's headers like ops.cpp;
+// wpack, wdequant, wgather, wgemm, wgemm_parts, wgemm_experts, qpath_available, qpath_best. Built with torch's headers like ops.cpp;
 // every tensor and size is checked here before a kernel sees a pointer.
 
 #include <ATen/core/Tensor.h>
@@ -132,6 +132,37 @@ Tensor wgemm_parts(const Tensor& x, at::TensorList packed, at::IntArrayRef forma
     return out;
 }
 
+// A mixture's experts (weir.h wgemm_experts): x's rows ordered by expert, counts[i] of them
+// expert i's; every expert's weight [n, k] in its own format, each a gated pair when gated.
+Tensor wgemm_experts(const Tensor& x, at::TensorList packed, at::IntArrayRef formats, int64_t n,
+                     at::IntArrayRef counts, int64_t gated, int64_t path) {
+    check_x(x);
+    const int64_t m = x.size(0), k = x.size(1);
+    const int64_t count = int64_t(packed.size());
+    TORCH_CHECK_VALUE(count >= 1, "packed: needs at least one expert");
+    TORCH_CHECK_VALUE(int64_t(formats.size()) == count && int64_t(counts.size()) == count,
+                      "formats, counts: one per expert");
+    TORCH_CHECK_VALUE(n > 0, "n: needs at least one output");
+    TORCH_CHECK_VALUE(gated >= weir::kPlain && gated <= weir::kGeluTanh, "gated: 0 to 3");
+    check_path(path);
+    std::vector<weir::WPart> parts;
+    std::vector<int64_t> segments(1, 0);
+    for (int64_t i = 0; i < count; ++i) {
+        check_format(formats[i], k);
+        TORCH_CHECK_VALUE(counts[i] >= 0, "counts: expert ", i, " has ", counts[i], " rows");
+        check_packed_w(packed[i], formats[i], n, k, gated != weir::kPlain);
+        parts.push_back({int(formats[i]), packed[i].data_ptr<uint8_t>(), n});
+        segments.push_back(segments.back() + counts[i]);
+    }
+    TORCH_CHECK_VALUE(segments.back() == m, "counts: ", segments.back(), " rows of x's ", m);
+    Tensor out = at::empty({m, n}, x.options());
+    if (m > 0)
+        weir::wgemm_experts(parts.data(), int(count), segments.data(), x.data_ptr<float>(), k,
+                            x.stride(0), int(gated), out.data_ptr<float>(), n, threads(),
+                            int(path));
+    return out;
+}
+
 bool qpath_available(int64_t path) { return weir::qpath_available(int(path)); }
 int64_t qpath_best() { return weir::qpath_best(); }
 
@@ -147,6 +178,9 @@ TORCH_LIBRARY_FRAGMENT(weir, m) {
     m.def("wgemm_parts(Tensor x, Tensor[] packed, int[] formats, int[] ns, Tensor? bias, "
           "Tensor? residual, int path) -> Tensor",
           &wgemm_parts);
+    m.def("wgemm_experts(Tensor x, Tensor[] packed, int[] formats, int n, int[] counts, "
+          "int gated, int path) -> Tensor",
+          &wgemm_experts);
     m.def("qpath_available(int path) -> bool", &qpath_available);
     m.def("qpath_best() -> int", &qpath_best);
 }

@@ -191,6 +191,14 @@ void wgemm_parts(const WPart* parts, int count, const float* x, int64_t m, int64
                  int64_t x_stride, const float* bias, const float* residual, int64_t res_stride,
                  float* out, int64_t out_stride, int64_t num_threads, int path);
 
+// A mixture's experts in one pass of the threads: expert i's rows of x are [segments[i],
+// segments[i + 1]) (x's rows ordered by expert), its outputs those rows of out [rows, n]; each
+// row's outputs are what wgemm gives it on its expert's weight, bit for bit. gated: each expert
+// a gated pair (kSilu...). The input is converted once for all the experts' rows.
+void wgemm_experts(const WPart* experts, int count, const int64_t* segments, const float* x,
+                   int64_t k, int64_t x_stride, int gated, float* out, int64_t out_stride,
+                   int64_t num_threads, int path);
+
 // ---- LoRA adapters (lora.cpp) ----
 // One product group's adapters, held in slots (gpu/lora.py): per slot and slice (Q, K and V of
 // the Q/K/V product; gate and up), A [rank, k] as the first rows of a [max_rank, k] block, and
