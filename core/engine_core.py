@@ -128,6 +128,7 @@ class EngineCore(TakeIn, BeamSteps):
             self.max_beam_width,
             self.scheduler.max_num_seqs,
             (self.kv.num_blocks, self.kv.block_size),
+            self.eos_token_ids,
         )
 
     def add(self, req: EngineRequest) -> None:

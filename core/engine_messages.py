@@ -86,6 +86,7 @@ class EngineReady(msgspec.Struct, tag="ready", gc=False):
     device: str = ""  # cpu, cuda: where the model runs
     lora_base: LoraBase | None = None  # the shapes an adapter must fit, with --enable-lora
     block_size: int = 16
+    eos_token_ids: list[int] = []  # banned with the stop tokens before a request's min_tokens
 
 
 class StepOutputs(msgspec.Struct, tag="step", gc=False):

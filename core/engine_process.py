@@ -124,6 +124,7 @@ def main() -> None:
         loaded.device,
         loaded.lora_base,
         core.kv.block_size,
+        sorted(core.eos_token_ids),
     )
 
     def publish(outputs, stats) -> bool:
@@ -258,6 +259,7 @@ class EngineProcess(Engine):
             config.max_beam_width,
             config.max_num_seqs,
             (self.info.num_blocks, self.info.block_size),
+            self.info.eos_token_ids,
         )
 
     def _submit(self, cmd) -> None:

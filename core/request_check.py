@@ -30,12 +30,13 @@ def check_request(
     max_beam_width: int = 16,
     max_num_seqs: int | None = None,
     kv_blocks: tuple[int, int] | None = None,
+    eos_token_ids: Iterable[int] = (),
 ) -> int:
-    """Validate a request against the model (vocabulary, context length) and the server's
-    --max-logprobs (-1: up to the vocabulary), --max-beam-width and --max-num-seqs (a beam
-    search holds its width in sequences), and a beam search against the KV cache (`kv_blocks`:
-    its blocks and their size); return its resolved max_tokens. Raises InvalidParam naming the
-    offending field."""
+    """Validate a request against the model (vocabulary, context length, its EOS tokens) and the
+    server's --max-logprobs (-1: up to the vocabulary), --max-beam-width and --max-num-seqs (a
+    beam search holds its width in sequences), and a beam search against the KV cache
+    (`kv_blocks`: its blocks and their size); return its resolved max_tokens. Raises
+    InvalidParam naming the offending field."""
     n = len(req.prompt_token_ids)
     if n == 0:
         raise InvalidParam("prompt", "the prompt is empty")
@@ -61,6 +62,16 @@ def check_request(
         problem = _outside(ids, vocab)
         if problem is not None:
             raise InvalidParam(field, f"{field}: {problem}")
+    allowed = params.allowed_token_ids
+    if allowed and params.min_tokens > 0:
+        ends = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+        if set(allowed) <= ends:
+            raise InvalidParam(
+                "allowed_token_ids",
+                "allowed_token_ids: every token allowed ends the output (EOS or stop_token_ids), "
+                f"and min_tokens={params.min_tokens} bans them until then: nothing could be "
+                "generated",
+            )
     width = params.beam_width
     if width > max_beam_width:
         raise InvalidParam(

@@ -63,6 +63,33 @@ def test_bad_allowed_token_ids_are_refused_by_name(server, value, message):
     assert err["param"] == "allowed_token_ids" and message in err["message"]
 
 
+def test_allowed_tokens_that_min_tokens_bans_are_refused(server, model_dir):
+    """Allowed tokens that all end the output (EOS, stop_token_ids) under min_tokens leave
+    nothing to sample: a 400 naming the field (it had emitted token 0 until min_tokens), while
+    one more allowed token is sampled until then, and ignore_eos lifts EOS's ban."""
+    import json
+
+    eos = json.loads((model_dir("qwen3") / "generation_config.json").read_text())["eos_token_id"]
+    eos = eos[0] if isinstance(eos, list) else eos
+    for extra in (
+        {"allowed_token_ids": [eos]},
+        {"allowed_token_ids": [300], "stop_token_ids": [300]},
+    ):
+        r = post(server, "completions", min_tokens=2, max_tokens=4, **extra)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == "allowed_token_ids" and "min_tokens=2" in err["message"]
+    r = post(
+        server, "completions", allowed_token_ids=[eos, 300], min_tokens=3, max_tokens=6,
+        logprobs=0, return_tokens_as_token_ids=True,
+    )  # fmt: skip
+    assert r.status_code == 200, r.text
+    ids = token_ids(r.json(), "completions")
+    assert ids[:3] == [300, 300, 300] and set(ids) <= {eos, 300}
+    r = post(server, "completions", allowed_token_ids=[eos], min_tokens=2, ignore_eos=True)
+    assert r.status_code == 200, r.text
+
+
 def test_truncate_prompt_tokens_keeps_that_many(server):
     ids = list(range(40, 70))
     for side, kept in ((None, ids[-7:]), ("left", ids[-7:]), ("right", ids[:7])):
