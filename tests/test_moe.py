@@ -202,3 +202,36 @@ def test_quantized_experts_against_their_dequantized_weights(tmp_path, monkeypat
     torch_ops = lambda c, d, t: TorchBackend(get_backend("auto", d), fuse=False)  # noqa: E731
     monkeypatch.setattr(assemble, "choose_backend", torch_ops)
     assert_as_transformers(path, ref, ids)
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "bf16"])
+def test_the_one_call_stack_runs_a_mixture_as_the_modules_do(tmp_path, fmt):
+    """With its experts in block (or 16-bit) formats, a mixture runs inside the compiled layer
+    stack (gpu/cpu/csrc/moe.cpp): the same experts chosen and the same kernels as the module
+    path, the routing's float operations its own (a softmax's exp), so the logits agree to
+    float32 rounding and the greedy tokens exactly; a batch of prompts too."""
+    from gpu.quant.gguf_write import uniform, write_gguf
+
+    hf = moe(tmp_path / "hf", hidden_size=128, intermediate_size=64, num_layers=3)
+    path = write_gguf(hf, tmp_path / "moe.gguf", uniform(fmt))
+    prompts = [prompt(n)[k:] for k, n in enumerate((9, 17, 40))]
+    results = []
+    for forward in ("auto", "modules"):
+        core = load(
+            EngineConfig(model=str(path), device="cpu", num_kv_blocks=64, cpu_forward=forward)
+        ).core
+        assert (core.runner.model.stack is not None) == (forward == "auto")
+        params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3)
+        for i, ids in enumerate(prompts):
+            core.add(EngineRequest(f"r{i}", ids, params))
+        tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+        logprobs: dict[str, list[float]] = {f"r{i}": [] for i in range(len(prompts))}
+        while core.has_work:
+            for o in core.step():
+                tokens[o.request_id] += o.new_token_ids
+                logprobs[o.request_id] += [v for lp in o.logprobs or [] for v in lp.top_logprobs]
+        results.append((tokens, logprobs))
+    (stack_tokens, stack_lp), (module_tokens, module_lp) = results
+    assert stack_tokens == module_tokens
+    for key in stack_lp:
+        torch.testing.assert_close(torch.tensor(stack_lp[key]), torch.tensor(module_lp[key]))

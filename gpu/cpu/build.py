@@ -39,6 +39,7 @@ KERNELS = [
         "mask.cpp",
         "gemm.cpp",
         "forward.cpp",
+        "moe.cpp",
         "sample.cpp",
         "lora.cpp",
     )

@@ -23,6 +23,7 @@ from gpu.attention.backend import AttentionMetadata
 from gpu.cpu import build as cpu_build
 from gpu.cpu import gemm, quant
 from gpu.cpu.prepared import GatedPair, Stacked
+from gpu.models.moe import SparseMoE
 from gpu.models.spec import ARCHITECTURES, ModelSpec
 
 # ModelSpec field -> what the compiled stack does with it (None: every value; else a predicate
@@ -50,7 +51,7 @@ HANDLED: dict[str, tuple | None] = {
     "attn_scale": (lambda v: not v, "an attention scale of its own"),
     "sandwich_norms": (lambda v: not v, "norms after each block"),
     "norm_plus_one": None,  # the 1 is added to the weights at load
-    "num_experts": (lambda v: not v, "a mixture of experts"),
+    "num_experts": None,  # each layer's experts on the block kernels (unfit checks them)
     "experts_per_token": None,
     "moe_intermediate_size": None,
     "norm_topk_prob": None,
@@ -84,9 +85,30 @@ def unfit(model, backend) -> str | None:
             return "attention products not on weir's kernels"
         if getattr(attn.o, "bias", None) is not None:
             return "an output projection bias"
-        if _gated(mlp.gate_up) is None or _parts(mlp.down) is None:
+        if isinstance(mlp, SparseMoE):
+            if _experts(mlp) is None:
+                return "experts not all in block formats on weir's kernels"
+        elif _gated(mlp.gate_up) is None or _parts(mlp.down) is None:
             return "MLP products not on weir's kernels"
     return None
+
+
+def _experts(moe: SparseMoE) -> tuple[list[int], list[torch.Tensor], int] | None:
+    """A mixture's experts as the stack takes them ([router format, E, top_k, renormalize,
+    intermediate, E gated pairs' formats, E downs' formats], [router, E pairs, E downs], the
+    activation's code), or None when any is not a packed block-format weight."""
+    router = _part(moe.router)
+    pairs, downs = [e.gate_up for e in moe.experts], [e.down for e in moe.experts]
+    packed = all(isinstance(w, quant.QuantWeight) for w in pairs + downs)
+    if router is None or not packed or any(d.act for d in downs):
+        return None
+    acts = {p.act for p in pairs}
+    if len(acts) != 1 or 0 in acts:
+        return None
+    first = moe.experts[0].widths[0] // 2
+    formats = [router[0], len(pairs), moe.top_k, int(moe.renormalize), first]
+    formats += [w.fmt.ggml_type for w in pairs + downs]
+    return formats, [router[1]] + [w.packed for w in pairs + downs], acts.pop()
 
 
 def _part(w) -> tuple[int, torch.Tensor, int] | None:
@@ -164,8 +186,12 @@ class FusedStack:
             attn = layer.self_attn
             qkv = _parts(attn.qkv) + [(0, none, 0)] * (3 - len(_parts(attn.qkv)))
             ((o_fmt, o, _),) = _parts(attn.o)
-            gate_up, act = _gated(layer.mlp.gate_up)
-            ((d_fmt, down, _),) = _parts(layer.mlp.down)
+            experts = _experts(layer.mlp) if isinstance(layer.mlp, SparseMoE) else None
+            if experts is None:
+                gate_up, act = _gated(layer.mlp.gate_up)
+                ((d_fmt, down, _),) = _parts(layer.mlp.down)
+            else:  # the MLP's places empty; the experts after the caches
+                gate_up, d_fmt, down, act = [(-1, none)], -1, none, experts[2]
             gu = gate_up + [(-1, none)] * (2 - len(gate_up))
             per_layer.append(
                 [
@@ -181,10 +207,13 @@ class FusedStack:
                     down,
                     k,
                     v,
+                    *(experts[1] if experts else ()),
                 ]
             )
             formats.append(
-                [x for fmt, _, n in qkv for x in (fmt, n)] + [o_fmt, gu[0][0], gu[1][0], d_fmt]
+                [x for fmt, _, n in qkv for x in (fmt, n)]
+                + [o_fmt, gu[0][0], gu[1][0], d_fmt]
+                + (experts[0] if experts else [])
             )
         embed_fmt, embed = _embed(model)
         head = self.lm_head

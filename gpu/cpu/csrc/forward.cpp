@@ -4,7 +4,7 @@
 //
 // The same kernels the modules call one by one (norm_rope.cpp, gemm.cpp, quant.cpp,
 // attention.cpp), called in the same order on the same buffers, so the result is bitwise
-// the module path's (tests/test_cpu_forward.py); what goes is the interpreter between them: a
+// the module path's (tests/test_cpu_forward.py; a mixture of experts' routing aside, moe.cpp); what goes is the interpreter between them: a
 // dozen torch ops and kernel calls per layer, which at one stream cost as much as the layer's
 // arithmetic. K and V are written into the paged cache here too.
 //
@@ -12,7 +12,8 @@
 //   h = rms_norm(x); qkv = h Wqkv^T (+ b); q = rope(norm(q)); k = rope(norm(k)) -> cache;
 //   v -> cache; o = attention(q, cache); x += o Wo^T; h = rms_norm(x); g = act(h G^T) * (h U^T);
 //   x += g Wd^T
-// then out = rms_norm(x) with the final norm, and, when asked, the LM head's logits of chosen
+// (a mixture of experts in place of the last three: moe.cpp), then out = rms_norm(x) with the
+// final norm, and, when asked, the LM head's logits of chosen
 // rows of out: here rather than as a call of its own after the return, when weir's pool threads
 // have gone back to sleep and the caller did most of that product alone, at one core's rate.
 
@@ -162,6 +163,21 @@ int decoder_forward(const DecoderModel& model, const DecoderStep& step) {
     float* spare = g + T * I;
     float* dgu = cos + 2 * T * D;  // LoRA's scratch, after sin
     float* x = s->x;
+    // a mixture of experts' scratch (moe.cpp), for the largest of the model's mixtures
+    const int64_t E = m->moe_experts, pairs = T * m->moe_top_k;
+    std::unique_ptr<float[]> moe_f;
+    std::unique_ptr<int64_t[]> moe_i;
+    std::unique_ptr<int32_t[]> moe_c;
+    MoeScratch moe{};
+    if (E) {
+        moe_f.reset(new float[T * E + pairs + pairs * (2 * H + m->moe_intermediate)]);
+        moe_i.reset(new int64_t[pairs + E + 1]);
+        moe_c.reset(new int32_t[pairs]);
+        moe = {moe_f.get(), moe_f.get() + T * E, moe_c.get(), moe_i.get(), moe_i.get() + pairs,
+               moe_f.get() + T * E + pairs, nullptr, nullptr};
+        moe.gated = moe.rows + pairs * H;
+        moe.outs = moe.gated + pairs * m->moe_intermediate;
+    }
     Timer timer;
     for (int64_t i = 0; i < m->num_layers; ++i) {
         const DecoderLayer& L = m->layers[i];
@@ -194,6 +210,11 @@ int decoder_forward(const DecoderModel& model, const DecoderStep& step) {
         timer.lap(kOut);
         rms_norm_rope(x, T, 1, H, H, L.post_norm, m->eps, nullptr, nullptr, h, nt);
         timer.lap(kNorm);
+        if (L.experts) {  // a mixture of experts in place of the MLP
+            moe_block(L, h, T, H, x, moe, int(m->act), nt);
+            timer.lap(kDown);
+            continue;
+        }
         const float* gu_add = nullptr;
         if (lora && L.lora[kLoraGateUp].a &&
             lora_add(L.lora[kLoraGateUp], h, T, H, lora, dgu, 2 * I, nt, /*assign=*/true))

@@ -7,6 +7,7 @@
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <tuple>
 #include <vector>
 
@@ -45,7 +46,10 @@ struct DecoderStack : torch::CustomClassHolder {
     // layers: per layer [input_norm, post_norm, qkv0, qkv1, qkv2, qkv_bias, q_norm, k_norm, o,
     // gate_up0, gate_up1, down, k_cache, v_cache] (empty tensors for absent parts, bias or Q/K
     // norm); formats: per layer [qkv format and outputs x 3 (0 outputs: no part), o, gate_up0,
-    // gate_up1 (-1: none, gate_up0 is the packed pair), down]; dims: [hidden, heads, kv_heads,
+    // gate_up1 (-1: none, gate_up0 is the packed pair), down]. A mixture of experts' layer
+    // (gate_up0/1 and down empty) adds [router, E gated pairs, E downs] to its tensors and
+    // [router format, E, top_k, renormalize, expert intermediate, E pair formats, E down
+    // formats] to its formats. dims: [hidden, heads, kv_heads,
     // head_dim, intermediate, sliding_window, act, vocab, embed format, head format (-1: no
     // head here)]; embed: [vocab, hidden]; lm_head: [vocab, hidden] or empty.
     DecoderStack(std::vector<std::vector<Tensor>> per_layer,
@@ -66,14 +70,18 @@ struct DecoderStack : torch::CustomClassHolder {
             keep.push_back(t);
             return t.numel() ? t.data_ptr<float>() : nullptr;
         };
+        expert_parts.resize(per_layer.size());  // never resized again: layers point into it
         const Tensor& k0 = per_layer[0].at(12);
         check_cpu(k0, "k_cache");
         k_cache = k0;
         for (size_t li = 0; li < per_layer.size(); ++li) {
             const auto& L = per_layer[li];
             const auto& F = formats[li];
-            TORCH_CHECK_VALUE(L.size() == 14, "each layer gives 14 tensors");
-            TORCH_CHECK_VALUE(F.size() == 10, "each layer gives 10 format entries");
+            const int64_t E = F.size() > 10 ? F.at(11) : 0;
+            TORCH_CHECK_VALUE(E >= 0 && L.size() == size_t(E ? 15 + 2 * E : 14),
+                              "each layer gives 14 tensors (a mixture: 15 + 2 experts)");
+            TORCH_CHECK_VALUE(F.size() == size_t(E ? 15 + 2 * E : 10),
+                              "each layer gives 10 format entries (a mixture: 15 + 2 experts)");
             check_flat(L[0], at::kFloat, H, "input_norm");
             check_flat(L[1], at::kFloat, H, "post_norm");
             weir::DecoderLayer d{};
@@ -93,7 +101,9 @@ struct DecoderStack : torch::CustomClassHolder {
             }
             d.o.part[0] = stack_weight(F[6], L[8], H, qw, false, "o");
             d.o.parts = 1;
-            if (F[8] < 0) {
+            if (E) {
+                bind_experts(d, L, F, H, li);
+            } else if (F[8] < 0) {
                 d.gate_up.part[0] = stack_weight(F[7], L[9], I, H, true, "gate_up");
                 d.gate_up.parts = 1;
             } else {
@@ -102,8 +112,10 @@ struct DecoderStack : torch::CustomClassHolder {
                 d.gate_up.parts = 2;
                 keep.push_back(L[10]);
             }
-            d.down.part[0] = stack_weight(F[9], L[11], H, I, false, "down");
-            d.down.parts = 1;
+            if (!E) {
+                d.down.part[0] = stack_weight(F[9], L[11], H, I, false, "down");
+                d.down.parts = 1;
+            }
             const Tensor &kc = L[12], &vc = L[13];
             check_cpu(kc, "k_cache");
             TORCH_CHECK_VALUE(kc.dim() == 4 && kc.sizes() == k0.sizes() &&
@@ -120,8 +132,10 @@ struct DecoderStack : torch::CustomClassHolder {
             d.q_norm = keep_(L[6]);
             d.k_norm = keep_(L[7]);
             keep.push_back(L[8]);
-            keep.push_back(L[9]);
-            keep.push_back(L[11]);
+            if (!E) {
+                keep.push_back(L[9]);
+                keep.push_back(L[11]);
+            }
             keep.push_back(kc);
             keep.push_back(vc);
             d.k_cache = kc.data_ptr();
@@ -142,6 +156,11 @@ struct DecoderStack : torch::CustomClassHolder {
         model.act = dims[6];
         model.cache_dtype = dtype_code(k0.scalar_type());
         model.layers = layers.data();
+        for (const auto& d : layers) {
+            model.moe_experts = std::max(model.moe_experts, d.experts);
+            model.moe_top_k = std::max(model.moe_top_k, d.top_k);
+            model.moe_intermediate = std::max(model.moe_intermediate, d.expert_intermediate);
+        }
         model.final_norm = keep_(final_norm);
         model.embed = stack_weight(dims[8], embed, vocab, H, false, "embed", true);
         keep.push_back(embed);
@@ -149,6 +168,36 @@ struct DecoderStack : torch::CustomClassHolder {
             model.lm_head = stack_weight(dims[9], lm_head, vocab, H, false, "lm_head");
             keep.push_back(lm_head);
         }
+    }
+
+    // Each mixture layer's experts, as wgemm_experts takes them (DecoderLayer points into it).
+    std::vector<std::vector<weir::WPart>> expert_parts;
+
+    // A mixture of experts' layer: the router, each expert's gated pair and down (formats
+    // F[15..15+E) and F[15+E..15+2E), tensors from L[15]), checked for its shapes.
+    void bind_experts(weir::DecoderLayer& d, const std::vector<Tensor>& L,
+                      const std::vector<int64_t>& F, int64_t H, size_t li) {
+        const int64_t E = F[11], K = F[12], I = F[14];
+        TORCH_CHECK_VALUE(K >= 1 && K <= E && I > 0 && (F[13] == 0 || F[13] == 1),
+                          "experts: top_k ", K, " of ", E, ", intermediate ", I);
+        d.experts = E;
+        d.top_k = K;
+        d.renormalize = int(F[13]);
+        d.expert_intermediate = I;
+        d.router = stack_weight(F[10], L[14], E, H, false, "router");
+        keep.push_back(L[14]);
+        auto& parts = expert_parts.at(li);
+        parts.clear();
+        for (int64_t e = 0; e < 2 * E; ++e) {
+            const bool pair = e < E;
+            TORCH_CHECK_VALUE(F[15 + e] != weir::kWF32, "experts: packed block formats only");
+            const weir::StackWeight w = stack_weight(F[15 + e], L[15 + e], pair ? I : H,
+                                                     pair ? H : I, pair, "expert");
+            parts.push_back({w.format, static_cast<const uint8_t*>(w.data), w.n});
+            keep.push_back(L[15 + e]);
+        }
+        d.expert_gate_up = parts.data();
+        d.expert_down = parts.data() + E;
     }
 
     // The adapters' slots (gpu/lora.py), bound once: per layer, for each product group in

@@ -259,7 +259,34 @@ struct DecoderLayer {
     void* v_cache;
     // The adapters' slots per product group (a null: no adapter modifies that group)
     LoraGroup lora[kLoraGroups];
+    // A mixture of experts in place of gate_up and down (experts > 0; moe.cpp): the router
+    // [experts, hidden], each expert's gated pair [expert_intermediate, hidden] x 2 and down
+    // [hidden, expert_intermediate], top_k of them a token, their weights renormalized over
+    // the k when `renormalize`
+    int64_t experts, top_k, expert_intermediate;
+    int renormalize;
+    StackWeight router;
+    const WPart* expert_gate_up;  // [experts]
+    const WPart* expert_down;     // [experts]
 };
+
+// Scratch for moe_block, sized by the step's tokens and the model's largest mixture.
+struct MoeScratch {
+    float* logits;     // [tokens, experts]
+    float* weights;    // [tokens, top_k]
+    int32_t* chosen;   // [tokens, top_k]
+    int64_t* order;    // [tokens * top_k]: the (token, choice) pairs by expert
+    int64_t* counts;   // [experts + 1]
+    float* rows;       // [tokens * top_k, hidden]: the pairs' inputs
+    float* gated;      // [tokens * top_k, expert_intermediate]
+    float* outs;       // [tokens * top_k, hidden]
+};
+
+// x [tokens, hidden] += the mixture's output for h [tokens, hidden]: each token's top_k experts
+// by the router's softmax (float32), run as wgemm_experts, their outputs weighted and summed in
+// the order of the token's choices (best first), as gpu/models/moe.py computes it.
+void moe_block(const DecoderLayer& L, const float* h, int64_t tokens, int64_t hidden, float* x,
+               const MoeScratch& s, int act, int64_t num_threads);
 
 struct DecoderModel {
     int64_t hidden, heads, kv_heads, head_dim, intermediate, num_layers;
@@ -268,6 +295,7 @@ struct DecoderModel {
     int64_t act;          // the Gated code of the MLP's activation
     int64_t cache_dtype;  // the K/V cache's DType
     const DecoderLayer* layers;
+    int64_t moe_experts, moe_top_k, moe_intermediate;  // the largest of its layers' (0: none)
     const float* final_norm;
     StackWeight embed;    // [vocab, hidden]: float32 rows (kWF32, not panels) or a packed WFormat
     StackWeight lm_head;  // [vocab, hidden], or data null: no logits here
