@@ -28,3 +28,30 @@ def test_generate_matches_the_engine_and_keeps_order(model_dir):
         use_tqdm=False,
     )
     assert [len(o.outputs[0].token_ids) for o in per] == [2, 5]
+
+
+def test_n_samples_and_truncate_prompt_tokens(model_dir):
+    """vLLM's SamplingParams.n: n outputs of a prompt, indexed 0..n-1, each its own stream
+    (seed, seed + 1, ...: the first equals the same request alone); truncate_prompt_tokens keeps
+    the last (or, truncation_side "right", the first) tokens of the prompt."""
+    import pytest
+
+    from core.sampling import InvalidParam
+
+    llm = LLM(str(model_dir("qwen3")), num_kv_blocks=128)
+    ids = list(range(40, 70))
+    params = SamplingParams(temperature=1.0, seed=7, max_tokens=6, ignore_eos=True, n=3)
+    (out,) = llm.generate([ids], params, use_tqdm=False)
+    assert [c.index for c in out.outputs] == [0, 1, 2] and out.finished
+    samples = [c.token_ids for c in out.outputs]
+    assert all(len(s) == 6 for s in samples) and len({tuple(s) for s in samples}) > 1
+    for j in range(3):  # sample j is the stream of seed 7 + j
+        alone = SamplingParams(temperature=1.0, seed=7 + j, max_tokens=6, ignore_eos=True)
+        assert llm.generate([ids], alone, use_tqdm=False)[0].outputs[0].token_ids == samples[j]
+    for side, kept in (("left", ids[-7:]), ("right", ids[:7])):
+        p = SamplingParams(max_tokens=1, truncate_prompt_tokens=7, truncation_side=side)
+        assert llm.generate([ids], p, use_tqdm=False)[0].prompt_token_ids == kept
+    with pytest.raises(InvalidParam, match="n must be at least 1"):
+        llm.generate([ids], SamplingParams(n=0), use_tqdm=False)
+    with pytest.raises(InvalidParam, match="truncate_prompt_tokens"):
+        llm.generate([ids], SamplingParams(truncate_prompt_tokens=0), use_tqdm=False)

@@ -3,7 +3,6 @@ structured outputs: `SamplingParams(structured=Constraint("regex", "[a-z]+"))`; 
 for `LLM.beam_search`)."""
 
 from core.lora import LoRARequest
-from core.sampling import SamplingParams
 from core.structured import Constraint
 from weir.llm import (
     LLM,
@@ -12,6 +11,7 @@ from weir.llm import (
     BeamSearchSequence,
     CompletionOutput,
     RequestOutput,
+    SamplingParams,
 )
 
 __all__ = [

@@ -16,6 +16,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import msgspec
 from tqdm import tqdm
 
 from core.config import EngineConfig
@@ -24,7 +25,20 @@ from core.engine_messages import AddRequest
 from core.lora import CONFIG_FILE, WEIGHTS_FILE, LoraRef, LoRARequest, read_adapter
 from core.pooling import PoolingParams
 from core.request import EngineRequest, Logprob
-from core.sampling import SamplingParams
+from core.sampling import InvalidParam
+from core.sampling import SamplingParams as EngineSamplingParams
+
+
+class SamplingParams(EngineSamplingParams):
+    """vLLM's SamplingParams: the engine's (core/sampling.py) with what the offline API does
+    around it, as the server does for a request: `n` samples of each prompt (sharing its
+    prefill; seeds seed, seed + 1, ... when a seed is given), and `truncate_prompt_tokens` (keep
+    that many prompt tokens, -1: the context less one, the last ones, or the first with
+    `truncation_side` "right")."""
+
+    n: int = 1
+    truncate_prompt_tokens: int | None = None
+    truncation_side: str = "left"
 
 
 @dataclass
@@ -173,26 +187,38 @@ class LLM:
         results: dict[str, RequestOutput] = {}
         order: list[str] = []
         adds: deque[AddRequest] = deque()
+        sample: dict[str, tuple[str, int]] = {}  # engine request -> (its result, which sample)
         for prompt, p, lora in zip(prompts, params_list, loras):
             p.validate()
+            n = getattr(p, "n", 1)
+            if not isinstance(n, int) or n < 1:
+                raise InvalidParam("n", f"n must be at least 1, got {n}")
             ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            ids = self._truncated(ids, p)
             rid = str(next(self._ids))
-            req = EngineRequest(rid, ids, p, lora=self._lora(lora))
-            self.engine.check(req)  # a bad request raises here, before any runs
-            adds.append(AddRequest(req))
             results[rid] = RequestOutput(
                 rid,
                 prompt if isinstance(prompt, str) else None,
                 ids,
-                [CompletionOutput(0, "", [], None)],
+                [CompletionOutput(j, "", [], None) for j in range(n)],
             )
             order.append(rid)
+            for j in range(n):  # the first sample leads: the others share its prefill
+                sid = rid if j == 0 else f"{rid}-{j}"
+                q = p if p.seed is None or j == 0 else msgspec.structs.replace(p, seed=p.seed + j)
+                req = EngineRequest(
+                    sid, ids, q, lora=self._lora(lora), leader_id=None if j == 0 else rid
+                )
+                self.engine.check(req)  # a bad request raises here, before any runs
+                adds.append(AddRequest(req))
+                sample[sid] = (rid, j)
         with tqdm(total=len(order), desc="Generating", unit="req", disable=not use_tqdm) as bar:
 
             def publish(outputs, stats) -> bool:
                 for out in outputs:
-                    res = results[out.request_id]
-                    o = res.outputs[0]
+                    rid, j = sample[out.request_id]
+                    res = results[rid]
+                    o = res.outputs[j]
                     o.text += out.new_text
                     o.token_ids += out.new_token_ids
                     o.logprobs += out.logprobs
@@ -201,11 +227,30 @@ class LLM:
                     res.num_cached_tokens = out.num_cached_tokens
                     if out.finished:
                         o.finish_reason = out.finish_reason
-                        bar.update(1)
+                        if res.finished:  # every sample of the prompt
+                            bar.update(1)
                 return True
 
             self._run(adds, publish)
         return [results[rid] for rid in order]
+
+    def _truncated(self, ids: list[int], p) -> list[int]:
+        """The prompt as `truncate_prompt_tokens` leaves it (the server's: server/params.py)."""
+        keep = getattr(p, "truncate_prompt_tokens", None)
+        if keep is None:
+            return ids
+        side = getattr(p, "truncation_side", "left")
+        if side not in ("left", "right"):
+            raise InvalidParam("truncation_side", f"truncation_side must be left or right: {side}")
+        keep = self.max_model_len - 1 if keep == -1 else keep
+        if not 0 < keep <= self.max_model_len:
+            raise InvalidParam(
+                "truncate_prompt_tokens",
+                f"truncate_prompt_tokens must be -1 or 1..{self.max_model_len} (the context)",
+            )
+        if len(ids) <= keep:
+            return ids
+        return ids[:keep] if side == "right" else ids[-keep:]
 
     def beam_search(
         self,
