@@ -125,6 +125,8 @@ async def load_engine(app: QuartTrio, st: ServerState) -> None:
             if st.options.exit_on_engine_error:
                 # In-flight requests already got the error; exit so the orchestrator restarts us.
                 _fail(app, st, message)
+            else:  # up, unhealthy, until stopped: then exit 1, not 0 (it did not end well)
+                app.weir_failed = message
 
         engine.on_death = died
         engine.start()

@@ -25,11 +25,9 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import signal
 import socket
 import subprocess
-import tempfile
 
 import msgspec
 import trio
@@ -47,6 +45,7 @@ from server.api_server_messages import (
     metrics_dir,
     responses_file,
 )
+from server import run_dir
 from server.listen import local_listening_socket
 from server.options import ServerOptions
 
@@ -64,11 +63,11 @@ def supervise(
 ) -> int:
     """Run an API server on each of `ports` (server/listen.py api_server_sockets, bound by the
     caller) and the engine until they stop; the exit code."""
-    run_dir = tempfile.mkdtemp(prefix="weir-")  # mode 0700: this user's alone
+    path = run_dir.create()
     try:
-        return trio.run(Supervisor(config, options, host, ports, run_dir).run)
+        return trio.run(Supervisor(config, options, host, ports, path).run)
     finally:
-        shutil.rmtree(run_dir, ignore_errors=True)
+        run_dir.remove(path)
 
 
 async def wait_exit(proc: subprocess.Popen) -> int:
@@ -106,6 +105,7 @@ class Supervisor:
         self.exit_codes: dict[int, int] = {}
         self.all_gone = trio.Event()
         self.engine_ready = False
+        self.engine_died = False  # under --no-exit-on-engine-error: exit 1 when stopped
         self.stopped_loading = False  # a signal came before the engine was ready: killed
 
     # ---- start-up ----
@@ -260,6 +260,7 @@ class Supervisor:
         if self.options.exit_on_engine_error:
             self._fail(message + ": stopping the API servers", nursery)
         else:
+            self.engine_died = True
             log.error("%s; the API servers stay up, unhealthy (--no-exit-on-engine-error)", message)
 
     async def _read_engine(self, nursery: trio.Nursery) -> None:
@@ -287,6 +288,7 @@ class Supervisor:
                 if not self.engine_ready or self.options.exit_on_engine_error:
                     self._fail(msg.message, nursery)
                 else:
+                    self.engine_died = True
                     log.error("%s; the API servers stay up, unhealthy", msg.message)
 
     # ---- the whole ----
@@ -309,6 +311,6 @@ class Supervisor:
                     child.proc.wait()
         if self.bad_input:
             return 2
-        if self.failure or self.forced or any(self.exit_codes.values()):
-            return 1
+        if self.failure or self.forced or self.engine_died or any(self.exit_codes.values()):
+            return 1  # (an engine that died under --no-exit-on-engine-error: 1 when stopped)
         return 0

@@ -226,7 +226,8 @@ def signal_pid(pid: int, sig: int) -> None:
 def check_engine_died(server: LiveServer, lines: list[str], reason: str, exits: bool) -> None:
     """What an engine death must look like from outside: the in-flight stream (its SSE `lines`)
     ends with the error, then [DONE], never silently cut; then the server exits 1 so the
-    orchestrator restarts it (`exits`), or stays up with /health and new requests at 503."""
+    orchestrator restarts it (`exits`), or stays up with /health and new requests at 503, and
+    exits 1 when stopped."""
     assert lines[-1] == "data: [DONE]"
     assert '"error"' in lines[-2] and reason in lines[-2], lines[-2]
     if exits:
@@ -243,6 +244,8 @@ def check_engine_died(server: LiveServer, lines: list[str], reason: str, exits: 
         if line.startswith(("weir:num_requests_running{", "weir:kv_cache_usage_perc{"))
     ]  # fmt: skip
     assert len(gauges) == 2 and all(line.endswith(" 0.0") for line in gauges), gauges
+    server.stop()  # as SIGTERM: a server whose engine died does not exit 0
+    assert server.exit_code == 1
 
 
 def aborted(server: LiveServer) -> float:
