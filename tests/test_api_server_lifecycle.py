@@ -1,6 +1,7 @@
 """`weir serve --api-server-count 2` starting, stopping and failing: the admission limit holds for
 the whole server, a killed API server stops the whole server cleanly, SIGTERM drains both API
-servers, a model that cannot load stops them all, bad counts are refused, and the default count.
+servers, an engine that died under --no-exit-on-engine-error exits 1 when stopped, a model that
+cannot load stops them all, bad counts are refused, and the default count.
 Order is made explicit by stopping the engine process (SIGSTOP), never by sleeps."""
 
 from __future__ import annotations
@@ -106,6 +107,23 @@ def test_sigterm_drains_every_api_server_then_exits_0(tiny, tmp_path):
             assert results[i][-1] == "data: [DONE]"
             assert '"finish_reason":"length"' in results[i][-2]
         assert c.proc.wait(60) == 0
+        assert wait_for(lambda: gone(c, pids), timeout=30)
+    finally:
+        c.close()
+
+
+def test_an_engine_that_died_under_no_exit_on_engine_error_exits_1_when_stopped(tiny, tmp_path):
+    """The API servers stay up, unhealthy, after the engine dies; stopped (SIGTERM), the server
+    exits 1, not 0: it did not end well."""
+    c = Cluster(tiny, tmp_path, "--no-exit-on-engine-error")
+    pids = [c.engine, *c.api_server_pids()]
+    try:
+        os.kill(c.engine, signal.SIGKILL)
+        for client in c.clients:
+            assert wait_for(lambda: client.get("/health").status_code == 503, timeout=30)
+        assert c.proc.poll() is None  # still up
+        c.proc.send_signal(signal.SIGTERM)
+        assert c.proc.wait(60) == 1
         assert wait_for(lambda: gone(c, pids), timeout=30)
     finally:
         c.close()
@@ -241,3 +259,18 @@ def test_a_model_that_cannot_load_stops_every_api_server_with_code_2(tmp_path):
     assert proc.returncode == 2  # bad input, as with one server
     assert "does not exist" in proc.stderr
     assert not glob.glob(str(tmp_path / "weir-*"))  # the run directory is gone
+
+
+def test_run_directories_of_killed_servers_are_swept_at_the_next_start(tmp_path):
+    """A server killed outright leaves its run directory; the next start removes those whose
+    supervisor is gone, and leaves a live one's, and any folder without weir's pid file."""
+    from server import run_dir
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    for name, pid in (("weir-dead", dead.pid), ("weir-live", os.getppid()), ("weir-other", None)):
+        (tmp_path / name).mkdir()
+        if pid is not None:
+            (tmp_path / name / run_dir.PID_FILE).write_text(str(pid))
+    assert run_dir.sweep(str(tmp_path)) == [str(tmp_path / "weir-dead")]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["weir-live", "weir-other"]
