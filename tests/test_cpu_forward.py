@@ -36,6 +36,9 @@ def load_both(path, **pool):
     [
         *((a, {}, "auto") for a in ARCHS),
         ("mistral", {"sliding_window": 8}, "auto"),
+        # Gemma 3: norms after the blocks, scaled embeddings, its attention scale, sliding
+        # layers (a window of 8) with their own rotation beside a global one
+        ("gemma3", {"num_layers": 3, "sliding_window": 8}, "auto"),
         ("llama", {}, "bfloat16"),
         ("qwen3", {}, "float16"),
     ],

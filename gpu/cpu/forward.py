@@ -46,10 +46,12 @@ HANDLED: dict[str, tuple | None] = {
     "max_position_embeddings": None,
     "sliding_window": None,  # one window for every layer, or none
     "rotary_dim": None,  # a partial rotation: heads reordered at load, cos/sin tables padded
-    "layer_windows": (lambda v: not v, "a window of each layer's own"),
-    "embed_scale": (lambda v: v == 1.0, "scaled embeddings"),
-    "attn_scale": (lambda v: not v, "an attention scale of its own"),
-    "sandwich_norms": (lambda v: not v, "norms after each block"),
+    # Gemma 3's (gpu/models/gemma.py; set_gemma): each layer's window and rotation, the
+    # embeddings' factor, the attention's scale (one for all layers), norms after the blocks
+    "layer_windows": None,
+    "embed_scale": None,
+    "attn_scale": None,
+    "sandwich_norms": None,
     "norm_plus_one": None,  # the 1 is added to the weights at load
     "num_experts": None,  # each layer's experts on the block kernels (unfit checks them)
     "experts_per_token": None,
@@ -70,6 +72,8 @@ def unfit(model, backend) -> str | None:
         return f"attention backend {backend.attention.name}: the stack runs weir's CPU attention"
     if model.tp is not None:
         return "tensor parallel"
+    if backend.lora and model.local_spec.sandwich_norms:
+        return "LoRA adapters on layers with norms after their blocks"
     spec: ModelSpec = model.local_spec
     fields = {f.name for f in dataclasses.fields(ModelSpec)}
     if fields != set(HANDLED):
@@ -158,6 +162,22 @@ def _embed(model) -> tuple[int, torch.Tensor] | None:
     return None
 
 
+def _gemma(model) -> tuple[list[list[torch.Tensor]], list[int], list[int], float]:
+    """set_gemma's arguments: each layer's norms after its blocks (none: empty), window and
+    rotation, and the embeddings' factor as the module path rounds it (float32 activations)."""
+    none = torch.empty(0)
+    norms, windows, local = [], [], []
+    for layer in model.model.layers:
+        names = ("post_attention_layernorm", "pre_feedforward_layernorm")
+        names += ("post_feedforward_layernorm",)
+        sandwich = getattr(layer, "sandwich", False)
+        norms.append([getattr(layer, n).weight.detach() if sandwich else none for n in names])
+        windows.append(layer.self_attn.sliding_window or 0)
+        local.append(int(layer.local_rope))
+    factor = torch.tensor(model.spec.embed_scale, dtype=torch.float32).item()
+    return norms, windows, local, factor
+
+
 class FusedStack:
     def __init__(self, model) -> None:
         self._classes = cpu_build.classes()
@@ -239,6 +259,8 @@ class FusedStack:
             model.model.norm.weight.detach(),
             head[1] if head is not None else none,
         )
+        if spec.sandwich_norms or spec.layer_windows or spec.embed_scale != 1.0:
+            self._stack.set_gemma(*_gemma(model))
         if model.lora is not None:  # the adapters' slots (gpu/lora.py): bound once, like weights
             self._stack.set_lora(model.lora.stack_tensors())
         self._caches = kv_caches
@@ -261,6 +283,9 @@ class FusedStack:
         (gpu/lora.py LoraBatch), or None: no LoRA work."""
         if kv_caches is not self._caches:
             self._bind(kv_caches)
+        local = (None, None)  # Gemma 3's sliding layers' rotation, when the model has one
+        if self.model.rope_local is not None:
+            local = self.model.rope_local.tables(max(meta.seq_lens_cpu, default=0), cos.dtype)
         rows = None
         if logits_rows is not None and self.lm_head is not None and logits_rows.numel() > 0:
             rows = logits_rows.to(torch.int64).contiguous()
@@ -275,6 +300,7 @@ class FusedStack:
             meta.seq_lens,
             rows,
             None if lora is None else lora.rows,
+            *local,
         )
         return out, (logits if rows is not None else None)
 

@@ -115,6 +115,16 @@ void product(const StackLinear& w, const float* x, int64_t m, int64_t k, int gat
     }
 }
 
+// Gemma 3's block output: x += rms_norm(in W^T) with `norm` (out, normed: [m, n] scratch), the
+// module path's product, norm and add.
+void sandwich(const StackLinear& w, const float* in, int64_t m, int64_t k, int64_t n,
+              const float* norm, float eps, float* x, float* out, float* normed, int64_t nt,
+              float* spare) {
+    product(w, in, m, k, 0, nullptr, nullptr, 0, out, n, nt, spare);
+    weir::rms_norm_rope(out, m, 1, n, n, norm, eps, nullptr, nullptr, normed, nt);
+    for (int64_t i = 0; i < m * n; ++i) x[i] = x[i] + normed[i];
+}
+
 // Rows input_ids of the embeddings into x [tokens, hidden].
 void embed_rows(const StackWeight& e, const int64_t* ids, int64_t tokens, int64_t hidden,
                 float* x, int64_t nt) {
@@ -142,18 +152,32 @@ int decoder_forward(const DecoderModel& model, const DecoderStep& step) {
     // sin; with adapters in the step, gate/up's addend [T, 2I]
     const int32_t* lora = s->lora_rows;
     const int64_t lora_floats = lora ? T * 2 * I : 0;
+    // (and the second rotation's cos, sin, and a block's output [T, H] before its norm: Gemma 3)
+    const bool local = s->cos_local_table != nullptr;
     std::unique_ptr<float[]> buf(
-        new float[T * (H + qkvw + qw + kvw + qw + 2 * I + 2 * D) + lora_floats]);
+        new float[T * (H + qkvw + qw + kvw + qw + 2 * I + 2 * D) + lora_floats +
+                  (local ? 2 * T * D : 0) + 2 * T * H]);
     float* cos = buf.get() + T * (H + qkvw + qw + kvw + qw + 2 * I);
     float* sin = cos + T * D;
+    float* cos_l = sin + T * D + lora_floats;
+    float* sin_l = local ? cos_l + T * D : cos_l;
+    float* block_out = sin_l + (local ? T * D : 0);
+    float* block_normed = block_out + T * H;
     for (int64_t t = 0; t < T; ++t) {
         const int64_t id = s->input_ids[t], p = s->positions[t];
         if (id < 0 || id >= m->embed.n) return 2;     // a token id outside the vocabulary
         if (p < 0 || p >= s->table_rows) return 3;     // past the rotary table
         std::memcpy(cos + t * D, s->cos_table + p * D, sizeof(float) * D);
         std::memcpy(sin + t * D, s->sin_table + p * D, sizeof(float) * D);
+        if (local) {
+            if (p >= s->local_rows) return 3;
+            std::memcpy(cos_l + t * D, s->cos_local_table + p * D, sizeof(float) * D);
+            std::memcpy(sin_l + t * D, s->sin_local_table + p * D, sizeof(float) * D);
+        }
     }
     embed_rows(m->embed, s->input_ids, T, H, s->x, nt);
+    if (m->embed_scale != 1.f)
+        for (int64_t i = 0; i < T * H; ++i) s->x[i] *= m->embed_scale;
     float* h = buf.get();
     float* qkv = h + T * H;
     float* q = qkv + T * qkvw;
@@ -191,9 +215,10 @@ int decoder_forward(const DecoderModel& model, const DecoderStep& step) {
         if (lora && L.lora[kLoraQkv].a) lora_add(L.lora[kLoraQkv], h, T, H, lora, qkv, qkvw, nt);
         timer.lap(kQkv);
         const float eps = L.q_norm ? m->eps : 0.f;
-        rms_norm_rope(qkv, T, m->heads, D, qkvw, L.q_norm, eps, cos, sin, q, nt);
-        rms_norm_rope(qkv + qw, T, m->kv_heads, D, qkvw, L.k_norm, eps, cos, sin, k,
-                           nt);
+        const float* c = L.local_rope && local ? cos_l : cos;
+        const float* sn = L.local_rope && local ? sin_l : sin;
+        rms_norm_rope(qkv, T, m->heads, D, qkvw, L.q_norm, eps, c, sn, q, nt);
+        rms_norm_rope(qkv + qw, T, m->kv_heads, D, qkvw, L.k_norm, eps, c, sn, k, nt);
         timer.lap(kRope);
         scatter(m->cache_dtype, L.k_cache, k, kvw, s->slots, T, kvw);
         scatter(m->cache_dtype, L.v_cache, qkv + qw + kvw, qkvw, s->slots, T, kvw);
@@ -201,10 +226,22 @@ int decoder_forward(const DecoderModel& model, const DecoderStep& step) {
         const int rc = paged_attention(q, L.k_cache, L.v_cache, o, s->block_tables,
                                             s->query_start, s->seq_lens, s->num_seqs,
                                             s->max_blocks, m->heads, m->kv_heads, D,
-                                            m->block_size, m->scale, m->sliding_window, nt, 0,
+                                            m->block_size, m->scale, L.window, nt, 0,
                                             int(m->cache_dtype));
         if (rc != 0) return rc;
         timer.lap(kAttention);
+        if (L.post_attn_norm) {  // Gemma 3: the block's output normalized, then added
+            sandwich(L.o, o, T, qw, H, L.post_attn_norm, m->eps, x, block_out, block_normed, nt,
+                     spare);
+            timer.lap(kOut);
+            rms_norm_rope(x, T, 1, H, H, L.pre_ffn_norm, m->eps, nullptr, nullptr, h, nt);
+            product(L.gate_up, h, T, H, int(m->act), nullptr, nullptr, 0, g, I, nt, spare);
+            timer.lap(kGateUp);
+            sandwich(L.down, g, T, I, H, L.post_ffn_norm, m->eps, x, block_out, block_normed,
+                     nt, spare);
+            timer.lap(kDown);
+            continue;
+        }
         if (lora && L.lora[kLoraO].a) lora_add(L.lora[kLoraO], o, T, qw, lora, x, H, nt);
         product(L.o, o, T, qw, 0, nullptr, x, H, x, H, nt, spare);
         timer.lap(kOut);

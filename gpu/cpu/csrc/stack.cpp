@@ -140,6 +140,7 @@ struct DecoderStack : torch::CustomClassHolder {
             keep.push_back(vc);
             d.k_cache = kc.data_ptr();
             d.v_cache = vc.data_ptr();
+            d.window = dims[5];
             layers.push_back(d);
         }
         check_flat(final_norm, at::kFloat, H, "final_norm");
@@ -162,6 +163,7 @@ struct DecoderStack : torch::CustomClassHolder {
             model.moe_intermediate = std::max(model.moe_intermediate, d.expert_intermediate);
         }
         model.final_norm = keep_(final_norm);
+        model.embed_scale = 1.f;
         model.embed = stack_weight(dims[8], embed, vocab, H, false, "embed", true);
         keep.push_back(embed);
         if (dims[9] >= 0) {
@@ -198,6 +200,35 @@ struct DecoderStack : torch::CustomClassHolder {
         }
         d.expert_gate_up = parts.data();
         d.expert_down = parts.data() + E;
+    }
+
+    // Gemma 3's layers (gpu/models/gemma.py), bound once: per layer [post_attention_norm,
+    // pre_feedforward_norm, post_feedforward_norm] (all empty: a plain layer), its window (0:
+    // none) and whether it turns with the second rotation; the embeddings' factor (float32).
+    void set_gemma(std::vector<std::vector<Tensor>> norms, std::vector<int64_t> windows,
+                   std::vector<int64_t> local, double embed_scale) {
+        TORCH_CHECK_VALUE(norms.size() == layers.size() && windows.size() == layers.size() &&
+                              local.size() == layers.size(),
+                          "gemma: one entry per layer");
+        const int64_t H = model.hidden;
+        for (size_t li = 0; li < layers.size(); ++li) {
+            auto& d = layers[li];
+            const auto& N = norms[li];
+            TORCH_CHECK_VALUE(N.size() == 3, "gemma: three norms a layer");
+            TORCH_CHECK_VALUE(windows[li] >= 0 && (local[li] == 0 || local[li] == 1),
+                              "gemma: a window and a 0/1 flag a layer");
+            TORCH_CHECK_VALUE(!d.experts, "gemma: no mixture of experts");
+            if (N[0].numel()) {
+                for (int i = 0; i < 3; ++i) check_flat(N[i], at::kFloat, H, "gemma norm");
+                for (int i = 0; i < 3; ++i) keep.push_back(N[i]);
+                d.post_attn_norm = N[0].data_ptr<float>();
+                d.pre_ffn_norm = N[1].data_ptr<float>();
+                d.post_ffn_norm = N[2].data_ptr<float>();
+            }
+            d.window = windows[li];
+            d.local_rope = int(local[li]);
+        }
+        model.embed_scale = float(embed_scale);
     }
 
     // The adapters' slots (gpu/lora.py), bound once: per layer, for each product group in
@@ -241,7 +272,9 @@ struct DecoderStack : torch::CustomClassHolder {
                                    const Tensor& cos, const Tensor& sin, const Tensor& slots,
                                    const Tensor& block_tables, const Tensor& query_start,
                                    const Tensor& seq_lens, const optional<Tensor>& logits_rows,
-                                   const optional<Tensor>& lora_rows) {
+                                   const optional<Tensor>& lora_rows,
+                                   const optional<Tensor>& cos_local,
+                                   const optional<Tensor>& sin_local) {
         const int64_t T = input_ids.numel(), D = model.head_dim;
         check_flat(input_ids, at::kLong, T, "input_ids");
         check_flat(positions, at::kLong, T, "positions");
@@ -272,6 +305,15 @@ struct DecoderStack : torch::CustomClassHolder {
         s.cos_table = cos.data_ptr<float>();
         s.sin_table = sin.data_ptr<float>();
         s.table_rows = cos.size(0);
+        if (cos_local) {  // the second rotation (layers that turn with it)
+            TORCH_CHECK_VALUE(sin_local && cos_local->dim() == 2 && cos_local->size(1) == D,
+                              "cos_local/sin_local: needs both, [rows, head_dim]");
+            check_flat(*cos_local, at::kFloat, cos_local->numel(), "cos_local");
+            check_flat(*sin_local, at::kFloat, cos_local->numel(), "sin_local");
+            s.cos_local_table = cos_local->data_ptr<float>();
+            s.sin_local_table = sin_local->data_ptr<float>();
+            s.local_rows = cos_local->size(0);
+        }
         Tensor logits = at::empty({0}, cos.options());
         if (logits_rows) {
             TORCH_CHECK_VALUE(model.lm_head.data != nullptr,
@@ -305,5 +347,6 @@ TORCH_LIBRARY_FRAGMENT(weir, m) {
         .def(torch::init<std::vector<std::vector<Tensor>>, std::vector<std::vector<int64_t>>,
                          std::vector<int64_t>, double, double, Tensor, Tensor, Tensor>())
         .def("run", &DecoderStack::run)
-        .def("set_lora", &DecoderStack::set_lora);
+        .def("set_lora", &DecoderStack::set_lora)
+        .def("set_gemma", &DecoderStack::set_gemma);
 }

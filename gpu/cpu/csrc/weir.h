@@ -268,6 +268,15 @@ struct DecoderLayer {
     StackWeight router;
     const WPart* expert_gate_up;  // [experts]
     const WPart* expert_down;     // [experts]
+    // This layer's attention window (0: the whole context), and whether it turns with the
+    // model's second rotation (Gemma 3's sliding layers: DecoderStep's local tables)
+    int64_t window;
+    int local_rope;
+    // Gemma 3's norms after the blocks (post_attn_norm null: none): each block's output
+    // normalized before its residual add, the MLP's input by pre_ffn_norm instead of post_norm
+    const float* post_attn_norm;  // [hidden]
+    const float* pre_ffn_norm;
+    const float* post_ffn_norm;
 };
 
 // Scratch for moe_block, sized by the step's tokens and the model's largest mixture.
@@ -296,6 +305,7 @@ struct DecoderModel {
     int64_t cache_dtype;  // the K/V cache's DType
     const DecoderLayer* layers;
     int64_t moe_experts, moe_top_k, moe_intermediate;  // the largest of its layers' (0: none)
+    float embed_scale;  // the embeddings' factor (Gemma's sqrt(hidden), rounded to float32)
     const float* final_norm;
     StackWeight embed;    // [vocab, hidden]: float32 rows (kWF32, not panels) or a packed WFormat
     StackWeight lm_head;  // [vocab, hidden], or data null: no logits here
@@ -319,6 +329,10 @@ struct DecoderStep {
     const float* cos_table;
     const float* sin_table;
     int64_t table_rows;
+    // the second rotation's tables [local_rows, head_dim] (layers with local_rope), or null
+    const float* cos_local_table;
+    const float* sin_local_table;
+    int64_t local_rows;
     // logits [num_logits, vocab] of out's rows logits_rows (null: rows 0..num_logits-1);
     // logits null: none
     const int64_t* logits_rows;
