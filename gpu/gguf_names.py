@@ -78,6 +78,13 @@ def hf_name(name: str, arch: str = "llama") -> str | None:
     if stem in _TOP_HF:
         return f"{_TOP_HF[stem]}.{kind}"
     parts = stem.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[3].isdigit():
+        # an early Mixtral file's experts, one tensor each (blk.0.ffn_gate.3), as llama.cpp
+        # still reads them
+        proj = {"ffn_gate": "gate_proj", "ffn_up": "up_proj", "ffn_down": "down_proj"}
+        if parts[2] in proj:
+            return f"model.layers.{parts[1]}.mlp.experts.{parts[3]}.{proj[parts[2]]}.{kind}"
+        return None
     if len(parts) != 3 or parts[0] != "blk" or not parts[1].isdigit():
         return None
     layer = {v: k for k, v in _layer_names(arch).items()}.get(parts[2])

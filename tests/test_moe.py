@@ -235,3 +235,59 @@ def test_the_one_call_stack_runs_a_mixture_as_the_modules_do(tmp_path, fmt):
     assert stack_tokens == module_tokens
     for key in stack_lp:
         torch.testing.assert_close(torch.tensor(stack_lp[key]), torch.tensor(module_lp[key]))
+
+
+def test_an_early_mixtral_file_with_one_tensor_per_expert(tmp_path):
+    """Mixtral files written before llama.cpp stacked experts (December 2023: blk.N.ffn_gate.E,
+    ffn_up.E, ffn_down.E, one tensor each), which llama.cpp still reads: served as the stacked
+    file is."""
+    import gguf
+    import numpy as np
+
+    from gpu.quant.gguf_write import uniform, write_gguf
+
+    hf = moe(tmp_path / "hf", "mixtral")
+    stacked = write_gguf(hf, tmp_path / "stacked.gguf", uniform("q8_0"))
+    reader = gguf.GGUFReader(stacked)
+    w = gguf.GGUFWriter(str(tmp_path / "early.gguf"), "llama")
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        sub = {"sub_type": field.types[-1]} if field.types[0] == gguf.GGUFValueType.ARRAY else {}
+        w.add_key_value(name, field.contents(), field.types[0], **sub)
+    for t in reader.tensors:
+        data = np.array(t.data)
+        if t.name.endswith("_exps.weight"):  # [E, rows, bytes] -> E tensors [rows, bytes]
+            stem = t.name.removesuffix("_exps.weight")
+            for e in range(data.shape[0]):
+                w.add_tensor(
+                    f"{stem}.{e}.weight", data[e], raw_shape=data[e].shape, raw_dtype=t.tensor_type
+                )
+            continue
+        shape = [int(d) for d in reversed(t.shape)]
+        raw = shape if t.tensor_type in (0, 1) else data.shape
+        w.add_tensor(t.name, data, raw_shape=raw, raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    assert any(
+        ".ffn_gate.3.weight" in t.name for t in gguf.GGUFReader(tmp_path / "early.gguf").tensors
+    )
+    ids = prompt(30)
+    got = {}
+    for name in ("stacked", "early"):
+        config = EngineConfig(
+            model=str(tmp_path / f"{name}.gguf"), device="cpu", dtype="float32", num_kv_blocks=64
+        )
+        core = load(config).core
+        core.add(
+            EngineRequest("r", ids, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+        )
+        out = []
+        while core.has_work:
+            for o in core.step():
+                out += o.new_token_ids
+        got[name] = (out, core.runner.last_logits.clone())
+    assert got["early"][0] == got["stacked"][0]
+    assert torch.equal(got["early"][1], got["stacked"][1])
