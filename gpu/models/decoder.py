@@ -208,6 +208,13 @@ def _output(backend, x, w, residual, norm: RMSNorm | None):
     return backend.linear_norm(x, w, residual, norm.weight, norm.eps)
 
 
+def _mixture(spec: ModelSpec, backend) -> SparseMoE:
+    """A mixture of experts (gpu/models/moe.py): its router and its experts, built here."""
+    router = Linear(backend, spec.hidden_size, spec.num_experts, False)
+    experts = [MLP(spec, backend, spec.moe_intermediate_size) for _ in range(spec.num_experts)]
+    return SparseMoE(spec, backend, router, experts)
+
+
 class DecoderLayer(nn.Module):
     def __init__(
         self, spec: ModelSpec, backend, tp: TensorParallel | None = None, index: int = 0
@@ -215,7 +222,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         window = spec.layer_windows[index] if spec.layer_windows else spec.sliding_window
         self.self_attn = Attention(spec, backend, window)
-        self.mlp = SparseMoE(spec, backend) if spec.is_moe_layer(index) else MLP(spec, backend)
+        self.mlp = _mixture(spec, backend) if spec.is_moe_layer(index) else MLP(spec, backend)
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, backend)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, backend)
         self.sandwich = spec.sandwich_norms  # Gemma 3's norms after the blocks (gemma.py)

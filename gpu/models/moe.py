@@ -43,18 +43,15 @@ def checkpoint_name(name: str) -> str:
 
 
 class SparseMoE(nn.Module):
-    """The layer's experts (`experts`, gated MLPs) and its router (`gate`, a product of the hidden
-    state to one logit per expert), in the checkpoints' names."""
+    """The layer's experts (`experts`: the decoder's gated MLPs, of moe_intermediate_size) and
+    its router (`gate`: the decoder's Linear, hidden -> one logit per expert), in the
+    checkpoints' names; the decoder builds them (gpu/models/decoder.py)."""
 
-    def __init__(self, spec: ModelSpec, backend) -> None:
-        from gpu.models.decoder import MLP, Linear
-
+    def __init__(self, spec: ModelSpec, backend, router: nn.Module, experts: list) -> None:
         super().__init__()
         self.backend = backend
-        self.gate = Linear(backend, spec.hidden_size, spec.num_experts, False)
-        self.experts = nn.ModuleList(
-            MLP(spec, backend, spec.moe_intermediate_size) for _ in range(spec.num_experts)
-        )
+        self.gate = router
+        self.experts = nn.ModuleList(experts)
         self.top_k, self.renormalize = spec.experts_per_token, spec.norm_topk_prob
         self.router = None
 
