@@ -104,8 +104,8 @@ class GgufCheckpoint:
 
     # ---- configuration ----
     def config(self) -> Any:
-        """A Hugging Face config (LlamaConfig, Phi3Config, Qwen2Config, Qwen3Config) of the
-        file's shapes."""
+        """A Hugging Face config (LlamaConfig, MixtralConfig, Phi3Config, Qwen2Config,
+        Qwen3Config, Qwen3MoeConfig, Gemma3TextConfig) of the file's shapes."""
         from transformers import (
             Gemma3TextConfig,
             LlamaConfig,
