@@ -162,16 +162,17 @@ def _embed(model) -> tuple[int, torch.Tensor] | None:
     return None
 
 
+SANDWICH = ("post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
+
+
 def _gemma(model) -> tuple[list[list[torch.Tensor]], list[int], list[int], float]:
     """set_gemma's arguments: each layer's norms after its blocks (none: empty), window and
     rotation, and the embeddings' factor as the module path rounds it (float32 activations)."""
     none = torch.empty(0)
     norms, windows, local = [], [], []
     for layer in model.model.layers:
-        names = ("post_attention_layernorm", "pre_feedforward_layernorm")
-        names += ("post_feedforward_layernorm",)
         sandwich = getattr(layer, "sandwich", False)
-        norms.append([getattr(layer, n).weight.detach() if sandwich else none for n in names])
+        norms.append([getattr(layer, n).weight.detach() if sandwich else none for n in SANDWICH])
         windows.append(layer.self_attn.sliding_window or 0)
         local.append(int(layer.local_rope))
     factor = torch.tensor(model.spec.embed_scale, dtype=torch.float32).item()
