@@ -48,6 +48,10 @@ class Constraint(msgspec.Struct, frozen=True, gc=False):
     # A thinking model reasons first, unconstrained: "open" when the prompt opened the think
     # block (the output is reasoning up to </think>), "optional" when the output may open one.
     think: str = ""
+    # tool_choice auto with strict tools and a response format: `spec` (kind grammar) is the
+    # Lark grammar of a reply that is either calls or `@answer`, the text this constraint
+    # (response_format's) allows. Without a response format the text is free and unset here.
+    answer: Constraint | None = None
 
 
 # Where a JSON schema holds further schemas: keyword -> how (one schema, a list, a name map).
@@ -98,17 +102,32 @@ def json_options(c: Constraint) -> dict[str, Any]:
 def grammar_text(c: Constraint) -> str:
     """The llguidance grammar for a constraint. Raises ValueError for input that is not even
     well-formed (a schema that is not JSON); the grammar's own errors come from `check`."""
-    inner = _inner_grammar(c)
+    inner = _with_answer(c) if c.answer is not None else _inner_grammar(c)
     return _after_think(inner, c.think) if c.think else inner
+
+
+def _grammars(text: str) -> dict[str, Any]:
+    """llguidance's top-level grammar object for compiled grammar text (JSON) or plain Lark."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return {"grammars": [{"lark_grammar": text}]}
+
+
+def _with_answer(c: Constraint) -> str:
+    """The reply's grammar (`c.spec`, Lark that says `@answer`) over the answer's own."""
+    if c.kind != "grammar" or c.answer is None or c.answer.answer is not None:
+        raise ValueError("an answer nests under a grammar constraint, one level deep")
+    nested = _grammars(_inner_grammar(c.answer))["grammars"]
+    nested[0]["name"] = "answer"
+    reply = {"name": "reply", "lark_grammar": c.spec}
+    return json.dumps({"grammars": [reply, *nested]})
 
 
 def _after_think(inner: str, think: str) -> str:
     """The constraint's grammar behind a free think block (to the first </think>, then any
     whitespace), as vLLM applies constraints once the reasoning has ended."""
-    try:
-        top = json.loads(inner)
-    except ValueError:  # plain Lark text
-        top = {"grammars": [{"lark_grammar": inner}]}
+    top = _grammars(inner)
     answer = top["grammars"][0]
     answer["name"] = name = answer.get("name") or "answer"
     rules = 'body[stop="</think>"]: /(?s:.*)/\nws: /[ \\t\\r\\n]*/'

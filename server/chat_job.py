@@ -60,7 +60,7 @@ async def prepare_chat(
     # The template already wrote any BOS it wants; don't let the tokenizer add another.
     prompt = truncate_prompt(st, req, st.tokenizer.encode(prompt_text, add_special_tokens=False))
     thinker = reasoning.PARSERS[st.reasoning_parser] if st.reasoning_parser else None
-    call_parser, call_constraint = tools.tool_parser(st, req)
+    call_parser, call_constraint, auto_calls = tools.tool_parser(st, req)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     think = ""
     tail = prompt_text
@@ -69,7 +69,9 @@ async def prepare_chat(
         reader = thinker(tail)
         think = "open" if reader.in_reasoning else "" if reader.thinking_off else "optional"
     try:
-        constraint = await structured.request_constraint(st, req, call_constraint, think, given)
+        constraint = await structured.request_constraint(
+            st, req, call_constraint, think, given, auto_calls
+        )
     except APIError as e:
         if e.param != "tools":
             raise

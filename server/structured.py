@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -165,11 +166,14 @@ async def request_constraint(
     tool_constraint: Constraint | None = None,
     think: str = "",
     given: tuple[Constraint, str] | None = None,
+    auto_calls: Callable[[bool], str | None] | None = None,
 ) -> Constraint | None:
     """The request's constraint, checked; `tool_constraint` is the one tool_choice required or
     a named function imposes, which cannot be combined with another. `think` ("open" or
     "optional", for a thinking model) lets the reasoning run free before the constraint.
-    `given` is one the route read from a field of its own (the Responses API's text.format)."""
+    `given` is one the route read from a field of its own (the Responses API's text.format).
+    `auto_calls` (server/tools.py's AutoCalls) gives the grammar of strict tools' calls under
+    tool_choice auto, beside free text or beside the answer another field constrains."""
     found = constraint_of(req)
     if given is not None:
         if found is not None:
@@ -181,6 +185,13 @@ async def request_constraint(
         if found is not None:
             raise _bad(found[1], "cannot be combined with tool_choice required or a named function")
         found = (tool_constraint, "tools")
+    if auto_calls is not None:
+        grammar = auto_calls(found is not None)
+        if grammar is not None:
+            answer = None
+            if found is not None:  # the answer alone first: its errors name its own field
+                answer = await check(st, found[0], found[1])
+            found = (Constraint("grammar", grammar, answer=answer), "tools")
     if found is None:
         return None
     c, field = found

@@ -1,10 +1,13 @@
 """A chat request's `tools` and `tool_choice`: checked (a 400 naming the field), and turned into
 what the reply does with the model's output: `none` (text only), `auto` (the model's own call
-markup parsed into `tool_calls` by the server's tool-call parser), or `required` / a named
+markup parsed into `tool_calls` by the server's tool-call parser; with a `strict` tool, its
+calls enforced by a grammar that still lets the reply be text), or `required` / a named
 function (the same, with the markup enforced by a structured-output grammar)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from core.structured import Constraint
@@ -13,6 +16,7 @@ from server.errors import APIError
 from server.protocol import ChatCompletionRequest
 from server.state import ServerState
 from server.tool_parsers import PARSERS, Parsed, ToolParser
+from server.tool_parsers.base import strict_only
 
 
 def _bad(param: str, message: str) -> APIError:
@@ -51,13 +55,22 @@ class FirstCall(ToolParser):
         return parsed
 
 
+# tool_choice auto with strict tools: the reply's grammar, given whether a response format's
+# grammar (@answer) is the text beside the calls (ToolParser.auto_grammar; None: this markup
+# has none, the calls are parsed but not enforced).
+AutoCalls = Callable[[bool], str | None]
+
+
 def tool_parser(
     st: ServerState, req: ChatCompletionRequest
-) -> tuple[ToolParser | None, Constraint | None]:
-    """The parser for this request's reply (None: the reply is text only), and, for
-    tool_choice required or a named function, the constraint that makes the model write calls:
-    its own call markup (the server's parser's; hermes where the template shows none) holding
-    JSON that validates against the chosen tools' parameters."""
+) -> tuple[ToolParser | None, Constraint | None, AutoCalls | None]:
+    """The parser for this request's reply (None: the reply is text only); for tool_choice
+    required or a named function, the constraint that makes the model write calls: its own
+    call markup (the server's parser's; hermes where the template shows none) holding JSON that
+    validates against the chosen tools' parameters; for auto (or no choice) with a tool whose
+    `strict` is true, as OpenAI enforces it, the grammar that holds the model's calls to the
+    same while the reply may still be text (where the parser's markup has a grammar: hermes,
+    mistral, llama3_json)."""
     tools = req.tools or []
     names = tool_names(tools)
     choice = req.tool_choice
@@ -80,9 +93,9 @@ def tool_parser(
         if grammar is None:  # no grammar for this markup (pythonic, XML): hermes's
             parser = PARSERS["hermes"](tools)
             grammar = parser.call_grammar(chosen, parallel)
-        return (parser if parallel else FirstCall(parser)), Constraint("grammar", grammar)
+        return (parser if parallel else FirstCall(parser)), Constraint("grammar", grammar), None
     if not names or choice == "none":
-        return None, None
+        return None, None, None
     if st.tool_parser is None:
         if choice == "auto":
             raise _bad(
@@ -91,9 +104,12 @@ def tool_parser(
                 "no markup weir knows; start the server with --tool-call-parser NAME "
                 f"({', '.join(PARSERS)})",
             )
-        return None, None  # tools left to the template, the reply returned as text
+        return None, None, None  # tools left to the template, the reply returned as text
     parser = PARSERS[st.tool_parser](tools)
-    return (parser if req.parallel_tool_calls else FirstCall(parser)), None
+    auto = None
+    if any(tool["function"].get("strict") is True for tool in tools):
+        auto = partial(parser.auto_grammar, strict_only(tools), req.parallel_tool_calls)
+    return (parser if req.parallel_tool_calls else FirstCall(parser)), None, auto
 
 
 async def name_bad_parameters(st: ServerState, req: ChatCompletionRequest) -> None:
@@ -103,9 +119,12 @@ async def name_bad_parameters(st: ServerState, req: ChatCompletionRequest) -> No
     Returns when no tool alone fails (nothing to name)."""
     choice = req.tool_choice
     named = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+    auto = choice in (None, "auto")  # strict tools' parameters only
     for i, tool in enumerate(req.tools or []):
         fn = tool["function"]
         if fn.get("parameters") is None or named not in (None, fn["name"]):
+            continue
+        if auto and fn.get("strict") is not True:
             continue
         field = f"tools[{i}].function.parameters"
         schema = structured.schema_text(field, fn["parameters"])

@@ -246,8 +246,10 @@ def chat_tools(tools: list[Any] | None) -> list[dict[str, Any]] | None:
         name = tool.get("name")
         if not isinstance(name, str) or not name:
             raise _bad(f"{param}.name", "a function tool needs a name")
-        fn = {"name": name}
-        for key in ("description", "parameters", "strict"):
+        # strict: the Responses API's default is true (chat's is false): the calls that
+        # tool_choice auto lets the model write are held to the parameters (server/tools.py).
+        fn = {"name": name, "strict": tool.get("strict") is not False}
+        for key in ("description", "parameters"):
             if tool.get(key) is not None:
                 fn[key] = tool[key]
         if "parameters" in fn and not isinstance(fn["parameters"], dict):

@@ -260,6 +260,35 @@ def lark_json(schema: dict[str, Any]) -> str:
     return "%json " + json.dumps(schema)
 
 
+def text_or_calls(marker: str, answer: bool) -> str:
+    """The top of an auto_grammar for markup where `marker` opens the calls: the reply is
+    text (any text that never writes `marker`), or text and then calls (the parser's rule
+    `after`: what follows the marker). A lazy lexeme takes the text with the marker, ending
+    where the marker does. With `answer` the text is the nested grammar @answer (a response
+    format's) instead, and calls open the reply."""
+    if answer:
+        return f"start: @answer | {json.dumps(marker)} after\n"
+    mark = re.escape(marker).replace("/", "\\/")
+    return (
+        "start: TEXT | lead after\n"
+        f"TEXT: /(?s:.*)/ & ~/(?s:.*{mark}.*)/\n"
+        f"lead[lazy]: /(?s:.*){mark}/\n"
+    )
+
+
+def strict_only(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The tools as enforced under tool_choice auto: a strict tool's arguments validate
+    against its parameters, any other's are any JSON object (still a whole call to a tool the
+    request offers)."""
+    out = []
+    for tool in tools:
+        fn = tool["function"]
+        if fn.get("strict") is not True:
+            fn = {**fn, "parameters": {"type": "object"}}
+        out.append({**tool, "function": fn})
+    return out
+
+
 class ToolParser:
     """Subclasses implement parse(), and call_grammar() for tool_choice required or a named
     function: a Lark grammar (llguidance's, with embedded JSON schemas) of the model's own call
@@ -276,4 +305,10 @@ class ToolParser:
 
     def call_grammar(self, tools: list[dict[str, Any]], parallel: bool) -> str | None:
         """None: no grammar for this markup (enforced calls then use hermes's)."""
+        return None
+
+    def auto_grammar(self, tools: list[dict[str, Any]], parallel: bool, answer: bool) -> str | None:
+        """tool_choice auto with strict tools: a Lark grammar of a reply that is text (with
+        `answer`: the nested grammar @answer) or calls in this markup to `tools` (strict_only's).
+        None: no grammar for this markup; the calls are then parsed, not enforced."""
         return None

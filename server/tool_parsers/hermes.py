@@ -13,6 +13,7 @@ from server.tool_parsers.base import (
     call_schema,
     lark_json,
     partial_json,
+    text_or_calls,
     whole_call,
 )
 
@@ -72,4 +73,12 @@ class HermesParser(ToolParser):
             f"start: call{more}\n"
             'call: "<tool_call>\\n" obj "\\n</tool_call>"\n'
             f"obj: {lark_json(call_schema(tools))}"
+        )
+
+    def auto_grammar(self, tools: list[dict[str, Any]], parallel: bool, answer: bool) -> str:
+        more = ' ("\\n<tool_call>\\n" obj "\\n</tool_call>")*' if parallel else ""
+        return (
+            text_or_calls(self.open, answer)
+            + f'after: "\\n" obj "\\n</tool_call>"{more}\n'
+            + f"obj: {lark_json(call_schema(tools))}"
         )

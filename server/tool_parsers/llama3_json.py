@@ -73,3 +73,13 @@ class Llama3JsonParser(ToolParser):
     def call_grammar(self, tools: list[dict[str, Any]], parallel: bool) -> str:
         more = ' ("; " obj)*' if parallel else ""
         return f"start: obj{more}\nobj: {lark_json(call_schema(tools, 'parameters'))}"
+
+    def auto_grammar(self, tools: list[dict[str, Any]], parallel: bool, answer: bool) -> str:
+        """The reply is calls when it opens with an object (parse's rule): text is any text
+        whose first character, past whitespace, is not "{" (the python tag, a special token,
+        is never text), or with `answer` the nested grammar @answer."""
+        text = "@answer" if answer else "TEXT"
+        rules = "" if answer else "TEXT: /(?s:\\s*([^\\s{].*)?)/\n"
+        return f"start: {text} | calls\n{rules}" + self.call_grammar(tools, parallel).replace(
+            "start: obj", "calls: obj", 1
+        )

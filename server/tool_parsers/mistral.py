@@ -16,6 +16,7 @@ from server.tool_parsers.base import (
     lift_defs,
     lark_json,
     partial_json,
+    text_or_calls,
     whole_json,
 )
 
@@ -83,3 +84,9 @@ class MistralParser(ToolParser):
             call_schema(tools), lambda one: {"type": "array", "items": one, "minItems": 1, **bound}
         )
         return f'start: "{MARK}" calls\ncalls: {lark_json(calls)}'
+
+    def auto_grammar(self, tools: list[dict[str, Any]], parallel: bool, answer: bool) -> str:
+        """Text, then the marker and the v3 tokenizers' list of calls (as call_grammar's)."""
+        return text_or_calls(MARK, answer) + self.call_grammar(tools, parallel).replace(
+            f'start: "{MARK}" calls', "after: calls", 1
+        )
