@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import socket
 import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from hypercorn.config import Config as HypercornConfig
 
@@ -55,11 +59,35 @@ def api_server_sockets(
     balance) the servers share one socket."""
     if sys.platform != "linux" or not hasattr(socket, "SO_REUSEPORT"):
         return [listening_socket(host, port, user_timeout)] * count
-    port = unused_port(host, port)
-    first = listening_socket(host, port, user_timeout, reuse_port=True)
-    port = first.getsockname()[1]  # port 0: the one the kernel chose, for the others too
-    rest = [listening_socket(host, port, user_timeout, True) for _ in range(count - 1)]
+    with port_lock(host, port):  # two weirs starting at once: the second finds the first's
+        port = unused_port(host, port)
+        first = listening_socket(host, port, user_timeout, reuse_port=True)
+        port = first.getsockname()[1]  # port 0: the one the kernel chose, for the others too
+        rest = [listening_socket(host, port, user_timeout, True) for _ in range(count - 1)]
     return [first, *rest]
+
+
+def port_lock_path(host: str, port: int) -> str:
+    name = f"weir.port-{os.getuid()}-{host.replace('/', '_')}-{port}.lock"
+    return os.path.join(tempfile.gettempdir(), name)
+
+
+@contextmanager
+def port_lock(host: str, port: int) -> Iterator[None]:
+    """This user's lock on `port` (none for 0, which the kernel picks afresh), held while a
+    SO_REUSEPORT group checks the port and binds: without it two weirs started at the same
+    moment could both find the port unused, then both bind, and share it silently (a group
+    admits any socket of the same user). Only the same user can join a group, so the lock file
+    is per user; it is left behind, empty, for the next start."""
+    if port == 0:
+        yield
+        return
+    fd = os.open(port_lock_path(host, port), os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def unused_port(host: str, port: int) -> int:

@@ -7,6 +7,7 @@ Order is made explicit by stopping the engine process (SIGSTOP), never by sleeps
 from __future__ import annotations
 
 import errno
+import fcntl
 import glob
 import os
 import signal
@@ -204,6 +205,53 @@ def test_a_port_another_server_listens_on_is_refused(capsys, tmp_path):
     # Closed, the port is free again.
     for sock in listen.api_server_sockets("127.0.0.1", port, 2, 30.0):
         sock.close()
+
+
+def test_two_starts_at_once_cannot_both_take_the_port(monkeypatch):
+    # Each found the port unused, then both bound it: one SO_REUSEPORT group of two weirs. The
+    # check and the binds now happen under this user's lock on the port.
+    port = free_port()
+    path = listen.port_lock_path("127.0.0.1", port)
+
+    def locked() -> bool:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)
+        return False
+
+    steps = []
+    probe, bind = listen.unused_port, listen.listening_socket
+    monkeypatch.setattr(listen, "unused_port", lambda *a: steps.append(locked()) or probe(*a))
+    monkeypatch.setattr(
+        listen, "listening_socket", lambda *a, **k: steps.append(locked()) or bind(*a, **k)
+    )
+    for sock in listen.api_server_sockets("127.0.0.1", port, 2, 30.0):
+        sock.close()
+    assert steps == [True, True, True] and not locked()  # probe, two binds; then released
+    monkeypatch.undo()
+    # A start that comes while another holds the lock waits for it, then finds its sockets.
+    result: list = []
+
+    def second() -> None:
+        try:
+            result.append(listen.api_server_sockets("127.0.0.1", port, 2, 30.0))
+        except OSError as e:
+            result.append(e)
+
+    with listen.port_lock("127.0.0.1", port):
+        late = threading.Thread(target=second)
+        late.start()
+        first = [listen.listening_socket("127.0.0.1", port, 30.0, True) for _ in range(2)]
+    late.join(60)
+    try:
+        assert isinstance(result[0], OSError) and result[0].errno == errno.EADDRINUSE, result
+    finally:
+        for sock in first:
+            sock.close()
 
 
 def test_the_count_defaults_to_one_on_cpu_and_to_the_cores_on_cuda(monkeypatch):
