@@ -105,13 +105,14 @@ class GgufCheckpoint:
     # ---- configuration ----
     def config(self) -> Any:
         """A Hugging Face config (LlamaConfig, MixtralConfig, Phi3Config, Qwen2Config,
-        Qwen3Config, Qwen3MoeConfig, Gemma3TextConfig) of the file's shapes."""
+        Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, Gemma3TextConfig) of the file's shapes."""
         from transformers import (
             Gemma3TextConfig,
             LlamaConfig,
             MixtralConfig,
             Phi3Config,
             Qwen2Config,
+            Qwen2MoeConfig,
             Qwen3Config,
             Qwen3MoeConfig,
         )
@@ -155,15 +156,21 @@ class GgufCheckpoint:
                 raise CheckpointError(f"{self.path.name}: qwen2 with a head size of {head_dim}")
             return Qwen2Config(**common)
         experts = int(self.get(f"{a}.expert_count", 0) or 0)
+        if a == "qwen2moe":
+            if head_dim != hidden // heads:
+                raise CheckpointError(f"{self.path.name}: qwen2moe with a head size of {head_dim}")
+            return self._experts(common, head_dim, MixtralConfig, Qwen2MoeConfig)
         if a == "qwen3moe" or (a == "llama" and experts):
             return self._experts(common, head_dim, MixtralConfig, Qwen3MoeConfig)
         cls = LlamaConfig if a == "llama" else Qwen3Config
         return cls(**common, head_dim=head_dim)
 
-    def _experts(self, common: dict, head_dim: int, mixtral: Any, qwen3moe: Any) -> Any:
+    def _experts(self, common: dict, head_dim: int, mixtral: Any, qwen: Any) -> Any:
         """A mixture of experts as llama.cpp reads its file: a "llama" with experts is Mixtral
-        (its feed_forward_length the experts' size); Qwen3-MoE's experts have their own
-        (`expert_feed_forward_length`), and llama.cpp renormalizes both's chosen experts."""
+        (its feed_forward_length the experts' size); Qwen3-MoE's and Qwen2-MoE's experts have
+        their own (`expert_feed_forward_length`), Qwen2-MoE's shared expert too
+        (`expert_shared_feed_forward_length`). llama.cpp renormalizes the chosen experts'
+        weights of Mixtral and Qwen3-MoE, not Qwen2-MoE's."""
         a = self.arch
         experts = int(self.get(f"{a}.expert_count"))
         used = int(self.get(f"{a}.expert_used_count"))
@@ -172,14 +179,17 @@ class GgufCheckpoint:
             return mixtral(
                 **common, head_dim=head_dim, num_local_experts=experts, num_experts_per_tok=used
             )
-        return qwen3moe(
-            **common,
-            head_dim=head_dim,
+        sized = dict(
             num_experts=experts,
             num_experts_per_tok=used,
             moe_intermediate_size=int(self.get(f"{a}.expert_feed_forward_length")),
-            norm_topk_prob=True,
         )
+        if a == "qwen2moe":
+            shared = int(self.get(f"{a}.expert_shared_feed_forward_length"))
+            return qwen(
+                **common, **sized, shared_expert_intermediate_size=shared, norm_topk_prob=False
+            )
+        return qwen(**common, **sized, head_dim=head_dim, norm_topk_prob=True)
 
     def _end_tokens(self) -> int | list[int] | None:
         """The tokens that end generation, as llama.cpp reads them: EOS, and the end-of-turn
@@ -307,6 +317,8 @@ class GgufCheckpoint:
                     value = value.take_rows(llama_unpermute_index(n, h))
             if len(dims) == 3:  # a mixture's experts, one after another: each its own rows
                 yield from experts(target, value, dims[2])
+            elif target.endswith("shared_expert_gate.weight") and len(dims) == 1:
+                yield target, value[None]  # Qwen2-MoE's shared gate: one row of the hidden size
             else:
                 yield target, value
 

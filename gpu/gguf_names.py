@@ -13,6 +13,7 @@ ARCHES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
+    "qwen2moe": "Qwen2MoeForCausalLM",
 }
 # A "llama" file with experts is a Mixtral (llama.cpp's converter writes it so).
 
@@ -35,6 +36,11 @@ LAYER_NAMES = {
     "mlp.experts.gate_proj": "ffn_gate_exps",
     "mlp.experts.up_proj": "ffn_up_exps",
     "mlp.experts.down_proj": "ffn_down_exps",
+    # Qwen2-MoE's shared expert and its gate (a vector of the hidden size in llama.cpp's files)
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp",
 }
 # Phi-3's fused layers (gpu/fused_weights.py): Q/K/V as one tensor, gate and up as llama.cpp's
 # ffn_up of twice the rows

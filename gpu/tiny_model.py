@@ -124,9 +124,10 @@ def build_tiny_model(
     as a real model never does; the matrix products keep their full size. `mlp_bias`: biases
     on the MLP's products (Llama's config option). `pretokenizer`: how the tokenizer splits
     text (train_tokenizer). Gemma 3: every `global_every`-th layer global, the others sliding;
-    `query_pre_attn_scalar` (24 unless given). Mixtral and Qwen3-MoE ("mixtral", "qwen3_moe"):
-    `num_experts` of `intermediate_size` each, `experts_per_token` of them per token (Qwen3-MoE's
-    renormalized when `norm_topk_prob`)."""
+    `query_pre_attn_scalar` (24 unless given). Mixtral, Qwen3-MoE and Qwen2-MoE ("mixtral",
+    "qwen3_moe", "qwen2_moe"): `num_experts` of `intermediate_size` each, `experts_per_token` of
+    them per token (Qwen's renormalized when `norm_topk_prob`); Qwen2-MoE's shared expert twice
+    that size."""
     import torch
     from transformers import (
         AutoModelForCausalLM,
@@ -137,6 +138,7 @@ def build_tiny_model(
         MixtralConfig,
         Phi3Config,
         Qwen2Config,
+        Qwen2MoeConfig,
         Qwen3Config,
         Qwen3MoeConfig,
     )
@@ -216,6 +218,16 @@ def build_tiny_model(
             head_dim=head_dim or hidden_size // num_heads,
             tie_word_embeddings=bool(tie_word_embeddings),
             moe_intermediate_size=intermediate_size,
+            num_experts=num_experts,
+            num_experts_per_tok=experts_per_token,
+            norm_topk_prob=norm_topk_prob,
+        )
+    elif arch == "qwen2_moe":  # and a shared expert of twice an expert's size
+        config = Qwen2MoeConfig(
+            **common,
+            tie_word_embeddings=bool(tie_word_embeddings),
+            moe_intermediate_size=intermediate_size,
+            shared_expert_intermediate_size=2 * intermediate_size,
             num_experts=num_experts,
             num_experts_per_tok=experts_per_token,
             norm_topk_prob=norm_topk_prob,

@@ -1,5 +1,6 @@
-"""Mixtures of experts (Mixtral, Qwen3-MoE; gpu/models/moe.py): the router's top k experts per
-token, their gated MLPs weighted and summed, against transformers on the same random weights."""
+"""Mixtures of experts (Mixtral, Qwen3-MoE, Qwen2-MoE; gpu/models/moe.py): the router's top k
+experts per token, their gated MLPs weighted and summed (and Qwen2-MoE's shared expert beside
+them), against transformers on the same random weights."""
 
 from __future__ import annotations
 
@@ -39,8 +40,9 @@ def moe(path, arch="qwen3_moe", **shape):
         ("qwen3_moe", {}),
         ("qwen3_moe", {"norm_topk_prob": False, "experts_per_token": 3}),
         ("mixtral", {}),
+        ("qwen2_moe", {"norm_topk_prob": False}),
     ],
-    ids=["qwen3-moe", "qwen3-moe-unnormalized", "mixtral"],
+    ids=["qwen3-moe", "qwen3-moe-unnormalized", "mixtral", "qwen2-moe-shared-expert"],
 )
 def test_moe_matches_transformers(tmp_path, arch, shape):
     """A 30-token prompt's logits and six greedy tokens: every expert is used by some token."""
@@ -73,7 +75,7 @@ def test_a_batch_routes_each_token_on_its_own(tmp_path):
 
 
 def test_moe_spec_and_names():
-    from transformers import MixtralConfig, Qwen3MoeConfig
+    from transformers import MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
     common = dict(
         hidden_size=64,
@@ -102,6 +104,13 @@ def test_moe_spec_and_names():
     spec = ModelSpec.from_hf_config(mixtral)
     assert (spec.num_experts, spec.moe_intermediate_size, spec.norm_topk_prob) == (4, 48, True)
     assert spec.sliding_window == 16 and spec.dense_layers == ()
+    qwen2 = Qwen2MoeConfig(
+        **common, moe_intermediate_size=32, shared_expert_intermediate_size=96, num_experts=8
+    )
+    qwen2.architectures = ["Qwen2MoeForCausalLM"]
+    spec = ModelSpec.from_hf_config(qwen2)
+    assert (spec.shared_expert_size, spec.qkv_bias, spec.qk_norm) == (96, True, False)
+    assert spec.num_experts == 8 and not spec.dense_layers
     bad = MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=5)
     bad.architectures = ["MixtralForCausalLM"]
     with pytest.raises(CheckpointError, match="5 experts per token of 4"):
@@ -156,14 +165,16 @@ def dequantized(path, hf_dir, out):
     return out
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "qwen2_moe"])
 def test_a_gguf_file_of_experts_serves_as_its_checkpoint(tmp_path, arch):
     """Experts stacked in 3-D tensors (ffn_*_exps), the router as ffn_gate_inp, the counts as
     metadata, as llama.cpp's converter writes them (a Mixtral: a "llama" file with experts; weir's
-    writer checked against that converter's files): in float32, transformers' logits."""
+    writer checked against that converter's files; Qwen2-MoE's shared expert as ffn_*_shexp,
+    its gate a vector): in float32, transformers' logits."""
     from gpu.quant.gguf_write import uniform, write_gguf
 
-    hf = moe(tmp_path / "hf", arch)
+    shape = {"norm_topk_prob": False} if arch == "qwen2_moe" else {}
+    hf = moe(tmp_path / "hf", arch, **shape)
     path = write_gguf(hf, tmp_path / "moe.gguf", uniform("f32"))
     assert_as_transformers(path, hf, prompt(30))
 

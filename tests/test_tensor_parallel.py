@@ -66,8 +66,9 @@ CASES = [
     ("qwen3", 2, {"num_kv_heads": 1, "model_vocab_size": 1031}, TIGHT),
     # Gemma 3: each block's partial sums completed before its norm, sliding and global layers
     ("gemma3", 2, {"num_layers": 3}, {}),
-    # a mixture of experts: every expert split as an MLP, the router replicated
-    ("qwen3_moe", 2, {"num_experts": 4}, TIGHT),
+    # a mixture of experts: every expert split as an MLP, the router replicated; Qwen2-MoE's
+    # shared expert split so too, its gate replicated (the experts' split is the same as Qwen3's)
+    ("qwen2_moe", 2, {"num_experts": 4}, TIGHT),
 ]
 
 

@@ -58,6 +58,8 @@ HANDLED: dict[str, tuple | None] = {
     "moe_intermediate_size": None,
     "norm_topk_prob": None,
     "dense_layers": None,
+    # Qwen2-MoE's shared expert: the module path (gpu/models/moe.py) computes it
+    "shared_expert_size": (lambda v: v == 0, "a shared expert (Qwen2-MoE)"),
 }
 
 

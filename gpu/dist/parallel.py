@@ -72,6 +72,8 @@ def check(spec: ModelSpec, world_size: int) -> None:
         problems.append(f"an MLP of {spec.intermediate_size}")
     if spec.moe_intermediate_size % world_size:
         problems.append(f"experts of {spec.moe_intermediate_size}")
+    if spec.shared_expert_size % world_size:
+        problems.append(f"a shared expert of {spec.shared_expert_size}")
     if problems:
         raise CheckpointError(
             f"--tensor-parallel-size {world_size} does not divide this model: "
@@ -94,6 +96,7 @@ def local_spec(spec: ModelSpec, tp: TensorParallel) -> ModelSpec:
         num_kv_heads=max(1, spec.num_kv_heads // w),
         intermediate_size=spec.intermediate_size // w,
         moe_intermediate_size=spec.moe_intermediate_size // w,
+        shared_expert_size=spec.shared_expert_size // w,
         vocab_size=vocab_shard(spec, w),
     )
 
@@ -129,6 +132,8 @@ def shard(name: str, full: Any, spec: ModelSpec, tp: TensorParallel) -> torch.Te
     kind = next((k for key, k in _SPLITS.items() if f"{key}." in name + "."), None)
     if ".mlp.experts." in name:  # each expert split as an MLP (its router is replicated)
         kind = "down" if name.endswith(".down_proj.weight") else "expert"
+    elif ".mlp.shared_expert." in name:  # so is a shared expert (its gate is replicated)
+        kind = "down" if name.endswith(".down_proj.weight") else "shared"
     if kind is None or tp.world_size == 1:
         return full[:] if hasattr(full, "get_shape") else full
     w, r, d = tp.world_size, tp.rank, spec.head_dim
@@ -139,8 +144,9 @@ def shard(name: str, full: Any, spec: ModelSpec, tp: TensorParallel) -> torch.Te
     if kind == "kv":
         first, count = kv_head_range(spec, tp)
         return full[first * d : (first + count) * d]
-    if kind in ("mlp", "expert"):
-        n = (spec.intermediate_size if kind == "mlp" else spec.moe_intermediate_size) // w
+    if kind in ("mlp", "expert", "shared"):
+        sizes = {"mlp": spec.intermediate_size, "expert": spec.moe_intermediate_size}
+        n = sizes.get(kind, spec.shared_expert_size) // w
         return full[r * n : (r + 1) * n]
     if kind in ("o", "down"):
         if not is_weight:  # a row-parallel bias is added once: rank 0 keeps it, the rest zeros

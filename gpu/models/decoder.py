@@ -1,6 +1,6 @@
 """One decoder-only transformer that covers Llama, Mistral, Phi-3, Qwen2, Qwen3, Gemma 3 (its
-layer's norms in gemma.py) and the mixtures of experts Mixtral and Qwen3-MoE (moe.py), built on a
-backend.
+layer's norms in gemma.py) and the mixtures of experts Mixtral, Qwen3-MoE and Qwen2-MoE
+(moe.py), built on a backend.
 
 Module and parameter names follow the Hugging Face checkpoints, so weights load by name without
 a mapping. The model is built with one backend (gpu/backend.py), which every layer computes
@@ -212,7 +212,11 @@ def _mixture(spec: ModelSpec, backend) -> SparseMoE:
     """A mixture of experts (gpu/models/moe.py): its router and its experts, built here."""
     router = Linear(backend, spec.hidden_size, spec.num_experts, False)
     experts = [MLP(spec, backend, spec.moe_intermediate_size) for _ in range(spec.num_experts)]
-    return SparseMoE(spec, backend, router, experts)
+    shared = None
+    if spec.shared_expert_size:  # Qwen2-MoE's: an MLP and its gate (hidden -> one logit)
+        gate = Linear(backend, spec.hidden_size, 1, False)
+        shared = (MLP(spec, backend, spec.shared_expert_size), gate)
+    return SparseMoE(spec, backend, router, experts, shared)
 
 
 class DecoderLayer(nn.Module):

@@ -1,7 +1,8 @@
-"""A mixture of experts in place of a layer's MLP (Mixtral, Qwen3-MoE), as transformers computes
-it: a router's logits over the E experts, their softmax in float32, each token's top k experts
-(their probabilities renormalized over the k when the model says so: Mixtral always, Qwen3-MoE
-by norm_topk_prob), and the token's output the sum of those experts' gated MLPs weighted by them.
+"""A mixture of experts in place of a layer's MLP (Mixtral, Qwen3-MoE, Qwen2-MoE), as
+transformers computes it: a router's logits over the E experts, their softmax in float32, each
+token's top k experts (their probabilities renormalized over the k when the model says so:
+Mixtral always, the Qwens by norm_topk_prob), and the token's output the sum of those experts'
+gated MLPs weighted by them.
 
 The tokens are grouped by expert on the host (the step's routing is read back: one sync a layer)
 and each expert multiplies only its own rows, so a token reads the weights of k experts, not E,
@@ -9,6 +10,10 @@ as llama.cpp's and vLLM's kernels do. A token's k outputs are summed in the orde
 (transformers adds them into the layer's output expert by expert: in float32 the two agree to
 rounding, the greedy tokens exactly). Each expert is an MLP on the backend, so its weights take
 every form a dense MLP's can (16-bit, packed float32, GGUF's block formats, ...).
+
+Qwen2-MoE adds a shared expert every token runs (`shared_expert`, an MLP of its own size) with
+its output weighted by the sigmoid of its gate's one logit (`shared_expert_gate`), added after
+the routed experts' sum, as transformers adds it.
 
 Mixtral's checkpoints name the block `block_sparse_moe` and the experts' products w1 (gate), w3
 (up) and w2 (down); `checkpoint_name` reads them as Qwen3-MoE's, the names the modules load by.
@@ -43,23 +48,34 @@ def checkpoint_name(name: str) -> str:
 
 
 class SparseMoE(nn.Module):
-    """The layer's experts (`experts`: the decoder's gated MLPs, of moe_intermediate_size) and
-    its router (`gate`: the decoder's Linear, hidden -> one logit per expert), in the
-    checkpoints' names; the decoder builds them (gpu/models/decoder.py)."""
+    """The layer's experts (`experts`: the decoder's gated MLPs, of moe_intermediate_size), its
+    router (`gate`: the decoder's Linear, hidden -> one logit per expert) and, for Qwen2-MoE,
+    `shared`: (its shared expert's MLP, that expert's gate), in the checkpoints' names; the
+    decoder builds them (gpu/models/decoder.py)."""
 
-    def __init__(self, spec: ModelSpec, backend, router: nn.Module, experts: list) -> None:
+    def __init__(
+        self, spec: ModelSpec, backend, router: nn.Module, experts: list, shared=None
+    ) -> None:
         super().__init__()
         self.backend = backend
         self.gate = router
         self.experts = nn.ModuleList(experts)
         self.top_k, self.renormalize = spec.experts_per_token, spec.norm_topk_prob
         self.router = None
+        self.has_shared = shared is not None
+        if shared is not None:
+            self.shared_expert, self.shared_expert_gate = shared
+        self.shared_gate = None  # the backend's form of shared_expert_gate
 
     def prepare(self) -> None:
         self.router = self.backend.prepare_linear(*self.gate.take())
         del self.gate
         for expert in self.experts:
             expert.prepare()
+        if self.has_shared:
+            self.shared_expert.prepare()
+            self.shared_gate = self.backend.prepare_linear(*self.shared_expert_gate.take())
+            del self.shared_expert_gate
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(the weights [tokens, k] in x's dtype, the experts [tokens, k]) of each token."""
@@ -89,6 +105,9 @@ class SparseMoE(nn.Module):
         y = b.experts(h, [self.experts[i].down for i in used], sizes, gated=False)
         y = y * weights.flatten().index_select(0, order)[:, None]
         out = torch.empty_like(y).index_copy_(0, order, y).view(t, k, -1).sum(dim=1)
+        if self.has_shared:
+            weight = torch.sigmoid(b.linear(x, self.shared_gate))
+            out = out + weight * self.shared_expert(x)
         if residual is not None:
             out = out + residual
         if norm is None:

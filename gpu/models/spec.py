@@ -23,6 +23,8 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     # mixtures of experts in place of the MLP (gpu/models/moe.py)
     "MixtralForCausalLM": {"qk_norm": False, "moe": True},
     "Qwen3MoeForCausalLM": {"qk_norm": True, "moe": True},
+    # Qwen2's attention (Q/K/V biases) over a mixture with one shared expert beside it
+    "Qwen2MoeForCausalLM": {"qk_norm": False, "qkv_bias": True, "moe": True},
 }
 
 
@@ -56,12 +58,15 @@ class ModelSpec:
     # A mixture of experts (gpu/models/moe.py): each token's MLP is the weighted sum of the
     # top `experts_per_token` of `num_experts` gated MLPs of `moe_intermediate_size` (0: a dense
     # MLP of intermediate_size); their weights renormalized over the chosen ones when
-    # `norm_topk_prob`; `dense_layers`: the layers that keep the dense MLP all the same
+    # `norm_topk_prob`; `dense_layers`: the layers that keep the dense MLP all the same;
+    # `shared_expert_size`: Qwen2-MoE's expert every token runs besides, of that size, its
+    # output weighted by the sigmoid of its own gate (0: none)
     num_experts: int = 0
     experts_per_token: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
     dense_layers: tuple[int, ...] = ()
+    shared_expert_size: int = 0
 
     @classmethod
     def from_hf_config(cls, config: Any) -> ModelSpec:
@@ -119,8 +124,9 @@ class ModelSpec:
 
 def _moe(config: Any, arch: str) -> dict[str, Any]:
     """A mixture of experts' fields: Mixtral's (every layer sparse, its chosen experts' weights
-    always renormalized) or Qwen3-MoE's (norm_topk_prob; dense layers by mlp_only_layers and
-    decoder_sparse_step, as transformers builds them)."""
+    always renormalized) or Qwen3-MoE's and Qwen2-MoE's (norm_topk_prob; dense layers by
+    mlp_only_layers and decoder_sparse_step, as transformers builds them; Qwen2-MoE's shared
+    expert)."""
     experts = int(getattr(config, "num_local_experts", None) or getattr(config, "num_experts", 0))
     k = int(getattr(config, "num_experts_per_tok", 0) or 0)
     if not 0 < k <= experts:
@@ -140,6 +146,7 @@ def _moe(config: Any, arch: str) -> dict[str, Any]:
         moe_intermediate_size=size,
         norm_topk_prob=norm,
         dense_layers=dense,
+        shared_expert_size=int(getattr(config, "shared_expert_intermediate_size", 0) or 0),
     )
 
 

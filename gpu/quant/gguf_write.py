@@ -104,6 +104,8 @@ def write_gguf(
         gname = gguf_name(name, arch)
         fmt = formats(gname, t.shape)
         fmt = "f32" if t.ndim == 1 else _fitting(fmt, t.shape[-1])
+        if gname.endswith("ffn_gate_inp_shexp.weight"):
+            fmt = "f32"  # Qwen2-MoE's shared gate, one row: llama.cpp's converter keeps it so
         f = FORMATS[fmt]
         if fmt == "f32":
             w.add_tensor(gname, t)
@@ -183,6 +185,10 @@ def _writer(out: Path, config: dict, tokenizer_dir: Path) -> tuple[gguf.GGUFWrit
         w.add_expert_used_count(config["num_experts_per_tok"])
         if config.get("moe_intermediate_size"):
             w.add_expert_feed_forward_length(config["moe_intermediate_size"])
+        if arch == "qwen2moe":  # llama.cpp never renormalizes its chosen experts' weights
+            if config.get("norm_topk_prob"):
+                raise ValueError("gguf_write: a qwen2moe file cannot say norm_topk_prob")
+            w.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
     _write_tokenizer(w, tokenizer_dir, config)
     return w, arch
 
