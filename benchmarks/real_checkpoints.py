@@ -16,7 +16,8 @@ served by weir and llama-server: memory and one stream.
 
 `--shape qwen3-moe` runs a mixture of experts (Qwen3-30B-A3B's layer shape, 6 layers of 32
 experts, 8 per token): its one-stream floor counts the experts' bytes a token reads (8 of 32),
-not the file's.
+not the file's. `--shape qwen2-moe`: Qwen1.5-MoE-A2.7B's layer (6 layers of 16 experts, 4 per
+token, and a shared expert every token reads whole).
 
 `--shape qwen2.5-0.5b` runs Qwen2.5-0.5B's shape instead (hidden 896, 24 layers, MLP 4864, GQA
 14/2, tied 151,936-row embedding): its hidden size is no multiple of 256, so llama-quantize's
@@ -83,9 +84,29 @@ SHAPE_MOE = dict(
     dtype="bfloat16",
     extra_eos=("<|endoftext|>",),
 )
+# Qwen1.5-MoE-A2.7B's layer (hidden 2048, 16 heads of 128 without GQA, experts of 1408, 4 per
+# token, never renormalized, a shared expert of 5632) with 6 layers of 16 experts: 1.1B weights,
+# 0.52B of them read per token
+SHAPE_QWEN2_MOE = dict(
+    hidden_size=2048,
+    num_layers=6,
+    num_heads=16,
+    num_kv_heads=16,
+    intermediate_size=1408,
+    shared_expert_size=5632,
+    num_experts=16,
+    experts_per_token=4,
+    norm_topk_prob=False,
+    vocab_size=2048,
+    max_position_embeddings=4096,
+    initializer_range=0.02,
+    dtype="bfloat16",
+    extra_eos=("<|endoftext|>",),
+)
 SHAPES = {"llama-1b": ("llama", "bench-llama-1b-bf16", SHAPE_1B),
           "qwen2.5-0.5b": ("qwen2", "bench-qwen2.5-0.5b-bf16", SHAPE_QWEN05),
-          "qwen3-moe": ("qwen3_moe", "bench-qwen3-moe-bf16", SHAPE_MOE)}  # fmt: skip
+          "qwen3-moe": ("qwen3_moe", "bench-qwen3-moe-bf16", SHAPE_MOE),
+          "qwen2-moe": ("qwen2_moe", "bench-qwen2-moe-bf16", SHAPE_QWEN2_MOE)}  # fmt: skip
 CONFIG_8B = dict(
     hidden_size=4096,
     num_hidden_layers=32,

@@ -114,6 +114,7 @@ def build_tiny_model(
     num_experts: int = 4,
     experts_per_token: int = 2,
     norm_topk_prob: bool = True,
+    shared_expert_size: int | None = None,
 ) -> Path:
     """Write a random-weight model of the given shape with a trained tokenizer to `path`.
     `added_tokens`: whole-text tokens added to the vocabulary, not special (as Qwen3's
@@ -126,8 +127,8 @@ def build_tiny_model(
     text (train_tokenizer). Gemma 3: every `global_every`-th layer global, the others sliding;
     `query_pre_attn_scalar` (24 unless given). Mixtral, Qwen3-MoE and Qwen2-MoE ("mixtral",
     "qwen3_moe", "qwen2_moe"): `num_experts` of `intermediate_size` each, `experts_per_token` of
-    them per token (Qwen's renormalized when `norm_topk_prob`); Qwen2-MoE's shared expert twice
-    that size."""
+    them per token (Qwen's renormalized when `norm_topk_prob`); Qwen2-MoE's shared expert of
+    `shared_expert_size` (twice an expert's unless given)."""
     import torch
     from transformers import (
         AutoModelForCausalLM,
@@ -222,12 +223,12 @@ def build_tiny_model(
             num_experts_per_tok=experts_per_token,
             norm_topk_prob=norm_topk_prob,
         )
-    elif arch == "qwen2_moe":  # and a shared expert of twice an expert's size
+    elif arch == "qwen2_moe":  # and its shared expert
         config = Qwen2MoeConfig(
             **common,
             tie_word_embeddings=bool(tie_word_embeddings),
             moe_intermediate_size=intermediate_size,
-            shared_expert_intermediate_size=2 * intermediate_size,
+            shared_expert_intermediate_size=shared_expert_size or 2 * intermediate_size,
             num_experts=num_experts,
             num_experts_per_tok=experts_per_token,
             norm_topk_prob=norm_topk_prob,

@@ -215,15 +215,18 @@ def test_quantized_experts_against_their_dequantized_weights(tmp_path, monkeypat
     assert_as_transformers(path, ref, ids)
 
 
-@pytest.mark.parametrize("fmt", ["q8_0", "bf16"])
-def test_the_one_call_stack_runs_a_mixture_as_the_modules_do(tmp_path, fmt):
+@pytest.mark.parametrize(
+    "fmt,arch", [("q8_0", "qwen3_moe"), ("bf16", "qwen3_moe"), ("q8_0", "qwen2_moe")]
+)
+def test_the_one_call_stack_runs_a_mixture_as_the_modules_do(tmp_path, fmt, arch):
     """With its experts in block (or 16-bit) formats, a mixture runs inside the compiled layer
     stack (gpu/cpu/csrc/moe.cpp): the same experts chosen and the same kernels as the module
     path, the routing's float operations its own (a softmax's exp), so the logits agree to
     float32 rounding and the greedy tokens exactly; a batch of prompts too."""
     from gpu.quant.gguf_write import uniform, write_gguf
 
-    hf = moe(tmp_path / "hf", hidden_size=128, intermediate_size=64, num_layers=3)
+    shape = {"norm_topk_prob": False} if arch == "qwen2_moe" else {}  # and its shared expert
+    hf = moe(tmp_path / "hf", arch, hidden_size=128, intermediate_size=64, num_layers=3, **shape)
     path = write_gguf(hf, tmp_path / "moe.gguf", uniform(fmt))
     prompts = [prompt(n)[k:] for k, n in enumerate((9, 17, 40))]
     results = []

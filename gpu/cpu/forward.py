@@ -58,8 +58,7 @@ HANDLED: dict[str, tuple | None] = {
     "moe_intermediate_size": None,
     "norm_topk_prob": None,
     "dense_layers": None,
-    # Qwen2-MoE's shared expert: the module path (gpu/models/moe.py) computes it
-    "shared_expert_size": (lambda v: v == 0, "a shared expert (Qwen2-MoE)"),
+    "shared_expert_size": None,  # Qwen2-MoE's shared expert (set_shared; unfit checks it)
 }
 
 
@@ -94,6 +93,8 @@ def unfit(model, backend) -> str | None:
         if isinstance(mlp, SparseMoE):
             if _experts(mlp) is None:
                 return "experts not all in block formats on weir's kernels"
+            if mlp.has_shared and _shared(mlp) is None:
+                return "a shared expert not on weir's kernels, or of another activation"
         elif _gated(mlp.gate_up) is None or _parts(mlp.down) is None:
             return "MLP products not on weir's kernels"
     return None
@@ -115,6 +116,23 @@ def _experts(moe: SparseMoE) -> tuple[list[int], list[torch.Tensor], int] | None
     formats = [router[0], len(pairs), moe.top_k, int(moe.renormalize), first]
     formats += [w.fmt.ggml_type for w in pairs + downs]
     return formats, [router[1]] + [w.packed for w in pairs + downs], acts.pop()
+
+
+def _shared(moe: SparseMoE) -> tuple[list[torch.Tensor], list[int]] | None:
+    """Qwen2-MoE's shared expert as set_shared takes it ([gate_up0, gate_up1, down, gate],
+    [their formats, its intermediate size]), or None when a part is not on weir's kernels or
+    its activation is not the experts'."""
+    expert = moe.shared_expert
+    gated, down, gate = _gated(expert.gate_up), _parts(expert.down), _part(moe.shared_gate)
+    if gated is None or down is None or len(down) != 1 or gate is None:
+        return None
+    pairs, act = gated
+    if act != moe.experts[0].gate_up.act:
+        return None
+    (gu0, t0), (gu1, t1) = pairs[0], (pairs[1] if len(pairs) > 1 else (-1, torch.empty(0)))
+    ((d_fmt, d, _),) = down
+    formats = [gu0, gu1, d_fmt, gate[0], expert.widths[0] // 2]
+    return [t0, t1, d, gate[1]], formats
 
 
 def _part(w) -> tuple[int, torch.Tensor, int] | None:
@@ -264,6 +282,14 @@ class FusedStack:
         )
         if spec.sandwich_norms or spec.layer_windows or spec.embed_scale != 1.0:
             self._stack.set_gemma(*_gemma(model))
+        if spec.shared_expert_size:  # Qwen2-MoE's shared experts: bound once, like weights
+            shared = [
+                _shared(layer.mlp) if getattr(layer.mlp, "has_shared", False) else None
+                for layer in layers
+            ]
+            self._stack.set_shared(
+                [s[0] if s else [] for s in shared], [s[1] if s else [] for s in shared]
+            )
         if model.lora is not None:  # the adapters' slots (gpu/lora.py): bound once, like weights
             self._stack.set_lora(model.lora.stack_tensors())
         self._caches = kv_caches

@@ -12,12 +12,15 @@
 //   h = rms_norm(x); qkv = h Wqkv^T (+ b); q = rope(norm(q)); k = rope(norm(k)) -> cache;
 //   v -> cache; o = attention(q, cache); x += o Wo^T; h = rms_norm(x); g = act(h G^T) * (h U^T);
 //   x += g Wd^T
-// (a mixture of experts in place of the last three: moe.cpp), then out = rms_norm(x) with the
+// (a mixture of experts in place of the last three: moe.cpp, with Qwen2-MoE's shared expert
+// computed here: shared_expert), then out = rms_norm(x) with the
 // final norm, and, when asked, the LM head's logits of chosen
 // rows of out: here rather than as a call of its own after the return, when weir's pool threads
 // have gone back to sleep and the caller did most of that product alone, at one core's rate.
 
+#include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -125,6 +128,16 @@ void sandwich(const StackLinear& w, const float* in, int64_t m, int64_t k, int64
     for (int64_t i = 0; i < m * n; ++i) x[i] = x[i] + normed[i];
 }
 
+// Qwen2-MoE's shared expert for moe_block to add: y [T, H] = down(act(gate(h)) * up(h)) and
+// each token's gate logit [T] = h Wg^T (g, spare: [T, S] scratch).
+void shared_expert(const weir::DecoderLayer& L, const float* h, int64_t T, int64_t H, int act,
+                   float* g, float* spare, float* y, float* logit, int64_t nt) {
+    const int64_t S = L.shared_intermediate;
+    part_product(L.shared_gate, h, T, H, H, 0, nullptr, nullptr, 0, logit, 1, nt);
+    product(L.gate_up, h, T, H, act, nullptr, nullptr, 0, g, S, nt, spare);
+    product(L.down, g, T, S, 0, nullptr, nullptr, 0, y, H, nt, spare);
+}
+
 // Rows input_ids of the embeddings into x [tokens, hidden].
 void embed_rows(const StackWeight& e, const int64_t* ids, int64_t tokens, int64_t hidden,
                 float* x, int64_t nt) {
@@ -146,7 +159,7 @@ int decoder_forward(const DecoderModel& model, const DecoderStep& step) {
     const DecoderStep* s = &step;
     const int64_t T = s->tokens, H = m->hidden, D = m->head_dim, nt = s->num_threads;
     const int64_t qw = m->heads * D, kvw = m->kv_heads * D, qkvw = qw + 2 * kvw;
-    const int64_t I = m->intermediate;
+    const int64_t I = std::max(m->intermediate, m->shared_intermediate);  // g's and spare's
     if (T == 0) return 0;
     // h, qkv, q, k, o, g, the up part's spare [T, I] (gate and up of different formats), cos,
     // sin; with adapters in the step, gate/up's addend [T, 2I]
@@ -248,7 +261,12 @@ int decoder_forward(const DecoderModel& model, const DecoderStep& step) {
         rms_norm_rope(x, T, 1, H, H, L.post_norm, m->eps, nullptr, nullptr, h, nt);
         timer.lap(kNorm);
         if (L.experts) {  // a mixture of experts in place of the MLP
-            moe_block(L, h, T, H, x, moe, int(m->act), nt);
+            // Qwen2-MoE's shared expert, into the scratch Gemma's blocks would use
+            const bool shared = L.shared_gate.data != nullptr;
+            if (shared)
+                shared_expert(L, h, T, H, int(m->act), g, spare, block_out, block_normed, nt);
+            moe_block(L, h, T, H, x, moe, int(m->act), nt, shared ? block_out : nullptr,
+                      block_normed);
             timer.lap(kDown);
             continue;
         }

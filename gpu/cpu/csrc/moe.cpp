@@ -4,7 +4,8 @@
 //   logits = h Wr^T; p = softmax(logits) in float32; each token's top_k experts by p (best first,
 //   the lower expert on a tie), their p renormalized over the k when asked; the (token, choice)
 //   pairs ordered by expert (tokens in order within one); gate/up and down of every expert used
-//   in one wgemm_experts pass each; x[token] += sum over its choices, best first, of p * out.
+//   in one wgemm_experts pass each; x[token] += sum over its choices, best first, of p * out
+//   (plus, for Qwen2-MoE, sigmoid(its shared gate's logit) * the shared expert's out).
 //
 // The routing's float operations are not torch's (its softmax's exp is vectorized), so the stack
 // and the module path may differ in the last bits of a token's weights (tests/test_moe.py holds
@@ -20,7 +21,8 @@
 namespace weir {
 
 void moe_block(const DecoderLayer& L, const float* h, int64_t T, int64_t H, float* x,
-               const MoeScratch& s, int act, int64_t nt) {
+               const MoeScratch& s, int act, int64_t nt, const float* shared,
+               const float* shared_logit) {
     const int64_t E = L.experts, K = L.top_k, I = L.expert_intermediate;
     // the router's logits [T, E]
     if (L.router.format == kWF32)
@@ -90,6 +92,11 @@ void moe_block(const DecoderLayer& L, const float* h, int64_t T, int64_t H, floa
             const float* y = s.outs + at[t * K + j] * H;
             const float w = s.weights[t * K + j];
             for (int64_t d = 0; d < H; ++d) acc[d] = j ? acc[d] + y[d] * w : y[d] * w;
+        }
+        if (shared) {  // the module path's out + sigmoid(logit) * shared, then x + out
+            const float w = 1.f / (1.f + std::exp(-shared_logit[t]));
+            const float* y = shared + t * H;
+            for (int64_t d = 0; d < H; ++d) acc[d] = acc[d] + w * y[d];
         }
         for (int64_t d = 0; d < H; ++d) xt[d] += acc[d];
     });

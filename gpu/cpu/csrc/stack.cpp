@@ -202,6 +202,41 @@ struct DecoderStack : torch::CustomClassHolder {
         d.expert_down = parts.data() + E;
     }
 
+    // Qwen2-MoE's shared experts (gpu/models/moe.py), bound once: per layer [gate_up0,
+    // gate_up1, down, gate] (none: a layer without one, which must then be a mixture's) and its
+    // formats [gate_up0, gate_up1 (-1: gate_up0 is the packed pair), down, gate, intermediate];
+    // the expert's MLP takes the mixture layer's unused gate_up and down.
+    void set_shared(std::vector<std::vector<Tensor>> per_layer,
+                    std::vector<std::vector<int64_t>> formats) {
+        TORCH_CHECK_VALUE(per_layer.size() == layers.size() && formats.size() == layers.size(),
+                          "shared: one entry per layer");
+        const int64_t H = model.hidden;
+        for (size_t li = 0; li < layers.size(); ++li) {
+            const auto& L = per_layer[li];
+            const auto& F = formats[li];
+            if (L.empty()) continue;
+            auto& d = layers[li];
+            TORCH_CHECK_VALUE(L.size() == 4 && F.size() == 5, "shared: 4 tensors, 5 formats");
+            TORCH_CHECK_VALUE(d.experts > 0, "shared: an expert beside a mixture only");
+            const int64_t S = F[4];
+            TORCH_CHECK_VALUE(S > 0, "shared: intermediate ", S);
+            if (F[1] < 0) {
+                d.gate_up.part[0] = stack_weight(F[0], L[0], S, H, true, "shared gate_up");
+                d.gate_up.parts = 1;
+            } else {
+                d.gate_up.part[0] = stack_weight(F[0], L[0], S, H, false, "shared gate");
+                d.gate_up.part[1] = stack_weight(F[1], L[1], S, H, false, "shared up");
+                d.gate_up.parts = 2;
+            }
+            d.down.part[0] = stack_weight(F[2], L[2], H, S, false, "shared down");
+            d.down.parts = 1;
+            d.shared_gate = stack_weight(F[3], L[3], 1, H, false, "shared expert gate");
+            d.shared_intermediate = S;
+            for (const auto& t : L) keep.push_back(t);
+            model.shared_intermediate = std::max(model.shared_intermediate, S);
+        }
+    }
+
     // Gemma 3's layers (gpu/models/gemma.py), bound once: per layer [post_attention_norm,
     // pre_feedforward_norm, post_feedforward_norm] (all empty: a plain layer), its window (0:
     // none) and whether it turns with the second rotation; the embeddings' factor (float32).
@@ -348,5 +383,6 @@ TORCH_LIBRARY_FRAGMENT(weir, m) {
                          std::vector<int64_t>, double, double, Tensor, Tensor, Tensor>())
         .def("run", &DecoderStack::run)
         .def("set_lora", &DecoderStack::set_lora)
-        .def("set_gemma", &DecoderStack::set_gemma);
+        .def("set_gemma", &DecoderStack::set_gemma)
+        .def("set_shared", &DecoderStack::set_shared);
 }

@@ -268,6 +268,11 @@ struct DecoderLayer {
     StackWeight router;
     const WPart* expert_gate_up;  // [experts]
     const WPart* expert_down;     // [experts]
+    // Qwen2-MoE's shared expert beside the mixture (shared_gate.data null: none): gate_up and
+    // down above hold its MLP, of shared_intermediate; its output, weighted by the sigmoid of
+    // shared_gate's one logit [1, hidden], is added after the routed experts' sum
+    StackWeight shared_gate;
+    int64_t shared_intermediate;
     // This layer's attention window (0: the whole context), and whether it turns with the
     // model's second rotation (Gemma 3's sliding layers: DecoderStep's local tables)
     int64_t window;
@@ -293,9 +298,12 @@ struct MoeScratch {
 
 // x [tokens, hidden] += the mixture's output for h [tokens, hidden]: each token's top_k experts
 // by the router's softmax (float32), run as wgemm_experts, their outputs weighted and summed in
-// the order of the token's choices (best first), as gpu/models/moe.py computes it.
+// the order of the token's choices (best first), as gpu/models/moe.py computes it; with
+// `shared` [tokens, hidden] (Qwen2-MoE's shared expert's outputs) that sum plus each token's
+// row of it weighted by the sigmoid of its `shared_logit`, before the sum reaches x.
 void moe_block(const DecoderLayer& L, const float* h, int64_t tokens, int64_t hidden, float* x,
-               const MoeScratch& s, int act, int64_t num_threads);
+               const MoeScratch& s, int act, int64_t num_threads, const float* shared = nullptr,
+               const float* shared_logit = nullptr);
 
 struct DecoderModel {
     int64_t hidden, heads, kv_heads, head_dim, intermediate, num_layers;
@@ -305,6 +313,7 @@ struct DecoderModel {
     int64_t cache_dtype;  // the K/V cache's DType
     const DecoderLayer* layers;
     int64_t moe_experts, moe_top_k, moe_intermediate;  // the largest of its layers' (0: none)
+    int64_t shared_intermediate;                       // so of its shared experts (0: none)
     float embed_scale;  // the embeddings' factor (Gemma's sqrt(hidden), rounded to float32)
     const float* final_norm;
     StackWeight embed;    // [vocab, hidden]: float32 rows (kWF32, not panels) or a packed WFormat
