@@ -11,6 +11,7 @@ medians are compared with the first size (TP=1 by default), the baseline of the 
     python -m benchmarks.step_time --batch 64 --kv-cache-dtype auto,bfloat16 --breakdown
     python -m benchmarks.step_time --device cuda --model qwen3-0.6b --tp 1,2,4 \\
         --batch 1,16,64,256 --prompt-len 512                    # a multi-GPU machine, NCCL
+    python -m benchmarks.step_time --model FILE.gguf --cpu-forward auto,modules  # the stack
 
 On a CPU the ranks share the machine's cores (each gets cores / N torch threads) and add two
 all-reduces per layer and a logits all-gather: expect TP=N to be slower than TP=1 there. It is
@@ -112,6 +113,12 @@ def main() -> None:
         default="auto",
         help="KV cache dtypes (auto,bfloat16,...), each with every TP size; the first the baseline",
     )
+    ap.add_argument(
+        "--cpu-forward",
+        default="auto",
+        help="CPU: auto (the one-call stack where it runs the model), modules; the first the "
+        "baseline",
+    )
     ap.add_argument("--batch", default="1,16,64")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--steps", type=int, default=32, help="decode steps timed per batch")
@@ -127,7 +134,8 @@ def main() -> None:
 
     sizes = [int(x) for x in args.tp.split(",")]
     kv_dtypes = args.kv_cache_dtype.split(",")
-    variants = [(tp, kv) for kv in kv_dtypes for tp in sizes]
+    forwards = args.cpu_forward.split(",")
+    variants = [(tp, kv, fwd) for fwd in forwards for kv in kv_dtypes for tp in sizes]
     batches = [int(x) for x in args.batch.split(",")]
     model = bench_model(args.model)
     results: dict[tuple, dict[int, list[tuple[float, float]]]] = {
@@ -135,7 +143,7 @@ def main() -> None:
     }
     breakdowns: dict[tuple, dict] = {(v, b): {} for v in variants for b in batches}
     for r in range(args.rounds):
-        for tp, kv in variants if r % 2 == 0 else reversed(variants):
+        for tp, kv, fwd in variants if r % 2 == 0 else reversed(variants):
             config = EngineConfig(
                 model=model,
                 device=args.device,
@@ -145,13 +153,14 @@ def main() -> None:
                 cpu_threads=0,
                 max_num_seqs=max(batches),
                 enable_prefix_caching=False,
+                cpu_forward=fwd,
             )
             core = load(config).core
             try:
                 run_once(core, 2, 16, 2, seed=-1)  # warm-up
                 for b in batches:
-                    into = breakdowns[(tp, kv), b] if args.breakdown and tp == 1 else None
-                    results[tp, kv][b].append(
+                    into = breakdowns[(tp, kv, fwd), b] if args.breakdown and tp == 1 else None
+                    results[tp, kv, fwd][b].append(
                         run_once(core, b, args.prompt_len, args.steps, r, into)
                     )
             finally:
@@ -167,27 +176,35 @@ def main() -> None:
         for tp in sizes[1:]:
             collectives[tp] = {b: all_reduce_seconds(tp, b, hidden) for b in batches}
     print(f"\n{args.model} on {args.device}, prompt {args.prompt_len}, medians of {args.rounds}")
-    print("| TP | KV cache | batch | prefill ms | decode step ms | decode vs the first |")
-    print("|---|---|---|---|---|---|")
-    for tp, kv in variants:
+    print("| TP | KV cache | forward | batch | prefill ms | decode step ms | decode vs the first |")
+    print("|---|---|---|---|---|---|---|")
+    for tp, kv, fwd in variants:
         for b in batches:
-            prefill = statistics.median(x[0] for x in results[tp, kv][b]) * 1e3
-            decode = statistics.median(x[1] for x in results[tp, kv][b]) * 1e3
+            runs = results[tp, kv, fwd][b]
+            prefill = statistics.median(x[0] for x in runs) * 1e3
+            decode = statistics.median(x[1] for x in runs) * 1e3
             ref = statistics.median(x[1] for x in results[base][b]) * 1e3
-            rows.append(dict(tp=tp, kv_cache=kv, batch=b, prefill_ms=prefill, decode_ms=decode))
-            print(f"| {tp} | {kv} | {b} | {prefill:.1f} | {decode:.2f} | {decode / ref:.2f}x |")
+            rows.append(
+                dict(tp=tp, kv_cache=kv, forward=fwd, batch=b, prefill_ms=prefill,
+                     decode_ms=decode, decode_ms_rounds=[x[1] * 1e3 for x in runs])
+            )  # fmt: skip
+            print(
+                f"| {tp} | {kv} | {fwd} | {b} | {prefill:.1f} | {decode:.2f} | "
+                f"{decode / ref:.2f}x |"
+            )
     for tp, by_batch in collectives.items():
         for b, sec in by_batch.items():
             print(f"gloo all-reduce of [{b}, hidden] among {tp} processes: {sec * 1e6:.0f} us")
     per_step = {}
     if args.breakdown:
         print("\nDecode step breakdown (TP=1), ms a step: the compiled forward's ops, and the rest")
-        for ((tp, kv), b), d in breakdowns.items():
+        for ((tp, kv, fwd), b), d in breakdowns.items():
             n = d.pop("steps", 0)
             if not n:
                 continue
             step = d.pop("step")
-            key = f"{b}" if len(kv_dtypes) == 1 else f"{b} kv={kv}"
+            key = f"{b}" + (f" kv={kv}" if len(kv_dtypes) > 1 else "")
+            key += f" {fwd}" if len(forwards) > 1 else ""
             per_step[key] = {op: sec / n * 1e3 for op, sec in d.items()}
             per_step[key]["rest of the step"] = (step - sum(d.values())) / n * 1e3
             parts = ", ".join(f"{op} {ms:.2f}" for op, ms in per_step[key].items())
