@@ -169,7 +169,7 @@ def main() -> None:
     base = variants[0]
     rows = []
     collectives = {}
-    if args.device == "cpu":
+    if args.device == "cpu" and len(sizes) > 1:  # (a GGUF file as --model: TP=1 alone)
         import json
 
         hidden = json.loads((Path(model) / "config.json").read_text())["hidden_size"]
