@@ -103,14 +103,9 @@ struct DecoderStack : torch::CustomClassHolder {
             d.o.parts = 1;
             if (E) {
                 bind_experts(d, L, F, H, li);
-            } else if (F[8] < 0) {
-                d.gate_up.part[0] = stack_weight(F[7], L[9], I, H, true, "gate_up");
-                d.gate_up.parts = 1;
             } else {
-                d.gate_up.part[0] = stack_weight(F[7], L[9], I, H, false, "gate");
-                d.gate_up.part[1] = stack_weight(F[8], L[10], I, H, false, "up");
-                d.gate_up.parts = 2;
-                keep.push_back(L[10]);
+                d.gate_up = gated_pair(F[7], L[9], F[8], L[10], I, H, "gate_up");
+                if (F[8] >= 0) keep.push_back(L[10]);
             }
             if (!E) {
                 d.down.part[0] = stack_weight(F[9], L[11], H, I, false, "down");
@@ -172,6 +167,15 @@ struct DecoderStack : torch::CustomClassHolder {
         }
     }
 
+    // A gated MLP's gate and up [n, k] each: one packed pair (format1 < 0), or gate then up.
+    static weir::StackLinear gated_pair(int64_t format0, const Tensor& t0, int64_t format1,
+                                        const Tensor& t1, int64_t n, int64_t k, const char* name) {
+        weir::StackLinear w{};
+        w.part[w.parts++] = stack_weight(format0, t0, n, k, format1 < 0, name);
+        if (format1 >= 0) w.part[w.parts++] = stack_weight(format1, t1, n, k, false, name);
+        return w;
+    }
+
     // Each mixture layer's experts, as wgemm_experts takes them (DecoderLayer points into it).
     std::vector<std::vector<weir::WPart>> expert_parts;
 
@@ -220,14 +224,7 @@ struct DecoderStack : torch::CustomClassHolder {
             TORCH_CHECK_VALUE(d.experts > 0, "shared: an expert beside a mixture only");
             const int64_t S = F[4];
             TORCH_CHECK_VALUE(S > 0, "shared: intermediate ", S);
-            if (F[1] < 0) {
-                d.gate_up.part[0] = stack_weight(F[0], L[0], S, H, true, "shared gate_up");
-                d.gate_up.parts = 1;
-            } else {
-                d.gate_up.part[0] = stack_weight(F[0], L[0], S, H, false, "shared gate");
-                d.gate_up.part[1] = stack_weight(F[1], L[1], S, H, false, "shared up");
-                d.gate_up.parts = 2;
-            }
+            d.gate_up = gated_pair(F[0], L[0], F[1], L[1], S, H, "shared gate_up");
             d.down.part[0] = stack_weight(F[2], L[2], H, S, false, "shared down");
             d.down.parts = 1;
             d.shared_gate = stack_weight(F[3], L[3], 1, H, false, "shared expert gate");
