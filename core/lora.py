@@ -63,14 +63,23 @@ class LoraRef(msgspec.Struct, frozen=True, array_like=True, gc=False):
 
 
 class LoraBase(msgspec.Struct, frozen=True, gc=False):
-    """The base model's shapes an adapter must fit: per target module (in, out)."""
+    """The base model's shapes an adapter must fit: per target module (in, out); `sparse_layers`:
+    the layers whose MLP is a mixture of experts (an adapter modifies their attention only)."""
 
     num_layers: int
     shapes: dict[str, tuple[int, int]]
+    sparse_layers: tuple[int, ...] = ()
 
     @classmethod
     def from_dims(
-        cls, num_layers: int, hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int
+        cls,
+        num_layers: int,
+        hidden: int,
+        heads: int,
+        kv_heads: int,
+        head_dim: int,
+        inter: int,
+        sparse_layers: tuple[int, ...] = (),
     ) -> LoraBase:
         q, kv = heads * head_dim, kv_heads * head_dim
         return cls(
@@ -84,6 +93,7 @@ class LoraBase(msgspec.Struct, frozen=True, gc=False):
                 "up_proj": (hidden, inter),
                 "down_proj": (inter, hidden),
             },
+            tuple(sparse_layers),
         )
 
 
@@ -239,6 +249,12 @@ def _check_tensors(
     pairs: dict[tuple[int, str], set[str]] = {}
     for key, meta in header.items():
         parsed = parse_key(key)
+        mixture = (".experts.", ".shared_expert", ".mlp.gate.")
+        if parsed is None and any(part in key for part in mixture):
+            raise LoraError(
+                f"LoRA adapter {name!r} modifies a mixture of experts ({key}): weir serves "
+                "adapters on such a model's attention and dense MLPs, not on its experts or router"
+            )
         if parsed is None:
             what = "embeddings" if "embed_tokens" in key or "lm_head" in key else "a tensor"
             raise LoraError(
@@ -252,6 +268,11 @@ def _check_tensors(
             raise LoraError(
                 f"LoRA adapter {name!r}: {key} is for layer {layer}, the base model has "
                 f"{base.num_layers}"
+            )
+        if PARENT[module] == "mlp" and layer in base.sparse_layers:
+            raise LoraError(
+                f"LoRA adapter {name!r}: {key} modifies layer {layer}'s MLP, a mixture of "
+                "experts there: weir serves adapters on its attention only"
             )
         if meta.get("dtype") not in ("F32", "F16", "BF16"):
             raise LoraError(f"LoRA adapter {name!r}: {key} is {meta.get('dtype')}")

@@ -94,7 +94,8 @@ class LoraLayer(NamedTuple):
 
 
 def base_of(spec) -> LoraBase:
-    """The shapes an adapter must fit, from a gpu/models/spec.py ModelSpec (the whole model's)."""
+    """The shapes an adapter must fit, from a gpu/models/spec.py ModelSpec (the whole model's):
+    a mixture of experts' layers take adapters on their attention only."""
     return LoraBase.from_dims(
         spec.num_layers,
         spec.hidden_size,
@@ -102,6 +103,7 @@ def base_of(spec) -> LoraBase:
         spec.num_kv_heads,
         spec.head_dim,
         spec.intermediate_size,
+        tuple(i for i in range(spec.num_layers) if spec.is_moe_layer(i)),
     )
 
 
@@ -136,9 +138,11 @@ class LoraSlots:
         }
         s, r = max_loras, max_rank
         self.layers: list[dict[str, LoraGroup]] = []
-        for _ in range(spec.num_layers):
+        for index in range(spec.num_layers):
             groups = {}
             for name, (k, widths) in shapes.items():
+                if name in ("gate_up", "down") and index in self.base.sparse_layers:
+                    continue  # a mixture of experts' MLP takes no adapter (core/lora.py)
                 cols = [0]
                 for w in widths:
                     cols.append(cols[-1] + w)
@@ -271,7 +275,11 @@ class LoraSlots:
     def stack_tensors(self) -> list[list[torch.Tensor]]:
         """Per layer, [a, b, ranks, cols] of each group in the compiled stack's order."""
         order = ("qkv", "o", "gate_up", "down")
-        return [[t for g in order for t in layer[g][:4]] for layer in self.layers]
+        none = [torch.empty(0, device=self.device)] * 4  # a group no adapter can modify
+        return [
+            [t for g in order for t in (layer[g][:4] if g in layer else none)]
+            for layer in self.layers
+        ]
 
 
 def lora_add_reference(

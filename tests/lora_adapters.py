@@ -22,14 +22,15 @@ ADAPTERS = {
 }
 
 
-def make_adapter(base: Path, out: Path, name: str, seed: int = 0) -> Path:
-    """A PEFT LoRA adapter of ADAPTERS[name] over the model in `base`, with random A and B (a
-    fresh adapter's B is zero: it would change nothing), saved as PEFT saves it."""
+def make_adapter(base: Path, out: Path, name: str, seed: int = 0, spec=None) -> Path:
+    """A PEFT LoRA adapter of ADAPTERS[name] (or `spec`, in its form) over the model in `base`,
+    with random A and B (a fresh adapter's B is zero: it would change nothing), saved as PEFT
+    saves it."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    r, alpha, targets, rslora = ADAPTERS[name]
+    r, alpha, targets, rslora = spec or ADAPTERS[name]
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     config = LoraConfig(
         r=r,

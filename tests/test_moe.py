@@ -125,11 +125,59 @@ def test_moe_spec_and_names():
     assert checkpoint_name("model.layers.3.mlp.w1.weight") == "model.layers.3.mlp.w1.weight"
 
 
-def test_adapters_on_a_mixture_of_experts_are_refused(tmp_path):
-    path = build_tiny_model(tmp_path / "moe", "qwen3_moe", num_layers=1)
-    config = EngineConfig(model=str(path), device="cpu", num_kv_blocks=16, enable_lora=True)
-    with pytest.raises(CheckpointError, match="mixture of experts"):
-        load(config)
+def test_adapters_on_a_mixture_of_experts_modify_its_attention(tmp_path):
+    """PEFT adapters on a Qwen3-MoE's attention, in one batch with the base model: PEFT's greedy
+    tokens; in bfloat16 the one-call stack gives the module path's tokens with them. An adapter
+    on the experts, the router or a mixture's MLP is refused by name."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from core.lora import LoraError, read_adapter
+    from tests.lora_adapters import engine, make_adapter, peft_greedy, refs_of, run
+
+    path = moe(tmp_path / "moe", num_layers=2)
+    attention = (8, 16, ["q_proj", "k_proj", "v_proj", "o_proj"], False)
+    adapters = {
+        "qv": make_adapter(path, tmp_path / "qv", "qv8", seed=1),
+        "attn": make_adapter(path, tmp_path / "attn", "", seed=2, spec=attention),
+    }
+    prompts = [prompt(n)[k:] for k, n in enumerate((9, 23))]
+    jobs = lambda refs: [  # noqa: E731
+        (f"{name}-{i}", ids, refs.get(name)) for name in ("base", *adapters)
+        for i, ids in enumerate(prompts)
+    ]  # fmt: skip
+    loaded = engine(path, num_kv_blocks=64)
+    got = run(loaded.core, jobs(refs_of(loaded, adapters)), max_tokens=6)
+    for name in ("base", *adapters):
+        want = peft_greedy(path, adapters.get(name), prompts, 6)
+        assert [got[f"{name}-{i}"] for i in range(len(prompts))] == want, name
+    assert got["qv-0"] != got["base-0"] or got["attn-1"] != got["base-1"]
+    tokens = []
+    for forward in ("auto", "modules"):
+        loaded = engine(path, num_kv_blocks=64, dtype="bfloat16", cpu_forward=forward)
+        assert (loaded.core.runner.model.stack is not None) == (forward == "auto")
+        tokens.append(run(loaded.core, jobs(refs_of(loaded, adapters)), max_tokens=6))
+    assert tokens[0] == tokens[1]
+    # refused: an expert's product, and the MLP of a layer that is a mixture
+    base = loaded.lora_base
+    assert base.sparse_layers == (0, 1)
+    weights = load_file(str(adapters["qv"] / "adapter_model.safetensors"))
+    a = next(t for k, t in weights.items() if "lora_A" in k)
+    for key, says in (
+        ("base_model.model.model.layers.0.mlp.experts.3.gate_proj.lora_A.weight", "experts"),
+        ("base_model.model.model.layers.1.mlp.gate_proj.lora_A.weight", "layer 1's MLP"),
+    ):
+        bad = tmp_path / f"bad-{len(says)}"
+        bad.mkdir()
+        config = json.loads((adapters["qv"] / "adapter_config.json").read_text())
+        config["target_modules"] = ["q_proj", "v_proj", "gate_proj"]
+        (bad / "adapter_config.json").write_text(json.dumps(config))
+        b = key.replace("lora_A", "lora_B")
+        pair = {key: a.clone(), b: torch.zeros(base.shapes["gate_proj"][1], a.shape[0])}
+        save_file({**weights, **pair}, str(bad / "adapter_model.safetensors"))
+        with pytest.raises(LoraError, match=says):
+            read_adapter("bad", bad, base, 16)
 
 
 def dequantized(path, hf_dir, out):
