@@ -115,6 +115,7 @@ def build_tiny_model(
     experts_per_token: int = 2,
     norm_topk_prob: bool = True,
     shared_expert_size: int | None = None,
+    softcaps: tuple[float, float] = (50.0, 30.0),
 ) -> Path:
     """Write a random-weight model of the given shape with a trained tokenizer to `path`.
     `added_tokens`: whole-text tokens added to the vocabulary, not special (as Qwen3's
@@ -125,13 +126,15 @@ def build_tiny_model(
     as a real model never does; the matrix products keep their full size. `mlp_bias`: biases
     on the MLP's products (Llama's config option). `pretokenizer`: how the tokenizer splits
     text (train_tokenizer). Gemma 3: every `global_every`-th layer global, the others sliding;
-    `query_pre_attn_scalar` (24 unless given). Mixtral, Qwen3-MoE and Qwen2-MoE ("mixtral",
+    `query_pre_attn_scalar` (24 unless given); Gemma 2 ("gemma2"): every other layer global, its
+    attention scores' and logits' `softcaps`. Mixtral, Qwen3-MoE and Qwen2-MoE ("mixtral",
     "qwen3_moe", "qwen2_moe"): `num_experts` of `intermediate_size` each, `experts_per_token` of
     them per token (Qwen's renormalized when `norm_topk_prob`); Qwen2-MoE's shared expert of
     `shared_expert_size` (twice an expert's unless given)."""
     import torch
     from transformers import (
         AutoModelForCausalLM,
+        Gemma2Config,
         Gemma3TextConfig,
         GenerationConfig,
         LlamaConfig,
@@ -197,6 +200,20 @@ def build_tiny_model(
             query_pre_attn_scalar=query_pre_attn_scalar or 24,
         )
         config.architectures = ["Gemma3ForCausalLM"]
+    elif arch == "gemma2":  # every other layer global; scores and logits soft-capped
+        config = Gemma2Config(
+            **common,
+            head_dim=head_dim or hidden_size // num_heads,
+            tie_word_embeddings=tie_word_embeddings is not False,
+            sliding_window=sliding_window or 8,
+            layer_types=[
+                "full_attention" if (i + 1) % 2 == 0 else "sliding_attention"
+                for i in range(num_layers)
+            ],
+            query_pre_attn_scalar=query_pre_attn_scalar or 24,
+            attn_logit_softcapping=softcaps[0],
+            final_logit_softcapping=softcaps[1],
+        )
     elif arch == "qwen2":
         config = Qwen2Config(**common, tie_word_embeddings=tie_word_embeddings is not False)
     elif arch == "qwen3":

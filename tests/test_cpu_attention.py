@@ -96,6 +96,23 @@ def test_long_decodes_split_into_parts_match_the_reference(window, dtype):
     torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("window", [0, 700])
+def test_soft_capped_scores_match_the_reference(window):
+    # Gemma 2's cap (c * tanh(score / c) before the softmax): prefill tiles, plain decodes and
+    # decodes split into parts, against the reference's own capped path; scores large enough
+    # that the cap bends them.
+    specs = [(1, 40), (37, 300), (1, 1023), (1, 2000)]
+    query, k_cache, v_cache, meta = make_batch(
+        specs, 16, 8, 2, 64, torch.float32, seed=7, device="cpu"
+    )
+    query = query * 8
+    got = CpuAttention().forward(query, k_cache, v_cache, meta, 0.125, window, softcap=2.0)
+    want = TorchAttention().forward(query, k_cache, v_cache, meta, 0.125, window, softcap=2.0)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    uncapped = reference(query, k_cache, v_cache, meta, 0.125, window)
+    assert (got - uncapped).abs().max() > 1e-2  # the cap changed the result
+
+
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("head_dim", [64, 80, 128])
 def test_a_16_bit_cache_under_a_float32_query(cache_dtype, head_dim):

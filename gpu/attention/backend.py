@@ -103,4 +103,5 @@ class AttentionBackend(Protocol):
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int = 0,  # 0: none; else a query sees only its last `sliding_window` keys
+        softcap: float = 0.0,  # Gemma 2's: each score becomes softcap * tanh(score / softcap)
     ) -> torch.Tensor: ...  # [num_tokens, num_heads, head_dim]

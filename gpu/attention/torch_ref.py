@@ -16,6 +16,30 @@ def _gather(cache: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tens
     return ctx.transpose(0, 1)
 
 
+def _capped(query, k_cache, v_cache, meta, scale, sliding_window, softcap) -> torch.Tensor:
+    """Attention with Gemma 2's soft cap on the scores (softcap * tanh(score / softcap), before
+    the mask and the softmax, as transformers computes it), one sequence at a time: scaled dot
+    product attention has no place for the cap."""
+    out = torch.empty_like(query)
+    start = 0
+    for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
+        q = query[start : start + q_len].float().transpose(0, 1)  # [H, q_len, D]
+        k = _gather(k_cache, meta.block_tables[i], seq_len).float()  # [Hkv, seq_len, D]
+        v = _gather(v_cache, meta.block_tables[i], seq_len).float()
+        group = q.shape[0] // k.shape[0]
+        k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
+        scores = torch.tanh(q @ k.transpose(1, 2) * scale / softcap) * softcap
+        qpos = torch.arange(seq_len - q_len, seq_len, device=query.device)[:, None]
+        pos = torch.arange(seq_len, device=query.device)[None, :]
+        mask = pos <= qpos
+        if sliding_window > 0:
+            mask &= pos > qpos - sliding_window
+        probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+        out[start : start + q_len] = (probs @ v).transpose(0, 1).to(out.dtype)
+        start += q_len
+    return out
+
+
 class TorchAttention:
     name = "torch"
     # Host syncs (masks of valid slots, per-sequence lengths) that a CUDA graph cannot capture:
@@ -65,7 +89,10 @@ class TorchAttention:
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int = 0,
+        softcap: float = 0.0,
     ):
+        if softcap:
+            return _capped(query, k_cache, v_cache, meta, scale, sliding_window, softcap)
         out = torch.empty_like(query)
         gqa = query.shape[1] != k_cache.shape[2]
         starts = [0]

@@ -33,6 +33,7 @@ class CpuAttention(TorchAttention):
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         # The cache is the query's dtype, or 16-bit under a float32 query (--kv-cache-dtype).
         if (
@@ -54,4 +55,5 @@ class CpuAttention(TorchAttention):
             meta.seq_lens,
             scale,
             sliding_window,
+            softcap,
         )

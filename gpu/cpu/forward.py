@@ -53,6 +53,8 @@ HANDLED: dict[str, tuple | None] = {
     "attn_scale": None,
     "sandwich_norms": None,
     "norm_plus_one": None,  # the 1 is added to the weights at load
+    "attn_softcap": None,  # Gemma 2's (set_gemma)
+    "final_softcap": None,  # applied to the call's logits after it (decoder.soft_capped)
     "num_experts": None,  # each layer's experts on the block kernels (unfit checks them)
     "experts_per_token": None,
     "moe_intermediate_size": None,
@@ -185,9 +187,10 @@ def _embed(model) -> tuple[int, torch.Tensor] | None:
 SANDWICH = ("post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
 
 
-def _gemma(model) -> tuple[list[list[torch.Tensor]], list[int], list[int], float]:
+def _gemma(model) -> tuple[list[list[torch.Tensor]], list[int], list[int], float, float]:
     """set_gemma's arguments: each layer's norms after its blocks (none: empty), window and
-    rotation, and the embeddings' factor as the module path rounds it (float32 activations)."""
+    rotation, the embeddings' factor as the module path rounds it (float32 activations), and
+    Gemma 2's cap on the attention scores (0: none)."""
     none = torch.empty(0)
     norms, windows, local = [], [], []
     for layer in model.model.layers:
@@ -196,7 +199,7 @@ def _gemma(model) -> tuple[list[list[torch.Tensor]], list[int], list[int], float
         windows.append(layer.self_attn.sliding_window or 0)
         local.append(int(layer.local_rope))
     factor = torch.tensor(model.spec.embed_scale, dtype=torch.float32).item()
-    return norms, windows, local, factor
+    return norms, windows, local, factor, model.spec.attn_softcap
 
 
 class FusedStack:

@@ -25,7 +25,10 @@ class TritonAttention:
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
+        if softcap:  # refused at load (gpu/assemble.py); a direct call is refused here
+            raise ValueError("soft-capped attention scores are not in weir's Triton kernels")
         query = query.contiguous()
         out = torch.empty_like(query)
         if meta.decode_seq_ids_cpu:

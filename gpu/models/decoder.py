@@ -115,6 +115,7 @@ class Attention(nn.Module):
         self.qk_norm = spec.qk_norm
         self.scale = spec.attn_scale or d**-0.5
         self.sliding_window = window
+        self.softcap = spec.attn_softcap  # Gemma 2's cap on the scores (0: none)
         self.qkv_sizes = [spec.num_heads * d, spec.num_kv_heads * d, spec.num_kv_heads * d]
         self.o_width = h
         self.qkv = None  # Q/K/V as one product, when the backend fuses them
@@ -151,7 +152,9 @@ class Attention(nn.Module):
         else:
             qw, kw, eps = None, None, 0.0
         q = b.rope_store_kv(q, k, v, qw, kw, eps, cos, sin, kv, meta.slot_mapping)
-        o = b.attention.forward(q, kv[0], kv[1], meta, self.scale, self.sliding_window)
+        o = b.attention.forward(
+            q, kv[0], kv[1], meta, self.scale, self.sliding_window, softcap=self.softcap
+        )
         o = o.reshape(t, -1)
         residual = _plus_lora(b, o, lora, "o", residual, self.o_width)
         return _output(b, o, self.o, residual, norm)
@@ -320,8 +323,8 @@ class DecoderForCausalLM(nn.Module):
                 input_ids, positions, cos, sin, kv_caches, meta, logits_rows, lora
             )
             if logits is None:
-                logits = self.logits(hidden, logits_rows)
-            return hidden, logits
+                return hidden, self.logits(hidden, logits_rows)
+            return hidden, self.soft_capped(logits)
         hidden = self.hidden_states(input_ids, positions, kv_caches, meta, lora)
         return hidden, self.logits(hidden, logits_rows)
 
@@ -373,4 +376,11 @@ class DecoderForCausalLM(nn.Module):
             logits = self.lm_head(hidden)
         if self.tp is not None:  # each rank's vocabulary rows, side by side, less the padding
             logits = self.tp.all_gather_last(logits)[..., : self.spec.vocab_size]
-        return logits.float()
+        return self.soft_capped(logits.float())
+
+    def soft_capped(self, logits: torch.Tensor) -> torch.Tensor:
+        """Gemma 2's final soft cap, as transformers applies it (the logits as they are else)."""
+        cap = self.spec.final_softcap
+        if not cap:
+            return logits
+        return torch.tanh(logits / cap) * cap

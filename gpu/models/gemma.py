@@ -1,5 +1,6 @@
-"""Gemma 3's layer: a norm before and after each block (attention, then the MLP), each block's
-output normalized before its residual add, as transformers' Gemma3DecoderLayer computes it:
+"""Gemma 3's (and Gemma 2's) layer: a norm before and after each block (attention, then the
+MLP), each block's output normalized before its residual add, as transformers'
+Gemma3DecoderLayer computes it:
 
     x = x + post_attention_layernorm(attention(input_layernorm(x)))
     x = x + post_feedforward_layernorm(mlp(pre_feedforward_layernorm(x)))

@@ -18,6 +18,8 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     # Gemma 3 (text): norms before and after each block, weights as 1 + w, scaled embeddings,
     # its own attention scale, sliding layers with their own rotation (gpu/models/gemma.py)
     "Gemma3ForCausalLM": {"qk_norm": True, "gemma": True},
+    # Gemma 2: Gemma 3's layer without Q/K norms, its attention scores and logits soft-capped
+    "Gemma2ForCausalLM": {"qk_norm": False, "gemma": True},
     "Qwen2ForCausalLM": {"qk_norm": False, "qkv_bias": True},
     "Qwen3ForCausalLM": {"qk_norm": True},
     # mixtures of experts in place of the MLP (gpu/models/moe.py)
@@ -55,6 +57,10 @@ class ModelSpec:
     attn_scale: float = 0.0
     sandwich_norms: bool = False
     norm_plus_one: bool = False
+    # Gemma 2's soft caps: each attention score becomes c * tanh(score / c), and each logit
+    # likewise with its own c (0: none)
+    attn_softcap: float = 0.0
+    final_softcap: float = 0.0
     # A mixture of experts (gpu/models/moe.py): each token's MLP is the weighted sum of the
     # top `experts_per_token` of `num_experts` gated MLPs of `moe_intermediate_size` (0: a dense
     # MLP of intermediate_size); their weights renormalized over the chosen ones when
@@ -151,11 +157,8 @@ def _moe(config: Any, arch: str) -> dict[str, Any]:
 
 
 def _gemma(config: Any, arch: str) -> dict[str, Any]:
-    """Gemma 3's fields (refusing what weir does not compute: logit soft-capping, which is
-    Gemma 2's, and bidirectional attention)."""
-    for name in ("final_logit_softcapping", "attn_logit_softcapping"):
-        if getattr(config, name, None):
-            raise CheckpointError(f"{arch} with {name} {getattr(config, name)} is not served")
+    """Gemma 3's and Gemma 2's fields (refusing what weir does not compute: bidirectional
+    attention)."""
     if getattr(config, "use_bidirectional_attention", False):
         raise CheckpointError(f"{arch} with bidirectional attention is not served")
     n = config.num_hidden_layers
@@ -174,6 +177,8 @@ def _gemma(config: Any, arch: str) -> dict[str, Any]:
         attn_scale=float(scalar) ** -0.5 if scalar else 0.0,
         sandwich_norms=True,
         norm_plus_one=True,
+        attn_softcap=float(getattr(config, "attn_logit_softcapping", None) or 0.0),
+        final_softcap=float(getattr(config, "final_logit_softcapping", None) or 0.0),
         hidden_act=getattr(config, "hidden_activation", None) or "gelu_pytorch_tanh",
         # its positions are the model's own (a linear scaling's factor is inside them)
         max_position_embeddings=int(config.max_position_embeddings),

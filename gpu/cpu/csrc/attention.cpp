@@ -47,6 +47,7 @@ struct Args {
     float scale;
     int64_t sliding_window;  // 0: none
     int64_t num_threads;
+    float softcap;  // Gemma 2's: each score becomes softcap * tanh(score / softcap) (0: none)
 };
 
 // exp's argument is kept above -80 (e^-80 = 1.8e-35: next to a softmax sum of at least 1 it
@@ -187,6 +188,11 @@ void run_item(const Args& a, int64_t seq, int64_t row0, int64_t row1, std::vecto
         const int64_t lo = std::max(
             k0, a.sliding_window > 0 ? std::max<int64_t>(0, end - a.sliding_window) : 0);
         float* s = scores.data() + i * span - lo_min;
+        if (a.softcap > 0.f) {  // as transformers caps them: divided, tanh, multiplied
+            const float c = a.softcap;
+#pragma omp simd
+            for (int64_t t = lo; t < hi; ++t) s[t] = std::tanh(s[t] / c) * c;
+        }
         // A vector max: written as a plain loop g++ kept the running max in memory (a store
         // and reload per key, a large share of the kernel's time in decode).
         float m = s[lo];
@@ -350,11 +356,11 @@ int paged_attention(const void* query, const void* k_cache, const void* v_cache,
                     const int32_t* seq_lens, int64_t num_seqs, int64_t max_blocks,
                     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                     int64_t block_size, float scale, int64_t sliding_window, int64_t num_threads,
-                    int dtype, int cache_dtype) {
+                    int dtype, int cache_dtype, float softcap) {
     const Args a{query,       k_cache,      v_cache,  out,        block_tables,
                  query_start, seq_lens,     num_seqs, max_blocks,
                  num_heads,   num_kv_heads, head_dim, block_size, scale,
-                 sliding_window, num_threads};
+                 sliding_window, num_threads, softcap};
     switch (dtype * 3 + cache_dtype) {
         case 0: run_dim<float, float>(a); return 0;
         case 1: run_dim<float, uint16_t>(a); return 0;

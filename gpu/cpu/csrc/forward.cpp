@@ -240,7 +240,7 @@ int decoder_forward(const DecoderModel& model, const DecoderStep& step) {
                                             s->query_start, s->seq_lens, s->num_seqs,
                                             s->max_blocks, m->heads, m->kv_heads, D,
                                             m->block_size, m->scale, L.window, nt, 0,
-                                            int(m->cache_dtype));
+                                            int(m->cache_dtype), m->attn_softcap);
         if (rc != 0) return rc;
         timer.lap(kAttention);
         if (L.post_attn_norm) {  // Gemma 3: the block's output normalized, then added

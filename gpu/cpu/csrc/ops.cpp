@@ -94,7 +94,8 @@ Tensor gemm(const Tensor& x, const Tensor& packed, int64_t n, int64_t gated,
 // ---- attention ----
 Tensor paged_attention(const Tensor& query, const Tensor& k_cache, const Tensor& v_cache,
                        const Tensor& block_tables, const Tensor& query_start,
-                       const Tensor& seq_lens, double scale, int64_t sliding_window) {
+                       const Tensor& seq_lens, double scale, int64_t sliding_window,
+                       double softcap) {
     check_cpu(query, "query");
     TORCH_CHECK_VALUE(query.dim() == 3 && query.is_contiguous(),
                       "query: needs a contiguous [tokens, heads, dim] tensor");
@@ -111,12 +112,13 @@ Tensor paged_attention(const Tensor& query, const Tensor& k_cache, const Tensor&
     TORCH_CHECK_VALUE(kv_heads > 0 && heads % kv_heads == 0, heads, " query heads over ",
                       kv_heads, " KV heads");
     TORCH_CHECK_VALUE(sliding_window >= 0, "sliding_window must be >= 0");
+    TORCH_CHECK_VALUE(softcap >= 0, "softcap must be >= 0");
     Tensor out = at::empty_like(query);
     const int rc = weir::paged_attention(
         query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
         block_tables.data_ptr<int32_t>(), query_start.data_ptr<int32_t>(),
         seq_lens.data_ptr<int32_t>(), p.num_seqs, p.max_blocks, heads, kv_heads, dim,
-        p.block_size, float(scale), sliding_window, threads(), qt, ct);
+        p.block_size, float(scale), sliding_window, threads(), qt, ct, float(softcap));
     TORCH_CHECK(rc == 0, "cpu attention kernel failed (", rc, ")");
     return out;
 }
@@ -200,7 +202,8 @@ TORCH_LIBRARY(weir, m) {
           "Tensor",
           &gemm);
     m.def("paged_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-          "Tensor query_start, Tensor seq_lens, float scale, int sliding_window) -> Tensor",
+          "Tensor query_start, Tensor seq_lens, float scale, int sliding_window, "
+          "float softcap=0.0) -> Tensor",
           &paged_attention);
     m.def("argmax(Tensor logits) -> Tensor", &argmax);
     m.def("apply_token_bitmask_(Tensor(a!) logits, Tensor rows, Tensor mask) -> ()",

@@ -234,11 +234,13 @@ struct DecoderStack : torch::CustomClassHolder {
         }
     }
 
-    // Gemma 3's layers (gpu/models/gemma.py), bound once: per layer [post_attention_norm,
-    // pre_feedforward_norm, post_feedforward_norm] (all empty: a plain layer), its window (0:
-    // none) and whether it turns with the second rotation; the embeddings' factor (float32).
+    // Gemma 2's and 3's layers (gpu/models/gemma.py), bound once: per layer
+    // [post_attention_norm, pre_feedforward_norm, post_feedforward_norm] (all empty: a plain
+    // layer), its window (0: none) and whether it turns with the second rotation; the
+    // embeddings' factor (float32); Gemma 2's cap on the attention scores (0: none).
     void set_gemma(std::vector<std::vector<Tensor>> norms, std::vector<int64_t> windows,
-                   std::vector<int64_t> local, double embed_scale) {
+                   std::vector<int64_t> local, double embed_scale, double attn_softcap) {
+        TORCH_CHECK_VALUE(attn_softcap >= 0, "gemma: attn_softcap must be >= 0");
         TORCH_CHECK_VALUE(norms.size() == layers.size() && windows.size() == layers.size() &&
                               local.size() == layers.size(),
                           "gemma: one entry per layer");
@@ -261,6 +263,7 @@ struct DecoderStack : torch::CustomClassHolder {
             d.local_rope = int(local[li]);
         }
         model.embed_scale = float(embed_scale);
+        model.attn_softcap = float(attn_softcap);
     }
 
     // The adapters' slots (gpu/lora.py), bound once: per layer, for each product group in

@@ -93,13 +93,14 @@ void gemm(const float* x, int64_t m, int64_t k, int64_t x_stride, const float* p
 // ---- paged attention (attention.cpp) ----
 // query/out [tokens, heads, dim] of `dtype`; caches [blocks, block_size, kv_heads, dim] of
 // `cache_dtype` (the query's, or 16-bit under a float32 query); block_tables [seqs, max_blocks];
-// query_start [seqs + 1]; seq_lens [seqs]. Returns 0, or -1 for a dtype pair not offered.
+// query_start [seqs + 1]; seq_lens [seqs]; softcap: Gemma 2's cap on the scores (0: none).
+// Returns 0, or -1 for a dtype pair not offered.
 int paged_attention(const void* query, const void* k_cache, const void* v_cache, void* out,
                     const int32_t* block_tables, const int32_t* query_start,
                     const int32_t* seq_lens, int64_t num_seqs, int64_t max_blocks,
                     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                     int64_t block_size, float scale, int64_t sliding_window, int64_t num_threads,
-                    int dtype, int cache_dtype);
+                    int dtype, int cache_dtype, float softcap = 0.f);
 
 // ---- sampling (sample.cpp, mask.cpp) ----
 // out[r] = the index torch.argmax gives for row r (first of equal maxima; NaN above all).
@@ -315,6 +316,7 @@ struct DecoderModel {
     int64_t moe_experts, moe_top_k, moe_intermediate;  // the largest of its layers' (0: none)
     int64_t shared_intermediate;                       // so of its shared experts (0: none)
     float embed_scale;  // the embeddings' factor (Gemma's sqrt(hidden), rounded to float32)
+    float attn_softcap;  // Gemma 2's cap on the attention scores (0: none)
     const float* final_norm;
     StackWeight embed;    // [vocab, hidden]: float32 rows (kWF32, not panels) or a packed WFormat
     StackWeight lm_head;  // [vocab, hidden], or data null: no logits here

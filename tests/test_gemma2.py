@@ -1,0 +1,99 @@
+"""Gemma 2 (Gemma2ForCausalLM): Gemma 3's layer without Q/K norms, every other layer sliding, and
+its soft caps: each attention score becomes c * tanh(score / c) before the softmax, each logit
+likewise with its own c (gpu/models/spec.py, the attention backends, decoder.soft_capped),
+against transformers' eager attention (the one that caps) on the same random weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpu.models.spec import ModelSpec
+from gpu.tiny_model import build_tiny_model
+from tests.test_phi3 import first_logits, prompt
+
+# Caps small enough that tanh bends the tiny model's scores and logits (Gemma 2's own are 50 and
+# 30, which a random model's values would rarely reach)
+CAPS = (0.8, 3.0)
+
+
+def gemma2(path, caps=CAPS):
+    """Three layers (sliding, global, sliding; a window of 8) with random norm weights."""
+    from transformers import AutoModelForCausalLM
+
+    path = build_tiny_model(path, "gemma2", num_layers=3, softcaps=caps)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    model.save_pretrained(path)
+    return path
+
+
+def eager_run(path, ids) -> tuple[torch.Tensor, list[int]]:
+    """transformers' logits after the prompt and six greedy tokens, its attention eager."""
+    from transformers import AutoModelForCausalLM
+
+    eager = {"dtype": torch.float32, "attn_implementation": "eager"}
+    hf = AutoModelForCausalLM.from_pretrained(path, **eager)
+    with torch.no_grad():
+        logits = hf.eval()(torch.tensor([ids])).logits[0, -1]
+        out = hf.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False, eos_token_id=None)
+    return logits, out[0, len(ids) :].tolist()
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = gemma2(tmp_path_factory.mktemp("gemma2"))
+    return path, eager_run(path, prompt(30))
+
+
+@pytest.mark.parametrize(
+    "config",
+    [{}, {"cpu_forward": "modules"}, {"attention_backend": "torch"}],
+    ids=["stack", "modules", "torch-attention"],
+)
+def test_gemma2_matches_transformers(model, config):
+    """A 30-token prompt (past the sliding layers' window): the logits after it and six greedy
+    tokens, in the one-call stack, on the module path and on the torch reference attention."""
+    path, (want, want_tokens) = model
+    got, tokens = first_logits(path, prompt(30), num_kv_blocks=64, **config)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert tokens == want_tokens
+    assert got.abs().max() <= CAPS[1]  # the logits' cap holds
+
+
+def test_the_caps_change_the_answer(model, tmp_path):
+    """Without its caps the same model gives other logits: they are computed, not ignored."""
+    path, (want, _) = model
+    uncapped = gemma2(tmp_path / "uncapped", caps=(None, None))
+    got, _ = first_logits(uncapped, prompt(30), num_kv_blocks=64)
+    assert (got - want).abs().max() > 0.1
+
+
+def test_gemma2_spec_and_the_triton_kernels_refusal():
+    from transformers import Gemma2Config
+
+    from gpu.cuda.attention import TritonAttention
+
+    config = Gemma2Config(
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_hidden_layers=4,
+        intermediate_size=128,
+        vocab_size=100,
+        sliding_window=16,
+        query_pre_attn_scalar=16,
+    )
+    config.architectures = ["Gemma2ForCausalLM"]
+    spec = ModelSpec.from_hf_config(config)
+    assert (spec.attn_softcap, spec.final_softcap) == (50.0, 30.0)
+    assert spec.layer_windows == (16, 0, 16, 0) and not spec.qk_norm
+    assert spec.sandwich_norms and spec.attn_scale == 0.25 and spec.embed_scale == 8.0
+    q = torch.zeros(1, 4, 16)
+    with pytest.raises(ValueError, match="soft-capped"):
+        TritonAttention().forward(q, None, None, None, 0.25, 0, softcap=50.0)
