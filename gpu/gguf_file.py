@@ -105,8 +105,10 @@ class GgufCheckpoint:
     # ---- configuration ----
     def config(self) -> Any:
         """A Hugging Face config (LlamaConfig, MixtralConfig, Phi3Config, Qwen2Config,
-        Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, Gemma3TextConfig) of the file's shapes."""
+        Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, Gemma2Config, Gemma3TextConfig) of the
+        file's shapes."""
         from transformers import (
+            Gemma2Config,
             Gemma3TextConfig,
             LlamaConfig,
             MixtralConfig,
@@ -144,6 +146,8 @@ class GgufCheckpoint:
         )
         if a == "gemma3":
             return self._gemma3(common, head_dim, Gemma3TextConfig)
+        if a == "gemma2":
+            return self._gemma2(common, head_dim, Gemma2Config)
         if a == "phi3":  # a window of 0: none (llama.cpp's converter writes Phi-4's so)
             window = int(self.get("phi3.attention.sliding_window", 0) or 0)
             return Phi3Config(
@@ -227,6 +231,25 @@ class GgufCheckpoint:
             final_logit_softcapping=self.get("gemma3.final_logit_softcapping", None),
         )
 
+    def _gemma2(self, common: dict, head_dim: int, cls: Any) -> Any:
+        """Gemma 2 as llama.cpp reads its file: every other layer sliding (the first one), one
+        rotation, its soft caps, the attention scale derived as llama.cpp derives it (the file
+        has none: 1/sqrt(hidden / heads) for the 46-layer 27B, else 1/sqrt(head size))."""
+        n, heads = common["num_hidden_layers"], common["num_attention_heads"]
+        window = int(self.get("gemma2.attention.sliding_window", 0) or 0)
+        return cls(
+            **common,
+            head_dim=head_dim,
+            sliding_window=window or None,
+            layer_types=[
+                "sliding_attention" if i % 2 == 0 and window else "full_attention"
+                for i in range(n)
+            ],
+            query_pre_attn_scalar=common["hidden_size"] // heads if n == 46 else head_dim,
+            attn_logit_softcapping=self.get("gemma2.attn_logit_softcapping", None),
+            final_logit_softcapping=self.get("gemma2.final_logit_softcapping", None),
+        )
+
     def _original_context(self) -> int:
         a = self.arch
         fallback = self.get(f"{a}.context_length", 4096)
@@ -303,7 +326,7 @@ class GgufCheckpoint:
                 raise CheckpointError(f"{self.path.name}: vector {name} in {fmt.name}")
             if len(dims) == 1 or fmt.name == "f32":  # small: read into memory as float32
                 values = gguf.quants.dequantize(raw, t.tensor_type).astype(np.float32)
-                if self.arch == "gemma3" and name.endswith("norm.weight"):
+                if self.arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
                     values = values - 1.0  # the file holds 1 + w; the loader adds the 1 again
                 value: Any = torch.from_numpy(values).reshape(list(reversed(dims)))
                 if self.arch == "llama" and target.endswith(("q_proj.weight", "k_proj.weight")):

@@ -7,6 +7,7 @@ import numpy as np
 
 # The GGUF architectures weir serves -> the Hugging Face class (gpu/models/spec.py ARCHITECTURES)
 ARCHES = {
+    "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
     "llama": "LlamaForCausalLM",
     "phi3": "Phi3ForCausalLM",
@@ -53,6 +54,7 @@ SANDWICH_NAMES = {
 }
 _NAMES = {  # an architecture's layer names where they are not Llama's
     "phi3": {**LAYER_NAMES, **FUSED_NAMES, "mlp.up_proj": None, "mlp.gate_proj": None},
+    "gemma2": {**LAYER_NAMES, **SANDWICH_NAMES},
     "gemma3": {**LAYER_NAMES, **SANDWICH_NAMES},
 }
 TOP_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}

@@ -17,11 +17,11 @@ from tests.test_phi3 import first_logits, prompt
 CAPS = (0.8, 3.0)
 
 
-def gemma2(path, caps=CAPS):
+def gemma2(path, caps=CAPS, **shape):
     """Three layers (sliding, global, sliding; a window of 8) with random norm weights."""
     from transformers import AutoModelForCausalLM
 
-    path = build_tiny_model(path, "gemma2", num_layers=3, softcaps=caps)
+    path = build_tiny_model(path, "gemma2", num_layers=3, softcaps=caps, **shape)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     g = torch.Generator().manual_seed(5)
     with torch.no_grad():
@@ -71,6 +71,22 @@ def test_the_caps_change_the_answer(model, tmp_path):
     uncapped = gemma2(tmp_path / "uncapped", caps=(None, None))
     got, _ = first_logits(uncapped, prompt(30), num_kv_blocks=64)
     assert (got - want).abs().max() > 0.1
+
+
+def test_a_gemma2_gguf_file_serves_as_its_checkpoint(tmp_path):
+    """Gemma 2 as llama.cpp's converter writes it (norms as 1 + w, Gemma 3's norm names, the
+    window and both caps as keys; the layer pattern and the attention scale derived as llama.cpp
+    derives them, so the model's query_pre_attn_scalar is its head size). (The block formats'
+    products are the other models' kernels: tests/test_gguf.py.)"""
+    from gpu.quant.gguf_write import uniform, write_gguf
+
+    hf = gemma2(tmp_path / "hf", query_pre_attn_scalar=16)
+    want, want_tokens = eager_run(hf, prompt(30))
+    got, tokens = first_logits(write_gguf(hf, tmp_path / "f32.gguf", uniform("f32")), prompt(30))
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert tokens == want_tokens
+    with pytest.raises(ValueError, match="query_pre_attn_scalar must be 16"):
+        write_gguf(gemma2(tmp_path / "other"), tmp_path / "x.gguf", uniform("f32"))
 
 
 def test_gemma2_spec_and_the_triton_kernels_refusal():

@@ -99,7 +99,7 @@ def write_gguf(
         t = np.ascontiguousarray(t, dtype=np.float32)
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             t = llama_permute(t, heads if "q_proj" in name else kv_heads)
-        if arch == "gemma3" and name.endswith("norm.weight"):
+        if arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
             t = t + 1.0  # Gemma's norms multiply by 1 + w: llama.cpp's converter stores that
         gname = gguf_name(name, arch)
         fmt = formats(gname, t.shape)
@@ -173,6 +173,8 @@ def _writer(out: Path, config: dict, tokenizer_dir: Path) -> tuple[gguf.GGUFWrit
     w.add_vocab_size(config["vocab_size"])
     if arch == "gemma3":
         _gemma3_keys(w, config, local, head_dim)
+    if arch == "gemma2":
+        _gemma2_keys(w, config, head_dim)
     if arch == "phi3":  # as llama.cpp's converter writes Phi-3 (its factors are tensors)
         w.add_sliding_window(config.get("sliding_window") or 0)
         original = rope.get("original_max_position_embeddings")
@@ -205,6 +207,27 @@ def _gemma3_keys(w: gguf.GGUFWriter, config: dict, local: dict, head_dim: int) -
     w.add_sliding_window(config.get("sliding_window") or 0)
     w.add_sliding_window_pattern([t == "sliding_attention" for t in types])
     w.add_rope_freq_base_swa(float(local.get("rope_theta", 10000.0)))
+
+
+def _gemma2_keys(w: gguf.GGUFWriter, config: dict, head_dim: int) -> None:
+    """Gemma 2's window and soft caps; llama.cpp derives its layer pattern (every other layer
+    sliding, the first one) and its attention scale, so a model with others cannot be
+    written."""
+    n, heads = config["num_hidden_layers"], config["num_attention_heads"]
+    derived = config["hidden_size"] // heads if n == 46 else head_dim
+    if config.get("query_pre_attn_scalar", derived) != derived:
+        raise ValueError(f"gguf_write: query_pre_attn_scalar must be {derived} in a GGUF file")
+    types = config.get("layer_types") or []
+    pattern = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
+    if types and types != pattern:
+        raise ValueError("gguf_write: a Gemma 2 file's layers alternate, the first one sliding")
+    w.add_sliding_window(config.get("sliding_window") or 0)
+    for key, add in (
+        ("attn_logit_softcapping", w.add_attn_logit_softcapping),
+        ("final_logit_softcapping", w.add_final_logit_softcapping),
+    ):
+        if config.get(key):
+            add(float(config[key]))
 
 
 def _longrope_attention_factor(config: dict, original: int) -> float:
