@@ -18,7 +18,6 @@ from gpu.backend import TorchBackend
 from gpu.dist.parallel import TensorParallel
 from gpu.loader import load_model, resolve_model_path
 from gpu.models.decoder import DecoderForCausalLM
-from gpu.models.spec import ModelSpec
 from gpu.runner import ModelRunner
 
 log = logging.getLogger("weir.launch")
@@ -121,11 +120,6 @@ def load_shard(
 ) -> tuple[DecoderForCausalLM, int]:
     """The model (under `tp`, this rank's share of it) and how many KV blocks fit beside it
     (with a draft model, already loaded: blocks that hold both models' K/V)."""
-    if device.type == "cuda" and ModelSpec.from_hf_config(hf_config).attn_softcap:
-        raise CheckpointError(
-            "Gemma 2's soft-capped attention scores are not in weir's Triton kernels yet: "
-            "serve it on CPU (--device cpu)"
-        )
     backend = choose_backend(config, device, dtype)
     model = load_model(path, hf_config, dtype, device, backend, tp)
     kv_dtype = kv_cache.cache_dtype(config.kv_cache_dtype, dtype)

@@ -10,7 +10,7 @@ import torch
 
 from gpu.models.spec import ModelSpec
 from gpu.tiny_model import build_tiny_model
-from tests.test_phi3 import first_logits, prompt
+from tests.test_phi3 import first_logits, prompt, use_cuda_backend
 
 # Caps small enough that tanh bends the tiny model's scores and logits (Gemma 2's own are 50 and
 # 30, which a random model's values would rarely reach)
@@ -52,13 +52,17 @@ def model(tmp_path_factory):
 
 @pytest.mark.parametrize(
     "config",
-    [{}, {"cpu_forward": "modules"}, {"attention_backend": "torch"}],
-    ids=["stack", "modules", "torch-attention"],
+    [{}, {"cpu_forward": "modules"}, {"attention_backend": "torch"}, "cuda"],
+    ids=["stack", "modules", "torch-attention", "cuda-backend"],
 )
-def test_gemma2_matches_transformers(model, config):
+def test_gemma2_matches_transformers(model, config, monkeypatch):
     """A 30-token prompt (past the sliding layers' window): the logits after it and six greedy
-    tokens, in the one-call stack, on the module path and on the torch reference attention."""
+    tokens, in the one-call stack, on the module path, on the torch reference attention, and on
+    the CUDA backend's kernels (Triton's interpreter)."""
     path, (want, want_tokens) = model
+    if config == "cuda":
+        use_cuda_backend(monkeypatch)
+        config = {}
     got, tokens = first_logits(path, prompt(30), num_kv_blocks=64, **config)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     assert tokens == want_tokens
@@ -89,10 +93,8 @@ def test_a_gemma2_gguf_file_serves_as_its_checkpoint(tmp_path):
         write_gguf(gemma2(tmp_path / "other"), tmp_path / "x.gguf", uniform("f32"))
 
 
-def test_gemma2_spec_and_the_triton_kernels_refusal():
+def test_gemma2_spec():
     from transformers import Gemma2Config
-
-    from gpu.cuda.attention import TritonAttention
 
     config = Gemma2Config(
         hidden_size=64,
@@ -110,6 +112,3 @@ def test_gemma2_spec_and_the_triton_kernels_refusal():
     assert (spec.attn_softcap, spec.final_softcap) == (50.0, 30.0)
     assert spec.layer_windows == (16, 0, 16, 0) and not spec.qk_norm
     assert spec.sandwich_norms and spec.attn_scale == 0.25 and spec.embed_scale == 8.0
-    q = torch.zeros(1, 4, 16)
-    with pytest.raises(ValueError, match="soft-capped"):
-        TritonAttention().forward(q, None, None, None, 0.25, 0, softcap=50.0)

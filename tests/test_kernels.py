@@ -86,6 +86,20 @@ def test_sliding_window_matches_reference(window):
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("window", [0, 20])
+def test_soft_capped_scores_match_the_reference(window):
+    # Gemma 2's cap, prefill tiles and decodes (split over the context too), with scores large
+    # enough that the cap bends them
+    specs = batch_specs(16) + [(1, 300)]
+    query, k_cache, v_cache, meta = make_batch(specs, 16, 4, 2, 64, torch.float32, seed=4)
+    query = query * 8
+    want = TorchAttention().forward(query, k_cache, v_cache, meta, 0.125, window, softcap=2.0)
+    got = TritonAttention().forward(query, k_cache, v_cache, meta, 0.125, window, softcap=2.0)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    plain = TorchAttention().forward(query, k_cache, v_cache, meta, 0.125, window)
+    assert (got - plain).abs().max() > 1e-2
+
+
 @pytest.mark.parametrize("splits", [1, 2, 4, 8])
 def test_split_kv_decode_matches_reference(splits):
     specs = [(1, 300), (1, 17), (1, 64)]  # some splits of the short ones are empty

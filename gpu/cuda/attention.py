@@ -27,8 +27,6 @@ class TritonAttention:
         sliding_window: int = 0,
         softcap: float = 0.0,
     ) -> torch.Tensor:
-        if softcap:  # refused at load (gpu/assemble.py); a direct call is refused here
-            raise ValueError("soft-capped attention scores are not in weir's Triton kernels")
         query = query.contiguous()
         out = torch.empty_like(query)
         if meta.decode_seq_ids_cpu:
@@ -44,6 +42,7 @@ class TritonAttention:
                 meta.max_decode_seq_len,
                 scale,
                 sliding_window,
+                softcap=softcap,
             )
         if meta.prefill_seq_ids_cpu:
             prefill_attention(
@@ -58,5 +57,6 @@ class TritonAttention:
                 meta.max_prefill_query_len,
                 scale,
                 sliding_window,
+                softcap=softcap,
             )
         return out

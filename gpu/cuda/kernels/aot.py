@@ -15,11 +15,11 @@ import sys
 
 CASES = [  # (kernel, dtype, head_dim or size, extra constexprs)
     ("store", "bf16", 128, {}),
-    ("prefill", "bf16", 128, {"SLIDING": False}),
-    ("prefill", "fp32", 64, {"SLIDING": True}),
-    ("decode", "bf16", 128, {"NUM_SPLITS": 1, "SLIDING": False}),
-    ("decode", "bf16", 256, {"NUM_SPLITS": 8, "SLIDING": False}),
-    ("decode", "fp16", 64, {"NUM_SPLITS": 4, "SLIDING": True}),
+    ("prefill", "bf16", 128, {"SLIDING": False, "SOFTCAP": False}),
+    ("prefill", "fp32", 64, {"SLIDING": True, "SOFTCAP": True}),  # Gemma 2's capped scores
+    ("decode", "bf16", 128, {"NUM_SPLITS": 1, "SLIDING": False, "SOFTCAP": False}),
+    ("decode", "bf16", 256, {"NUM_SPLITS": 8, "SLIDING": False, "SOFTCAP": True}),
+    ("decode", "fp16", 64, {"NUM_SPLITS": 4, "SLIDING": True, "SOFTCAP": False}),
     ("reduce", "bf16", 128, {"NUM_SPLITS": 8}),
     # the CUDA backend's fused kernels; "size" is the hidden or intermediate size for the norm
     # and the activation, and "fp32/bf16" a float32 model over a bfloat16 cache
@@ -60,7 +60,7 @@ def _signature(fn, pointers: dict[str, str], consts: dict):
             sig[n] = "constexpr"
         elif n in pointers:
             sig[n] = pointers[n]
-        elif n in ("scale", "eps", "static_scale"):
+        elif n in ("scale", "eps", "static_scale", "softcap"):
             sig[n] = "fp32"
         elif "stride" in n:
             sig[n] = "i64"

@@ -24,6 +24,7 @@ def _decode_kernel(
     seq_lens_ptr,
     seq_ids_ptr,
     scale,
+    softcap,
     q_stride_t,
     q_stride_h,
     o_stride_t,
@@ -44,6 +45,7 @@ def _decode_kernel(
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
     SLIDING: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     i = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -96,11 +98,13 @@ def _decode_kernel(
             offs_d,
             n_mask[None, :],
             scale,
+            softcap,
             m_i,
             l_i,
             acc,
             PRECISION,
             UPCAST,
+            SOFTCAP,
         )
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -186,6 +190,7 @@ def decode_attention(
     max_seq_len: int,
     scale: float,
     sliding_window: int = 0,
+    softcap: float = 0.0,
     num_splits: int | None = None,
     block_n: int = 64,
     num_sms: int | None = None,
@@ -225,6 +230,7 @@ def decode_attention(
         seq_lens,
         seq_ids,
         scale,
+        float(softcap) or 1.0,
         query.stride(0),
         query.stride(1),
         out.stride(0),
@@ -245,6 +251,7 @@ def decode_attention(
         PRECISION=_precision(query.dtype),
         UPCAST=_upcast(query.dtype),
         SLIDING=sliding_window > 0,
+        SOFTCAP=softcap > 0,
     )
     if num_splits > 1:
         _reduce_kernel[(n, heads)](

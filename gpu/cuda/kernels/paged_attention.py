@@ -67,18 +67,23 @@ def _attend(
     offs_d,
     visible,
     scale,
+    softcap,
     m_i,
     l_i,
     acc,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """One online-softmax step: fold a tile of keys/values (where `visible`) into the running
-    max `m_i`, normalizer `l_i` and unnormalized output `acc`."""
+    max `m_i`, normalizer `l_i` and unnormalized output `acc`. With SOFTCAP each score is
+    first capped as Gemma 2's are: softcap * tanh(score / softcap), tanh as 2 sigmoid(2x) - 1."""
     # A 16-bit cache under a float32 query (--kv-cache-dtype) is widened as it is read.
     k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
     k = k.to(q.dtype)
     s = _dot(q, tl.trans(k), PRECISION, UPCAST) * scale
+    if SOFTCAP:
+        s = (2.0 * tl.sigmoid(2.0 * (s / softcap)) - 1.0) * softcap
     s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)

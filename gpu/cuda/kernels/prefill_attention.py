@@ -20,6 +20,7 @@ def _prefill_kernel(
     seq_lens_ptr,
     seq_ids_ptr,
     scale,
+    softcap,
     q_stride_t,
     q_stride_h,
     o_stride_t,
@@ -38,6 +39,7 @@ def _prefill_kernel(
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
     SLIDING: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     seq = tl.load(seq_ids_ptr + tl.program_id(0))
     head = tl.program_id(1)
@@ -95,11 +97,13 @@ def _prefill_kernel(
                 offs_d,
                 visible,
                 scale,
+                softcap,
                 m_i,
                 l_i,
                 acc,
                 PRECISION,
                 UPCAST,
+                SOFTCAP,
             )
         acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(
@@ -121,6 +125,7 @@ def prefill_attention(
     max_query_len: int,
     scale: float,
     sliding_window: int = 0,
+    softcap: float = 0.0,
     block_m: int = 16,
     block_n: int = 32,
 ) -> None:
@@ -141,6 +146,7 @@ def prefill_attention(
         seq_lens,
         seq_ids,
         scale,
+        float(softcap) or 1.0,
         query.stride(0),
         query.stride(1),
         out.stride(0),
@@ -159,4 +165,5 @@ def prefill_attention(
         PRECISION=_precision(query.dtype),
         UPCAST=_upcast(query.dtype),
         SLIDING=sliding_window > 0,
+        SOFTCAP=softcap > 0,
     )
