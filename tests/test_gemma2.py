@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from gpu.models.spec import ModelSpec
-from gpu.tiny_model import build_tiny_model
-from tests.test_phi3 import first_logits, prompt, use_cuda_backend
+from tests.test_gemma3 import gemma
+from tests.test_phi3 import first_logits, prompt, transformers_run, use_cuda_backend
 
 # Caps small enough that tanh bends the tiny model's scores and logits (Gemma 2's own are 50 and
 # 30, which a random model's values would rarely reach)
@@ -19,29 +19,12 @@ CAPS = (0.8, 3.0)
 
 def gemma2(path, caps=CAPS, **shape):
     """Three layers (sliding, global, sliding; a window of 8) with random norm weights."""
-    from transformers import AutoModelForCausalLM
-
-    path = build_tiny_model(path, "gemma2", num_layers=3, softcaps=caps, **shape)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    g = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-    model.save_pretrained(path)
-    return path
+    return gemma(path, "gemma2", softcaps=caps, **shape)
 
 
 def eager_run(path, ids) -> tuple[torch.Tensor, list[int]]:
     """transformers' logits after the prompt and six greedy tokens, its attention eager."""
-    from transformers import AutoModelForCausalLM
-
-    eager = {"dtype": torch.float32, "attn_implementation": "eager"}
-    hf = AutoModelForCausalLM.from_pretrained(path, **eager)
-    with torch.no_grad():
-        logits = hf.eval()(torch.tensor([ids])).logits[0, -1]
-        out = hf.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False, eos_token_id=None)
-    return logits, out[0, len(ids) :].tolist()
+    return transformers_run(path, ids, attn_implementation="eager")
 
 
 @pytest.fixture(scope="module")

@@ -13,13 +13,13 @@ from gpu.tiny_model import build_tiny_model
 from tests.test_phi3 import assert_as_transformers, prompt, use_cuda_backend
 
 
-def gemma(path, **shape):
-    """A tiny Gemma 3 of three layers (sliding, sliding, global; a window of 8) whose norm
-    weights are random: transformers initializes them to 0, where 1 + w and w could not be
-    told apart."""
+def gemma(path, arch="gemma3", **shape):
+    """A tiny Gemma 3 of three layers (sliding, sliding, global; a window of 8; Gemma 2's:
+    sliding, global, sliding) whose norm weights are random: transformers initializes them to
+    0, where 1 + w and w could not be told apart."""
     from transformers import AutoModelForCausalLM
 
-    path = build_tiny_model(path, "gemma3", num_layers=3, **shape)
+    path = build_tiny_model(path, arch, num_layers=3, **shape)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     g = torch.Generator().manual_seed(5)
     with torch.no_grad():

@@ -38,10 +38,12 @@ def first_logits(path, ids, **config) -> tuple[torch.Tensor, list[int]]:
     return logits, out
 
 
-def transformers_run(path, ids) -> tuple[torch.Tensor, list[int]]:
+def transformers_run(path, ids, **options) -> tuple[torch.Tensor, list[int]]:
+    """transformers' logits after the prompt and six greedy tokens; `options` for from_pretrained
+    (attn_implementation="eager": the attention that soft-caps Gemma 2's scores)."""
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **options).eval()
     with torch.no_grad():
         logits = hf(torch.tensor([ids])).logits[0, -1]
         out = hf.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False, eos_token_id=None)
