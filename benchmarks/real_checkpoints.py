@@ -19,6 +19,9 @@ experts, 8 per token): its one-stream floor counts the experts' bytes a token re
 not the file's. `--shape qwen2-moe`: Qwen1.5-MoE-A2.7B's layer (6 layers of 16 experts, 4 per
 token, and a shared expert every token reads whole).
 
+`--shape gemma2-2b`: Gemma-2-2B's shape, its files written by weir's writer (llama.cpp's converter
+needs Gemma's sentencepiece file); both servers read the same files.
+
 `--shape qwen2.5-0.5b` runs Qwen2.5-0.5B's shape instead (hidden 896, 24 layers, MLP 4864, GQA
 14/2, tied 151,936-row embedding): its hidden size is no multiple of 256, so llama-quantize's
 Q4_K_M holds mostly Q5_0 and a Q8_0 embedding (its k-quants' fallbacks).
@@ -103,10 +106,35 @@ SHAPE_QWEN2_MOE = dict(
     dtype="bfloat16",
     extra_eos=("<|endoftext|>",),
 )
+# Gemma-2-2B's shape (hidden 2304, 26 layers, 8 heads of 256 over 4 KV heads, MLP 9216, every
+# other layer a window of 4096, soft caps 50 and 30, a tied 256,000-row embedding: the tokenizer's
+# 2,048 tokens and zero rows, as the padding of the other shapes)
+SHAPE_GEMMA2 = dict(
+    hidden_size=2304,
+    num_layers=26,
+    num_heads=8,
+    num_kv_heads=4,
+    head_dim=256,
+    intermediate_size=9216,
+    sliding_window=4096,
+    query_pre_attn_scalar=256,
+    vocab_size=2048,
+    model_vocab_size=256000,
+    zero_padding_rows=True,
+    max_position_embeddings=8192,
+    initializer_range=0.02,
+    dtype="bfloat16",
+    extra_eos=("<|endoftext|>",),
+)
 SHAPES = {"llama-1b": ("llama", "bench-llama-1b-bf16", SHAPE_1B),
           "qwen2.5-0.5b": ("qwen2", "bench-qwen2.5-0.5b-bf16", SHAPE_QWEN05),
           "qwen3-moe": ("qwen3_moe", "bench-qwen3-moe-bf16", SHAPE_MOE),
-          "qwen2-moe": ("qwen2_moe", "bench-qwen2-moe-bf16", SHAPE_QWEN2_MOE)}  # fmt: skip
+          "qwen2-moe": ("qwen2_moe", "bench-qwen2-moe-bf16", SHAPE_QWEN2_MOE),
+          "gemma2-2b": ("gemma2", "bench-gemma2-2b-bf16", SHAPE_GEMMA2)}  # fmt: skip
+# llama.cpp's converter reads Gemma's tokenizer from its sentencepiece file, which these random
+# models lack: their files are weir's writer's (gpu/quant/gguf_write.py), which llama-server
+# reads as it reads the converter's (tests/test_gemma2.py), and both servers serve the same file.
+WEIR_WRITTEN = ("gemma2-2b",)
 CONFIG_8B = dict(
     hidden_size=4096,
     num_hidden_layers=32,
@@ -144,6 +172,18 @@ def gguf_of(model: Path, quant: str) -> Path:
         check=True,
     )
     return Path(out.stdout.strip().splitlines()[-1])
+
+
+def weir_gguf_of(model: Path, quant: str) -> Path:
+    """`model` as a GGUF file of weir's writer: bf16, q8_0, or q4_k_m (its Q4_K_M-like mix)."""
+    from gpu.quant.gguf_write import q4_k_m, uniform, write_gguf
+
+    out = model.with_name(f"{model.name}-{quant}.gguf")
+    if not out.exists():
+        tmp = out.with_name(out.name + ".tmp")
+        write_gguf(model, tmp, q4_k_m if quant == "q4_k_m" else uniform(quant))
+        tmp.rename(out)
+    return out
 
 
 def model_8b(tokenizer_dir: Path) -> Path:
@@ -285,7 +325,8 @@ def main() -> None:
     logs = Path("benchmarks/results/logs")
     logs.mkdir(parents=True, exist_ok=True)
     model = model_of(args.shape)
-    files = {fmt.upper(): gguf_of(model, fmt) for fmt in args.formats.split(",")}
+    make = weir_gguf_of if args.shape in WEIR_WRITTEN else gguf_of
+    files = {fmt.upper(): make(model, fmt) for fmt in args.formats.split(",")}
     table = servers(model, files, peers)
     if args.only:
         table = {k: v for k, v in table.items() if k in args.only.split(",")}
