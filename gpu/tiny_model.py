@@ -116,6 +116,7 @@ def build_tiny_model(
     norm_topk_prob: bool = True,
     shared_expert_size: int | None = None,
     softcaps: tuple[float, float] = (50.0, 30.0),
+    dense_layers: tuple[int, ...] = (),
 ) -> Path:
     """Write a random-weight model of the given shape with a trained tokenizer to `path`.
     `added_tokens`: whole-text tokens added to the vocabulary, not special (as Qwen3's
@@ -130,7 +131,8 @@ def build_tiny_model(
     attention scores' and logits' `softcaps`. Mixtral, Qwen3-MoE and Qwen2-MoE ("mixtral",
     "qwen3_moe", "qwen2_moe"): `num_experts` of `intermediate_size` each, `experts_per_token` of
     them per token (Qwen's renormalized when `norm_topk_prob`); Qwen2-MoE's shared expert of
-    `shared_expert_size` (twice an expert's unless given)."""
+    `shared_expert_size` (twice an expert's unless given), and `dense_layers` (mlp_only_layers)
+    with a dense MLP of `intermediate_size` instead."""
     import torch
     from transformers import (
         AutoModelForCausalLM,
@@ -249,6 +251,7 @@ def build_tiny_model(
             num_experts=num_experts,
             num_experts_per_tok=experts_per_token,
             norm_topk_prob=norm_topk_prob,
+            mlp_only_layers=list(dense_layers),
         )
     else:
         raise ValueError(f"unknown tiny architecture {arch!r}")

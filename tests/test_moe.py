@@ -275,13 +275,32 @@ def test_the_one_call_stack_runs_a_mixture_as_the_modules_do(tmp_path, fmt, arch
 
     shape = {"norm_topk_prob": False} if arch == "qwen2_moe" else {}  # and its shared expert
     hf = moe(tmp_path / "hf", arch, hidden_size=128, intermediate_size=64, num_layers=3, **shape)
-    path = write_gguf(hf, tmp_path / "moe.gguf", uniform(fmt))
+    assert_stack_as_modules(write_gguf(hf, tmp_path / "moe.gguf", uniform(fmt)))
+
+
+def test_a_dense_layer_beside_a_wider_shared_expert_in_the_stack(tmp_path):
+    """Qwen2-MoE with a dense layer (mlp_only_layers) whose MLP is narrower than the shared
+    expert: the stack's scratch is as wide as the widest, each product its own width (the dense
+    layer's had taken the scratch's width: zeros came out); in bfloat16 as the module path."""
+    hf = moe(tmp_path / "hf", "qwen2_moe", num_layers=3, norm_topk_prob=False, dense_layers=(1,))
+    from transformers import AutoConfig
+
+    assert ModelSpec.from_hf_config(AutoConfig.from_pretrained(hf)).dense_layers == (1,)
+    assert_stack_as_modules(hf, dtype="bfloat16", atol=1e-3, rtol=1e-3)
+
+
+def assert_stack_as_modules(path, **config) -> None:
+    """A batch of three prompts (six greedy tokens, three top log-probs each) in the one-call
+    stack and on the module path: the same tokens, the log-probs close (`atol`/`rtol` when
+    given, else float32's default)."""
+    tol = {k: config.pop(k) for k in ("atol", "rtol") if k in config}
     prompts = [prompt(n)[k:] for k, n in enumerate((9, 17, 40))]
     results = []
     for forward in ("auto", "modules"):
-        core = load(
-            EngineConfig(model=str(path), device="cpu", num_kv_blocks=64, cpu_forward=forward)
-        ).core
+        engine = EngineConfig(
+            model=str(path), device="cpu", num_kv_blocks=64, cpu_forward=forward, **config
+        )
+        core = load(engine).core
         assert (core.runner.model.stack is not None) == (forward == "auto")
         params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3)
         for i, ids in enumerate(prompts):
@@ -296,7 +315,9 @@ def test_the_one_call_stack_runs_a_mixture_as_the_modules_do(tmp_path, fmt, arch
     (stack_tokens, stack_lp), (module_tokens, module_lp) = results
     assert stack_tokens == module_tokens
     for key in stack_lp:
-        torch.testing.assert_close(torch.tensor(stack_lp[key]), torch.tensor(module_lp[key]))
+        torch.testing.assert_close(
+            torch.tensor(stack_lp[key]), torch.tensor(module_lp[key]), **tol
+        )
 
 
 def test_an_early_mixtral_file_with_one_tensor_per_expert(tmp_path):

@@ -159,18 +159,19 @@ int decoder_forward(const DecoderModel& model, const DecoderStep& step) {
     const DecoderStep* s = &step;
     const int64_t T = s->tokens, H = m->hidden, D = m->head_dim, nt = s->num_threads;
     const int64_t qw = m->heads * D, kvw = m->kv_heads * D, qkvw = qw + 2 * kvw;
-    const int64_t I = std::max(m->intermediate, m->shared_intermediate);  // g's and spare's
+    const int64_t I = m->intermediate;
+    const int64_t G = std::max(I, m->shared_intermediate);  // g's and spare's width
     if (T == 0) return 0;
-    // h, qkv, q, k, o, g, the up part's spare [T, I] (gate and up of different formats), cos,
+    // h, qkv, q, k, o, g, the up part's spare [T, G] (gate and up of different formats), cos,
     // sin; with adapters in the step, gate/up's addend [T, 2I]
     const int32_t* lora = s->lora_rows;
     const int64_t lora_floats = lora ? T * 2 * I : 0;
     // (and the second rotation's cos, sin, and a block's output [T, H] before its norm: Gemma 3)
     const bool local = s->cos_local_table != nullptr;
     std::unique_ptr<float[]> buf(
-        new float[T * (H + qkvw + qw + kvw + qw + 2 * I + 2 * D) + lora_floats +
+        new float[T * (H + qkvw + qw + kvw + qw + 2 * G + 2 * D) + lora_floats +
                   (local ? 2 * T * D : 0) + 2 * T * H]);
-    float* cos = buf.get() + T * (H + qkvw + qw + kvw + qw + 2 * I);
+    float* cos = buf.get() + T * (H + qkvw + qw + kvw + qw + 2 * G);
     float* sin = cos + T * D;
     float* cos_l = sin + T * D + lora_floats;
     float* sin_l = local ? cos_l + T * D : cos_l;
@@ -197,7 +198,7 @@ int decoder_forward(const DecoderModel& model, const DecoderStep& step) {
     float* k = q + T * qw;
     float* o = k + T * kvw;
     float* g = o + T * qw;
-    float* spare = g + T * I;
+    float* spare = g + T * G;
     float* dgu = cos + 2 * T * D;  // LoRA's scratch, after sin
     float* x = s->x;
     // a mixture of experts' scratch (moe.cpp), for the largest of the model's mixtures
