@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 
 import torch
@@ -51,6 +52,10 @@ def num_blocks_for(
         return num_kv_blocks
     per_block = bytes_per_block(spec, block_size, dtype) + extra_block_bytes
     if device.type == "cuda":
+        # What earlier engines of this process left (a model loaded again, engines one after
+        # another in one process) is neither this engine's nor free until collected.
+        gc.collect()
+        torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(device)
         # This process's share of the GPU less what it already holds (weights, warm-up
         # activations), as vLLM means the fraction: memory other processes hold does not count
@@ -64,6 +69,7 @@ def num_blocks_for(
     if n < 1:
         raise ValueError(
             f"no room for the KV cache: one block needs {per_block} bytes, the budget is {budget}"
+            " (--gpu-memory-utilization, --kv-cache-memory or --num-kv-blocks set it)"
         )
     return n
 

@@ -44,8 +44,7 @@ def test_gemma2_matches_transformers(model, config, monkeypatch):
     the CUDA backend's kernels (Triton's interpreter)."""
     path, (want, want_tokens) = model
     if config == "cuda":
-        use_cuda_backend(monkeypatch)
-        config = {}
+        config = use_cuda_backend(monkeypatch)
     got, tokens = first_logits(path, prompt(30), num_kv_blocks=64, **config)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     assert tokens == want_tokens

@@ -35,9 +35,8 @@ def test_gemma3_matches_transformers(tmp_path, monkeypatch, backend):
     """A 30-token prompt (past the window of the sliding layers): the prompt's logits and six
     greedy tokens, on weir's CPU kernels and on the CUDA backend's (Triton's interpreter)."""
     path = gemma(tmp_path / "gemma")
-    if backend == "cuda":
-        use_cuda_backend(monkeypatch)
-    assert_as_transformers(path, path, prompt(30))
+    config = use_cuda_backend(monkeypatch) if backend == "cuda" else {}
+    assert_as_transformers(path, path, prompt(30), **config)
 
 
 def test_gemma3_spec_and_what_is_refused():

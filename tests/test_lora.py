@@ -72,7 +72,7 @@ def test_onednn_products_with_adapters(lora_models, monkeypatch):
 
     monkeypatch.setattr(onednn, "MIN_ELEMENTS", 0)  # these tiny weights packed as well
     base, adapters = lora_models("llama")
-    loaded = engine(base, cpu_matmul="onednn")
+    loaded = engine(base, cpu_matmul="onednn", device="cpu")
     layer = loaded.core.runner.model.model.layers[0]
     kind, (gate, up), _ = layer.mlp.gate_up
     assert kind == "pair" and isinstance(gate, onednn.OneDnnWeight)

@@ -100,7 +100,7 @@ def test_lora_dtype_bfloat16_holds_adapters_in_bfloat16(lora_models, tmp_path):
     from tests.lora_adapters import TOP, assert_matches_peft
 
     base, adapters = lora_models("llama")
-    loaded = engine(base, lora_dtype="bfloat16", max_num_batched_tokens=48)
+    loaded = engine(base, lora_dtype="bfloat16", max_num_batched_tokens=48, device="cpu")
     slots = loaded.core.runner.lora
     assert slots.layers[0]["gate_up"].a.dtype == torch.bfloat16
     prompts = [loaded.tokenizer.encode(p) for p in LORA_PROMPTS[:2]]
@@ -120,4 +120,4 @@ def test_lora_dtype_bfloat16_holds_adapters_in_bfloat16(lora_models, tmp_path):
     got, logprobs = run(loaded.core, jobs, max_tokens=8, logprobs=TOP)
     assert_matches_peft(got, logprobs, want, names, len(prompts))
     with pytest.raises(CheckpointError, match="--lora-dtype float16"):
-        engine(base, lora_dtype="float16")
+        engine(base, lora_dtype="float16", device="cpu")

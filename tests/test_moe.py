@@ -53,8 +53,7 @@ def test_moe_matches_transformers(tmp_path, arch, shape):
 def test_moe_on_the_cuda_backend(tmp_path, monkeypatch):
     """The same model on the CUDA backend's kernels (Triton's interpreter), run eagerly."""
     path = moe(tmp_path / "moe", num_layers=1)
-    use_cuda_backend(monkeypatch)
-    assert_as_transformers(path, path, prompt(12))
+    assert_as_transformers(path, path, prompt(12), **use_cuda_backend(monkeypatch))
 
 
 def test_a_batch_routes_each_token_on_its_own(tmp_path):
@@ -155,7 +154,7 @@ def test_adapters_on_a_mixture_of_experts_modify_its_attention(tmp_path):
     assert got["qv-0"] != got["base-0"] or got["attn-1"] != got["base-1"]
     tokens = []
     for forward in ("auto", "modules"):
-        loaded = engine(path, num_kv_blocks=64, dtype="bfloat16", cpu_forward=forward)
+        loaded = engine(path, num_kv_blocks=64, dtype="bfloat16", cpu_forward=forward, device="cpu")
         assert (loaded.core.runner.model.stack is not None) == (forward == "auto")
         tokens.append(run(loaded.core, jobs(refs_of(loaded, adapters)), max_tokens=6))
     assert tokens[0] == tokens[1]
@@ -315,9 +314,7 @@ def assert_stack_as_modules(path, **config) -> None:
     (stack_tokens, stack_lp), (module_tokens, module_lp) = results
     assert stack_tokens == module_tokens
     for key in stack_lp:
-        torch.testing.assert_close(
-            torch.tensor(stack_lp[key]), torch.tensor(module_lp[key]), **tol
-        )
+        torch.testing.assert_close(torch.tensor(stack_lp[key]), torch.tensor(module_lp[key]), **tol)
 
 
 def test_an_early_mixtral_file_with_one_tensor_per_expert(tmp_path):

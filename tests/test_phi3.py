@@ -27,14 +27,15 @@ LONGROPE = {
 
 def first_logits(path, ids, **config) -> tuple[torch.Tensor, list[int]]:
     """weir's logits after the prompt, and its greedy continuation of 6 tokens."""
-    core = load(EngineConfig(model=str(path), dtype="float32", device="cpu", **config)).core
+    config = {"device": "cpu"} | config
+    core = load(EngineConfig(model=str(path), dtype="float32", **config)).core
     core.add(EngineRequest("r", ids, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)))
     logits, out = None, []
     while core.has_work:
         for o in core.step():
             out += o.new_token_ids
         if logits is None and out:  # the step that ended the prompt
-            logits = core.runner.last_logits[0].float().clone()
+            logits = core.runner.last_logits[0].float().cpu()
     return logits, out
 
 
@@ -63,8 +64,9 @@ def assert_as_transformers(path, hf, ids, **config) -> None:
     assert tokens == hf_tokens
 
 
-def use_cuda_backend(monkeypatch) -> None:
-    """Models load on the CUDA backend's kernels (Triton's interpreter on CPU tensors)."""
+def use_cuda_backend(monkeypatch) -> dict:
+    """Models load on the CUDA backend's kernels: compiled, on the GPU, where there is one;
+    else in Triton's interpreter on CPU tensors. Returns the configuration's device for it."""
     from gpu import assemble
     from gpu.attention.select import get_backend
     from gpu.cuda.backend import CudaBackend
@@ -72,6 +74,7 @@ def use_cuda_backend(monkeypatch) -> None:
     monkeypatch.setattr(
         assemble, "choose_backend", lambda c, d, t: CudaBackend(get_backend("triton", d))
     )
+    return {"device": "cuda" if torch.cuda.is_available() else "cpu"}
 
 
 @pytest.mark.parametrize("window", [None, 8])
@@ -221,5 +224,4 @@ def test_phi3_on_the_cuda_backend(tmp_path, monkeypatch, partial):
     the attention kernels with the window) on Phi-3, whole and partly rotated heads."""
     scaling = {"rope_type": "default", "partial_rotary_factor": partial}
     hf = build_tiny_model(tmp_path / "hf", "phi3", sliding_window=8, rope_scaling=scaling)
-    use_cuda_backend(monkeypatch)
-    assert_as_transformers(hf, hf, prompt(30))
+    assert_as_transformers(hf, hf, prompt(30), **use_cuda_backend(monkeypatch))

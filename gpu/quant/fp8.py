@@ -114,7 +114,9 @@ def quantize_activations(
     (gpu/cuda/kernels/fp8_quant.py does the same in one kernel)."""
     if static_scale is None:
         amax = rows.abs().amax(dim=1, keepdim=True).float()
-        x_scale = torch.clamp(amax / FP8_MAX, min=1e-12)
+        # a true division by a tensor: torch divides by a Python number on CUDA as a product
+        # with its reciprocal (one unit in the last place off IEEE division at times)
+        x_scale = torch.clamp(amax / torch.full_like(amax, FP8_MAX), min=1e-12)
     else:
         x_scale = torch.full((rows.shape[0], 1), static_scale, device=rows.device)
     return (rows.float() / x_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), x_scale
