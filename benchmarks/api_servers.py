@@ -55,9 +55,7 @@ def cpu_seconds(pids: list[int]) -> float:
 
 def run_count(model: str, count: int, levels: list[int], max_tokens: int) -> dict:
     port = free_port()
-    argv = weir_argv(
-        model, port, "--num-kv-blocks", "16384", "--api-server-count", str(count)
-    )
+    argv = weir_argv(model, port, "--num-kv-blocks", "16384", "--api-server-count", str(count))
     srv = ServerProcess(argv, port, f"/tmp/weir-api-servers-{count}.log")
     out = {}
     try:

@@ -283,6 +283,37 @@ class ServerProcess:
                 continue  # exited meanwhile
         return total / os.sysconf("SC_CLK_TCK")
 
+    def _tree(self) -> list[tuple[bytes, int, bool]]:
+        """(command line, CPU ticks so far, under the engine process) of each process of the
+        server's tree: the engine is the process run as `core.engine_process` with everything
+        under it (tensor-parallel ranks)."""
+        found, todo = [], [(self.proc.pid, False)]
+        while todo:
+            pid, in_engine = todo.pop()
+            try:
+                cmd = open(f"/proc/{pid}/cmdline", "rb").read()
+                in_engine = in_engine or b"core.engine_process" in cmd
+                fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+                found.append((cmd, int(fields[11]) + int(fields[12]), in_engine))
+                for task in os.listdir(f"/proc/{pid}/task"):
+                    children = open(f"/proc/{pid}/task/{task}/children").read().split()
+                    todo.extend((int(c), in_engine) for c in children)
+            except (FileNotFoundError, ProcessLookupError):
+                continue  # exited meanwhile
+        return found
+
+    def cpu_split(self) -> tuple[float, float]:
+        """(the HTTP side's CPU seconds, the engine's) so far; the HTTP side is every process
+        but the engine's (the server, or the supervisor and its API servers)."""
+        tick = os.sysconf("SC_CLK_TCK")
+        tree = self._tree()
+        engine = sum(ticks for _, ticks, in_engine in tree if in_engine)
+        return (sum(ticks for _, ticks, _ in tree) - engine) / tick, engine / tick
+
+    def api_servers(self) -> int:
+        """weir's HTTP processes: its API servers, or the one server process."""
+        return max(1, sum(b"server.api_server" in cmd for cmd, _, _ in self._tree()))
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)

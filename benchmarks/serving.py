@@ -27,18 +27,17 @@ after every round with no server running, the fastest rate kept) the server reac
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-import trio
 
 from benchmarks import roofline
 from benchmarks.common import bench_model, machine, save
-from benchmarks.loadgen import ServerProcess, free_port, prompts, run_level, summarize, weir_argv
+from benchmarks.clients import default_clients, run_clients
+from benchmarks.loadgen import ServerProcess, free_port, prompts, summarize, weir_argv
 
 
 def bench(
@@ -49,27 +48,32 @@ def bench(
     per_level: int,
     repeats: int = 1,
     server: ServerProcess | None = None,
+    clients: int = 1,
 ) -> dict:
     """Each level `repeats` times; the run with the median output tok/s is reported whole, with
-    every run's tok/s beside it (a level lasts seconds, and this machine is shared). With the
-    `server` process at hand, each run also gets the CPU its HTTP process and its whole process
-    tree (the engine process too) spent per output token."""
+    every run's tok/s beside it (a level lasts seconds, and this machine is shared), and the
+    cores its `clients` load-generating processes kept busy (near 1 a process: the client, not
+    the server, was the ceiling). With the `server` process at hand, each run also gets the CPU
+    its HTTP side (every process but the engine's) and its whole tree spent per output token."""
     out = {}
     for c in levels:
         n = max(per_level, 2 * c)
         runs = []
         for _ in range(repeats):
-            cpu0 = (server.cpu_seconds(tree=False), server.cpu_seconds()) if server else None
-            results, wall = trio.run(
-                functools.partial(run_level, url, model, prompts(n, seed=c), c, max_tokens)
+            cpu0 = server.cpu_split() if server else None
+            results, wall, client_cpu = run_clients(
+                url, model, prompts(n, seed=c), c, max_tokens, clients=clients
             )
             run = summarize(results, wall)
+            run["clients"] = min(clients, c)
+            if server is not None:
+                run["api_servers"] = server.api_servers()
+            run["client_cores"] = client_cpu / wall if wall else 0.0
             if cpu0 is not None:
                 tokens = max(1, run["output_tokens"])
-                http = server.cpu_seconds(tree=False) - cpu0[0]
-                total = server.cpu_seconds() - cpu0[1]
+                http, engine = (b - a for a, b in zip(cpu0, server.cpu_split()))
                 run["http_cpu_us_per_token"] = http / tokens * 1e6
-                run["server_cpu_us_per_token"] = total / tokens * 1e6
+                run["server_cpu_us_per_token"] = (http + engine) / tokens * 1e6
                 run["http_cores"] = http / wall if wall else 0.0
             runs.append(run)
         runs.sort(key=lambda r: r["output_tok_s"])
@@ -79,10 +83,12 @@ def bench(
         print(
             f"  c={c}: {s['output_tok_s']:.0f} tok/s (runs {[round(x) for x in s['tok_s_runs']]}), "
             f"TTFT p50 {s['ttft_p50_ms'] or 0:.1f} ms, ITL p50 {s['itl_p50_ms'] or 0:.2f} ms, "
-            f"errors {s['errors']}, "
+            f"errors {s['errors']}, client {s['client_cores']:.2f} cores "
+            f"({s['clients']} processes), "
             f"tokens {[r['output_tokens'] for r in runs]}"
             + (
-                f", HTTP process {s['http_cpu_us_per_token']:.0f} µs CPU a token "
+                f", {s['api_servers']} HTTP processes {s['http_cpu_us_per_token']:.0f} µs CPU "
+                "a token "
                 f"({s['http_cores']:.2f} cores), all processes {s['server_cpu_us_per_token']:.0f}"
                 if "http_cpu_us_per_token" in s
                 else ""
@@ -185,6 +191,12 @@ def main() -> None:
         default=[],
         help='weir with these flags too: "--cpu-threads 2"',
     )
+    ap.add_argument(
+        "--clients",
+        type=int,
+        default=default_clients(),
+        help="load-generating processes (default: one per 4 cores, at most 4)",
+    )
     ap.add_argument("--repeats", type=int, default=3, help="runs per level; the median is kept")
     ap.add_argument("--rounds", type=int, default=1, help="servers alternated this many times")
     ap.add_argument(
@@ -200,7 +212,7 @@ def main() -> None:
     levels = [int(c) for c in args.concurrency.split(",")]
     model = bench_model(args.model)
     if args.url:
-        print(bench(args.url, model, levels, args.max_tokens, args.requests))
+        print(bench(args.url, model, levels, args.max_tokens, args.requests, 1, None, args.clients))
         return
     peers = [] if args.skip_baseline else args.peers.split(",")
     commands = servers(model, peers, [m for m in args.weir.split(",") if m], args.variant)
@@ -233,6 +245,7 @@ def main() -> None:
                         args.requests,
                         args.repeats,
                         server if label.startswith("weir") else None,
+                        args.clients,
                     )
                 )
             finally:

@@ -7,8 +7,9 @@ leaving the engine process, its threads and the tokenizers the rest).
 
 This process never imports torch (server/cli.py), so "CUDA" is read the way torch would find
 it without asking torch: `--device cuda[:N]`, or `--device auto` with an installed torch built
-for CUDA (its version.py names a CUDA version), an NVIDIA driver that lists a GPU, and
-CUDA_VISIBLE_DEVICES not hiding them all. The engine reports the device it chose once loaded;
+for CUDA (its version.py names a CUDA version), an NVIDIA driver that lists a GPU (in /proc,
+or as /dev/nvidiaN where a sandbox shows no /proc list), and CUDA_VISIBLE_DEVICES not hiding
+them all. The engine reports the device it chose once loaded;
 the supervisor logs it beside the count.
 """
 
@@ -24,6 +25,8 @@ from server.options import ServerOptions
 
 MAX_AUTO = 4
 CORES_EACH = 4
+DRIVER_GPUS = Path("/proc/driver/nvidia/gpus")  # the driver's list: a sandbox may not show it
+DEVICES = Path("/dev")  # /dev/nvidia0, ... (and nvidiactl, nvidia-uvm: not GPUs)
 
 
 def cores() -> int:
@@ -49,8 +52,9 @@ def nvidia_gpu_visible() -> bool:
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None and visible.strip() in ("", "-1"):
         return False
-    gpus = Path("/proc/driver/nvidia/gpus")
-    return gpus.is_dir() and any(gpus.iterdir())
+    if DRIVER_GPUS.is_dir() and any(DRIVER_GPUS.iterdir()):
+        return True
+    return any(re.fullmatch(r"nvidia\d+", p.name) for p in DEVICES.glob("nvidia*"))
 
 
 def on_cuda(device: str) -> bool:

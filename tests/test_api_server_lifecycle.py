@@ -322,3 +322,24 @@ def test_run_directories_of_killed_servers_are_swept_at_the_next_start(tmp_path)
             (tmp_path / name / run_dir.PID_FILE).write_text(str(pid))
     assert run_dir.sweep(str(tmp_path)) == [str(tmp_path / "weir-dead")]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["weir-live", "weir-other"]
+
+
+def test_a_gpu_is_seen_in_the_drivers_list_or_as_its_device_file(monkeypatch, tmp_path):
+    """/proc/driver/nvidia/gpus lists the GPUs; a sandbox that shows no such list still has
+    /dev/nvidia0 (the control and memory files alone are no GPU); CUDA_VISIBLE_DEVICES=""
+    hides them."""
+    proc, dev = tmp_path / "gpus", tmp_path / "dev"
+    dev.mkdir()
+    monkeypatch.setattr(server_count, "DRIVER_GPUS", proc)
+    monkeypatch.setattr(server_count, "DEVICES", dev)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    (dev / "nvidiactl").touch()
+    (dev / "nvidia-uvm").touch()
+    assert not server_count.nvidia_gpu_visible()
+    (dev / "nvidia0").touch()
+    assert server_count.nvidia_gpu_visible()
+    (dev / "nvidia0").unlink()
+    (proc / "0000:00:06.0").mkdir(parents=True)
+    assert server_count.nvidia_gpu_visible()
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert not server_count.nvidia_gpu_visible()
