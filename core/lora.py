@@ -30,7 +30,16 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "down": ("down_proj",),
 }
 TARGETS = tuple(m for mods in GROUPS.values() for m in mods)
+# Modules a checkpoint holds as one (Phi-3's, gpu/fused_weights.py): an adapter of one has a
+# single A for its parts and B stacked by output rows in the parts' order, read as each part's
+# own (A, its rows of B), which computes the same delta.
+FUSED: dict[str, tuple[str, ...]] = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
 PARENT = {m: "self_attn" if g in ("qkv", "o") else "mlp" for g, ms in GROUPS.items() for m in ms}
+PARENT |= {"qkv_proj": "self_attn", "gate_up_proj": "mlp"}
+ALL_TARGETS = (*TARGETS, *FUSED)
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 
@@ -159,17 +168,17 @@ def parse_key(key: str) -> tuple[int, str, str] | None:
 def _targets(config: dict, name: str) -> set[str] | None:
     targets = config.get("target_modules")
     if targets == "all-linear":
-        return set(TARGETS)
+        return set(ALL_TARGETS)
     if isinstance(targets, str):
         return None  # a regex: the tensors themselves say which modules it modifies
     if not isinstance(targets, list) or not targets:
         raise LoraError(f"LoRA adapter {name!r}: adapter_config.json has no target_modules")
     targets = {t.rsplit(".", 1)[-1] for t in targets}
-    other = sorted(targets - set(TARGETS))
+    other = sorted(targets - set(ALL_TARGETS))
     if other:
         raise LoraError(
             f"LoRA adapter {name!r} targets {', '.join(other)}: weir's adapters modify "
-            f"{', '.join(TARGETS)}"
+            f"{', '.join(ALL_TARGETS)}"
         )
     return targets
 
@@ -259,7 +268,7 @@ def _check_tensors(
             what = "embeddings" if "embed_tokens" in key or "lm_head" in key else "a tensor"
             raise LoraError(
                 f"LoRA adapter {name!r} has {what} weir does not serve: {key} (weir serves "
-                f"lora_A/lora_B of {', '.join(TARGETS)})"
+                f"lora_A/lora_B of {', '.join(ALL_TARGETS)})"
             )
         layer, module, ab = parsed
         if targets is not None and module not in targets:
@@ -276,7 +285,7 @@ def _check_tensors(
             )
         if meta.get("dtype") not in ("F32", "F16", "BF16"):
             raise LoraError(f"LoRA adapter {name!r}: {key} is {meta.get('dtype')}")
-        n_in, n_out = base.shapes[module]
+        n_in, n_out = fused_shape(base, module)
         want = [r, n_in] if ab == "A" else [n_out, r]
         if list(meta.get("shape", ())) != want:
             raise LoraError(
@@ -284,13 +293,36 @@ def _check_tensors(
                 f"{meta.get('shape')}, the base model needs {want}"
             )
         pairs.setdefault((layer, module), set()).add(ab)
-        seen.add(module)
+        seen.update(FUSED.get(module, (module,)))
     for (layer, module), got in pairs.items():
         if got != {"A", "B"}:
             raise LoraError(f"LoRA adapter {name!r}: layer {layer} {module} lacks lora_B or lora_A")
+        both = [p for p in FUSED.get(module, ()) if (layer, p) in pairs]
+        if both:
+            raise LoraError(
+                f"LoRA adapter {name!r}: layer {layer} has {module} and {both[0]}, a part of it"
+            )
     if not seen:
         raise LoraError(f"LoRA adapter {name!r} has no LoRA tensors")
     return seen
+
+
+def fused_shape(base: LoraBase, module: str) -> tuple[int, int]:
+    """(in, out) of a module an adapter may modify: a fused one's out is its parts' together."""
+    if module not in FUSED:
+        return base.shapes[module]
+    parts = [base.shapes[p] for p in FUSED[module]]
+    return parts[0][0], sum(out for _, out in parts)
+
+
+def split_rows(base: LoraBase, module: str) -> list[tuple[str, int, int]]:
+    """A fused module's parts with the rows [begin, end) of its B each takes."""
+    out, at = [], 0
+    for part in FUSED[module]:
+        rows = base.shapes[part][1]
+        out.append((part, at, at + rows))
+        at += rows
+    return out
 
 
 def parse_lora_modules(values: list[str]) -> list[tuple[str, str, str | None]]:

@@ -231,13 +231,11 @@ def load_weights(model: DecoderForCausalLM, path: Path, int4=None, text_only: bo
                     if int4 is not None and _gathered(int4, part, _dtype(f, stored)):
                         pending.setdefault(prefix, {})[part] = f.get_tensor(stored)
                         continue
-                    if fused_parts(name):
-                        if tp is not None:
-                            raise CheckpointError(
-                                f"{name}: tensor parallelism does not serve fused layers yet"
-                            )
+                    if fused_parts(name):  # cut into its parts; each rank then takes its share
                         for part, rows in split_fused(name, f.get_tensor(stored), model.spec):
                             targets.wants(part)  # raises for a layer the model does not have
+                            if tp is not None:
+                                rows = shard(part, rows, model.spec, tp)
                             targets.place(part, rows)
                             bar.update(1)
                         continue

@@ -29,6 +29,7 @@ import torch
 
 from core.config import CheckpointError
 from core.lora import (
+    FUSED,
     GROUPS,
     PARENT,
     WEIGHTS_FILE,
@@ -37,6 +38,7 @@ from core.lora import (
     LoraRef,
     parse_key,
     read_adapter,
+    split_rows,
 )
 
 log = logging.getLogger("weir.lora")
@@ -248,15 +250,22 @@ class LoraSlots:
             tensors = load_file(str(Path(ref.path) / WEIGHTS_FILE))
         except Exception as e:  # noqa: BLE001 - a file changed under us fails its requests only
             raise LoraError(f"LoRA adapter {ref.name!r}: {WEIGHTS_FILE} unreadable: {e}") from None
-        for key, t in tensors.items():
-            layer, module, ab = parse_key(key)
-            if tp is not None:
-                from gpu.dist.parallel import shard
+        for key, whole in tensors.items():
+            layer, fused, ab = parse_key(key)
+            if fused in FUSED:  # one A for the parts, B's rows split among them
+                parts = [(m, whole if ab == "A" else whole[a:b]) for m, a, b in split_rows(
+                    self.base, fused
+                )]  # fmt: skip
+            else:
+                parts = [(fused, whole)]
+            for module, t in parts:
+                if tp is not None:
+                    from gpu.dist.parallel import shard
 
-                name = f"model.layers.{layer}.{PARENT[module]}.{module}.weight"
-                if (ab == "B") == (module in COLUMN_PARALLEL):
-                    t = shard(name, t, spec, tp)
-            pairs.setdefault((layer, module), {})[ab] = t
+                    name = f"model.layers.{layer}.{PARENT[module]}.{module}.weight"
+                    if (ab == "B") == (module in COLUMN_PARALLEL):
+                        t = shard(name, t, spec, tp)
+                pairs.setdefault((layer, module), {})[ab] = t
         out = {}
         for where, p in pairs.items():
             a = p["A"].float()

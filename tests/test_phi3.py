@@ -225,3 +225,47 @@ def test_phi3_on_the_cuda_backend(tmp_path, monkeypatch, partial):
     scaling = {"rope_type": "default", "partial_rotary_factor": partial}
     hf = build_tiny_model(tmp_path / "hf", "phi3", sliding_window=8, rope_scaling=scaling)
     assert_as_transformers(hf, hf, prompt(30), **use_cuda_backend(monkeypatch))
+
+
+def test_adapters_on_the_fused_layers(tmp_path):
+    """PEFT adapters of Phi-3's own modules (qkv_proj and gate_up_proj: one A for the parts,
+    B stacked by rows; and all-linear) beside the base in one batch: PEFT's tokens and top
+    log-probs. An adapter of a fused layer and a part of it too is refused by name."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from core.lora import LoraError, read_adapter
+    from gpu.lora import base_of
+    from tests.lora_adapters import TOP, assert_matches_peft, engine, make_adapter, peft_greedy
+    from tests.lora_adapters import refs_of, run
+
+    hf = build_tiny_model(tmp_path / "hf", "phi3", sliding_window=8)
+    fused = (8, 16, ["qkv_proj", "gate_up_proj"], False)
+    adapters = {
+        "fused": make_adapter(hf, tmp_path / "fused", "", seed=1, spec=fused),
+        "all": make_adapter(hf, tmp_path / "all", "", seed=2, spec=(4, 8, "all-linear", True)),
+    }
+    prompts = [prompt(n)[k:] for k, n in enumerate((9, 23))]
+    loaded = engine(hf, num_kv_blocks=64, device="cpu")
+    refs = refs_of(loaded, adapters)
+    names = [None, "fused", "all"]
+    jobs = [(f"{n}-{i}", ids, refs.get(n)) for n in names for i, ids in enumerate(prompts)]
+    got, logprobs = run(loaded.core, jobs, max_tokens=6, logprobs=TOP)
+    want = {n: peft_greedy(hf, adapters.get(n), prompts, 6, logits=True) for n in names}
+    assert_matches_peft(got, logprobs, want, names, len(prompts))
+    assert got["fused-1"] != got["None-1"] and got["all-1"] != got["None-1"]  # they matter
+    # qkv_proj and q_proj of one layer: which would apply is unclear, so neither is served
+    both = tmp_path / "both"
+    both.mkdir()
+    config = json.loads((adapters["fused"] / "adapter_config.json").read_text())
+    config["target_modules"] += ["q_proj"]
+    (both / "adapter_config.json").write_text(json.dumps(config))
+    tensors = load_file(adapters["fused"] / "adapter_model.safetensors")
+    at = "base_model.model.model.layers.0.self_attn."
+    tensors[at + "q_proj.lora_A.weight"] = tensors[at + "qkv_proj.lora_A.weight"].clone()
+    tensors[at + "q_proj.lora_B.weight"] = tensors[at + "qkv_proj.lora_B.weight"][:64].clone()
+    save_file(tensors, both / "adapter_model.safetensors")
+    spec = loaded.core.runner.model.spec
+    with pytest.raises(LoraError, match="layer 0 has qkv_proj and q_proj"):
+        read_adapter("both", both, base_of(spec), 16)

@@ -69,6 +69,9 @@ CASES = [
     # a mixture of experts: every expert split as an MLP, the router replicated; Qwen2-MoE's
     # shared expert split so too, its gate replicated (the experts' split is the same as Qwen3's)
     ("qwen2_moe", 2, {"num_experts": 4}, TIGHT),
+    # Phi-3: Q/K/V and gate/up one tensor each in the checkpoint, cut into parts, then each
+    # part split as Llama's is; a window of 8
+    ("phi3", 2, {"sliding_window": 8}, {}),
 ]
 
 
