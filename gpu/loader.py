@@ -19,6 +19,7 @@ from tqdm import tqdm
 from core.config import CheckpointError
 from gpu.fused_weights import fused_parts, split_fused
 from gpu.gguf_file import GgufCheckpoint, is_gguf
+from gpu.models import gpt_oss
 from gpu.models.decoder import DecoderForCausalLM
 from gpu.models.moe import checkpoint_name
 from gpu.models.partial_rope import reorder_heads, reordered
@@ -167,12 +168,16 @@ class Targets:
 
 def int4_scheme(path: Path, config: Any) -> Int4Scheme | Fp8Scheme | None:
     """The quantization scheme of a checkpoint whose config.json has a quantization_config:
-    AWQ / GPTQ 4-bit (gpu/quant/int4.py) or FP8 (gpu/quant/fp8.py); any other is refused."""
+    AWQ / GPTQ 4-bit (gpu/quant/int4.py) or FP8 (gpu/quant/fp8.py); gpt-oss's MXFP4 experts
+    need none (dequantized as read); any other is refused."""
     qc = getattr(config, "quantization_config", None)
     if not qc or is_gguf(path):
         return None
-    if str(dict(qc).get("quant_method", "")).lower() == "fp8":
+    method = str(dict(qc).get("quant_method", "")).lower()
+    if method == "fp8":
         return Fp8Scheme.from_config(dict(qc), str(path))
+    if method == "mxfp4":  # gpt-oss's experts: dequantized as they are read (gpu/models/gpt_oss.py)
+        return None
     return Int4Scheme.from_config(dict(qc), str(path))
 
 
@@ -213,6 +218,7 @@ def load_weights(model: DecoderForCausalLM, path: Path, int4=None, text_only: bo
     if int4 is not None and tp is not None:
         raise CheckpointError(f"tensor parallelism does not serve {int4.method} checkpoints yet")
     pending: dict[str, dict[str, torch.Tensor]] = {}
+    experts = gpt_oss.Experts()
     files = weight_files(path)
     with tqdm(
         total=len(targets.params) + len(targets.modules),
@@ -230,6 +236,12 @@ def load_weights(model: DecoderForCausalLM, path: Path, int4=None, text_only: bo
                     prefix, _, part = name.rpartition(".")
                     if int4 is not None and _gathered(int4, part, _dtype(f, stored)):
                         pending.setdefault(prefix, {})[part] = f.get_tensor(stored)
+                        continue
+                    if gpt_oss.is_experts_tensor(name):  # gpt-oss's: one tensor a layer
+                        for part, value in experts.add(name, f.get_tensor(stored)):
+                            targets.wants(part)  # raises for a layer the model does not have
+                            targets.place(part, value)
+                            bar.update(1)
                         continue
                     if fused_parts(name):  # cut into its parts; each rank then takes its share
                         for part, rows in split_fused(name, f.get_tensor(stored), model.spec):
@@ -257,6 +269,7 @@ def load_weights(model: DecoderForCausalLM, path: Path, int4=None, text_only: bo
     for prefix, parts in pending.items():
         if set(parts) - {"g_idx"}:
             raise CheckpointError(f"{prefix}: incomplete {int4.method} layer: {sorted(parts)}")
+    experts.check_complete()
     targets.check_complete()
 
 

@@ -132,7 +132,9 @@ def build_tiny_model(
     "qwen3_moe", "qwen2_moe"): `num_experts` of `intermediate_size` each, `experts_per_token` of
     them per token (Qwen's renormalized when `norm_topk_prob`); Qwen2-MoE's shared expert of
     `shared_expert_size` (twice an expert's unless given), and `dense_layers` (mlp_only_layers)
-    with a dense MLP of `intermediate_size` instead."""
+    with a dense MLP of `intermediate_size` instead. gpt-oss ("gpt_oss"): every other layer a
+    window of `sliding_window` (8 unless given), `num_experts` of `intermediate_size`, random
+    biases and sinks."""
     import torch
     from transformers import (
         AutoModelForCausalLM,
@@ -253,10 +255,28 @@ def build_tiny_model(
             norm_topk_prob=norm_topk_prob,
             mlp_only_layers=list(dense_layers),
         )
+    elif arch == "gpt_oss":  # every other layer sliding; its default YaRN rotation
+        from transformers import GptOssConfig
+
+        config = GptOssConfig(
+            **common,
+            head_dim=head_dim or hidden_size // num_heads,
+            tie_word_embeddings=bool(tie_word_embeddings),
+            sliding_window=sliding_window or 8,
+            num_local_experts=num_experts,
+            num_experts_per_tok=experts_per_token,
+        )
     else:
         raise ValueError(f"unknown tiny architecture {arch!r}")
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    if arch == "gpt_oss":  # biases and sinks drawn too (they start at zero), large enough to
+        with torch.no_grad():  # matter, and experts that reach the activation's clamp
+            for name, p in model.named_parameters():
+                if name.endswith(("bias", "sinks")):
+                    p.normal_(0.0, 0.5)
+                elif ".experts." in name:
+                    p.mul_(20.0)
     if zero_padding_rows:
         with torch.no_grad():
             model.get_output_embeddings().weight[len(tokenizer) :] = 0

@@ -113,6 +113,25 @@ def test_soft_capped_scores_match_the_reference(window):
     assert (got - uncapped).abs().max() > 1e-2  # the cap changed the result
 
 
+@pytest.mark.parametrize("window", [0, 700])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sinks_match_the_reference(window, dtype):
+    # gpt-oss's sinks (a logit per head in each softmax's sum): prefill tiles, plain decodes and
+    # decodes split into parts (the sink counted once, in the merge), against the reference;
+    # sinks large enough to take most of some heads' probability.
+    specs = [(1, 40), (37, 300), (1, 1023), (1, 2000)]
+    query, k_cache, v_cache, meta = make_batch(specs, 16, 8, 2, 64, dtype, seed=9, device="cpu")
+    sinks = torch.linspace(-3.0, 6.0, 8)
+    got = CpuAttention().forward(query * 4, k_cache, v_cache, meta, 0.125, window, sinks=sinks)
+    want = TorchAttention().forward(
+        (query * 4).float(), k_cache.float(), v_cache.float(), meta, 0.125, window, sinks=sinks
+    )
+    tol = 1e-4 if dtype == torch.float32 else TOL[dtype]
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+    plain = reference(query * 4, k_cache, v_cache, meta, 0.125, window)
+    assert (got.float() - plain).abs().max() > 1e-2  # the sinks changed the result
+
+
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("head_dim", [64, 80, 128])
 def test_a_16_bit_cache_under_a_float32_query(cache_dtype, head_dim):

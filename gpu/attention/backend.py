@@ -104,4 +104,6 @@ class AttentionBackend(Protocol):
         scale: float,
         sliding_window: int = 0,  # 0: none; else a query sees only its last `sliding_window` keys
         softcap: float = 0.0,  # Gemma 2's: each score becomes softcap * tanh(score / softcap)
+        # gpt-oss's [num_heads] logits: each joins its head's softmax sum and gives no value
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor: ...  # [num_tokens, num_heads, head_dim]

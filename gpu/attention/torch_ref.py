@@ -16,10 +16,11 @@ def _gather(cache: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tens
     return ctx.transpose(0, 1)
 
 
-def _capped(query, k_cache, v_cache, meta, scale, sliding_window, softcap) -> torch.Tensor:
+def _exact(query, k_cache, v_cache, meta, scale, sliding_window, softcap, sinks) -> torch.Tensor:
     """Attention with Gemma 2's soft cap on the scores (softcap * tanh(score / softcap), before
-    the mask and the softmax, as transformers computes it), one sequence at a time: scaled dot
-    product attention has no place for the cap."""
+    the mask and the softmax, as transformers computes it) or gpt-oss's sinks (a logit per head
+    in the softmax, dropped after it), one sequence at a time: scaled dot product attention has
+    no place for either."""
     out = torch.empty_like(query)
     start = 0
     for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
@@ -28,13 +29,20 @@ def _capped(query, k_cache, v_cache, meta, scale, sliding_window, softcap) -> to
         v = _gather(v_cache, meta.block_tables[i], seq_len).float()
         group = q.shape[0] // k.shape[0]
         k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
-        scores = torch.tanh(q @ k.transpose(1, 2) * scale / softcap) * softcap
+        scores = q @ k.transpose(1, 2) * scale
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
         qpos = torch.arange(seq_len - q_len, seq_len, device=query.device)[:, None]
         pos = torch.arange(seq_len, device=query.device)[None, :]
         mask = pos <= qpos
         if sliding_window > 0:
             mask &= pos > qpos - sliding_window
-        probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+        scores = scores.masked_fill(~mask, float("-inf"))
+        if sinks is not None:
+            sink = sinks.float()[:, None, None].expand(-1, q_len, 1)
+            probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+        else:
+            probs = torch.softmax(scores, dim=-1)
         out[start : start + q_len] = (probs @ v).transpose(0, 1).to(out.dtype)
         start += q_len
     return out
@@ -42,6 +50,7 @@ def _capped(query, k_cache, v_cache, meta, scale, sliding_window, softcap) -> to
 
 class TorchAttention:
     name = "torch"
+    sinks = True  # gpt-oss's attention sinks (forward's `sinks`)
     # Host syncs (masks of valid slots, per-sequence lengths) that a CUDA graph cannot capture:
     # decode steps on this backend run eagerly.
     graph_safe = False
@@ -90,9 +99,10 @@ class TorchAttention:
         scale: float,
         sliding_window: int = 0,
         softcap: float = 0.0,
+        sinks: torch.Tensor | None = None,
     ):
-        if softcap:
-            return _capped(query, k_cache, v_cache, meta, scale, sliding_window, softcap)
+        if softcap or sinks is not None:
+            return _exact(query, k_cache, v_cache, meta, scale, sliding_window, softcap, sinks)
         out = torch.empty_like(query)
         gqa = query.shape[1] != k_cache.shape[2]
         starts = [0]

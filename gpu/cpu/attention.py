@@ -34,6 +34,7 @@ class CpuAttention(TorchAttention):
         scale: float,
         sliding_window: int = 0,
         softcap: float = 0.0,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         # The cache is the query's dtype, or 16-bit under a float32 query (--kv-cache-dtype).
         if (
@@ -56,4 +57,5 @@ class CpuAttention(TorchAttention):
             scale,
             sliding_window,
             softcap,
+            None if sinks is None else sinks.float().contiguous(),
         )

@@ -61,6 +61,12 @@ HANDLED: dict[str, tuple | None] = {
     "norm_topk_prob": None,
     "dense_layers": None,
     "shared_expert_size": None,  # Qwen2-MoE's shared expert (set_shared; unfit checks it)
+    "o_bias": None,  # unfit checks each layer's O projection for a bias
+    # gpt-oss's (gpu/models/gpt_oss.py): the module path computes them
+    "attn_sinks": (lambda v: not v, "attention sinks"),
+    "router_bias": (lambda v: not v, "a router bias"),
+    "swiglu_limit": (lambda v: not v, "experts with a clamped SwiGLU"),
+    "swiglu_alpha": None,
 }
 
 

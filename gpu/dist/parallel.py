@@ -62,6 +62,10 @@ def check(spec: ModelSpec, world_size: int) -> None:
         raise ValueError("--tensor-parallel-size must be at least 1")
     if world_size == 1:
         return
+    if spec.attn_sinks:  # its sinks, router and experts' biases are not split yet
+        raise CheckpointError(
+            f"--tensor-parallel-size {world_size}: {spec.architecture} is served on one device"
+        )
     problems = []
     if spec.num_heads % world_size:
         problems.append(f"{spec.num_heads} attention heads")

@@ -10,93 +10,22 @@ fused, ...) and asks the backend whether it runs the whole layer stack in one ca
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
+from core.config import CheckpointError
 from gpu.attention.backend import AttentionMetadata
 from gpu.dist.parallel import TensorParallel, local_spec
 from gpu.models.gemma import sandwich_forward
+from gpu.models.layers import Embedding, Linear, RMSNorm
 from gpu.models.moe import SparseMoE
 from gpu.models.rope import Rope
 from gpu.models.spec import ModelSpec
 
 if TYPE_CHECKING:
     from gpu.lora import LoraBatch
-
-
-class Linear(nn.Module):
-    """y = x W^T + b (+ residual) on the backend. Holds the checkpoint's weight as the checkpoint
-    gives it (a tensor in its dtype, or a gpu/quant/tensor.py BlockTensor, set by the loader
-    through `load`) until `prepare`, then only the backend's form of it."""
-
-    def __init__(self, backend, in_features: int, out_features: int, bias: bool) -> None:
-        super().__init__()
-        self.backend = backend
-        self.in_features, self.out_features = in_features, out_features
-        self.has_bias = bias
-        self.weight: Any = None
-        self.bias: Any = None
-        self.w = None
-
-    def expects(self) -> dict[str, tuple[int, ...]]:
-        """The checkpoint tensors this layer loads, by kind, and their shapes."""
-        shapes = {"weight": (self.out_features, self.in_features)}
-        if self.has_bias:
-            shapes["bias"] = (self.out_features,)
-        return shapes
-
-    def load(self, kind: str, value: Any) -> None:
-        setattr(self, kind, value)
-
-    def take(self) -> tuple[Any, Any]:
-        """The loaded (weight, bias), given up: the module keeps only what is prepared from them."""
-        weight, bias = self.weight, self.bias
-        self.weight = self.bias = None
-        return weight, bias
-
-    def prepare(self) -> None:
-        self.w = self.backend.prepare_linear(*self.take())
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        return self.backend.linear(x, self.w, residual)
-
-
-class Embedding(nn.Module):
-    """The token embeddings, held as the checkpoint gives them until `prepare`, then in the
-    backend's form, which also serves as a tied LM head's weight."""
-
-    def __init__(self, backend, num_embeddings: int, embedding_dim: int) -> None:
-        super().__init__()
-        self.backend = backend
-        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
-        self.weight: Any = None
-        self.w = None
-
-    def expects(self) -> dict[str, tuple[int, ...]]:
-        return {"weight": (self.num_embeddings, self.embedding_dim)}
-
-    def load(self, kind: str, value: Any) -> None:
-        self.weight = value
-
-    def prepare(self) -> None:
-        self.w = self.backend.prepare_embedding(self.weight)
-        self.weight = self.w if isinstance(self.w, torch.Tensor) else None
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.backend.embed(input_ids, self.w)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, backend) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-        self.backend = backend
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.backend.rms_norm(x, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -108,7 +37,15 @@ class Attention(nn.Module):
         self.q_proj = Linear(backend, h, spec.num_heads * d, spec.qkv_bias)
         self.k_proj = Linear(backend, h, spec.num_kv_heads * d, spec.qkv_bias)
         self.v_proj = Linear(backend, h, spec.num_kv_heads * d, spec.qkv_bias)
-        self.o_proj = Linear(backend, spec.num_heads * d, h, False)
+        self.o_proj = Linear(backend, spec.num_heads * d, h, spec.o_bias)
+        self.sinks = None  # gpt-oss's: a logit per head in each softmax's sum (gpt_oss.py)
+        if spec.attn_sinks:
+            if not getattr(backend.attention, "sinks", False):
+                raise CheckpointError(
+                    f"{spec.architecture}'s attention sinks: the {backend.attention.name} "
+                    "attention kernels have none yet; serve it with --attention-backend torch"
+                )
+            self.sinks = nn.Parameter(torch.zeros(spec.num_heads))
         if spec.qk_norm:
             self.q_norm = RMSNorm(d, spec.rms_norm_eps, backend)
             self.k_norm = RMSNorm(d, spec.rms_norm_eps, backend)
@@ -152,8 +89,9 @@ class Attention(nn.Module):
         else:
             qw, kw, eps = None, None, 0.0
         q = b.rope_store_kv(q, k, v, qw, kw, eps, cos, sin, kv, meta.slot_mapping)
+        extra = {} if self.sinks is None else {"sinks": self.sinks}
         o = b.attention.forward(
-            q, kv[0], kv[1], meta, self.scale, self.sliding_window, softcap=self.softcap
+            q, kv[0], kv[1], meta, self.scale, self.sliding_window, softcap=self.softcap, **extra
         )
         o = o.reshape(t, -1)
         residual = _plus_lora(b, o, lora, "o", residual, self.o_width)
@@ -213,7 +151,7 @@ def _output(backend, x, w, residual, norm: RMSNorm | None):
 
 def _mixture(spec: ModelSpec, backend) -> SparseMoE:
     """A mixture of experts (gpu/models/moe.py): its router and its experts, built here."""
-    router = Linear(backend, spec.hidden_size, spec.num_experts, False)
+    router = Linear(backend, spec.hidden_size, spec.num_experts, spec.router_bias)
     experts = [MLP(spec, backend, spec.moe_intermediate_size) for _ in range(spec.num_experts)]
     shared = None
     if spec.shared_expert_size:  # Qwen2-MoE's: an MLP and its gate (hidden -> one logit)

@@ -26,6 +26,7 @@ import re
 import torch
 from torch import nn
 
+from gpu.models import gpt_oss
 from gpu.models.spec import ModelSpec
 
 _MIXTRAL = (
@@ -38,10 +39,10 @@ _MIXTRAL = (
 
 def checkpoint_name(name: str) -> str:
     """The name weir's modules load a checkpoint tensor by: Mixtral's expert names as Qwen3-MoE's
-    (model.layers.0.block_sparse_moe.experts.3.w1.weight -> ...mlp.experts.3.gate_proj.weight);
-    any other name as it is."""
+    (model.layers.0.block_sparse_moe.experts.3.w1.weight -> ...mlp.experts.3.gate_proj.weight),
+    gpt-oss's router as the mixture's gate; any other name as it is."""
     if ".block_sparse_moe." not in name:
-        return name
+        return gpt_oss.checkpoint_name(name)
     for pattern, replacement in _MIXTRAL:
         name = pattern.sub(replacement, name)
     return name
@@ -66,11 +67,17 @@ class SparseMoE(nn.Module):
         if shared is not None:
             self.shared_expert, self.shared_expert_gate = shared
         self.shared_gate = None  # the backend's form of shared_expert_gate
+        # gpt-oss's experts (gpu/models/gpt_oss.py): their activation's (limit, alpha), and
+        # their products' biases apart, once prepared
+        self.swiglu = (spec.swiglu_limit, spec.swiglu_alpha) if spec.swiglu_limit else None
+        self.expert_biases: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def prepare(self) -> None:
         self.router = self.backend.prepare_linear(*self.gate.take())
         del self.gate
-        for expert in self.experts:
+        if self.swiglu is not None:
+            self.expert_biases = gpt_oss.prepare_experts(self.backend, self.experts)
+        for expert in self.experts if self.swiglu is None else ():
             expert.prepare()
         if self.has_shared:
             self.shared_expert.prepare()
@@ -101,8 +108,12 @@ class SparseMoE(nn.Module):
         rows = x.index_select(0, order // k)
         used = [i for i, c in enumerate(counts) if c]
         sizes = [counts[i] for i in used]
-        h = b.experts(rows, [self.experts[i].gate_up for i in used], sizes, gated=True)
-        y = b.experts(h, [self.experts[i].down for i in used], sizes, gated=False)
+        if self.swiglu is not None:
+            by_row = chosen.flatten().index_select(0, order)
+            y = gpt_oss.experts_forward(self, rows, by_row, used, sizes)
+        else:
+            h = b.experts(rows, [self.experts[i].gate_up for i in used], sizes, gated=True)
+            y = b.experts(h, [self.experts[i].down for i in used], sizes, gated=False)
         y = y * weights.flatten().index_select(0, order)[:, None]
         out = torch.empty_like(y).index_copy_(0, order, y).view(t, k, -1).sum(dim=1)
         if self.has_shared:

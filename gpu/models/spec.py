@@ -27,7 +27,13 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     "Qwen3MoeForCausalLM": {"qk_norm": True, "moe": True},
     # Qwen2's attention (Q/K/V biases) over a mixture with one shared expert beside it
     "Qwen2MoeForCausalLM": {"qk_norm": False, "qkv_bias": True, "moe": True},
+    # gpt-oss: every other layer sliding, attention sinks and biases, a mixture of experts with
+    # a router bias, biased experts and a clamped SwiGLU (gpu/models/gpt_oss.py)
+    "GptOssForCausalLM": {"qk_norm": False, "moe": True, "gpt_oss": True},
 }
+# Architectures whose O projection has no bias even where the config sets attention_bias (it
+# sets their Q/K/V biases alone)
+NO_O_BIAS = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Phi3ForCausalLM")
 
 
 @dataclass(frozen=True)
@@ -73,6 +79,16 @@ class ModelSpec:
     norm_topk_prob: bool = False
     dense_layers: tuple[int, ...] = ()
     shared_expert_size: int = 0
+    # the O projection's bias (attention_bias, where it covers O too: Llama's, Qwen3's, ...)
+    o_bias: bool = False
+    # gpt-oss (gpu/models/gpt_oss.py): a learned logit per head in each attention softmax's sum
+    # (`sinks`), a bias on the router, and its experts' activation, (up + 1) * gate *
+    # sigmoid(alpha * gate) with gate clamped above and up on both sides at `swiglu_limit`
+    # (0: the model's hidden_act)
+    attn_sinks: bool = False
+    router_bias: bool = False
+    swiglu_limit: float = 0.0
+    swiglu_alpha: float = 0.0
 
     @classmethod
     def from_hf_config(cls, config: Any) -> ModelSpec:
@@ -99,6 +115,7 @@ class ModelSpec:
                 f"partial_rotary_factor {partial}: {rotary_dim} rotated elements of a head of "
                 f"{head_dim} (an even number, at least 2, is needed)"
             )
+        attention_bias = bool(getattr(config, "attention_bias", False))
         fields: dict[str, Any] = dict(
             architecture=arch,
             vocab_size=config.vocab_size,
@@ -110,7 +127,8 @@ class ModelSpec:
             intermediate_size=config.intermediate_size,
             rms_norm_eps=config.rms_norm_eps,
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-            qkv_bias=extra.get("qkv_bias", bool(getattr(config, "attention_bias", False))),
+            qkv_bias=extra.get("qkv_bias", attention_bias),
+            o_bias=attention_bias and arch not in NO_O_BIAS,
             mlp_bias=bool(getattr(config, "mlp_bias", False)),
             qk_norm=extra["qk_norm"],
             hidden_act=getattr(config, "hidden_act", "silu"),
@@ -122,6 +140,8 @@ class ModelSpec:
             fields.update(_gemma(config, arch))
         if extra.get("moe"):
             fields.update(_moe(config, arch))
+        if extra.get("gpt_oss"):
+            fields.update(_gpt_oss(config))
         return cls(**fields)
 
     def is_moe_layer(self, index: int) -> bool:
@@ -138,7 +158,7 @@ def _moe(config: Any, arch: str) -> dict[str, Any]:
     if not 0 < k <= experts:
         raise CheckpointError(f"{arch} with {k} experts per token of {experts}")
     n = config.num_hidden_layers
-    if arch == "MixtralForCausalLM":
+    if arch in ("MixtralForCausalLM", "GptOssForCausalLM"):  # the top k's softmax: renormalized
         size, norm, dense = config.intermediate_size, True, ()
     else:
         size = int(config.moe_intermediate_size)
@@ -153,6 +173,24 @@ def _moe(config: Any, arch: str) -> dict[str, Any]:
         norm_topk_prob=norm,
         dense_layers=dense,
         shared_expert_size=int(getattr(config, "shared_expert_intermediate_size", 0) or 0),
+    )
+
+
+def _gpt_oss(config: Any) -> dict[str, Any]:
+    """gpt-oss's fields: sliding and full layers by layer_types, sinks, the router's bias, the
+    experts' biases and clamped SwiGLU."""
+    n = config.num_hidden_layers
+    types = getattr(config, "layer_types", None) or [
+        "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)
+    ]
+    window = int(getattr(config, "sliding_window", 0) or 0)
+    return dict(
+        layer_windows=tuple(window if t == "sliding_attention" else 0 for t in types),
+        attn_sinks=True,
+        router_bias=True,
+        mlp_bias=True,
+        swiglu_limit=float(config.swiglu_limit),
+        swiglu_alpha=float(config.swiglu_alpha),
     )
 
 

@@ -48,6 +48,7 @@ struct Args {
     int64_t sliding_window;  // 0: none
     int64_t num_threads;
     float softcap;  // Gemma 2's: each score becomes softcap * tanh(score / softcap) (0: none)
+    const float* sinks;  // gpt-oss's: per head, a logit in each softmax's sum only (or null)
 };
 
 // exp's argument is kept above -80 (e^-80 = 1.8e-35: next to a softmax sum of at least 1 it
@@ -198,6 +199,10 @@ void run_item(const Args& a, int64_t seq, int64_t row0, int64_t row1, std::vecto
         float m = s[lo];
 #pragma omp simd reduction(max : m)
         for (int64_t t = lo; t < hi; ++t) m = m > s[t] ? m : s[t];
+        // A sink takes its share of the row's probability and gives no value (a split row's
+        // sink is counted once, in the merge).
+        const bool has_sink = a.sinks && !part;  // (no infinities: built with -ffast-math)
+        if (has_sink) m = std::max(m, a.sinks[i / nrows]);
         float sum = 0.f;
         for (int64_t t = lo_min; t < lo; ++t) s[t] = 0.f;
 #pragma omp simd reduction(+ : sum)
@@ -206,6 +211,7 @@ void run_item(const Args& a, int64_t seq, int64_t row0, int64_t row1, std::vecto
             sum += s[t];
         }
         for (int64_t t = hi; t < hi_max; ++t) s[t] = 0.f;
+        if (has_sink) sum += std::exp(std::max(a.sinks[i / nrows] - m, kExpFloor));
         if (part) {  // normalized in the merge, with the other parts' maxima and sums
             part->max[i] = m;
             part->sum[i] = sum;
@@ -266,8 +272,9 @@ void merge_parts(const Args& a, int64_t token, const float* acc, const float* ma
     for (int64_t h = 0; h < H; ++h) {
         float m = max[h];
         for (int64_t p = 1; p < parts; ++p) m = std::max(m, max[p * H + h]);
+        if (a.sinks) m = std::max(m, a.sinks[h]);
         std::fill(o.begin(), o.end(), 0.f);
-        float l = 0.f;
+        float l = a.sinks ? std::exp(std::max(a.sinks[h] - m, kExpFloor)) : 0.f;
         for (int64_t p = 0; p < parts; ++p) {
             const float w = std::exp(std::max(max[p * H + h] - m, kExpFloor));
             l += w * sum[p * H + h];
@@ -356,11 +363,11 @@ int paged_attention(const void* query, const void* k_cache, const void* v_cache,
                     const int32_t* seq_lens, int64_t num_seqs, int64_t max_blocks,
                     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                     int64_t block_size, float scale, int64_t sliding_window, int64_t num_threads,
-                    int dtype, int cache_dtype, float softcap) {
+                    int dtype, int cache_dtype, float softcap, const float* sinks) {
     const Args a{query,       k_cache,      v_cache,  out,        block_tables,
                  query_start, seq_lens,     num_seqs, max_blocks,
                  num_heads,   num_kv_heads, head_dim, block_size, scale,
-                 sliding_window, num_threads, softcap};
+                 sliding_window, num_threads, softcap, sinks};
     switch (dtype * 3 + cache_dtype) {
         case 0: run_dim<float, float>(a); return 0;
         case 1: run_dim<float, uint16_t>(a); return 0;

@@ -95,7 +95,7 @@ Tensor gemm(const Tensor& x, const Tensor& packed, int64_t n, int64_t gated,
 Tensor paged_attention(const Tensor& query, const Tensor& k_cache, const Tensor& v_cache,
                        const Tensor& block_tables, const Tensor& query_start,
                        const Tensor& seq_lens, double scale, int64_t sliding_window,
-                       double softcap) {
+                       double softcap, const std::optional<Tensor>& sinks) {
     check_cpu(query, "query");
     TORCH_CHECK_VALUE(query.dim() == 3 && query.is_contiguous(),
                       "query: needs a contiguous [tokens, heads, dim] tensor");
@@ -113,12 +113,18 @@ Tensor paged_attention(const Tensor& query, const Tensor& k_cache, const Tensor&
                       kv_heads, " KV heads");
     TORCH_CHECK_VALUE(sliding_window >= 0, "sliding_window must be >= 0");
     TORCH_CHECK_VALUE(softcap >= 0, "softcap must be >= 0");
+    if (sinks) {
+        check_f32(*sinks, "sinks");
+        TORCH_CHECK_VALUE(sinks->dim() == 1 && sinks->size(0) == heads && sinks->is_contiguous(),
+                          "sinks: needs a contiguous [", heads, "] tensor");
+    }
     Tensor out = at::empty_like(query);
     const int rc = weir::paged_attention(
         query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
         block_tables.data_ptr<int32_t>(), query_start.data_ptr<int32_t>(),
         seq_lens.data_ptr<int32_t>(), p.num_seqs, p.max_blocks, heads, kv_heads, dim,
-        p.block_size, float(scale), sliding_window, threads(), qt, ct, float(softcap));
+        p.block_size, float(scale), sliding_window, threads(), qt, ct, float(softcap),
+        sinks ? sinks->data_ptr<float>() : nullptr);
     TORCH_CHECK(rc == 0, "cpu attention kernel failed (", rc, ")");
     return out;
 }
@@ -203,7 +209,7 @@ TORCH_LIBRARY(weir, m) {
           &gemm);
     m.def("paged_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
           "Tensor query_start, Tensor seq_lens, float scale, int sliding_window, "
-          "float softcap=0.0) -> Tensor",
+          "float softcap=0.0, Tensor? sinks=None) -> Tensor",
           &paged_attention);
     m.def("argmax(Tensor logits) -> Tensor", &argmax);
     m.def("apply_token_bitmask_(Tensor(a!) logits, Tensor rows, Tensor mask) -> ()",

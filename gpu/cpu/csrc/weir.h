@@ -93,14 +93,16 @@ void gemm(const float* x, int64_t m, int64_t k, int64_t x_stride, const float* p
 // ---- paged attention (attention.cpp) ----
 // query/out [tokens, heads, dim] of `dtype`; caches [blocks, block_size, kv_heads, dim] of
 // `cache_dtype` (the query's, or 16-bit under a float32 query); block_tables [seqs, max_blocks];
-// query_start [seqs + 1]; seq_lens [seqs]; softcap: Gemma 2's cap on the scores (0: none).
+// query_start [seqs + 1]; seq_lens [seqs]; softcap: Gemma 2's cap on the scores (0: none);
+// sinks: gpt-oss's [heads] float32 logits, each in its head's softmax sums only (null: none).
 // Returns 0, or -1 for a dtype pair not offered.
 int paged_attention(const void* query, const void* k_cache, const void* v_cache, void* out,
                     const int32_t* block_tables, const int32_t* query_start,
                     const int32_t* seq_lens, int64_t num_seqs, int64_t max_blocks,
                     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                     int64_t block_size, float scale, int64_t sliding_window, int64_t num_threads,
-                    int dtype, int cache_dtype, float softcap = 0.f);
+                    int dtype, int cache_dtype, float softcap = 0.f,
+                    const float* sinks = nullptr);
 
 // ---- sampling (sample.cpp, mask.cpp) ----
 // out[r] = the index torch.argmax gives for row r (first of equal maxima; NaN above all).

@@ -1,0 +1,118 @@
+"""gpt-oss (GptOssForCausalLM) as transformers computes it, where it differs from the decoder's
+other models: the pieces `moe.py`, `decoder.py` and the loader take from here.
+
+- Attention: Q/K/V and O with biases; a learned logit per head ("sinks") joins each softmax's
+  sum and gives no value (the attention backends' `sinks`); every other layer sliding.
+- The mixture: the router has a bias; the softmax of the top k logits weights the chosen
+  experts (the renormalized softmax the mixture already computes); each expert's products have
+  biases and its activation is a clamped SwiGLU, (up + 1) * gate * sigmoid(alpha * gate), gate
+  clamped above at the limit and up on both sides (`swiglu`).
+- The checkpoint holds each layer's experts fused: `mlp.experts.gate_up_proj` [E, hidden,
+  2 * inter] (input-major, gate and up interleaved by column), `gate_up_proj_bias` [E, 2 * inter],
+  `down_proj` [E, inter, hidden], `down_proj_bias` [E, hidden], and `mlp.router` for the router.
+  `expert_tensors` cuts them into each expert's gate_proj / up_proj / down_proj weights ([out,
+  in], as the modules load them) and biases; OpenAI's released files hold the experts' weights
+  in MXFP4 (`_blocks` and `_scales`, gpu/quant/mxfp4.py), dequantized first.
+- The experts' gate and up run as one plain product (the backends' gated pairs know SiLU and
+  GELU, not this activation), their biases kept apart and added by each row's expert
+  (`prepare_experts`), so every weight format a product takes serves them.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from core.config import CheckpointError
+from gpu.quant import mxfp4
+
+FUSED_EXPERTS = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)(_bias)?$")
+MXFP4_PART = re.compile(r"^(.*\.mlp\.experts\.(?:gate_up_proj|down_proj))_(blocks|scales)$")
+
+
+def checkpoint_name(name: str) -> str:
+    """gpt-oss's router (`mlp.router`) under the mixture's name for it (`mlp.gate`)."""
+    return name.replace(".mlp.router.", ".mlp.gate.")
+
+
+def is_experts_tensor(name: str) -> bool:
+    return FUSED_EXPERTS.match(name) is not None or MXFP4_PART.match(name) is not None
+
+
+class Experts:
+    """Reads a checkpoint's fused experts tensors (`add`, as the loader meets them, in any
+    order across files): each expert's tensors, named as the modules load them."""
+
+    def __init__(self) -> None:
+        self.halves: dict[str, dict[str, torch.Tensor]] = {}  # MXFP4's blocks or scales so far
+
+    def add(self, name: str, value: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        found = MXFP4_PART.match(name)
+        if found is None:
+            return _cut(name, value, transposed=True)
+        fused, half = found.groups()
+        got = self.halves.setdefault(fused, {})
+        got[half] = value
+        if len(got) < 2:
+            return []
+        del self.halves[fused]
+        # [E, out, G, 16] -> [E, out, in]: each expert's weight as a module holds it
+        return _cut(fused, mxfp4.dequantize(got["blocks"], got["scales"]), transposed=False)
+
+    def check_complete(self) -> None:
+        for fused, got in self.halves.items():
+            missing = "scales" if "blocks" in got else "blocks"
+            raise CheckpointError(f"{fused}: MXFP4 {next(iter(got))} without its {missing}")
+
+
+def _cut(name: str, value: torch.Tensor, transposed: bool) -> list[tuple[str, torch.Tensor]]:
+    """[E, ...] -> each expert's weight [out, in] (`transposed`: stored [in, out], as the bf16
+    parameters are) or bias; gate/up's rows (or bias) alternate gate, up."""
+    prefix, kind, bias = FUSED_EXPERTS.match(name).groups()
+    out = []
+    for e in range(value.shape[0]):
+        t = value[e].t() if transposed and not bias else value[e]
+        what = "bias" if bias else "weight"
+        if kind == "down_proj":
+            out.append((f"{prefix}.{e}.down_proj.{what}", t.contiguous()))
+            continue
+        out.append((f"{prefix}.{e}.gate_proj.{what}", t[0::2].contiguous()))
+        out.append((f"{prefix}.{e}.up_proj.{what}", t[1::2].contiguous()))
+    return out
+
+
+def prepare_experts(backend, experts) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each expert's gate and up as one plain product (gate's outputs first) and down as one, in
+    the backend's form; their biases apart: (gate/up's [E, 2 inter], down's [E, hidden])."""
+    gate_up, down = [], []
+    for expert in experts:
+        (wg, bg), (wu, bu), (wd, bd) = (
+            expert.gate_proj.take(),
+            expert.up_proj.take(),
+            expert.down_proj.take(),
+        )
+        expert.gate_up = backend.prepare_stacked([(wg, None), (wu, None)])
+        expert.down = backend.prepare_linear(wd, None)
+        del expert.gate_proj, expert.up_proj, expert.down_proj
+        gate_up.append(torch.cat([bg, bu]))
+        down.append(bd)
+    return torch.stack(gate_up), torch.stack(down)
+
+
+def swiglu(h: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
+    """gpt-oss's activation of [rows, 2 inter] (gate's half first, then up's)."""
+    gate, up = h.chunk(2, dim=-1)
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+def experts_forward(moe, rows: torch.Tensor, experts: torch.Tensor, used, sizes) -> torch.Tensor:
+    """The chosen experts' outputs for `rows` (ordered by expert; `experts`: each row's)."""
+    b = moe.backend
+    gate_up_bias, down_bias = moe.expert_biases
+    h = b.experts(rows, [moe.experts[i].gate_up for i in used], sizes, gated=False)
+    h = swiglu(h + gate_up_bias.index_select(0, experts), *moe.swiglu)
+    y = b.experts(h, [moe.experts[i].down for i in used], sizes, gated=False)
+    return y + down_bias.index_select(0, experts)

@@ -1,0 +1,146 @@
+"""gpt-oss (GptOssForCausalLM, gpu/models/gpt_oss.py) against transformers on the same random
+weights: attention sinks and biases, every other layer sliding (a window of 8 under a 30-token
+prompt), YaRN, a biased router, biased experts with the clamped SwiGLU (weights large enough to
+reach the clamp); from bf16-style fused expert tensors and from MXFP4 blocks as OpenAI's files
+hold them."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from core.config import CheckpointError, EngineConfig
+from core.request import EngineRequest, SamplingParams
+from gpu.launch import load
+from gpu.tiny_model import build_tiny_model
+from tests.test_phi3 import first_logits, prompt, transformers_run
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = build_tiny_model(tmp_path_factory.mktemp("gpt-oss") / "hf", "gpt_oss")
+    return path, transformers_run(path, prompt(30), attn_implementation="eager")
+
+
+@pytest.mark.parametrize("config", [{}, {"attention_backend": "torch"}], ids=["cpu", "torch"])
+def test_gpt_oss_matches_transformers(model, config):
+    """The logits after the prompt and six greedy tokens, on weir's CPU attention kernel and
+    on the torch reference; the layers run on the module path (the one-call stack declines)."""
+    path, (want, want_tokens) = model
+    got, tokens = first_logits(path, prompt(30), num_kv_blocks=64, **config)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert tokens == want_tokens
+
+
+def test_the_sinks_and_biases_matter(model, monkeypatch):
+    """Every layer's sinks are loaded (none zero), and without them the logits move: the
+    check above would see them dropped."""
+    path, (want, _) = model
+    from gpu.models import decoder
+
+    made = []
+    real = decoder.DecoderForCausalLM.prepare
+
+    def prepare(self):
+        real(self)
+        made.append(self)
+
+    monkeypatch.setattr(decoder.DecoderForCausalLM, "prepare", prepare)
+    first_logits(path, prompt(30), num_kv_blocks=64)
+    layers = made[-1].model.layers
+    assert all(layer.self_attn.sinks.abs().sum() > 0 for layer in layers)
+
+    def zero_sinks(self):
+        real(self)
+        for layer in self.model.layers:
+            layer.self_attn.sinks.data.zero_()
+
+    monkeypatch.setattr(decoder.DecoderForCausalLM, "prepare", zero_sinks)
+    got, _ = first_logits(path, prompt(30), num_kv_blocks=64)
+    assert (got - want).abs().max() > 1e-2
+
+
+def test_a_batch_routes_and_attends_per_sequence(model):
+    """Four prompts decoded together (each step's tokens spread over the experts and the
+    windows differently) give each prompt's greedy tokens from transformers alone."""
+    path, _ = model
+    prompts = [prompt(n)[k:] for k, n in enumerate((9, 17, 23, 31))]
+    want = [transformers_run(path, ids, attn_implementation="eager")[1] for ids in prompts]
+    core = load(EngineConfig(model=str(path), dtype="float32", device="cpu", num_kv_blocks=64)).core
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    for i, ids in enumerate(prompts):
+        core.add(EngineRequest(str(i), ids, params))
+    got = {str(i): [] for i in range(len(prompts))}
+    while core.has_work:
+        for out in core.step():
+            got[out.request_id] += out.new_token_ids
+    assert [got[str(i)] for i in range(len(prompts))] == want
+
+
+def mxfp4_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., n] float -> ([..., n / 32, 16] bytes, [..., n / 32] E8M0 scales): each block of 32
+    scaled by a power of two that brings its largest value within E2M1's 6, each value rounded
+    to the nearest code (the low nibble first)."""
+    from gpu.quant.mxfp4 import FP4_VALUES
+
+    blocks = w.float().reshape(*w.shape[:-1], -1, 32)
+    amax = blocks.abs().amax(-1).clamp(min=2.0**-100)
+    exponent = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)
+    scaled = blocks / torch.exp2(exponent)[..., None]
+    codes = (scaled[..., None] - torch.tensor(FP4_VALUES)).abs().argmin(-1).to(torch.uint8)
+    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return packed, (exponent + 127).to(torch.uint8)
+
+
+def test_mxfp4_experts_as_openais_files_hold_them(model, tmp_path):
+    """The experts' weights as MXFP4 blocks and scales ([E, out, in / 32, ...], the checkpoint's
+    quantization_config mxfp4): weir's dequantization is transformers' bit for bit, and weir on
+    that file gives transformers' logits and tokens on the same weights dequantized (by
+    transformers) into a float checkpoint."""
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from gpu.quant.mxfp4 import dequantize
+
+    path, _ = model
+    quantized, dequantized = tmp_path / "mxfp4", tmp_path / "float"
+    for folder in (quantized, dequantized):
+        shutil.copytree(path, folder)
+        (folder / "model.safetensors").unlink()
+    tensors = load_file(path / "model.safetensors")
+    q, f = {}, {}
+    for name, t in tensors.items():
+        if not name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            q[name] = f[name] = t
+            continue
+        blocks, scales = mxfp4_quantize(t.transpose(1, 2))  # [E, out, in], as the files are
+        q[name + "_blocks"], q[name + "_scales"] = blocks, scales
+        theirs = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)  # [E, in, out]
+        assert torch.equal(dequantize(blocks, scales, torch.float32), theirs.transpose(1, 2))
+        f[name] = theirs.contiguous()
+    save_file(q, quantized / "model.safetensors")
+    save_file(f, dequantized / "model.safetensors")
+    config = json.loads((quantized / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4"}
+    (quantized / "config.json").write_text(json.dumps(config))
+    want, want_tokens = transformers_run(dequantized, prompt(30), attn_implementation="eager")
+    got, tokens = first_logits(quantized, prompt(30), num_kv_blocks=64)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert tokens == want_tokens
+    # the scales without their blocks: refused by name
+    del q[next(n for n in q if n.endswith("down_proj_blocks"))]
+    save_file(q, quantized / "model.safetensors")
+    with pytest.raises(CheckpointError, match="down_proj: MXFP4 scales without its blocks"):
+        first_logits(quantized, prompt(30), num_kv_blocks=64)
+
+
+def test_what_is_refused(model):
+    """Tensor parallelism and the Triton attention kernels (no sinks yet) are refused by name."""
+    path, _ = model
+    with pytest.raises(CheckpointError, match="served on one device"):
+        load(EngineConfig(model=str(path), dtype="float32", device="cpu", tensor_parallel_size=2))
+    with pytest.raises(CheckpointError, match="--attention-backend torch"):
+        first_logits(path, prompt(8), num_kv_blocks=64, attention_backend="triton")
