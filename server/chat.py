@@ -136,7 +136,7 @@ def generation_tail(tokenizer: Any, template: str | None, prompt_text: str, req:
     if not adds_generation_prompt(req):
         return ""
     bare = render_text(
-        tokenizer, template, req.messages, False, False, req.chat_template_kwargs, req.tools
+        tokenizer, template, req.messages, False, False, template_kwargs(req), req.tools
     )
     return prompt_text[len(bare) :] if prompt_text.startswith(bare) else prompt_text
 
@@ -149,6 +149,15 @@ def adds_generation_prompt(req: Any) -> bool:
     return req.add_generation_prompt
 
 
+def template_kwargs(req: Any) -> dict[str, Any] | None:
+    """chat_template_kwargs, with the request's reasoning_effort as the template variable of
+    that name (gpt-oss's template reads it; vLLM passes it so), unless the kwargs set it."""
+    effort = getattr(req, "reasoning_effort", None)
+    if effort is None:
+        return req.chat_template_kwargs
+    return {"reasoning_effort": effort, **(req.chat_template_kwargs or {})}
+
+
 def request_text(tokenizer: Any, template: str | None, req: Any) -> str:
     """A chat or tokenize request's messages -> the prompt text, with its template options."""
     return render_text(
@@ -157,7 +166,7 @@ def request_text(tokenizer: Any, template: str | None, req: Any) -> str:
         req.messages,
         adds_generation_prompt(req),
         req.continue_final_message,
-        req.chat_template_kwargs,
+        template_kwargs(req),
         req.tools,
     )
 

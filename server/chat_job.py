@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import msgspec
+
 from core.sampling import SamplingParams
 from core.structured import Constraint
 from server import chat, reasoning, structured, tools
@@ -80,5 +82,9 @@ async def prepare_chat(
     params = sampling_params(
         st, req, req.max_completion_tokens or req.max_tokens, len(prompt), logprobs, constraint
     )
+    if getattr(thinker, "special_tokens", False) and params.skip_special_tokens:
+        # harmony's markup is special tokens: the reply is read with them, and the parser
+        # leaves none in the content
+        params = msgspec.structs.replace(params, skip_special_tokens=False)
     named = isinstance(req.tool_choice, dict)
     return ChatJob(tail, prompt, thinker, call_parser, params, req, named)

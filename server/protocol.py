@@ -150,6 +150,9 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     add_generation_prompt: bool | None = None  # None: true unless continue_final_message
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    # OpenAI's, for reasoning models: given to the chat template as `reasoning_effort` (gpt-oss's
+    # reads it), as vLLM gives it
+    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None  # none, auto, required, or a named function
     parallel_tool_calls: bool = True

@@ -11,7 +11,7 @@ from server.tool_parsers import ToolParser, ToolStream, tool_calls
 
 
 def finish_reason(reason: str | None, has_calls: bool, named: bool = False) -> str | None:
-    """"tool_calls" for a reply that ended with calls; "stop" as it is for a call the request
+    """ "tool_calls" for a reply that ended with calls; "stop" as it is for a call the request
     named (tool_choice naming a function), as OpenAI answers it and vLLM (since its #25054)."""
     return "tool_calls" if has_calls and reason == "stop" and not named else reason
 
@@ -71,6 +71,8 @@ class Reply:
         if self.thinker is None:
             return ""
         text = self.reasoning.text if text is None else text
+        if hasattr(self.thinker, "reasoning_length"):  # harmony: the content is no suffix
+            return text[: self.thinker.reasoning_length(text)]
         think, content = self.thinker.split(text, final=True)
         return "" if think is None else text[: len(text) - len(content)]
 

@@ -10,18 +10,22 @@ disagree, wherever the chunks happen to cut a marker."""
 from __future__ import annotations
 
 from server.reasoning.deepseek_r1 import DeepSeekR1Parser
+from server.reasoning.harmony import HarmonyParser
 from server.reasoning.qwen3 import Qwen3Parser
 from server.reasoning.think import ReasoningStream, ThinkParser
 
 PARSERS: dict[str, type[ThinkParser]] = {
     "qwen3": Qwen3Parser,
     "deepseek_r1": DeepSeekR1Parser,
+    "openai_gptoss": HarmonyParser,  # vLLM's name for gpt-oss's harmony format
 }
 CHOICES = (*PARSERS, "auto")
 
 
 def detect(template: str | None) -> str | None:
     """The parser a chat template's markup calls for (None: the template shows no reasoning)."""
+    if template and "<|channel|>" in template:  # harmony (gpt-oss)
+        return "openai_gptoss"
     if template and "<think>" in template and "</think>" in template:
         return "qwen3"
     return None

@@ -9,20 +9,28 @@ from server.tool_parsers.base import Call, Parsed, ToolParser
 from server.tool_parsers.hermes import HermesParser
 from server.tool_parsers.llama3_json import Llama3JsonParser
 from server.tool_parsers.mistral import MistralParser
+from server.tool_parsers.openai import OpenAIParser
 from server.tool_parsers.pythonic import PythonicParser
 from server.tool_parsers.qwen3_coder import Qwen3CoderParser
 from server.tool_parsers.stream import ToolStream, tool_calls
 
 PARSERS: dict[str, type[ToolParser]] = {
     p.name: p
-    for p in (Qwen3CoderParser, HermesParser, Llama3JsonParser, MistralParser, PythonicParser)
+    for p in (
+        Qwen3CoderParser,
+        HermesParser,
+        Llama3JsonParser,
+        MistralParser,
+        PythonicParser,
+        OpenAIParser,
+    )
 }
 CHOICES = (*PARSERS, "auto")
 
 
-# Most specific markup first: Qwen3-Coder's templates also write <tool_call>, and pythonic
-# templates may mention "parameters".
-DETECT_ORDER = ("qwen3_coder", "hermes", "mistral", "pythonic", "llama3_json")
+# Most specific markup first: harmony's (gpt-oss) special tokens, Qwen3-Coder's templates also
+# write <tool_call>, and pythonic templates may mention "parameters".
+DETECT_ORDER = ("openai", "qwen3_coder", "hermes", "mistral", "pythonic", "llama3_json")
 
 
 def detect(template: str | None) -> str | None:
