@@ -137,10 +137,20 @@ def test_mxfp4_experts_as_openais_files_hold_them(model, tmp_path):
         first_logits(quantized, prompt(30), num_kv_blocks=64)
 
 
-def test_what_is_refused(model):
-    """Tensor parallelism and the Triton attention kernels (no sinks yet) are refused by name."""
+def test_on_the_cuda_backend(tmp_path, monkeypatch):
+    """The CUDA backend's kernels (Triton's interpreter here: the sinks in the prefill and
+    decode kernels, a window of 8 under a 12-token prompt), the experts run eagerly."""
+    from tests.test_phi3 import use_cuda_backend
+
+    path = build_tiny_model(tmp_path / "hf", "gpt_oss", num_layers=2)
+    want, want_tokens = transformers_run(path, prompt(12), attn_implementation="eager")
+    config = use_cuda_backend(monkeypatch)
+    got, tokens = first_logits(path, prompt(12), num_kv_blocks=64, **config)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert tokens == want_tokens
+
+
+def test_tensor_parallelism_is_refused_by_name(model):
     path, _ = model
     with pytest.raises(CheckpointError, match="served on one device"):
         load(EngineConfig(model=str(path), dtype="float32", device="cpu", tensor_parallel_size=2))
-    with pytest.raises(CheckpointError, match="--attention-backend torch"):
-        first_logits(path, prompt(8), num_kv_blocks=64, attention_backend="triton")

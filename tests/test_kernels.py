@@ -100,6 +100,39 @@ def test_soft_capped_scores_match_the_reference(window):
     assert (got - plain).abs().max() > 1e-2
 
 
+@pytest.mark.parametrize("splits", [1, 4])
+def test_sinks_match_the_reference(splits):
+    # gpt-oss's sinks (a logit per head in each softmax's sum): prefill tiles with a window,
+    # decodes whole and split over the context (the sink counted once, in the reduce)
+    specs = batch_specs(16) + [(1, 300)]
+    query, k_cache, v_cache, meta = make_batch(specs, 16, 4, 2, 64, torch.float32, seed=6)
+    sinks = torch.tensor([-2.0, 0.5, 3.0, 6.0], device=query.device)
+    want = TorchAttention().forward(query * 4, k_cache, v_cache, meta, 0.125, 20, sinks=sinks)
+    got = TritonAttention().forward(query * 4, k_cache, v_cache, meta, 0.125, 20, sinks=sinks)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    decoded = torch.full_like(query, float("nan"))
+    decode_attention(
+        decoded,
+        query * 4,
+        k_cache,
+        v_cache,
+        meta.block_tables,
+        meta.query_start_loc,
+        meta.seq_lens,
+        meta.decode_seq_ids,
+        meta.max_decode_seq_len,
+        0.125,
+        20,
+        sinks=sinks,
+        num_splits=splits,
+    )
+    rows = torch.tensor(meta.decode_seq_ids_cpu, device=query.device)
+    starts = meta.query_start_loc[rows].long()
+    torch.testing.assert_close(decoded[starts], want[starts], atol=1e-4, rtol=1e-4)
+    plain = TorchAttention().forward(query * 4, k_cache, v_cache, meta, 0.125, 20)
+    assert (got - plain).abs().max() > 1e-2  # the sinks changed the result
+
+
 @pytest.mark.parametrize("splits", [1, 2, 4, 8])
 def test_split_kv_decode_matches_reference(splits):
     specs = [(1, 300), (1, 17), (1, 64)]  # some splits of the short ones are empty

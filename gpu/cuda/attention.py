@@ -13,6 +13,7 @@ from gpu.cuda.kernels.store_kv import store_kv
 class TritonAttention:
     name = "triton"
     graph_safe = True
+    sinks = True  # gpt-oss's attention sinks (forward's `sinks`)
 
     def write_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
         store_kv(key.contiguous(), value.contiguous(), k_cache, v_cache, slot_mapping)
@@ -26,8 +27,11 @@ class TritonAttention:
         scale: float,
         sliding_window: int = 0,
         softcap: float = 0.0,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         query = query.contiguous()
+        if sinks is not None:
+            sinks = sinks.float().contiguous()
         out = torch.empty_like(query)
         if meta.decode_seq_ids_cpu:
             decode_attention(
@@ -43,6 +47,7 @@ class TritonAttention:
                 scale,
                 sliding_window,
                 softcap=softcap,
+                sinks=sinks,
             )
         if meta.prefill_seq_ids_cpu:
             prefill_attention(
@@ -58,5 +63,6 @@ class TritonAttention:
                 scale,
                 sliding_window,
                 softcap=softcap,
+                sinks=sinks,
             )
         return out

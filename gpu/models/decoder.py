@@ -43,7 +43,7 @@ class Attention(nn.Module):
             if not getattr(backend.attention, "sinks", False):
                 raise CheckpointError(
                     f"{spec.architecture}'s attention sinks: the {backend.attention.name} "
-                    "attention kernels have none yet; serve it with --attention-backend torch"
+                    "attention backend has none"
                 )
             self.sinks = nn.Parameter(torch.zeros(spec.num_heads))
         if spec.qk_norm:

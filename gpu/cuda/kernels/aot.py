@@ -15,12 +15,15 @@ import sys
 
 CASES = [  # (kernel, dtype, head_dim or size, extra constexprs)
     ("store", "bf16", 128, {}),
-    ("prefill", "bf16", 128, {"SLIDING": False, "SOFTCAP": False}),
-    ("prefill", "fp32", 64, {"SLIDING": True, "SOFTCAP": True}),  # Gemma 2's capped scores
-    ("decode", "bf16", 128, {"NUM_SPLITS": 1, "SLIDING": False, "SOFTCAP": False}),
-    ("decode", "bf16", 256, {"NUM_SPLITS": 8, "SLIDING": False, "SOFTCAP": True}),
-    ("decode", "fp16", 64, {"NUM_SPLITS": 4, "SLIDING": True, "SOFTCAP": False}),
-    ("reduce", "bf16", 128, {"NUM_SPLITS": 8}),
+    ("prefill", "bf16", 128, {"SLIDING": False, "SOFTCAP": False, "SINKS": False}),
+    ("prefill", "bf16", 64, {"SLIDING": True, "SOFTCAP": False, "SINKS": True}),  # gpt-oss's
+    ("prefill", "fp32", 64, {"SLIDING": True, "SOFTCAP": True, "SINKS": False}),  # Gemma 2's
+    ("decode", "bf16", 128, {"NUM_SPLITS": 1, "SLIDING": False, "SOFTCAP": False, "SINKS": False}),
+    ("decode", "bf16", 256, {"NUM_SPLITS": 8, "SLIDING": False, "SOFTCAP": True, "SINKS": False}),
+    ("decode", "fp16", 64, {"NUM_SPLITS": 4, "SLIDING": True, "SOFTCAP": False, "SINKS": False}),
+    ("decode", "bf16", 64, {"NUM_SPLITS": 1, "SLIDING": True, "SOFTCAP": False, "SINKS": True}),
+    ("reduce", "bf16", 128, {"NUM_SPLITS": 8, "SINKS": False}),
+    ("reduce", "bf16", 64, {"NUM_SPLITS": 4, "SINKS": True}),
     # the CUDA backend's fused kernels; "size" is the hidden or intermediate size for the norm
     # and the activation, and "fp32/bf16" a float32 model over a bfloat16 cache
     ("rms_norm", "bf16", 1024, {"ADD": True}),
@@ -163,6 +166,7 @@ def compile_case(kind: str, dtype: str, head_dim: int, extra: dict, arch: int) -
             query_start_ptr=i32,
             seq_lens_ptr=i32,
             seq_ids_ptr=i32,
+            sinks_ptr="*fp32",
         )
         consts = dict(
             HEAD_DIM=head_dim,
@@ -185,6 +189,7 @@ def compile_case(kind: str, dtype: str, head_dim: int, extra: dict, arch: int) -
             query_start_ptr=i32,
             seq_lens_ptr=i32,
             seq_ids_ptr=i32,
+            sinks_ptr="*fp32",
         )
         consts = dict(
             HEAD_DIM=head_dim,
@@ -202,6 +207,7 @@ def compile_case(kind: str, dtype: str, head_dim: int, extra: dict, arch: int) -
             part_lse_ptr="*fp32",
             query_start_ptr=i32,
             seq_ids_ptr=i32,
+            sinks_ptr="*fp32",
         )
         consts = dict(HEAD_DIM=head_dim, HEAD_PAD=head_dim, SPLITS_PAD=extra["NUM_SPLITS"])
     consts.update(extra)

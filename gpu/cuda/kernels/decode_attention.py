@@ -8,7 +8,14 @@ import torch
 import triton
 import triton.language as tl
 
-from gpu.cuda.kernels.paged_attention import _attend, _check, _kv_offsets, _precision, _upcast
+from gpu.cuda.kernels.paged_attention import (
+    _attend,
+    _check,
+    _kv_offsets,
+    _precision,
+    _upcast,
+    _with_sink,
+)
 
 
 @triton.jit
@@ -25,6 +32,7 @@ def _decode_kernel(
     seq_ids_ptr,
     scale,
     softcap,
+    sinks_ptr,
     q_stride_t,
     q_stride_h,
     o_stride_t,
@@ -46,6 +54,7 @@ def _decode_kernel(
     UPCAST: tl.constexpr,
     SLIDING: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    SINKS: tl.constexpr,
 ):
     i = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -107,6 +116,9 @@ def _decode_kernel(
             SOFTCAP,
         )
 
+    if SINKS and NUM_SPLITS == 1:  # (split: counted once, in the reduce)
+        sink = tl.load(sinks_ptr + heads, mask=g_mask, other=0.0).to(tl.float32)
+        l_i, acc = _with_sink(m_i, l_i, acc, sink)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     mask = g_mask[:, None] & d_mask[None, :]
     if NUM_SPLITS == 1:
@@ -130,6 +142,7 @@ def _reduce_kernel(
     part_lse_ptr,
     query_start_ptr,
     seq_ids_ptr,
+    sinks_ptr,
     o_stride_t,
     o_stride_h,
     num_heads,
@@ -137,6 +150,7 @@ def _reduce_kernel(
     HEAD_PAD: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
+    SINKS: tl.constexpr,
 ):
     i = tl.program_id(0)
     head = tl.program_id(1)
@@ -148,6 +162,9 @@ def _reduce_kernel(
     base = (i * num_heads + head) * NUM_SPLITS
     lse = tl.load(part_lse_ptr + base + offs_s, mask=s_mask, other=float("-inf"))
     m = tl.max(lse, axis=0)
+    if SINKS:
+        sink = tl.load(sinks_ptr + head).to(tl.float32)
+        m = tl.maximum(m, sink)
     w = tl.exp(lse - m)
     w = tl.where(s_mask, w, 0.0)
     parts = tl.load(
@@ -155,7 +172,10 @@ def _reduce_kernel(
         mask=s_mask[:, None] & (offs_d[None, :] < HEAD_DIM),
         other=0.0,
     )
-    out = tl.sum(parts * w[:, None], axis=0) / tl.sum(w, axis=0)
+    total = tl.sum(w, axis=0)
+    if SINKS:
+        total += tl.exp(sink - m)
+    out = tl.sum(parts * w[:, None], axis=0) / total
     tl.store(
         out_ptr + row * o_stride_t + head * o_stride_h + offs_d,
         out.to(out_ptr.dtype.element_ty),
@@ -191,6 +211,7 @@ def decode_attention(
     scale: float,
     sliding_window: int = 0,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
     num_splits: int | None = None,
     block_n: int = 64,
     num_sms: int | None = None,
@@ -231,6 +252,7 @@ def decode_attention(
         seq_ids,
         scale,
         float(softcap) or 1.0,
+        out if sinks is None else sinks,
         query.stride(0),
         query.stride(1),
         out.stride(0),
@@ -252,6 +274,7 @@ def decode_attention(
         UPCAST=_upcast(query.dtype),
         SLIDING=sliding_window > 0,
         SOFTCAP=softcap > 0,
+        SINKS=sinks is not None,
     )
     if num_splits > 1:
         _reduce_kernel[(n, heads)](
@@ -260,6 +283,7 @@ def decode_attention(
             part_lse,
             query_start_loc,
             seq_ids,
+            out if sinks is None else sinks,
             out.stride(0),
             out.stride(1),
             heads,
@@ -267,4 +291,5 @@ def decode_attention(
             HEAD_PAD=head_pad,
             NUM_SPLITS=num_splits,
             SPLITS_PAD=triton.next_power_of_2(num_splits),
+            SINKS=sinks is not None,
         )

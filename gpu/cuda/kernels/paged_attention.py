@@ -96,6 +96,15 @@ def _attend(
     return m_new, l_i, acc
 
 
+@triton.jit
+def _with_sink(m_i, l_i, acc, sink):
+    """Fold gpt-oss's sink (a logit with no value) into a finished online softmax: it takes its
+    share of the sum, none of the output. Returns (l_i, acc) rescaled to the new maximum."""
+    m_new = tl.maximum(m_i, sink)
+    alpha = tl.exp(m_i - m_new)
+    return l_i * alpha + tl.exp(sink - m_new), acc * alpha[:, None]
+
+
 def _check(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, seq_ids):
     if query.dim() != 3:
         raise ValueError(f"query must be [tokens, heads, head_dim], got {tuple(query.shape)}")

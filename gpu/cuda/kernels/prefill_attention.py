@@ -6,7 +6,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from gpu.cuda.kernels.paged_attention import _attend, _check, _kv_offsets, _precision, _upcast
+from gpu.cuda.kernels.paged_attention import (
+    _attend,
+    _check,
+    _kv_offsets,
+    _precision,
+    _upcast,
+    _with_sink,
+)
 
 
 @triton.jit
@@ -21,6 +28,7 @@ def _prefill_kernel(
     seq_ids_ptr,
     scale,
     softcap,
+    sinks_ptr,
     q_stride_t,
     q_stride_h,
     o_stride_t,
@@ -40,6 +48,7 @@ def _prefill_kernel(
     UPCAST: tl.constexpr,
     SLIDING: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    SINKS: tl.constexpr,
 ):
     seq = tl.load(seq_ids_ptr + tl.program_id(0))
     head = tl.program_id(1)
@@ -105,6 +114,9 @@ def _prefill_kernel(
                 UPCAST,
                 SOFTCAP,
             )
+        if SINKS:
+            sink = tl.load(sinks_ptr + head).to(tl.float32)
+            l_i, acc = _with_sink(m_i, l_i, acc, sink)
         acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(
             out_ptr + rows[:, None] * o_stride_t + head * o_stride_h + offs_d[None, :],
@@ -126,6 +138,7 @@ def prefill_attention(
     scale: float,
     sliding_window: int = 0,
     softcap: float = 0.0,
+    sinks=None,
     block_m: int = 16,
     block_n: int = 32,
 ) -> None:
@@ -147,6 +160,7 @@ def prefill_attention(
         seq_ids,
         scale,
         float(softcap) or 1.0,
+        out if sinks is None else sinks,
         query.stride(0),
         query.stride(1),
         out.stride(0),
@@ -166,4 +180,5 @@ def prefill_attention(
         UPCAST=_upcast(query.dtype),
         SLIDING=sliding_window > 0,
         SOFTCAP=softcap > 0,
+        SINKS=sinks is not None,
     )
