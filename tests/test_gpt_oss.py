@@ -97,13 +97,16 @@ def mxfp4_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def test_mxfp4_experts_as_openais_files_hold_them(model, tmp_path):
     """The experts' weights as MXFP4 blocks and scales ([E, out, in / 32, ...], the checkpoint's
-    quantization_config mxfp4): weir's dequantization is transformers' bit for bit, and weir on
-    that file gives transformers' logits and tokens on the same weights dequantized (by
-    transformers) into a float checkpoint."""
+    quantization_config mxfp4): weir's dequantization, and the Q8_0 blocks it serves them as,
+    are transformers' dequantization bit for bit; weir on that file is close to transformers on
+    the same weights dequantized (by transformers) into a float checkpoint: the same top token
+    and first greedy tokens, the logits within the Q8_0 kernels' 8-bit activations (as
+    llama.cpp's are) of them."""
+    import gguf
     from safetensors.torch import load_file, save_file
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-    from gpu.quant.mxfp4 import dequantize
+    from gpu.quant.mxfp4 import dequantize, to_q8_0
 
     path, _ = model
     quantized, dequantized = tmp_path / "mxfp4", tmp_path / "float"
@@ -120,6 +123,9 @@ def test_mxfp4_experts_as_openais_files_hold_them(model, tmp_path):
         q[name + "_blocks"], q[name + "_scales"] = blocks, scales
         theirs = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)  # [E, in, out]
         assert torch.equal(dequantize(blocks, scales, torch.float32), theirs.transpose(1, 2))
+        rows = to_q8_0(blocks.numpy(), scales.numpy())
+        q8 = gguf.quants.dequantize(rows, gguf.GGMLQuantizationType.Q8_0)
+        assert torch.equal(torch.from_numpy(q8), theirs.transpose(1, 2))
         f[name] = theirs.contiguous()
     save_file(q, quantized / "model.safetensors")
     save_file(f, dequantized / "model.safetensors")
@@ -128,8 +134,8 @@ def test_mxfp4_experts_as_openais_files_hold_them(model, tmp_path):
     (quantized / "config.json").write_text(json.dumps(config))
     want, want_tokens = transformers_run(dequantized, prompt(30), attn_implementation="eager")
     got, tokens = first_logits(quantized, prompt(30), num_kv_blocks=64)
-    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
-    assert tokens == want_tokens
+    assert got.argmax() == want.argmax() and (got - want).abs().mean() < 0.05 * want.std()
+    assert tokens[:2] == want_tokens[:2]
     # the scales without their blocks: refused by name
     del q[next(n for n in q if n.endswith("down_proj_blocks"))]
     save_file(q, quantized / "model.safetensors")

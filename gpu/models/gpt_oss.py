@@ -12,7 +12,7 @@ other models: the pieces `moe.py`, `decoder.py` and the loader take from here.
   `down_proj` [E, inter, hidden], `down_proj_bias` [E, hidden], and `mlp.router` for the router.
   `expert_tensors` cuts them into each expert's gate_proj / up_proj / down_proj weights ([out,
   in], as the modules load them) and biases; OpenAI's released files hold the experts' weights
-  in MXFP4 (`_blocks` and `_scales`, gpu/quant/mxfp4.py), dequantized first.
+  in MXFP4 (`_blocks` and `_scales`, gpu/quant/mxfp4.py), served as Q8_0 blocks (exact).
 - The experts' gate and up run as one plain product (the backends' gated pairs know SiLU and
   GELU, not this activation), their biases kept apart and added by each row's expert
   (`prepare_experts`), so every weight format a product takes serves them.
@@ -21,11 +21,15 @@ other models: the pieces `moe.py`, `decoder.py` and the loader take from here.
 from __future__ import annotations
 
 import re
+from typing import Any
 
+import numpy as np
 import torch
 
 from core.config import CheckpointError
 from gpu.quant import mxfp4
+from gpu.quant.formats import FORMATS
+from gpu.quant.tensor import BlockTensor
 
 FUSED_EXPERTS = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)(_bias)?$")
 MXFP4_PART = re.compile(r"^(.*\.mlp\.experts\.(?:gate_up_proj|down_proj))_(blocks|scales)$")
@@ -57,8 +61,15 @@ class Experts:
         if len(got) < 2:
             return []
         del self.halves[fused]
-        # [E, out, G, 16] -> [E, out, in]: each expert's weight as a module holds it
-        return _cut(fused, mxfp4.dequantize(got["blocks"], got["scales"]), transposed=False)
+        # [E, out, G, 16] -> each expert's [out, in] weight as Q8_0 blocks (exact, mxfp4.py)
+        blocks, scales = got["blocks"], got["scales"]
+        if blocks.dtype != torch.uint8 or blocks.shape[:-1] != scales.shape:
+            raise CheckpointError(f"{fused}: MXFP4 blocks {tuple(blocks.shape)} and scales "
+                                  f"{tuple(scales.shape)} do not match")  # fmt: skip
+        rows = mxfp4.to_q8_0(blocks.numpy(), scales.numpy())
+        n, k = blocks.shape[1], blocks.shape[2] * 32
+        q8 = FORMATS["q8_0"]
+        return _cut(fused, [BlockTensor(rows[e], q8, (n, k)) for e in range(len(rows))], False)
 
     def check_complete(self) -> None:
         for fused, got in self.halves.items():
@@ -66,20 +77,28 @@ class Experts:
             raise CheckpointError(f"{fused}: MXFP4 {next(iter(got))} without its {missing}")
 
 
-def _cut(name: str, value: torch.Tensor, transposed: bool) -> list[tuple[str, torch.Tensor]]:
-    """[E, ...] -> each expert's weight [out, in] (`transposed`: stored [in, out], as the bf16
-    parameters are) or bias; gate/up's rows (or bias) alternate gate, up."""
+def _cut(name: str, value, transposed: bool) -> list[tuple[str, Any]]:
+    """[E, ...] (a tensor, or a list of each expert's BlockTensor) -> each expert's weight [out,
+    in] (`transposed`: stored [in, out], as the bf16 parameters are) or bias; gate/up's rows (or
+    bias) alternate gate, up."""
     prefix, kind, bias = FUSED_EXPERTS.match(name).groups()
     out = []
-    for e in range(value.shape[0]):
+    for e in range(len(value)):
         t = value[e].t() if transposed and not bias else value[e]
         what = "bias" if bias else "weight"
         if kind == "down_proj":
-            out.append((f"{prefix}.{e}.down_proj.{what}", t.contiguous()))
+            out.append((f"{prefix}.{e}.down_proj.{what}", _rows(t, None)))
             continue
-        out.append((f"{prefix}.{e}.gate_proj.{what}", t[0::2].contiguous()))
-        out.append((f"{prefix}.{e}.up_proj.{what}", t[1::2].contiguous()))
+        out.append((f"{prefix}.{e}.gate_proj.{what}", _rows(t, 0)))
+        out.append((f"{prefix}.{e}.up_proj.{what}", _rows(t, 1)))
     return out
+
+
+def _rows(t, start: int | None):
+    """Every row of `t` (start None), or every other one from `start`, as its own copy."""
+    if isinstance(t, BlockTensor):
+        return t if start is None else t.take_rows(np.arange(start, t.shape[0], 2))
+    return (t if start is None else t[start::2]).contiguous()
 
 
 def prepare_experts(backend, experts) -> tuple[torch.Tensor, torch.Tensor]:

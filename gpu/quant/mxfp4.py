@@ -1,10 +1,17 @@
 """MXFP4 (the OCP microscaling format gpt-oss's experts ship in): blocks of 32 FP4 (E2M1) values
 sharing one power-of-two scale. A checkpoint's `*_blocks` hold [..., G, 16] bytes, two values a
 byte (the low nibble first), and `*_scales` [..., G] bytes, each scale 2^(byte - 127) (E8M0).
-Dequantized exactly: every value is a bfloat16 (and float32) number."""
+Dequantized exactly: every value is a bfloat16 (and float32) number.
+
+Served on weir's kernels as Q8_0 (`to_q8_0`), also exactly: twice an E2M1 value is an integer
+of at most 12, so a block is 32 int8 values over the scale 2^(byte - 128), which float16 holds
+for scale bytes 104..143 (and up to 146, the integers doubled up to three times): every real
+weight's. A block outside that range is rounded (its values then below 3e-7 or above 3e6).
+Q8_0 reads 34 bytes a block where MXFP4 reads 17, and half of bfloat16's 64."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from core.config import CheckpointError
@@ -45,3 +52,26 @@ def dequantize(
     exponent = scales.to(torch.int32) - 127
     values = torch.ldexp(values.flatten(-2), exponent[..., None])  # [..., G, 32]
     return values.flatten(-2).to(dtype)
+
+
+DOUBLED = np.array([2 * v for v in FP4_VALUES], dtype=np.int8)  # exact integers
+
+
+def to_q8_0(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """[..., G, 16] bytes and [..., G] scales -> Q8_0 rows [..., G * 34] (gpu/quant/formats.py:
+    each block a float16 scale, then 32 int8 values), the same values where float16 holds the
+    scale."""
+    codes = np.stack([blocks & 0x0F, blocks >> 4], axis=-1).reshape(*blocks.shape[:-1], 32)
+    q = DOUBLED[codes]
+    exponent = scales.astype(np.int32) - 128
+    outside = (exponent < -24) | (exponent > 15)  # past float16's scales: the integers move
+    if outside.any():
+        clamped = np.clip(exponent, -24, 15)
+        shift = (exponent - clamped)[..., None].astype(np.float32)
+        q = np.clip(np.round(q * np.exp2(shift)), -127, 127).astype(np.int8)
+        exponent = clamped
+    d = np.ldexp(np.float32(1.0), exponent).astype(np.float16)
+    out = np.empty((*blocks.shape[:-1], 34), dtype=np.uint8)
+    out[..., :2] = d[..., None].view(np.uint8)
+    out[..., 2:] = q.view(np.uint8)
+    return out.reshape(*blocks.shape[:-2], blocks.shape[-2] * 34)
