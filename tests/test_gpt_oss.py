@@ -6,7 +6,6 @@ hold them."""
 
 from __future__ import annotations
 
-import json
 import shutil
 
 import pytest
@@ -80,21 +79,6 @@ def test_a_batch_routes_and_attends_per_sequence(model):
     assert [got[str(i)] for i in range(len(prompts))] == want
 
 
-def mxfp4_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[..., n] float -> ([..., n / 32, 16] bytes, [..., n / 32] E8M0 scales): each block of 32
-    scaled by a power of two that brings its largest value within E2M1's 6, each value rounded
-    to the nearest code (the low nibble first)."""
-    from gpu.quant.mxfp4 import FP4_VALUES
-
-    blocks = w.float().reshape(*w.shape[:-1], -1, 32)
-    amax = blocks.abs().amax(-1).clamp(min=2.0**-100)
-    exponent = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)
-    scaled = blocks / torch.exp2(exponent)[..., None]
-    codes = (scaled[..., None] - torch.tensor(FP4_VALUES)).abs().argmin(-1).to(torch.uint8)
-    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
-    return packed, (exponent + 127).to(torch.uint8)
-
-
 def test_mxfp4_experts_as_openais_files_hold_them(model, tmp_path):
     """The experts' weights as MXFP4 blocks and scales ([E, out, in / 32, ...], the checkpoint's
     quantization_config mxfp4): weir's dequantization, and the Q8_0 blocks it serves them as,
@@ -106,32 +90,23 @@ def test_mxfp4_experts_as_openais_files_hold_them(model, tmp_path):
     from safetensors.torch import load_file, save_file
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-    from gpu.quant.mxfp4 import dequantize, to_q8_0
+    from gpu.quant.mxfp4 import dequantize, to_q8_0, write_folder
 
     path, _ = model
     quantized, dequantized = tmp_path / "mxfp4", tmp_path / "float"
-    for folder in (quantized, dequantized):
-        shutil.copytree(path, folder)
-        (folder / "model.safetensors").unlink()
-    tensors = load_file(path / "model.safetensors")
-    q, f = {}, {}
-    for name, t in tensors.items():
-        if not name.endswith(("experts.gate_up_proj", "experts.down_proj")):
-            q[name] = f[name] = t
-            continue
-        blocks, scales = mxfp4_quantize(t.transpose(1, 2))  # [E, out, in], as the files are
-        q[name + "_blocks"], q[name + "_scales"] = blocks, scales
+    write_folder(path, quantized)
+    shutil.copytree(path, dequantized)
+    q = load_file(quantized / "model.safetensors")
+    f = load_file(path / "model.safetensors")
+    for name in [n for n in q if n.endswith("_blocks")]:
+        blocks, scales = q[name], q[name.replace("_blocks", "_scales")]
         theirs = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)  # [E, in, out]
         assert torch.equal(dequantize(blocks, scales, torch.float32), theirs.transpose(1, 2))
         rows = to_q8_0(blocks.numpy(), scales.numpy())
         q8 = gguf.quants.dequantize(rows, gguf.GGMLQuantizationType.Q8_0)
         assert torch.equal(torch.from_numpy(q8), theirs.transpose(1, 2))
-        f[name] = theirs.contiguous()
-    save_file(q, quantized / "model.safetensors")
+        f[name.removesuffix("_blocks")] = theirs.contiguous()
     save_file(f, dequantized / "model.safetensors")
-    config = json.loads((quantized / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "mxfp4"}
-    (quantized / "config.json").write_text(json.dumps(config))
     want, want_tokens = transformers_run(dequantized, prompt(30), attn_implementation="eager")
     got, tokens = first_logits(quantized, prompt(30), num_kv_blocks=64)
     assert got.argmax() == want.argmax() and (got - want).abs().mean() < 0.05 * want.std()

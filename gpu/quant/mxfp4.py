@@ -75,3 +75,58 @@ def to_q8_0(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
     out[..., :2] = d[..., None].view(np.uint8)
     out[..., 2:] = q.view(np.uint8)
     return out.reshape(*blocks.shape[:-2], blocks.shape[-2] * 34)
+
+
+def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., n] float -> ([..., n / 32, 16] bytes, [..., n / 32] scales), as OpenAI's files hold
+    them: each block of 32 over the power of two that brings its largest value within E2M1's
+    6, each value the nearest code (the low nibble first). For tests and benchmarks."""
+    blocks = w.float().reshape(*w.shape[:-1], -1, 32)
+    amax = blocks.abs().amax(-1).clamp(min=2.0**-100)
+    exponent = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)
+    scaled = blocks / torch.exp2(exponent)[..., None]
+    codes = torch.empty(scaled.shape, dtype=torch.uint8)
+    table = torch.tensor(FP4_VALUES)
+    for i in range(0, len(scaled), 1):  # one leading row at a time: [.., 32, 16] stays small
+        codes[i] = (scaled[i][..., None] - table).abs().argmin(-1).to(torch.uint8)
+    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return packed, (exponent + 127).to(torch.uint8)
+
+
+def write_folder(src, dst) -> None:
+    """A copy of the Hugging Face gpt-oss folder `src` (its experts' weights as parameters) with
+    the experts in MXFP4 as OpenAI's files hold them (`*_blocks` [E, out, in / 32, 16] and
+    `*_scales`, quantization_config mxfp4). For tests and benchmarks."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+
+    src, dst = Path(src), Path(dst)
+    shutil.copytree(src, dst)
+    tensors = {}
+    for file in sorted(src.glob("*.safetensors")):
+        (dst / file.name).unlink()
+        tensors = load_file(file)
+        out = {}
+        for name, t in tensors.items():
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                out[name + "_blocks"], out[name + "_scales"] = quantize(t.transpose(1, 2))
+            else:
+                out[name] = t
+        save_file(out, dst / file.name, metadata={"format": "pt"})
+    index = dst / "model.safetensors.index.json"
+    if index.exists():  # the shards' index names the new tensors
+        data = json.loads(index.read_text())
+        fixed = {}
+        for name, file in data["weight_map"].items():
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                fixed[name + "_blocks"] = fixed[name + "_scales"] = file
+            else:
+                fixed[name] = file
+        data["weight_map"] = fixed
+        index.write_text(json.dumps(data))
+    config = json.loads((dst / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4"}
+    (dst / "config.json").write_text(json.dumps(config))
