@@ -21,14 +21,16 @@ import torch
 
 from core.config import CheckpointError
 from gpu.gguf_names import ARCHES, expert_name, hf_name, llama_unpermute_index
-from gpu.quant.formats import BY_GGML_TYPE
+from gpu.models import gpt_oss
+from gpu.quant.formats import BY_GGML_TYPE, FORMATS
+from gpu.quant.mxfp4 import GGML_MXFP4, ggml_to_q8_0
 from gpu.quant.tensor import BlockTensor
 
 log = logging.getLogger("weir.gguf")
 
 SERVED_TYPES = (
     "F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, "
-    "IQ3_XXS, IQ3_S, IQ2_XXS, IQ2_XS, IQ2_S"
+    "IQ3_XXS, IQ3_S, IQ2_XXS, IQ2_XS, IQ2_S, MXFP4 (gpt-oss's experts)"
 )
 _REQUIRED = object()
 
@@ -83,7 +85,7 @@ class GgufCheckpoint:
         size = path.stat().st_size
         self.tensors = {}
         for t in self.reader.tensors:
-            if int(t.tensor_type) not in BY_GGML_TYPE:
+            if int(t.tensor_type) not in BY_GGML_TYPE and int(t.tensor_type) != GGML_MXFP4:
                 raise CheckpointError(
                     f"{name}: tensor {t.name} has type {t.tensor_type.name}; weir serves "
                     f"{SERVED_TYPES}"
@@ -144,6 +146,8 @@ class GgufCheckpoint:
             eos_token_id=self._end_tokens(),
             dtype=self._dtype(),
         )
+        if a == "gpt-oss":
+            return gpt_oss.gguf_config(self.get, common, head_dim)
         if a == "gemma3":
             return self._gemma3(common, head_dim, Gemma3TextConfig)
         if a == "gemma2":
@@ -242,8 +246,7 @@ class GgufCheckpoint:
             head_dim=head_dim,
             sliding_window=window or None,
             layer_types=[
-                "sliding_attention" if i % 2 == 0 and window else "full_attention"
-                for i in range(n)
+                "sliding_attention" if i % 2 == 0 and window else "full_attention" for i in range(n)
             ],
             query_pre_attn_scalar=common["hidden_size"] // heads if n == 46 else head_dim,
             attn_logit_softcapping=self.get("gemma2.attn_logit_softcapping", None),
@@ -319,12 +322,16 @@ class GgufCheckpoint:
             target = hf_name(name, self.arch)
             if target is None:
                 raise CheckpointError(f"{self.path.name}: tensor {name} has no place in the model")
-            fmt = BY_GGML_TYPE[int(t.tensor_type)]
             dims = [int(d) for d in t.shape]  # ggml's order: the row length first
             raw = np.asarray(t.data)
+            if int(t.tensor_type) == GGML_MXFP4:  # gpt-oss's experts: served as Q8_0, exactly
+                raw = ggml_to_q8_0(raw.view(np.uint8).reshape(int(np.prod(dims[1:])), -1))
+                fmt = FORMATS["q8_0"]
+            else:
+                fmt = BY_GGML_TYPE[int(t.tensor_type)]
             if fmt.quantized and len(dims) == 1:
                 raise CheckpointError(f"{self.path.name}: vector {name} in {fmt.name}")
-            if len(dims) == 1 or fmt.name == "f32":  # small: read into memory as float32
+            if len(dims) == 1 or fmt.name == "f32" or target.endswith("bias"):  # float32
                 values = gguf.quants.dequantize(raw, t.tensor_type).astype(np.float32)
                 if self.arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
                     values = values - 1.0  # the file holds 1 + w; the loader adds the 1 again
@@ -338,8 +345,9 @@ class GgufCheckpoint:
                 if self.arch == "llama" and target.endswith(("q_proj.weight", "k_proj.weight")):
                     h = heads if "q_proj" in target else kv_heads
                     value = value.take_rows(llama_unpermute_index(n, h))
-            if len(dims) == 3:  # a mixture's experts, one after another: each its own rows
-                yield from experts(target, value, dims[2])
+            stack_bias = ".mlp.experts." in target and target.endswith(".bias")  # gpt-oss's
+            if len(dims) == 3 or stack_bias and len(dims) == 2:
+                yield from experts(target, value, dims[-1])  # each expert's rows (or bias)
             elif target.endswith("shared_expert_gate.weight") and len(dims) == 1:
                 yield target, value[None]  # Qwen2-MoE's shared gate: one row of the hidden size
             else:

@@ -15,6 +15,7 @@ ARCHES = {
     "qwen3": "Qwen3ForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
     "qwen2moe": "Qwen2MoeForCausalLM",
+    "gpt-oss": "GptOssForCausalLM",
 }
 # A "llama" file with experts is a Mixtral (llama.cpp's converter writes it so).
 
@@ -56,6 +57,13 @@ _NAMES = {  # an architecture's layer names where they are not Llama's
     "phi3": {**LAYER_NAMES, **FUSED_NAMES, "mlp.up_proj": None, "mlp.gate_proj": None},
     "gemma2": {**LAYER_NAMES, **SANDWICH_NAMES},
     "gemma3": {**LAYER_NAMES, **SANDWICH_NAMES},
+    # gpt-oss (gpu/models/gpt_oss.py): its norm before the mixture, its sinks (a vector per
+    # layer, `attn_sinks.weight` in the file), each expert stack's biases [experts, rows]
+    "gpt-oss": {
+        **LAYER_NAMES,
+        "post_attention_layernorm": "post_attention_norm",
+        "self_attn.sinks": "attn_sinks",
+    },
 }
 TOP_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 _TOP_HF = {v: k for k, v in TOP_NAMES.items()}
@@ -96,6 +104,8 @@ def hf_name(name: str, arch: str = "llama") -> str | None:
     if len(parts) != 3 or parts[0] != "blk" or not parts[1].isdigit():
         return None
     layer = {v: k for k, v in _layer_names(arch).items()}.get(parts[2])
+    if layer == "self_attn.sinks":  # a parameter of its own, not a module's weight
+        return f"model.layers.{parts[1]}.{layer}"
     return None if layer is None else f"model.layers.{parts[1]}.{layer}.{kind}"
 
 

@@ -41,6 +41,14 @@ _QWEN2 = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# o200k's (gpt-oss, GPT-4o), as its tokenizer.json writes it
+_GPT4O = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 SPLITS: dict[str, str | None] = {
     "gpt-2": None,
     "default": None,
@@ -54,6 +62,7 @@ SPLITS: dict[str, str | None] = {
     "qwen2": _QWEN2,
     "deepseek-r1-qwen": _QWEN2,
     "megrez": _QWEN2,
+    "gpt-4o": _GPT4O,
 }
 
 _CONTROL, _USER_DEFINED, _UNUSED = 3, 4, 5  # gguf.TokenType

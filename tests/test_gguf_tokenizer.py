@@ -23,7 +23,7 @@ TEXTS = [
     "x=1+2;  y   == {'k': [3]}",
     "<|im_start|>user\nhi<|im_end|>",
 ]
-SPLITS = ("gpt-2", "llama-bpe", "qwen2")
+SPLITS = ("gpt-2", "llama-bpe", "qwen2", "gpt-4o")
 
 
 @pytest.fixture(scope="module")
@@ -59,17 +59,19 @@ def test_the_file_tokenizes_as_the_folder_it_was_written_from(made, split):
 
 
 def test_the_split_is_the_one_the_file_names(made):
-    """The three vocabularies split digits differently (GPT-2 keeps a run whole, Llama 3 cuts it
-    in threes, Qwen in ones), so a tokenizer that ignored `tokenizer.ggml.pre` would fail the
-    comparison above: the pieces themselves, from each file's tokenizer."""
+    """The vocabularies split digits differently (GPT-2 keeps a run whole, Llama 3 and o200k cut
+    it in threes, Qwen in ones; o200k keeps a contraction on its word), so a tokenizer that
+    ignored `tokenizer.ggml.pre` would fail the comparison above: the pieces themselves, from
+    each file's tokenizer."""
     pieces = {}
     for split, (_, path) in made.items():
         pre = GgufCheckpoint(path).tokenizer().backend_tokenizer.pre_tokenizer
-        pieces[split] = [p for p, _ in pre.pre_tokenize_str("a 12345")]
+        pieces[split] = [p for p, _ in pre.pre_tokenize_str("a 12345 We're")]
     assert pieces == {
-        "gpt-2": ["a", "Ġ12345"],
-        "llama-bpe": ["a", "Ġ", "123", "45"],
-        "qwen2": ["a", "Ġ", "1", "2", "3", "4", "5"],
+        "gpt-2": ["a", "Ġ12345", "ĠWe", "'re"],
+        "llama-bpe": ["a", "Ġ", "123", "45", "ĠWe", "'re"],
+        "qwen2": ["a", "Ġ", "1", "2", "3", "4", "5", "ĠWe", "'re"],
+        "gpt-4o": ["a", "Ġ", "123", "45", "ĠWe're"],  # o200k keeps a contraction on its word
     }
 
 

@@ -6,8 +6,10 @@ hold them."""
 
 from __future__ import annotations
 
+import json
 import shutil
 
+import numpy as np
 import pytest
 import torch
 
@@ -135,3 +137,106 @@ def test_tensor_parallelism_is_refused_by_name(model):
     path, _ = model
     with pytest.raises(CheckpointError, match="served on one device"):
         load(EngineConfig(model=str(path), dtype="float32", device="cpu", tensor_parallel_size=2))
+
+
+def write_gpt_oss_gguf(hf_dir, out) -> dict:
+    """A `gpt-oss` GGUF of the folder's weights as llama.cpp's converter writes one (its names
+    and keys; the experts split into gate, up and down stacks in ggml's MXFP4, the rest F32),
+    with the gguf package; returns the experts' weights as that MXFP4 dequantizes them (HF
+    names, the folder's fused layout)."""
+    import gguf
+    from safetensors.torch import load_file
+
+    from gpu.quant.gguf_write import _write_tokenizer
+
+    config = json.loads((hf_dir / "config.json").read_text())
+    w = gguf.GGUFWriter(str(out), "gpt-oss")
+    heads, rope = config["num_attention_heads"], config["rope_parameters"]
+    w.add_context_length(config["max_position_embeddings"])
+    w.add_embedding_length(config["hidden_size"])
+    w.add_block_count(config["num_hidden_layers"])
+    w.add_feed_forward_length(config["intermediate_size"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(config["num_key_value_heads"])
+    w.add_key_length(config["head_dim"])
+    w.add_value_length(config["head_dim"])
+    w.add_rope_freq_base(rope["rope_theta"])
+    w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    w.add_rope_scaling_factor(rope["factor"])
+    w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    w.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+    w.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
+    w.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    w.add_expert_count(config["num_local_experts"])
+    w.add_expert_used_count(config["num_experts_per_tok"])
+    w.add_sliding_window(config["sliding_window"])
+    w.add_expert_feed_forward_length(config["intermediate_size"])
+    _write_tokenizer(w, hf_dir, config)
+    names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
+             "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+             "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+             "self_attn.sinks": "attn_sinks", "mlp.router": "ffn_gate_inp"}  # fmt: skip
+    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight":
+           "output_norm.weight", "lm_head.weight": "output.weight"}  # fmt: skip
+    mxfp4 = gguf.GGMLQuantizationType.MXFP4
+    dequantized = {}
+    for name, t in load_file(hf_dir / "model.safetensors").items():
+        a = t.float().numpy()
+        if name in top:
+            w.add_tensor(top[name], a)
+            continue
+        layer, rest = name.split(".")[2], ".".join(name.split(".")[3:])
+        if rest.startswith("mlp.experts."):
+            kind = rest.removeprefix("mlp.experts.")
+            if kind == "down_proj":  # [E, inter, hidden] -> [E, hidden, inter]
+                parts = {"ffn_down_exps": a.transpose(0, 2, 1)}
+            elif kind == "down_proj_bias":
+                parts = {"ffn_down_exps.bias": a}
+            elif kind == "gate_up_proj":  # [E, hidden, 2 inter], gate and up interleaved
+                a = a.transpose(0, 2, 1)
+                parts = {"ffn_gate_exps": a[:, 0::2], "ffn_up_exps": a[:, 1::2]}
+            else:
+                parts = {"ffn_gate_exps.bias": a[:, 0::2], "ffn_up_exps.bias": a[:, 1::2]}
+            for gname, part in parts.items():
+                if gname.endswith(".bias"):
+                    w.add_tensor(f"blk.{layer}.{gname}", part.copy())
+                    continue
+                raw = gguf.quants.quantize(part.copy(), mxfp4)
+                w.add_tensor(f"blk.{layer}.{gname}.weight", raw, raw_dtype=mxfp4)
+                dequantized[f"{layer}.{gname}"] = gguf.quants.dequantize(raw, mxfp4)
+            continue
+        stem, _, kind = rest.rpartition(".")
+        if rest == "self_attn.sinks":
+            stem, kind = rest, "weight"
+        w.add_tensor(f"blk.{layer}.{names[stem]}.{kind}", a)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    out_weights = {}
+    for layer in range(config["num_hidden_layers"]):
+        gate, up = dequantized[f"{layer}.ffn_gate_exps"], dequantized[f"{layer}.ffn_up_exps"]
+        both = np.empty((gate.shape[0], 2 * gate.shape[1], gate.shape[2]), dtype=np.float32)
+        both[:, 0::2], both[:, 1::2] = gate, up
+        prefix = f"model.layers.{layer}.mlp.experts."
+        out_weights[prefix + "gate_up_proj"] = torch.from_numpy(both.transpose(0, 2, 1).copy())
+        down = dequantized[f"{layer}.ffn_down_exps"]
+        out_weights[prefix + "down_proj"] = torch.from_numpy(down.transpose(0, 2, 1).copy())
+    return out_weights
+
+
+def test_a_gguf_file_as_llama_cpps_converter_writes_it(model, tmp_path):
+    """A `gpt-oss` GGUF (ggml's MXFP4 experts, served as Q8_0 exactly; stacked biases; the sinks
+    as attn_sinks.weight; YaRN's betas): close to transformers on the folder's weights with the
+    experts as the file's MXFP4 dequantizes them (the same checks as the MXFP4 folder's)."""
+    from safetensors.torch import load_file, save_file
+
+    path, _ = model
+    dequantized = tmp_path / "float"
+    shutil.copytree(path, dequantized)
+    experts = write_gpt_oss_gguf(path, tmp_path / "m.gguf")
+    save_file(load_file(path / "model.safetensors") | experts, dequantized / "model.safetensors")
+    want, want_tokens = transformers_run(dequantized, prompt(30), attn_implementation="eager")
+    got, tokens = first_logits(tmp_path / "m.gguf", prompt(30), num_kv_blocks=64)
+    assert got.argmax() == want.argmax() and (got - want).abs().mean() < 0.05 * want.std()
+    assert tokens[:2] == want_tokens[:2]

@@ -135,3 +135,34 @@ def experts_forward(moe, rows: torch.Tensor, experts: torch.Tensor, used, sizes)
     h = swiglu(h + gate_up_bias.index_select(0, experts), *moe.swiglu)
     y = b.experts(h, [moe.experts[i].down for i in used], sizes, gated=False)
     return y + down_bias.index_select(0, experts)
+
+
+def gguf_config(get, common: dict, head_dim: int):
+    """A GptOssConfig as llama.cpp reads a `gpt-oss` GGUF file (gpu/gguf_file.py: `get` reads its
+    metadata, `common` the fields every architecture shares): the experts' size and count, the
+    window on every other layer from the first, YaRN's betas; the activation's limit and alpha
+    are llama.cpp's constants, transformers' defaults (7.0, 1.702)."""
+    from transformers import GptOssConfig
+
+    a = "gpt-oss"
+    n = common["num_hidden_layers"]
+    window = int(get(f"{a}.attention.sliding_window", 0) or 0)
+    rope = dict(common.pop("rope_parameters"))
+    if rope.get("rope_type") == "yarn":  # as gpt-oss's own config: the ramp's ends not rounded
+        rope.update(
+            beta_fast=float(get(f"{a}.rope.scaling.yarn_beta_fast", 32.0)),
+            beta_slow=float(get(f"{a}.rope.scaling.yarn_beta_slow", 1.0)),
+            truncate=False,
+        )
+    common["intermediate_size"] = int(get(f"{a}.expert_feed_forward_length"))
+    return GptOssConfig(
+        **common,
+        head_dim=head_dim,
+        rope_parameters=rope,
+        num_local_experts=int(get(f"{a}.expert_count")),
+        num_experts_per_tok=int(get(f"{a}.expert_used_count")),
+        sliding_window=window or None,
+        layer_types=[
+            "sliding_attention" if i % 2 == 0 and window else "full_attention" for i in range(n)
+        ],
+    )

@@ -77,6 +77,20 @@ def to_q8_0(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
     return out.reshape(*blocks.shape[:-2], blocks.shape[-2] * 34)
 
 
+GGML_MXFP4 = 39  # ggml's type id: blocks of 17 bytes, the scale byte then 16 of nibbles
+
+
+def ggml_to_q8_0(raw: np.ndarray) -> np.ndarray:
+    """Rows of ggml's MXFP4 blocks ([rows, blocks * 17]: a scale byte, then value i in the low
+    nibble of byte i and value i + 16 in its high nibble, ggml's values already doubled) ->
+    Q8_0 rows [rows, blocks * 34], exactly as `to_q8_0` makes them."""
+    blocks = raw.reshape(raw.shape[0], -1, 17)
+    scales, qs = blocks[..., 0], blocks[..., 1:]
+    # as OpenAI's layout (value 2j low, 2j + 1 high) so to_q8_0 reads it: values 0..31 in order
+    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # [rows, G, 32]
+    return to_q8_0(codes[..., 0::2] | (codes[..., 1::2] << 4), scales)
+
+
 def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[..., n] float -> ([..., n / 32, 16] bytes, [..., n / 32] scales), as OpenAI's files hold
     them: each block of 32 over the power of two that brings its largest value within E2M1's
