@@ -5,6 +5,7 @@ special tokens, its output held to a harmony reply by a grammar."""
 
 from __future__ import annotations
 
+import copy
 import json
 
 import httpx
@@ -167,20 +168,11 @@ def test_a_required_call_is_written_in_harmony_and_read_back(server):
     from tests.test_structured import close_bias, no_whitespace_bias
 
     bias = close_bias(server.state.tokenizer) | no_whitespace_bias(server.state.tokenizer)
-    tools = [
-        {
-            "type": "function",
-            "function": {
-                "name": "get_time",
-                "parameters": {
-                    "type": "object",
-                    "properties": {"zone": {"enum": ["UTC", "CET"]}},
-                    "required": ["zone"],
-                    "additionalProperties": False,
-                },
-            },
-        }
-    ]
+    from tests.test_tools import BOUNDED
+
+    tool = copy.deepcopy(BOUNDED[1])  # get_time(zone: UTC | CET), its zone made required
+    tool["function"]["parameters"]["required"] = ["zone"]
+    tools = [tool]
     body = {
         "model": "tiny",
         "messages": [{"role": "user", "content": "Time?"}],

@@ -100,6 +100,26 @@ def test_soft_capped_scores_match_the_reference(window):
     assert (got - plain).abs().max() > 1e-2
 
 
+def decode(query, k_cache, v_cache, meta, scale, window=0, **kw):
+    """The decode kernel alone over a batch's decode rows (the other rows left NaN)."""
+    out = torch.full_like(query, float("nan"))
+    decode_attention(
+        out,
+        query,
+        k_cache,
+        v_cache,
+        meta.block_tables,
+        meta.query_start_loc,
+        meta.seq_lens,
+        meta.decode_seq_ids,
+        meta.max_decode_seq_len,
+        scale,
+        window,
+        **kw,
+    )
+    return out
+
+
 @pytest.mark.parametrize("splits", [1, 4])
 def test_sinks_match_the_reference(splits):
     # gpt-oss's sinks (a logit per head in each softmax's sum): prefill tiles with a window,
@@ -110,22 +130,7 @@ def test_sinks_match_the_reference(splits):
     want = TorchAttention().forward(query * 4, k_cache, v_cache, meta, 0.125, 20, sinks=sinks)
     got = TritonAttention().forward(query * 4, k_cache, v_cache, meta, 0.125, 20, sinks=sinks)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
-    decoded = torch.full_like(query, float("nan"))
-    decode_attention(
-        decoded,
-        query * 4,
-        k_cache,
-        v_cache,
-        meta.block_tables,
-        meta.query_start_loc,
-        meta.seq_lens,
-        meta.decode_seq_ids,
-        meta.max_decode_seq_len,
-        0.125,
-        20,
-        sinks=sinks,
-        num_splits=splits,
-    )
+    decoded = decode(query * 4, k_cache, v_cache, meta, 0.125, 20, sinks=sinks, num_splits=splits)
     rows = torch.tensor(meta.decode_seq_ids_cpu, device=query.device)
     starts = meta.query_start_loc[rows].long()
     torch.testing.assert_close(decoded[starts], want[starts], atol=1e-4, rtol=1e-4)
@@ -138,20 +143,7 @@ def test_split_kv_decode_matches_reference(splits):
     specs = [(1, 300), (1, 17), (1, 64)]  # some splits of the short ones are empty
     query, k_cache, v_cache, meta = make_batch(specs, 16, 8, 2, 64, torch.float32, seed=3)
     want = TorchAttention().forward(query, k_cache, v_cache, meta, 0.125)
-    got = torch.full_like(query, float("nan"))
-    decode_attention(
-        got,
-        query,
-        k_cache,
-        v_cache,
-        meta.block_tables,
-        meta.query_start_loc,
-        meta.seq_lens,
-        meta.decode_seq_ids,
-        meta.max_decode_seq_len,
-        0.125,
-        num_splits=splits,
-    )
+    got = decode(query, k_cache, v_cache, meta, 0.125, num_splits=splits)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
