@@ -10,8 +10,8 @@ other models: the pieces `moe.py`, `decoder.py` and the loader take from here.
 - The checkpoint holds each layer's experts fused: `mlp.experts.gate_up_proj` [E, hidden,
   2 * inter] (input-major, gate and up interleaved by column), `gate_up_proj_bias` [E, 2 * inter],
   `down_proj` [E, inter, hidden], `down_proj_bias` [E, hidden], and `mlp.router` for the router.
-  `expert_tensors` cuts them into each expert's gate_proj / up_proj / down_proj weights ([out,
-  in], as the modules load them) and biases; OpenAI's released files hold the experts' weights
+  `Experts` cuts them into each expert's gate_proj / up_proj / down_proj weights ([out, in],
+  as the modules load them) and biases; OpenAI's released files hold the experts' weights
   in MXFP4 (`_blocks` and `_scales`, gpu/quant/mxfp4.py), served as Q8_0 blocks (exact).
 - The experts' gate and up run as one plain product (the backends' gated pairs know SiLU and
   GELU, not this activation), their biases kept apart and added by each row's expert
@@ -116,7 +116,8 @@ def prepare_experts(backend, experts) -> tuple[torch.Tensor, torch.Tensor]:
         del expert.gate_proj, expert.up_proj, expert.down_proj
         gate_up.append(torch.cat([bg, bu]))
         down.append(bd)
-    return torch.stack(gate_up), torch.stack(down)
+    # where the activations are, in their dtype (the checkpoint's biases are read on the CPU)
+    return backend.dense(torch.stack(gate_up)), backend.dense(torch.stack(down))
 
 
 def swiglu(h: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
