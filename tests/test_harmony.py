@@ -25,6 +25,9 @@ CALL = (
     "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json"
     '<|message|>{"city": "Oslo", "days": 3}'
 )
+OPENS_WITH_RECIPIENT = (  # the reply's first message names its recipient before its channel
+    ' to=functions.get_time<|channel|>commentary json<|message|>{"zone": "CET"}'
+)
 RECIPIENT_FIRST = (  # the recipient before the channel, as the model also writes it
     "<|channel|>analysis<|message|>Look it up.<|end|>"
     '<|start|>assistant to=functions.get_time<|channel|>commentary json<|message|>{"zone": "UTC"}'
@@ -61,7 +64,7 @@ def test_calls_on_the_commentary_channel(text, name, args):
     assert call.function.name == name and json.loads(call.function.arguments) == args
 
 
-@pytest.mark.parametrize("text", [ANSWER, CALL, RECIPIENT_FIRST])
+@pytest.mark.parametrize("text", [ANSWER, CALL, RECIPIENT_FIRST, OPENS_WITH_RECIPIENT])
 @pytest.mark.parametrize("step", [1, 2, 3, 7, 11])
 def test_streamed_in_any_chunking_equals_the_whole(text, step):
     """Chunks cut anywhere, markers included (a detokenizer gives them whole, but the parsers

@@ -49,7 +49,7 @@ class HarmonyParser(ThinkParser):
 
     def _read(self, text: str, final: bool) -> tuple[str | None, str, int]:
         if not text.startswith((CHANNEL, START, " to=", "to=")):
-            opening = any(m.startswith(text) for m in (CHANNEL, START)) and text
+            opening = any(m.startswith(text) for m in (CHANNEL, START, " to=", "to=")) and text
             if opening and not final:
                 return "", "", 0
             return None, text, 0
