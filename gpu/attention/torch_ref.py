@@ -50,7 +50,6 @@ def _exact(query, k_cache, v_cache, meta, scale, sliding_window, softcap, sinks)
 
 class TorchAttention:
     name = "torch"
-    sinks = True  # gpt-oss's attention sinks (forward's `sinks`)
     # Host syncs (masks of valid slots, per-sequence lengths) that a CUDA graph cannot capture:
     # decode steps on this backend run eagerly.
     graph_safe = False

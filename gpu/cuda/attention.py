@@ -13,7 +13,6 @@ from gpu.cuda.kernels.store_kv import store_kv
 class TritonAttention:
     name = "triton"
     graph_safe = True
-    sinks = True  # gpt-oss's attention sinks (forward's `sinks`)
 
     def write_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
         store_kv(key.contiguous(), value.contiguous(), k_cache, v_cache, slot_mapping)

@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from core.config import CheckpointError
 from gpu.attention.backend import AttentionMetadata
 from gpu.dist.parallel import TensorParallel, local_spec
 from gpu.models.gemma import sandwich_forward
@@ -40,11 +39,6 @@ class Attention(nn.Module):
         self.o_proj = Linear(backend, spec.num_heads * d, h, spec.o_bias)
         self.sinks = None  # gpt-oss's: a logit per head in each softmax's sum (gpt_oss.py)
         if spec.attn_sinks:
-            if not getattr(backend.attention, "sinks", False):
-                raise CheckpointError(
-                    f"{spec.architecture}'s attention sinks: the {backend.attention.name} "
-                    "attention backend has none"
-                )
             self.sinks = nn.Parameter(torch.zeros(spec.num_heads))
         if spec.qk_norm:
             self.q_norm = RMSNorm(d, spec.rms_norm_eps, backend)
@@ -89,9 +83,8 @@ class Attention(nn.Module):
         else:
             qw, kw, eps = None, None, 0.0
         q = b.rope_store_kv(q, k, v, qw, kw, eps, cos, sin, kv, meta.slot_mapping)
-        extra = {} if self.sinks is None else {"sinks": self.sinks}
         o = b.attention.forward(
-            q, kv[0], kv[1], meta, self.scale, self.sliding_window, softcap=self.softcap, **extra
+            q, kv[0], kv[1], meta, self.scale, self.sliding_window, self.softcap, self.sinks
         )
         o = o.reshape(t, -1)
         residual = _plus_lora(b, o, lora, "o", residual, self.o_width)

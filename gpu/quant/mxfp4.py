@@ -101,7 +101,7 @@ def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scaled = blocks / torch.exp2(exponent)[..., None]
     codes = torch.empty(scaled.shape, dtype=torch.uint8)
     table = torch.tensor(FP4_VALUES)
-    for i in range(0, len(scaled), 1):  # one leading row at a time: [.., 32, 16] stays small
+    for i in range(len(scaled)):  # one leading row at a time: [.., 32, 16] stays small
         codes[i] = (scaled[i][..., None] - table).abs().argmin(-1).to(torch.uint8)
     packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
     return packed, (exponent + 127).to(torch.uint8)
