@@ -22,8 +22,7 @@ import torch
 from core.config import CheckpointError
 from gpu.gguf_names import ARCHES, expert_name, hf_name, llama_unpermute_index
 from gpu.models import gpt_oss
-from gpu.quant.formats import BY_GGML_TYPE, FORMATS
-from gpu.quant.mxfp4 import GGML_MXFP4, ggml_to_q8_0
+from gpu.quant.formats import BY_GGML_TYPE
 from gpu.quant.tensor import BlockTensor
 
 log = logging.getLogger("weir.gguf")
@@ -85,7 +84,7 @@ class GgufCheckpoint:
         size = path.stat().st_size
         self.tensors = {}
         for t in self.reader.tensors:
-            if int(t.tensor_type) not in BY_GGML_TYPE and int(t.tensor_type) != GGML_MXFP4:
+            if int(t.tensor_type) not in BY_GGML_TYPE:
                 raise CheckpointError(
                     f"{name}: tensor {t.name} has type {t.tensor_type.name}; weir serves "
                     f"{SERVED_TYPES}"
@@ -324,11 +323,7 @@ class GgufCheckpoint:
                 raise CheckpointError(f"{self.path.name}: tensor {name} has no place in the model")
             dims = [int(d) for d in t.shape]  # ggml's order: the row length first
             raw = np.asarray(t.data)
-            if int(t.tensor_type) == GGML_MXFP4:  # gpt-oss's experts: served as Q8_0, exactly
-                raw = ggml_to_q8_0(raw.view(np.uint8).reshape(int(np.prod(dims[1:])), -1))
-                fmt = FORMATS["q8_0"]
-            else:
-                fmt = BY_GGML_TYPE[int(t.tensor_type)]
+            fmt = BY_GGML_TYPE[int(t.tensor_type)]
             if fmt.quantized and len(dims) == 1:
                 raise CheckpointError(f"{self.path.name}: vector {name} in {fmt.name}")
             if len(dims) == 1 or fmt.name == "f32" or target.endswith("bias"):  # float32

@@ -21,7 +21,7 @@ from gpu.quant.quantize import quantize
 
 KERNEL_FORMATS = [
     "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_nl",
-    "iq4_xs", "iq3_xxs", "iq3_s", "iq2_xxs", "iq2_xs", "iq2_s", "bf16", "f16",
+    "iq4_xs", "iq3_xxs", "iq3_s", "iq2_xxs", "iq2_xs", "iq2_s", "mxfp4", "bf16", "f16",
 ]  # fmt: skip
 FAST_PATHS = [p for p in quant.available_paths() if p != "ref"]
 
@@ -46,9 +46,11 @@ def random_rows(fmt: str, n: int, k: int, seed: int) -> np.ndarray:
         "iq4_nl": [0], "iq4_xs": [0], "iq3_xxs": [0], "iq3_s": [0], "iq2_xxs": [0],
         "iq2_xs": [0], "iq2_s": [0],
     }  # fmt: skip
-    for off in scale_offsets[fmt]:
+    for off in scale_offsets.get(fmt, []):
         d = rng.uniform(-0.05, 0.05, size=len(blocks)).astype(np.float16)
         blocks[:, off : off + 2] = d.view(np.uint8).reshape(-1, 2)
+    if fmt == "mxfp4":  # E8M0 scale bytes: 2^-23 .. 2^-2 (2^-2 times 6 the largest weight)
+        blocks[:, 0] = rng.integers(105, 126, size=len(blocks))
     return blocks.reshape(n, f.row_bytes(k))
 
 
@@ -77,6 +79,8 @@ def test_packed_weight_is_the_gguf_dequantization(fmt, source):
     held = 1.04 if fmt == "q3_k" else 1.03
     if fmt in GRIDS:
         held *= transcoded_bytes(fmt) / GRIDS[fmt].block_bytes
+    if fmt == "mxfp4":  # each scale byte held as a float16
+        held *= 18 / 17
     assert w.resident_bytes <= held * rows.nbytes * 48 / 40
 
 
@@ -229,3 +233,19 @@ def test_bad_arguments_are_errors_not_crashes():
         ops.wgemm(torch.randn(1, 256), w.packed, 4, 16, 0, None, None, 0)  # ggml Q4_2: gone
     with pytest.raises(ValueError, match="path: 0 to 3"):
         ops.wgemm(torch.randn(1, 256), w.packed, 12, 16, 0, None, None, 9)
+
+
+def test_mxfp4_scales_float16_does_not_hold_serve_the_weight_as_q8_0():
+    """MXFP4's scale bytes 104..143 become the kernels' float16 scales (a block of zeros takes
+    any: byte 0 here); a weight with a block past them (144..146: Q8_0's integers doubled) is
+    served as Q8_0, still the gguf package's weights exactly."""
+    rows = random_rows("mxfp4", 16, 256, seed=5)
+    blocks = rows.reshape(-1, 17)
+    blocks[0, 0], blocks[0, 1:] = 0, 0x80  # +0 and -0 under 2^-128
+    w = quant.pack(rows, FORMATS["mxfp4"], (16, 256))
+    assert w.fmt.name == "mxfp4"
+    assert torch.equal(quant.dequantize(w), gguf_dequant(rows, "mxfp4"))
+    blocks[1, 0], blocks[2, 0] = 144, 146
+    w = quant.pack(rows, FORMATS["mxfp4"], (16, 256))
+    assert w.fmt.name == "q8_0"
+    assert torch.equal(quant.dequantize(w), gguf_dequant(rows, "mxfp4"))

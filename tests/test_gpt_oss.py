@@ -83,16 +83,18 @@ def test_a_batch_routes_and_attends_per_sequence(model):
 
 def test_mxfp4_experts_as_openais_files_hold_them(model, tmp_path):
     """The experts' weights as MXFP4 blocks and scales ([E, out, in / 32, ...], the checkpoint's
-    quantization_config mxfp4): weir's dequantization, and the Q8_0 blocks it serves them as,
-    are transformers' dequantization bit for bit; weir on that file is close to transformers on
-    the same weights dequantized (by transformers) into a float checkpoint: the same top token
-    and first greedy tokens, the logits within the Q8_0 kernels' 8-bit activations (as
-    llama.cpp's are) of them."""
+    quantization_config mxfp4): weir's dequantization, ggml's blocks it holds them in and the
+    kernels' 4-bit form it serves them in are transformers' dequantization bit for bit; weir on
+    that file is close to transformers on the same weights dequantized (by transformers) into a
+    float checkpoint: the same top token and first greedy tokens, the logits within the block
+    kernels' 8-bit activations (as llama.cpp's are) of them."""
     import gguf
     from safetensors.torch import load_file, save_file
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-    from gpu.quant.mxfp4 import dequantize, to_q8_0, write_folder
+    from gpu.cpu import quant
+    from gpu.quant.formats import FORMATS
+    from gpu.quant.mxfp4 import dequantize, to_ggml, write_folder
 
     path, _ = model
     quantized, dequantized = tmp_path / "mxfp4", tmp_path / "float"
@@ -104,9 +106,13 @@ def test_mxfp4_experts_as_openais_files_hold_them(model, tmp_path):
         blocks, scales = q[name], q[name.replace("_blocks", "_scales")]
         theirs = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)  # [E, in, out]
         assert torch.equal(dequantize(blocks, scales, torch.float32), theirs.transpose(1, 2))
-        rows = to_q8_0(blocks.numpy(), scales.numpy())
-        q8 = gguf.quants.dequantize(rows, gguf.GGMLQuantizationType.Q8_0)
-        assert torch.equal(torch.from_numpy(q8), theirs.transpose(1, 2))
+        rows = to_ggml(blocks.numpy(), scales.numpy())  # [E, out, in / 32 * 17]
+        mx = gguf.quants.dequantize(rows, gguf.GGMLQuantizationType.MXFP4)
+        assert torch.equal(torch.from_numpy(mx), theirs.transpose(1, 2))
+        n, k = mx.shape[1:]
+        packed = quant.pack(rows[0], FORMATS["mxfp4"], (n, k))  # the kernels' 4-bit form
+        assert packed.fmt.name == "mxfp4" and packed.resident_bytes < n * k * 18 / 32 * 1.1
+        assert torch.equal(quant.dequantize(packed), theirs[0].T)
         f[name.removesuffix("_blocks")] = theirs.contiguous()
     save_file(f, dequantized / "model.safetensors")
     want, want_tokens = transformers_run(dequantized, prompt(30), attn_implementation="eager")

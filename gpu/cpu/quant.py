@@ -18,7 +18,8 @@ import torch
 
 from gpu.cpu import build as cpu_build
 from gpu.cpu.gemm import ACTIVATIONS
-from gpu.quant.formats import Format
+from gpu.quant import mxfp4
+from gpu.quant.formats import FORMATS, Format
 from gpu.quant.iq_grids import is_grid, transcode
 
 PATHS = {"auto": 0, "ref": 1, "avx2": 2, "avx512": 3}
@@ -73,6 +74,14 @@ def pack(
     if is_grid(fmt.name):  # the kernels read grid blocks rewritten (gpu/quant/iq_grids.py)
         rows = transcode(np.asarray(rows), fmt.name)
         up = None if up is None else transcode(np.asarray(up), fmt.name)
+    elif fmt.name == "mxfp4":  # in 4 bits where float16 holds every scale, else Q8_0 (mxfp4.py)
+        parts = [np.asarray(r) for r in (rows, up) if r is not None]
+        if all(mxfp4.transcodable(r) for r in parts):
+            rows, *rest = [mxfp4.transcode(r) for r in parts]
+        else:
+            rows, *rest = [mxfp4.ggml_to_q8_0(r) for r in parts]
+            fmt = FORMATS["q8_0"]
+        up = rest[0] if rest else None
     ops = cpu_build.load()
     packed = ops.wpack(_bytes(rows), None if up is None else _bytes(up), fmt.ggml_type, n, k)
     bias = None if bias is None else bias.detach().float().contiguous()

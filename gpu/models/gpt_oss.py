@@ -12,7 +12,7 @@ other models: the pieces `moe.py`, `decoder.py` and the loader take from here.
   `down_proj` [E, inter, hidden], `down_proj_bias` [E, hidden], and `mlp.router` for the router.
   `Experts` cuts them into each expert's gate_proj / up_proj / down_proj weights ([out, in],
   as the modules load them) and biases; OpenAI's released files hold the experts' weights
-  in MXFP4 (`_blocks` and `_scales`, gpu/quant/mxfp4.py), served as Q8_0 blocks (exact).
+  in MXFP4 (`_blocks` and `_scales`, gpu/quant/mxfp4.py), held as ggml's MXFP4 blocks.
 - The experts' gate and up run as one plain product (the backends' gated pairs know SiLU and
   GELU, not this activation), their biases kept apart and added by each row's expert
   (`prepare_experts`), so every weight format a product takes serves them.
@@ -61,15 +61,15 @@ class Experts:
         if len(got) < 2:
             return []
         del self.halves[fused]
-        # [E, out, G, 16] -> each expert's [out, in] weight as Q8_0 blocks (exact, mxfp4.py)
+        # [E, out, G, 16] -> each expert's [out, in] weight in ggml's MXFP4 blocks (mxfp4.py)
         blocks, scales = got["blocks"], got["scales"]
         if blocks.dtype != torch.uint8 or blocks.shape[:-1] != scales.shape:
             raise CheckpointError(f"{fused}: MXFP4 blocks {tuple(blocks.shape)} and scales "
                                   f"{tuple(scales.shape)} do not match")  # fmt: skip
-        rows = mxfp4.to_q8_0(blocks.numpy(), scales.numpy())
+        rows = mxfp4.to_ggml(blocks.numpy(), scales.numpy())
         n, k = blocks.shape[1], blocks.shape[2] * 32
-        q8 = FORMATS["q8_0"]
-        return _cut(fused, [BlockTensor(rows[e], q8, (n, k)) for e in range(len(rows))], False)
+        fmt = FORMATS["mxfp4"]
+        return _cut(fused, [BlockTensor(rows[e], fmt, (n, k)) for e in range(len(rows))], False)
 
     def check_complete(self) -> None:
         for fused, got in self.halves.items():

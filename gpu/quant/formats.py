@@ -14,7 +14,9 @@ w = d (sc - 32) (q - 4); Q3_K_S/M/L files and Q2_K's attention), Q2_K (4-bit sca
 of 16 weights, 2-bit q: w = d sc q - dmin m); IQ4_NL (32: f16 d, 4-bit indices into sixteen
 non-uniform values: w = d v[q]) and IQ4_XS (the same over 256 with a 6-bit scale per 32); IQ3_XXS,
 IQ3_S, IQ2_XXS, IQ2_XS and IQ2_S (grids of 4- and 8-tuples, gpu/quant/iq_grids.py: the CPU kernels
-take them transcoded into IQ4_XS's layout or one with Q6_K's scales). The codes are ggml's type
+take them transcoded into IQ4_XS's layout or one with Q6_K's scales); MXFP4 (32: an E8M0 scale
+byte e, 4-bit codes of E2M1 values: w = 2^(e - 128) v[q] with v the values doubled, gpt-oss's
+experts; the kernels take it transcoded, gpu/quant/mxfp4.py). The codes are ggml's type
 ids; weir's kernels take these names (gpu/cpu/quant.py).
 """
 
@@ -61,6 +63,7 @@ FORMATS: dict[str, Format] = {
         Format("iq2_xxs", 16, 256, 66, True),
         Format("iq2_xs", 17, 256, 74, True),
         Format("iq2_s", 22, 256, 82, True),
+        Format("mxfp4", 39, 32, 17, True),
     )
 }
 BY_GGML_TYPE = {f.ggml_type: f for f in FORMATS.values()}

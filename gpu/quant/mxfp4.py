@@ -3,11 +3,14 @@ sharing one power-of-two scale. A checkpoint's `*_blocks` hold [..., G, 16] byte
 byte (the low nibble first), and `*_scales` [..., G] bytes, each scale 2^(byte - 127) (E8M0).
 Dequantized exactly: every value is a bfloat16 (and float32) number.
 
-Served on weir's kernels as Q8_0 (`to_q8_0`), also exactly: twice an E2M1 value is an integer
-of at most 12, so a block is 32 int8 values over the scale 2^(byte - 128), which float16 holds
-for scale bytes 104..143 (and up to 146, the integers doubled up to three times): every real
-weight's. A block outside that range is rounded (its values then below 3e-7 or above 3e6).
-Q8_0 reads 34 bytes a block where MXFP4 reads 17, and half of bfloat16's 64."""
+Held as ggml's MXFP4 blocks (`to_ggml`: GGUF's type 39, 17 bytes: the scale byte, then value i
+in the low nibble of byte i and value i + 16 in its high one) and served by weir's CPU kernels
+in their own 4 bits (`transcode`: each scale byte as the float16 2^(byte - 128) before the same
+16 bytes, the values' codes read through the table of E2M1's values doubled, as IQ4_NL's
+indices are), exactly for scale bytes 104..143, which float16 holds: every real weight's (a
+block of zeros takes any scale). A weight with a block outside that range is served as Q8_0
+instead (`to_q8_0`: also exact, the integers doubled up to three times past 143; rounded below
+104, its values under 3e-7)."""
 
 from __future__ import annotations
 
@@ -57,12 +60,54 @@ def dequantize(
 DOUBLED = np.array([2 * v for v in FP4_VALUES], dtype=np.int8)  # exact integers
 
 
+def codes_of(blocks: np.ndarray) -> np.ndarray:
+    """OpenAI's [..., G, 16] bytes -> each block's 32 codes in order [..., G, 32]."""
+    return np.stack([blocks & 0x0F, blocks >> 4], axis=-1).reshape(*blocks.shape[:-1], 32)
+
+
+def to_ggml(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """OpenAI's [..., G, 16] bytes and [..., G] scales -> ggml's MXFP4 rows [..., G * 17]."""
+    codes = codes_of(blocks)
+    out = np.empty((*blocks.shape[:-1], 17), dtype=np.uint8)
+    out[..., 0] = scales
+    out[..., 1:] = codes[..., :16] | (codes[..., 16:] << 4)
+    return out.reshape(*blocks.shape[:-2], blocks.shape[-2] * 17)
+
+
+HALF_SCALES = (104, 143)  # the scale bytes whose 2^(byte - 128) float16 holds exactly
+
+
+def _scales(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """ggml's MXFP4 rows -> (their blocks [N, 17], each block's scale where any of its values is
+    not zero; 128 (2^0) where all are: any scale gives such a block)."""
+    blocks = rows.reshape(-1, 17)
+    zero = ((blocks[:, 1:] & 0x77) == 0).all(axis=1)  # codes 0 and 8: +0 and -0
+    return blocks, np.where(zero, 128, blocks[:, 0])
+
+
+def transcodable(rows: np.ndarray) -> bool:
+    """Whether float16 holds the scale of every block of ggml's MXFP4 rows [n, G * 17] (but
+    those of blocks of zeros)."""
+    _, scales = _scales(rows)
+    return bool(((scales >= HALF_SCALES[0]) & (scales <= HALF_SCALES[1])).all())
+
+
+def transcode(rows: np.ndarray) -> np.ndarray:
+    """ggml's MXFP4 rows [n, G * 17] (`transcodable`) -> the kernels' [n, G * 18]: each block's
+    float16 2^(byte - 128), then its 16 bytes of codes as they were."""
+    blocks, scales = _scales(rows)
+    out = np.empty((len(blocks), 18), dtype=np.uint8)
+    d = np.ldexp(np.float32(1.0), scales.astype(np.int32) - 128).astype(np.float16)
+    out[:, :2] = d[:, None].view(np.uint8)
+    out[:, 2:] = blocks[:, 1:]
+    return out.reshape(rows.shape[0], -1)
+
+
 def to_q8_0(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
     """[..., G, 16] bytes and [..., G] scales -> Q8_0 rows [..., G * 34] (gpu/quant/formats.py:
     each block a float16 scale, then 32 int8 values), the same values where float16 holds the
     scale."""
-    codes = np.stack([blocks & 0x0F, blocks >> 4], axis=-1).reshape(*blocks.shape[:-1], 32)
-    q = DOUBLED[codes]
+    q = DOUBLED[codes_of(blocks)]
     exponent = scales.astype(np.int32) - 128
     outside = (exponent < -24) | (exponent > 15)  # past float16's scales: the integers move
     if outside.any():
@@ -77,9 +122,6 @@ def to_q8_0(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
     return out.reshape(*blocks.shape[:-2], blocks.shape[-2] * 34)
 
 
-GGML_MXFP4 = 39  # ggml's type id: blocks of 17 bytes, the scale byte then 16 of nibbles
-
-
 def ggml_to_q8_0(raw: np.ndarray) -> np.ndarray:
     """Rows of ggml's MXFP4 blocks ([rows, blocks * 17]: a scale byte, then value i in the low
     nibble of byte i and value i + 16 in its high nibble, ggml's values already doubled) ->
@@ -91,20 +133,34 @@ def ggml_to_q8_0(raw: np.ndarray) -> np.ndarray:
     return to_q8_0(codes[..., 0::2] | (codes[..., 1::2] << 4), scales)
 
 
+def _encode(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """[N, 32] float32 -> (codes [N, 32], scale bytes [N]): each block over the power of two
+    that brings its largest value within E2M1's 6, each value the nearest code."""
+    amax = np.maximum(np.abs(blocks).max(axis=1), np.float32(2.0**-100))
+    exponent = np.clip(np.ceil(np.log2(amax / 6.0)), -127, 127)
+    scaled = blocks / np.exp2(exponent)[:, None]
+    table = np.array(FP4_VALUES, dtype=np.float32)
+    codes = np.empty(blocks.shape, dtype=np.uint8)
+    for start in range(0, len(blocks), 1 << 14):  # bounds the [rows, 32, 16] temporary
+        part = scaled[start : start + (1 << 14), :, None]
+        codes[start : start + (1 << 14)] = np.abs(part - table).argmin(axis=2)
+    return codes, (exponent + 127).astype(np.uint8)
+
+
+def quantize_ggml(blocks: np.ndarray) -> np.ndarray:
+    """[N, 32] float weights -> ggml's MXFP4 blocks [N, 17] (gpu/quant/quantize.py's)."""
+    codes, scales = _encode(np.asarray(blocks, dtype=np.float32))
+    return to_ggml(codes[:, 0::2] | (codes[:, 1::2] << 4), scales)
+
+
 def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[..., n] float -> ([..., n / 32, 16] bytes, [..., n / 32] scales), as OpenAI's files hold
-    them: each block of 32 over the power of two that brings its largest value within E2M1's
-    6, each value the nearest code (the low nibble first). For tests and benchmarks."""
-    blocks = w.float().reshape(*w.shape[:-1], -1, 32)
-    amax = blocks.abs().amax(-1).clamp(min=2.0**-100)
-    exponent = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)
-    scaled = blocks / torch.exp2(exponent)[..., None]
-    codes = torch.empty(scaled.shape, dtype=torch.uint8)
-    table = torch.tensor(FP4_VALUES)
-    for i in range(len(scaled)):  # one leading row at a time: [.., 32, 16] stays small
-        codes[i] = (scaled[i][..., None] - table).abs().argmin(-1).to(torch.uint8)
-    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
-    return packed, (exponent + 127).to(torch.uint8)
+    them (the low nibble first), by `_encode`. For tests and benchmarks."""
+    shape = w.shape[:-1]
+    codes, scales = _encode(w.float().reshape(-1, 32).numpy())
+    packed = torch.from_numpy(codes[:, 0::2] | (codes[:, 1::2] << 4))
+    groups = w.shape[-1] // 32
+    return packed.reshape(*shape, groups, 16), torch.from_numpy(scales).reshape(*shape, groups)
 
 
 def write_folder(src, dst) -> None:

@@ -16,6 +16,7 @@ import numpy as np
 from gpu.quant.formats import FORMATS
 from gpu.quant.iq_grids import QUANTIZERS as GRID_QUANTIZERS
 from gpu.quant.iq_grids import xs_blocks
+from gpu.quant.mxfp4 import quantize_ggml as _mxfp4
 
 
 def _round(x: np.ndarray) -> np.ndarray:
@@ -290,5 +291,6 @@ QUANTIZERS = {
     "q6_k": _q6_k,
     "iq4_nl": _iq4_nl,
     "iq4_xs": _iq4_xs,
+    "mxfp4": _mxfp4,
     **GRID_QUANTIZERS,
 }

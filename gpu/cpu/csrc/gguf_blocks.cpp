@@ -60,6 +60,7 @@ void parse_block(int format, const uint8_t* b, Parsed& p) {
             return;
         }
         case kWIQ4_NL:
+        case kWMXFP4:  // transcoded (gpu/quant/mxfp4.py): f16 d, then the file's 16 bytes
             p.d16 = load16(b);
             for (int i = 0; i < 16; ++i) {
                 p.u[i] = b[2 + i] & 0x0F;  // indices: their values in read_column

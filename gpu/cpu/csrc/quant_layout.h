@@ -13,7 +13,7 @@
 //           u8 sc[16] then u8 m[16]; Q6_K and Q3_K int8 sc of the block's first 16 weights [16],
 //           then of its second 16 [16] (Q3_K's as the signed sc - 32); Q2_K a byte sc | m << 4
 //           of the first 16 [16], then of the second [16] (as its file holds them)
-//   IQ4_NL f16 d per column; IQ4_XS int8 ls (its 6-bit scale less 32) per column, d in the header
+//   IQ4_NL (and MXFP4, transcoded at load: gpu/quant/mxfp4.py) f16 d per column; IQ4_XS int8 ls (its 6-bit scale less 32) per column, d in the header
 //   (IQ3_XXS and IQ3_S as IQ4_XS: gpu/quant/iq_grids.py transcodes their grids into its layout, ls the
 //   odd 1..31 of their scales)
 //   integers, each an unsigned value u (Q8_0: q + 128 in 0..255; Q2_K: 0..3; Q3_K: 0..7; Q4_0,
@@ -21,7 +21,7 @@
 //   takes 4 consecutive k of a column per 32-bit lane ("quad" t: k = 4t..4t+3, t = 0..7):
 //     8-bit: [t 0..7][column 16][4 bytes]
 //     4-bit: [t 0..3][column 16][4 bytes], low nibble quad t, high nibble quad t + 4 (IQ4_NL,
-//           IQ4_XS, IQ3_XXS, IQ3_S: the index i of the weight's value in its format's table of
+//           IQ4_XS, IQ3_XXS, IQ3_S, MXFP4: the index i of the weight's value in its format's table of
 //           sixteen, u = iq_u(format)[i], the value + 128)
 //     5-bit: the 4-bit part of u as above, then [column 16][4 bytes] whose bit t is u's bit 4 in
 //           quad t
@@ -32,7 +32,7 @@
 //     Q6_K: the 4-bit part, then two [column 16][4 bytes] regions h = 0, 1 whose bits 2j, 2j + 1
 //           are u's bits 4, 5 in quad 4h + j
 // Weight value: Q8_0 d (u - 128); Q4_0 d (u - 8); Q5_0 d (u - 16); Q4_1/Q5_1 d u + m;
-// IQ4_NL d (u - 128); IQ4_XS (IQ3_S) d ls (u - 128), IQ3_XXS d ls (u - 128) / 4; Q4_K/Q5_K d sc u - dmin m (Q2_K the same per 16); Q6_K d sc (u - 32), Q3_K d sc (u - 4) with
+// IQ4_NL (MXFP4) d (u - 128); IQ4_XS (IQ3_S) d ls (u - 128), IQ3_XXS d ls (u - 128) / 4; Q4_K/Q5_K d sc u - dmin m (Q2_K the same per 16); Q6_K d sc (u - 32), Q3_K d sc (u - 4) with
 // sc the scale of the weight's 16. So a
 // block's sum over k of x w is
 //   dx (alpha A - beta S)
@@ -77,7 +77,8 @@ constexpr Geometry geometry(int format) {
         case kWQ4_K: return {64, 32, 256, 4, 1, 256, 144};
         case kWQ5_K: return {64, 32, 320, 5, 1, 256, 176};
         case kWQ6_K: return {32, 32, 384, 6, 2, 256, 210};
-        case kWIQ4_NL: return {0, 32, 256, 4, 1, 32, 18};
+        case kWIQ4_NL:
+        case kWMXFP4: return {0, 32, 256, 4, 1, 32, 18};  // MXFP4: the transcoded block's bytes
         case kWIQ4_XS:
         case kWIQ3_XXS:
         case kWIQ3_S:
@@ -106,6 +107,7 @@ inline void with_block_format(int format, Fn&& fn) {
         case kWQ5_K: return fn(std::integral_constant<int, kWQ5_K>{});
         case kWQ6_K: return fn(std::integral_constant<int, kWQ6_K>{});
         case kWIQ4_NL: return fn(std::integral_constant<int, kWIQ4_NL>{});
+        case kWMXFP4: return fn(std::integral_constant<int, kWMXFP4>{});
         case kWIQ4_XS: return fn(std::integral_constant<int, kWIQ4_XS>{});
         case kWIQ3_XXS: return fn(std::integral_constant<int, kWIQ3_XXS>{});
         case kWIQ3_S: return fn(std::integral_constant<int, kWIQ3_S>{});
@@ -117,15 +119,18 @@ inline void with_block_format(int format, Fn&& fn) {
 }
 constexpr bool is_half(int format) { return format == kWF16 || format == kWBF16; }
 
-// The sixteen values of the table formats' indices, ascending: IQ4_NL's and IQ4_XS's (llama.cpp's
-// kvalues_iq4nl); IQ3_XXS's grid magnitudes 4..62, signed (its scale's quarter: scale_unit); IQ3_S's
-// odd 1..15, signed.
+// The sixteen values of the table formats' indices, ascending (MXFP4's, below, in code order):
+// IQ4_NL's and IQ4_XS's (llama.cpp's kvalues_iq4nl); IQ3_XXS's grid magnitudes 4..62, signed (its
+// scale's quarter: scale_unit); IQ3_S's odd 1..15, signed.
 alignas(16) constexpr int8_t kIq4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
                                                1,    13,   25,  38,  53,  69,  89,  113};
 alignas(16) constexpr int8_t kIq3XxsValues[16] = {-62, -52, -44, -36, -28, -20, -12, -4,
                                                   4,   12,  20,  28,  36,  44,  52, 62};
 alignas(16) constexpr int8_t kIq3SValues[16] = {-15, -13, -11, -9, -7, -5, -3, -1,
                                                 1,   3,   5,   7,  9,  11, 13, 15};
+// MXFP4's (E2M1's sixteen codes doubled, in code order: llama.cpp's kvalues_mxfp4).
+alignas(16) constexpr int8_t kMxfp4Values[16] = {0, 1,  2,  3,  4,  6,  8,  12,
+                                                 0, -1, -2, -3, -4, -6, -8, -12};
 // IQ2_XXS's, IQ2_XS's and IQ2_S's grid magnitudes 8, 25, 43, signed (indices 6..15 unused).
 alignas(16) constexpr int8_t kIq2Values[16] = {-43, -25, -8, 8, 25, 43, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
 constexpr bool is_iq2(int format) {
@@ -135,6 +140,7 @@ constexpr const int8_t* iq_values(int format) {
     return format == kWIQ3_XXS ? kIq3XxsValues
            : format == kWIQ3_S ? kIq3SValues
            : is_iq2(format)    ? kIq2Values
+           : format == kWMXFP4 ? kMxfp4Values
                                : kIq4Values;
 }
 // Each table's u (value + 128).
@@ -144,16 +150,19 @@ alignas(16) constexpr uint8_t kIq3XxsU[16] = {66,  76,  84,  92,  100, 108, 116,
                                               132, 140, 148, 156, 164, 172, 180, 190};
 alignas(16) constexpr uint8_t kIq3SU[16] = {113, 115, 117, 119, 121, 123, 125, 127,
                                             129, 131, 133, 135, 137, 139, 141, 143};
+alignas(16) constexpr uint8_t kMxfp4U[16] = {128, 129, 130, 131, 132, 134, 136, 140,
+                                             128, 127, 126, 125, 124, 122, 120, 116};
 alignas(16) constexpr uint8_t kIq2U[16] = {85,  103, 120, 136, 153, 171, 128, 128,
                                            128, 128, 128, 128, 128, 128, 128, 128};
 constexpr const uint8_t* iq_u(int format) {
     return format == kWIQ3_XXS ? kIq3XxsU
            : format == kWIQ3_S ? kIq3SU
            : is_iq2(format)    ? kIq2U
+           : format == kWMXFP4 ? kMxfp4U
                                : kIq4U;
 }
 constexpr bool u_tables_agree() {
-    for (int f : {kWIQ4_NL, kWIQ3_XXS, kWIQ3_S, kWIQ2_XXS})
+    for (int f : {kWIQ4_NL, kWIQ3_XXS, kWIQ3_S, kWIQ2_XXS, kWMXFP4})
         for (int i = 0; i < 16; ++i)
             if (iq_u(f)[i] != iq_values(f)[i] + 128) return false;
     return true;
@@ -162,7 +171,7 @@ static_assert(u_tables_agree(), "a table's u is its value + 128");
 // Formats whose 4-bit integers index a table of sixteen values.
 constexpr bool is_iq(int format) {
     return format == kWIQ4_NL || format == kWIQ4_XS || format == kWIQ3_XXS || format == kWIQ3_S ||
-           is_iq2(format);
+           is_iq2(format) || format == kWMXFP4;
 }
 // IQ4_XS's layout: f16 d per 256 in the header, an int8 scale per 32.
 constexpr bool is_xs(int format) {
@@ -176,11 +185,12 @@ constexpr float scale_unit(int format) {
 
 // Formats whose blocks carry one f16 d (beta = offset d: the u of a zero weight) or d and m.
 constexpr bool is_d_only(int format) {
-    return format == kWQ8_0 || format == kWQ4_0 || format == kWQ5_0 || format == kWIQ4_NL;
+    return format == kWQ8_0 || format == kWQ4_0 || format == kWQ5_0 || format == kWIQ4_NL ||
+           format == kWMXFP4;
 }
 constexpr bool is_d_m(int format) { return format == kWQ4_1 || format == kWQ5_1; }
 constexpr float zero_u(int format) {
-    return format == kWQ8_0 || format == kWIQ4_NL ? 128.f : format == kWQ5_0 ? 16.f : 8.f;
+    return format == kWQ8_0 || format == kWIQ4_NL || format == kWMXFP4 ? 128.f : format == kWQ5_0 ? 16.f : 8.f;
 }
 // k-quants whose header holds dmin after d.
 constexpr bool has_dmin(int format) {

@@ -139,6 +139,7 @@ enum WFormat : int {
     kWIQ2_S = 22,
     kWIQ4_XS = 23,
     kWBF16 = 30,
+    kWMXFP4 = 39,  // held as IQ4_NL's block with its own table: f16 d = 2^(e - 128), 4-bit codes
 };
 constexpr int64_t kPanel = 16;
 
