@@ -3,7 +3,8 @@
 window of 128, YaRN; random weights, the tests' trained tokenizer) with `--layers` layers (2: 1.6B
 weights, 0.25B of them read a token), its experts written in MXFP4 as OpenAI's files hold them.
 
-weir serves that folder (the experts as exact Q8_0 blocks: gpu/quant/mxfp4.py, the rest bfloat16);
+weir serves that folder (the experts in MXFP4 on its 4-bit kernels: gpu/quant/mxfp4.py, the rest
+bfloat16);
 llama.cpp serves its own converter's GGUF of it (the experts in its MXFP4 type, the rest bfloat16).
 One server at a time, alternated for `--rounds`; greedy completions with ignore_eos at each level.
 
@@ -69,7 +70,7 @@ def main() -> None:
     gguf = gguf_of(model, os.environ["LLAMA_CPP_QUANT"])
     weir = functools.partial(weir_argv, launcher="server")
     table = {
-        "weir (MXFP4 as Q8_0)": lambda port: weir(str(model), port, "--served-model-name", NAME),
+        "weir (MXFP4)": lambda port: weir(str(model), port, "--served-model-name", NAME),
         "llama.cpp (MXFP4)": lambda port: [
             str(PEERS / "llama_cpp.sh"), "serve-file", str(gguf), str(port), NAME
         ],
