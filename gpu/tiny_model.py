@@ -108,6 +108,7 @@ def build_tiny_model(
     extra_eos: tuple[str, ...] = (),
     zero_padding_rows: bool = False,
     mlp_bias: bool = False,
+    attention_bias: bool = False,
     pretokenizer: str = "gpt-2",
     global_every: int = 3,
     query_pre_attn_scalar: int | None = None,
@@ -125,7 +126,8 @@ def build_tiny_model(
     `zero_padding_rows`: the output rows past the tokenizer's tokens zeroed, so that greedy
     decoding (whose best logit over random rows is positive) never picks a token without text,
     as a real model never does; the matrix products keep their full size. `mlp_bias`: biases
-    on the MLP's products (Llama's config option). `pretokenizer`: how the tokenizer splits
+    on the MLP's products, `attention_bias` on Q/K/V and O (Llama's config options; drawn at
+    random). `pretokenizer`: how the tokenizer splits
     text (train_tokenizer). Gemma 3: every `global_every`-th layer global, the others sliding;
     `query_pre_attn_scalar` (24 unless given); Gemma 2 ("gemma2"): every other layer global, its
     attention scores' and logits' `softcaps`. Mixtral, Qwen3-MoE and Qwen2-MoE ("mixtral",
@@ -175,7 +177,10 @@ def build_tiny_model(
         common["rope_parameters"] = {"rope_theta": 10000.0, **rope_scaling}
     if arch == "llama":
         config = LlamaConfig(
-            **common, tie_word_embeddings=bool(tie_word_embeddings), mlp_bias=mlp_bias
+            **common,
+            tie_word_embeddings=bool(tie_word_embeddings),
+            mlp_bias=mlp_bias,
+            attention_bias=attention_bias,
         )
     elif arch == "mistral":
         config = MistralConfig(
@@ -270,6 +275,11 @@ def build_tiny_model(
         raise ValueError(f"unknown tiny architecture {arch!r}")
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    if attention_bias or mlp_bias:  # drawn (they start at zero)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("bias"):
+                    p.normal_(0.0, 0.5)
     if arch == "gpt_oss":  # biases and sinks drawn too (they start at zero), large enough to
         with torch.no_grad():  # matter, and experts that reach the activation's clamp
             for name, p in model.named_parameters():

@@ -39,6 +39,8 @@ def load_both(path, **pool):
         # Gemma 3: norms after the blocks, scaled embeddings, its attention scale, sliding
         # layers (a window of 8) with their own rotation beside a global one
         ("gemma3", {"num_layers": 3, "sliding_window": 8}, "auto"),
+        # Q/K/V and O biases (Llama's attention_bias)
+        ("llama", {"attention_bias": True}, "auto"),
         ("llama", {}, "bfloat16"),
         ("qwen3", {}, "float16"),
     ],

@@ -29,7 +29,8 @@ def model(tmp_path_factory):
 @pytest.mark.parametrize("config", [{}, {"attention_backend": "torch"}], ids=["cpu", "torch"])
 def test_gpt_oss_matches_transformers(model, config):
     """The logits after the prompt and six greedy tokens, on weir's CPU attention kernel and
-    on the torch reference; the layers run on the module path (the one-call stack declines)."""
+    on the torch reference; the layers run on the module path (float32 experts: the one-call
+    stack takes block formats only)."""
     path, (want, want_tokens) = model
     got, tokens = first_logits(path, prompt(30), num_kv_blocks=64, **config)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
@@ -137,6 +138,22 @@ def test_on_the_cuda_backend(tmp_path, monkeypatch):
     got, tokens = first_logits(path, prompt(12), num_kv_blocks=64, **config)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     assert tokens == want_tokens
+
+
+@pytest.mark.parametrize("experts", ["bfloat16", "mxfp4"])
+def test_the_one_call_stack_runs_gpt_oss_as_the_modules_do(model, tmp_path, experts):
+    """Sinks, the O and router biases, the experts' biases and clamped SwiGLU, sliding and full
+    layers, in the compiled stack (gpu/cpu/csrc/moe.cpp plain_experts): the module path's
+    tokens, and its log-probs within the routing's float32 differences (moe.cpp), the experts
+    in bfloat16 or in MXFP4 blocks."""
+    from gpu.quant.mxfp4 import write_folder
+    from tests.test_moe import assert_stack_as_modules
+
+    path, _ = model
+    if experts == "mxfp4":
+        write_folder(path, tmp_path / "mxfp4")
+        path = tmp_path / "mxfp4"
+    assert_stack_as_modules(path, dtype="bfloat16", atol=1e-4, rtol=1e-4)
 
 
 def test_tensor_parallelism_is_refused_by_name(model):

@@ -73,6 +73,7 @@ HEADERS = [
         "huge_pages.h",
         "activation.h",
         "quant_layout.h",
+        "stack_gpt_oss.h",
     )
 ]
 # -ffast-math lets g++ vectorize exp (glibc's libmvec) and reassociate the dot products; it is

@@ -40,7 +40,7 @@ HANDLED: dict[str, tuple | None] = {
     "rms_norm_eps": None,
     "tie_word_embeddings": None,  # a tied head is computed through torch after the call
     "qkv_bias": None,
-    "mlp_bias": (lambda v: not v, "an MLP bias"),
+    "mlp_bias": None,  # gpt-oss's experts' (set_gpt_oss); unfit refuses any other
     "qk_norm": None,
     "hidden_act": (lambda v: v in gemm.ACTIVATIONS, "an activation the kernel has not"),
     "max_position_embeddings": None,
@@ -61,11 +61,11 @@ HANDLED: dict[str, tuple | None] = {
     "norm_topk_prob": None,
     "dense_layers": None,
     "shared_expert_size": None,  # Qwen2-MoE's shared expert (set_shared; unfit checks it)
-    "o_bias": None,  # unfit checks each layer's O projection for a bias
-    # gpt-oss's (gpu/models/gpt_oss.py): the module path computes them
-    "attn_sinks": (lambda v: not v, "attention sinks"),
-    "router_bias": (lambda v: not v, "a router bias"),
-    "swiglu_limit": (lambda v: not v, "experts with a clamped SwiGLU"),
+    "o_bias": None,  # set_gpt_oss (unfit refuses one beside Gemma's norms after the blocks)
+    # gpt-oss's (gpu/models/gpt_oss.py): set_gpt_oss
+    "attn_sinks": None,
+    "router_bias": None,
+    "swiglu_limit": None,  # its experts' gate/up plain products, their activation in moe.cpp
     "swiglu_alpha": None,
 }
 
@@ -96,8 +96,10 @@ def unfit(model, backend) -> str | None:
         attn, mlp = layer.self_attn, layer.mlp
         if _parts(attn.qkv) is None or _parts(attn.o) is None:
             return "attention products not on weir's kernels"
-        if getattr(attn.o, "bias", None) is not None:
-            return "an output projection bias"
+        if getattr(attn.o, "bias", None) is not None and spec.sandwich_norms:
+            return "an output projection bias beside norms after the blocks"
+        if spec.mlp_bias and not (isinstance(mlp, SparseMoE) and mlp.swiglu is not None):
+            return "an MLP bias"
         if isinstance(mlp, SparseMoE):
             if _experts(mlp) is None:
                 return "experts not all in block formats on weir's kernels"
@@ -109,21 +111,26 @@ def unfit(model, backend) -> str | None:
 
 
 def _experts(moe: SparseMoE) -> tuple[list[int], list[torch.Tensor], int] | None:
-    """A mixture's experts as the stack takes them ([router format, E, top_k, renormalize,
-    intermediate, E gated pairs' formats, E downs' formats], [router, E pairs, E downs], the
-    activation's code), or None when any is not a packed block-format weight."""
+    """A mixture's experts as the stack takes them ([router format, E, top_k, flags (1:
+    renormalize, 2: gate/up plain products, gpt-oss's), intermediate, E gate/ups' formats, E
+    downs' formats], [router, E gate/ups, E downs], the activation's code: gpt-oss's, set by
+    set_gpt_oss, stands in as SiLU's), or None when any is not a packed block-format weight."""
     router = _part(moe.router)
     pairs, downs = [e.gate_up for e in moe.experts], [e.down for e in moe.experts]
     packed = all(isinstance(w, quant.QuantWeight) for w in pairs + downs)
     if router is None or not packed or any(d.act for d in downs):
         return None
-    acts = {p.act for p in pairs}
-    if len(acts) != 1 or 0 in acts:
+    if any(w.bias is not None for w in pairs + downs):  # gpt-oss's are apart (set_gpt_oss)
         return None
-    first = moe.experts[0].widths[0] // 2
-    formats = [router[0], len(pairs), moe.top_k, int(moe.renormalize), first]
+    plain = moe.swiglu is not None
+    acts = {p.act for p in pairs}
+    if len(acts) != 1 or (0 in acts) != plain:
+        return None
+    width = pairs[0].out_features // 2 if plain else moe.experts[0].widths[0] // 2
+    formats = [router[0], len(pairs), moe.top_k, int(moe.renormalize) | (2 * plain), width]
     formats += [w.fmt.ggml_type for w in pairs + downs]
-    return formats, [router[1]] + [w.packed for w in pairs + downs], acts.pop()
+    act = gemm.ACTIVATIONS["silu"] if plain else acts.pop()
+    return formats, [router[1]] + [w.packed for w in pairs + downs], act
 
 
 def _shared(moe: SparseMoE) -> tuple[list[torch.Tensor], list[int]] | None:
@@ -206,6 +213,30 @@ def _gemma(model) -> tuple[list[list[torch.Tensor]], list[int], list[int], float
         local.append(int(layer.local_rope))
     factor = torch.tensor(model.spec.embed_scale, dtype=torch.float32).item()
     return norms, windows, local, factor, model.spec.attn_softcap
+
+
+def _gpt_oss(model) -> tuple[list[list[torch.Tensor]], float, float] | None:
+    """set_gpt_oss's arguments: each layer's [O bias, sinks, router bias, the experts' gate/up
+    biases [E, 2I] and down's [E, hidden]] as float32 (none: empty) and the experts' clamped
+    SwiGLU's limit and alpha; None when no layer has any of them."""
+    none = torch.empty(0)
+
+    def f32(t) -> torch.Tensor:
+        return none if t is None else t.detach().float().contiguous()
+
+    per_layer, swiglu = [], None
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        moe = mlp if isinstance(mlp, SparseMoE) else None
+        router_bias = getattr(moe.router, "bias", None) if moe else None
+        biases = (moe.expert_biases if moe and moe.swiglu else None) or (None, None)
+        swiglu = swiglu or (moe.swiglu if moe else None)
+        parts = [getattr(attn.o, "bias", None), attn.sinks, router_bias, *biases]
+        per_layer.append([f32(t) for t in parts])
+    if all(not t.numel() for layer in per_layer for t in layer) and swiglu is None:
+        return None
+    limit, alpha = swiglu or (1.0, 1.0)  # (unread without plain experts; set_gpt_oss wants > 0)
+    return per_layer, float(limit), float(alpha)
 
 
 class FusedStack:
@@ -299,6 +330,9 @@ class FusedStack:
             self._stack.set_shared(
                 [s[0] if s else [] for s in shared], [s[1] if s else [] for s in shared]
             )
+        extras = _gpt_oss(model)
+        if extras is not None:  # gpt-oss's parts, and any layer's O bias
+            self._stack.set_gpt_oss(*extras)
         if model.lora is not None:  # the adapters' slots (gpu/lora.py): bound once, like weights
             self._stack.set_lora(model.lora.stack_tensors())
         self._caches = kv_caches

@@ -144,4 +144,23 @@ inline const int32_t* check_lora_rows(const Tensor& rows, int64_t m, int64_t slo
     return p;
 }
 
+// ---- the layer stack in one call (stack.cpp) ----
+// A weight given as (format, tensor): float32 panels (kWF32; `rows_f32`: float32 rows instead,
+// the embeddings) or a packed WFormat, checked for [n, k] (a gated pair: n each).
+inline weir::StackWeight stack_weight(int64_t format, const Tensor& t, int64_t n, int64_t k, bool gated,
+                               const char* name, bool rows_f32 = false) {
+    if (format == weir::kWF32) {
+        if (rows_f32)
+            check_flat(t, at::kFloat, n * k, name);
+        else
+            check_flat(t, at::kFloat, weir::gemm_packed_size(n, k, gated), name);
+        return {weir::kWF32, t.data_ptr<float>(), n};
+    }
+    TORCH_CHECK_VALUE(weir::wformat_known(int(format)), name, ": unknown format ", format);
+    TORCH_CHECK_VALUE(k % weir::wformat_block(int(format)) == 0, name, ": k ", k,
+                      " is not whole blocks of its format");
+    check_flat(t, at::kByte, weir::wpacked_size(int(format), n, k, gated), name);
+    return {int(format), t.data_ptr<uint8_t>(), n};
+}
+
 }  // namespace weir_ops

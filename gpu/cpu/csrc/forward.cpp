@@ -4,13 +4,15 @@
 //
 // The same kernels the modules call one by one (norm_rope.cpp, gemm.cpp, quant.cpp,
 // attention.cpp), called in the same order on the same buffers, so the result is bitwise
-// the module path's (tests/test_cpu_forward.py; a mixture of experts' routing aside, moe.cpp); what goes is the interpreter between them: a
+// the module path's (tests/test_cpu_forward.py; a mixture of experts' routing aside, moe.cpp);
+// what goes is the interpreter between them: a
 // dozen torch ops and kernel calls per layer, which at one stream cost as much as the layer's
 // arithmetic. K and V are written into the paged cache here too.
 //
 // Per layer, x the residual stream [tokens, hidden], updated in place:
 //   h = rms_norm(x); qkv = h Wqkv^T (+ b); q = rope(norm(q)); k = rope(norm(k)) -> cache;
-//   v -> cache; o = attention(q, cache); x += o Wo^T; h = rms_norm(x); g = act(h G^T) * (h U^T);
+//   v -> cache; o = attention(q, cache (+ sinks)); x += o Wo^T (+ b); h = rms_norm(x);
+//   g = act(h G^T) * (h U^T);
 //   x += g Wd^T
 // (a mixture of experts in place of the last three: moe.cpp, with Qwen2-MoE's shared expert
 // computed here: shared_expert), then out = rms_norm(x) with the
@@ -241,7 +243,7 @@ int decoder_forward(const DecoderModel& model, const DecoderStep& step) {
                                             s->query_start, s->seq_lens, s->num_seqs,
                                             s->max_blocks, m->heads, m->kv_heads, D,
                                             m->block_size, m->scale, L.window, nt, 0,
-                                            int(m->cache_dtype), m->attn_softcap);
+                                            int(m->cache_dtype), m->attn_softcap, L.sinks);
         if (rc != 0) return rc;
         timer.lap(kAttention);
         if (L.post_attn_norm) {  // Gemma 3: the block's output normalized, then added
@@ -257,7 +259,7 @@ int decoder_forward(const DecoderModel& model, const DecoderStep& step) {
             continue;
         }
         if (lora && L.lora[kLoraO].a) lora_add(L.lora[kLoraO], o, T, qw, lora, x, H, nt);
-        product(L.o, o, T, qw, 0, nullptr, x, H, x, H, nt, spare);
+        product(L.o, o, T, qw, 0, L.o_bias, x, H, x, H, nt, spare);
         timer.lap(kOut);
         rms_norm_rope(x, T, 1, H, H, L.post_norm, m->eps, nullptr, nullptr, h, nt);
         timer.lap(kNorm);

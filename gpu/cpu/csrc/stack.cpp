@@ -12,28 +12,10 @@
 #include <vector>
 
 #include "checks.h"
+#include "stack_gpt_oss.h"
 #include "weir.h"
 
 using namespace weir_ops;
-
-// ---- the layer stack in one call ----
-// A weight given as (format, tensor): float32 panels (kWF32; `rows_f32`: float32 rows instead,
-// the embeddings) or a packed WFormat, checked for [n, k] (a gated pair: n each).
-weir::StackWeight stack_weight(int64_t format, const Tensor& t, int64_t n, int64_t k, bool gated,
-                               const char* name, bool rows_f32 = false) {
-    if (format == weir::kWF32) {
-        if (rows_f32)
-            check_flat(t, at::kFloat, n * k, name);
-        else
-            check_flat(t, at::kFloat, weir::gemm_packed_size(n, k, gated), name);
-        return {weir::kWF32, t.data_ptr<float>(), n};
-    }
-    TORCH_CHECK_VALUE(weir::wformat_known(int(format)), name, ": unknown format ", format);
-    TORCH_CHECK_VALUE(k % weir::wformat_block(int(format)) == 0, name, ": k ", k,
-                      " is not whole blocks of its format");
-    check_flat(t, at::kByte, weir::wpacked_size(int(format), n, k, gated), name);
-    return {int(format), t.data_ptr<uint8_t>(), n};
-}
 
 // Built once per model and KV cache: holds every weight and cache tensor it points into (so they
 // live as long as it does), checked once here; each step passes only the step's own tensors.
@@ -48,8 +30,8 @@ struct DecoderStack : torch::CustomClassHolder {
     // norm); formats: per layer [qkv format and outputs x 3 (0 outputs: no part), o, gate_up0,
     // gate_up1 (-1: none, gate_up0 is the packed pair), down]. A mixture of experts' layer
     // (gate_up0/1 and down empty) adds [router, E gated pairs, E downs] to its tensors and
-    // [router format, E, top_k, renormalize, expert intermediate, E pair formats, E down
-    // formats] to its formats. dims: [hidden, heads, kv_heads,
+    // [router format, E, top_k, flags (1: renormalize, 2: each gate/up a plain product, as
+    // gpt-oss's), expert intermediate, E pair formats, E down formats] to its formats. dims: [hidden, heads, kv_heads,
     // head_dim, intermediate, sliding_window, act, vocab, embed format, head format (-1: no
     // head here)]; embed: [vocab, hidden]; lm_head: [vocab, hidden] or empty.
     DecoderStack(std::vector<std::vector<Tensor>> per_layer,
@@ -155,7 +137,8 @@ struct DecoderStack : torch::CustomClassHolder {
         for (const auto& d : layers) {
             model.moe_experts = std::max(model.moe_experts, d.experts);
             model.moe_top_k = std::max(model.moe_top_k, d.top_k);
-            model.moe_intermediate = std::max(model.moe_intermediate, d.expert_intermediate);
+            model.moe_intermediate = std::max(model.moe_intermediate,
+                                              d.expert_intermediate * (d.plain_experts ? 2 : 1));
         }
         model.final_norm = keep_(final_norm);
         model.embed_scale = 1.f;
@@ -184,21 +167,24 @@ struct DecoderStack : torch::CustomClassHolder {
     void bind_experts(weir::DecoderLayer& d, const std::vector<Tensor>& L,
                       const std::vector<int64_t>& F, int64_t H, size_t li) {
         const int64_t E = F[11], K = F[12], I = F[14];
-        TORCH_CHECK_VALUE(K >= 1 && K <= E && I > 0 && (F[13] == 0 || F[13] == 1),
-                          "experts: top_k ", K, " of ", E, ", intermediate ", I);
+        TORCH_CHECK_VALUE(K >= 1 && K <= E && I > 0 && F[13] >= 0 && F[13] <= 3,
+                          "experts: top_k ", K, " of ", E, ", intermediate ", I, ", flags ", F[13]);
         d.experts = E;
         d.top_k = K;
-        d.renormalize = int(F[13]);
+        d.renormalize = int(F[13] & 1);
+        d.plain_experts = F[13] & 2;  // gate/up plain products: set_gpt_oss gives their activation
+        unbound_plain |= d.plain_experts;
         d.expert_intermediate = I;
         d.router = stack_weight(F[10], L[14], E, H, false, "router");
         keep.push_back(L[14]);
         auto& parts = expert_parts.at(li);
         parts.clear();
         for (int64_t e = 0; e < 2 * E; ++e) {
-            const bool pair = e < E;
+            const bool pair = e < E, plain = d.plain_experts;
             TORCH_CHECK_VALUE(F[15 + e] != weir::kWF32, "experts: packed block formats only");
-            const weir::StackWeight w = stack_weight(F[15 + e], L[15 + e], pair ? I : H,
-                                                     pair ? H : I, pair, "expert");
+            const weir::StackWeight w = stack_weight(F[15 + e], L[15 + e],
+                                                     pair ? (plain ? 2 * I : I) : H, pair ? H : I,
+                                                     pair && !plain, "expert");
             parts.push_back({w.format, static_cast<const uint8_t*>(w.data), w.n});
             keep.push_back(L[15 + e]);
         }
@@ -234,6 +220,16 @@ struct DecoderStack : torch::CustomClassHolder {
         }
     }
 
+    // gpt-oss's parts (stack_gpt_oss.h; an O bias also a Llama's), bound once, after set_gemma.
+    bool unbound_plain = false;  // plain experts whose activation set_gpt_oss has not given
+    void set_gpt_oss(std::vector<std::vector<Tensor>> per_layer, double limit, double alpha) {
+        TORCH_CHECK_VALUE(per_layer.size() == layers.size(), "gpt_oss: one entry per layer");
+        TORCH_CHECK_VALUE(limit > 0 && alpha > 0, "gpt_oss: limit and alpha must be > 0");
+        for (size_t li = 0; li < layers.size(); ++li)
+            bind_gpt_oss(layers[li], per_layer[li], model, float(limit), float(alpha), keep);
+        unbound_plain = false;
+    }
+
     // Gemma 2's and 3's layers (gpu/models/gemma.py), bound once: per layer
     // [post_attention_norm, pre_feedforward_norm, post_feedforward_norm] (all empty: a plain
     // layer), its window (0: none) and whether it turns with the second rotation; the
@@ -251,7 +247,8 @@ struct DecoderStack : torch::CustomClassHolder {
             TORCH_CHECK_VALUE(N.size() == 3, "gemma: three norms a layer");
             TORCH_CHECK_VALUE(windows[li] >= 0 && (local[li] == 0 || local[li] == 1),
                               "gemma: a window and a 0/1 flag a layer");
-            TORCH_CHECK_VALUE(!d.experts, "gemma: no mixture of experts");
+            TORCH_CHECK_VALUE(!d.experts || !N[0].numel(), "gemma: norms after the blocks "
+                              "beside a mixture of experts");
             if (N[0].numel()) {
                 for (int i = 0; i < 3; ++i) check_flat(N[i], at::kFloat, H, "gemma norm");
                 for (int i = 0; i < 3; ++i) keep.push_back(N[i]);
@@ -310,6 +307,7 @@ struct DecoderStack : torch::CustomClassHolder {
                                    const optional<Tensor>& lora_rows,
                                    const optional<Tensor>& cos_local,
                                    const optional<Tensor>& sin_local) {
+        TORCH_CHECK_VALUE(!unbound_plain, "experts of plain products: set_gpt_oss first");
         const int64_t T = input_ids.numel(), D = model.head_dim;
         check_flat(input_ids, at::kLong, T, "input_ids");
         check_flat(positions, at::kLong, T, "positions");
@@ -384,5 +382,6 @@ TORCH_LIBRARY_FRAGMENT(weir, m) {
         .def("run", &DecoderStack::run)
         .def("set_lora", &DecoderStack::set_lora)
         .def("set_gemma", &DecoderStack::set_gemma)
-        .def("set_shared", &DecoderStack::set_shared);
+        .def("set_shared", &DecoderStack::set_shared)
+        .def("set_gpt_oss", &DecoderStack::set_gpt_oss);
 }

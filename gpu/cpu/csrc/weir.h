@@ -257,6 +257,8 @@ struct DecoderLayer {
     const float* q_norm;      // [head_dim] or null (no Q/K norm)
     const float* k_norm;
     StackLinear o;        // [hidden, heads * head_dim]
+    const float* o_bias;  // [hidden] or null
+    const float* sinks;   // gpt-oss's: a logit per head in each softmax's sum [heads], or null
     StackLinear gate_up;  // the gated pair [intermediate, hidden] x 2 (or gate, up)
     StackLinear down;     // [hidden, intermediate]
     void* k_cache;        // [blocks, block_size, kv_heads, head_dim], of DecoderModel::cache_dtype
@@ -264,14 +266,22 @@ struct DecoderLayer {
     // The adapters' slots per product group (a null: no adapter modifies that group)
     LoraGroup lora[kLoraGroups];
     // A mixture of experts in place of gate_up and down (experts > 0; moe.cpp): the router
-    // [experts, hidden], each expert's gated pair [expert_intermediate, hidden] x 2 and down
-    // [hidden, expert_intermediate], top_k of them a token, their weights renormalized over
-    // the k when `renormalize`
+    // [experts, hidden] (and its bias [experts], or null), each expert's gated pair
+    // [expert_intermediate, hidden] x 2 and down [hidden, expert_intermediate], top_k of them a
+    // token, their weights renormalized over the k when `renormalize`. gpt-oss's experts
+    // (swiglu_limit > 0): each gate/up one plain product [2 expert_intermediate, hidden] (gate's
+    // rows first), its bias added, then (up + 1) * gate * sigmoid(swiglu_alpha gate) with gate
+    // clamped above and up on both sides at swiglu_limit; down's bias added to its outputs
     int64_t experts, top_k, expert_intermediate;
     int renormalize;
     StackWeight router;
+    const float* router_bias;
     const WPart* expert_gate_up;  // [experts]
     const WPart* expert_down;     // [experts]
+    bool plain_experts;  // gate/up plain products (gpt-oss's), set at binding
+    float swiglu_limit, swiglu_alpha;
+    const float* expert_gate_up_bias;  // [experts, 2 expert_intermediate] or null
+    const float* expert_down_bias;     // [experts, hidden] or null
     // Qwen2-MoE's shared expert beside the mixture (shared_gate.data null: none): gate_up and
     // down above hold its MLP, of shared_intermediate; its output, weighted by the sigmoid of
     // shared_gate's one logit [1, hidden], is added after the routed experts' sum
@@ -296,7 +306,7 @@ struct MoeScratch {
     int64_t* order;    // [tokens * top_k]: the (token, choice) pairs by expert
     int64_t* counts;   // [experts + 1]
     float* rows;       // [tokens * top_k, hidden]: the pairs' inputs
-    float* gated;      // [tokens * top_k, expert_intermediate]
+    float* gated;      // [tokens * top_k, expert_intermediate] (plain experts: twice that)
     float* outs;       // [tokens * top_k, hidden]
 };
 
@@ -316,7 +326,8 @@ struct DecoderModel {
     int64_t act;          // the Gated code of the MLP's activation
     int64_t cache_dtype;  // the K/V cache's DType
     const DecoderLayer* layers;
-    int64_t moe_experts, moe_top_k, moe_intermediate;  // the largest of its layers' (0: none)
+    int64_t moe_experts, moe_top_k, moe_intermediate;  // the largest of its layers' (0: none;
+                                                       // plain experts: their 2 intermediate)
     int64_t shared_intermediate;                       // so of its shared experts (0: none)
     float embed_scale;  // the embeddings' factor (Gemma's sqrt(hidden), rounded to float32)
     float attn_softcap;  // Gemma 2's cap on the attention scores (0: none)
