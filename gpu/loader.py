@@ -240,6 +240,8 @@ def load_weights(model: DecoderForCausalLM, path: Path, int4=None, text_only: bo
                     if gpt_oss.is_experts_tensor(name):  # gpt-oss's: one tensor a layer
                         for part, value in experts.add(name, f.get_tensor(stored)):
                             targets.wants(part)  # raises for a layer the model does not have
+                            if tp is not None:  # cut per expert, then each rank's share
+                                value = shard(part, value, model.spec, tp)
                             targets.place(part, value)
                             bar.update(1)
                         continue

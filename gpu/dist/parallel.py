@@ -14,7 +14,11 @@ Megatron-style sharding of the decoder (gpu/models/decoder.py) over `world_size`
 - The embedding and the LM head are vocabulary-parallel: each rank holds ceil(vocab / world)
   rows (the last padded with zeros). A lookup outside a rank's rows gives zeros there, and an
   all-reduce assembles the embedding; the logits are all-gathered along the vocabulary.
-- Norms (and Qwen3's per-head Q/K norms) are small and replicated.
+- Norms (and Qwen3's per-head Q/K norms) are small and replicated; gpt-oss's sinks (one a query
+  head) split with their heads, its router and the router's bias replicated, each expert's
+  gate/up biases split with their rows and down's bias kept by rank 0 (added once, after the
+  all-reduce's sum). An MXFP4 or block-format expert (gpu/quant/tensor.py BlockTensor) is split
+  by whole rows and, for down, by whole blocks of its columns.
 
 The model's modules are built with the per-rank shapes (`local_spec`), so the decoder's code is the
 same at every world size; weights load shard by shard (`shard`), no rank reading a whole tensor it
@@ -27,10 +31,12 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from core.config import CheckpointError
 from gpu.models.spec import ModelSpec
+from gpu.quant.tensor import BlockTensor
 
 
 @dataclass(frozen=True)
@@ -62,10 +68,6 @@ def check(spec: ModelSpec, world_size: int) -> None:
         raise ValueError("--tensor-parallel-size must be at least 1")
     if world_size == 1:
         return
-    if spec.attn_sinks:  # its sinks, router and experts' biases are not split yet
-        raise CheckpointError(
-            f"--tensor-parallel-size {world_size}: {spec.architecture} is served on one device"
-        )
     problems = []
     if spec.num_heads % world_size:
         problems.append(f"{spec.num_heads} attention heads")
@@ -121,6 +123,7 @@ _SPLITS = {
     "self_attn.k_proj": "kv",
     "self_attn.v_proj": "kv",
     "self_attn.o_proj": "o",
+    "self_attn.sinks": "heads",
     "mlp.gate_proj": "mlp",
     "mlp.up_proj": "mlp",
     "mlp.down_proj": "down",
@@ -135,15 +138,20 @@ def shard(name: str, full: Any, spec: ModelSpec, tp: TensorParallel) -> torch.Te
     shape = tuple(full.get_shape()) if hasattr(full, "get_shape") else tuple(full.shape)
     kind = next((k for key, k in _SPLITS.items() if f"{key}." in name + "."), None)
     if ".mlp.experts." in name:  # each expert split as an MLP (its router is replicated)
-        kind = "down" if name.endswith(".down_proj.weight") else "expert"
+        kind = "down" if ".down_proj." in name else "expert"
     elif ".mlp.shared_expert." in name:  # so is a shared expert (its gate is replicated)
         kind = "down" if name.endswith(".down_proj.weight") else "shared"
     if kind is None or tp.world_size == 1:
         return full[:] if hasattr(full, "get_shape") else full
     w, r, d = tp.world_size, tp.rank, spec.head_dim
     is_weight = name.endswith(".weight")
+    if isinstance(full, BlockTensor):
+        return _shard_blocks(name, full, kind, spec, tp)
     if kind == "q":
         n = spec.num_heads // w * d
+        return full[r * n : (r + 1) * n]
+    if kind == "heads":
+        n = spec.num_heads // w
         return full[r * n : (r + 1) * n]
     if kind == "kv":
         first, count = kv_head_range(spec, tp)
@@ -165,6 +173,18 @@ def shard(name: str, full: Any, spec: ModelSpec, tp: TensorParallel) -> torch.Te
         pad = torch.zeros((n - (hi - lo), *shape[1:]), dtype=part.dtype)
         part = torch.cat([part, pad])
     return part
+
+
+def _shard_blocks(name: str, full: BlockTensor, kind: str, spec: ModelSpec, tp) -> BlockTensor:
+    """This rank's part of a block-format expert weight (gpt-oss's MXFP4): whole rows of gate
+    and up, whole blocks of down's columns (nothing requantized)."""
+    (n_rows, k), w, r = full.shape, tp.world_size, tp.rank
+    if kind == "expert":
+        n = spec.moe_intermediate_size // w
+        return full.take_rows(np.arange(r * n, (r + 1) * n))
+    if kind == "down":
+        return full.take_cols(r * (k // w), (r + 1) * (k // w), name)
+    raise CheckpointError(f"{name}: a {full.fmt.name} tensor cannot be split that way")
 
 
 def init(rank: int, world_size: int, init_method: str, device: torch.device) -> TensorParallel:

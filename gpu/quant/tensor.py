@@ -36,6 +36,21 @@ class BlockTensor:
         rows = np.ascontiguousarray(self.rows[index])
         return BlockTensor(rows, self.fmt, (len(rows), self.shape[1]))
 
+    def take_cols(self, start: int, stop: int, name: str = "tensor") -> BlockTensor:
+        """The weights [start, stop) of every row (a row-parallel rank's share): whole blocks,
+        so nothing is requantized; CheckpointError when the range cuts a block."""
+        from core.config import CheckpointError
+
+        size = self.fmt.block_size
+        if start % size or stop % size or not 0 <= start < stop <= self.shape[1]:
+            raise CheckpointError(
+                f"{name}: columns [{start}, {stop}) are not whole {self.fmt.name} blocks of "
+                f"{size}: this tensor-parallel size does not split it"
+            )
+        per = self.fmt.block_bytes
+        rows = np.ascontiguousarray(self.rows[:, start // size * per : stop // size * per])
+        return BlockTensor(rows, self.fmt, (self.shape[0], stop - start))
+
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The float weights (the `gguf` package's reference dequantization)."""
         import gguf
