@@ -127,6 +127,39 @@ def test_mxfp4_experts_as_openais_files_hold_them(model, tmp_path):
         first_logits(quantized, prompt(30), num_kv_blocks=64)
 
 
+def test_mxfp4_experts_stay_4_bit_on_the_cuda_backend(model, tmp_path, monkeypatch):
+    """On the CUDA backend (Triton's interpreter here) the MXFP4 experts keep their 4 bits: the
+    W4A16 product decoding E2M1's codes (gpu/cuda/kernels/w4a16.py), where a GPU had held them
+    dequantized in the model's dtype; with float32 activations, transformers' logits and tokens
+    on the same weights dequantized."""
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from gpu.cuda.int4_weight import Int4Weight
+    from gpu.quant.mxfp4 import write_folder
+    from tests.test_phi3 import use_cuda_backend
+
+    path, _ = model
+    quantized, dequantized = tmp_path / "mxfp4", tmp_path / "float"
+    write_folder(path, quantized)
+    shutil.copytree(path, dequantized)
+    q, f = load_file(quantized / "model.safetensors"), load_file(path / "model.safetensors")
+    for name in [n for n in q if n.endswith("_blocks")]:
+        scales = q[name.replace("_blocks", "_scales")]
+        f[name.removesuffix("_blocks")] = convert_moe_packed_tensors(q[name], scales).float()
+    save_file({k: v.contiguous() for k, v in f.items()}, dequantized / "model.safetensors")
+    want, want_tokens = transformers_run(dequantized, prompt(12), attn_implementation="eager")
+    config = use_cuda_backend(monkeypatch)
+    core = load(EngineConfig(model=str(quantized), dtype="float32", num_kv_blocks=64, **config))
+    experts = core.core.runner.model.model.layers[0].mlp.experts
+    assert all(isinstance(e.gate_up[0], Int4Weight) and e.gate_up[0].fp4 for e in experts)
+    assert all(isinstance(e.down[0], Int4Weight) and e.down[0].mins is None for e in experts)
+    core.core.close()
+    got, tokens = first_logits(quantized, prompt(12), num_kv_blocks=64, **config)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert tokens == want_tokens
+
+
 def test_on_the_cuda_backend(tmp_path, monkeypatch):
     """The CUDA backend's kernels (Triton's interpreter here: the sinks in the prefill and
     decode kernels, a window of 8 under a 12-token prompt), the experts run eagerly."""

@@ -24,7 +24,7 @@ def blocks(fmt: str, n: int, k: int, seed: int = 0) -> BlockTensor:
     return BlockTensor(quantize(w, fmt), FORMATS[fmt], (n, k))
 
 
-@pytest.mark.parametrize("fmt", ["q4_0", "q4_1"])
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "mxfp4"])
 def test_the_gpu_form_holds_the_blocks_weights(fmt):
     t = blocks(fmt, 24, 96)
     w = Int4Weight.from_blocks(t, DEVICE)
@@ -32,7 +32,7 @@ def test_the_gpu_form_holds_the_blocks_weights(fmt):
     assert torch.equal(w.dequantize().cpu(), t.dequantize(torch.float32))
 
 
-@pytest.mark.parametrize("fmt", ["q4_0", "q4_1"])
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "mxfp4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("m,split_k", [(1, 1), (1, 3), (5, 2), (33, 1)])
 def test_the_product_equals_the_float_product(fmt, dtype, m, split_k):
@@ -42,7 +42,7 @@ def test_the_product_equals_the_float_product(fmt, dtype, m, split_k):
     g = torch.Generator().manual_seed(m)
     x = torch.randn((m, k), generator=g).to(DEVICE, dtype)
     bias = torch.randn(n, generator=g).to(DEVICE, dtype)
-    got = w4a16_linear(x, w.qweight, w.scales, w.mins, 32, bias, split_k=split_k)
+    got = w4a16_linear(x, w.qweight, w.scales, w.mins, 32, bias, split_k=split_k, fp4=w.fp4)
     want = x.float() @ t.dequantize(torch.float32).to(DEVICE).T + bias.float()
     assert got.dtype == dtype and got.shape == (m, n)
     tol = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-3}[dtype]
@@ -66,6 +66,23 @@ def test_strided_rows_and_bad_arguments():
         w4a16_linear(wide.T, w.qweight, w.scales, w.mins, 32)
     with pytest.raises(ValueError, match="no 4-bit GPU form"):
         Int4Weight.from_blocks(blocks("q8_0", 16, 64), DEVICE)
+    with pytest.raises(ValueError, match="mins are given"):
+        w4a16_linear(x, w.qweight, w.scales, w.mins, 32, fp4=True)
+
+
+def test_mxfp4_scales_float16_holds_and_blocks_of_zeros():
+    """MXFP4's form: a block of zeros under any scale byte holds zeros; a weight with a scale
+    float16 does not hold has no 4-bit form (the CUDA backend then dequantizes it)."""
+    from gpu.cuda.int4_weight import fits
+
+    t = blocks("mxfp4", 16, 64)
+    t.rows.reshape(-1, 17)[0] = [0] + [0x80] * 16  # +0 and -0 under 2^-128
+    w = Int4Weight.from_blocks(t, DEVICE)
+    assert w.mins is None and torch.equal(w.dequantize().cpu(), t.dequantize(torch.float32))
+    t.rows.reshape(-1, 17)[1, 0] = 150
+    assert not fits(t)
+    with pytest.raises(ValueError, match="no 4-bit GPU form"):
+        Int4Weight.from_blocks(t, DEVICE)
 
 
 def test_the_k_split_fills_the_gpu_only_for_few_rows():

@@ -4,7 +4,10 @@ Made from a block tensor in GGUF's Q4_0 or Q4_1 (a GGUF file's, or an AWQ / GPTQ
 which gpu/quant/int4.py repacks into those blocks without changing a weight): the codes
 regrouped K-major, eight to an int32, and each block's scale and min (Q4_0: -8 x scale) as
 [k / 32, n] float16 tensors, exactly as the blocks hold them (a bfloat16 model's activations
-do not round them), so w = scale * q + min as the checkpoint means it.
+do not round them), so w = scale * q + min as the checkpoint means it. Or from MXFP4 blocks
+(gpt-oss's experts, gpu/quant/mxfp4.py): the codes as they are, each block's scale 2^(e - 128)
+as a float16 (`fits`: every scale float16 holds), no min: w = scale * FP4[q], E2M1's values
+doubled, decoded in the kernel.
 """
 
 from __future__ import annotations
@@ -14,31 +17,48 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from gpu.quant import mxfp4
 from gpu.quant.tensor import BlockTensor
 
-FORMATS = ("q4_0", "q4_1")  # the block formats this form takes
+FORMATS = ("q4_0", "q4_1", "mxfp4")  # the block formats this form takes
 GROUP = 32
+FP4 = torch.tensor([2 * v for v in mxfp4.FP4_VALUES])  # each code's value, doubled
+
+
+def fits(t: BlockTensor) -> bool:
+    """Whether `t` has this form: Q4_0 / Q4_1, or MXFP4 whose every scale float16 holds."""
+    return t.fmt.name in FORMATS and (t.fmt.name != "mxfp4" or mxfp4.transcodable(t.rows))
 
 
 @dataclass
 class Int4Weight:
     qweight: torch.Tensor  # [k / 8, n] int32
     scales: torch.Tensor  # [k / GROUP, n] float16
-    mins: torch.Tensor  # [k / GROUP, n] float16
+    mins: torch.Tensor | None  # [k / GROUP, n] float16; None for MXFP4 (no min)
     shape: tuple[int, int]  # (n, k)
-    fmt: str  # the block format it was made from (q4_0, q4_1)
+    fmt: str  # the block format it was made from (q4_0, q4_1, mxfp4)
+
+    @property
+    def fp4(self) -> bool:
+        return self.fmt == "mxfp4"
 
     @classmethod
     def from_blocks(cls, t: BlockTensor, device) -> Int4Weight:
-        if t.fmt.name not in FORMATS:
+        if not fits(t):
             raise ValueError(f"a {t.fmt.name} weight has no 4-bit GPU form (only {FORMATS})")
         n, k = t.shape
         blocks = t.rows.reshape(n, k // GROUP, t.fmt.block_bytes)
-        scale = blocks[:, :, 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+        low = None
+        if t.fmt.name == "mxfp4":  # the scale byte (a block of zeros: any), then the codes
+            exponent = mxfp4.scale_bytes(t.rows)[1].reshape(n, k // GROUP).astype(np.int32)
+            scale = np.ldexp(np.float32(1.0), exponent - 128).astype(np.float32)
+            qs = blocks[:, :, 1:17]
+        else:
+            scale = blocks[:, :, 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
         if t.fmt.name == "q4_1":
             low = blocks[:, :, 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
             qs = blocks[:, :, 4:20]
-        else:
+        elif t.fmt.name == "q4_0":
             low = -8.0 * scale
             qs = blocks[:, :, 2:18]
         # GGUF's nibble order: byte j of a block holds codes j (low) and j + 16 (high).
@@ -54,7 +74,7 @@ class Int4Weight:
         return cls(
             to(words.view(np.int32), torch.int32),
             to(scale.T, torch.float16),
-            to(low.T, torch.float16),
+            None if low is None else to(low.T, torch.float16),
             (n, k),
             t.fmt.name,
         )
@@ -62,7 +82,7 @@ class Int4Weight:
     def format_bytes(self) -> tuple[str, int]:
         """(format, bytes held): what the model's memory report counts."""
         held = (self.qweight, self.scales, self.mins)
-        return self.fmt, sum(t.numel() * t.element_size() for t in held)
+        return self.fmt, sum(t.numel() * t.element_size() for t in held if t is not None)
 
     def dequantize(self) -> torch.Tensor:
         """The float weight [n, k] this form holds (for tests)."""
@@ -71,5 +91,7 @@ class Int4Weight:
         shifts = 4 * torch.arange(8, device=words.device)
         codes = ((words[:, None, :] >> shifts[None, :, None]) & 0xF).reshape(k, n)
         scale = self.scales.float().repeat_interleave(GROUP, 0)
+        if self.fp4:
+            return (FP4.to(codes.device)[codes] * scale).T.contiguous()
         low = self.mins.float().repeat_interleave(GROUP, 0)
         return (codes.float() * scale + low).T.contiguous()

@@ -1,8 +1,8 @@
 """Weights the CUDA backend keeps quantized, and their products.
 
-- 4-bit: GGUF's Q4_0 / Q4_1 blocks, and AWQ / GPTQ checkpoints (which the loader repacks into
-  those), in their GPU form (gpu/cuda/int4_weight.py) on the W4A16 Triton product
-  (gpu/cuda/kernels/w4a16.py);
+- 4-bit: GGUF's Q4_0 / Q4_1 blocks, AWQ / GPTQ checkpoints (which the loader repacks into
+  those) and gpt-oss's MXFP4 experts, in their GPU form (gpu/cuda/int4_weight.py) on the W4A16
+  Triton product (gpu/cuda/kernels/w4a16.py);
 - FP8: an FP8 checkpoint's weights, or a 16-bit one's quantized at load (`--quantization fp8`),
   on torch's scaled FP8 product (gpu/quant/fp8.py), where the GPU has FP8 arithmetic.
 Weights sharing an input (Q/K/V, gate/up) are joined into one product when they are all of one
@@ -25,7 +25,7 @@ from gpu.quant.tensor import BlockTensor, cat_rows
 
 
 def _int4(w: Any) -> bool:
-    return isinstance(w, BlockTensor) and w.fmt.name in int4_weight.FORMATS
+    return isinstance(w, BlockTensor) and int4_weight.fits(w)
 
 
 def kept(w: Any, fp8_products: bool) -> bool:
@@ -58,5 +58,7 @@ def linear(x: torch.Tensor, weight: Any, bias: torch.Tensor | None) -> torch.Ten
         quantize = quantize_rows if x.is_cuda else fp8.quantize_activations
         return fp8.fp8_linear(x, weight, bias, quantize)
     rows = x.reshape(-1, x.shape[-1])
-    y = w4a16_linear(rows, weight.qweight, weight.scales, weight.mins, int4_weight.GROUP, bias)
+    y = w4a16_linear(
+        rows, weight.qweight, weight.scales, weight.mins, int4_weight.GROUP, bias, fp4=weight.fp4
+    )
     return y.reshape(*x.shape[:-1], y.shape[-1])

@@ -77,7 +77,7 @@ def to_ggml(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
 HALF_SCALES = (104, 143)  # the scale bytes whose 2^(byte - 128) float16 holds exactly
 
 
-def _scales(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def scale_bytes(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """ggml's MXFP4 rows -> (their blocks [N, 17], each block's scale where any of its values is
     not zero; 128 (2^0) where all are: any scale gives such a block)."""
     blocks = rows.reshape(-1, 17)
@@ -88,14 +88,14 @@ def _scales(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def transcodable(rows: np.ndarray) -> bool:
     """Whether float16 holds the scale of every block of ggml's MXFP4 rows [n, G * 17] (but
     those of blocks of zeros)."""
-    _, scales = _scales(rows)
+    _, scales = scale_bytes(rows)
     return bool(((scales >= HALF_SCALES[0]) & (scales <= HALF_SCALES[1])).all())
 
 
 def transcode(rows: np.ndarray) -> np.ndarray:
     """ggml's MXFP4 rows [n, G * 17] (`transcodable`) -> the kernels' [n, G * 18]: each block's
     float16 2^(byte - 128), then its 16 bytes of codes as they were."""
-    blocks, scales = _scales(rows)
+    blocks, scales = scale_bytes(rows)
     out = np.empty((len(blocks), 18), dtype=np.uint8)
     d = np.ldexp(np.float32(1.0), scales.astype(np.int32) - 128).astype(np.float16)
     out[:, :2] = d[:, None].view(np.uint8)

@@ -33,9 +33,10 @@ CASES = [  # (kernel, dtype, head_dim or size, extra constexprs)
     ("rope_store", "fp16", 64, {"NORM": False}),
     ("rope_store", "fp32/bf16", 128, {"NORM": True}),
     # the 4-bit product: decode rows with k split, prefill rows, a float32 model
-    ("w4a16", "bf16", 0, {"BLOCK_M": 16, "SPLIT_K": 4, "UPCAST": False}),
-    ("w4a16", "fp16", 0, {"BLOCK_M": 64, "SPLIT_K": 1, "UPCAST": False}),
-    ("w4a16", "fp32", 0, {"BLOCK_M": 16, "SPLIT_K": 2, "UPCAST": True}),
+    ("w4a16", "bf16", 0, {"BLOCK_M": 16, "SPLIT_K": 4, "UPCAST": False, "FP4": False}),
+    ("w4a16", "fp16", 0, {"BLOCK_M": 64, "SPLIT_K": 1, "UPCAST": False, "FP4": False}),
+    ("w4a16", "fp32", 0, {"BLOCK_M": 16, "SPLIT_K": 2, "UPCAST": True, "FP4": False}),
+    ("w4a16", "bf16", 0, {"BLOCK_M": 16, "SPLIT_K": 4, "UPCAST": False, "FP4": True}),  # MXFP4
     # LoRA's shrink and expand; "size" is the rank axis (R_PAD): decode rows with k split,
     # prefill rows, a float32 model, and "fp32/bf16" float32 activations over bfloat16 slots
     ("lora_shrink", "bf16", 16, {"SPLIT_K": 4, "UPCAST": False}),

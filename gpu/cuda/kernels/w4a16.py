@@ -4,7 +4,9 @@ dequantized tile by tile inside the product.
 The weight (gpu/cuda/int4_weight.py `Int4Weight`) is K-major so that a tile of it is one
 coalesced read: `qweight` [k / 8, n] int32, eight 4-bit codes of consecutive k per word (code
 j of word i is bits 4j..4j+3, for k = 8 i + j); `scales` and `mins` [k / group, n] float16:
-w = scale * q + min (Q4_0's and symmetric GPTQ's min is -8 scale), formed in float32.
+w = scale * q + min (Q4_0's and symmetric GPTQ's min is -8 scale), formed in float32. With FP4
+(MXFP4's codes: sign, two exponent bits, one mantissa bit) there is no min: w = scale * v with v
+the code's E2M1 value doubled (0, 1, 2, 3, 4, 6, 8, 12, signed), decoded from its bits.
 
 One program computes a [BLOCK_M, BLOCK_N] tile of y over a 1 / SPLIT_K share of k, reading its
 codes once and their group's scale and min; with few rows (decode) the k axis is split across
@@ -45,6 +47,7 @@ def _w4a16_kernel(
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
     UPCAST: tl.constexpr,
+    FP4: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -82,10 +85,16 @@ def _w4a16_kernel(
         g_mask = (offs_g[:, None] < k // GROUP) & n_mask[None, :]
         group = offs_g[:, None].to(tl.int64) * n + offs_n[None, :]
         scale = tl.load(scales_ptr + group, mask=g_mask, other=0.0).to(tl.float32)
-        low = tl.load(mins_ptr + group, mask=g_mask, other=0.0).to(tl.float32)
         scale = _spread(scale, BLOCK_K, BLOCK_N, GROUP)
-        low = _spread(low, BLOCK_K, BLOCK_N, GROUP)
-        w = codes.to(tl.float32) * scale + low
+        if FP4:  # magnitudes 0..7 -> 0, 1, 2, 3, 4, 6, 8, 12; bit 3 the sign
+            mag = codes & 7
+            v = tl.where(mag < 4, mag, tl.where(mag < 6, (mag - 2) * 2, (mag - 4) * 4))
+            v = tl.where(codes >= 8, -v, v)
+            w = v.to(tl.float32) * scale
+        else:
+            low = tl.load(mins_ptr + group, mask=g_mask, other=0.0).to(tl.float32)
+            low = _spread(low, BLOCK_K, BLOCK_N, GROUP)
+            w = codes.to(tl.float32) * scale + low
         if UPCAST:  # float32 activations, or Triton's CPU interpreter (no 16-bit products)
             acc += tl.dot(x.to(tl.float32), w, input_precision="ieee")
         else:
@@ -107,14 +116,15 @@ def w4a16_linear(
     x: torch.Tensor,
     qweight: torch.Tensor,
     scales: torch.Tensor,
-    mins: torch.Tensor,
+    mins: torch.Tensor | None,
     group: int,
     bias: torch.Tensor | None = None,
     split_k: int | None = None,
+    fp4: bool = False,
 ) -> torch.Tensor:
     """x [m, k] (float16 / bfloat16 / float32, rows contiguous) times the 4-bit weight [n, k]
-    held as qweight [k / 8, n] int32, scales and mins [k / group, n] float16; returns [m, n]
-    in x's dtype (plus bias)."""
+    held as qweight [k / 8, n] int32, scales and mins [k / group, n] float16 (`fp4`: MXFP4's
+    codes, no mins); returns [m, n] in x's dtype (plus bias)."""
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(f"x must be [rows, k] with contiguous rows, got {tuple(x.shape)}")
     m, k = x.shape
@@ -125,12 +135,14 @@ def w4a16_linear(
         raise ValueError(
             f"k = {k} must be qweight's rows x 8 and a multiple of group {group} (a power of two)"
         )
-    for name, t in (("scales", scales), ("mins", mins)):
+    if (mins is None) != fp4:
+        raise ValueError("mins are given for integer codes, and only for them (fp4: none)")
+    for name, t in (("scales", scales), ("mins", scales if fp4 else mins)):
         if t.shape != (k // group, n) or not t.is_contiguous() or t.dtype != torch.float16:
             raise ValueError(f"{name} must be a contiguous [{k // group}, {n}] float16 tensor")
     if bias is not None and bias.shape != (n,):
         raise ValueError(f"bias must be [{n}]")
-    if any(t.device != x.device for t in (qweight, scales, mins)):
+    if any(t.device != x.device for t in (qweight, scales, scales if fp4 else mins)):
         raise ValueError("x and the weight must be on one device")
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
     block_n, block_k = 64, max(64, group)  # whole groups in a k tile
@@ -143,7 +155,7 @@ def w4a16_linear(
         x,
         qweight,
         scales,
-        mins,
+        scales if fp4 else mins,  # (not read with FP4)
         parts,
         m,
         n,
@@ -157,6 +169,7 @@ def w4a16_linear(
         BLOCK_K=block_k,
         SPLIT_K=split_k,
         UPCAST=not x.is_cuda or x.dtype == torch.float32,
+        FP4=fp4,
     )
     y = parts[0] if split_k == 1 else parts.sum(0)
     if bias is not None:
