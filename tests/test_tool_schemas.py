@@ -17,6 +17,7 @@ from core.structured import Constraint
 from server.tool_parsers.hermes import HermesParser
 from server.tool_parsers.llama3_json import Llama3JsonParser
 from server.tool_parsers.mistral import MistralParser
+from server.tool_parsers.qwen3_coder import Qwen3CoderParser
 from tests.conftest import GrammarProbe, tools_server
 from tests.test_structured import close_bias, no_whitespace_bias
 from tests.test_tools import NO_THINKING, USER
@@ -100,6 +101,12 @@ MARKUP = {  # each parser's call markup for one call
     MistralParser: lambda name, args: "[TOOL_CALLS]"
     + json.dumps([{"name": name, "arguments": args}]),
     Llama3JsonParser: lambda name, args: json.dumps({"name": name, "parameters": args}),
+    Qwen3CoderParser: lambda name, args: f"<tool_call>\n<function={name}>\n"
+    + "".join(
+        f"<parameter={k}>\n{v if isinstance(v, str) else json.dumps(v)}\n</parameter>\n"
+        for k, v in args.items()
+    )
+    + "</function>\n</tool_call>",
 }
 
 
@@ -182,3 +189,93 @@ def test_the_responses_api_enforces_each_form(client, server, name, choice):
         if choice == "named":
             assert call.name == name
         jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
+
+
+# ---------------------------------------------------------------- Qwen3-Coder's own markup
+SEARCH = {  # a text parameter, an enum of strings, an optional integer
+    "type": "function",
+    "function": {
+        "name": "search",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "query": {"type": "string"},
+                "scope": {"enum": ["code", "docs"]},
+                "limit": {"type": "integer", "minimum": 1, "maximum": 9},
+            },
+            "required": ["query", "scope"],
+        },
+    },
+}
+
+
+def xml(name: str, *params: tuple[str, str]) -> str:
+    body = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in params)
+    return f"<tool_call>\n<function={name}>\n{body}</function>\n</tool_call>"
+
+
+def test_qwen3_coders_grammar_holds_its_xml_calls(grammars):
+    """Qwen3-Coder's calls as its template writes them: any text for a string (over lines, with
+    tags in it), one of an enum's literals, JSON for the rest; the schema's order, required
+    parameters present, optional ones left out or not; with parallel calls, one a line. Under
+    auto with strict tools, free text, or text then calls."""
+    parser = Qwen3CoderParser([SEARCH])
+    one = parser.call_grammar([SEARCH], parallel=False)
+    a = xml("search", ("query", "a <b>\nc</parameter d"), ("scope", "code"))
+    b = xml("search", ("query", "x"), ("scope", "docs"), ("limit", "3"))
+    assert accepts(grammars, one, a) and accepts(grammars, one, b)
+    for bad in (
+        xml("search", ("query", "x"), ("scope", "web")),  # not in the enum
+        xml("search", ("query", "x"), ("scope", "docs"), ("limit", "12")),  # past the maximum
+        xml("search", ("scope", "docs"), ("query", "x")),  # out of order
+        xml("search", ("query", "x")),  # a required parameter missing
+        xml("search", ("query", "x"), ("scope", "docs"), ("extra", "1")),
+        xml("find", ("query", "x"), ("scope", "docs")),  # no such tool
+        a + "\n" + b,  # a second call, not parallel
+    ):
+        assert not accepts(grammars, one, bad), bad
+    assert accepts(grammars, parser.call_grammar([SEARCH], parallel=True), a + "\n" + b)
+    auto = parser.auto_grammar([SEARCH], parallel=True, answer=False)
+    assert accepts(grammars, auto, "no call here")
+    assert accepts(grammars, auto, "Let me look.\n" + a + "\n" + b)
+    assert not accepts(grammars, auto, "Let me look.\n" + xml("search", ("query", "x")))
+    # what it wrote parses back typed by the schema (a nullable text's `null`: None)
+    nullable = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"n": {"type": ["string", "null"]}}}}}  # fmt: skip
+    got = Qwen3CoderParser([SEARCH, nullable]).parse(b + xml("f", ("n", "null")), final=True)
+    assert [c.arguments for c in got.calls] == [
+        {"query": "x", "scope": "docs", "limit": 3},
+        {"n": None},
+    ]
+
+
+def test_a_qwen3_coder_server_enforces_calls_in_its_own_markup(model_dir):
+    """tool_choice named with --tool-call-parser qwen3_coder: the model writes Qwen3-Coder's
+    XML (its grammar), parsed back into a call whose arguments validate against the tool."""
+    import openai
+
+    s = tools_server(model_dir, tool_call_parser="qwen3_coder")
+    try:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="x")
+        r = client.chat.completions.create(
+            model="tiny",
+            messages=USER,
+            tools=TOOLS,
+            tool_choice={"type": "function", "function": {"name": "place"}},
+            max_tokens=300,
+            temperature=1.0,
+            seed=3,
+            n=2,
+            logit_bias=bias(s),
+            logprobs=True,
+            extra_body=NO_THINKING,
+        )
+        for c in r.choices:
+            assert c.finish_reason == "stop" and len(c.message.tool_calls) == 1, c
+            written = "".join(t.token for t in c.logprobs.content)
+            assert written.startswith("<tool_call>\n<function=place>\n<parameter=at>\n"), written
+            call = c.message.tool_calls[0]
+            assert call.function.name == "place"
+            jsonschema.validate(json.loads(call.function.arguments), SCHEMAS["place"])
+    finally:
+        s.stop()
