@@ -121,6 +121,16 @@ class TorchBackend:
         f = self.gated if gated else self.linear
         return torch.cat([f(part, w) for part, w in zip(x.split(counts), ws)])
 
+    def prepare_moe(self, moe) -> Any:
+        """A mixture's experts (gpu/models/moe.py SparseMoE, each prepared) in a form `moe`
+        runs in one pass, or None: the portable path runs a product per expert."""
+        return None
+
+    def moe(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, form: Any):
+        """The mixture's output [tokens, hidden] for `prepare_moe`'s form: each token's chosen
+        experts [tokens, k] weighted [tokens, k] and summed."""
+        raise NotImplementedError
+
     # ---- LoRA ----
     def lora_add(self, y: torch.Tensor, x: torch.Tensor, group: Any, batch: Any) -> None:
         """y [tokens, n] += each row's adapter's delta of x [tokens, k], in place: the batched

@@ -26,6 +26,7 @@ import torch
 
 from gpu.attention.backend import AttentionBackend
 from gpu.backend import ACTIVATIONS, TorchBackend
+from gpu.cuda import moe as cuda_moe
 from gpu.cuda import quantized
 from gpu.cuda.kernels.gated_act import gated_act
 from gpu.cuda.kernels.lora import lora_shrink_expand
@@ -84,6 +85,12 @@ class CudaBackend(TorchBackend):
     def gated(self, x: torch.Tensor, w: Any, addend: torch.Tensor | None = None) -> torch.Tensor:
         _, weights, act = w  # always "fused": gate and up are one product's two halves
         return gated_act(self.linear(x, weights, addend), act)
+
+    def prepare_moe(self, moe) -> Any:
+        return cuda_moe.stack(moe)
+
+    def moe(self, x, weights, chosen, form) -> torch.Tensor:
+        return cuda_moe.forward(x, weights, chosen, form)
 
     def lora_add(self, y, x, group, batch) -> None:
         # Two launches for the whole batch, from shapes alone: graph-safe (kernels/lora.py).

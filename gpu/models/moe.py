@@ -71,6 +71,7 @@ class SparseMoE(nn.Module):
         # their products' biases apart, once prepared
         self.swiglu = (spec.swiglu_limit, spec.swiglu_alpha) if spec.swiglu_limit else None
         self.expert_biases: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.stacked = None  # the backend's one-pass form of the experts (prepare_moe)
 
     def prepare(self) -> None:
         self.router = self.backend.prepare_linear(*self.gate.take())
@@ -79,6 +80,7 @@ class SparseMoE(nn.Module):
             self.expert_biases = gpt_oss.prepare_experts(self.backend, self.experts)
         for expert in self.experts if self.swiglu is None else ():
             expert.prepare()
+        self.stacked = self.backend.prepare_moe(self)  # one pass for all experts, or None
         if self.has_shared:
             self.shared_expert.prepare()
             self.shared_gate = self.backend.prepare_linear(*self.shared_expert_gate.take())
@@ -99,6 +101,22 @@ class SparseMoE(nn.Module):
         mixture's attention only (core/lora.py refuses one on its experts or router)."""
         b = self.backend
         weights, chosen = self.route(x)
+        if self.stacked is not None:  # the backend's own pass (on CUDA: no read back)
+            out = b.moe(x, weights, chosen, self.stacked)
+        else:
+            out = self._experts(x, weights, chosen)
+        if self.has_shared:
+            weight = torch.sigmoid(b.linear(x, self.shared_gate))
+            out = out + weight * self.shared_expert(x)
+        if residual is not None:
+            out = out + residual
+        if norm is None:
+            return out
+        return b.rms_norm(out, norm.weight, norm.eps), out
+
+    def _experts(self, x, weights, chosen) -> torch.Tensor:
+        """The portable path: the routing read back, a product per expert used."""
+        b = self.backend
         # The (token, choice) pairs ordered by expert, tokens in order within one: each
         # expert's input rows are one slice of a single gather, its outputs one slice of a
         # single result, put back in (token, choice) order and summed over the choices.
@@ -115,12 +133,4 @@ class SparseMoE(nn.Module):
             h = b.experts(rows, [self.experts[i].gate_up for i in used], sizes, gated=True)
             y = b.experts(h, [self.experts[i].down for i in used], sizes, gated=False)
         y = y * weights.flatten().index_select(0, order)[:, None]
-        out = torch.empty_like(y).index_copy_(0, order, y).view(t, k, -1).sum(dim=1)
-        if self.has_shared:
-            weight = torch.sigmoid(b.linear(x, self.shared_gate))
-            out = out + weight * self.shared_expert(x)
-        if residual is not None:
-            out = out + residual
-        if norm is None:
-            return out
-        return b.rms_norm(out, norm.weight, norm.eps), out
+        return torch.empty_like(y).index_copy_(0, order, y).view(t, k, -1).sum(dim=1)

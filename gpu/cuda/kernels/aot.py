@@ -47,6 +47,9 @@ CASES = [  # (kernel, dtype, head_dim or size, extra constexprs)
     ("lora_expand", "fp32", 64, {"SPLIT_K": 1, "UPCAST": True}),
     ("lora_expand", "fp32/bf16", 16, {"SPLIT_K": 2, "UPCAST": True}),
     # an FP8 product's input quantized per token, or with a checkpoint's static scale
+    # a mixture's experts in one pass: gate/up by token (gpt-oss's biases), down weighted
+    ("moe", "bf16", 0, {"BY_TOKEN": True, "HAS_BIAS": True, "SCALE": False, "UPCAST": False}),
+    ("moe", "fp16", 0, {"BY_TOKEN": False, "HAS_BIAS": False, "SCALE": True, "UPCAST": False}),
     ("fp8_quant", "bf16", 1024, {"STATIC": False}),
     ("fp8_quant", "fp16", 4096, {"STATIC": True}),
 ]
@@ -78,6 +81,7 @@ def compile_case(kind: str, dtype: str, head_dim: int, extra: dict, arch: int) -
 
     from gpu.cuda.kernels import decode_attention as da
     from gpu.cuda.kernels import fp8_quant as fq
+    from gpu.cuda.kernels import fused_moe as fm
     from gpu.cuda.kernels import gated_act as ga
     from gpu.cuda.kernels import lora as lo
     from gpu.cuda.kernels import prefill_attention as pa
@@ -126,6 +130,11 @@ def compile_case(kind: str, dtype: str, head_dim: int, extra: dict, arch: int) -
             y_ptr=p,
         )
         consts = dict(R_PAD=size, BLOCK_M=lo.BLOCK_M, BLOCK_N=lo.BLOCK_N, PRECISION=precision)
+    elif kind == "moe":
+        fn = fm._moe_kernel
+        ptrs = dict(a_ptr=p, w_ptr=p, bias_ptr=p, scale_ptr=p, out_ptr=p)
+        ptrs.update(sorted_ptr="*i64", block_expert_ptr="*i64")
+        consts = dict(BLOCK_M=fm.BLOCK_M, BLOCK_N=64, BLOCK_K=64)
     elif kind == "rms_norm":
         fn = rn._rms_norm_kernel
         ptrs = dict(x_ptr=p, residual_ptr=p, weight_ptr=p, out_ptr=p, sum_ptr=p)
