@@ -14,7 +14,7 @@
 # workers: docs/benchmarks.md). What is left, in one call of about 400 s:
 #   benchmarks/gpu_session.sh env lastfailed serving api_servers
 # the suite's 12 failures as fixed on CPU (and the tests of what came after: gpt-oss's MXFP4
-# experts on the W4A16 product), serving with the API-server count now seen on that machine,
+# experts on the W4A16 product, a mixture's stacked experts in two launches), serving with the API-server count now seen on that machine,
 # and --api-server-count 1/2/4 at 64 and 256 streams; then, if time is left, `gptoss`: decode
 # steps of gpt-oss-20b's layer with its MXFP4 experts kept 4-bit.) Other stages:
 #   kernels correctness gputests asyncoffline fused fusedkernels offline profile overhead step
@@ -133,7 +133,7 @@ import server.app, core.engine, gpu.runner; print(\"imports ok\")'; git log --on
             -rfE --durations 10 tests/test_gemma2.py tests/test_gemma3.py tests/test_phi3.py \
             tests/test_moe.py tests/test_fp8.py tests/test_lora.py tests/test_lora_engine.py \
             tests/test_tools.py::test_auto_without_a_parser_is_a_400 tests/test_gpt_oss.py \
-            tests/test_w4a16.py
+            tests/test_w4a16.py tests/test_fused_moe.py
         ;;
     # gpt-oss-20b's layer x 2 with MXFP4 experts (benchmarks/gpt_oss.py's folder, built on the
     # machine): decode steps at 1 and 32 streams, the experts on the W4A16 product in FP4 mode
