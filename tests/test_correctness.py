@@ -201,8 +201,11 @@ def test_cuda_backend_matches_transformers(arch, pool, model_dir, monkeypatch):
     loaded = load(EngineConfig(model=str(path), dtype="float32", **POOLS[pool]))
     assert isinstance(loaded.core.runner.model.backend, CudaBackend)
     prompts = [loaded.tokenizer.encode(p) for p in PROMPTS]
+    want = reference(arch, path, prompts)
+    if pool == "roomy":  # one batch: every other prompt is enough (the interpreter is slow)
+        prompts, want = prompts[::2], want[::2]
     got, _ = run_all(loaded.core, prompts)
-    assert got == reference(arch, path, prompts)
+    assert got == want
     if pool == "tight":
         assert loaded.core.num_partial_prefills > 0 and loaded.core.scheduler.num_preemptions > 0
 
