@@ -17,6 +17,7 @@ from core.structured import Constraint
 from server.tool_parsers.hermes import HermesParser
 from server.tool_parsers.llama3_json import Llama3JsonParser
 from server.tool_parsers.mistral import MistralParser
+from server.tool_parsers.pythonic import PythonicParser
 from server.tool_parsers.qwen3_coder import Qwen3CoderParser
 from tests.conftest import GrammarProbe, tools_server
 from tests.test_structured import close_bias, no_whitespace_bias
@@ -107,6 +108,9 @@ MARKUP = {  # each parser's call markup for one call
         for k, v in args.items()
     )
     + "</function>\n</tool_call>",
+    PythonicParser: lambda name, args: f"[{name}("
+    + ", ".join(f"{k}={json.dumps(v)}" for k, v in args.items())
+    + ")]",
 }
 
 
@@ -279,3 +283,35 @@ def test_a_qwen3_coder_server_enforces_calls_in_its_own_markup(model_dir):
             jsonschema.validate(json.loads(call.function.arguments), SCHEMAS["place"])
     finally:
         s.stop()
+
+
+# ---------------------------------------------------------------- Llama's pythonic calls
+def test_pythonic_grammar_holds_its_lists_of_calls(grammars):
+    """Pythonic calls as Llama 3.2 and 4 write them: keyword arguments in the schema's order,
+    ", " between those written (an optional one left out), JSON values (whose true, false and
+    null read as Python's); parallel calls in one list."""
+    parser = PythonicParser([SEARCH])
+    one = parser.call_grammar([SEARCH], parallel=False)
+    a = '[search(query="a \\"b\\"", scope="code")]'
+    b = '[search(query="x", scope="docs", limit=3)]'
+    assert accepts(grammars, one, a) and accepts(grammars, one, b)
+    for bad in (
+        '[search(query="x", scope="web")]',  # not in the enum
+        '[search(query="x", limit=3)]',  # a required parameter missing
+        '[search(scope="docs", query="x")]',  # out of order
+        '[search(query="x", scope="docs", extra=1)]',
+        '[search(query="x",scope="docs")]',  # ", " between arguments
+        '[search(query="x", scope="docs"), search(query="y", scope="code")]',  # not parallel
+    ):
+        assert not accepts(grammars, one, bad), bad
+    two = a[:-1] + ", " + b[1:]
+    assert accepts(grammars, parser.call_grammar([SEARCH], parallel=True), two)
+    auto = parser.auto_grammar([SEARCH], parallel=True, answer=False)
+    assert accepts(grammars, auto, "No call: [just text]") and accepts(grammars, auto, two)
+    assert not accepts(grammars, auto, '[search(query="x")]')
+    flags = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"on": {"type": "boolean"}, "at": {"type": "null"}},
+        "required": ["on", "at"]}}}  # fmt: skip
+    calls = PythonicParser().parse("[f(on=true, at=null), f(on=False, at=None)]", final=True)
+    assert [c.arguments for c in calls.calls] == [{"on": v, "at": None} for v in (True, False)]
+    assert accepts(grammars, parser.call_grammar([flags], parallel=False), "[f(on=true, at=null)]")

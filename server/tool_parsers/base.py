@@ -216,6 +216,19 @@ def rebase_refs(schema: Any, base: str) -> Any:
     return out
 
 
+def resolve_ref(schema: Any, root: dict[str, Any], depth: int = 0) -> Any:
+    """`schema`, or what its document-local `$ref` ("#", "#/$defs/...") points at in `root`,
+    followed to a schema that is not a reference (None past 32 hops or a pointer that misses)."""
+    ref = schema.get("$ref") if isinstance(schema, dict) else None
+    if not isinstance(ref, str) or not (ref == "#" or ref.startswith("#/")) or depth > 32:
+        return schema if ref is None else None
+    node: Any = root
+    for part in ref[2:].split("/") if ref != "#" else []:
+        part = part.replace("~1", "/").replace("~0", "~")
+        node = node.get(part) if isinstance(node, dict) else None
+    return resolve_ref(node, root, depth + 1)
+
+
 def call_schema(tools: list[dict[str, Any]], key: str = "arguments") -> dict[str, Any]:
     """The JSON schema of one call object to any of `tools`: its name, and arguments that
     validate against that tool's parameters (objects closed and whitespace bounded as for

@@ -19,7 +19,14 @@ from typing import Any
 
 from core.structured import Constraint, close_objects, json_options
 from server.markers import held
-from server.tool_parsers.base import Call, Parsed, ToolParser, rebase_refs, text_or_calls
+from server.tool_parsers.base import (
+    Call,
+    Parsed,
+    ToolParser,
+    rebase_refs,
+    resolve_ref,
+    text_or_calls,
+)
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 FUNCTION = re.compile(r"<function=([^>\n]+)>")
@@ -53,26 +60,13 @@ END = "\n</parameter>\n"  # a value's end, as the template writes it
 ANY_TEXT = r"/(?s:.*)\n<\/parameter>\n/"  # a lazy lexeme: any text, then END
 
 
-def _resolve(schema: Any, root: dict[str, Any], depth: int = 0) -> Any:
-    """`schema`, or what its document-local `$ref` ("#", "#/$defs/...") points at in `root`,
-    followed to a schema that is not a reference (None past 32 hops or a pointer that misses)."""
-    ref = schema.get("$ref") if isinstance(schema, dict) else None
-    if not isinstance(ref, str) or not (ref == "#" or ref.startswith("#/")) or depth > 32:
-        return schema if ref is None else None
-    node: Any = root
-    for part in ref[2:].split("/") if ref != "#" else []:
-        part = part.replace("~1", "/").replace("~0", "~")
-        node = node.get(part) if isinstance(node, dict) else None
-    return _resolve(node, root, depth + 1)
-
-
 def _function_rules(i: int, tool: dict[str, Any]) -> list[str]:
     """Lark rules `f{i}` for one call of `tool` in this markup, from `<function=...>` to
     `</function>`: its parameters in their schema's order, each value a lexeme of text or an
     embedded JSON schema (the tool's parameters under its `$defs`, their references re-rooted)."""
     fn = tool["function"]
     params = close_objects(fn.get("parameters") or {"type": "object"})
-    body = _resolve(params, params)  # a Pydantic model's recursive root is a reference
+    body = resolve_ref(params, params)  # a Pydantic model's recursive root is a reference
     props = body.get("properties") if isinstance(body, dict) else None
     rules, items = [], []
     if not isinstance(props, dict) or not props:  # any parameters, any text each
