@@ -55,10 +55,12 @@ def stack(moe) -> MoeStack | None:
     if len({f[0].shape for f in pairs}) != 1 or len({f[0].shape for f in downs}) != 1:
         return None
 
+    if any(len({f[1] is None for f in forms}) > 1 for forms in (pairs, downs)):
+        return None  # biases on some experts only: each keeps its own product
+
     def stacked(forms: list[Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
         w = torch.stack([f[0] for f in forms]).contiguous()
-        has = [f[1] is not None for f in forms]
-        b = torch.stack([f[1] for f in forms]).contiguous() if all(has) else None
+        b = None if forms[0][1] is None else torch.stack([f[1] for f in forms]).contiguous()
         return w, b
 
     (w1, b1), (w2, b2) = stacked(pairs), stacked(downs)
