@@ -209,3 +209,34 @@ def test_reasoning_effort_reaches_the_template(server):
     assert r["usage"]["prompt_tokens"] == tokens["low"]
     r = httpx.post(url, json=body | {"reasoning_effort": "extreme"}, timeout=60)
     assert r.status_code == 400 and "reasoning_effort" in r.text
+
+
+def test_strict_tools_under_auto_hold_a_harmony_call(server):
+    """tool_choice auto with strict tools: analysis (and preamble) messages, then a final
+    answer or one call, held to the tool's parameters; read token by token over the harmony
+    tokenizer (its markers special tokens)."""
+    from core.structured import Constraint, Grammars
+    from server.tool_parsers.openai import OpenAIParser
+    from tests.test_tools import BOUNDED
+
+    tok = server.state.tokenizer
+    grammars = Grammars(tok.backend_tokenizer.to_str(), len(tok), [tok.eos_token_id])
+    lark = OpenAIParser().auto_grammar(BOUNDED[:1], parallel=False, answer=False)
+
+    def accepts(text: str) -> bool:
+        matcher = grammars.start(Constraint("grammar", lark)).result()
+        ok = matcher.consume_tokens(tok.encode(text, add_special_tokens=False))
+        return bool(ok) and not matcher.is_error() and matcher.is_accepting()
+
+    think = "<|channel|>analysis<|message|>Weather, so a call.<|end|><|start|>assistant"
+    call = "<|channel|>commentary to=functions.get_weather<|message|>{}<|call|>"
+    assert accepts(think + "<|channel|>final<|message|>It is sunny.")
+    assert accepts(think + call.format('{"city": "Oslo", "unit": "c"}'))
+    assert accepts(call.format('{"city": "Oslo", "unit": "f", "days": 3}'))
+    for bad in (
+        call.format('{"city": "Oslo", "unit": "k"}'),  # not in the enum
+        call.format('{"city": "Oslo"}'),  # a required parameter missing
+        call.replace("get_weather", "get_time").format('{"zone": "UTC"}'),  # not offered
+        "It is sunny.",  # no harmony markup
+    ):
+        assert not accepts(think + bad), bad

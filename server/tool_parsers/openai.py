@@ -66,3 +66,17 @@ class OpenAIParser(ToolParser):
             lines.append(f"call{i}: <|channel|> {name} <|message|> args{i} <|call|>")
             lines.append(f"args{i}: {lark_json(fn.get('parameters') or {'type': 'object'})}")
         return "\n".join(lines)
+
+    def auto_grammar(self, tools: list[dict[str, Any]], parallel: bool, answer: bool) -> str:
+        """A harmony reply whose call, if it makes one, is held to the tools: messages on the
+        analysis channel (or commentary preambles), then a final message (its text, or with
+        `answer` the nested grammar @answer) or one call as `call_grammar` writes it."""
+        body = "@answer" if answer else "TEXT?"
+        return (
+            "start: msg* (final | call)\n"
+            'msg: <|channel|> ("analysis" | "commentary") <|message|> TEXT? <|end|> '
+            '<|start|> "assistant"\n'
+            f'final: <|channel|> "final" <|message|> {body} <|return|>?\n'
+            "TEXT: /(?s:.+)/\n"
+            + self.call_grammar(tools, parallel).replace("start:", "call:", 1)
+        )
