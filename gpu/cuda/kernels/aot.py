@@ -226,14 +226,23 @@ def compile_case(kind: str, dtype: str, head_dim: int, extra: dict, arch: int) -
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 80, 90")
+    ap.add_argument("--jobs", type=int, default=min(4, os.cpu_count() or 1))
     args = ap.parse_args()
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("unset TRITON_INTERPRET: the interpreter cannot compile", file=sys.stderr)
         return 2
-    for kind, dtype, head_dim, extra in CASES:
-        size = compile_case(kind, dtype, head_dim, extra, args.arch)
+    from concurrent.futures import ProcessPoolExecutor
+
+    cases = [(*case, args.arch) for case in CASES]
+    with ProcessPoolExecutor(max(1, args.jobs)) as pool:  # the cases compile independently
+        sizes = list(pool.map(_compile, cases))
+    for (kind, dtype, head_dim, extra), size in zip(CASES, sizes):
         print(f"sm_{args.arch} {kind} {dtype} head_dim={head_dim} {extra}: cubin {size} bytes")
     return 0
+
+
+def _compile(case: tuple) -> int:
+    return compile_case(*case)
 
 
 if __name__ == "__main__":
