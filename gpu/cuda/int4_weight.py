@@ -50,8 +50,7 @@ class Int4Weight:
         blocks = t.rows.reshape(n, k // GROUP, t.fmt.block_bytes)
         low = None
         if t.fmt.name == "mxfp4":  # the scale byte (a block of zeros: any), then the codes
-            exponent = mxfp4.scale_bytes(t.rows)[1].reshape(n, k // GROUP).astype(np.int32)
-            scale = np.ldexp(np.float32(1.0), exponent - 128).astype(np.float32)
+            scale = mxfp4.half_scales(t.rows)[1].reshape(n, k // GROUP).astype(np.float32)
             qs = blocks[:, :, 1:17]
         else:
             scale = blocks[:, :, 0:2].copy().view(np.float16)[..., 0].astype(np.float32)

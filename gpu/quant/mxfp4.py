@@ -65,13 +65,17 @@ def codes_of(blocks: np.ndarray) -> np.ndarray:
     return np.stack([blocks & 0x0F, blocks >> 4], axis=-1).reshape(*blocks.shape[:-1], 32)
 
 
-def to_ggml(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
-    """OpenAI's [..., G, 16] bytes and [..., G] scales -> ggml's MXFP4 rows [..., G * 17]."""
-    codes = codes_of(blocks)
-    out = np.empty((*blocks.shape[:-1], 17), dtype=np.uint8)
+def _ggml(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """Codes [..., G, 32] and scales [..., G] -> ggml's MXFP4 rows [..., G * 17]."""
+    out = np.empty((*codes.shape[:-1], 17), dtype=np.uint8)
     out[..., 0] = scales
     out[..., 1:] = codes[..., :16] | (codes[..., 16:] << 4)
-    return out.reshape(*blocks.shape[:-2], blocks.shape[-2] * 17)
+    return out.reshape(*codes.shape[:-2], codes.shape[-2] * 17)
+
+
+def to_ggml(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """OpenAI's [..., G, 16] bytes and [..., G] scales -> ggml's MXFP4 rows [..., G * 17]."""
+    return _ggml(codes_of(blocks), scales)
 
 
 HALF_SCALES = (104, 143)  # the scale bytes whose 2^(byte - 128) float16 holds exactly
@@ -85,6 +89,13 @@ def scale_bytes(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return blocks, np.where(zero, 128, blocks[:, 0])
 
 
+def half_scales(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """ggml's MXFP4 rows (`transcodable`) -> (their blocks [N, 17], each block's scale
+    2^(byte - 128) as float16 [N]): what the CPU and GPU kernels multiply a code's value by."""
+    blocks, scales = scale_bytes(rows)
+    return blocks, np.ldexp(np.float32(1.0), scales.astype(np.int32) - 128).astype(np.float16)
+
+
 def transcodable(rows: np.ndarray) -> bool:
     """Whether float16 holds the scale of every block of ggml's MXFP4 rows [n, G * 17] (but
     those of blocks of zeros)."""
@@ -95,9 +106,8 @@ def transcodable(rows: np.ndarray) -> bool:
 def transcode(rows: np.ndarray) -> np.ndarray:
     """ggml's MXFP4 rows [n, G * 17] (`transcodable`) -> the kernels' [n, G * 18]: each block's
     float16 2^(byte - 128), then its 16 bytes of codes as they were."""
-    blocks, scales = scale_bytes(rows)
+    blocks, d = half_scales(rows)
     out = np.empty((len(blocks), 18), dtype=np.uint8)
-    d = np.ldexp(np.float32(1.0), scales.astype(np.int32) - 128).astype(np.float16)
     out[:, :2] = d[:, None].view(np.uint8)
     out[:, 2:] = blocks[:, 1:]
     return out.reshape(rows.shape[0], -1)
@@ -149,8 +159,7 @@ def _encode(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def quantize_ggml(blocks: np.ndarray) -> np.ndarray:
     """[N, 32] float weights -> ggml's MXFP4 blocks [N, 17] (gpu/quant/quantize.py's)."""
-    codes, scales = _encode(np.asarray(blocks, dtype=np.float32))
-    return to_ggml(codes[:, 0::2] | (codes[:, 1::2] << 4), scales)
+    return _ggml(*_encode(np.asarray(blocks, dtype=np.float32)))
 
 
 def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
