@@ -87,6 +87,39 @@ def test_the_experts_equal_each_pairs_own_products(kind, tokens):
     torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "mxfp4"])
+def test_4_bit_experts_equal_their_dequantized_products(fmt):
+    """Experts in their 4-bit GPU form (Q4_0 / Q4_1 codes with a scale and min per 32, MXFP4's
+    E2M1 codes), stacked, decoded tile by tile in the kernel: the products of the weights they
+    hold (`Int4Weight.dequantize`), each expert's view of the stack holding its own."""
+    from gpu.cuda.int4_weight import Int4Weight
+    from gpu.cuda.moe import _stack_weights
+    from tests.test_w4a16 import blocks
+
+    g = torch.Generator().manual_seed(3)
+    e, hidden, inter, k, tokens = 3, 96, 40 * 4, 2, 11  # 96, 160: a half k tile of 64 ends each
+    forms = [
+        [Int4Weight.from_blocks(blocks(fmt, n, kk, seed=10 * i + j), DEVICE) for i in range(e)]
+        for j, (n, kk) in enumerate(((2 * inter, hidden), (hidden, inter)))
+    ]
+    (w1, views1), (w2, _) = _stack_weights(forms[0]), _stack_weights(forms[1])
+    assert views1[1].qweight.data_ptr() == w1.qweight[1].data_ptr()
+    dense = [torch.stack([f.dequantize().cpu() for f in fs]) for fs in forms]
+    x = torch.randn(tokens, hidden, generator=g)
+    chosen = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(tokens)])
+    weights = torch.rand(tokens, k, generator=g)
+    s = MoeStack(w1, None, w2, None, "silu", None)
+    got = forward(x.to(DEVICE), weights.to(DEVICE), chosen.to(DEVICE), s).cpu()
+
+    def act(h):
+        gate, up = h.chunk(2)
+        return torch.nn.functional.silu(gate) * up
+
+    want = reference(x, dense[0], None, dense[1], None, weights, chosen, act)
+    # float32 sums of large terms (unscaled 4-bit weights): within float32's reach of their size
+    torch.testing.assert_close(got.double(), want, atol=1e-5 * want.abs().max(), rtol=1e-4)
+
+
 def test_bad_shapes_are_refused():
     sorted_ids, blocks = align(torch.zeros(2, 1, dtype=torch.int64), 2)
     with pytest.raises(ValueError, match="contiguous rows"):
@@ -96,16 +129,63 @@ def test_bad_shapes_are_refused():
 @pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
 def test_a_mixture_on_the_cuda_backend_runs_stacked(arch, tmp_path, monkeypatch):
     """Every mixture layer's experts are stacked (one form: the experts' own weights are views
-    of it); quantized experts would keep the per-expert path."""
+    of it)."""
     path = build_tiny_model(tmp_path / arch, arch, num_layers=2)
     config = use_cuda_backend(monkeypatch)
     core = load(EngineConfig(model=str(path), dtype="float32", num_kv_blocks=16, **config)).core
     try:
         for layer in core.runner.model.model.layers:
             stacked = layer.mlp.stacked
-            assert stacked is not None and stacked.gate_up.shape[0] == len(layer.mlp.experts)
+            assert stacked is not None and stacked.num_experts == len(layer.mlp.experts)
             first = layer.mlp.experts[0]
             weight = first.gate_up[0] if arch == "gpt_oss" else first.gate_up[1][0]
             assert weight.data_ptr() == stacked.gate_up.data_ptr()
     finally:
         core.close()
+
+
+def test_a_q4_0_mixture_runs_stacked_in_4_bits_with_the_portable_paths_logits(
+    tmp_path, monkeypatch
+):
+    """A Q4_0 GGUF's experts stay 4-bit on the CUDA backend and are stacked (gate/up joined,
+    each expert's weights views of the stack); the prompt's logits are the same file's on the
+    per-expert path (the stack refused)."""
+    from core.request import EngineRequest
+    from core.sampling import SamplingParams
+    from gpu.cuda import moe as cuda_moe
+    from gpu.cuda.int4_weight import Int4Weight
+    from gpu.quant.gguf_write import uniform, write_gguf
+
+    hf = build_tiny_model(tmp_path / "hf", "qwen3_moe", num_layers=1)
+    path = write_gguf(hf, tmp_path / "m-q4_0.gguf", uniform("q4_0"))
+    config = use_cuda_backend(monkeypatch)
+
+    def prompt_logits(check=None) -> torch.Tensor:
+        core = load(EngineConfig(model=str(path), dtype="float32", num_kv_blocks=16, **config))
+        core = core.core
+        try:
+            if check is not None:
+                check(core.runner.model.model.layers[0].mlp)
+            params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+            core.add(EngineRequest("r", list(range(5, 11)), params))
+            while core.has_work:
+                core.step()
+            return core.runner.last_logits[0].float().cpu()
+        finally:
+            core.close()
+
+    def stacked_in_4_bits(mlp) -> None:
+        stacked = mlp.stacked
+        assert isinstance(stacked.gate_up, Int4Weight) and stacked.gate_up.fmt == "q4_0"
+        assert isinstance(stacked.down, Int4Weight)
+        view = mlp.experts[1].down[0]
+        assert view.qweight.data_ptr() == stacked.down.qweight[1].data_ptr()
+
+    got = prompt_logits(stacked_in_4_bits)
+    monkeypatch.setattr(cuda_moe, "stack", lambda moe: None)  # each expert its own product
+
+    def per_expert(mlp) -> None:
+        assert mlp.stacked is None and isinstance(mlp.experts[0].down[0], Int4Weight)
+
+    want = prompt_logits(per_expert)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)

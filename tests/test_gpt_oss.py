@@ -128,10 +128,10 @@ def test_mxfp4_experts_as_openais_files_hold_them(model, tmp_path):
 
 
 def test_mxfp4_experts_stay_4_bit_on_the_cuda_backend(model, tmp_path, monkeypatch):
-    """On the CUDA backend (Triton's interpreter here) the MXFP4 experts keep their 4 bits: the
-    W4A16 product decoding E2M1's codes (gpu/cuda/kernels/w4a16.py), where a GPU had held them
-    dequantized in the model's dtype; with float32 activations, transformers' logits and tokens
-    on the same weights dequantized."""
+    """On the CUDA backend (Triton's interpreter here) the MXFP4 experts keep their 4 bits,
+    stacked for the two-launch mixture (gpu/cuda/kernels/fused_moe.py decoding E2M1's codes as
+    the W4A16 product does), where a GPU had held them dequantized in the model's dtype; with
+    float32 activations, transformers' logits and tokens on the same weights dequantized."""
     from safetensors.torch import load_file, save_file
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
@@ -151,9 +151,10 @@ def test_mxfp4_experts_stay_4_bit_on_the_cuda_backend(model, tmp_path, monkeypat
     want, want_tokens = transformers_run(dequantized, prompt(12), attn_implementation="eager")
     config = use_cuda_backend(monkeypatch)
     core = load(EngineConfig(model=str(quantized), dtype="float32", num_kv_blocks=64, **config))
-    experts = core.core.runner.model.model.layers[0].mlp.experts
-    assert all(isinstance(e.gate_up[0], Int4Weight) and e.gate_up[0].fp4 for e in experts)
-    assert all(isinstance(e.down[0], Int4Weight) and e.down[0].mins is None for e in experts)
+    mlp = core.core.runner.model.model.layers[0].mlp
+    assert all(isinstance(e.gate_up[0], Int4Weight) and e.gate_up[0].fp4 for e in mlp.experts)
+    assert all(isinstance(e.down[0], Int4Weight) and e.down[0].mins is None for e in mlp.experts)
+    assert mlp.stacked.gate_up.fp4 and mlp.stacked.down.fp4  # one pass, the codes stacked
     core.core.close()
     got, tokens = first_logits(quantized, prompt(12), num_kv_blocks=64, **config)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)

@@ -3,10 +3,11 @@
 activation between (`forward`), where the portable path (gpu/models/moe.py) reads the routing
 back to the host and runs a product per expert.
 
-Dense experts only (the model's dtype: bfloat16, float16, float32), gated (SiLU, GELU) or
-gpt-oss's (plain gate/up products with biases and its clamped SwiGLU); quantized experts (4-bit
-blocks, FP8) keep the portable path. Stacking replaces each expert's weights by views into the
-stack, so the memory is held once.
+The experts dense (the model's dtype: bfloat16, float16, float32) or 4-bit (gpu/cuda/
+int4_weight.py's form: Q4_0 / Q4_1 blocks, AWQ / GPTQ, gpt-oss's MXFP4), gated (SiLU, GELU) or
+gpt-oss's (plain gate/up products with biases and its clamped SwiGLU); FP8 experts, or experts
+of mixed forms, keep the portable path. Stacking replaces each expert's weights by views into
+the stack, so the memory is held once.
 """
 
 from __future__ import annotations
@@ -16,27 +17,58 @@ from typing import Any
 
 import torch
 
+from gpu.cuda.int4_weight import Int4Weight
 from gpu.cuda.kernels.fused_moe import align, moe_products
 from gpu.cuda.kernels.gated_act import gated_act
 
 
 @dataclass
 class MoeStack:
-    gate_up: torch.Tensor  # [E, 2I, H]: gate's rows, then up's
+    gate_up: torch.Tensor | Int4Weight  # [E, 2I, H]: gate's rows, then up's (or 4-bit forms)
     gate_up_bias: torch.Tensor | None  # [E, 2I]
-    down: torch.Tensor  # [E, H, I]
+    down: torch.Tensor | Int4Weight  # [E, H, I]
     down_bias: torch.Tensor | None  # [E, H]
     act: str  # the gated activation (unread with swiglu)
     swiglu: tuple[float, float] | None  # gpt-oss's (limit, alpha)
 
+    @property
+    def num_experts(self) -> int:
+        w = self.gate_up
+        return (w.qweight if isinstance(w, Int4Weight) else w).shape[0]
 
-def _dense(form: Any) -> bool:
-    return isinstance(form, tuple) and len(form) == 2 and isinstance(form[0], torch.Tensor)
+
+def _kind(form: Any) -> Any:
+    """A product's form (weight, bias): "dense", its 4-bit format, or None (anything else)."""
+    if not (isinstance(form, tuple) and len(form) == 2):
+        return None
+    w = form[0]
+    return "dense" if isinstance(w, torch.Tensor) else w.fmt if isinstance(w, Int4Weight) else None
+
+
+def _shape(w: torch.Tensor | Int4Weight) -> tuple:
+    return w.shape if isinstance(w, Int4Weight) else tuple(w.shape)
+
+
+def _stack_weights(ws: list) -> tuple[torch.Tensor | Int4Weight, list]:
+    """The experts' weights stacked on a new first axis, and each expert's view of it."""
+    if isinstance(ws[0], torch.Tensor):
+        w = torch.stack(ws).contiguous()
+        return w, list(w)
+    parts = [torch.stack([getattr(x, f) for x in ws]).contiguous() for f in ("qweight", "scales")]
+    mins = None if ws[0].mins is None else torch.stack([x.mins for x in ws]).contiguous()
+    first = ws[0]
+    w = Int4Weight(parts[0], parts[1], mins, first.shape, first.fmt)
+    views = [
+        Int4Weight(parts[0][i], parts[1][i], None if mins is None else mins[i], x.shape, x.fmt)
+        for i, x in enumerate(ws)
+    ]
+    return w, views
 
 
 def stack(moe) -> MoeStack | None:
     """The mixture `moe` (gpu/models/moe.py SparseMoE, its experts prepared on the CUDA backend)
-    stacked, or None when an expert is not dense in one form."""
+    stacked, or None unless every expert's two products are each of one form (dense or one
+    4-bit format) and shape."""
     experts = list(moe.experts)
     if moe.swiglu is not None:  # gpt-oss: gate/up one plain product, the biases apart
         pairs = [e.gate_up for e in experts]
@@ -50,26 +82,25 @@ def stack(moe) -> MoeStack | None:
             return None
         biases = None
     downs = [e.down for e in experts]
-    if not all(_dense(f) for f in pairs + downs):
-        return None
-    if len({f[0].shape for f in pairs}) != 1 or len({f[0].shape for f in downs}) != 1:
-        return None
+    for forms in (pairs, downs):  # one form, one shape in each of the two products
+        if None in {_kind(f) for f in forms} or len({(_kind(f), _shape(f[0])) for f in forms}) != 1:
+            return None
 
     if any(len({f[1] is None for f in forms}) > 1 for forms in (pairs, downs)):
         return None  # biases on some experts only: each keeps its own product
 
-    def stacked(forms: list[Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        w = torch.stack([f[0] for f in forms]).contiguous()
+    def stacked(forms: list[Any]) -> tuple[Any, list, torch.Tensor | None]:
+        w, views = _stack_weights([f[0] for f in forms])
         b = None if forms[0][1] is None else torch.stack([f[1] for f in forms]).contiguous()
-        return w, b
+        return w, views, b
 
-    (w1, b1), (w2, b2) = stacked(pairs), stacked(downs)
+    (w1, v1, b1), (w2, v2, b2) = stacked(pairs), stacked(downs)
     if biases is not None:
         b1, b2 = biases[0].contiguous(), biases[1].contiguous()
     for i, e in enumerate(experts):  # views into the stack: the weights held once
-        up_form = (w1[i], None if b1 is None or biases is not None else b1[i])
+        up_form = (v1[i], None if b1 is None or biases is not None else b1[i])
         e.gate_up = up_form if moe.swiglu is not None else ("fused", up_form, act)
-        e.down = (w2[i], None if b2 is None or biases is not None else b2[i])
+        e.down = (v2[i], None if b2 is None or biases is not None else b2[i])
     return MoeStack(w1, b1, w2, b2, act, moe.swiglu)
 
 
@@ -78,7 +109,7 @@ def forward(x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, s: Moe
     from gpu.models.gpt_oss import swiglu
 
     t, k = chosen.shape
-    sorted_ids, blocks = align(chosen, s.gate_up.shape[0])
+    sorted_ids, blocks = align(chosen, s.num_experts)
     h = moe_products(x.contiguous(), s.gate_up, s.gate_up_bias, sorted_ids, blocks, k, True)
     h = swiglu(h, *s.swiglu) if s.swiglu is not None else gated_act(h, s.act)
     scale = weights.flatten().contiguous()

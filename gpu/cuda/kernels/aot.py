@@ -47,9 +47,12 @@ CASES = [  # (kernel, dtype, head_dim or size, extra constexprs)
     ("lora_expand", "fp32", 64, {"SPLIT_K": 1, "UPCAST": True}),
     ("lora_expand", "fp32/bf16", 16, {"SPLIT_K": 2, "UPCAST": True}),
     # an FP8 product's input quantized per token, or with a checkpoint's static scale
-    # a mixture's experts in one pass: gate/up by token (gpt-oss's biases), down weighted
-    ("moe", "bf16", 0, {"BY_TOKEN": True, "HAS_BIAS": True, "SCALE": False, "UPCAST": False}),
-    ("moe", "fp16", 0, {"BY_TOKEN": False, "HAS_BIAS": False, "SCALE": True, "UPCAST": False}),
+    # a mixture's experts in one pass: gate/up by token (gpt-oss's biases), down weighted;
+    # dense, 4-bit integer codes (Q4_0 / Q4_1, AWQ, GPTQ) or MXFP4 (gpt-oss's experts)
+    ("moe", "bf16", 0, {"BY_TOKEN": True, "HAS_BIAS": True, "SCALE": False, "QUANT": 0}),
+    ("moe", "fp16", 0, {"BY_TOKEN": False, "HAS_BIAS": False, "SCALE": True, "QUANT": 0}),
+    ("moe", "fp16", 0, {"BY_TOKEN": True, "HAS_BIAS": False, "SCALE": False, "QUANT": 1}),
+    ("moe", "bf16", 0, {"BY_TOKEN": False, "HAS_BIAS": True, "SCALE": True, "QUANT": 2}),
     ("fp8_quant", "bf16", 1024, {"STATIC": False}),
     ("fp8_quant", "fp16", 4096, {"STATIC": True}),
 ]
@@ -132,9 +135,11 @@ def compile_case(kind: str, dtype: str, head_dim: int, extra: dict, arch: int) -
         consts = dict(R_PAD=size, BLOCK_M=lo.BLOCK_M, BLOCK_N=lo.BLOCK_N, PRECISION=precision)
     elif kind == "moe":
         fn = fm._moe_kernel
-        ptrs = dict(a_ptr=p, w_ptr=p, bias_ptr=p, scale_ptr=p, out_ptr=p)
+        quant = extra["QUANT"] != 0
+        ptrs = dict(a_ptr=p, w_ptr="*i32" if quant else p, bias_ptr=p, scale_ptr=p, out_ptr=p)
+        ptrs.update(scales_ptr="*fp16" if quant else p, mins_ptr="*fp16" if quant else p)
         ptrs.update(sorted_ptr="*i64", block_expert_ptr="*i64")
-        consts = dict(BLOCK_M=fm.BLOCK_M, BLOCK_N=64, BLOCK_K=64)
+        consts = dict(BLOCK_M=fm.BLOCK_M, BLOCK_N=64, BLOCK_K=64, UPCAST=False, GROUP=32)
     elif kind == "rms_norm":
         fn = rn._rms_norm_kernel
         ptrs = dict(x_ptr=p, residual_ptr=p, weight_ptr=p, out_ptr=p, sum_ptr=p)

@@ -29,6 +29,49 @@ def _spread(rows, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.conste
 
 
 @triton.jit
+def int4_tile(
+    q_ptr,
+    scales_ptr,
+    mins_ptr,
+    k0,
+    n,
+    k,
+    offs_n,
+    n_mask,
+    GROUP: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    FP4: tl.constexpr,
+):
+    """The weight's float32 tile [BLOCK_K, BLOCK_N] at rows k0.. (a multiple of BLOCK_K, whole
+    groups) and columns offs_n, from its codes q [k / 8, n] int32 and scales / mins
+    [k / GROUP, n] (mins unread with FP4); zero past k and n. Each word, scale and min is read
+    once and spread over the k it covers (code j of word i is k = 8 i + j)."""
+    offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+    words = tl.load(
+        q_ptr + offs_w[:, None].to(tl.int64) * n + offs_n[None, :],
+        mask=(offs_w[:, None] < k // 8) & n_mask[None, :],
+        other=0,
+    )
+    shifts = tl.arange(0, 8) * 4
+    codes = tl.reshape((words[:, None, :] >> shifts[None, :, None]) & 0xF, (BLOCK_K, BLOCK_N))
+    offs_g = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
+    g_mask = (offs_g[:, None] < k // GROUP) & n_mask[None, :]
+    group = offs_g[:, None].to(tl.int64) * n + offs_n[None, :]
+    scale = tl.load(scales_ptr + group, mask=g_mask, other=0.0).to(tl.float32)
+    scale = _spread(scale, BLOCK_K, BLOCK_N, GROUP)
+    if FP4:  # magnitudes 0..7 -> 0, 1, 2, 3, 4, 6, 8, 12; bit 3 the sign
+        mag = codes & 7
+        v = tl.where(mag < 4, mag, tl.where(mag < 6, (mag - 2) * 2, (mag - 4) * 4))
+        v = tl.where(codes >= 8, -v, v)
+        w = v.to(tl.float32) * scale
+    else:
+        low = tl.load(mins_ptr + group, mask=g_mask, other=0.0).to(tl.float32)
+        w = codes.to(tl.float32) * scale + _spread(low, BLOCK_K, BLOCK_N, GROUP)
+    return w
+
+
+@triton.jit
 def _w4a16_kernel(
     x_ptr,
     qweight_ptr,
@@ -62,8 +105,6 @@ def _w4a16_kernel(
     first = split * per_split
     last = tl.minimum(first + per_split, tiles)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    # a k tile holds BLOCK_K // 8 int32 words of codes and BLOCK_K // GROUP scale rows
-    shifts = tl.arange(0, 8) * 4
     for t in range(first, last):
         offs_k = t * BLOCK_K + tl.arange(0, BLOCK_K)
         k_mask = offs_k < k
@@ -72,29 +113,10 @@ def _w4a16_kernel(
             mask=m_mask[:, None] & k_mask[None, :],
             other=0.0,
         )
-        # each word, scale and min read once and spread over the k it covers (code j of word
-        # i is k = 8 i + j), not read again for every k
-        offs_w = t * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)
-        words = tl.load(
-            qweight_ptr + offs_w[:, None].to(tl.int64) * n + offs_n[None, :],
-            mask=(offs_w[:, None] < k // 8) & n_mask[None, :],
-            other=0,
-        )
-        codes = tl.reshape((words[:, None, :] >> shifts[None, :, None]) & 0xF, (BLOCK_K, BLOCK_N))
-        offs_g = t * (BLOCK_K // GROUP) + tl.arange(0, BLOCK_K // GROUP)
-        g_mask = (offs_g[:, None] < k // GROUP) & n_mask[None, :]
-        group = offs_g[:, None].to(tl.int64) * n + offs_n[None, :]
-        scale = tl.load(scales_ptr + group, mask=g_mask, other=0.0).to(tl.float32)
-        scale = _spread(scale, BLOCK_K, BLOCK_N, GROUP)
-        if FP4:  # magnitudes 0..7 -> 0, 1, 2, 3, 4, 6, 8, 12; bit 3 the sign
-            mag = codes & 7
-            v = tl.where(mag < 4, mag, tl.where(mag < 6, (mag - 2) * 2, (mag - 4) * 4))
-            v = tl.where(codes >= 8, -v, v)
-            w = v.to(tl.float32) * scale
-        else:
-            low = tl.load(mins_ptr + group, mask=g_mask, other=0.0).to(tl.float32)
-            low = _spread(low, BLOCK_K, BLOCK_N, GROUP)
-            w = codes.to(tl.float32) * scale + low
+        w = int4_tile(
+            qweight_ptr, scales_ptr, mins_ptr, t * BLOCK_K, n, k, offs_n, n_mask,
+            GROUP, BLOCK_K, BLOCK_N, FP4,
+        )  # fmt: skip
         if UPCAST:  # float32 activations, or Triton's CPU interpreter (no 16-bit products)
             acc += tl.dot(x.to(tl.float32), w, input_precision="ieee")
         else:
