@@ -18,6 +18,7 @@ from gpu.backend import TorchBackend
 from gpu.dist.parallel import TensorParallel
 from gpu.loader import load_model, resolve_model_path
 from gpu.models.decoder import DecoderForCausalLM
+from gpu.models.moe import mixtures_on_device
 from gpu.runner import ModelRunner
 
 log = logging.getLogger("weir.launch")
@@ -209,8 +210,8 @@ def build_runner(
             config.lora_dtype,
         )
     graphs = device.type == "cuda" and not config.enforce_eager
-    if graphs and model.spec.num_experts:  # its routing is read back by the host (moe.py)
-        log.info("a mixture of experts runs eagerly: no CUDA graphs")
+    if graphs and not mixtures_on_device(model):  # a routing read back by the host (moe.py)
+        log.info("a mixture of experts whose experts are not stacked runs eagerly: no CUDA graphs")
         graphs = False
     if graphs and model.backend.attention.graph_safe:
         from gpu.cuda.graphs import DecodeGraphs, default_capture_sizes

@@ -342,6 +342,29 @@ def test_decode_graphs_pad_and_replay_without_changing_tokens(pool, model_dir):
     assert graphs.num_replays > 0
 
 
+def test_graphs_that_replay_capture_time_values_are_refused(model_dir, caplog):
+    """The capture's check: a graph whose replay gives what the capture computed (as one would
+    that read a value back to the host while capturing) differs from the eager forward over new
+    ids, so the graphs are dropped with a warning and the steps run eagerly."""
+    from gpu.cuda.graphs import DecodeGraphs, EagerGraph
+
+    class Frozen(EagerGraph):
+        def replay(self):
+            return self.output
+
+    loaded = load(EngineConfig(model=str(model_dir("qwen3")), dtype="float32", device="cpu"))
+    runner = loaded.core.runner
+    where = (runner.model, runner.kv_caches, runner.device, runner.block_size, 64)
+    good = DecodeGraphs(*where, [1, 2], graph_factory=EagerGraph)
+    good.capture()
+    bad = DecodeGraphs(*where, [1, 2], graph_factory=Frozen)
+    with caplog.at_level("WARNING", logger="weir.cuda_graph"):
+        bad.capture()
+    assert sorted(good.graphs) == [1, 2] and not bad.graphs and not bad.can_run(good._meta(1))
+    assert "decode graphs disabled" in caplog.text
+    loaded.core.close()
+
+
 def test_capture_sizes():
     from gpu.cuda.graphs import default_capture_sizes
 

@@ -189,3 +189,39 @@ def test_a_q4_0_mixture_runs_stacked_in_4_bits_with_the_portable_paths_logits(
 
     want = prompt_logits(per_expert)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_a_stacked_mixture_replays_decode_graphs_with_the_eager_tokens(tmp_path, monkeypatch):
+    """Stacked, a mixture reads nothing back to the host, so its decode steps are captured
+    (`mixtures_on_device`); through the graphs' buffers and padding (the stand-in that replays
+    by calling the forward again: padding rows are routed too, their output ignored) and the
+    capture's check, two sequences decode the eager run's greedy tokens."""
+    from core.request import EngineRequest
+    from core.sampling import SamplingParams
+    from gpu.cuda.graphs import DecodeGraphs, EagerGraph
+    from gpu.models.moe import mixtures_on_device
+    from tests.test_async_scheduling import drive
+
+    path = build_tiny_model(tmp_path / "m", "qwen3_moe", num_layers=1)
+    config = use_cuda_backend(monkeypatch)
+    runs = []
+    for graphs in (False, True):
+        config |= {"num_kv_blocks": 8, "max_model_len": 32}  # few KV splits to interpret
+        loaded = load(EngineConfig(model=str(path), dtype="float32", **config))
+        runner = loaded.core.runner
+        assert mixtures_on_device(runner.model)
+        if graphs:
+            where = (runner.model, runner.kv_caches, runner.device, runner.block_size)
+            runner.graphs = DecodeGraphs(*where, loaded.max_model_len, [2], EagerGraph)
+            runner.graphs.capture()
+            assert runner.graphs.graphs  # the check passed
+        params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        prompts = [[5, 6, 7], [9, 10, 11, 12, 13]]
+        got, _ = drive(
+            loaded.core, [EngineRequest(str(i), p, params) for i, p in enumerate(prompts)]
+        )
+        runs.append({k: v[0] for k, v in got.items()})
+        if graphs:
+            assert runner.graphs.num_replays >= 3
+        loaded.core.close()
+    assert runs[0] == runs[1]

@@ -18,6 +18,12 @@ decisions are fixed at capture: the decode kernel's KV split count is chosen for
 `max_model_len`, so any context fits, and the LoRA kernels' grids and k split for the size.
 The capture itself is injectable (`graph_factory`), so the padding and buffer logic runs in CPU
 tests through a stand-in that records the forward and calls it again on replay.
+
+After capture the largest graph is checked once (`check`): replayed over new random ids and
+positions, its hidden states must be the eager forward's over the same buffers. A forward that
+had decided something on the host from capture-time values (a routing read back, a length)
+would replay those values; the check catches it and the step runs eagerly, with a warning,
+instead of serving wrong tokens.
 """
 
 from __future__ import annotations
@@ -167,7 +173,42 @@ class DecodeGraphs:
                 graphs[size] = self.graph_factory(forward, pool)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        if not self.check():
+            self.graphs.clear()
+            self.lora_graphs.clear()
+            return
         log.info("captured %s graphs for batch sizes %s", self.kind, self.sizes)
+
+    @torch.inference_mode()
+    def check(self, tolerance: float = 1e-2) -> bool:
+        """Whether the largest graph, replayed over fresh random ids and positions (no K/V
+        written), gives the eager forward's hidden states on the same inputs."""
+        size, q = self.max_size, self.query_len
+        tokens, meta = size * q, self._meta(size)
+        g = torch.Generator().manual_seed(size)
+        ids = torch.randint(0, self.model.spec.vocab_size, (tokens,), generator=g)
+        positions = torch.randint(0, self.max_model_len - q + 1, (tokens,), generator=g)
+        self.input_ids[:tokens].copy_(ids)
+        self.positions[:tokens].copy_(positions)
+        got = self.graphs[size].replay().float().clone()
+        want = self.model.hidden_states(
+            self.input_ids[:tokens], self.positions[:tokens], self.kv_caches, meta, None
+        ).float()
+        self.input_ids.zero_()
+        self.positions.zero_()
+        nan = torch.isnan(want)  # (equal where both are NaN)
+        error = float((got - want).abs().masked_fill(nan, 0).max())
+        scale = float(want.abs().masked_fill(nan, 0).max())
+        if error <= tolerance * max(scale, 1.0) and bool((torch.isnan(got) == nan).all()):
+            return True
+        log.warning(
+            "%s graphs disabled: a replay over new inputs differs from the eager forward "
+            "(max |difference| %.3g over max |value| %.3g); these steps run eagerly",
+            self.kind,
+            error,
+            scale,
+        )
+        return False
 
     def _lora(self, size: int) -> LoraBatch:
         rows, order, counts, starts = self.lora

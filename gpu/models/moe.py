@@ -134,3 +134,10 @@ class SparseMoE(nn.Module):
             y = b.experts(h, [self.experts[i].down for i in used], sizes, gated=False)
         y = y * weights.flatten().index_select(0, order)[:, None]
         return torch.empty_like(y).index_copy_(0, order, y).view(t, k, -1).sum(dim=1)
+
+
+def mixtures_on_device(model: nn.Module) -> bool:
+    """Whether every mixture of `model` runs its experts in the backend's own pass (stacked:
+    nothing read back to the host, so its steps can be captured as CUDA graphs); True for a
+    model with none."""
+    return all(m.stacked is not None for m in model.modules() if isinstance(m, SparseMoE))
