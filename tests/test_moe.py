@@ -268,13 +268,19 @@ def test_quantized_experts_against_their_dequantized_weights(tmp_path, monkeypat
 def test_the_one_call_stack_runs_a_mixture_as_the_modules_do(tmp_path, fmt, arch):
     """With its experts in block (or 16-bit) formats, a mixture runs inside the compiled layer
     stack (gpu/cpu/csrc/moe.cpp): the same experts chosen and the same kernels as the module
-    path, the routing's float operations its own (a softmax's exp), so the logits agree to
-    float32 rounding and the greedy tokens exactly; a batch of prompts too."""
+    path, the routing's float operations its own (a softmax's exp, the weighted sum's fused
+    multiply-adds), so the two differ by float32 rounding; the greedy tokens exactly, a batch of
+    prompts too. The log-probs within 0.15: these formats' products take the activations in 8
+    bits (bfloat16's mantissa, Q8_0's codes), and a float32 rounding that moves one activation
+    across a rounding boundary moves that row's next products by about 1/256, which later
+    layers carry on (0.087 seen on an AVX2 machine, where the module path and the stack had
+    agreed to 1e-6 on AVX-512); a wrong expert, weight or scale moves them by far more."""
     from gpu.quant.gguf_write import uniform, write_gguf
 
     shape = {"norm_topk_prob": False} if arch == "qwen2_moe" else {}  # and its shared expert
     hf = moe(tmp_path / "hf", arch, hidden_size=128, intermediate_size=64, num_layers=3, **shape)
-    assert_stack_as_modules(write_gguf(hf, tmp_path / "moe.gguf", uniform(fmt)))
+    path = write_gguf(hf, tmp_path / "moe.gguf", uniform(fmt))
+    assert_stack_as_modules(path, atol=0.15, rtol=0)
 
 
 def test_a_dense_layer_beside_a_wider_shared_expert_in_the_stack(tmp_path):
