@@ -11,6 +11,10 @@ if "TRITON_INTERPRET" not in os.environ:
 
     if not torch.cuda.is_available():
         os.environ["TRITON_INTERPRET"] = "1"
+if os.environ.get("TRITON_INTERPRET") == "1":
+    from tests.triton_interpreter import patch_once_a_launch
+
+    patch_once_a_launch()
 
 # Workers of pytest-xdist on one GPU: each process's engines take a share of its memory, not 90%
 # of it each (read by core.config, imported below, and by the `weir` processes tests start).
