@@ -22,9 +22,12 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(VENV)/bin/weir serve $(if $(MODEL),"$(MODEL)",) --host $(HOST) --port $(PORT) $(ARGS)
 
+# The suite over TEST_WORKERS processes (pytest-xdist; 0: one process): much of it waits on the
+# servers and engine processes its tests start, so two workers fit two cores.
+TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 # CPU benchmarks (not tests: CI does not run them). MODEL= benchmarks a real checkpoint instead.
 BENCH_MODEL := $(if $(MODEL),--model $(MODEL),)
