@@ -11,13 +11,31 @@ from gpu.launch import load
 from tests.test_correctness import POOLS, PROMPTS, reference, run_all
 
 
+def with_graphs(loaded, sizes):
+    """The runner's decode steps through gpu/cuda/graphs.py with the stand-in graph."""
+    from gpu.cuda.graphs import DecodeGraphs, EagerGraph
+
+    runner = loaded.core.runner
+    graphs = DecodeGraphs(
+        runner.model,
+        runner.kv_caches,
+        runner.device,
+        runner.block_size,
+        loaded.max_model_len,
+        sizes,
+        graph_factory=EagerGraph,
+    )
+    graphs.capture()
+    runner.graphs = graphs
+    return graphs
+
+
 @pytest.mark.parametrize("pool", POOLS)
 def test_decode_graphs_pad_and_replay_without_changing_tokens(pool, model_dir):
     """The CUDA-graph path's buffers and padding, with a stand-in that replays by calling the
     forward again: decode-only steps that fit a captured size replay, padded up to it (ten
     sequences on 12 rows; with the tight pool, steps of up to 8 on 1/2/4/8 while larger ones and
     prefill steps run eagerly), and every token still matches transformers."""
-    from gpu.cuda.graphs import DecodeGraphs, EagerGraph
 
     path = model_dir("qwen3")
     loaded = load(
@@ -29,18 +47,7 @@ def test_decode_graphs_pad_and_replay_without_changing_tokens(pool, model_dir):
             **POOLS[pool],
         )
     )
-    runner = loaded.core.runner
-    graphs = DecodeGraphs(
-        runner.model,
-        runner.kv_caches,
-        runner.device,
-        runner.block_size,
-        loaded.max_model_len,
-        [1, 2, 4, 8] if pool == "tight" else [1, 2, 4, 12],
-        graph_factory=EagerGraph,
-    )
-    graphs.capture()
-    runner.graphs = graphs
+    graphs = with_graphs(loaded, [1, 2, 4, 8] if pool == "tight" else [1, 2, 4, 12])
     prompts = [loaded.tokenizer.encode(p) for p in PROMPTS]
     got, _ = run_all(loaded.core, prompts)
     assert got == reference("qwen3", path, prompts)

@@ -22,6 +22,7 @@ from tests.lora_adapters import (
     run,
 )
 from tests.test_correctness import POOLS
+from tests.test_cuda_graphs import with_graphs
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -135,25 +136,6 @@ def test_triton_lora_kernel_checks_its_arguments():
             batch.counts,
             batch.starts,
         )
-
-
-def with_graphs(loaded, sizes):
-    """The runner's decode steps through gpu/cuda/graphs.py with the stand-in graph."""
-    from gpu.cuda.graphs import DecodeGraphs, EagerGraph
-
-    runner = loaded.core.runner
-    graphs = DecodeGraphs(
-        runner.model,
-        runner.kv_caches,
-        runner.device,
-        runner.block_size,
-        loaded.max_model_len,
-        sizes,
-        graph_factory=EagerGraph,
-    )
-    graphs.capture()
-    runner.graphs = graphs
-    return graphs
 
 
 def test_decode_steps_with_adapters_replay_graphs(lora_models):
