@@ -24,7 +24,7 @@ run: $(STAMP)
 
 # The suite over TEST_WORKERS pytest-xdist processes (0: one process, the default). Much of it
 # waits on the servers and engine processes its tests start, so TEST_WORKERS=2 takes 7-8 min
-# where one process takes 10-11 on two cores; but over two workers test_server.py's disconnect
+# where one process takes 9-10.5 on two cores; but over two workers test_server.py's disconnect
 # test failed once in five runs (not understood yet: docs/benchmarks.md), so CI runs one.
 TEST_WORKERS ?= 0
 test: $(STAMP)
