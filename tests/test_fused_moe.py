@@ -97,7 +97,7 @@ def test_4_bit_experts_equal_their_dequantized_products(fmt):
     from tests.test_w4a16 import blocks
 
     g = torch.Generator().manual_seed(3)
-    e, hidden, inter, k, tokens = 3, 96, 40 * 4, 2, 11  # 96, 160: a half k tile of 64 ends each
+    e, hidden, inter, k, tokens = 3, 96, 160, 2, 11  # 96, 160: a half k tile of 64 ends each
     forms = [
         [Int4Weight.from_blocks(blocks(fmt, n, kk, seed=10 * i + j), DEVICE) for i in range(e)]
         for j, (n, kk) in enumerate(((2 * inter, hidden), (hidden, inter)))
@@ -198,9 +198,9 @@ def test_a_stacked_mixture_replays_decode_graphs_with_the_eager_tokens(tmp_path,
     capture's check, two sequences decode the eager run's greedy tokens."""
     from core.request import EngineRequest
     from core.sampling import SamplingParams
-    from gpu.cuda.graphs import DecodeGraphs, EagerGraph
     from gpu.models.moe import mixtures_on_device
     from tests.test_async_scheduling import drive
+    from tests.test_cuda_graphs import with_graphs
 
     path = build_tiny_model(tmp_path / "m", "qwen3_moe", num_layers=1)
     config = use_cuda_backend(monkeypatch)
@@ -211,10 +211,7 @@ def test_a_stacked_mixture_replays_decode_graphs_with_the_eager_tokens(tmp_path,
         runner = loaded.core.runner
         assert mixtures_on_device(runner.model)
         if graphs:
-            where = (runner.model, runner.kv_caches, runner.device, runner.block_size)
-            runner.graphs = DecodeGraphs(*where, loaded.max_model_len, [2], EagerGraph)
-            runner.graphs.capture()
-            assert runner.graphs.graphs  # the check passed
+            assert with_graphs(loaded, [2]).graphs  # the capture's check passed
         params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
         prompts = [[5, 6, 7], [9, 10, 11, 12, 13]]
         got, _ = drive(

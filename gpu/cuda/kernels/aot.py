@@ -46,13 +46,13 @@ CASES = [  # (kernel, dtype, head_dim or size, extra constexprs)
     ("lora_expand", "fp16", 32, {"SPLIT_K": 1, "UPCAST": False}),
     ("lora_expand", "fp32", 64, {"SPLIT_K": 1, "UPCAST": True}),
     ("lora_expand", "fp32/bf16", 16, {"SPLIT_K": 2, "UPCAST": True}),
-    # an FP8 product's input quantized per token, or with a checkpoint's static scale
     # a mixture's experts in one pass: gate/up by token (gpt-oss's biases), down weighted;
     # dense, 4-bit integer codes (Q4_0 / Q4_1, AWQ, GPTQ) or MXFP4 (gpt-oss's experts)
     ("moe", "bf16", 0, {"BY_TOKEN": True, "HAS_BIAS": True, "SCALE": False, "QUANT": 0}),
     ("moe", "fp16", 0, {"BY_TOKEN": False, "HAS_BIAS": False, "SCALE": True, "QUANT": 0}),
     ("moe", "fp16", 0, {"BY_TOKEN": True, "HAS_BIAS": False, "SCALE": False, "QUANT": 1}),
     ("moe", "bf16", 0, {"BY_TOKEN": False, "HAS_BIAS": True, "SCALE": True, "QUANT": 2}),
+    # an FP8 product's input quantized per token, or with a checkpoint's static scale
     ("fp8_quant", "bf16", 1024, {"STATIC": False}),
     ("fp8_quant", "fp16", 4096, {"STATIC": True}),
 ]

@@ -62,11 +62,12 @@ def _moe_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < n
     e = tl.maximum(expert, 0)
-    w_base = w_ptr + e * n * k  # dense: [n, k]; 4-bit: codes [k / 8, n], scales [k / GROUP, n]
-    if QUANT:
+    if QUANT:  # 4-bit: codes [k / 8, n], scales and mins [k / GROUP, n]
         w_base = w_ptr + e * (k // 8) * n
         s_base = scales_ptr + e * (k // GROUP) * n
         m_base = mins_ptr + e * (k // GROUP) * n
+    else:  # dense: [n, k]
+        w_base = w_ptr + e * n * k
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, k, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
