@@ -22,6 +22,7 @@ if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
     _workers = int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
     os.environ.setdefault("WEIR_GPU_MEMORY_UTILIZATION", f"{0.6 / max(_workers, 1):.3f}")
 
+import itertools
 import socket
 import threading
 import time
@@ -96,10 +97,27 @@ def transformers_greedy(path, prompts: list[list[int]], max_new_tokens: int) -> 
     return outs
 
 
+PORTS_PER_WORKER = 1000
+_ports = itertools.count()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port nothing is bound to, from this pytest-xdist worker's own range below the kernel's
+    ephemeral ports (20000 + 1000 per worker), taken in turn. The kernel's choice (binding port
+    0) is free now but may be handed to another worker before this one's server binds it: the
+    second server then fails to bind while its test, polling the port, is answered by the
+    other worker's server (its engine stats never moving: seen once in four two-worker runs)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    base = 20000 + PORTS_PER_WORKER * (int(worker) % 12 if worker.isdigit() else 0)
+    for _ in range(PORTS_PER_WORKER):
+        port = base + next(_ports) % PORTS_PER_WORKER
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue  # bound by something else (or still in TIME_WAIT)
+            return port
+    raise RuntimeError(f"no free port in {base}..{base + PORTS_PER_WORKER - 1}")
 
 
 class LiveServer:
@@ -112,11 +130,16 @@ class LiveServer:
 
     def __init__(self, config: EngineConfig, **options) -> None:
         from server.app import create_app
+        from server.listen import listening_socket
         from server.options import ServerOptions
 
         options.setdefault("engine_process", False)
         self.app = create_app(config, ServerOptions(**options))
-        self.port = free_port()
+        # Bound here, on a port the kernel picks: no other server can take it before this one
+        # serves it (free_port's race, for servers in processes of their own).
+        timeout = self.app.weir_state.options.tcp_user_timeout
+        self._sock = listening_socket("127.0.0.1", 0, timeout)
+        self.port = self._sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self._token: trio.lowlevel.TrioToken | None = None
         self._started = threading.Event()
@@ -129,9 +152,14 @@ class LiveServer:
         async def main() -> int:
             self._token = trio.lowlevel.current_trio_token()
             self._started.set()
-            return await serve(self.app, "127.0.0.1", self.port, handle_signals=False)
+            return await serve(
+                self.app, "127.0.0.1", self.port, handle_signals=False, sock=self._sock
+            )
 
-        self.exit_code = trio.run(main)
+        try:
+            self.exit_code = trio.run(main)
+        finally:
+            self._sock.close()  # Hypercorn served (and closed) a duplicate
 
     @property
     def state(self):

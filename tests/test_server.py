@@ -124,12 +124,19 @@ def test_disconnect_aborts_and_frees_blocks(live_server):
     }
     try:
         with httpx.stream("POST", live_server.url + "/v1/chat/completions", json=body) as r:
+            seen = []
             for line in r.iter_lines():
+                seen.append(line)
                 if line.startswith("data: ") and '"logprobs":{' in line:
                     break  # some of the stream read, the rest not
+            else:
+                raise AssertionError(f"the stream ended with no token: {r.status_code} {seen}")
             # it holds blocks while streaming (held: the stats of a step that shows it come
             # after its first event, later on a loaded machine)
-            assert wait_for(lambda: engine.last_stats.num_free_blocks < total)
+            assert wait_for(lambda: engine.last_stats.num_free_blocks < total), (
+                engine.last_stats,
+                {rid: r.num_output_tokens for rid, r in engine.core.requests.items()},
+            )
         # Closing the connection cancels the handler; the held engine takes the abort.
         assert wait_for(lambda: aborted(live_server) > aborted_before)
         assert wait_for(lambda: engine.last_stats.num_free_blocks == total)
