@@ -64,6 +64,11 @@ def choose_backend(config: EngineConfig, device: torch.device, dtype: torch.dtyp
     from gpu.cpu import onednn
 
     attention = get_backend(config.attention_backend, device)
+    if config.kv_cache_dtype == "fp8_e5m2" and attention.name not in ("cpu", "torch"):
+        raise ValueError(
+            f"--kv-cache-dtype fp8_e5m2: the {attention.name} attention backend reads 16- and "
+            "32-bit caches; weir's CPU kernels (--attention-backend cpu) read FP8"
+        )
     quantize = config.quantization if config.quantization in ("q8_0", "q4_0", "q4_k") else None
     if device.type == "cuda":
         fp8_ok = torch.cuda.get_device_capability(device) >= (8, 9)
@@ -123,7 +128,7 @@ def load_shard(
     (with a draft model, already loaded: blocks that hold both models' K/V)."""
     backend = choose_backend(config, device, dtype)
     model = load_model(path, hf_config, dtype, device, backend, tp)
-    kv_dtype = kv_cache.cache_dtype(config.kv_cache_dtype, dtype)
+    kv_dtype = kv_cache.cache_dtype(config.kv_cache_dtype, dtype, device)
     extra = kv_cache.bytes_per_block(draft.spec, config.block_size, kv_dtype) if draft else 0
     num_blocks = kv_cache.num_blocks_for(
         model.local_spec,  # the KV heads this rank caches
@@ -194,7 +199,7 @@ def build_runner(
     """The KV cache of `num_blocks` blocks and the runner over it, with its CUDA graphs
     captured for contexts up to `max_model_len` (LongRoPE's factors chosen for it)."""
     model.rope.fit_context(max_model_len)
-    kv_dtype = kv_cache.cache_dtype(config.kv_cache_dtype, dtype)
+    kv_dtype = kv_cache.cache_dtype(config.kv_cache_dtype, dtype, device)
     caches = kv_cache.allocate(model.local_spec, num_blocks, config.block_size, kv_dtype, device)
     runner = ModelRunner(
         model, caches, config.block_size, device, config.seed, config.logprobs_mode

@@ -12,23 +12,40 @@ from gpu.models.spec import ModelSpec
 log = logging.getLogger("weir.kv_cache")
 
 
-KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+KV_DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp8_e5m2": torch.float8_e5m2,
+}
 
 
-def cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+def cache_dtype(name: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """--kv-cache-dtype for a model of `model_dtype`: auto is the model's own; a float32 model
-    may keep a 16-bit cache (the attention kernels widen it as they read). A cache wider than
-    the model, or 16-bit of the other kind, is refused."""
+    may keep a 16-bit cache, and any model an FP8 E5M2 one on CPU (the attention kernels widen
+    it as they read). A cache wider than the model, or 16-bit of the other kind, is refused."""
     if name == "auto":
         return model_dtype
     dtype = KV_DTYPES[name]
+    if dtype == torch.float8_e5m2:
+        if device.type != "cpu":
+            raise ValueError(
+                f"--kv-cache-dtype {name} is offered on CPU only: weir's {device.type} "
+                "attention kernels read 16- and 32-bit caches"
+            )
+        return dtype
     if dtype != model_dtype and model_dtype != torch.float32:
         model = str(model_dtype).removeprefix("torch.")
         raise ValueError(
             f"--kv-cache-dtype {name} under a {model} model: the cache is the model's dtype "
-            "(auto), or bfloat16 / float16 under a float32 model"
+            "(auto), bfloat16 / float16 under a float32 model, or fp8_e5m2 on CPU"
         )
     return dtype
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """A cache dtype by its --kv-cache-dtype name (as /metrics and the start-up log give it)."""
+    return next(name for name, d in KV_DTYPES.items() if d == dtype)
 
 
 def bytes_per_block(spec: ModelSpec, block_size: int, dtype: torch.dtype) -> int:

@@ -80,7 +80,7 @@ def load(config: EngineConfig) -> Loaded:
     hf_config = load_config(path)
     check_quantization(config, path, hf_config)
     dtype = resolve_dtype(config.dtype, hf_config, device)
-    kv_dtype = str(kv_cache.cache_dtype(config.kv_cache_dtype, dtype)).removeprefix("torch.")
+    kv_dtype = kv_cache.dtype_name(kv_cache.cache_dtype(config.kv_cache_dtype, dtype, device))
     tokenizer, tokenizer_path = load_tokenizer(config, path, hf_config)
     eos = eos_token_ids(path, hf_config)
     if tokenizer.eos_token_id is not None:
@@ -102,7 +102,7 @@ def load(config: EngineConfig) -> Loaded:
         max_model_len = fit_model_len(config, positions, num_blocks)
         runner = build_runner(config, model, num_blocks, max_model_len, dtype, device, eos)
         if draft is not None:
-            kv_dtype_t = kv_cache.cache_dtype(config.kv_cache_dtype, dtype)
+            kv_dtype_t = kv_cache.cache_dtype(config.kv_cache_dtype, dtype, device)
             caches = kv_cache.allocate(
                 draft.local_spec, num_blocks, config.block_size, kv_dtype_t, device
             )

@@ -131,9 +131,15 @@ def test_sinks_match_the_reference(window, dtype):
     assert (got.float() - plain).abs().max() > 1e-2  # the sinks changed the result
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
+# How far a narrower cache may move the output from a float32 cache's: the rounding of K and V
+# (FP8 E5M2 keeps 2 bits of mantissa: up to 1/8 of each element; seen 0.22 where few keys
+# dominate a row)
+NARROW_TOL = {**TOL, torch.float8_e5m2: 0.3}
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16, torch.float8_e5m2])
 @pytest.mark.parametrize("head_dim", [64, 80, 128])
-def test_a_16_bit_cache_under_a_float32_query(cache_dtype, head_dim):
+def test_a_narrower_cache_under_a_float32_query(cache_dtype, head_dim):
     """--kv-cache-dtype: the kernel widens each K/V element as it reads it and computes in
     float32, so the result is the float32 reference's over the widened cache (split decodes,
     prefill tiles and the generic head size included)."""
@@ -141,14 +147,38 @@ def test_a_16_bit_cache_under_a_float32_query(cache_dtype, head_dim):
     query, k_cache, v_cache, meta = make_batch(
         specs, 16, 8, 2, head_dim, torch.float32, seed=7, device="cpu"
     )
-    k16, v16 = k_cache.to(cache_dtype), v_cache.to(cache_dtype)
-    got = CpuAttention().forward(query, k16, v16, meta, head_dim**-0.5)
+    kn, vn = k_cache.to(cache_dtype), v_cache.to(cache_dtype)
+    got = CpuAttention().forward(query, kn, vn, meta, head_dim**-0.5)
     assert got.dtype == torch.float32
-    want = reference(query, k16, v16, meta, head_dim**-0.5)
+    want = reference(query, kn, vn, meta, head_dim**-0.5)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     # and it differs from the float32 cache's by no more than the rounding of K and V
     full = reference(query, k_cache, v_cache, meta, head_dim**-0.5)
-    torch.testing.assert_close(got, full, atol=TOL[cache_dtype], rtol=TOL[cache_dtype])
+    tol = NARROW_TOL[cache_dtype]
+    torch.testing.assert_close(got, full, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", [64, 80])
+def test_an_fp8_cache_under_a_16_bit_query(dtype, head_dim):
+    """An FP8 E5M2 cache under a 16-bit model (--kv-cache-dtype fp8_e5m2, where it halves the
+    cache): the kernel's result over the widened cache is the reference's to the query dtype's
+    rounding."""
+    specs = batch_specs(16) + [(1, 900), (12, 300)]
+    query, k_cache, v_cache, meta = make_batch(
+        specs, 16, 8, 2, head_dim, dtype, seed=11, device="cpu"
+    )
+    k8, v8 = k_cache.to(torch.float8_e5m2), v_cache.to(torch.float8_e5m2)
+    got = CpuAttention().forward(query, k8, v8, meta, head_dim**-0.5)
+    assert got.dtype == dtype
+    want = reference(query, k8, v8, meta, head_dim**-0.5)
+    torch.testing.assert_close(got.float(), want, atol=TOL[dtype], rtol=TOL[dtype])
+    # the element type is the kernel's to check, not its caller's alone
+    with pytest.raises(ValueError, match="unsupported dtypes"):
+        cpu_build.load().paged_attention(
+            query, k8, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
+            0.1, 0, 0.0, None,
+        )  # fmt: skip
 
 
 def test_a_split_decode_is_the_same_in_any_batch_and_on_any_thread_count():

@@ -30,7 +30,7 @@ def load_both(path, **pool):
 
 
 # Mistral with a sliding window of 8 under the prompts above: the window applies in the kernel.
-# A 16-bit KV cache (--kv-cache-dtype): K/V rounded as torch's .to() rounds, read widened.
+# A 16-bit or FP8 KV cache (--kv-cache-dtype): K/V rounded as torch's .to() rounds, read widened.
 @pytest.mark.parametrize(
     "arch,extra,kv",
     [
@@ -43,6 +43,7 @@ def load_both(path, **pool):
         ("llama", {"attention_bias": True}, "auto"),
         ("llama", {}, "bfloat16"),
         ("qwen3", {}, "float16"),
+        ("qwen3", {}, "fp8_e5m2"),
     ],
 )
 def test_one_call_forward_is_bitwise_the_module_path(arch, extra, kv, model_dir):

@@ -1,6 +1,7 @@
 """--kv-cache-dtype: a 16-bit KV cache under a float32 model (twice the tokens in the same memory,
-attention reading half the bytes), through the engine, the compiled CPU forward and the server,
-and the combinations that are refused."""
+attention reading half the bytes) and an FP8 E5M2 one under any model on CPU (half a 16-bit
+one's), through the engine, the compiled CPU forward and the server, the rounding of the compiled
+K/V writes, and the combinations that are refused."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import torch
 from core.config import EngineConfig
 from core.request import EngineRequest
 from core.sampling import SamplingParams
+from gpu.cpu import build as cpu_build
+from gpu.kv_cache import KV_DTYPES, cache_dtype
 from gpu.launch import load
 from server.cli import build_parser, config_from_args
 from tests.conftest import LiveServer
@@ -37,34 +40,46 @@ def run_greedy(loaded, max_tokens=16):
     return tokens, steps
 
 
-@pytest.mark.parametrize("kv", ["bfloat16", "float16"])
-def test_a_16_bit_cache_holds_twice_the_tokens_and_decodes_close(kv, model_dir):
+# (model dtype, cache dtype, blocks in the same memory as the model's own cache's, the logits'
+# bound as a share of their range, steps compared at least): bfloat16 keeps 8 bits of mantissa,
+# float16 11, FP8 E5M2 3; seen 0.2-0.8%, 0.03-0.05% and 6-10% of the range on these models,
+# where FP8 changes a greedy token within two steps (random weights: logits close together)
+CASES = [
+    ("float32", "bfloat16", 2, 0.02, 4),
+    ("float32", "float16", 2, 0.003, 4),
+    ("float32", "fp8_e5m2", 4, 0.15, 1),
+    ("bfloat16", "fp8_e5m2", 2, 0.15, 1),
+]
+
+
+@pytest.mark.parametrize("dtype,kv,more,bound,steps", CASES)
+def test_a_narrower_cache_holds_more_tokens_and_decodes_close(
+    dtype, kv, more, bound, steps, model_dir
+):
     path = str(model_dir("llama"))
-    base = EngineConfig(model=path, dtype="float32", device="cpu", kv_cache_memory=1 << 22)
+    base = EngineConfig(model=path, dtype=dtype, device="cpu", kv_cache_memory=1 << 22)
     full = load(base)
     half = load(msgspec.structs.replace(base, kv_cache_dtype=kv))
-    assert half.core.kv.num_blocks == 2 * full.core.kv.num_blocks
+    assert half.core.kv.num_blocks == more * full.core.kv.num_blocks
     k, v = half.core.runner.kv_caches[0]
-    assert k.dtype == v.dtype == getattr(torch, kv)
-    assert half.kv_dtype == kv and full.kv_dtype == "float32"
-    assert half.core.runner.model.stack is not None  # the compiled path takes it
+    assert k.dtype == v.dtype == KV_DTYPES[kv]
+    assert half.kv_dtype == kv and full.kv_dtype == dtype
+    if dtype == "float32":
+        assert half.core.runner.model.stack is not None  # the compiled path takes it
     want, want_steps = run_greedy(full)
     got, got_steps = run_greedy(half)
     assert len(got) == len(PROMPTS) and all(len(t) == 16 for t in got.values())
     # Step by step, while every request's tokens so far agree, the logits differ by no more
-    # than K/V rounded to 16 bits makes them.
+    # than K/V rounded to the cache's dtype makes them.
     compared, differ = 0, 0
     for (ids_a, a), (ids_b, b) in zip(want_steps, got_steps):
         assert ids_a == ids_b
-        # bfloat16 keeps 8 bits of mantissa, float16 11: seen 0.3-0.7% and 0.03-0.05% of the
-        # logits' range on these models
-        bound = (0.02 if kv == "bfloat16" else 0.003) * float(a.max() - a.min())
-        assert float((a - b).abs().max()) <= bound
+        assert float((a - b).abs().max()) <= bound * float(a.max() - a.min())
         differ += not torch.equal(a, b)
         compared += 1
         if any(want[r][:compared] != got[r][:compared] for r in want):
             break
-    assert compared >= 4 and differ > 0  # compared over several steps; the cache is 16-bit
+    assert compared >= steps and differ > 0  # compared over steps; the cache is narrower
 
 
 def test_refused_combinations_say_what_is_offered(model_dir):
@@ -73,8 +88,19 @@ def test_refused_combinations_say_what_is_offered(model_dir):
         load(EngineConfig(model=path, dtype="bfloat16", device="cpu", kv_cache_dtype="float16"))
     with pytest.raises(ValueError, match="under a bfloat16 model"):
         load(EngineConfig(model=path, dtype="bfloat16", device="cpu", kv_cache_dtype="float32"))
-    with pytest.raises(ValueError, match="--kv-cache-dtype fp8 is not offered"):
-        EngineConfig(kv_cache_dtype="fp8").validate()
+    for name in ("fp8", "fp8_e4m3"):  # vLLM's names of E4M3 (scaled per layer)
+        with pytest.raises(ValueError, match=f"--kv-cache-dtype {name} is not offered.*fp8_e5m2"):
+            EngineConfig(kv_cache_dtype=name).validate()
+    EngineConfig(kv_cache_dtype="fp8_e5m2").validate()
+    with pytest.raises(ValueError, match="fp8_e5m2 is offered on CPU only"):
+        cache_dtype("fp8_e5m2", torch.bfloat16, torch.device("cuda"))
+    assert cache_dtype("fp8_e5m2", torch.float16, torch.device("cpu")) == torch.float8_e5m2
+    with pytest.raises(ValueError, match="the triton attention backend reads 16- and 32-bit"):
+        load(
+            EngineConfig(
+                model=path, device="cpu", kv_cache_dtype="fp8_e5m2", attention_backend="triton"
+            )
+        )
 
 
 def test_the_flag_and_its_aliases():
@@ -85,15 +111,37 @@ def test_the_flag_and_its_aliases():
     assert parse("--kv-cache-dtype", "bfloat16") == "bfloat16"
     assert parse("--kv-cache-dtype", "half") == "float16"
     assert parse("--kv-cache-dtype", "auto") == "auto"
+    assert parse("--kv-cache-dtype", "fp8_e5m2") == "fp8_e5m2"
 
 
-def test_served_with_a_16_bit_cache(model_dir):
+def test_the_compiled_k_v_writes_round_as_torch_does():
+    """The compiled forward writes K/V into a narrower cache itself (forward.cpp): every float32
+    bit pattern drawn, and the edges (FP8's largest finite value, the ties past it that round
+    to infinity, subnormals, signed zeros), rounds to torch's .to() bits (NaN to a NaN)."""
+    g = torch.Generator().manual_seed(0)
+    drawn = torch.randint(-(2**31), 2**31 - 1, (1 << 20,), generator=g).to(torch.int32)
+    edges = torch.tensor(
+        [57344.0, 61439.99, 61440.0, 65535.0, 65536.0, 1e9, float("inf"), 2.0**-14, 2.0**-15]
+        + [2.0**-16, 2.0**-17, 3 * 2.0**-18, 1.125, 1.375, 1.3125, 0.0, 65520.0, 65519.0]
+    )
+    x = torch.cat([drawn.view(torch.float32), edges, -edges, torch.randn(1 << 16) * 1e-4])
+    ops = cpu_build.load()
+    for dtype in (torch.bfloat16, torch.float16, torch.float8_e5m2):
+        got, want = ops.round_to_cache(x, dtype), x.to(dtype)
+        nan = got.float().isnan()
+        assert torch.equal(nan, want.float().isnan()) and nan.any()
+        bits = torch.uint8 if dtype.itemsize == 1 else torch.int16
+        assert torch.equal(got.view(bits)[~nan], want.view(bits)[~nan]), dtype
+
+
+@pytest.mark.parametrize("kv", ["bfloat16", "fp8_e5m2"])
+def test_served_with_a_narrower_cache(kv, model_dir):
     server = LiveServer(
         EngineConfig(
             model=str(model_dir("qwen3")),
             dtype="float32",
             served_model_name=["m"],
-            kv_cache_dtype="bfloat16",
+            kv_cache_dtype=kv,
             num_kv_blocks=64,
         ),
         metrics_prefix="vllm",
@@ -105,6 +153,6 @@ def test_served_with_a_16_bit_cache(model_dir):
         )
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] > 0
         text = httpx.get(server.url + "/metrics").text
-        assert metric(text, "vllm:cache_config_info", cache_dtype="bfloat16") == 1
+        assert metric(text, "vllm:cache_config_info", cache_dtype=kv) == 1
     finally:
         server.stop()

@@ -12,8 +12,10 @@ from gpu.attention.backend import AttentionMetadata
 from gpu.attention.torch_ref import TorchAttention
 from gpu.cpu import build as cpu_build
 
-# The element types the compiled attention takes (query and K/V cache; weir.h DType).
+# The element types the compiled attention takes (query and K/V cache; weir.h DType), and FP8
+# E5M2, a cache's only.
 DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+CACHE_DTYPES = {**DTYPES, torch.float8_e5m2: 3}
 
 
 class CpuAttention(TorchAttention):
@@ -36,12 +38,16 @@ class CpuAttention(TorchAttention):
         softcap: float = 0.0,
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        # The cache is the query's dtype, or 16-bit under a float32 query (--kv-cache-dtype).
+        # The cache is the query's dtype, 16-bit under a float32 query or FP8 E5M2 under any
+        # (--kv-cache-dtype).
         if (
             query.dtype not in DTYPES
-            or k_cache.dtype not in DTYPES
+            or k_cache.dtype not in CACHE_DTYPES
             or v_cache.dtype != k_cache.dtype
-            or (k_cache.dtype != query.dtype and query.dtype != torch.float32)
+            or (
+                k_cache.dtype not in (query.dtype, torch.float8_e5m2)
+                and query.dtype != torch.float32
+            )
         ):
             raise ValueError(f"cpu attention: unsupported dtypes {query.dtype}, {k_cache.dtype}")
         if not (k_cache.is_contiguous() and v_cache.is_contiguous()):

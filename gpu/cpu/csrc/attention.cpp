@@ -66,7 +66,8 @@ constexpr int64_t kKeys = 16;
 
 // Calls fn(first, n, rows) for each chunk of at most kKeys consecutive cache slots in [lo, hi) of
 // one sequence (never crossing a block), with rows pointing at the chunk's first slot (all KV
-// heads, `slot` floats per slot: in place for float caches, widened into buf for 16-bit ones).
+// heads, `slot` floats per slot: in place for float caches, widened into buf for 16-bit and
+// FP8 ones).
 template <typename T, typename Fn>
 inline void for_each_chunk(const T* cache, const int32_t* table, int64_t bs, int64_t slot,
                            int64_t lo, int64_t hi, float* buf, Fn&& fn) {
@@ -368,12 +369,15 @@ int paged_attention(const void* query, const void* k_cache, const void* v_cache,
                  query_start, seq_lens,     num_seqs, max_blocks,
                  num_heads,   num_kv_heads, head_dim, block_size, scale,
                  sliding_window, num_threads, softcap, sinks};
-    switch (dtype * 3 + cache_dtype) {
+    switch (dtype * 4 + cache_dtype) {
         case 0: run_dim<float, float>(a); return 0;
         case 1: run_dim<float, uint16_t>(a); return 0;
         case 2: run_dim<float, _Float16>(a); return 0;
-        case 4: run_dim<uint16_t, uint16_t>(a); return 0;
-        case 8: run_dim<_Float16, _Float16>(a); return 0;
+        case 3: run_dim<float, Fp8E5M2>(a); return 0;
+        case 5: run_dim<uint16_t, uint16_t>(a); return 0;
+        case 7: run_dim<uint16_t, Fp8E5M2>(a); return 0;
+        case 10: run_dim<_Float16, _Float16>(a); return 0;
+        case 11: run_dim<_Float16, Fp8E5M2>(a); return 0;
     }
     return -1;
 }

@@ -1,5 +1,5 @@
-// Element conversions and AVX-512 inner loops of the CPU paged attention (attention.cpp):
-// the algorithm there, the vector primitives here. Header-only, included in one translation
+// Element conversions (16-bit and FP8 K/V caches) and AVX-512 inner loops of the CPU paged
+// attention (attention.cpp): the algorithm there, the vector primitives here. Header-only, included in one translation
 // unit each (attention.cpp, forward.cpp's K/V writes), so everything is inline in an
 // anonymous namespace.
 #pragma once
@@ -35,6 +35,48 @@ inline void store(uint16_t* p, float x) {  // round to nearest even, as torch do
 }
 inline void store(_Float16* p, float x) { *p = _Float16(x); }
 
+// FP8 E5M2 (--kv-cache-dtype fp8_e5m2): float16's upper byte, so 1 sign, 5 exponent and 2
+// mantissa bits with float16's exponent bias; widened exactly through float16.
+struct Fp8E5M2 {
+    uint8_t bits;
+};
+inline float to_f32(Fp8E5M2 x) {
+    const uint16_t h = uint16_t(x.bits) << 8;
+    _Float16 f;
+    std::memcpy(&f, &h, 2);
+    return float(f);
+}
+// Rounded to nearest, ties to even, straight from float32 as torch's .to(float8_e5m2) rounds
+// (through float16 would round twice): past the largest finite value (57344) to infinity,
+// below float16's smallest normal (2^-14) to a multiple of 2^-16.
+inline void store(Fp8E5M2* p, float x) {
+    uint32_t u;
+    std::memcpy(&u, &x, 4);
+    const uint32_t sign = u & 0x80000000u;
+    u ^= sign;
+    uint8_t r;
+    if (u > 0x7f800000u) {
+        r = 0x7f;  // NaN
+    } else if (u >= (127u + 16) << 23) {
+        r = 0x7c;  // 2^16 and up (infinity included): infinity
+    } else if (u < (127u - 14) << 23) {
+        // Added to 2^7, whose float32 ulp is 2^-16, x is rounded to a multiple of 2^-16 by the
+        // addition itself; the units count up from the subnormals into the first normal (4).
+        float f, big = 128.f;
+        std::memcpy(&f, &u, 4);
+        f += big;
+        uint32_t fb, bb;
+        std::memcpy(&fb, &f, 4);
+        std::memcpy(&bb, &big, 4);
+        r = uint8_t(fb - bb);
+    } else {
+        // Rebias the exponent (127 to 15) and round at bit 21, the lowest bit kept.
+        u += ((15u - 127u) << 23) + 0xfffffu + ((u >> 21) & 1u);
+        r = uint8_t(u >> 21);
+    }
+    *p = Fp8E5M2{uint8_t(r | (sign >> 24))};
+}
+
 // dst[e] = float(src[e]) for e < n: a 16-bit K/V chunk widened for the float inner loops.
 inline void widen(const uint16_t* src, int64_t n, float* dst) {
     int64_t e = 0;
@@ -63,6 +105,25 @@ inline void widen(const _Float16* src, int64_t n, float* dst) {
     for (; e + 8 <= n; e += 8)
         _mm256_storeu_ps(dst + e, _mm256_cvtph_ps(
             _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + e))));
+#endif
+    for (; e < n; ++e) dst[e] = to_f32(src[e]);
+}
+
+inline void widen(const Fp8E5M2* src, int64_t n, float* dst) {
+    const uint8_t* b = reinterpret_cast<const uint8_t*>(src);
+    int64_t e = 0;
+#if defined(__AVX512F__)
+    for (; e + 16 <= n; e += 16) {
+        const __m256i h = _mm256_slli_epi16(
+            _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + e))), 8);
+        _mm512_storeu_ps(dst + e, _mm512_cvtph_ps(h));
+    }
+#elif defined(__AVX2__) && defined(__F16C__)
+    for (; e + 8 <= n; e += 8) {
+        const __m128i h = _mm_slli_epi16(
+            _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + e))), 8);
+        _mm256_storeu_ps(dst + e, _mm256_cvtph_ps(h));
+    }
 #endif
     for (; e < n; ++e) dst[e] = to_f32(src[e]);
 }
@@ -98,6 +159,9 @@ inline void narrow(const float* src, int64_t n, _Float16* dst) {
                             _mm512_cvtps_ph(_mm512_loadu_ps(src + e), _MM_FROUND_TO_NEAREST_INT));
 #endif
     for (; e < n; ++e) store(dst + e, src[e]);
+}
+inline void narrow(const float* src, int64_t n, Fp8E5M2* dst) {
+    for (int64_t e = 0; e < n; ++e) store(dst + e, src[e]);
 }
 
 #ifdef __AVX512F__

@@ -1,6 +1,6 @@
 // The decoder's layers in one call: every layer of a CPU forward (float32 activations; weights
 // in float32, 16-bit or GGUF block formats) without returning to Python between its steps. The
-// K/V cache may be float32 or 16-bit (--kv-cache-dtype).
+// K/V cache may be float32, 16-bit or FP8 E5M2 (--kv-cache-dtype).
 //
 // The same kernels the modules call one by one (norm_rope.cpp, gemm.cpp, quant.cpp,
 // attention.cpp), called in the same order on the same buffers, so the result is bitwise
@@ -53,7 +53,7 @@ struct Timer {
 };
 
 // Rows of `width` floats into their cache slots (rounded as torch's .to() rounds for a 16-bit
-// cache); slot -1 writes nothing.
+// or FP8 cache); slot -1 writes nothing.
 template <typename C>
 void scatter_as(void* cache, const float* rows, int64_t row_stride, const int64_t* slots,
                 int64_t tokens, int64_t width) {
@@ -66,6 +66,7 @@ void scatter(int64_t dtype, void* cache, const float* rows, int64_t row_stride,
              const int64_t* slots, int64_t tokens, int64_t width) {
     if (dtype == 1) return scatter_as<uint16_t>(cache, rows, row_stride, slots, tokens, width);
     if (dtype == 2) return scatter_as<_Float16>(cache, rows, row_stride, slots, tokens, width);
+    if (dtype == 3) return scatter_as<Fp8E5M2>(cache, rows, row_stride, slots, tokens, width);
     scatter_as<float>(cache, rows, row_stride, slots, tokens, width);
 }
 
@@ -303,6 +304,11 @@ int decoder_forward(const DecoderModel& model, const DecoderStep& step) {
         timer.lap(kLogits);
     }
     return 0;
+}
+
+void round_to_cache(const float* src, int64_t n, int cache_dtype, void* dst) {
+    const int64_t slot = 0;  // one row of n, into the cache's slot 0
+    scatter(cache_dtype, dst, src, n, &slot, 1, n);
 }
 
 void forward_profile(double* out, bool enable) {

@@ -99,9 +99,9 @@ Tensor paged_attention(const Tensor& query, const Tensor& k_cache, const Tensor&
     check_cpu(query, "query");
     TORCH_CHECK_VALUE(query.dim() == 3 && query.is_contiguous(),
                       "query: needs a contiguous [tokens, heads, dim] tensor");
-    const int qt = dtype_code(query.scalar_type()), ct = dtype_code(k_cache.scalar_type());
+    const int qt = dtype_code(query.scalar_type()), ct = cache_code(k_cache.scalar_type());
     TORCH_CHECK_VALUE(qt >= 0 && ct >= 0 && v_cache.scalar_type() == k_cache.scalar_type() &&
-                          (ct == qt || qt == weir::kFloat32),
+                          (ct == qt || qt == weir::kFloat32 || ct == weir::kFp8E5M2),
                       "cpu attention: unsupported dtypes ", query.scalar_type(), ", ",
                       k_cache.scalar_type(), ", ", v_cache.scalar_type());
     const Paged p =
@@ -191,6 +191,16 @@ std::vector<double> forward_profile(bool enable) {
     return out;
 }
 
+// x rounded to a K/V cache's dtype as the compiled forward writes it (tests: torch's .to()).
+Tensor round_to_cache(const Tensor& x, c10::ScalarType dtype) {
+    check_f32(x, "x");
+    TORCH_CHECK_VALUE(x.is_contiguous(), "x: must be contiguous");
+    TORCH_CHECK_VALUE(cache_code(dtype) >= 0, "round_to_cache: ", dtype, " is no cache dtype");
+    Tensor out = at::empty(x.sizes(), x.options().dtype(dtype));
+    weir::round_to_cache(x.data_ptr<float>(), x.numel(), cache_code(dtype), out.data_ptr());
+    return out;
+}
+
 // The paged KV cache's tensors (gpu/kv_cache.py): zeroed now, so that its pages are faulted in
 // at load (as huge pages where the system gives them) and not by the first steps that reach them.
 Tensor huge_zeros(c10::IntArrayRef sizes, c10::ScalarType dtype) {
@@ -221,4 +231,5 @@ TORCH_LIBRARY(weir, m) {
           &pool_selftest);
     m.def("forward_profile(bool enable) -> float[]", &forward_profile);
     m.def("huge_zeros(int[] size, ScalarType dtype) -> Tensor", &huge_zeros);
+    m.def("round_to_cache(Tensor x, ScalarType dtype) -> Tensor", &round_to_cache);
 }

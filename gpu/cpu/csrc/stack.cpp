@@ -100,9 +100,9 @@ struct DecoderStack : torch::CustomClassHolder {
                                   kc.size(3) == D && kc.is_contiguous() && vc.is_contiguous() &&
                                   kc.scalar_type() == k0.scalar_type() &&
                                   vc.scalar_type() == k0.scalar_type() &&
-                                  dtype_code(kc.scalar_type()) >= 0,
+                                  cache_code(kc.scalar_type()) >= 0,
                               "caches: every layer's two contiguous [blocks, block_size, ",
-                              kv, ", ", D, "] tensors of one float type");
+                              kv, ", ", D, "] tensors of one cache dtype");
             d.input_norm = keep_(L[0]);
             d.post_norm = keep_(L[1]);
             d.qkv_bias = keep_(L[5]);
@@ -132,7 +132,7 @@ struct DecoderStack : torch::CustomClassHolder {
         model.eps = float(eps);
         model.scale = float(scale);
         model.act = dims[6];
-        model.cache_dtype = dtype_code(k0.scalar_type());
+        model.cache_dtype = cache_code(k0.scalar_type());
         model.layers = layers.data();
         for (const auto& d : layers) {
             model.moe_experts = std::max(model.moe_experts, d.experts);

@@ -60,7 +60,7 @@ void pool_selftest(int64_t tasks, int64_t threads, bool hold, int64_t worker_us,
                    int32_t* by);
 
 // ---- element types of attention and the K/V cache ----
-enum DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
+enum DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2, kFp8E5M2 = 3 };  // FP8: caches only
 
 // ---- RMSNorm and rotary embedding (norm_rope.cpp) ----
 // x: rows of `dim` floats, row r at x + (r / heads) * token_stride + (r % heads) * dim (a
@@ -92,7 +92,8 @@ void gemm(const float* x, int64_t m, int64_t k, int64_t x_stride, const float* p
 
 // ---- paged attention (attention.cpp) ----
 // query/out [tokens, heads, dim] of `dtype`; caches [blocks, block_size, kv_heads, dim] of
-// `cache_dtype` (the query's, or 16-bit under a float32 query); block_tables [seqs, max_blocks];
+// `cache_dtype` (the query's, 16-bit under a float32 query, or FP8 E5M2 under any);
+// block_tables [seqs, max_blocks];
 // query_start [seqs + 1]; seq_lens [seqs]; softcap: Gemma 2's cap on the scores (0: none);
 // sinks: gpt-oss's [heads] float32 logits, each in its head's softmax sums only (null: none).
 // Returns 0, or -1 for a dtype pair not offered.
@@ -103,6 +104,10 @@ int paged_attention(const void* query, const void* k_cache, const void* v_cache,
                     int64_t block_size, float scale, int64_t sliding_window, int64_t num_threads,
                     int dtype, int cache_dtype, float softcap = 0.f,
                     const float* sinks = nullptr);
+
+// src [n] rounded into dst [n] of `cache_dtype` as the forward writes K/V (forward.cpp): the
+// rounding torch's .to() does, tested against it.
+void round_to_cache(const float* src, int64_t n, int cache_dtype, void* dst);
 
 // ---- sampling (sample.cpp, mask.cpp) ----
 // out[r] = the index torch.argmax gives for row r (first of equal maxima; NaN above all).
