@@ -22,11 +22,10 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(VENV)/bin/weir serve $(if $(MODEL),"$(MODEL)",) --host $(HOST) --port $(PORT) $(ARGS)
 
-# The suite over TEST_WORKERS pytest-xdist processes (0: one process, the default). Much of it
-# waits on the servers and engine processes its tests start, so TEST_WORKERS=2 takes 7-8 min
-# where one process takes 9-10.5 on two cores; but over two workers test_server.py's disconnect
-# test failed once in five runs (not understood yet: docs/benchmarks.md), so CI runs one.
-TEST_WORKERS ?= 0
+# The suite over TEST_WORKERS pytest-xdist processes (0: one process). Much of it waits on the
+# servers and engine processes its tests start, so two workers take 7-8.5 min where one process
+# takes 8.5-10.5 on two cores. (Two workers once shared a port: tests/conftest.py's free_port.)
+TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q -n $(TEST_WORKERS) $(PYTEST_ARGS)
