@@ -24,8 +24,9 @@ def is_bad_input(e: BaseException) -> bool:
 
 # --quantization: weir's own round-to-nearest formats (gpu/quant/quantize.py); "gguf", "awq" and
 # "gptq" name what a checkpoint already holds (a .gguf path, config.json's quantization_config).
-# --kv-cache-dtype: fp8_e5m2 under any model on CPU (gpu/kv_cache.py says which go together)
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8_e5m2")
+# --kv-cache-dtype: FP8 under any model on CPU (gpu/kv_cache.py says which go together); fp8 is
+# vLLM's name of fp8_e4m3
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
 QUANTIZATIONS = ("q8_0", "q4_0", "q4_k", "fp8", "gguf", "awq", "gptq")
 # --logprobs-mode, vLLM's: the model's own distribution or the one sampled from, as log-probs
 # or logits (gpu/sampler.py).
@@ -118,8 +119,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
                 f"--kv-cache-dtype {self.kv_cache_dtype} is not offered: weir's KV cache holds "
-                "auto (the model's dtype), float32, bfloat16, float16 or fp8_e5m2 (CPU; no "
-                "fp8_e4m3, which needs per-layer scales weir does not compute)"
+                "auto (the model's dtype), float32, bfloat16, float16, or fp8 / fp8_e4m3 / "
+                "fp8_e5m2 (CPU)"
             )
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(

@@ -17,17 +17,22 @@ KV_DTYPES = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
     "fp8_e5m2": torch.float8_e5m2,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8": torch.float8_e4m3fn,  # vLLM's name of E4M3
 }
+FP8 = (torch.float8_e5m2, torch.float8_e4m3fn)
+E4M3_MAX = 448.0  # E4M3 writes saturate here (vLLM's, at its default scale of 1)
 
 
 def cache_dtype(name: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """--kv-cache-dtype for a model of `model_dtype`: auto is the model's own; a float32 model
-    may keep a 16-bit cache, and any model an FP8 E5M2 one on CPU (the attention kernels widen
-    it as they read). A cache wider than the model, or 16-bit of the other kind, is refused."""
+    may keep a 16-bit cache, and any model an FP8 one (E5M2, or E4M3 at a scale of 1) on CPU
+    (the attention kernels widen it as they read). A cache wider than the model, or 16-bit of
+    the other kind, is refused."""
     if name == "auto":
         return model_dtype
     dtype = KV_DTYPES[name]
-    if dtype == torch.float8_e5m2:
+    if dtype in FP8:
         if device.type != "cpu":
             raise ValueError(
                 f"--kv-cache-dtype {name} is offered on CPU only: weir's {device.type} "
@@ -38,13 +43,13 @@ def cache_dtype(name: str, model_dtype: torch.dtype, device: torch.device) -> to
         model = str(model_dtype).removeprefix("torch.")
         raise ValueError(
             f"--kv-cache-dtype {name} under a {model} model: the cache is the model's dtype "
-            "(auto), bfloat16 / float16 under a float32 model, or fp8_e5m2 on CPU"
+            "(auto), bfloat16 / float16 under a float32 model, or fp8_e4m3 / fp8_e5m2 on CPU"
         )
     return dtype
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    """A cache dtype by its --kv-cache-dtype name (as /metrics and the start-up log give it)."""
+    """A model's dtype by its --kv-cache-dtype name (auto's, as /metrics and the log give it)."""
     return next(name for name, d in KV_DTYPES.items() if d == dtype)
 
 

@@ -80,7 +80,10 @@ def load(config: EngineConfig) -> Loaded:
     hf_config = load_config(path)
     check_quantization(config, path, hf_config)
     dtype = resolve_dtype(config.dtype, hf_config, device)
-    kv_dtype = kv_cache.dtype_name(kv_cache.cache_dtype(config.kv_cache_dtype, dtype, device))
+    kv_t = kv_cache.cache_dtype(config.kv_cache_dtype, dtype, device)  # refused before loading
+    kv_dtype = config.kv_cache_dtype  # as given (vLLM's cache_config_info); auto by its dtype
+    if kv_dtype == "auto":
+        kv_dtype = kv_cache.dtype_name(kv_t)
     tokenizer, tokenizer_path = load_tokenizer(config, path, hf_config)
     eos = eos_token_ids(path, hf_config)
     if tokenizer.eos_token_id is not None:

@@ -84,10 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--kv-cache-dtype",
         default="auto",
-        help="the KV cache's elements: auto (the model's dtype), float32, bfloat16, float16 or "
-        "fp8_e5m2 (CPU); a 16-bit cache under a float32 model holds twice the tokens and "
-        "attention reads half the bytes, an FP8 one (any model) half a 16-bit one's (outputs "
-        "can differ from a full cache's: FP8 keeps 2 bits of mantissa)",
+        help="the KV cache's elements: auto (the model's dtype), float32, bfloat16, float16, or "
+        "fp8 (= fp8_e4m3: 3 bits of mantissa, +-448 at a scale of 1, as vLLM's default) / "
+        "fp8_e5m2 (2 bits) on CPU; a 16-bit cache under a float32 model holds twice the tokens "
+        "and attention reads half the bytes, an FP8 one (any model) half a 16-bit one's "
+        "(outputs can differ from a full cache's)",
     )
     s.add_argument(
         "--gpu-memory-utilization",

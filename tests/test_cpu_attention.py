@@ -132,12 +132,13 @@ def test_sinks_match_the_reference(window, dtype):
 
 
 # How far a narrower cache may move the output from a float32 cache's: the rounding of K and V
-# (FP8 E5M2 keeps 2 bits of mantissa: up to 1/8 of each element; seen 0.22 where few keys
-# dominate a row)
-NARROW_TOL = {**TOL, torch.float8_e5m2: 0.3}
+# (FP8 E5M2 keeps 2 bits of mantissa: up to 1/8 of each element, seen 0.22 where few keys
+# dominate a row; E4M3 3 bits)
+NARROW_TOL = {**TOL, torch.float8_e5m2: 0.3, torch.float8_e4m3fn: 0.15}
+FP8 = [torch.float8_e5m2, torch.float8_e4m3fn]
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16, torch.float8_e5m2])
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16, *FP8])
 @pytest.mark.parametrize("head_dim", [64, 80, 128])
 def test_a_narrower_cache_under_a_float32_query(cache_dtype, head_dim):
     """--kv-cache-dtype: the kernel widens each K/V element as it reads it and computes in
@@ -158,17 +159,18 @@ def test_a_narrower_cache_under_a_float32_query(cache_dtype, head_dim):
     torch.testing.assert_close(got, full, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("fp8", FP8)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("head_dim", [64, 80])
-def test_an_fp8_cache_under_a_16_bit_query(dtype, head_dim):
-    """An FP8 E5M2 cache under a 16-bit model (--kv-cache-dtype fp8_e5m2, where it halves the
+def test_an_fp8_cache_under_a_16_bit_query(fp8, dtype, head_dim):
+    """An FP8 cache under a 16-bit model (--kv-cache-dtype fp8 / fp8_e5m2, where it halves the
     cache): the kernel's result over the widened cache is the reference's to the query dtype's
     rounding."""
     specs = batch_specs(16) + [(1, 900), (12, 300)]
     query, k_cache, v_cache, meta = make_batch(
         specs, 16, 8, 2, head_dim, dtype, seed=11, device="cpu"
     )
-    k8, v8 = k_cache.to(torch.float8_e5m2), v_cache.to(torch.float8_e5m2)
+    k8, v8 = k_cache.to(fp8), v_cache.to(fp8)
     got = CpuAttention().forward(query, k8, v8, meta, head_dim**-0.5)
     assert got.dtype == dtype
     want = reference(query, k8, v8, meta, head_dim**-0.5)
@@ -179,6 +181,27 @@ def test_an_fp8_cache_under_a_16_bit_query(dtype, head_dim):
             query, k8, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
             0.1, 0, 0.0, None,
         )  # fmt: skip
+
+
+@pytest.mark.parametrize("fp8", FP8)
+def test_every_fp8_code_widens_as_torch_widens_it(fp8):
+    """Caches of every FP8 code but NaN, drawn at random (subnormals, the largest values, both
+    signs): the kernel's vector and scalar conversions (head size 80: 16-element chunks and a
+    tail) read what torch's .float() reads."""
+    specs = [(1, 300), (5, 40)]
+    query, k_cache, v_cache, meta = make_batch(specs, 16, 4, 2, 80, torch.float32, device="cpu")
+    g = torch.Generator().manual_seed(5)
+    nan = {torch.float8_e5m2: 0x7C, torch.float8_e4m3fn: 0x7F}[fp8]  # from here up: NaN / inf
+    caches = []
+    for _ in range(2):
+        codes = torch.randint(0, 256, k_cache.shape, generator=g, dtype=torch.uint8)
+        codes = torch.where((codes & 0x7F) >= nan, codes & 0x80, codes)
+        caches.append(codes.view(fp8))
+    k8, v8 = caches
+    query = query / 64  # scores of a few units over K up to 57344 (E5M2's largest)
+    got = CpuAttention().forward(query, k8, v8, meta, 80**-0.5 / 1000)
+    want = reference(query, k8, v8, meta, 80**-0.5 / 1000)
+    torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-4)
 
 
 def test_a_split_decode_is_the_same_in_any_batch_and_on_any_thread_count():

@@ -44,6 +44,7 @@ def load_both(path, **pool):
         ("llama", {}, "bfloat16"),
         ("qwen3", {}, "float16"),
         ("qwen3", {}, "fp8_e5m2"),
+        ("llama", {}, "fp8"),  # E4M3
     ],
 )
 def test_one_call_forward_is_bitwise_the_module_path(arch, extra, kv, model_dir):

@@ -1,7 +1,7 @@
 """--kv-cache-dtype: a 16-bit KV cache under a float32 model (twice the tokens in the same memory,
-attention reading half the bytes) and an FP8 E5M2 one under any model on CPU (half a 16-bit
-one's), through the engine, the compiled CPU forward and the server, the rounding of the compiled
-K/V writes, and the combinations that are refused."""
+attention reading half the bytes) and an FP8 one (E4M3 or E5M2) under any model on CPU (half a
+16-bit one's), through the engine, the compiled CPU forward and the server, the rounding of the
+compiled K/V writes, and the combinations that are refused."""
 
 from __future__ import annotations
 
@@ -42,13 +42,16 @@ def run_greedy(loaded, max_tokens=16):
 
 # (model dtype, cache dtype, blocks in the same memory as the model's own cache's, the logits'
 # bound as a share of their range, steps compared at least): bfloat16 keeps 8 bits of mantissa,
-# float16 11, FP8 E5M2 3; seen 0.2-0.8%, 0.03-0.05% and 6-10% of the range on these models,
-# where FP8 changes a greedy token within two steps (random weights: logits close together)
+# float16 11, FP8 E4M3 4 and E5M2 3; seen 0.2-0.8%, 0.03-0.05%, 3-4% and 6-10% of the range on
+# these models, where FP8 changes a greedy token within two steps (random weights: logits close
+# together)
 CASES = [
     ("float32", "bfloat16", 2, 0.02, 4),
     ("float32", "float16", 2, 0.003, 4),
     ("float32", "fp8_e5m2", 4, 0.15, 1),
     ("bfloat16", "fp8_e5m2", 2, 0.15, 1),
+    ("float32", "fp8_e4m3", 4, 0.15, 1),
+    ("bfloat16", "fp8", 2, 0.15, 1),
 ]
 
 
@@ -88,13 +91,14 @@ def test_refused_combinations_say_what_is_offered(model_dir):
         load(EngineConfig(model=path, dtype="bfloat16", device="cpu", kv_cache_dtype="float16"))
     with pytest.raises(ValueError, match="under a bfloat16 model"):
         load(EngineConfig(model=path, dtype="bfloat16", device="cpu", kv_cache_dtype="float32"))
-    for name in ("fp8", "fp8_e4m3"):  # vLLM's names of E4M3 (scaled per layer)
-        with pytest.raises(ValueError, match=f"--kv-cache-dtype {name} is not offered.*fp8_e5m2"):
-            EngineConfig(kv_cache_dtype=name).validate()
-    EngineConfig(kv_cache_dtype="fp8_e5m2").validate()
+    with pytest.raises(ValueError, match="--kv-cache-dtype fp8_inc is not offered.*fp8_e5m2"):
+        EngineConfig(kv_cache_dtype="fp8_inc").validate()
+    for name in ("fp8", "fp8_e4m3", "fp8_e5m2"):
+        EngineConfig(kv_cache_dtype=name).validate()
     with pytest.raises(ValueError, match="fp8_e5m2 is offered on CPU only"):
         cache_dtype("fp8_e5m2", torch.bfloat16, torch.device("cuda"))
     assert cache_dtype("fp8_e5m2", torch.float16, torch.device("cpu")) == torch.float8_e5m2
+    assert cache_dtype("fp8", torch.float16, torch.device("cpu")) == torch.float8_e4m3fn
     with pytest.raises(ValueError, match="the triton attention backend reads 16- and 32-bit"):
         load(
             EngineConfig(
@@ -112,29 +116,33 @@ def test_the_flag_and_its_aliases():
     assert parse("--kv-cache-dtype", "half") == "float16"
     assert parse("--kv-cache-dtype", "auto") == "auto"
     assert parse("--kv-cache-dtype", "fp8_e5m2") == "fp8_e5m2"
+    assert parse("--kv-cache-dtype", "fp8") == "fp8"
 
 
 def test_the_compiled_k_v_writes_round_as_torch_does():
     """The compiled forward writes K/V into a narrower cache itself (forward.cpp): every float32
-    bit pattern drawn, and the edges (FP8's largest finite value, the ties past it that round
-    to infinity, subnormals, signed zeros), rounds to torch's .to() bits (NaN to a NaN)."""
+    bit pattern drawn, and the edges (FP8's largest finite values, the ties past them, what
+    E4M3 saturates, subnormals, signed zeros), rounds to torch's .to() bits (NaN to a NaN),
+    E4M3 saturated to +-448 first as the module path writes it."""
     g = torch.Generator().manual_seed(0)
     drawn = torch.randint(-(2**31), 2**31 - 1, (1 << 20,), generator=g).to(torch.int32)
     edges = torch.tensor(
         [57344.0, 61439.99, 61440.0, 65535.0, 65536.0, 1e9, float("inf"), 2.0**-14, 2.0**-15]
         + [2.0**-16, 2.0**-17, 3 * 2.0**-18, 1.125, 1.375, 1.3125, 0.0, 65520.0, 65519.0]
+        + [448.0, 447.9, 449.0, 464.0, 465.0, 480.0, 2.0**-6, 2.0**-9, 2.0**-10, 3 * 2.0**-11]
     )
     x = torch.cat([drawn.view(torch.float32), edges, -edges, torch.randn(1 << 16) * 1e-4])
     ops = cpu_build.load()
-    for dtype in (torch.bfloat16, torch.float16, torch.float8_e5m2):
-        got, want = ops.round_to_cache(x, dtype), x.to(dtype)
+    for dtype in (torch.bfloat16, torch.float16, torch.float8_e5m2, torch.float8_e4m3fn):
+        top = 448.0 if dtype == torch.float8_e4m3fn else float("inf")
+        got, want = ops.round_to_cache(x, dtype), x.clamp(-top, top).to(dtype)
         nan = got.float().isnan()
         assert torch.equal(nan, want.float().isnan()) and nan.any()
         bits = torch.uint8 if dtype.itemsize == 1 else torch.int16
         assert torch.equal(got.view(bits)[~nan], want.view(bits)[~nan]), dtype
 
 
-@pytest.mark.parametrize("kv", ["bfloat16", "fp8_e5m2"])
+@pytest.mark.parametrize("kv", ["bfloat16", "fp8"])
 def test_served_with_a_narrower_cache(kv, model_dir):
     server = LiveServer(
         EngineConfig(

@@ -352,7 +352,7 @@ def test_vllm_flags_that_work():
         (["--tool-call-parser", "bogus"], "--tool-call-parser 'bogus'"),
         (["--reasoning-parser", "bogus"], "--reasoning-parser 'bogus'"),
         (["--quantization", "bitsandbytes"], "--quantization bitsandbytes"),
-        (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8"),
+        (["--kv-cache-dtype", "fp8_inc"], "--kv-cache-dtype fp8_inc"),
         (["--tokenizer", "/no/such/tok"], "--tokenizer /no/such/tok"),
         (["--max-logprobs", "-5"], "--max-logprobs"),
     ],

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from gpu.attention.backend import AttentionMetadata
+from gpu.kv_cache import E4M3_MAX
 
 
 def _gather(cache: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tensor:
@@ -58,6 +59,8 @@ class TorchAttention:
         valid = slot_mapping >= 0
         if not bool(valid.all()):
             key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
+        if k_cache.dtype == torch.float8_e4m3fn:  # saturated, as vLLM writes it (not NaN)
+            key, value = key.clamp(-E4M3_MAX, E4M3_MAX), value.clamp(-E4M3_MAX, E4M3_MAX)
         k_cache.view(-1, *k_cache.shape[2:])[slot_mapping] = key.to(k_cache.dtype)
         v_cache.view(-1, *v_cache.shape[2:])[slot_mapping] = value.to(v_cache.dtype)
 

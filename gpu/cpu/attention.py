@@ -11,11 +11,12 @@ import torch
 from gpu.attention.backend import AttentionMetadata
 from gpu.attention.torch_ref import TorchAttention
 from gpu.cpu import build as cpu_build
+from gpu.kv_cache import FP8
 
-# The element types the compiled attention takes (query and K/V cache; weir.h DType), and FP8
-# E5M2, a cache's only.
+# The element types the compiled attention takes (query and K/V cache; weir.h DType), and FP8,
+# a cache's only.
 DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-CACHE_DTYPES = {**DTYPES, torch.float8_e5m2: 3}
+CACHE_DTYPES = {**DTYPES, torch.float8_e5m2: 3, torch.float8_e4m3fn: 4}
 
 
 class CpuAttention(TorchAttention):
@@ -38,14 +39,14 @@ class CpuAttention(TorchAttention):
         softcap: float = 0.0,
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        # The cache is the query's dtype, 16-bit under a float32 query or FP8 E5M2 under any
+        # The cache is the query's dtype, 16-bit under a float32 query or FP8 under any
         # (--kv-cache-dtype).
         if (
             query.dtype not in DTYPES
             or k_cache.dtype not in CACHE_DTYPES
             or v_cache.dtype != k_cache.dtype
             or (
-                k_cache.dtype not in (query.dtype, torch.float8_e5m2)
+                k_cache.dtype not in (query.dtype, *FP8)
                 and query.dtype != torch.float32
             )
         ):

@@ -369,15 +369,18 @@ int paged_attention(const void* query, const void* k_cache, const void* v_cache,
                  query_start, seq_lens,     num_seqs, max_blocks,
                  num_heads,   num_kv_heads, head_dim, block_size, scale,
                  sliding_window, num_threads, softcap, sinks};
-    switch (dtype * 4 + cache_dtype) {
+    switch (dtype * 8 + cache_dtype) {
         case 0: run_dim<float, float>(a); return 0;
         case 1: run_dim<float, uint16_t>(a); return 0;
         case 2: run_dim<float, _Float16>(a); return 0;
         case 3: run_dim<float, Fp8E5M2>(a); return 0;
-        case 5: run_dim<uint16_t, uint16_t>(a); return 0;
-        case 7: run_dim<uint16_t, Fp8E5M2>(a); return 0;
-        case 10: run_dim<_Float16, _Float16>(a); return 0;
-        case 11: run_dim<_Float16, Fp8E5M2>(a); return 0;
+        case 4: run_dim<float, Fp8E4M3>(a); return 0;
+        case 9: run_dim<uint16_t, uint16_t>(a); return 0;
+        case 11: run_dim<uint16_t, Fp8E5M2>(a); return 0;
+        case 12: run_dim<uint16_t, Fp8E4M3>(a); return 0;
+        case 18: run_dim<_Float16, _Float16>(a); return 0;
+        case 19: run_dim<_Float16, Fp8E5M2>(a); return 0;
+        case 20: run_dim<_Float16, Fp8E4M3>(a); return 0;
     }
     return -1;
 }

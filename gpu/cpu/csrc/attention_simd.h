@@ -77,6 +77,50 @@ inline void store(Fp8E5M2* p, float x) {
     *p = Fp8E5M2{uint8_t(r | (sign >> 24))};
 }
 
+// FP8 E4M3 (--kv-cache-dtype fp8_e4m3, vLLM's fp8): 4 exponent bits (bias 7) and 3 of mantissa,
+// no infinity, one NaN (S.1111.111), so its largest value is 448. Read as a float16 whose
+// exponent is 8 too small, scaled back (exact: every E4M3 value is a float16 normal).
+struct Fp8E4M3 {
+    uint8_t bits;
+};
+inline float to_f32(Fp8E4M3 x) {
+    if ((x.bits & 0x7f) == 0x7f) return __builtin_nanf("");
+    const uint16_t h = uint16_t((x.bits & 0x80) << 8 | (x.bits & 0x7f) << 7);
+    _Float16 f;
+    std::memcpy(&f, &h, 2);
+    return float(f) * 256.f;
+}
+// Rounded to nearest, ties to even, as torch's .to(float8_e4m3fn) rounds, and saturated to
+// +-448 as vLLM's FP8 cache writes are (torch's .to() makes NaN of what is past 464): below
+// 2^-6, E4M3's smallest normal, to a multiple of 2^-9.
+inline void store(Fp8E4M3* p, float x) {
+    uint32_t u;
+    std::memcpy(&u, &x, 4);
+    const uint32_t sign = u & 0x80000000u;
+    u ^= sign;
+    uint8_t r;
+    if (u > 0x7f800000u) {
+        r = 0x7f;  // NaN
+    } else if (u >= 0x43e00000u) {
+        r = 0x7e;  // 448 (0x43e00000) and up, infinity included: 448
+    } else if (u < (127u - 6) << 23) {
+        // Added to 2^14, whose float32 ulp is 2^-9: rounded to a multiple of 2^-9 by the
+        // addition; the units count up from the subnormals into the first normal (8).
+        float f, big = 16384.f;
+        std::memcpy(&f, &u, 4);
+        f += big;
+        uint32_t fb, bb;
+        std::memcpy(&fb, &f, 4);
+        std::memcpy(&bb, &big, 4);
+        r = uint8_t(fb - bb);
+    } else {
+        // Rebias the exponent (127 to 7) and round at bit 20, the lowest bit kept.
+        u += ((7u - 127u) << 23) + 0x7ffffu + ((u >> 20) & 1u);
+        r = uint8_t(u >> 20);
+    }
+    *p = Fp8E4M3{uint8_t(r | (sign >> 24))};
+}
+
 // dst[e] = float(src[e]) for e < n: a 16-bit K/V chunk widened for the float inner loops.
 inline void widen(const uint16_t* src, int64_t n, float* dst) {
     int64_t e = 0;
@@ -128,6 +172,43 @@ inline void widen(const Fp8E5M2* src, int64_t n, float* dst) {
     for (; e < n; ++e) dst[e] = to_f32(src[e]);
 }
 
+// E4M3's exponent and mantissa bits moved into a float16's read as 2^-8 of the value
+// (float16's exponent bias is 8 more): times 256 after the float16 conversion.
+inline void widen(const Fp8E4M3* src, int64_t n, float* dst) {
+    const uint8_t* b = reinterpret_cast<const uint8_t*>(src);
+    int64_t e = 0;
+#if defined(__AVX512F__)
+    const __m256i sign = _mm256_set1_epi16(int16_t(0x80)), rest = _mm256_set1_epi16(0x7f);
+    const __m512 k256 = _mm512_set1_ps(256.f);
+    for (; e + 16 <= n; e += 16) {
+        const __m256i w =
+            _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + e)));
+        const __m256i low = _mm256_and_si256(w, rest);
+        const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(w, sign), 8),
+                                          _mm256_slli_epi16(low, 7));
+        // the NaN code: all ones, a NaN
+        const __m512i nan = _mm512_cvtepi16_epi32(_mm256_cmpeq_epi16(low, rest));
+        const __m512 v = _mm512_mul_ps(_mm512_cvtph_ps(h), k256);
+        _mm512_storeu_ps(dst + e,
+                         _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(v), nan)));
+    }
+#elif defined(__AVX2__) && defined(__F16C__)
+    const __m128i sign = _mm_set1_epi16(int16_t(0x80)), rest = _mm_set1_epi16(0x7f);
+    const __m256 k256 = _mm256_set1_ps(256.f);
+    for (; e + 8 <= n; e += 8) {
+        const __m128i w =
+            _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + e)));
+        const __m128i low = _mm_and_si128(w, rest);
+        const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(w, sign), 8),
+                                       _mm_slli_epi16(low, 7));
+        // the NaN code: all ones, a NaN
+        const __m256 nan = _mm256_castsi256_ps(_mm256_cvtepi16_epi32(_mm_cmpeq_epi16(low, rest)));
+        _mm256_storeu_ps(dst + e, _mm256_or_ps(_mm256_mul_ps(_mm256_cvtph_ps(h), k256), nan));
+    }
+#endif
+    for (; e < n; ++e) dst[e] = to_f32(src[e]);
+}
+
 // dst[e] = src[e] rounded to T, as torch's .to(dtype) rounds (nearest, ties to even): K/V rows
 // written into a 16-bit cache.
 inline void narrow(const float* src, int64_t n, float* dst) {
@@ -161,6 +242,9 @@ inline void narrow(const float* src, int64_t n, _Float16* dst) {
     for (; e < n; ++e) store(dst + e, src[e]);
 }
 inline void narrow(const float* src, int64_t n, Fp8E5M2* dst) {
+    for (int64_t e = 0; e < n; ++e) store(dst + e, src[e]);
+}
+inline void narrow(const float* src, int64_t n, Fp8E4M3* dst) {
     for (int64_t e = 0; e < n; ++e) store(dst + e, src[e]);
 }
 

@@ -51,9 +51,11 @@ inline int dtype_code(at::ScalarType t) {
     }
 }
 
-// A K/V cache's element type: dtype_code's, or FP8 E5M2 (a cache under any query).
+// A K/V cache's element type: dtype_code's, or FP8 (a cache under any query).
 inline int cache_code(at::ScalarType t) {
-    return t == at::kFloat8_e5m2 ? weir::kFp8E5M2 : dtype_code(t);
+    if (t == at::kFloat8_e5m2) return weir::kFp8E5M2;
+    if (t == at::kFloat8_e4m3fn) return weir::kFp8E4M3;
+    return dtype_code(t);
 }
 
 // ---- the paged cache's step layout: the indexes the attention and K/V writes follow ----

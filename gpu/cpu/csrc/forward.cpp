@@ -1,6 +1,6 @@
 // The decoder's layers in one call: every layer of a CPU forward (float32 activations; weights
 // in float32, 16-bit or GGUF block formats) without returning to Python between its steps. The
-// K/V cache may be float32, 16-bit or FP8 E5M2 (--kv-cache-dtype).
+// K/V cache may be float32, 16-bit or FP8 (--kv-cache-dtype).
 //
 // The same kernels the modules call one by one (norm_rope.cpp, gemm.cpp, quant.cpp,
 // attention.cpp), called in the same order on the same buffers, so the result is bitwise
@@ -67,6 +67,7 @@ void scatter(int64_t dtype, void* cache, const float* rows, int64_t row_stride,
     if (dtype == 1) return scatter_as<uint16_t>(cache, rows, row_stride, slots, tokens, width);
     if (dtype == 2) return scatter_as<_Float16>(cache, rows, row_stride, slots, tokens, width);
     if (dtype == 3) return scatter_as<Fp8E5M2>(cache, rows, row_stride, slots, tokens, width);
+    if (dtype == 4) return scatter_as<Fp8E4M3>(cache, rows, row_stride, slots, tokens, width);
     scatter_as<float>(cache, rows, row_stride, slots, tokens, width);
 }
 

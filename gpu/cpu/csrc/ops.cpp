@@ -101,7 +101,7 @@ Tensor paged_attention(const Tensor& query, const Tensor& k_cache, const Tensor&
                       "query: needs a contiguous [tokens, heads, dim] tensor");
     const int qt = dtype_code(query.scalar_type()), ct = cache_code(k_cache.scalar_type());
     TORCH_CHECK_VALUE(qt >= 0 && ct >= 0 && v_cache.scalar_type() == k_cache.scalar_type() &&
-                          (ct == qt || qt == weir::kFloat32 || ct == weir::kFp8E5M2),
+                          (ct == qt || qt == weir::kFloat32 || ct >= weir::kFp8E5M2),
                       "cpu attention: unsupported dtypes ", query.scalar_type(), ", ",
                       k_cache.scalar_type(), ", ", v_cache.scalar_type());
     const Paged p =

@@ -60,7 +60,8 @@ void pool_selftest(int64_t tasks, int64_t threads, bool hold, int64_t worker_us,
                    int32_t* by);
 
 // ---- element types of attention and the K/V cache ----
-enum DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2, kFp8E5M2 = 3 };  // FP8: caches only
+// FP8: caches only
+enum DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2, kFp8E5M2 = 3, kFp8E4M3 = 4 };
 
 // ---- RMSNorm and rotary embedding (norm_rope.cpp) ----
 // x: rows of `dim` floats, row r at x + (r / heads) * token_stride + (r % heads) * dim (a
@@ -92,7 +93,7 @@ void gemm(const float* x, int64_t m, int64_t k, int64_t x_stride, const float* p
 
 // ---- paged attention (attention.cpp) ----
 // query/out [tokens, heads, dim] of `dtype`; caches [blocks, block_size, kv_heads, dim] of
-// `cache_dtype` (the query's, 16-bit under a float32 query, or FP8 E5M2 under any);
+// `cache_dtype` (the query's, 16-bit under a float32 query, or FP8 under any);
 // block_tables [seqs, max_blocks];
 // query_start [seqs + 1]; seq_lens [seqs]; softcap: Gemma 2's cap on the scores (0: none);
 // sinks: gpt-oss's [heads] float32 logits, each in its head's softmax sums only (null: none).
