@@ -143,7 +143,8 @@ void run_item(const Args& a, int64_t seq, int64_t row0, int64_t row1, std::vecto
         for (int64_t h = 0; h < H; ++h) {
             const T* src = q + ((qs + row0 + r) * H + h) * D;
             float* dst = qbuf.data() + (h * nrows + r) * D;
-            for (int64_t d = 0; d < D; ++d) dst[d] = to_f32(src[d]) * a.scale;
+            // (widened K in kv_unit<C>: scores as from K itself, exactly: a power of two)
+            for (int64_t d = 0; d < D; ++d) dst[d] = to_f32(src[d]) * (a.scale * kv_unit<C>);
         }
 
     // Pass 1: scores for every key in the tile's range (masked per row below).
@@ -252,14 +253,17 @@ void run_item(const Args& a, int64_t seq, int64_t row0, int64_t row1, std::vecto
         }
     });
     if (part) {
-        std::memcpy(part->acc, acc.data(), sizeof(float) * rows * D);
+        if constexpr (kv_unit<C> == 1.f)
+            std::memcpy(part->acc, acc.data(), sizeof(float) * rows * D);
+        else  // widened V in kv_unit<C>: back to values (exactly: a power of two)
+            for (int64_t e = 0; e < rows * D; ++e) part->acc[e] = acc[e] * kv_unit<C>;
         return;
     }
     for (int64_t r = 0; r < nrows; ++r)
         for (int64_t h = 0; h < H; ++h) {
             T* dst = out + ((qs + row0 + r) * H + h) * D;
             const float* ai = acc.data() + (h * nrows + r) * D;
-            for (int64_t d = 0; d < D; ++d) store(dst + d, ai[d]);
+            for (int64_t d = 0; d < D; ++d) store(dst + d, ai[d] * kv_unit<C>);
         }
 }
 

@@ -83,13 +83,7 @@ inline void store(Fp8E5M2* p, float x) {
 struct Fp8E4M3 {
     uint8_t bits;
 };
-inline float to_f32(Fp8E4M3 x) {
-    if ((x.bits & 0x7f) == 0x7f) return __builtin_nanf("");
-    const uint16_t h = uint16_t((x.bits & 0x80) << 8 | (x.bits & 0x7f) << 7);
-    _Float16 f;
-    std::memcpy(&f, &h, 2);
-    return float(f) * 256.f;
-}
+// In units of 2^-8 (see widen): the attention multiplies by 256 once, not per element.
 // Rounded to nearest, ties to even, as torch's .to(float8_e4m3fn) rounds, and saturated to
 // +-448 as vLLM's FP8 cache writes are (torch's .to() makes NaN of what is past 464): below
 // 2^-6, E4M3's smallest normal, to a multiple of 2^-9.
@@ -172,42 +166,51 @@ inline void widen(const Fp8E5M2* src, int64_t n, float* dst) {
     for (; e < n; ++e) dst[e] = to_f32(src[e]);
 }
 
-// E4M3's exponent and mantissa bits moved into a float16's read as 2^-8 of the value
-// (float16's exponent bias is 8 more): times 256 after the float16 conversion.
+// E4M3 widened in units of 2^-8 (kv_unit below: the attention multiplies by 256 where it is
+// cheaper, in the query and the output): its byte in a float16's upper half, shifted right by
+// one with the sign kept and bit 14 cleared, is a float16 of the same sign, exponent field and
+// mantissa, whose exponent bias is 8 more than E4M3's (every E4M3 value is a float16 normal
+// there). The NaN code (S.1111.111) reads NaN.
+inline float to_units(Fp8E4M3 x) {
+    if ((x.bits & 0x7f) == 0x7f) return __builtin_nanf("");
+    const uint16_t h = uint16_t((x.bits & 0x80) << 8 | (x.bits & 0x7f) << 7);
+    _Float16 f;
+    std::memcpy(&f, &h, 2);
+    return float(f);
+}
 inline void widen(const Fp8E4M3* src, int64_t n, float* dst) {
     const uint8_t* b = reinterpret_cast<const uint8_t*>(src);
     int64_t e = 0;
 #if defined(__AVX512F__)
-    const __m256i sign = _mm256_set1_epi16(int16_t(0x80)), rest = _mm256_set1_epi16(0x7f);
-    const __m512 k256 = _mm512_set1_ps(256.f);
+    const __m256i keep = _mm256_set1_epi16(int16_t(0xbfff)), ones = _mm256_set1_epi16(0x3f80);
     for (; e + 16 <= n; e += 16) {
-        const __m256i w =
-            _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + e)));
-        const __m256i low = _mm256_and_si256(w, rest);
-        const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(w, sign), 8),
-                                          _mm256_slli_epi16(low, 7));
-        // the NaN code: all ones, a NaN
-        const __m512i nan = _mm512_cvtepi16_epi32(_mm256_cmpeq_epi16(low, rest));
-        const __m512 v = _mm512_mul_ps(_mm512_cvtph_ps(h), k256);
-        _mm512_storeu_ps(dst + e,
-                         _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(v), nan)));
+        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + e));
+        const __m256i w = _mm256_slli_epi16(_mm256_cvtepu8_epi16(bytes), 8);
+        const __m256i h = _mm256_and_si256(_mm256_srai_epi16(w, 1), keep);
+        const __m512i nan = _mm512_cvtepi16_epi32(
+            _mm256_cmpeq_epi16(_mm256_and_si256(h, ones), ones));  // all ones: a NaN
+        const __m512i v = _mm512_castps_si512(_mm512_cvtph_ps(h));
+        _mm512_storeu_ps(dst + e, _mm512_castsi512_ps(_mm512_or_si512(v, nan)));
     }
 #elif defined(__AVX2__) && defined(__F16C__)
-    const __m128i sign = _mm_set1_epi16(int16_t(0x80)), rest = _mm_set1_epi16(0x7f);
-    const __m256 k256 = _mm256_set1_ps(256.f);
+    const __m128i keep = _mm_set1_epi16(int16_t(0xbfff)), ones = _mm_set1_epi16(0x3f80);
     for (; e + 8 <= n; e += 8) {
-        const __m128i w =
-            _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + e)));
-        const __m128i low = _mm_and_si128(w, rest);
-        const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(w, sign), 8),
-                                       _mm_slli_epi16(low, 7));
-        // the NaN code: all ones, a NaN
-        const __m256 nan = _mm256_castsi256_ps(_mm256_cvtepi16_epi32(_mm_cmpeq_epi16(low, rest)));
-        _mm256_storeu_ps(dst + e, _mm256_or_ps(_mm256_mul_ps(_mm256_cvtph_ps(h), k256), nan));
+        const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + e));
+        const __m128i h = _mm_and_si128(
+            _mm_srai_epi16(_mm_unpacklo_epi8(_mm_setzero_si128(), bytes), 1), keep);
+        const __m256 nan = _mm256_castsi256_ps(
+            _mm256_cvtepi16_epi32(_mm_cmpeq_epi16(_mm_and_si128(h, ones), ones)));
+        _mm256_storeu_ps(dst + e, _mm256_or_ps(_mm256_cvtph_ps(h), nan));
     }
 #endif
-    for (; e < n; ++e) dst[e] = to_f32(src[e]);
+    for (; e < n; ++e) dst[e] = to_units(src[e]);
 }
+
+// What a widened element of cache type C is in (the attention scales by it once).
+template <typename C>
+constexpr float kv_unit = 1.f;
+template <>
+constexpr float kv_unit<Fp8E4M3> = 256.f;
 
 // dst[e] = src[e] rounded to T, as torch's .to(dtype) rounds (nearest, ties to even): K/V rows
 // written into a 16-bit cache.
