@@ -182,25 +182,27 @@ inline void widen(const Fp8E4M3* src, int64_t n, float* dst) {
     const uint8_t* b = reinterpret_cast<const uint8_t*>(src);
     int64_t e = 0;
 #if defined(__AVX512F__)
-    const __m256i keep = _mm256_set1_epi16(int16_t(0xbfff)), ones = _mm256_set1_epi16(0x3f80);
+    const __m256i keep = _mm256_set1_epi16(int16_t(0xbfff));
+    const __m512 code = _mm512_set1_ps(1.875f), nan = _mm512_set1_ps(__builtin_nanf(""));
     for (; e + 16 <= n; e += 16) {
         const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + e));
         const __m256i w = _mm256_slli_epi16(_mm256_cvtepu8_epi16(bytes), 8);
-        const __m256i h = _mm256_and_si256(_mm256_srai_epi16(w, 1), keep);
-        const __m512i nan = _mm512_cvtepi16_epi32(
-            _mm256_cmpeq_epi16(_mm256_and_si256(h, ones), ones));  // all ones: a NaN
-        const __m512i v = _mm512_castps_si512(_mm512_cvtph_ps(h));
-        _mm512_storeu_ps(dst + e, _mm512_castsi512_ps(_mm512_or_si512(v, nan)));
+        const __m512 f = _mm512_cvtph_ps(_mm256_and_si256(_mm256_srai_epi16(w, 1), keep));
+        // the NaN code, and it alone, reads +-1.875 units
+        const __mmask16 is_nan = _mm512_cmp_ps_mask(_mm512_abs_ps(f), code, _CMP_EQ_OQ);
+        _mm512_storeu_ps(dst + e, _mm512_mask_mov_ps(f, is_nan, nan));
     }
 #elif defined(__AVX2__) && defined(__F16C__)
-    const __m128i keep = _mm_set1_epi16(int16_t(0xbfff)), ones = _mm_set1_epi16(0x3f80);
+    const __m128i keep = _mm_set1_epi16(int16_t(0xbfff));
+    const __m256 sign = _mm256_set1_ps(-0.f), code = _mm256_set1_ps(1.875f);
     for (; e + 8 <= n; e += 8) {
         const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + e));
         const __m128i h = _mm_and_si128(
             _mm_srai_epi16(_mm_unpacklo_epi8(_mm_setzero_si128(), bytes), 1), keep);
-        const __m256 nan = _mm256_castsi256_ps(
-            _mm256_cvtepi16_epi32(_mm_cmpeq_epi16(_mm_and_si128(h, ones), ones)));
-        _mm256_storeu_ps(dst + e, _mm256_or_ps(_mm256_cvtph_ps(h), nan));
+        const __m256 f = _mm256_cvtph_ps(h);
+        // the NaN code, and it alone, reads +-1.875 units: all ones there, a NaN
+        const __m256 nan = _mm256_cmp_ps(_mm256_andnot_ps(sign, f), code, _CMP_EQ_OQ);
+        _mm256_storeu_ps(dst + e, _mm256_or_ps(f, nan));
     }
 #endif
     for (; e < n; ++e) dst[e] = to_units(src[e]);
