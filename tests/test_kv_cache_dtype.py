@@ -164,3 +164,42 @@ def test_served_with_a_narrower_cache(kv, model_dir):
         assert metric(text, "vllm:cache_config_info", cache_dtype=kv) == 1
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("kv", ["fp8", "fp8_e5m2"])
+def test_fp8_caches_under_beams_preemption_and_the_prefix_cache(kv, model_dir):
+    """What else touches the cache's bytes: a beam's copy of a shared partial block (torch
+    indexing on FP8 tensors), preemption and recompute on a tight pool, prefix-cache hits (the
+    same prompt twice). The compiled forward and the module path write and read the same bytes,
+    so their beams and tokens are the same."""
+    from tests.test_beam_search import POOLS, PROMPTS as BEAM_PROMPTS, SEARCHES, beam_params
+
+    path = str(model_dir("llama"))
+    config = EngineConfig(
+        model=path, dtype="float32", device="cpu", kv_cache_dtype=kv, **POOLS["tight"]
+    )
+    runs = []
+    for forward in ("fused", "modules"):
+        loaded = load(msgspec.structs.replace(config, cpu_forward=forward))
+        core = loaded.core
+        copies = []
+        copy_blocks = core.runner._copy_blocks
+        core.runner._copy_blocks = lambda pairs: (copies.extend(pairs), copy_blocks(pairs))
+        for p, text in enumerate(BEAM_PROMPTS + BEAM_PROMPTS[:1]):
+            ids = loaded.tokenizer.encode(text)
+            for s, search in enumerate(SEARCHES):
+                core.add(EngineRequest(f"{p}-beams-{s}", ids, beam_params(*search)))
+            greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+            core.add(EngineRequest(f"{p}-greedy", ids, greedy))
+        got: dict[str, list] = {}
+        while core.has_work:
+            for out in core.step():
+                if out.beams:
+                    got[out.request_id] = [b.token_ids for b in out.beams]
+                else:
+                    got.setdefault(out.request_id, []).extend(out.new_token_ids)
+        assert copies and core.scheduler.num_preemptions > 0
+        assert core.kv.num_hit_tokens > 0  # the repeated prompt's blocks were found
+        assert core.runner.kv_caches[0][0].dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+        runs.append(got)
+    assert runs[0] == runs[1] and len(runs[0]) == (len(SEARCHES) + 1) * (len(BEAM_PROMPTS) + 1)
