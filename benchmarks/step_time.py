@@ -9,6 +9,7 @@ medians are compared with the first size (TP=1 by default), the baseline of the 
     python -m benchmarks.step_time --tp 1 --batch 1 --prompt-len 3500   # one long stream
     python -m benchmarks.step_time --tp 1 --batch 1,64 --breakdown      # where a step goes
     python -m benchmarks.step_time --batch 64 --kv-cache-dtype auto,bfloat16 --breakdown
+    python -m benchmarks.step_time --batch 8 --prompt-len 3500 --kv-cache-dtype auto,fp8,fp8_e5m2
     python -m benchmarks.step_time --device cuda --model qwen3-0.6b --tp 1,2,4 \\
         --batch 1,16,64,256 --prompt-len 512                    # a multi-GPU machine, NCCL
     python -m benchmarks.step_time --model FILE.gguf --cpu-forward auto,modules  # the stack

@@ -105,9 +105,8 @@ def load(config: EngineConfig) -> Loaded:
         max_model_len = fit_model_len(config, positions, num_blocks)
         runner = build_runner(config, model, num_blocks, max_model_len, dtype, device, eos)
         if draft is not None:
-            kv_dtype_t = kv_cache.cache_dtype(config.kv_cache_dtype, dtype, device)
             caches = kv_cache.allocate(
-                draft.local_spec, num_blocks, config.block_size, kv_dtype_t, device
+                draft.local_spec, num_blocks, config.block_size, kv_t, device
             )
             runner.draft = DraftModel(draft, caches, config.block_size, device)
             if runner.graphs is not None:

@@ -45,10 +45,7 @@ class CpuAttention(TorchAttention):
             query.dtype not in DTYPES
             or k_cache.dtype not in CACHE_DTYPES
             or v_cache.dtype != k_cache.dtype
-            or (
-                k_cache.dtype not in (query.dtype, *FP8)
-                and query.dtype != torch.float32
-            )
+            or (k_cache.dtype not in (query.dtype, *FP8) and query.dtype != torch.float32)
         ):
             raise ValueError(f"cpu attention: unsupported dtypes {query.dtype}, {k_cache.dtype}")
         if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
