@@ -22,10 +22,14 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(VENV)/bin/weir serve $(if $(MODEL),"$(MODEL)",) --host $(HOST) --port $(PORT) $(ARGS)
 
-# The suite over TEST_WORKERS pytest-xdist processes (0: one process). Much of it waits on the
-# servers and engine processes its tests start, so two workers take 7-8.5 min where one process
-# takes 8.5-10.5 on two cores. (Two workers once shared a port: tests/conftest.py's free_port.)
-TEST_WORKERS ?= 2
+# The suite over TEST_WORKERS pytest-xdist processes (0: one process, the default). Much of it
+# waits on the servers and engine processes its tests start, so TEST_WORKERS=2 takes 7-8.5 min
+# where one process takes 8.5-10.5 on two cores; but over two workers, in whole-suite runs only,
+# test_server.py's disconnect test has failed 2 runs in 7: its held request gone from the engine
+# (no request in it, nothing running) when the test looked, after one token was read. Not
+# understood yet (not the port two workers could share: its servers now bind their own), so CI
+# runs one process, where it has never failed.
+TEST_WORKERS ?= 0
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q -n $(TEST_WORKERS) $(PYTEST_ARGS)

@@ -134,7 +134,9 @@ def test_disconnect_aborts_and_frees_blocks(live_server):
             # it holds blocks while streaming (held: the stats of a step that shows it come
             # after its first event, later on a loaded machine)
             assert wait_for(lambda: engine.last_stats.num_free_blocks < total), (
-                engine.last_stats,
+                engine.last_stats.finished,
+                aborted(live_server) - aborted_before,
+                len(seen),
                 {rid: r.num_output_tokens for rid, r in engine.core.requests.items()},
             )
         # Closing the connection cancels the handler; the held engine takes the abort.
