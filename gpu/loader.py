@@ -276,14 +276,16 @@ def load_weights(model: DecoderForCausalLM, path: Path, int4=None, text_only: bo
 
 
 def load_gguf_weights(model: DecoderForCausalLM, ckpt: GgufCheckpoint) -> None:
-    if model.tp is not None:
-        raise CheckpointError("tensor parallelism serves safetensors checkpoints, not GGUF files")
+    """Every weight from the file; under tensor parallelism this rank's part of each, cut out
+    of the memory map as gpu/dist/parallel.py `shard` cuts a float tensor (block formats by
+    whole rows and whole blocks)."""
     targets = Targets(model)
+    tp = model.tp
     for name, value in ckpt.weights():
         parts = split_fused(name, value, model.spec) if fused_parts(name) else [(name, value)]
         for part, rows in parts:
             if targets.wants(part):
-                targets.place(part, rows)
+                targets.place(part, rows if tp is None else shard(part, rows, model.spec, tp))
     targets.check_complete()
 
 

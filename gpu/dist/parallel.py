@@ -176,15 +176,34 @@ def shard(name: str, full: Any, spec: ModelSpec, tp: TensorParallel) -> torch.Te
 
 
 def _shard_blocks(name: str, full: BlockTensor, kind: str, spec: ModelSpec, tp) -> BlockTensor:
-    """This rank's part of a block-format expert weight (gpt-oss's MXFP4): whole rows of gate
-    and up, whole blocks of down's columns (nothing requantized)."""
-    (n_rows, k), w, r = full.shape, tp.world_size, tp.rank
-    if kind == "expert":
-        n = spec.moe_intermediate_size // w
-        return full.take_rows(np.arange(r * n, (r + 1) * n))
-    if kind == "down":
+    """This rank's part of a block-format weight (a GGUF file's, gpt-oss's MXFP4 experts), cut
+    as a float one is: whole rows of the column-parallel ones (Q/K/V, gate/up, the vocabulary's
+    share, its last rank's tail padded with rows of zero bytes, which every block format reads
+    as zeros), whole blocks of the row-parallel ones' columns (O, down; CheckpointError where
+    the cut would split a block). Nothing is requantized."""
+    (n_rows, k), w, r, d = full.shape, tp.world_size, tp.rank, spec.head_dim
+    if kind in ("o", "down"):
         return full.take_cols(r * (k // w), (r + 1) * (k // w), name)
-    raise CheckpointError(f"{name}: a {full.fmt.name} tensor cannot be split that way")
+    if kind == "q":
+        first, count = r * (spec.num_heads // w) * d, spec.num_heads // w * d
+    elif kind == "kv":
+        heads, count = kv_head_range(spec, tp)
+        first, count = heads * d, count * d
+    elif kind in ("mlp", "expert", "shared"):
+        sizes = {"mlp": spec.intermediate_size, "expert": spec.moe_intermediate_size}
+        count = sizes.get(kind, spec.shared_expert_size) // w
+        first = r * count
+    elif kind == "vocab":
+        count = vocab_shard(spec, w)
+        first = r * count
+        part = full.take_rows(np.arange(min(first, n_rows), min(first + count, n_rows)))
+        if part.shape[0] < count:
+            pad = np.zeros((count - part.shape[0], full.rows.shape[1]), np.uint8)
+            part = BlockTensor(np.concatenate([part.rows, pad]), full.fmt, (count, k))
+        return part
+    else:
+        raise CheckpointError(f"{name}: a {full.fmt.name} tensor cannot be split that way")
+    return full.take_rows(np.arange(first, first + count))
 
 
 def init(rank: int, world_size: int, init_method: str, device: torch.device) -> TensorParallel:
