@@ -1,7 +1,7 @@
 // Element conversions (16-bit and FP8 K/V caches) and AVX-512 inner loops of the CPU paged
-// attention (attention.cpp): the algorithm there, the vector primitives here. Header-only, included in one translation
-// unit each (attention.cpp, forward.cpp's K/V writes), so everything is inline in an
-// anonymous namespace.
+// attention (attention.cpp): the algorithm there, the vector primitives here. Header-only,
+// included in one translation unit each (attention.cpp, forward.cpp's K/V writes), so
+// everything is inline in an anonymous namespace.
 #pragma once
 
 #include <algorithm>
@@ -46,10 +46,15 @@ inline float to_f32(Fp8E5M2 x) {
     std::memcpy(&f, &h, 2);
     return float(f);
 }
-// Rounded to nearest, ties to even, straight from float32 as torch's .to(float8_e5m2) rounds
-// (through float16 would round twice): past the largest finite value (57344) to infinity,
-// below float16's smallest normal (2^-14) to a multiple of 2^-16.
-inline void store(Fp8E5M2* p, float x) {
+// float32 to an 8-bit float (exponent bias kBias, kMant mantissa bits), rounded to nearest, ties to
+// even, straight from float32 as torch's .to() rounds (through float16 would round twice): at
+// and past `limit` (float32 bits) to `over`, NaN to 0x7f; below the smallest normal,
+// 2^(1 - kBias), to a multiple of the subnormals' unit: added to a float whose float32 ulp is
+// that unit, x is rounded by the addition itself, and the units count up from the subnormals
+// into the first normal. Else the exponent is rebiased and the mantissa rounded at its lowest
+// kept bit.
+template <uint32_t kBias, uint32_t kMant>
+inline uint8_t to_fp8(float x, uint32_t limit, uint8_t over) {
     uint32_t u;
     std::memcpy(&u, &x, 4);
     const uint32_t sign = u & 0x80000000u;
@@ -57,24 +62,27 @@ inline void store(Fp8E5M2* p, float x) {
     uint8_t r;
     if (u > 0x7f800000u) {
         r = 0x7f;  // NaN
-    } else if (u >= (127u + 16) << 23) {
-        r = 0x7c;  // 2^16 and up (infinity included): infinity
-    } else if (u < (127u - 14) << 23) {
-        // Added to 2^7, whose float32 ulp is 2^-16, x is rounded to a multiple of 2^-16 by the
-        // addition itself; the units count up from the subnormals into the first normal (4).
-        float f, big = 128.f;
+    } else if (u >= limit) {
+        r = over;
+    } else if (u < (128u - kBias) << 23) {
+        float f, big;
+        const uint32_t big_bits = (127u + 24 - kBias - kMant) << 23;
         std::memcpy(&f, &u, 4);
+        std::memcpy(&big, &big_bits, 4);
         f += big;
-        uint32_t fb, bb;
+        uint32_t fb;
         std::memcpy(&fb, &f, 4);
-        std::memcpy(&bb, &big, 4);
-        r = uint8_t(fb - bb);
+        r = uint8_t(fb - big_bits);
     } else {
-        // Rebias the exponent (127 to 15) and round at bit 21, the lowest bit kept.
-        u += ((15u - 127u) << 23) + 0xfffffu + ((u >> 21) & 1u);
-        r = uint8_t(u >> 21);
+        constexpr uint32_t kShift = 23 - kMant;
+        u += ((kBias - 127u) << 23) + ((1u << (kShift - 1)) - 1) + ((u >> kShift) & 1u);
+        r = uint8_t(u >> kShift);
     }
-    *p = Fp8E5M2{uint8_t(r | (sign >> 24))};
+    return uint8_t(r | (sign >> 24));
+}
+// Past the largest finite value (57344), from 2^16 on, to infinity.
+inline void store(Fp8E5M2* p, float x) {
+    *p = Fp8E5M2{to_fp8<15, 2>(x, (127u + 16) << 23, 0x7c)};
 }
 
 // FP8 E4M3 (--kv-cache-dtype fp8_e4m3, vLLM's fp8): 4 exponent bits (bias 7) and 3 of mantissa,
@@ -83,36 +91,9 @@ inline void store(Fp8E5M2* p, float x) {
 struct Fp8E4M3 {
     uint8_t bits;
 };
-// Rounded to nearest, ties to even, as torch's .to(float8_e4m3fn) rounds, and saturated to
-// +-448 as vLLM's FP8 cache writes are (torch's .to() makes NaN of what is past 464): below
-// 2^-6, E4M3's smallest normal, to a multiple of 2^-9.
-inline void store(Fp8E4M3* p, float x) {
-    uint32_t u;
-    std::memcpy(&u, &x, 4);
-    const uint32_t sign = u & 0x80000000u;
-    u ^= sign;
-    uint8_t r;
-    if (u > 0x7f800000u) {
-        r = 0x7f;  // NaN
-    } else if (u >= 0x43e00000u) {
-        r = 0x7e;  // 448 (0x43e00000) and up, infinity included: 448
-    } else if (u < (127u - 6) << 23) {
-        // Added to 2^14, whose float32 ulp is 2^-9: rounded to a multiple of 2^-9 by the
-        // addition; the units count up from the subnormals into the first normal (8).
-        float f, big = 16384.f;
-        std::memcpy(&f, &u, 4);
-        f += big;
-        uint32_t fb, bb;
-        std::memcpy(&fb, &f, 4);
-        std::memcpy(&bb, &big, 4);
-        r = uint8_t(fb - bb);
-    } else {
-        // Rebias the exponent (127 to 7) and round at bit 20, the lowest bit kept.
-        u += ((7u - 127u) << 23) + 0x7ffffu + ((u >> 20) & 1u);
-        r = uint8_t(u >> 20);
-    }
-    *p = Fp8E4M3{uint8_t(r | (sign >> 24))};
-}
+// Saturated to +-448 (0x43e00000 and up, infinity included), as vLLM's FP8 cache writes are
+// (torch's .to() makes NaN of what is past 464).
+inline void store(Fp8E4M3* p, float x) { *p = Fp8E4M3{to_fp8<7, 3>(x, 0x43e00000u, 0x7e)}; }
 
 // dst[e] = float(src[e]) for e < n: a 16-bit K/V chunk widened for the float inner loops.
 inline void widen(const uint16_t* src, int64_t n, float* dst) {
@@ -147,7 +128,7 @@ inline void widen(const _Float16* src, int64_t n, float* dst) {
 }
 
 inline void widen(const Fp8E5M2* src, int64_t n, float* dst) {
-    const uint8_t* b = reinterpret_cast<const uint8_t*>(src);
+    [[maybe_unused]] const uint8_t* b = reinterpret_cast<const uint8_t*>(src);
     int64_t e = 0;
 #if defined(__AVX512F__)
     for (; e + 16 <= n; e += 16) {
@@ -180,7 +161,7 @@ inline float to_units(Fp8E4M3 x) {
     return float(f);
 }
 inline void widen(const Fp8E4M3* src, int64_t n, float* dst) {
-    const uint8_t* b = reinterpret_cast<const uint8_t*>(src);
+    [[maybe_unused]] const uint8_t* b = reinterpret_cast<const uint8_t*>(src);
     int64_t e = 0;
 #if defined(__AVX512F__)
     const __m256i keep = _mm256_set1_epi16(int16_t(0xbfff));
