@@ -143,67 +143,46 @@ def shard(name: str, full: Any, spec: ModelSpec, tp: TensorParallel) -> torch.Te
         kind = "down" if name.endswith(".down_proj.weight") else "shared"
     if kind is None or tp.world_size == 1:
         return full[:] if hasattr(full, "get_shape") else full
-    w, r, d = tp.world_size, tp.rank, spec.head_dim
-    is_weight = name.endswith(".weight")
-    if isinstance(full, BlockTensor):
-        return _shard_blocks(name, full, kind, spec, tp)
-    if kind == "q":
-        n = spec.num_heads // w * d
-        return full[r * n : (r + 1) * n]
-    if kind == "heads":
-        n = spec.num_heads // w
-        return full[r * n : (r + 1) * n]
-    if kind == "kv":
-        first, count = kv_head_range(spec, tp)
-        return full[first * d : (first + count) * d]
-    if kind in ("mlp", "expert", "shared"):
-        sizes = {"mlp": spec.intermediate_size, "expert": spec.moe_intermediate_size}
-        n = sizes.get(kind, spec.shared_expert_size) // w
-        return full[r * n : (r + 1) * n]
-    if kind in ("o", "down"):
-        if not is_weight:  # a row-parallel bias is added once: rank 0 keeps it, the rest zeros
+    w, r = tp.world_size, tp.rank
+    if kind in ("o", "down"):  # row-parallel: columns
+        if isinstance(full, BlockTensor):  # whole blocks (CheckpointError where one is cut)
+            return full.take_cols(r * (shape[1] // w), (r + 1) * (shape[1] // w), name)
+        if not name.endswith(".weight"):  # a bias is added once: rank 0 keeps it, the rest zeros
             return full[:] if r == 0 else torch.zeros(shape, dtype=full[:1].dtype)
         n = shape[1] // w
         return full[:, r * n : (r + 1) * n]
-    # vocab: rows [r * n, (r + 1) * n), the last rank's tail padded with zeros
-    n = vocab_shard(spec, w)
-    lo, hi = min(r * n, shape[0]), min((r + 1) * n, shape[0])
+    first, count = _rows(kind, spec, tp)
+    lo, hi = min(first, shape[0]), min(first + count, shape[0])  # the vocabulary's last share
+    if isinstance(full, BlockTensor):  # whole rows of blocks; zero bytes read as zeros
+        part = full.take_rows(np.arange(lo, hi))
+        if hi - lo < count:
+            pad = np.zeros((count - (hi - lo), full.rows.shape[1]), np.uint8)
+            part = BlockTensor(np.concatenate([part.rows, pad]), full.fmt, (count, shape[1]))
+        return part
     part = full[lo:hi]
-    if hi - lo < n:
-        pad = torch.zeros((n - (hi - lo), *shape[1:]), dtype=part.dtype)
+    if hi - lo < count:  # padded with zeros
+        pad = torch.zeros((count - (hi - lo), *shape[1:]), dtype=part.dtype)
         part = torch.cat([part, pad])
     return part
 
 
-def _shard_blocks(name: str, full: BlockTensor, kind: str, spec: ModelSpec, tp) -> BlockTensor:
-    """This rank's part of a block-format weight (a GGUF file's, gpt-oss's MXFP4 experts), cut
-    as a float one is: whole rows of the column-parallel ones (Q/K/V, gate/up, the vocabulary's
-    share, its last rank's tail padded with rows of zero bytes, which every block format reads
-    as zeros), whole blocks of the row-parallel ones' columns (O, down; CheckpointError where
-    the cut would split a block). Nothing is requantized."""
-    (n_rows, k), w, r, d = full.shape, tp.world_size, tp.rank, spec.head_dim
-    if kind in ("o", "down"):
-        return full.take_cols(r * (k // w), (r + 1) * (k // w), name)
+def _rows(kind: str, spec: ModelSpec, tp: TensorParallel) -> tuple[int, int]:
+    """(first, count): the rows of a column-parallel tensor this rank keeps, whatever holds it
+    (a float tensor, or a block format's rows: a GGUF file's, gpt-oss's MXFP4 experts)."""
+    w, r, d = tp.world_size, tp.rank, spec.head_dim
     if kind == "q":
-        first, count = r * (spec.num_heads // w) * d, spec.num_heads // w * d
-    elif kind == "kv":
-        heads, count = kv_head_range(spec, tp)
-        first, count = heads * d, count * d
-    elif kind in ("mlp", "expert", "shared"):
+        return r * (spec.num_heads // w) * d, spec.num_heads // w * d
+    if kind == "heads":
+        return r * (spec.num_heads // w), spec.num_heads // w
+    if kind == "kv":
+        first, count = kv_head_range(spec, tp)
+        return first * d, count * d
+    if kind in ("mlp", "expert", "shared"):
         sizes = {"mlp": spec.intermediate_size, "expert": spec.moe_intermediate_size}
-        count = sizes.get(kind, spec.shared_expert_size) // w
-        first = r * count
-    elif kind == "vocab":
-        count = vocab_shard(spec, w)
-        first = r * count
-        part = full.take_rows(np.arange(min(first, n_rows), min(first + count, n_rows)))
-        if part.shape[0] < count:
-            pad = np.zeros((count - part.shape[0], full.rows.shape[1]), np.uint8)
-            part = BlockTensor(np.concatenate([part.rows, pad]), full.fmt, (count, k))
-        return part
-    else:
-        raise CheckpointError(f"{name}: a {full.fmt.name} tensor cannot be split that way")
-    return full.take_rows(np.arange(first, first + count))
+        n = sizes.get(kind, spec.shared_expert_size) // w
+        return r * n, n
+    n = vocab_shard(spec, w)  # vocab: the last rank's tail past the vocabulary
+    return r * n, n
 
 
 def init(rank: int, world_size: int, init_method: str, device: torch.device) -> TensorParallel:
