@@ -65,6 +65,31 @@ def test_the_sinks_and_biases_matter(model, monkeypatch):
     assert (got - want).abs().max() > 1e-2
 
 
+def test_a_config_without_the_activations_constants_gets_gpt_osss(model):
+    """A config that names neither the clamp nor alpha (transformers 5.17's GptOssConfig has no
+    such fields; gpt-oss's own config.json names the limit alone) gets the reference's 7.0 and
+    1.702, where the load had failed on the missing attribute."""
+    from transformers import AutoConfig
+
+    from gpu.models.spec import ModelSpec
+
+    config = AutoConfig.from_pretrained(model[0])
+    config.swiglu_limit, config.swiglu_alpha = 3.0, 1.5
+    spec = ModelSpec.from_hf_config(config)
+    assert (spec.swiglu_limit, spec.swiglu_alpha) == (3.0, 1.5)
+
+    class Older(type(config)):  # as transformers 5.17's: no such attributes, not even defaults
+        def __getattribute__(self, name):
+            if name in ("swiglu_limit", "swiglu_alpha"):
+                raise AttributeError(name)
+            return super().__getattribute__(name)
+
+    config.__class__ = Older
+    assert not hasattr(config, "swiglu_limit")
+    spec = ModelSpec.from_hf_config(config)
+    assert (spec.swiglu_limit, spec.swiglu_alpha) == (7.0, 1.702)
+
+
 def test_a_batch_routes_and_attends_per_sequence(model):
     """Four prompts decoded together (each step's tokens spread over the experts and the
     windows differently) give each prompt's greedy tokens from transformers alone."""

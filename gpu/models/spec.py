@@ -189,8 +189,10 @@ def _gpt_oss(config: Any) -> dict[str, Any]:
         attn_sinks=True,
         router_bias=True,
         mlp_bias=True,
-        swiglu_limit=float(config.swiglu_limit),
-        swiglu_alpha=float(config.swiglu_alpha),
+        # transformers 5.17 (the GPU image's) has no such fields (its experts hold the constants);
+        # gpt-oss's own config.json names the limit alone: its reference's 7.0 and 1.702
+        swiglu_limit=float(getattr(config, "swiglu_limit", 7.0)),
+        swiglu_alpha=float(getattr(config, "swiglu_alpha", 1.702)),
     )
 
 
