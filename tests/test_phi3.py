@@ -26,8 +26,10 @@ LONGROPE = {
 
 
 def first_logits(path, ids, **config) -> tuple[torch.Tensor, list[int]]:
-    """weir's logits after the prompt, and its greedy continuation of 6 tokens."""
-    config = {"device": "cpu"} | config
+    """weir's logits after the prompt, and its greedy continuation of 6 tokens (with one step
+    at a time: asynchronous scheduling, the default on a GPU, launches the next step before the
+    last one's tokens are seen, and the runner's logits are then the next step's)."""
+    config = {"device": "cpu", "async_scheduling": False} | config
     core = load(EngineConfig(model=str(path), dtype="float32", **config)).core
     core.add(EngineRequest("r", ids, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)))
     logits, out = None, []
