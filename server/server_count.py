@@ -15,7 +15,7 @@ the supervisor logs it beside the count.
 
 from __future__ import annotations
 
-import importlib.util
+import importlib.machinery
 import os
 import re
 from pathlib import Path
@@ -37,7 +37,10 @@ def cores() -> int:
 
 
 def torch_built_for_cuda() -> bool:
-    spec = importlib.util.find_spec("torch")
+    """Whether the installed torch names a CUDA version, found on sys.path: this runs after
+    server/cli.py has set sys.modules["torch"] to None (keep_torch_out), where find_spec would
+    answer None, and every GPU host got one API server (the H200's serving run, 2026-11-27)."""
+    spec = importlib.machinery.PathFinder.find_spec("torch")
     if spec is None or spec.origin is None:
         return False
     try:

@@ -286,6 +286,25 @@ def test_the_count_defaults_to_one_on_cpu_and_to_the_cores_on_cuda(monkeypatch):
             count("auto", cores, cuda=False, api_server_count=too_many)
 
 
+def test_torch_built_for_cuda_is_read_with_torch_kept_out(monkeypatch, tmp_path):
+    """The CLI keeps torch out of the HTTP processes (sys.modules["torch"] = None) before it
+    counts them: torch's version file is still read from sys.path, CUDA's version or None."""
+    from server.cli import keep_torch_out
+
+    for cuda, built in (("'13.0'", True), ("None", False)):
+        root = tmp_path / cuda.strip("'")
+        (root / "torch").mkdir(parents=True)
+        (root / "torch" / "__init__.py").write_text("")
+        version = f"__version__ = '2.11.0'\ncuda: Optional[str] = {cuda}\nhip = None\n"
+        (root / "torch" / "version.py").write_text(version)
+        with monkeypatch.context() as m:
+            m.syspath_prepend(str(root))
+            m.setitem(sys.modules, "torch", sys.modules.get("torch"))
+            keep_torch_out()
+            assert sys.modules["torch"] is None
+            assert server_count.torch_built_for_cuda() is built
+
+
 def test_a_model_that_cannot_load_stops_every_api_server_with_code_2(tmp_path):
     proc = subprocess.run(
         [
