@@ -1,5 +1,7 @@
 """Quantized weights on the GPU against the 16-bit model: 4-bit (a Q4_0 GGUF of the same weights,
-on the W4A16 Triton product) and FP8 (`--quantization fp8`, torch's scaled FP8 product).
+on the W4A16 Triton product; "q4_0 tiles": its tiled product at every row count, where from
+w4a16.DEQUANT_ROWS rows the weight is otherwise dequantized for torch's product) and FP8
+(`--quantization fp8`, torch's scaled FP8 product).
 
 For each variant: decode tok/s at batch 1 (one stream) and at batch 64, alternated over
 --rounds, and its agreement with a reference: teacher-forced along the reference's own greedy
@@ -101,6 +103,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--batch-tokens", default="1:256,64:128", help="batch:tokens per run")
     args = ap.parse_args()
+    from gpu.cuda.kernels import w4a16
     from gpu.quant.gguf_write import uniform, write_gguf
     from weir import LLM
 
@@ -115,8 +118,12 @@ def main() -> None:
     }
     references = {"bf16": "bf16", "q4_0": "q4_0 dequantized", "fp8": "fp8 dequantized"}
     if device == "cuda":
+        # the tiled product at every row count (w4a16.DEQUANT_ROWS off): the other side of it
+        variants["q4_0 tiles"] = variants["q4_0"]
+        references["q4_0 tiles"] = "q4_0 dequantized"
         variants["fp8"] = dict(model=hf, dtype="bfloat16", quantization="fp8")
     runs = [tuple(map(int, bt.split(":"))) for bt in args.batch_tokens.split(",")]
+    dequant_rows = w4a16.DEQUANT_ROWS
     common = dict(device=device, max_num_seqs=64, enable_prefix_caching=False)
     results: dict[str, dict] = {name: {f"b{b}": [] for b, _ in runs} for name in variants}
     prompt_len = 32
@@ -132,6 +139,7 @@ def main() -> None:
     gc.collect()
     for r in range(args.rounds):
         for name, kw in variants.items():
+            w4a16.DEQUANT_ROWS = None if name == "q4_0 tiles" else dequant_rows
             llm = LLM(**kw, **common)
             if r == 0:
                 for ref in {references.get(name, "bf16"), "bf16"}:

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from gpu.cuda.int4_weight import Int4Weight
-from gpu.cuda.kernels.w4a16 import split_k_for, w4a16_linear
+from gpu.cuda.kernels import w4a16
+from gpu.cuda.kernels.w4a16 import dequantize_int4, split_k_for, w4a16_linear
 from gpu.quant.formats import FORMATS
 from gpu.quant.quantize import quantize
 from core.request import EngineRequest
@@ -34,7 +35,7 @@ def test_the_gpu_form_holds_the_blocks_weights(fmt):
 
 @pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "mxfp4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("m,split_k", [(1, 1), (1, 3), (5, 2), (33, 1)])
+@pytest.mark.parametrize("m,split_k", [(1, 1), (1, 3), (5, 2), (33, 1), (70, 1)])
 def test_the_product_equals_the_float_product(fmt, dtype, m, split_k):
     n, k = 80, 160  # n not a multiple of the 64-column tile, k of the 64-deep one
     t = blocks(fmt, n, k, seed=m)
@@ -48,6 +49,47 @@ def test_the_product_equals_the_float_product(fmt, dtype, m, split_k):
     tol = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-3}[dtype]
     scale = want.abs().max().item()
     torch.testing.assert_close(got.float(), want, atol=tol * scale, rtol=tol)
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "mxfp4"])
+def test_the_dequantized_weight_is_the_forms(fmt):
+    """The weight the product reads from DEQUANT_ROWS rows on: in float32 exactly the form's
+    weight, in 16 bits that rounded once (to nearest on a GPU; Triton's interpreter cuts a
+    bfloat16 toward zero whatever the rounding asked)."""
+    t = blocks(fmt, 80, 160)  # n not a multiple of the 64-column tile
+    w = Int4Weight.from_blocks(t, DEVICE)
+    want = w.dequantize().T
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        got = dequantize_int4(w.qweight, w.scales, w.mins, 32, dtype, w.fp4)
+        assert got.dtype == dtype and got.shape == (160, 80)
+        if dtype == torch.bfloat16 and DEVICE == "cpu":
+            cut = (want.contiguous().view(torch.int32) & -65536).view(torch.float32)
+            assert torch.equal(got, cut.to(dtype))
+        else:
+            assert torch.equal(got, want.to(dtype))
+
+
+def test_from_dequant_rows_on_the_weight_is_dequantized_once(monkeypatch):
+    """Below DEQUANT_ROWS the tiled product; from it on one dequantization and torch's product
+    (bias added by it): the same values either way, within bf16's rounding of the sums."""
+    t = blocks("q4_1", 80, 160)
+    w = Int4Weight.from_blocks(t, DEVICE)
+    calls = []
+    real = w4a16.dequantize_int4
+    monkeypatch.setattr(w4a16, "dequantize_int4", lambda *a: calls.append(a[-2]) or real(*a))
+    g = torch.Generator().manual_seed(0)
+    rows = w4a16.DEQUANT_ROWS
+    x = torch.randn((rows, 160), generator=g).to(DEVICE, torch.bfloat16)
+    bias = torch.randn(80, generator=g).to(DEVICE, torch.bfloat16)
+    fewer = w4a16_linear(x[: rows - 1], w.qweight, w.scales, w.mins, 32, bias)
+    assert calls == []
+    whole = w4a16_linear(x, w.qweight, w.scales, w.mins, 32, bias)
+    assert calls == [torch.bfloat16] and whole.dtype == torch.bfloat16
+    monkeypatch.setattr(w4a16, "DEQUANT_ROWS", None)  # never: the tiles at every row count
+    tiled = w4a16_linear(x, w.qweight, w.scales, w.mins, 32, bias)
+    assert torch.equal(tiled[: rows - 1], fewer)
+    scale = tiled.float().abs().max().item()
+    torch.testing.assert_close(whole.float(), tiled.float(), atol=2e-2 * scale, rtol=2e-2)
 
 
 def test_strided_rows_and_bad_arguments():
@@ -95,7 +137,7 @@ def test_the_k_split_fills_the_gpu_only_for_few_rows():
 def test_a_4_bit_gguf_on_the_cuda_backend(fmt, tmp_path, monkeypatch):
     """A Q4_0 / Q4_1 file on the CUDA backend keeps its products 4-bit (W4A16: Q/K/V stacked,
     gate/up one product) and gives the tokens and logits of the same file dequantized to
-    float32 on torch's ops (the interpreter on CPU)."""
+    float32 on torch's ops (the interpreter on CPU), its prompts past DEQUANT_ROWS."""
     from core.config import EngineConfig
     from gpu import assemble
     from gpu.assemble import resident_weights
@@ -127,7 +169,8 @@ def test_a_4_bit_gguf_on_the_cuda_backend(fmt, tmp_path, monkeypatch):
             assert isinstance(layer.mlp.gate_up[1][0], Int4Weight)
             assert isinstance(layer.mlp.down[0], Int4Weight)
             assert resident_weights(model)[fmt] > 0
-        prompts = [[11, 12, 13, 14, 15], list(range(20, 47))]
+        # the prompts' step (75 rows) on the dequantized weight, the decode steps on the tiles
+        prompts = [[11, 12, 13, 14, 15], list(range(20, 90))]
         requests = [
             EngineRequest(str(i), p, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
             for i, p in enumerate(prompts)

@@ -11,7 +11,11 @@ the code's E2M1 value doubled (0, 1, 2, 3, 4, 6, 8, 12, signed), decoded from it
 One program computes a [BLOCK_M, BLOCK_N] tile of y over a 1 / SPLIT_K share of k, reading its
 codes once and their group's scale and min; with few rows (decode) the k axis is split across
 programs so that the GPU fills, and the shares are summed in a second pass (fp32, in a fixed
-order: the result does not depend on timing). Everything is decided from shapes: graph-safe.
+order: the result does not depend on timing). From DEQUANT_ROWS rows on (a batch, a prefill) the
+weight is instead dequantized once, in one kernel, to x's dtype and multiplied by torch's product
+(cuBLAS on a GPU), as vLLM does for AWQ from 256 tokens: the tiled product reached a quarter of
+bf16's speed at 64 rows on an H200 (docs/benchmarks.md), and the dequantized weight's extra bytes
+cost less than that there. Everything is decided from shapes: graph-safe.
 """
 
 from __future__ import annotations
@@ -19,6 +23,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+# Rows from which the weight is dequantized for torch's product (None: never); the benchmark
+# (benchmarks/quant_gpu.py) measures both sides of it.
+DEQUANT_ROWS: int | None = 64
 
 
 @triton.jit
@@ -125,6 +133,57 @@ def _w4a16_kernel(
     tl.store(out, acc, mask=m_mask[:, None] & n_mask[None, :])
 
 
+@triton.jit
+def _dequant_kernel(
+    qweight_ptr,
+    scales_ptr,
+    mins_ptr,
+    out_ptr,
+    n,
+    k,
+    GROUP: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    FP4: tl.constexpr,
+):
+    """out [k, n] (the weight transposed, in out's dtype), one [BLOCK_K, BLOCK_N] tile a
+    program: the very tile the product decodes."""
+    offs_k = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < n
+    w = int4_tile(
+        qweight_ptr, scales_ptr, mins_ptr, tl.program_id(0) * BLOCK_K, n, k, offs_n, n_mask,
+        GROUP, BLOCK_K, BLOCK_N, FP4,
+    )  # fmt: skip
+    out = out_ptr + offs_k[:, None].to(tl.int64) * n + offs_n[None, :]
+    tl.store(
+        out,
+        w.to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne"),
+        mask=(offs_k[:, None] < k) & n_mask[None, :],
+    )
+
+
+def dequantize_int4(
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    mins: torch.Tensor | None,
+    group: int,
+    dtype: torch.dtype,
+    fp4: bool = False,
+) -> torch.Tensor:
+    """The weight W.T [k, n] in `dtype` (each value formed in float32 and rounded once, as the
+    product rounds it for a 16-bit tl.dot), from the arguments w4a16_linear takes."""
+    k, n = qweight.shape[0] * 8, qweight.shape[1]
+    out = torch.empty((k, n), dtype=dtype, device=qweight.device)
+    block_n, block_k = 64, max(64, group)
+    grid = (triton.cdiv(k, block_k), triton.cdiv(n, block_n))
+    _dequant_kernel[grid](
+        qweight, scales, scales if fp4 else mins, out, n, k,
+        GROUP=group, BLOCK_K=block_k, BLOCK_N=block_n, FP4=fp4,
+    )  # fmt: skip
+    return out
+
+
 def split_k_for(m: int, n: int, k: int, block_m: int, block_n: int, block_k: int, sms: int):
     """Split k when the output tiles alone would leave most of the GPU idle (decode rows);
     each share keeps at least four k tiles."""
@@ -166,6 +225,9 @@ def w4a16_linear(
         raise ValueError(f"bias must be [{n}]")
     if any(t.device != x.device for t in (qweight, scales, scales if fp4 else mins)):
         raise ValueError("x and the weight must be on one device")
+    if DEQUANT_ROWS is not None and m >= DEQUANT_ROWS:
+        w = dequantize_int4(qweight, scales, mins, group, x.dtype, fp4)
+        return x @ w if bias is None else torch.addmm(bias.to(x.dtype), x, w)
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
     block_n, block_k = 64, max(64, group)  # whole groups in a k tile
     if split_k is None:
