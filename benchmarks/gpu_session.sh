@@ -17,10 +17,12 @@
 # logits under asynchronous scheduling, and the automatic API-server count was 1 on a GPU host.
 # What is left, in two calls:
 #   benchmarks/gpu_session.sh env lastfailed serving              # <= 400 s
-#   LIMIT_gptoss=300 benchmarks/gpu_session.sh gptoss             # at once, on the warm machine
+#   LIMIT_gptoss=300 benchmarks/gpu_session.sh gptoss quant       # at once, on the warm machine
 # the failures as fixed (lastfailed), serving with the automatic count (expect "4 HTTP processes"
-# on a 16-core host), and gpt-oss-20b's layer x 2 with its MXFP4 experts kept 4-bit, decoding
-# through CUDA graphs (its random model's build alone took ~200 s there).) Other stages:
+# on a 16-core host), gpt-oss-20b's layer x 2 with its MXFP4 experts kept 4-bit, decoding
+# through CUDA graphs (its random model's build alone took ~200 s there), and `quant`: the 4-bit
+# weight dequantized for cuBLAS from 64 rows ("q4_0") against the tiles alone ("q4_0 tiles",
+# 0.25x of bf16 at batch 64 before); set w4a16.DEQUANT_ROWS from what it shows.) Other stages:
 #   kernels correctness gputests asyncoffline fused fusedkernels offline profile overhead step
 #   suite spec fullsuite attention quant api_servers
 #
