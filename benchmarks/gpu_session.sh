@@ -18,6 +18,7 @@
 # What is left, in two calls:
 #   benchmarks/gpu_session.sh env lastfailed serving              # <= 400 s
 #   LIMIT_gptoss=300 benchmarks/gpu_session.sh gptoss quant       # at once, on the warm machine
+#   (and `gputests`: FP8 KV caches in the Triton kernels, tests/test_fp8_kv_triton.py, compiled)
 # the failures as fixed (lastfailed), serving with the automatic count (expect "4 HTTP processes"
 # on a 16-core host), gpt-oss-20b's layer x 2 with its MXFP4 experts kept 4-bit, decoding
 # through CUDA graphs (its random model's build alone took ~200 s there), and `quant`: the 4-bit
@@ -96,7 +97,8 @@ import server.app, core.engine, gpu.runner; print(\"imports ok\")'; git log --on
             -p no:cacheprovider -p benchmarks.live_failures --timeout 120 -n "${WORKERS:-8}" \
             -rfE --durations 15 $GPU_TESTS tests/test_w4a16.py tests/test_fp8.py \
             tests/test_speculative_draft.py \
-            tests/test_async_scheduling.py tests/test_cpu_ops.py tests/test_cpu_quant.py
+            tests/test_async_scheduling.py tests/test_cpu_ops.py tests/test_cpu_quant.py \
+            tests/test_fp8_kv_triton.py tests/test_kv_cache_dtype.py
         ;;
     # the offline protocol with asynchronous scheduling on and off, alternated
     asyncoffline)

@@ -120,7 +120,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise ValueError(
                 f"--kv-cache-dtype {self.kv_cache_dtype} is not offered: weir's KV cache holds "
                 "auto (the model's dtype), float32, bfloat16, float16, or fp8 / fp8_e4m3 / "
-                "fp8_e5m2 (CPU)"
+                "fp8_e5m2"
             )
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(

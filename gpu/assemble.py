@@ -64,11 +64,6 @@ def choose_backend(config: EngineConfig, device: torch.device, dtype: torch.dtyp
     from gpu.cpu import onednn
 
     attention = get_backend(config.attention_backend, device)
-    if config.kv_cache_dtype.startswith("fp8") and attention.name not in ("cpu", "torch"):
-        raise ValueError(
-            f"--kv-cache-dtype {config.kv_cache_dtype}: the {attention.name} attention backend "
-            "reads 16- and 32-bit caches; weir's CPU kernels (--attention-backend cpu) read FP8"
-        )
     quantize = config.quantization if config.quantization in ("q8_0", "q4_0", "q4_k") else None
     if device.type == "cuda":
         fp8_ok = torch.cuda.get_device_capability(device) >= (8, 9)

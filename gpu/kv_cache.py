@@ -26,24 +26,26 @@ E4M3_MAX = 448.0  # E4M3 writes saturate here (vLLM's, at its default scale of 1
 
 def cache_dtype(name: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """--kv-cache-dtype for a model of `model_dtype`: auto is the model's own; a float32 model
-    may keep a 16-bit cache, and any model an FP8 one (E5M2, or E4M3 at a scale of 1) on CPU
-    (the attention kernels widen it as they read). A cache wider than the model, or 16-bit of
-    the other kind, is refused."""
+    may keep a 16-bit cache, and any model an FP8 one (E5M2, or E4M3 at a scale of 1; the
+    attention kernels widen it as they read): on CPU, or on a GPU that converts FP8 (compute
+    capability 8.9 or later). A cache wider than the model, or 16-bit of the other kind, is
+    refused."""
     if name == "auto":
         return model_dtype
     dtype = KV_DTYPES[name]
     if dtype in FP8:
-        if device.type != "cpu":
+        capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+        if capability is not None and capability < (8, 9):
             raise ValueError(
-                f"--kv-cache-dtype {name} is offered on CPU only: weir's {device.type} "
-                "attention kernels read 16- and 32-bit caches"
+                f"--kv-cache-dtype {name} on a GPU needs FP8 conversions (compute capability "
+                f"8.9 or later: Ada, Hopper); this one is {capability}"
             )
         return dtype
     if dtype != model_dtype and model_dtype != torch.float32:
         model = str(model_dtype).removeprefix("torch.")
         raise ValueError(
             f"--kv-cache-dtype {name} under a {model} model: the cache is the model's dtype "
-            "(auto), bfloat16 / float16 under a float32 model, or fp8_e4m3 / fp8_e5m2 on CPU"
+            "(auto), bfloat16 / float16 under a float32 model, or fp8 / fp8_e4m3 / fp8_e5m2"
         )
     return dtype
 

@@ -1,7 +1,7 @@
 """--kv-cache-dtype: a 16-bit KV cache under a float32 model (twice the tokens in the same memory,
-attention reading half the bytes) and an FP8 one (E4M3 or E5M2) under any model on CPU (half a
-16-bit one's), through the engine, the compiled CPU forward and the server, the rounding of the
-compiled K/V writes, and the combinations that are refused."""
+attention reading half the bytes) and an FP8 one (E4M3 or E5M2) under any model (half a 16-bit
+one's), through the engine, the compiled CPU forward, the Triton kernels and the server, the
+rounding of the compiled K/V writes, and the combinations that are refused."""
 
 from __future__ import annotations
 
@@ -95,16 +95,51 @@ def test_refused_combinations_say_what_is_offered(model_dir):
         EngineConfig(kv_cache_dtype="fp8_inc").validate()
     for name in ("fp8", "fp8_e4m3", "fp8_e5m2"):
         EngineConfig(kv_cache_dtype=name).validate()
-    with pytest.raises(ValueError, match="fp8_e5m2 is offered on CPU only"):
-        cache_dtype("fp8_e5m2", torch.bfloat16, torch.device("cuda"))
     assert cache_dtype("fp8_e5m2", torch.float16, torch.device("cpu")) == torch.float8_e5m2
     assert cache_dtype("fp8", torch.float16, torch.device("cpu")) == torch.float8_e4m3fn
-    with pytest.raises(ValueError, match="the triton attention backend reads 16- and 32-bit"):
-        load(
-            EngineConfig(
-                model=path, device="cpu", kv_cache_dtype="fp8_e5m2", attention_backend="triton"
-            )
-        )
+
+
+def test_fp8_on_a_gpu_needs_its_conversions(monkeypatch):
+    """An Ampere GPU (8.0) has no FP8 conversions: refused naming the capability; Hopper's
+    (9.0) and Ada's (8.9) cache FP8."""
+    for capability in ((8, 0), (8, 9), (9, 0)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d, c=capability: c)
+        if capability < (8, 9):
+            with pytest.raises(ValueError, match=r"capability 8.9 or later.*\(8, 0\)"):
+                cache_dtype("fp8_e5m2", torch.bfloat16, torch.device("cuda"))
+        else:
+            got = cache_dtype("fp8", torch.bfloat16, torch.device("cuda"))
+            assert got == torch.float8_e4m3fn
+
+
+@pytest.mark.parametrize(
+    "arch,backend,kv", [("llama", "triton", "fp8_e5m2"), ("qwen3", "cuda", "fp8")]
+)
+def test_the_triton_kernels_serve_an_fp8_cache_as_the_reference_does(
+    arch, backend, kv, model_dir, monkeypatch
+):
+    """The Triton attention kernels (and the CUDA backend's fused rotation and K/V write, with
+    Qwen3's head norms) over an FP8 cache: the same cache bit for bit as torch's reference
+    attention writes, so the same tokens and the logits within float32's sums (Triton's
+    interpreter on CPU)."""
+    from tests.test_phi3 import use_cuda_backend
+
+    path = str(model_dir(arch))
+    base = EngineConfig(
+        model=path, dtype="float32", device="cpu", kv_cache_dtype=kv, attention_backend="torch"
+    )
+    want, want_steps = run_greedy(load(base), max_tokens=6)
+    config = msgspec.structs.replace(base, attention_backend="triton")
+    if backend == "cuda":
+        config = msgspec.structs.replace(config, **use_cuda_backend(monkeypatch))
+    loaded = load(config)
+    k, _ = loaded.core.runner.kv_caches[0]
+    assert k.dtype == KV_DTYPES[kv]
+    got, got_steps = run_greedy(loaded, max_tokens=6)
+    assert got == want
+    for (ids_a, a), (ids_b, b) in zip(want_steps, got_steps):
+        assert ids_a == ids_b
+        torch.testing.assert_close(b, a, atol=1e-4 * float(a.max() - a.min()), rtol=1e-4)
 
 
 def test_the_flag_and_its_aliases():

@@ -15,6 +15,16 @@ import sys
 
 CASES = [  # (kernel, dtype, head_dim or size, extra constexprs)
     ("store", "bf16", 128, {}),
+    # FP8 caches (--kv-cache-dtype fp8 / fp8_e5m2: "model/cache"), written and read
+    ("store", "fp16/fp8e5", 64, {"KIND": 2}),
+    ("rope_store", "bf16/fp8e4nv", 128, {"NORM": True, "KIND": 1}),
+    ("prefill", "bf16/fp8e5", 128, {"SLIDING": False, "SOFTCAP": False, "SINKS": False}),
+    (
+        "decode",
+        "bf16/fp8e4nv",
+        128,
+        {"NUM_SPLITS": 4, "SLIDING": False, "SOFTCAP": False, "SINKS": False},
+    ),
     # (gpt-oss's sinks ride along on variants that exist anyway: its windows are on bf16 models)
     ("prefill", "bf16", 128, {"SLIDING": False, "SOFTCAP": False, "SINKS": True}),
     ("prefill", "fp32", 64, {"SLIDING": True, "SOFTCAP": True, "SINKS": False}),  # Gemma 2's
@@ -170,18 +180,20 @@ def compile_case(kind: str, dtype: str, head_dim: int, extra: dict, arch: int) -
             q_weight_ptr=p,
             k_weight_ptr=p,
         )
-        consts = dict(HEAD_DIM=head_dim, HEAD_PAD=head_dim, ROWS=2048 // head_dim)
+        consts = dict(
+            HEAD_DIM=head_dim, HEAD_PAD=head_dim, ROWS=2048 // head_dim, KIND=0, EMULATE=False
+        )
     elif kind == "store":
         fn = sk._store_kv_kernel
-        ptrs = dict(key_ptr=p, value_ptr=p, k_cache_ptr=p, v_cache_ptr=p, slot_ptr="*i64")
-        consts = dict(HEAD_DIM=head_dim, HEAD_PAD=head_dim, HEADS_PAD=8)
+        ptrs = dict(key_ptr=p, value_ptr=p, k_cache_ptr=c, v_cache_ptr=c, slot_ptr="*i64")
+        consts = dict(HEAD_DIM=head_dim, HEAD_PAD=head_dim, HEADS_PAD=8, KIND=0, EMULATE=False)
     elif kind == "prefill":
         fn = pa._prefill_kernel
         ptrs = dict(
             out_ptr=p,
             q_ptr=p,
-            k_cache_ptr=p,
-            v_cache_ptr=p,
+            k_cache_ptr=c,
+            v_cache_ptr=c,
             block_tables_ptr=i32,
             query_start_ptr=i32,
             seq_lens_ptr=i32,
@@ -203,8 +215,8 @@ def compile_case(kind: str, dtype: str, head_dim: int, extra: dict, arch: int) -
             part_out_ptr="*fp32",
             part_lse_ptr="*fp32",
             q_ptr=p,
-            k_cache_ptr=p,
-            v_cache_ptr=p,
+            k_cache_ptr=c,
+            v_cache_ptr=c,
             block_tables_ptr=i32,
             query_start_ptr=i32,
             seq_lens_ptr=i32,

@@ -78,7 +78,8 @@ def _attend(
     """One online-softmax step: fold a tile of keys/values (where `visible`) into the running
     max `m_i`, normalizer `l_i` and unnormalized output `acc`. With SOFTCAP each score is
     first capped as Gemma 2's are: softcap * tanh(score / softcap), tanh as 2 sigmoid(2x) - 1."""
-    # A 16-bit cache under a float32 query (--kv-cache-dtype) is widened as it is read.
+    # A 16-bit cache under a float32 query, or an FP8 one (--kv-cache-dtype), is widened as it
+    # is read.
     k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
     k = k.to(q.dtype)
     s = _dot(q, tl.trans(k), PRECISION, UPCAST) * scale
@@ -123,10 +124,11 @@ def _check(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, seq
     if v_cache.dtype != k_cache.dtype:
         raise ValueError(f"k_cache {k_cache.dtype} and v_cache {v_cache.dtype} dtypes differ")
     floats = (torch.float32, torch.float16, torch.bfloat16)
-    if query.dtype not in floats or k_cache.dtype not in floats:
+    fp8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+    if query.dtype not in floats or k_cache.dtype not in (*floats, *fp8):
         raise ValueError(f"unsupported dtypes {query.dtype}, {k_cache.dtype}")
-    # The cache is the query's dtype, or 16-bit under a float32 query (--kv-cache-dtype).
-    if k_cache.dtype != query.dtype and query.dtype != torch.float32:
+    # The cache is the query's dtype, 16-bit under a float32 query, or FP8 (--kv-cache-dtype).
+    if k_cache.dtype not in (query.dtype, *fp8) and query.dtype != torch.float32:
         raise ValueError(f"unsupported dtypes: a {k_cache.dtype} cache under a {query.dtype} query")
     for name, t in (
         ("block_tables", block_tables),

@@ -18,7 +18,10 @@ import torch
 import triton
 import triton.language as tl
 
+from gpu.cuda.kernels.fp8_cache import cache_kind, emulate, to_cache
+
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+CACHE_DTYPES = (*DTYPES, torch.float8_e4m3fn, torch.float8_e5m2)  # --kv-cache-dtype's
 
 
 @triton.jit
@@ -78,6 +81,8 @@ def _rope_store_kernel(
     HEAD_PAD: tl.constexpr,
     ROWS: tl.constexpr,
     NORM: tl.constexpr,
+    KIND: tl.constexpr,
+    EMULATE: tl.constexpr,
 ):
     """ROWS (token, head) rows a program: the first q_programs take the query heads, the rest
     the key and value heads (rows whose slot is -1 store nothing)."""
@@ -110,9 +115,9 @@ def _rope_store_kernel(
             + h * cache_stride_head
             + d
         )
-        tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(k_cache_ptr + dst, to_cache(k, k_cache_ptr, KIND, EMULATE), mask=mask)
         v = tl.load(v_ptr + t * v_stride_t + h * v_stride_h + d, mask=mask)
-        tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_cache_ptr + dst, to_cache(v, v_cache_ptr, KIND, EMULATE), mask=mask)
 
 
 def _check_heads(name: str, x: torch.Tensor, t: int, d: int, dtype: torch.dtype) -> None:
@@ -170,7 +175,11 @@ def rope_store(
         raise ValueError("k_cache and v_cache must be [blocks, block_size, heads, head_dim] alike")
     if k_cache.shape[2:] != (kv_heads, d):
         raise ValueError(f"cache heads/head_dim {tuple(k_cache.shape[2:])} != k {(kv_heads, d)}")
-    if k_cache.dtype not in DTYPES or v_cache.dtype != k_cache.dtype or k_cache.stride(3) != 1:
+    if (
+        k_cache.dtype not in CACHE_DTYPES
+        or v_cache.dtype != k_cache.dtype
+        or k_cache.stride(3) != 1
+    ):
         raise ValueError("the caches must be one float dtype with a contiguous head_dim axis")
     if slot_mapping.shape != (t,) or slot_mapping.dtype not in (torch.int32, torch.int64):
         raise ValueError("slot_mapping must be a [tokens] integer tensor")
@@ -220,6 +229,8 @@ def rope_store(
         HEAD_PAD=pad,
         ROWS=rows,
         NORM=norm,
+        KIND=cache_kind(k_cache),
+        EMULATE=emulate(k_cache),
         num_warps=max(1, min(rows * pad // 512, 8)),
         enable_fp_fusion=False,  # x cos + rot(x) sin: two roundings, as torch's ops round
     )

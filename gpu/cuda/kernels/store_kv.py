@@ -1,10 +1,13 @@
-"""Write new K/V rows into the paged cache at their slots (slot -1 is padding: nothing written)."""
+"""Write new K/V rows into the paged cache at their slots (slot -1 is padding: nothing written),
+in the cache's dtype (FP8 as gpu/cuda/kernels/fp8_cache.py rounds it)."""
 
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+
+from gpu.cuda.kernels.fp8_cache import cache_kind, emulate, to_cache
 
 
 @triton.jit
@@ -26,6 +29,8 @@ def _store_kv_kernel(
     HEAD_DIM: tl.constexpr,
     HEAD_PAD: tl.constexpr,
     HEADS_PAD: tl.constexpr,
+    KIND: tl.constexpr,
+    EMULATE: tl.constexpr,
 ):
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -37,9 +42,9 @@ def _store_kv_kernel(
         mask = (h < num_heads) & (d < HEAD_DIM)
         dst = block * cache_stride_block + offset * cache_stride_slot + h * cache_stride_head + d
         k = tl.load(key_ptr + t * key_stride_t + h * key_stride_h + d, mask=mask)
-        tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(k_cache_ptr + dst, to_cache(k, k_cache_ptr, KIND, EMULATE), mask=mask)
         v = tl.load(value_ptr + t * value_stride_t + h * value_stride_h + d, mask=mask)
-        tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_cache_ptr + dst, to_cache(v, v_cache_ptr, KIND, EMULATE), mask=mask)
 
 
 def store_kv(
@@ -87,4 +92,6 @@ def store_kv(
         HEAD_DIM=d,
         HEAD_PAD=triton.next_power_of_2(d),
         HEADS_PAD=triton.next_power_of_2(h),
+        KIND=cache_kind(k_cache),
+        EMULATE=emulate(k_cache),
     )
