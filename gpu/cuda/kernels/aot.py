@@ -17,6 +17,7 @@ CASES = [  # (kernel, dtype, head_dim or size, extra constexprs)
     ("store", "bf16", 128, {}),
     # FP8 caches (--kv-cache-dtype fp8 / fp8_e5m2: "model/cache"), written and read
     ("store", "fp16/fp8e5", 64, {"KIND": 2}),
+    ("store", "bf16/fp8e5", 128, {"KIND": 2}),
     ("rope_store", "bf16/fp8e4nv", 128, {"NORM": True, "KIND": 1}),
     ("prefill", "bf16/fp8e5", 128, {"SLIDING": False, "SOFTCAP": False, "SINKS": False}),
     (
