@@ -343,12 +343,14 @@ class ModelRunner:
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """K/V blocks copied on every layer before the forward (a beam's copy of a partial
-        block it shared): torch indexing, so the same on every device and cache dtype."""
+        block it shared): torch indexing, so the same on every device and cache dtype (an FP8
+        cache's bytes: torch does not index float8 tensors on every device)."""
         src = self._tensor([s for s, _ in copies], torch.int64)
         dst = self._tensor([d for _, d in copies], torch.int64)
-        for k, v in self.kv_caches:
-            k[dst] = k[src]
-            v[dst] = v[src]
+        for kv in self.kv_caches:
+            for cache in kv:
+                cache = cache.view(torch.uint8) if cache.element_size() == 1 else cache
+                cache[dst] = cache[src]
 
     def _beam_candidates(self, logits: torch.Tensor, requests: list[RunnerRequest]):
         """Each beam row's top candidates: the model's own log-probabilities (as transformers'
