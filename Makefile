@@ -22,14 +22,11 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(VENV)/bin/weir serve $(if $(MODEL),"$(MODEL)",) --host $(HOST) --port $(PORT) $(ARGS)
 
-# The suite over TEST_WORKERS pytest-xdist processes (0: one process, the default). Much of it
-# waits on the servers and engine processes its tests start, so TEST_WORKERS=2 takes 7-8.5 min
-# where one process takes 8.5-10.5 on two cores; but over two workers, in whole-suite runs only,
-# test_server.py's disconnect test has failed 2 runs in 7: its held request gone from the engine
-# (no request in it, nothing running) when the test looked, after one token was read. Not
-# understood yet (not the port two workers could share: its servers now bind their own), so CI
-# runs one process, where it has never failed.
-TEST_WORKERS ?= 0
+# The suite over TEST_WORKERS pytest-xdist processes (0: one process). Much of it waits on the
+# servers and engine processes its tests start, so two workers take 7-10 min where one process
+# takes 9-11.5 on two cores. (Two workers had been set aside for a failure of test_server.py's
+# disconnect test, seen only there: a race in the test, found and fixed in fadd1b5.)
+TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q -n $(TEST_WORKERS) $(PYTEST_ARGS)
