@@ -18,8 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-PLAIN, E4M3, E5M2 = 0, 1, 2  # how a cache is written (`cache_kind`)
-E4M3_MAX = 448.0
+PLAIN, E4M3, E5M2 = 0, 1, 2  # how a cache is written (`cache_kind`; `to_cache`'s KIND)
 
 
 def cache_kind(cache: torch.Tensor) -> int:
@@ -52,7 +51,8 @@ def _round_fp8(x, MANT: tl.constexpr, EMIN: tl.constexpr):
 
 @triton.jit
 def to_cache(x, cache_ptr, KIND: tl.constexpr, EMULATE: tl.constexpr):
-    """x in the cache's dtype, KIND and EMULATE as `cache_kind` and `emulate` say."""
+    """x in the cache's dtype, KIND and EMULATE as `cache_kind` and `emulate` say (E4M3:
+    saturated to its largest finite, 448, first)."""
     if KIND == 1:
         x = tl.minimum(tl.maximum(x.to(tl.float32), -448.0), 448.0)
         if EMULATE:
