@@ -24,8 +24,8 @@ def is_bad_input(e: BaseException) -> bool:
 
 # --quantization: weir's own round-to-nearest formats (gpu/quant/quantize.py); "gguf", "awq" and
 # "gptq" name what a checkpoint already holds (a .gguf path, config.json's quantization_config).
-# --kv-cache-dtype: FP8 under any model on CPU (gpu/kv_cache.py says which go together); fp8 is
-# vLLM's name of fp8_e4m3
+# --kv-cache-dtype: FP8 under any model, on CPU or an FP8-capable GPU (gpu/kv_cache.py says which
+# go together); fp8 is vLLM's name of fp8_e4m3
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
 QUANTIZATIONS = ("q8_0", "q4_0", "q4_k", "fp8", "gguf", "awq", "gptq")
 # --logprobs-mode, vLLM's: the model's own distribution or the one sampled from, as log-probs

@@ -86,8 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="the KV cache's elements: auto (the model's dtype), float32, bfloat16, float16, or "
         "fp8 (= fp8_e4m3: 3 bits of mantissa, +-448 at a scale of 1, as vLLM's default) / "
-        "fp8_e5m2 (2 bits) on CPU; a 16-bit cache under a float32 model holds twice the tokens "
-        "and attention reads half the bytes, an FP8 one (any model) half a 16-bit one's "
+        "fp8_e5m2 (2 bits), on CPU or a GPU of compute capability 8.9+; a 16-bit cache under a "
+        "float32 model holds twice the tokens and attention reads half the bytes, an FP8 one "
+        "(any model) half a 16-bit one's "
         "(outputs can differ from a full cache's)",
     )
     s.add_argument(

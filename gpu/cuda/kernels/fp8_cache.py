@@ -18,7 +18,12 @@ import torch
 import triton
 import triton.language as tl
 
+from gpu.kv_cache import E4M3_MAX
+
 PLAIN, E4M3, E5M2 = 0, 1, 2  # how a cache is written (`cache_kind`; `to_cache`'s KIND)
+_E4M3: tl.constexpr = tl.constexpr(E4M3)
+_E5M2: tl.constexpr = tl.constexpr(E5M2)
+_E4M3_MAX: tl.constexpr = tl.constexpr(E4M3_MAX)
 
 
 def cache_kind(cache: torch.Tensor) -> int:
@@ -52,12 +57,12 @@ def _round_fp8(x, MANT: tl.constexpr, EMIN: tl.constexpr):
 @triton.jit
 def to_cache(x, cache_ptr, KIND: tl.constexpr, EMULATE: tl.constexpr):
     """x in the cache's dtype, KIND and EMULATE as `cache_kind` and `emulate` say (E4M3:
-    saturated to its largest finite, 448, first)."""
-    if KIND == 1:
-        x = tl.minimum(tl.maximum(x.to(tl.float32), -448.0), 448.0)
+    saturated to its largest finite first)."""
+    if KIND == _E4M3:
+        x = tl.minimum(tl.maximum(x.to(tl.float32), -_E4M3_MAX), _E4M3_MAX)
         if EMULATE:
             x = _round_fp8(x, 3, -6)
-    elif KIND == 2:
+    elif KIND == _E5M2:
         if EMULATE:  # past E5M2's largest finite, 2^16: the code the interpreter reads as inf
             x = _round_fp8(x.to(tl.float32), 2, -14)
             x = tl.minimum(tl.maximum(x, -65536.0), 65536.0)
