@@ -179,15 +179,16 @@ def GB(n: int) -> str:
 
 
 def check_quantization(config: EngineConfig, path: Path, hf_config: Any) -> None:
-    """--quantization against what the checkpoint holds: gguf names a .gguf file; awq and gptq
-    a checkpoint whose config.json's quantization_config says so (4-bit, served as repacked
-    blocks: gpu/quant/int4.py); any other method there is refused, naming it."""
+    """--quantization against what the checkpoint holds: gguf names a .gguf file; awq, gptq and
+    compressed-tensors a checkpoint whose config.json's quantization_config says so (served as
+    repacked blocks or FP8: gpu/quant/int4.py, gpu/quant/compressed.py); any other method there
+    is refused, naming it."""
     scheme = int4_scheme(path, hf_config)  # refuses other methods, bits, group sizes, layouts
     method = scheme.method if scheme else None
     q = config.quantization
     if q == "gguf" and not is_gguf(path):
         raise CheckpointError(f"--quantization gguf: {path} is not a .gguf file")
-    if q in ("awq", "gptq") and method != q:
+    if q in ("awq", "gptq", "compressed-tensors") and method != q:
         raise CheckpointError(f"--quantization {q}: {path} has no {q} quantization_config")
     if q == "fp8" and (method not in (None, "fp8") or is_gguf(path)):
         raise CheckpointError(f"--quantization fp8: {path.name} is already quantized")

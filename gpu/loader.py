@@ -2,8 +2,9 @@
 metadata, gpu/gguf_file.py), weights via safetensors (or the GGUF file's memory map).
 
 Each weight goes to its module as the checkpoint holds it: a tensor in the checkpoint's dtype, or
-a BlockTensor of a GGUF file (or of an AWQ or GPTQ layer, repacked: gpu/quant/int4.py); the
-backend puts it in its own form when the model is prepared."""
+a BlockTensor of a GGUF file (or of an AWQ, GPTQ or compressed-tensors layer, repacked:
+gpu/quant/int4.py, gpu/quant/compressed.py); the backend puts it in its own form when the model
+is prepared."""
 
 from __future__ import annotations
 
@@ -25,9 +26,9 @@ from gpu.models.moe import checkpoint_name
 from gpu.models.partial_rope import reorder_heads, reordered
 from gpu.models.rope import Rope
 from gpu.models.spec import ModelSpec
+from gpu.quant.compressed import CompressedScheme
 from gpu.quant.fp8 import Fp8Scheme
-from gpu.quant.fp8 import PARTS as FP8_PARTS
-from gpu.quant.int4 import PARTS, Int4Scheme, repack
+from gpu.quant.int4 import Int4Scheme
 from gpu.quant.tensor import BlockTensor
 from gpu.text_of import text_config, text_name
 from gpu.dist.parallel import TensorParallel, shard
@@ -166,40 +167,23 @@ class Targets:
             raise CheckpointError(f"weights missing from the checkpoint: {sorted(missing)[:5]}")
 
 
-def int4_scheme(path: Path, config: Any) -> Int4Scheme | Fp8Scheme | None:
+def int4_scheme(path: Path, config: Any) -> Int4Scheme | Fp8Scheme | CompressedScheme | None:
     """The quantization scheme of a checkpoint whose config.json has a quantization_config:
-    AWQ / GPTQ 4-bit (gpu/quant/int4.py) or FP8 (gpu/quant/fp8.py); gpt-oss's MXFP4 experts
-    need none (dequantized as read); any other is refused."""
+    AWQ / GPTQ 4-bit (gpu/quant/int4.py), FP8 (gpu/quant/fp8.py) or compressed-tensors
+    (gpu/quant/compressed.py); gpt-oss's MXFP4 experts need none (dequantized as read); any
+    other is refused. Each says which checkpoint tensors are parts of a quantized layer
+    (`gathers`), when a layer's parts are all read (`complete`) and makes its weight (`make`)."""
     qc = getattr(config, "quantization_config", None)
     if not qc or is_gguf(path):
         return None
     method = str(dict(qc).get("quant_method", "")).lower()
     if method == "fp8":
         return Fp8Scheme.from_config(dict(qc), str(path))
+    if method == "compressed-tensors":
+        return CompressedScheme.from_config(dict(qc), str(path))
     if method == "mxfp4":  # gpt-oss's experts: dequantized as they are read (gpu/models/gpt_oss.py)
         return None
     return Int4Scheme.from_config(dict(qc), str(path))
-
-
-def _gathered(scheme, part: str, tensor_dtype) -> bool:
-    """Whether a checkpoint tensor is one part of a quantized layer, to gather before placing."""
-    if isinstance(scheme, Int4Scheme):
-        return part in PARTS
-    if isinstance(scheme, Fp8Scheme):
-        return part in FP8_PARTS or (part == "weight" and tensor_dtype == "F8_E4M3")
-    return False
-
-
-def _complete(scheme, parts: dict) -> bool:
-    if isinstance(scheme, Fp8Scheme):
-        return scheme.complete(parts)
-    return set(PARTS[:3]) <= set(parts)
-
-
-def _make(scheme, name: str, parts: dict):
-    if isinstance(scheme, Fp8Scheme):
-        return scheme.make(parts)
-    return repack(scheme, name, **{p: parts.get(p) for p in PARTS})
 
 
 def _dtype(f, name: str) -> str:
@@ -234,7 +218,7 @@ def load_weights(model: DecoderForCausalLM, path: Path, int4=None, text_only: bo
                         continue  # a multimodal checkpoint's other towers (gpu/text_of.py)
                     name = checkpoint_name(name)  # Mixtral's experts (gpu/models/moe.py)
                     prefix, _, part = name.rpartition(".")
-                    if int4 is not None and _gathered(int4, part, _dtype(f, stored)):
+                    if int4 is not None and int4.gathers(part, _dtype(f, stored)):
                         pending.setdefault(prefix, {})[part] = f.get_tensor(stored)
                         continue
                     if gpt_oss.is_experts_tensor(name):  # gpt-oss's: one tensor a layer
@@ -262,11 +246,11 @@ def load_weights(model: DecoderForCausalLM, path: Path, int4=None, text_only: bo
                     targets.place(name, tensor)
                     bar.update(1)
             # a layer whose parts are all read (its g_idx, if in a later file, goes unchecked)
-            for prefix in [p for p, parts in pending.items() if _complete(int4, parts)]:
+            for prefix in [p for p, parts in pending.items() if int4.complete(p, parts)]:
                 parts = pending.pop(prefix)
                 name = prefix + ".weight"
                 targets.wants(name)  # raises for a layer the model does not have
-                targets.place(name, _make(int4, name, parts))
+                targets.place(name, int4.make(name, parts))
                 bar.update(1)
     for prefix, parts in pending.items():
         if set(parts) - {"g_idx"}:

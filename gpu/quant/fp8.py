@@ -97,11 +97,16 @@ class Fp8Scheme:
             raise CheckpointError(f"{where}: FP8 activation_scheme {scheme!r} is not served")
         return cls("fp8", scheme == "static")
 
-    def complete(self, parts: dict[str, Any]) -> bool:
+    def gathers(self, part: str, stored_dtype: str) -> bool:
+        """Whether a checkpoint tensor is one part of a quantized layer (gathered by the loader
+        until the layer is complete): its scales, and a weight stored in FP8."""
+        return part in PARTS or (part == "weight" and stored_dtype == "F8_E4M3")
+
+    def complete(self, prefix: str, parts: dict[str, Any]) -> bool:
         need = {"weight", "weight_scale"} | ({"input_scale"} if self.static else set())
         return need <= set(parts)
 
-    def make(self, parts: dict[str, Any]) -> Fp8Tensor:
+    def make(self, name: str, parts: dict[str, Any]) -> Fp8Tensor:
         static = parts.get("input_scale") if self.static else None
         return Fp8Tensor.from_checkpoint(parts["weight"], parts["weight_scale"], static)
 

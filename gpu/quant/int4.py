@@ -11,9 +11,8 @@ and per output, an f16 scale s and a 4-bit zero z: w = s (q - z).
   checkpoint_format "gptq" (the default, v1) stores z - 1, "gptq_v2" z itself.
 
 Each group is whole 32-weight blocks (g a multiple of 32, or -1: one group per row), so the
-integers and scales move unchanged: a symmetric checkpoint (every z = 8) becomes Q4_0 exactly
-(w = d (u - 8), d = s), any other Q4_1 (w = d u + m, d = s, m = -s z rounded to f16: within
-2^-11 of s z, as AWQ's own kernels hold s z in f16).
+integers and scales move unchanged (gpu/quant/int_blocks.py): a symmetric checkpoint (every
+z = 8) becomes Q4_0 exactly, any other Q4_1.
 Activation order (GPTQ's desc_act, a g_idx that is not i / g) is refused as vLLM refuses it.
 """
 
@@ -26,7 +25,7 @@ import numpy as np
 import torch
 
 from core.config import CheckpointError
-from gpu.quant.formats import FORMATS
+from gpu.quant.int_blocks import q4_blocks
 from gpu.quant.tensor import BlockTensor
 
 AWQ_ORDER = np.array([0, 2, 4, 6, 1, 3, 5, 7])  # AWQ: the output in nibble p is 8j + order[p]
@@ -39,6 +38,17 @@ class Int4Scheme:
     group_size: int  # -1: one group per row
     zero_offset: int  # added to the stored zeros (GPTQ v1: 1)
     sym: bool  # zeros all 8 by construction (GPTQ sym=True)
+
+    def gathers(self, part: str, stored_dtype: str) -> bool:
+        """Whether a checkpoint tensor is one part of a quantized layer (gathered by the loader
+        until the layer is complete)."""
+        return part in PARTS
+
+    def complete(self, prefix: str, parts: dict[str, Any]) -> bool:
+        return set(PARTS[:3]) <= set(parts)  # g_idx, if in a later file, goes unchecked
+
+    def make(self, name: str, parts: dict[str, Any]) -> BlockTensor:
+        return repack(self, name, **{p: parts.get(p) for p in PARTS})
 
     @classmethod
     def from_config(cls, qc: dict[str, Any], where: str) -> Int4Scheme:
@@ -70,8 +80,8 @@ class Int4Scheme:
             return cls("gptq", group, 1 if fmt == "gptq" else 0, bool(qc.get("sym", True)))
         raise CheckpointError(
             f"{where}: weights quantized with {method!r} are not served; weir serves GGUF files, "
-            "AWQ and GPTQ int4 checkpoints and float checkpoints (--quantization q8_0, q4_0 or "
-            "q4_k quantizes those at load)"
+            "AWQ and GPTQ int4, FP8 and compressed-tensors checkpoints, and float checkpoints "
+            "(--quantization q8_0, q4_0 or q4_k quantizes those at load)"
         )
 
 
@@ -121,16 +131,4 @@ def repack(
         raise CheckpointError(
             f"{name}: g_idx puts inputs out of order (GPTQ activation order): not served"
         )
-    per_block = group // 32  # 32-weight blocks per group
-    q = q.reshape(n, k // 32, 32)
-    d = np.repeat(s, per_block, axis=1)[..., None].view(np.uint8)  # f16 bytes [n, blocks, 2]
-    nib = q[..., :16] | (q[..., 16:] << 4)
-    if bool((z == 8).all()):
-        fmt = FORMATS["q4_0"]
-        blocks = np.concatenate([d.reshape(n, -1, 2), nib], axis=2)
-    else:
-        fmt = FORMATS["q4_1"]
-        m = (-(s.astype(np.float32) * z.astype(np.float32))).astype(np.float16)
-        m = np.repeat(m, per_block, axis=1)[..., None].view(np.uint8).reshape(n, -1, 2)
-        blocks = np.concatenate([d.reshape(n, -1, 2), m, nib], axis=2)
-    return BlockTensor(np.ascontiguousarray(blocks.reshape(n, -1)), fmt, (n, k))
+    return q4_blocks(name, q, z, s)
