@@ -12,7 +12,7 @@ import torch
 
 from core.config import CheckpointError, EngineConfig
 from core.speculative import SpeculativeConfig, auto_batch_limit
-from gpu import kv_cache
+from gpu import kv_cache, kv_scales
 from gpu.attention.select import get_backend
 from gpu.backend import TorchBackend
 from gpu.dist.parallel import TensorParallel
@@ -196,6 +196,7 @@ def build_runner(
     model.rope.fit_context(max_model_len)
     kv_dtype = kv_cache.cache_dtype(config.kv_cache_dtype, dtype, device)
     caches = kv_cache.allocate(model.local_spec, num_blocks, config.block_size, kv_dtype, device)
+    kv_scales.use(model, kv_dtype in kv_cache.FP8)  # before any graph captures the layers
     runner = ModelRunner(
         model, caches, config.block_size, device, config.seed, config.logprobs_mode
     )

@@ -193,12 +193,16 @@ class TorchBackend:
         sin: torch.Tensor,
         kv: tuple[torch.Tensor, torch.Tensor],
         slot_mapping: torch.Tensor,
+        muls: tuple[float, float] | None = None,
     ) -> torch.Tensor:
         """q [tokens, heads, head_dim], k and v [tokens, kv_heads, head_dim] (views of the Q/K/V
         product): q and k normed per head (when the weights are given) and rotated, k and v
-        written into the caches `kv` at `slot_mapping`; returns q."""
+        written into the caches `kv` at `slot_mapping` (times `muls`' two float32 factors, when
+        given: a checkpoint's FP8 KV scales, gpu/kv_scales.py); returns q."""
         q = self.norm_rope(q, q_weight, eps, cos, sin)
         k = self.norm_rope(k, k_weight, eps, cos, sin)
+        if muls is not None:  # in float32 whatever the model's dtype, as the kernels multiply
+            k, v = k.float() * muls[0], v.float() * muls[1]
         self.attention.write_kv(k, v, kv[0], kv[1], slot_mapping)
         return q
 

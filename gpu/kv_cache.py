@@ -26,10 +26,10 @@ E4M3_MAX = 448.0  # E4M3 writes saturate here (vLLM's, at its default scale of 1
 
 def cache_dtype(name: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """--kv-cache-dtype for a model of `model_dtype`: auto is the model's own; a float32 model
-    may keep a 16-bit cache, and any model an FP8 one (E5M2, or E4M3 at a scale of 1; the
-    attention kernels widen it as they read): on CPU, or on a GPU that converts FP8 (compute
-    capability 8.9 or later). A cache wider than the model, or 16-bit of the other kind, is
-    refused."""
+    may keep a 16-bit cache, and any model an FP8 one (E5M2 or E4M3, at a scale of 1 or the
+    checkpoint's: gpu/kv_scales.py; the attention kernels widen it as they read): on CPU, or on
+    a GPU that converts FP8 (compute capability 8.9 or later). A cache wider than the model, or
+    16-bit of the other kind, is refused."""
     if name == "auto":
         return model_dtype
     dtype = KV_DTYPES[name]

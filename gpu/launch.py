@@ -15,7 +15,7 @@ import torch
 from core.config import CheckpointError, EngineConfig
 from core.engine_core import EngineCore
 from core.speculative import SpeculativeConfig
-from gpu import gguf_tokenizer, kv_cache
+from gpu import gguf_tokenizer, kv_cache, kv_scales
 from gpu.cache import cache_dir
 from gpu.draft import DraftModel, load_draft
 from gpu.assemble import (
@@ -108,6 +108,7 @@ def load(config: EngineConfig) -> Loaded:
             caches = kv_cache.allocate(
                 draft.local_spec, num_blocks, config.block_size, kv_t, device
             )
+            kv_scales.use(draft, kv_t in kv_cache.FP8)
             runner.draft = DraftModel(draft, caches, config.block_size, device)
             if runner.graphs is not None:
                 runner.draft.capture_graphs(

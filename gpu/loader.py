@@ -18,6 +18,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from core.config import CheckpointError
+from gpu import kv_scales
 from gpu.fused_weights import fused_parts, split_fused
 from gpu.gguf_file import GgufCheckpoint, is_gguf
 from gpu.models import gpt_oss
@@ -217,6 +218,9 @@ def load_weights(model: DecoderForCausalLM, path: Path, int4=None, text_only: bo
                     if name is None:
                         continue  # a multimodal checkpoint's other towers (gpu/text_of.py)
                     name = checkpoint_name(name)  # Mixtral's experts (gpu/models/moe.py)
+                    if kv_scales.which(name) is not None:  # a layer's FP8 KV cache scale
+                        kv_scales.place(model, name, f.get_tensor(stored))
+                        continue
                     prefix, _, part = name.rpartition(".")
                     if int4 is not None and int4.gathers(part, _dtype(f, stored)):
                         pending.setdefault(prefix, {})[part] = f.get_tensor(stored)

@@ -253,7 +253,7 @@ def group0(**weights):
         (group0(actorder="group"), r"actorder 'group'\) is not served"),
         (group0(strategy="block"), "strategy 'block' is not served"),
         (group0(type="float"), "float weights of 4 bits by group in 'pack-quantized'"),
-        (lambda qc: qc.update(kv_cache_scheme={"num_bits": 8, "type": "float"}), "kv_cache_scheme"),
+        (lambda qc: qc.update(kv_cache_scheme={"num_bits": 8, "type": "int"}), "kv_cache_scheme"),
         (lambda qc: qc.update(sparsity_config={"format": "sparse-24-bitmask"}), "sparsity_config"),
         (lambda qc: qc.update(quantization_status="frozen"), "status 'frozen' are not served"),
         (

@@ -335,7 +335,15 @@ class FusedStack:
             self._stack.set_gpt_oss(*extras)
         if model.lora is not None:  # the adapters' slots (gpu/lora.py): bound once, like weights
             self._stack.set_lora(model.lora.stack_tensors())
+        applied = [layer.self_attn.kv_applied for layer in layers]
+        if any(a is not None for a in applied):  # a checkpoint's FP8 KV scales (gpu/kv_scales.py)
+            values = [a and [a.k_mul, a.v_mul, a.score_scale, a.out_scale] for a in applied]
+            self._stack.set_kv_scales([v or [] for v in values])
         self._caches = kv_caches
+
+    def unbind(self) -> None:
+        """Bind again at the next call (the layers' KV scales changed)."""
+        self._caches = None
 
     def __call__(
         self,

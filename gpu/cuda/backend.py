@@ -114,7 +114,9 @@ class CudaBackend(TorchBackend):
         return add_rms_norm(self.linear(x, w), residual, weight, eps)
 
     def rope_store_kv(
-        self, q, k, v, q_weight, k_weight, eps, cos, sin, kv, slot_mapping
+        self, q, k, v, q_weight, k_weight, eps, cos, sin, kv, slot_mapping, muls=None
     ) -> torch.Tensor:
         # The cache layout is gpu/kv_cache.py's, whichever attention backend then reads it.
-        return rope_store(q, k, v, cos, sin, kv[0], kv[1], slot_mapping, q_weight, k_weight, eps)
+        return rope_store(
+            q, k, v, cos, sin, kv[0], kv[1], slot_mapping, q_weight, k_weight, eps, muls
+        )

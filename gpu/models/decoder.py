@@ -45,6 +45,10 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(d, spec.rms_norm_eps, backend)
         self.qk_norm = spec.qk_norm
         self.scale = spec.attn_scale or d**-0.5
+        # The checkpoint's FP8 KV cache scales [k, v] (gpu/kv_scales.py), and their use under
+        # an FP8 cache (None: unscaled)
+        self.kv_scales = [1.0, 1.0]
+        self.kv_applied = None
         self.sliding_window = window
         self.softcap = spec.attn_softcap  # Gemma 2's cap on the scores (0: none)
         self.qkv_sizes = [spec.num_heads * d, spec.num_kv_heads * d, spec.num_kv_heads * d]
@@ -82,11 +86,16 @@ class Attention(nn.Module):
             qw, kw, eps = self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
         else:
             qw, kw, eps = None, None, 0.0
-        q = b.rope_store_kv(q, k, v, qw, kw, eps, cos, sin, kv, meta.slot_mapping)
+        scaled = self.kv_applied
+        muls = None if scaled is None else (scaled.k_mul, scaled.v_mul)
+        q = b.rope_store_kv(q, k, v, qw, kw, eps, cos, sin, kv, meta.slot_mapping, muls)
+        scale = self.scale if scaled is None else scaled.score_scale
         o = b.attention.forward(
-            q, kv[0], kv[1], meta, self.scale, self.sliding_window, self.softcap, self.sinks
+            q, kv[0], kv[1], meta, scale, self.sliding_window, self.softcap, self.sinks
         )
         o = o.reshape(t, -1)
+        if scaled is not None:
+            o = o * scaled.out_scale
         residual = _plus_lora(b, o, lora, "o", residual, self.o_width)
         return _output(b, o, self.o, residual, norm)
 

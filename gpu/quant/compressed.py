@@ -25,7 +25,7 @@ per token as the checkpoint intends: the products take 16-bit activations (on CP
 Q4 kernels quantize them to int8 per 32 inputs), a warning at load says so. Refused, naming what:
 other bit widths, block strategies, groups that are not whole blocks, activation order by
 groups (`weight_g_idx` out of order), asymmetric 8-bit weights, sparsity and transforms, and a
-quantized KV cache (`kv_cache_scheme`).
+`kv_cache_scheme` other than FP8 with a static scale per layer (those scales: gpu/kv_scales.py).
 """
 
 from __future__ import annotations
@@ -174,10 +174,16 @@ class CompressedScheme:
                 f"{where}: compressed-tensors weights in status {status!r} are not served "
                 "(compressed)"
             )
-        if qc.get("kv_cache_scheme"):
+        kv = qc.get("kv_cache_scheme")
+        if kv and not (
+            str(kv.get("type", "int")).lower() == "float"
+            and kv.get("num_bits") == 8
+            and str(kv.get("strategy") or "tensor").lower() == "tensor"
+            and not kv.get("dynamic")
+        ):
             raise CheckpointError(
-                f"{where}: a quantized KV cache (kv_cache_scheme) with the checkpoint's scales "
-                "is not served; --kv-cache-dtype fp8 quantizes the cache at a scale of 1"
+                f"{where}: kv_cache_scheme {kv} is not served (FP8 with a static scale per "
+                "layer is: gpu/kv_scales.py)"
             )
         for key in ("sparsity_config", "transform_config"):
             if qc.get(key):

@@ -238,15 +238,25 @@ int decoder_forward(const DecoderModel& model, const DecoderStep& step) {
         rms_norm_rope(qkv, T, m->heads, D, qkvw, L.q_norm, eps, c, sn, q, nt);
         rms_norm_rope(qkv + qw, T, m->kv_heads, D, qkvw, L.k_norm, eps, c, sn, k, nt);
         timer.lap(kRope);
+        if (L.k_mul != 0.f) {  // a checkpoint's FP8 KV scales: K and V as they are written
+            for (int64_t i = 0; i < T * kvw; ++i) k[i] *= L.k_mul;
+            for (int64_t t = 0; t < T; ++t) {
+                float* v = qkv + t * qkvw + qw + kvw;
+                for (int64_t j = 0; j < kvw; ++j) v[j] *= L.v_mul;
+            }
+        }
         scatter(m->cache_dtype, L.k_cache, k, kvw, s->slots, T, kvw);
         scatter(m->cache_dtype, L.v_cache, qkv + qw + kvw, qkvw, s->slots, T, kvw);
         timer.lap(kKv);
+        const float score_scale = L.score_scale != 0.f ? L.score_scale : m->scale;
         const int rc = paged_attention(q, L.k_cache, L.v_cache, o, s->block_tables,
                                             s->query_start, s->seq_lens, s->num_seqs,
                                             s->max_blocks, m->heads, m->kv_heads, D,
-                                            m->block_size, m->scale, L.window, nt, 0,
+                                            m->block_size, score_scale, L.window, nt, 0,
                                             int(m->cache_dtype), m->attn_softcap, L.sinks);
         if (rc != 0) return rc;
+        if (L.out_scale != 0.f)
+            for (int64_t i = 0; i < T * qw; ++i) o[i] *= L.out_scale;
         timer.lap(kAttention);
         if (L.post_attn_norm) {  // Gemma 3: the block's output normalized, then added
             sandwich(L.o, o, T, qw, H, L.post_attn_norm, m->eps, x, block_out, block_normed, nt,

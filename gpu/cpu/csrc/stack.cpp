@@ -220,6 +220,26 @@ struct DecoderStack : torch::CustomClassHolder {
         }
     }
 
+    // A checkpoint's FP8 KV cache scales (gpu/kv_scales.py), bound once: per layer [k_mul,
+    // v_mul, score_scale, out_scale] (float32 values), or none: the layer is unscaled.
+    void set_kv_scales(std::vector<std::vector<double>> per_layer) {
+        TORCH_CHECK_VALUE(per_layer.size() == layers.size(), "kv scales: one entry per layer");
+        for (size_t li = 0; li < layers.size(); ++li) {
+            const auto& S = per_layer[li];
+            auto& d = layers[li];
+            if (S.empty()) {
+                d.k_mul = d.v_mul = d.score_scale = d.out_scale = 0.f;
+                continue;
+            }
+            TORCH_CHECK_VALUE(S.size() == 4, "kv scales: four values a layer");
+            for (double s : S) TORCH_CHECK_VALUE(s > 0, "kv scales: positive values");
+            d.k_mul = float(S[0]);
+            d.v_mul = float(S[1]);
+            d.score_scale = float(S[2]);
+            d.out_scale = float(S[3]);
+        }
+    }
+
     // gpt-oss's parts (stack_gpt_oss.h; an O bias also a Llama's), bound once, after set_gemma.
     bool unbound_plain = false;  // plain experts whose activation set_gpt_oss has not given
     void set_gpt_oss(std::vector<std::vector<Tensor>> per_layer, double limit, double alpha) {
@@ -383,5 +403,6 @@ TORCH_LIBRARY_FRAGMENT(weir, m) {
         .def("set_lora", &DecoderStack::set_lora)
         .def("set_gemma", &DecoderStack::set_gemma)
         .def("set_shared", &DecoderStack::set_shared)
-        .def("set_gpt_oss", &DecoderStack::set_gpt_oss);
+        .def("set_gpt_oss", &DecoderStack::set_gpt_oss)
+        .def("set_kv_scales", &DecoderStack::set_kv_scales);
 }

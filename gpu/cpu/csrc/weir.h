@@ -302,6 +302,10 @@ struct DecoderLayer {
     const float* post_attn_norm;  // [hidden]
     const float* pre_ffn_norm;
     const float* post_ffn_norm;
+    // A checkpoint's FP8 KV cache scales (gpu/kv_scales.py; all 0: none): K and V times k_mul
+    // and v_mul before their cache writes, the scores by score_scale in place of the model's
+    // scale, the attention's output times out_scale
+    float k_mul, v_mul, score_scale, out_scale;
 };
 
 // Scratch for moe_block, sized by the step's tokens and the model's largest mixture.

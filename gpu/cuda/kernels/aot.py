@@ -19,6 +19,7 @@ CASES = [  # (kernel, dtype, head_dim or size, extra constexprs)
     ("store", "fp16/fp8e5", 64, {"KIND": 2}),
     ("store", "bf16/fp8e5", 128, {"KIND": 2}),
     ("rope_store", "bf16/fp8e4nv", 128, {"NORM": True, "KIND": 1}),
+    ("rope_store", "bf16/fp8e4nv", 128, {"NORM": False, "KIND": 1, "SCALED": True}),  # k_scale
     ("prefill", "bf16/fp8e5", 128, {"SLIDING": False, "SOFTCAP": False, "SINKS": False}),
     (
         "decode",
@@ -82,7 +83,7 @@ def _signature(fn, pointers: dict[str, str], consts: dict):
             sig[n] = "constexpr"
         elif n in pointers:
             sig[n] = pointers[n]
-        elif n in ("scale", "eps", "static_scale", "softcap"):
+        elif n in ("scale", "eps", "static_scale", "softcap", "k_mul", "v_mul"):
             sig[n] = "fp32"
         elif "stride" in n:
             sig[n] = "i64"
@@ -182,7 +183,12 @@ def compile_case(kind: str, dtype: str, head_dim: int, extra: dict, arch: int) -
             k_weight_ptr=p,
         )
         consts = dict(
-            HEAD_DIM=head_dim, HEAD_PAD=head_dim, ROWS=2048 // head_dim, KIND=0, EMULATE=False
+            HEAD_DIM=head_dim,
+            HEAD_PAD=head_dim,
+            ROWS=2048 // head_dim,
+            KIND=0,
+            EMULATE=False,
+            SCALED=False,
         )
     elif kind == "store":
         fn = sk._store_kv_kernel

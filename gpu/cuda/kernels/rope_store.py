@@ -60,6 +60,8 @@ def _rope_store_kernel(
     q_weight_ptr,
     k_weight_ptr,
     eps,
+    k_mul,
+    v_mul,
     q_stride_t,
     q_stride_h,
     k_stride_t,
@@ -83,9 +85,11 @@ def _rope_store_kernel(
     NORM: tl.constexpr,
     KIND: tl.constexpr,
     EMULATE: tl.constexpr,
+    SCALED: tl.constexpr,
 ):
     """ROWS (token, head) rows a program: the first q_programs take the query heads, the rest
-    the key and value heads (rows whose slot is -1 store nothing)."""
+    the key and value heads (rows whose slot is -1 store nothing; SCALED: K and V stored times
+    k_mul and v_mul, in float32)."""
     pid = tl.program_id(0)
     d = tl.arange(0, HEAD_PAD)[None, :]
     partner = tl.where(d < HEAD_DIM // 2, d + HEAD_DIM // 2, d - HEAD_DIM // 2)
@@ -115,8 +119,11 @@ def _rope_store_kernel(
             + h * cache_stride_head
             + d
         )
-        tl.store(k_cache_ptr + dst, to_cache(k, k_cache_ptr, KIND, EMULATE), mask=mask)
         v = tl.load(v_ptr + t * v_stride_t + h * v_stride_h + d, mask=mask)
+        if SCALED:
+            k = k * k_mul
+            v = v.to(tl.float32) * v_mul
+        tl.store(k_cache_ptr + dst, to_cache(k, k_cache_ptr, KIND, EMULATE), mask=mask)
         tl.store(v_cache_ptr + dst, to_cache(v, v_cache_ptr, KIND, EMULATE), mask=mask)
 
 
@@ -141,12 +148,14 @@ def rope_store(
     q_weight: torch.Tensor | None = None,
     k_weight: torch.Tensor | None = None,
     eps: float = 0.0,
+    muls: tuple[float, float] | None = None,
 ) -> torch.Tensor:
     """q [tokens, heads, head_dim], k and v [tokens, kv_heads, head_dim] (views with any token
     and head strides), cos and sin [tokens, head_dim] in q's dtype; caches [num_blocks,
     block_size, kv_heads, head_dim]; slot_mapping [tokens] (-1: padding). q_weight, k_weight:
     per-head RMSNorm weights [head_dim] applied before the rotation (both or neither). Stores the
-    rotated keys and the values; returns the rotated queries, contiguous."""
+    rotated keys and the values (times `muls`' K and V factors in float32, when given: a
+    checkpoint's FP8 KV scales, gpu/kv_scales.py); returns the rotated queries, contiguous."""
     if q.dtype not in DTYPES:
         raise ValueError(f"q must be float32, float16 or bfloat16, got {q.dtype}")
     if q.dim() != 3:
@@ -208,6 +217,8 @@ def rope_store(
         q_weight if norm else cos,
         k_weight if norm else cos,
         float(eps),
+        float(muls[0]) if muls else 1.0,
+        float(muls[1]) if muls else 1.0,
         q.stride(0),
         q.stride(1),
         k.stride(0),
@@ -231,6 +242,7 @@ def rope_store(
         NORM=norm,
         KIND=cache_kind(k_cache),
         EMULATE=emulate(k_cache),
+        SCALED=muls is not None,
         num_warps=max(1, min(rows * pad // 512, 8)),
         enable_fp_fusion=False,  # x cos + rot(x) sin: two roundings, as torch's ops round
     )
