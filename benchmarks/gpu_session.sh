@@ -18,7 +18,8 @@
 # What is left, in two calls:
 #   benchmarks/gpu_session.sh env lastfailed serving              # <= 400 s
 #   LIMIT_gptoss=300 benchmarks/gpu_session.sh gptoss quant       # at once, on the warm machine
-#   (and `gputests`: FP8 KV caches in the Triton kernels, tests/test_fp8_kv_triton.py, compiled)
+#   (and `gputests`: FP8 KV caches in the Triton kernels, tests/test_fp8_kv_triton.py, compiled,
+#   with a checkpoint's per-layer K/V scales through the fused write, tests/test_kv_scales.py)
 # the failures as fixed (lastfailed), serving with the automatic count (expect "4 HTTP processes"
 # on a 16-core host), gpt-oss-20b's layer x 2 with its MXFP4 experts kept 4-bit, decoding
 # through CUDA graphs (its random model's build alone took ~200 s there), and `quant`: the 4-bit
@@ -98,7 +99,7 @@ import server.app, core.engine, gpu.runner; print(\"imports ok\")'; git log --on
             -rfE --durations 15 $GPU_TESTS tests/test_w4a16.py tests/test_fp8.py \
             tests/test_speculative_draft.py \
             tests/test_async_scheduling.py tests/test_cpu_ops.py tests/test_cpu_quant.py \
-            tests/test_fp8_kv_triton.py tests/test_kv_cache_dtype.py
+            tests/test_fp8_kv_triton.py tests/test_kv_cache_dtype.py tests/test_kv_scales.py
         ;;
     # the offline protocol with asynchronous scheduling on and off, alternated
     asyncoffline)

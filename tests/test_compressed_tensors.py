@@ -32,7 +32,9 @@ from gpu.quant.compressed import CompressedScheme
 from gpu.tiny_model import build_tiny_model
 
 TEXT = "The quick brown fox jumps over the lazy dog while the cat sleeps in the warm sun today."
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# the products a checkpoint quantizes (Mixtral's experts: w1, w2, w3; routers stay in float)
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "w1",
+           "w2", "w3")  # fmt: skip
 SHAPE = dict(hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=2, num_layers=2)
 # preset -> (storage format, the block format weir serves it as)
 PRESETS = {
@@ -142,7 +144,14 @@ def write_checkpoint(hf_dir, out, preset, scheme, qc=None, pick=None):
     return meant
 
 
-SERVED = [("llama", "W4A16"), ("qwen3", "W4A16_ASYM"), ("llama", "W8A8"), ("qwen3", "FP8_DYNAMIC")]
+SERVED = [
+    ("llama", "W4A16"),
+    ("qwen3", "W4A16_ASYM"),
+    ("llama", "W8A8"),
+    ("qwen3", "FP8_DYNAMIC"),
+    ("qwen3_moe", "W4A16"),  # experts one module each, as llm-compressor writes them
+    ("mixtral", "W8A16"),
+]
 
 
 @pytest.fixture(scope="module")
@@ -178,6 +187,11 @@ def test_served_against_transformers(models, arch, preset):
 
 
 def agrees_with_transformers(loaded, hf, meant):
+    """The checkpoint served against transformers on the weights it means (a folder of them:
+    transformers stacks a mixture's per-expert tensors as it loads them)."""
+    import shutil
+    import tempfile
+
     from transformers import AutoModelForCausalLM
 
     ids = loaded.tokenizer.encode(TEXT, add_special_tokens=False)
@@ -189,8 +203,10 @@ def agrees_with_transformers(loaded, hf, meant):
         for o in core.step():
             tokens += o.new_token_ids
             plp = o.prompt_logprobs or plp
-    ref = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)
-    ref.load_state_dict(meant)
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = shutil.copytree(hf, f"{tmp}/ref", ignore=shutil.ignore_patterns("*.safetensors"))
+        save_file({k: v.contiguous() for k, v in meant.items()}, f"{folder}/model.safetensors")
+        ref = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     with torch.no_grad():
         logprobs = torch.log_softmax(ref.eval()(torch.tensor([ids])).logits[0].double(), -1)
     ours = torch.tensor([plp[i].top_ids[0] for i in range(1, len(ids))] + tokens[:1])
@@ -251,6 +267,7 @@ def group0(**weights):
         (group0(num_bits=3), "3-bit integer weights in 'pack-quantized' are not served"),
         (group0(group_size=48), "group_size 48 is not served"),
         (group0(actorder="group"), r"actorder 'group'\) is not served"),
+        (group0(actorder="dynamic"), r"actorder 'dynamic'\) is not served"),
         (group0(strategy="block"), "strategy 'block' is not served"),
         (group0(type="float"), "float weights of 4 bits by group in 'pack-quantized'"),
         (lambda qc: qc.update(kv_cache_scheme={"num_bits": 8, "type": "int"}), "kv_cache_scheme"),

@@ -101,10 +101,10 @@ class Group:
                 )
         else:
             raise CheckpointError(f"{here}: weights of type {kind!r} are not served")
-        if w.get("actorder") == "group":
+        if str(w.get("actorder")).lower() in ("group", "dynamic"):
             raise CheckpointError(
-                f"{here}: activation order by groups (actorder 'group') is not served; "
-                "'weight' order or none is"
+                f"{here}: activation order by groups (actorder {w['actorder']!r}) is not "
+                "served; 'weight' / 'static' order or none is"
             )
         a = g.get("input_activations") or {}
         static = False
