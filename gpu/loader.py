@@ -196,12 +196,11 @@ def load_weights(model: DecoderForCausalLM, path: Path, int4=None, text_only: bo
     """Every weight from the checkpoint by name; under tensor parallelism only this rank's part
     of each tensor is read (a safetensors slice, gpu/dist/parallel.py `shard`). A quantized
     layer's parts (int4: qweight, qzeros, scales, g_idx; FP8: the weight, its weight_scale and
-    input_scale) are gathered and placed as one weight. `text_only`: a multimodal checkpoint's
-    text model (gpu/text_of.py)."""
+    input_scale; compressed-tensors: gpu/quant/compressed.py) are gathered whole, made into one
+    weight and then cut to this rank's share (block formats by whole rows and blocks).
+    `text_only`: a multimodal checkpoint's text model (gpu/text_of.py)."""
     targets = Targets(model)
     tp = model.tp
-    if int4 is not None and tp is not None:
-        raise CheckpointError(f"tensor parallelism does not serve {int4.method} checkpoints yet")
     pending: dict[str, dict[str, torch.Tensor]] = {}
     experts = gpt_oss.Experts()
     files = weight_files(path)
@@ -254,7 +253,8 @@ def load_weights(model: DecoderForCausalLM, path: Path, int4=None, text_only: bo
                 parts = pending.pop(prefix)
                 name = prefix + ".weight"
                 targets.wants(name)  # raises for a layer the model does not have
-                targets.place(name, int4.make(name, parts))
+                value = int4.make(name, parts)  # then this rank's share, as of a GGUF tensor
+                targets.place(name, value if tp is None else shard(name, value, model.spec, tp))
                 bar.update(1)
     for prefix, parts in pending.items():
         if set(parts) - {"g_idx"}:

@@ -216,6 +216,20 @@ def agrees_with_transformers(loaded, hf, meant):
     assert float(gaps.mean()) < 0.1, gaps
 
 
+@pytest.mark.parametrize("arch,preset", [("llama", "W4A16"), ("qwen3", "FP8_DYNAMIC")])
+def test_on_two_ranks(models, arch, preset):
+    """--tensor-parallel-size 2: each layer made whole, then cut to each rank's share as a GGUF
+    tensor is (Q4_0 by whole rows and blocks; FP8 rows with their scales, columns with every
+    row's), held to the one-rank bar."""
+    path, hf, meant = models[arch, preset]
+    loaded = load_dir(path, tensor_parallel_size=2)
+    try:
+        assert len(loaded.core.runner.workers) == 2
+        agrees_with_transformers(loaded, hf, meant)
+    finally:
+        loaded.core.close()
+
+
 def test_groups_by_target_and_ignored_layers(models, tmp_path):
     """Two config groups chosen by their "re:" targets (8-bit attention, 4-bit MLP), and the
     layers `ignore` names left in bfloat16."""

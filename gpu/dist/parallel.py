@@ -36,6 +36,7 @@ import torch
 
 from core.config import CheckpointError
 from gpu.models.spec import ModelSpec
+from gpu.quant.fp8 import Fp8Tensor
 from gpu.quant.tensor import BlockTensor
 
 
@@ -144,6 +145,8 @@ def shard(name: str, full: Any, spec: ModelSpec, tp: TensorParallel) -> torch.Te
     if kind is None or tp.world_size == 1:
         return full[:] if hasattr(full, "get_shape") else full
     w, r = tp.world_size, tp.rank
+    if isinstance(full, Fp8Tensor):  # FP8 weights: their rows' scales go with the rows
+        return _shard_fp8(full, kind, spec, tp)
     if kind in ("o", "down"):  # row-parallel: columns
         if isinstance(full, BlockTensor):  # whole blocks (CheckpointError where one is cut)
             return full.take_cols(r * (shape[1] // w), (r + 1) * (shape[1] // w), name)
@@ -164,6 +167,24 @@ def shard(name: str, full: Any, spec: ModelSpec, tp: TensorParallel) -> torch.Te
         pad = torch.zeros((count - (hi - lo), *shape[1:]), dtype=part.dtype)
         part = torch.cat([part, pad])
     return part
+
+
+def _shard_fp8(full: Fp8Tensor, kind: str, spec: ModelSpec, tp: TensorParallel) -> Fp8Tensor:
+    """An FP8 weight's share: columns with every row's scale (row-parallel), or rows with their
+    own scales (padded with zero rows of scale 1, as a float tensor is padded with zeros)."""
+    n, k = full.shape
+    if kind in ("o", "down"):
+        cols = k // tp.world_size
+        part = full.weight[:, tp.rank * cols : (tp.rank + 1) * cols].contiguous()
+        return Fp8Tensor(part, full.scale, full.input_scale)
+    first, count = _rows(kind, spec, tp)
+    lo, hi = min(first, n), min(first + count, n)
+    weight, scale = full.weight[lo:hi], full.scale[lo:hi]
+    if hi - lo < count:
+        pad = count - (hi - lo)
+        weight = torch.cat([weight, torch.zeros((pad, k), dtype=weight.dtype)])
+        scale = torch.cat([scale, torch.ones(pad, dtype=scale.dtype)])
+    return Fp8Tensor(weight.contiguous(), scale.contiguous(), full.input_scale)
 
 
 def _rows(kind: str, spec: ModelSpec, tp: TensorParallel) -> tuple[int, int]:
