@@ -74,6 +74,7 @@ HEADERS = [
         "activation.h",
         "quant_layout.h",
         "stack_gpt_oss.h",
+        "stack_kv_scales.h",
     )
 ]
 # -ffast-math lets g++ vectorize exp (glibc's libmvec) and reassociate the dot products; it is

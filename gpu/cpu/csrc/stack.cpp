@@ -13,6 +13,7 @@
 
 #include "checks.h"
 #include "stack_gpt_oss.h"
+#include "stack_kv_scales.h"
 #include "weir.h"
 
 using namespace weir_ops;
@@ -220,24 +221,11 @@ struct DecoderStack : torch::CustomClassHolder {
         }
     }
 
-    // A checkpoint's FP8 KV cache scales (gpu/kv_scales.py), bound once: per layer [k_mul,
-    // v_mul, score_scale, out_scale] (float32 values), or none: the layer is unscaled.
+    // A checkpoint's FP8 KV cache scales (stack_kv_scales.h), bound once: per layer four values
+    // or none.
     void set_kv_scales(std::vector<std::vector<double>> per_layer) {
         TORCH_CHECK_VALUE(per_layer.size() == layers.size(), "kv scales: one entry per layer");
-        for (size_t li = 0; li < layers.size(); ++li) {
-            const auto& S = per_layer[li];
-            auto& d = layers[li];
-            if (S.empty()) {
-                d.k_mul = d.v_mul = d.score_scale = d.out_scale = 0.f;
-                continue;
-            }
-            TORCH_CHECK_VALUE(S.size() == 4, "kv scales: four values a layer");
-            for (double s : S) TORCH_CHECK_VALUE(s > 0, "kv scales: positive values");
-            d.k_mul = float(S[0]);
-            d.v_mul = float(S[1]);
-            d.score_scale = float(S[2]);
-            d.out_scale = float(S[3]);
-        }
+        for (size_t li = 0; li < layers.size(); ++li) bind_kv_scales(layers[li], per_layer[li]);
     }
 
     // gpt-oss's parts (stack_gpt_oss.h; an O bias also a Llama's), bound once, after set_gemma.
