@@ -121,6 +121,42 @@ def test_repacked_blocks_are_the_checkpoints_weights(key):
     assert np.abs(want - w.numpy()).max() < 0.05  # and the test's quantizer is a quantizer
 
 
+def test_gptq_8_bit_becomes_q8_0_exactly():
+    """GPTQ's 8-bit layout (four inputs an int32, v1's zeros stored minus one) as Q8_0: the
+    integers and scales unchanged; asymmetric zeros are refused."""
+    import gguf
+
+    qc = {"quant_method": "gptq", "bits": 8, "group_size": 128, "desc_act": False, "sym": True}
+    scheme = Int4Scheme.from_config(qc, "test")
+    w = torch.randn(48, 256) * 0.05
+    g = w.reshape(48, 2, 128).double()
+    s = (g.abs().amax(-1) / 127.5).half()
+    q = (torch.round(g / s.double()[..., None]) + 128).clamp(0, 255).reshape(48, 256)
+    q, s = q.to(torch.uint8).numpy(), s.numpy()
+
+    def pack4(v):  # [..., 4c] 8-bit values -> int32 [..., c], value 4j + p in bits 8p
+        v = v.astype(np.uint32).reshape(*v.shape[:-1], -1, 4)
+        return (v << (8 * np.arange(4, dtype=np.uint32))).sum(-1, dtype=np.uint32).view(np.int32)
+
+    zeros = np.full((2, 48), 127, dtype=np.uint8)  # z - 1
+    parts = {
+        "qweight": torch.from_numpy(pack4(q).T.copy()),  # [k / 4, n]
+        "qzeros": torch.from_numpy(pack4(zeros)),  # [groups, n / 4]
+        "scales": torch.from_numpy(s.T.copy()),
+    }
+    block = repack(scheme, "layer.weight", **parts)
+    assert block.fmt.name == "q8_0" and block.shape == (48, 256)
+    got = gguf.quants.dequantize(block.rows, gguf.GGMLQuantizationType(block.fmt.ggml_type))
+    want = np.repeat(s.astype(np.float32), 128, axis=1) * (q.astype(np.float32) - 128)
+    assert np.array_equal(got, want)
+    zeros[1, 5] = 100
+    parts["qzeros"] = torch.from_numpy(pack4(zeros))
+    with pytest.raises(CheckpointError, match="8-bit GPTQ zeros other than 128"):
+        repack(scheme, "layer.weight", **parts)
+    with pytest.raises(CheckpointError, match="asymmetric 8-bit GPTQ is not served"):
+        Int4Scheme.from_config({**qc, "sym": False}, "test")
+
+
 def write_int4_checkpoint(hf_dir, out, method, qc, sym):
     """`hf_dir`'s model with every linear layer as `method` holds it (the rest in float16, as
     quantizers leave it); returns the float32 state dict the checkpoint means."""

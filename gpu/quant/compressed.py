@@ -50,6 +50,7 @@ FLOAT_FORMATS = ("float-quantized", "naive-quantized")
 PARTS = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight_g_idx",
          "input_scale", "input_zero_point")  # fmt: skip
 STORED = ("I8", "F8_E4M3")  # a quantized layer's `weight` as the safetensors header names it
+_WARNED: set[str] = set()  # checkpoints whose int8 activations the log has named
 
 
 @dataclass(frozen=True)
@@ -198,7 +199,8 @@ class CompressedScheme:
         if not groups:
             raise CheckpointError(f"{where}: compressed-tensors config without config_groups")
         ignore = tuple(str(t) for t in qc.get("ignore") or ())
-        if any(g.int_activations for g in groups):
+        if any(g.int_activations for g in groups) and where not in _WARNED:
+            _WARNED.add(where)  # (the config is read twice at start-up: once said)
             log.warning(
                 "%s: the checkpoint means int8 activations; weir multiplies its integer "
                 "weights by 16-bit activations (weir's CPU kernels: int8 per 32 inputs)",
@@ -233,14 +235,13 @@ class CompressedScheme:
             return Fp8Tensor.from_checkpoint(
                 parts["weight"], scale, parts.get("input_scale") if g.static_input else None
             )
-        q = _integers(g, name, parts)  # [n, k] signed
-        n, k = q.shape
+        u = _codes(g, name, parts)  # [n, k] uint8: each integer plus 2^(bits - 1)
+        n, k = u.shape
         s = _scales(name, parts["weight_scale"], n)
         _check_order(name, parts.get("weight_g_idx"), k, s.shape[1])
-        if g.bits == 8:
-            return q8_blocks(name, q, s)
-        u = (q.astype(np.int16) + 8).astype(np.uint8)  # 0..15: w = s (u - z)
-        if g.symmetric:
+        if g.bits == 8:  # u - 128 as int8 is u with its top bit flipped
+            return q8_blocks(name, (u ^ 0x80).view(np.int8), s)
+        if g.symmetric:  # w = s (u - z), u and z in 0..15
             z = np.full(s.shape, 8, dtype=np.uint8)
         else:
             z = _zeros(g, name, parts["weight_zero_point"], s.shape)
@@ -248,18 +249,19 @@ class CompressedScheme:
 
 
 def _unpack(packed: np.ndarray, bits: int, count: int) -> np.ndarray:
-    """int32 [r, c] of `bits`-bit values, value i of a row in bits i * bits (4 or 8 bits never
-    cross an int32), stored with 2^(bits-1) added -> int16 [r, count] signed."""
-    per = 32 // bits
-    u = packed.astype(np.int64) & 0xFFFFFFFF
-    shifts = bits * np.arange(per, dtype=np.int64)
-    values = ((u[..., None] >> shifts) & ((1 << bits) - 1)).reshape(packed.shape[0], -1)
-    if values.shape[1] < count:
-        raise CheckpointError(f"{values.shape[1]} packed values where {count} were expected")
-    return values[:, :count].astype(np.int16) - (1 << (bits - 1))
+    """int32 [r, c] of 4- or 8-bit codes, code i of a row in bits i * bits (never across an
+    int32) -> uint8 [r, count]: read as the int32s' little-endian bytes (a byte holds codes
+    2j and 2j + 1 in its low and high nibbles, or code j)."""
+    b = np.ascontiguousarray(packed.astype("<i4", copy=False)).view(np.uint8)
+    if bits == 4:
+        b = np.stack([b & 0xF, b >> 4], axis=-1).reshape(packed.shape[0], -1)
+    if b.shape[1] < count:
+        raise CheckpointError(f"{b.shape[1]} packed values where {count} were expected")
+    return b[:, :count]
 
 
-def _integers(g: Group, name: str, parts: dict[str, Any]) -> np.ndarray:
+def _codes(g: Group, name: str, parts: dict[str, Any]) -> np.ndarray:
+    """The layer's integers plus 2^(bits - 1) (pack-quantized's stored form), uint8 [n, k]."""
     if g.fmt == "pack-quantized":
         shape = tuple(int(x) for x in parts["weight_shape"].flatten().tolist())
         packed = parts["weight_packed"]
@@ -268,15 +270,16 @@ def _integers(g: Group, name: str, parts: dict[str, Any]) -> np.ndarray:
                 f"{name}: weight_packed {tuple(packed.shape)} {packed.dtype} does not hold a "
                 f"weight of shape {shape}"
             )
-        return _unpack(packed.numpy(), g.bits, shape[1])
+        return np.ascontiguousarray(_unpack(packed.numpy(), g.bits, shape[1]))
     w = parts["weight"]
     if w.dtype != torch.int8:
         raise CheckpointError(f"{name}: integer weights stored as {w.dtype}")
-    q = w.numpy().astype(np.int16)
-    lo, hi = -(1 << (g.bits - 1)), (1 << (g.bits - 1)) - 1
-    if q.min(initial=0) < lo or q.max(initial=0) > hi:
+    q = w.numpy()
+    if g.bits == 8:
+        return q.view(np.uint8) ^ 0x80
+    if q.min(initial=0) < -8 or q.max(initial=0) > 7:
         raise CheckpointError(f"{name}: integers outside {g.bits} bits")
-    return q
+    return (q + 8).astype(np.uint8)
 
 
 def _scales(name: str, scale: torch.Tensor, n: int) -> np.ndarray:
@@ -303,12 +306,12 @@ def _zeros(g: Group, name: str, zp: torch.Tensor, shape: tuple[int, int]) -> np.
     if zp.dtype == torch.int32:  # pack-quantized: [n bits / 32, groups], along the rows
         if zp.ndim != 2 or zp.shape[1] != groups:
             raise CheckpointError(f"{name}: weight_zero_point {tuple(zp.shape)} for {shape}")
-        z = _unpack(zp.numpy().T.copy(), g.bits, n).T
+        z = _unpack(zp.numpy().T.copy(), g.bits, n).T  # zp + 8
     else:  # stored unpacked (int-quantized): [n, groups]
-        z = zp.numpy().astype(np.int16).reshape(n, -1)
-    if z.shape != shape:
+        z = (zp.numpy().astype(np.int16) + 8).reshape(n, -1)
+    if z.shape != shape or z.min(initial=0) < 0 or z.max(initial=0) > 15:
         raise CheckpointError(f"{name}: weight_zero_point {tuple(zp.shape)} for {shape}")
-    return (z + 8).astype(np.uint8)
+    return np.ascontiguousarray(z.astype(np.uint8))
 
 
 def _check_order(name: str, g_idx: torch.Tensor | None, k: int, groups: int) -> None:

@@ -9,6 +9,8 @@ and per output, an f16 scale s and a 4-bit zero z: w = s (q - z).
 - GPTQ (AutoGPTQ / GPTQModel): `qweight` int32 [k / 8, n], input 8i + p in bits 4p..4p+3;
   `qzeros` int32 [k / g, n / 8], output 8j + p in bits 4p..; `scales` [k / g, n]; `g_idx` [k].
   checkpoint_format "gptq" (the default, v1) stores z - 1, "gptq_v2" z itself.
+  GPTQ's 8-bit (bits=8): four inputs an int32 in bits 8p.., zeros likewise; served symmetric
+  only (every z = 128), as Q8_0 (w = s (q - 128)).
 
 Each group is whole 32-weight blocks (g a multiple of 32, or -1: one group per row), so the
 integers and scales move unchanged (gpu/quant/int_blocks.py): a symmetric checkpoint (every
@@ -25,7 +27,7 @@ import numpy as np
 import torch
 
 from core.config import CheckpointError
-from gpu.quant.int_blocks import q4_blocks
+from gpu.quant.int_blocks import q4_blocks, q8_blocks
 from gpu.quant.tensor import BlockTensor
 
 AWQ_ORDER = np.array([0, 2, 4, 6, 1, 3, 5, 7])  # AWQ: the output in nibble p is 8j + order[p]
@@ -38,6 +40,7 @@ class Int4Scheme:
     group_size: int  # -1: one group per row
     zero_offset: int  # added to the stored zeros (GPTQ v1: 1)
     sym: bool  # zeros all 8 by construction (GPTQ sym=True)
+    bits: int = 4  # GPTQ's 8-bit: codes four to an int32, symmetric only (Q8_0)
 
     def gathers(self, part: str, stored_dtype: str) -> bool:
         """Whether a checkpoint tensor is one part of a quantized layer (gathered by the loader
@@ -55,8 +58,10 @@ class Int4Scheme:
         method = str(qc.get("quant_method", "")).lower()
         bits = qc.get("bits", qc.get("w_bit"))
         group = qc.get("group_size", qc.get("q_group_size", -1))
-        if bits != 4:
-            raise CheckpointError(f"{where}: {method} with bits={bits} is not served (only 4)")
+        if bits != 4 and not (method == "gptq" and bits == 8):
+            raise CheckpointError(
+                f"{where}: {method} with bits={bits} is not served (4, and GPTQ's 8)"
+            )
         if not isinstance(group, int) or not (group == -1 or (group > 0 and group % 32 == 0)):
             raise CheckpointError(
                 f"{where}: {method} group_size {group} is not served (a multiple of 32, or -1)"
@@ -77,7 +82,10 @@ class Int4Scheme:
             fmt = str(qc.get("checkpoint_format", "gptq")).lower()
             if fmt not in ("gptq", "gptq_v2"):
                 raise CheckpointError(f"{where}: GPTQ checkpoint_format {fmt!r} is not served")
-            return cls("gptq", group, 1 if fmt == "gptq" else 0, bool(qc.get("sym", True)))
+            sym = bool(qc.get("sym", True))
+            if bits == 8 and not sym:
+                raise CheckpointError(f"{where}: asymmetric 8-bit GPTQ is not served")
+            return cls("gptq", group, 1 if fmt == "gptq" else 0, sym, bits)
         raise CheckpointError(
             f"{where}: weights quantized with {method!r} are not served; weir serves GGUF files, "
             "AWQ and GPTQ int4, FP8 and compressed-tensors checkpoints, and float checkpoints "
@@ -85,11 +93,12 @@ class Int4Scheme:
         )
 
 
-def _nibbles(packed: np.ndarray) -> np.ndarray:
-    """int32 [..., c] -> uint8 [..., c, 8]: nibble p of each int32 at [..., p]."""
+def _nibbles(packed: np.ndarray, bits: int = 4) -> np.ndarray:
+    """int32 [..., c] -> uint8 [..., c, 32 / bits]: code p of each int32 (bits p * bits..) at
+    [..., p]."""
     u = packed.astype(np.int64) & 0xFFFFFFFF
-    shifts = 4 * np.arange(8, dtype=np.int64)
-    return ((u[..., None] >> shifts) & 0xF).astype(np.uint8)
+    shifts = bits * np.arange(32 // bits, dtype=np.int64)
+    return ((u[..., None] >> shifts) & ((1 << bits) - 1)).astype(np.uint8)
 
 
 def unpack(
@@ -102,9 +111,9 @@ def unpack(
         k = qw.shape[0]
         q = _nibbles(qw)[..., np.argsort(AWQ_ORDER)].reshape(k, -1).T  # [n, k]
         z = _nibbles(qz)[..., np.argsort(AWQ_ORDER)].reshape(qz.shape[0], -1).T
-    else:
-        q = _nibbles(qw.T).reshape(qw.shape[1], -1)  # [n, k]: input 8i + p
-        z = _nibbles(qz).reshape(qz.shape[0], -1).T
+    else:  # input (32 / bits) i + p in code p
+        q = _nibbles(qw.T, scheme.bits).reshape(qw.shape[1], -1)  # [n, k]
+        z = _nibbles(qz, scheme.bits).reshape(qz.shape[0], -1).T
     z = z.astype(np.int16) + scheme.zero_offset
     return np.ascontiguousarray(q), z, np.ascontiguousarray(s)
 
@@ -131,4 +140,8 @@ def repack(
         raise CheckpointError(
             f"{name}: g_idx puts inputs out of order (GPTQ activation order): not served"
         )
+    if scheme.bits == 8:  # symmetric: every zero 128, w = s (q - 128)
+        if not bool((z == 128).all()):
+            raise CheckpointError(f"{name}: 8-bit GPTQ zeros other than 128 (asymmetric)")
+        return q8_blocks(name, (q.astype(np.int16) - 128).astype(np.int8), s)
     return q4_blocks(name, q, z, s)
