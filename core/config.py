@@ -23,12 +23,14 @@ def is_bad_input(e: BaseException) -> bool:
 
 
 # --quantization: weir's own round-to-nearest formats (gpu/quant/quantize.py); "gguf", "awq",
-# "gptq" and "compressed-tensors" name what a checkpoint already holds (a .gguf path,
-# config.json's quantization_config).
+# "gptq", "compressed-tensors" and "modelopt" name what a checkpoint already holds (a .gguf
+# path, config.json's quantization_config, ModelOpt's hf_quant_config.json).
 # --kv-cache-dtype: FP8 under any model, on CPU or an FP8-capable GPU (gpu/kv_cache.py says which
 # go together); fp8 is vLLM's name of fp8_e4m3
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
-QUANTIZATIONS = ("q8_0", "q4_0", "q4_k", "fp8", "gguf", "awq", "gptq", "compressed-tensors")
+QUANTIZATIONS = (
+    "q8_0", "q4_0", "q4_k", "fp8", "gguf", "awq", "gptq", "compressed-tensors", "modelopt",
+)  # fmt: skip
 # --logprobs-mode, vLLM's: the model's own distribution or the one sampled from, as log-probs
 # or logits (gpu/sampler.py).
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits")
@@ -127,7 +129,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise ValueError(
                 f"--quantization {self.quantization} is not offered: weir quantizes at load to "
                 "q8_0, q4_0 or q4_k (CPU) or fp8 (GPU), and serves gguf files, awq or gptq int4 "
-                "checkpoints, fp8 and compressed-tensors checkpoints"
+                "checkpoints, fp8, ModelOpt FP8 and compressed-tensors checkpoints"
             )
         if self.tokenizer is not None and not Path(self.tokenizer).expanduser().is_dir():
             raise ValueError(

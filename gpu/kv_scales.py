@@ -1,8 +1,8 @@
 """A checkpoint's FP8 KV cache scales: one float per layer for its keys and one for its values,
 calibrated so that K / k_scale and V / v_scale fit E4M3 (llm-compressor's `kv_cache_scheme`,
 AutoFP8's and ModelOpt's FP8-KV checkpoints), as vLLM reads them:
-`model.layers.N.self_attn.k_scale` / `v_scale`, the older `kv_scale` (both) and
-`k_proj.output_scale` / `v_proj.output_scale`.
+`model.layers.N.self_attn.k_scale` / `v_scale`, the older `kv_scale` (both),
+`k_proj.output_scale` / `v_proj.output_scale`, and ModelOpt's `k_proj.k_scale` / `v_proj.v_scale`.
 
 Under an FP8 cache (--kv-cache-dtype fp8 / fp8_e4m3 / fp8_e5m2) each layer writes K times
 k_mul = 1 / k_scale and V times 1 / v_scale (float32), scores q.k with the attention's scale
@@ -25,7 +25,8 @@ from core.config import CheckpointError
 log = logging.getLogger("weir.kv_cache")
 
 _NAME = re.compile(
-    r"^model\.layers\.(\d+)\.self_attn\.(?:(k|v|kv)_scale|(k|v)_proj\.output_scale)$"
+    r"^model\.layers\.(\d+)\.self_attn\."
+    r"(?:(k|v|kv)_scale|(k|v)_proj\.output_scale|k_proj\.(k)_scale|v_proj\.(v)_scale)$"
 )
 
 
@@ -34,7 +35,7 @@ def which(name: str) -> tuple[int, str] | None:
     m = _NAME.match(name)
     if m is None:
         return None
-    return int(m.group(1)), m.group(2) or m.group(3)
+    return int(m.group(1)), next(g for g in m.groups()[1:] if g)
 
 
 def value(name: str, tensor: torch.Tensor) -> float:

@@ -189,7 +189,7 @@ def check_quantization(config: EngineConfig, path: Path, hf_config: Any) -> None
     q = config.quantization
     if q == "gguf" and not is_gguf(path):
         raise CheckpointError(f"--quantization gguf: {path} is not a .gguf file")
-    if q in ("awq", "gptq", "compressed-tensors") and method != q:
+    if q in ("awq", "gptq", "compressed-tensors", "modelopt") and method != q:
         raise CheckpointError(f"--quantization {q}: {path} has no {q} quantization_config")
     if q == "fp8" and (method not in (None, "fp8") or is_gguf(path)):
         raise CheckpointError(f"--quantization fp8: {path.name} is already quantized")

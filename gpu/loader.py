@@ -170,14 +170,25 @@ class Targets:
 
 def int4_scheme(path: Path, config: Any) -> Int4Scheme | Fp8Scheme | CompressedScheme | None:
     """The quantization scheme of a checkpoint whose config.json has a quantization_config:
-    AWQ / GPTQ 4-bit (gpu/quant/int4.py), FP8 (gpu/quant/fp8.py) or compressed-tensors
+    AWQ / GPTQ 4-bit (gpu/quant/int4.py), FP8 (gpu/quant/fp8.py; ModelOpt's too, from its
+    hf_quant_config.json) or compressed-tensors
     (gpu/quant/compressed.py); gpt-oss's MXFP4 experts need none (dequantized as read); any
     other is refused. Each says which checkpoint tensors are parts of a quantized layer
     (`gathers`), when a layer's parts are all read (`complete`) and makes its weight (`make`)."""
+    if is_gguf(path):
+        return None
     qc = getattr(config, "quantization_config", None)
-    if not qc or is_gguf(path):
+    modelopt = path / "hf_quant_config.json"  # ModelOpt's own file (vLLM reads it first)
+    if modelopt.exists():
+        try:
+            qc = {"quant_method": "modelopt", **json.loads(modelopt.read_text())["quantization"]}
+        except (ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{modelopt}: no readable 'quantization' entry ({e})") from None
+    if not qc:
         return None
     method = str(dict(qc).get("quant_method", "")).lower()
+    if method == "modelopt":
+        return Fp8Scheme.from_modelopt(dict(qc), str(path))
     if method == "fp8":
         return Fp8Scheme.from_config(dict(qc), str(path))
     if method == "compressed-tensors":

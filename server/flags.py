@@ -50,9 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="q8_0, q4_0, q4_k: quantize the weights at load (round to nearest, GGUF's block "
         "formats, weir's CPU kernels); fp8: quantize them at load to FP8 with a scale per "
-        "output row (GPUs with FP8 arithmetic); gguf, awq, gptq, fp8, compressed-tensors: what "
-        "the checkpoint already holds (implied by a .gguf path or config.json's "
-        "quantization_config)",
+        "output row (GPUs with FP8 arithmetic); gguf, awq, gptq, fp8, compressed-tensors, "
+        "modelopt: what the checkpoint already holds (implied by a .gguf path, config.json's "
+        "quantization_config or ModelOpt's hf_quant_config.json)",
     )
     s.add_argument(
         "--tokenizer",

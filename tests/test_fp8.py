@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 
+import msgspec
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -194,3 +195,41 @@ def test_quantization_fp8_at_load(tmp_path, monkeypatch):
     with pytest.raises(CheckpointError, match="already quantized"):
         path = fp8_checkpoint(hf, tmp_path / "fp8", False)
         load(EngineConfig(model=str(path), device="cpu", quantization="q8_0", num_kv_blocks=8))
+
+
+@pytest.mark.parametrize("algo", ["FP8", "FP8_PER_CHANNEL_PER_TOKEN"])
+def test_a_modelopt_checkpoint(tmp_path, algo):
+    """NVIDIA ModelOpt's layout: the same FP8 tensors, the scheme in hf_quant_config.json (not
+    config.json), K/V scales as `k_proj.k_scale` / `v_proj.v_scale`: the same logits as the
+    AutoFP8 checkpoint of those tensors, and the scales on their layers; other algorithms are
+    refused naming them."""
+    hf = build_tiny_model(tmp_path / "hf", "qwen3", hidden_size=128, intermediate_size=256)
+    static = algo == "FP8"
+    autofp8 = fp8_checkpoint(hf, tmp_path / "autofp8", static)
+    path = fp8_checkpoint(hf, tmp_path / "modelopt", static)
+    config = json.loads((path / "config.json").read_text())
+    del config["quantization_config"]
+    (path / "config.json").write_text(json.dumps(config))
+    quant = {"quant_algo": algo, "kv_cache_quant_algo": "FP8", "exclude_modules": ["lm_head"]}
+    (path / "hf_quant_config.json").write_text(
+        json.dumps({"producer": {"name": "modelopt"}, "quantization": quant})
+    )
+    tensors = load_file(str(path / "model.safetensors"))
+    tensors["model.layers.1.self_attn.k_proj.k_scale"] = torch.tensor(0.5)
+    tensors["model.layers.1.self_attn.v_proj.v_scale"] = torch.tensor(0.25)
+    save_file(tensors, str(path / "model.safetensors"))
+    core, got = first_logits(EngineConfig(model=str(path), device="cpu", num_kv_blocks=64))
+    _, want = first_logits(EngineConfig(model=str(autofp8), device="cpu", num_kv_blocks=64))
+    # (the scales unused under the model's own cache dtype; the files' different layouts can
+    # move a float32 sum by an ulp: within 1e-6 of the spread, not bit for bit)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6 * float(want.max() - want.min()))
+    layers = core.runner.model.model.layers
+    assert [layer.self_attn.kv_scales for layer in layers] == [[1.0, 1.0], [0.5, 0.25]]
+    config = EngineConfig(model=str(path), device="cpu", num_kv_blocks=64)
+    with pytest.raises(CheckpointError, match="--quantization awq"):
+        load(msgspec.structs.replace(config, quantization="awq"))
+    assert load(msgspec.structs.replace(config, quantization="modelopt")).core is not None
+    quant["quant_algo"] = "NVFP4"
+    (path / "hf_quant_config.json").write_text(json.dumps({"quantization": quant}))
+    with pytest.raises(CheckpointError, match="ModelOpt quant_algo 'NVFP4' is not served"):
+        load(config)

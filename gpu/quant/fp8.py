@@ -1,10 +1,12 @@
 """FP8 weights (W8A8): float8_e4m3fn values with a float32 scale per output row.
 
-Two ways in, both as vLLM names them:
+Three ways in, as vLLM names them:
 - an FP8 checkpoint (config.json's quantization_config `quant_method: fp8`, as AutoFP8 and
   vLLM write them): each quantized layer's `weight` in float8_e4m3fn beside its `weight_scale`
   (one per tensor, or one per output row) and, with `activation_scheme: static`, an
   `input_scale`; block-wise scales (`weight_block_size`) are refused;
+- an NVIDIA ModelOpt FP8 checkpoint (`hf_quant_config.json`, quant_algo FP8 or
+  FP8_PER_CHANNEL_PER_TOKEN: `Fp8Scheme.from_modelopt`), the same tensors;
 - `--quantization fp8`: a 16-bit checkpoint quantized when it is loaded, a scale per output row
   (amax / 448).
 Activations are quantized as each product runs: per token (dynamic), or with the checkpoint's
@@ -96,6 +98,24 @@ class Fp8Scheme:
         if scheme not in ("dynamic", "static"):
             raise CheckpointError(f"{where}: FP8 activation_scheme {scheme!r} is not served")
         return cls("fp8", scheme == "static")
+
+    @classmethod
+    def from_modelopt(cls, qc: dict[str, Any], where: str) -> Fp8Scheme:
+        """NVIDIA ModelOpt's FP8 checkpoints (hf_quant_config.json's `quantization`, or
+        config.json's quantization_config with quant_method modelopt), as vLLM serves them:
+        `FP8` (a weight scale per tensor, a static input scale) and
+        `FP8_PER_CHANNEL_PER_TOKEN` (a scale per output row, activations per token). Their
+        K/V scales (`k_proj.k_scale`, `v_proj.v_scale`) are gpu/kv_scales.py's."""
+        algo = str(qc.get("quant_algo") or "").upper()
+        if algo not in ("FP8", "FP8_PER_CHANNEL_PER_TOKEN"):
+            raise CheckpointError(
+                f"{where}: ModelOpt quant_algo {algo or None!r} is not served (FP8, "
+                "FP8_PER_CHANNEL_PER_TOKEN)"
+            )
+        kv = qc.get("kv_cache_quant_algo")
+        if kv and str(kv).upper() != "FP8":
+            raise CheckpointError(f"{where}: ModelOpt kv_cache_quant_algo {kv!r} is not served")
+        return cls("modelopt", algo == "FP8")
 
     def gathers(self, part: str, stored_dtype: str) -> bool:
         """Whether a checkpoint tensor is one part of a quantized layer (gathered by the loader
