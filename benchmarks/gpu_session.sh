@@ -24,7 +24,8 @@
 # on a 16-core host), gpt-oss-20b's layer x 2 with its MXFP4 experts kept 4-bit, decoding
 # through CUDA graphs (its random model's build alone took ~200 s there), and `quant`: the 4-bit
 # weight dequantized for cuBLAS from 64 rows ("q4_0") against the tiles alone ("q4_0 tiles",
-# 0.25x of bf16 at batch 64 before); set w4a16.DEQUANT_ROWS from what it shows.) Other stages:
+# 0.25x of bf16 at batch 64 before); set w4a16.DEQUANT_ROWS from what it shows; and "q8_0",
+# the product's int8 mode (W8A16), first measured there.) Other stages:
 #   kernels correctness gputests asyncoffline fused fusedkernels offline profile overhead step
 #   suite spec fullsuite attention quant api_servers
 #
@@ -118,7 +119,7 @@ import server.app, core.engine, gpu.runner; print(\"imports ok\")'; git log --on
             echo "== spec skipped: no .gpu-cache/copy-llama-4x256-1500-32" | tee -a "$OUT/summary.txt"
         fi
         ;;
-    # 4-bit (W4A16) and FP8 against bf16: tok/s at batch 1 and 64, agreement
+    # 4-bit (W4A16), 8-bit (W8A16) and FP8 against bf16: tok/s at batch 1 and 64, agreement
     quant) stage quant 120 $PY -m benchmarks.quant_gpu --rounds 1 ;;
     # the CUDA backend's fused kernels against torch's ops, compiled (many small variants)
     fusedkernels) stage fusedkernels 120 $PY -m pytest -q -p no:cacheprovider --timeout 60 \

@@ -1,7 +1,8 @@
 """Quantized weights on the GPU against the 16-bit model: 4-bit (a Q4_0 GGUF of the same weights,
 on the W4A16 Triton product; "q4_0 tiles": its tiled product at every row count, where from
-w4a16.DEQUANT_ROWS rows the weight is otherwise dequantized for torch's product) and FP8
-(`--quantization fp8`, torch's scaled FP8 product).
+w4a16.DEQUANT_ROWS rows the weight is otherwise dequantized for torch's product), 8-bit (a Q8_0
+GGUF: the same product's int8 mode, W8A16) and FP8 (`--quantization fp8`, torch's scaled FP8
+product).
 
 For each variant: decode tok/s at batch 1 (one stream) and at batch 64, alternated over
 --rounds, and its agreement with a reference: teacher-forced along the reference's own greedy
@@ -109,14 +110,22 @@ def main() -> None:
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     hf = bench_model(args.model)
-    q4 = Path(hf).with_name(Path(hf).name + "-q4_0.gguf")
-    if not q4.exists():  # written once beside the bench model
-        write_gguf(hf, q4.with_suffix(".tmp"), uniform("q4_0")).rename(q4)
+    files = {}
+    for fmt in ("q4_0", "q8_0"):
+        files[fmt] = Path(hf).with_name(Path(hf).name + f"-{fmt}.gguf")
+        if not files[fmt].exists():  # written once beside the bench model
+            write_gguf(hf, files[fmt].with_suffix(".tmp"), uniform(fmt)).rename(files[fmt])
     variants = {
         "bf16": dict(model=hf, dtype="bfloat16"),
-        "q4_0": dict(model=str(q4), dtype="bfloat16", tokenizer=hf),
+        "q4_0": dict(model=str(files["q4_0"]), dtype="bfloat16", tokenizer=hf),
+        "q8_0": dict(model=str(files["q8_0"]), dtype="bfloat16", tokenizer=hf),
     }
-    references = {"bf16": "bf16", "q4_0": "q4_0 dequantized", "fp8": "fp8 dequantized"}
+    references = {
+        "bf16": "bf16",
+        "q4_0": "q4_0 dequantized",
+        "q8_0": "q8_0 dequantized",
+        "fp8": "fp8 dequantized",
+    }
     if device == "cuda":
         # the tiled product at every row count (w4a16.DEQUANT_ROWS off): the other side of it
         variants["q4_0 tiles"] = variants["q4_0"]
@@ -131,8 +140,10 @@ def main() -> None:
     sequences = {
         "bf16": continuations(LLM(**variants["bf16"], **common), prompts),
     }
-    with dequantized():
-        sequences["q4_0 dequantized"] = continuations(LLM(**variants["q4_0"], **common), prompts)
+    for fmt in files:
+        with dequantized():
+            llm = LLM(**variants[fmt], **common)
+            sequences[f"{fmt} dequantized"] = continuations(llm, prompts)
     if "fp8" in variants:
         with dequantized(fp8=True):
             sequences["fp8 dequantized"] = continuations(LLM(**variants["bf16"], **common), prompts)

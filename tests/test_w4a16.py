@@ -25,15 +25,15 @@ def blocks(fmt: str, n: int, k: int, seed: int = 0) -> BlockTensor:
     return BlockTensor(quantize(w, fmt), FORMATS[fmt], (n, k))
 
 
-@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "mxfp4"])
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "mxfp4", "q8_0"])
 def test_the_gpu_form_holds_the_blocks_weights(fmt):
     t = blocks(fmt, 24, 96)
     w = Int4Weight.from_blocks(t, DEVICE)
-    assert w.qweight.shape == (12, 24) and w.scales.shape == (3, 24)
+    assert w.qweight.shape == (96 * w.bits // 32, 24) and w.scales.shape == (3, 24)
     assert torch.equal(w.dequantize().cpu(), t.dequantize(torch.float32))
 
 
-@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "mxfp4"])
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "mxfp4", "q8_0"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("m,split_k", [(1, 1), (1, 3), (5, 2), (33, 1), (70, 1)])
 def test_the_product_equals_the_float_product(fmt, dtype, m, split_k):
@@ -43,7 +43,9 @@ def test_the_product_equals_the_float_product(fmt, dtype, m, split_k):
     g = torch.Generator().manual_seed(m)
     x = torch.randn((m, k), generator=g).to(DEVICE, dtype)
     bias = torch.randn(n, generator=g).to(DEVICE, dtype)
-    got = w4a16_linear(x, w.qweight, w.scales, w.mins, 32, bias, split_k=split_k, fp4=w.fp4)
+    got = w4a16_linear(
+        x, w.qweight, w.scales, w.mins, 32, bias, split_k=split_k, fp4=w.fp4, int8=w.bits == 8
+    )
     want = x.float() @ t.dequantize(torch.float32).to(DEVICE).T + bias.float()
     assert got.dtype == dtype and got.shape == (m, n)
     tol = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-3}[dtype]
@@ -51,7 +53,7 @@ def test_the_product_equals_the_float_product(fmt, dtype, m, split_k):
     torch.testing.assert_close(got.float(), want, atol=tol * scale, rtol=tol)
 
 
-@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "mxfp4"])
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "mxfp4", "q8_0"])
 def test_the_dequantized_weight_is_the_forms(fmt):
     """The weight the product reads from DEQUANT_ROWS rows on: in float32 exactly the form's
     weight, in 16 bits that rounded once (to nearest on a GPU; Triton's interpreter cuts a
@@ -60,7 +62,7 @@ def test_the_dequantized_weight_is_the_forms(fmt):
     w = Int4Weight.from_blocks(t, DEVICE)
     want = w.dequantize().T
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        got = dequantize_int4(w.qweight, w.scales, w.mins, 32, dtype, w.fp4)
+        got = dequantize_int4(w.qweight, w.scales, w.mins, 32, dtype, w.fp4, w.bits == 8)
         assert got.dtype == dtype and got.shape == (160, 80)
         if dtype == torch.bfloat16 and DEVICE == "cpu":
             cut = (want.contiguous().view(torch.int32) & -65536).view(torch.float32)
@@ -76,7 +78,7 @@ def test_from_dequant_rows_on_the_weight_is_dequantized_once(monkeypatch):
     w = Int4Weight.from_blocks(t, DEVICE)
     calls = []
     real = w4a16.dequantize_int4
-    monkeypatch.setattr(w4a16, "dequantize_int4", lambda *a: calls.append(a[-2]) or real(*a))
+    monkeypatch.setattr(w4a16, "dequantize_int4", lambda *a: calls.append(a[4]) or real(*a))
     g = torch.Generator().manual_seed(0)
     rows = w4a16.DEQUANT_ROWS
     x = torch.randn((rows, 160), generator=g).to(DEVICE, torch.bfloat16)
@@ -106,8 +108,10 @@ def test_strided_rows_and_bad_arguments():
         w4a16_linear(x, w.qweight, w.scales.float(), w.mins, 32)
     with pytest.raises(ValueError, match="contiguous rows"):
         w4a16_linear(wide.T, w.qweight, w.scales, w.mins, 32)
-    with pytest.raises(ValueError, match="no 4-bit GPU form"):
-        Int4Weight.from_blocks(blocks("q8_0", 16, 64), DEVICE)
+    with pytest.raises(ValueError, match="no GPU block form"):
+        Int4Weight.from_blocks(blocks("q5_0", 16, 64), DEVICE)
+    with pytest.raises(ValueError, match="fp4 and int8"):
+        w4a16_linear(x, w.qweight, w.scales, None, 32, fp4=True, int8=True)
     with pytest.raises(ValueError, match="mins are given"):
         w4a16_linear(x, w.qweight, w.scales, w.mins, 32, fp4=True)
 
@@ -123,7 +127,7 @@ def test_mxfp4_scales_float16_holds_and_blocks_of_zeros():
     assert w.mins is None and torch.equal(w.dequantize().cpu(), t.dequantize(torch.float32))
     t.rows.reshape(-1, 17)[1, 0] = 150
     assert not fits(t)
-    with pytest.raises(ValueError, match="no 4-bit GPU form"):
+    with pytest.raises(ValueError, match="no GPU block form"):
         Int4Weight.from_blocks(t, DEVICE)
 
 
@@ -133,11 +137,12 @@ def test_the_k_split_fills_the_gpu_only_for_few_rows():
     assert split_k_for(1, 64, 128, 16, 64, 64, 132) == 1  # k too short to share
 
 
-@pytest.mark.parametrize("fmt", ["q4_0", "q4_1"])
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0"])
 def test_a_4_bit_gguf_on_the_cuda_backend(fmt, tmp_path, monkeypatch):
     """A Q4_0 / Q4_1 file on the CUDA backend keeps its products 4-bit (W4A16: Q/K/V stacked,
-    gate/up one product) and gives the tokens and logits of the same file dequantized to
-    float32 on torch's ops (the interpreter on CPU), its prompts past DEQUANT_ROWS."""
+    gate/up one product; a Q8_0 file 8-bit, W8A16) and gives the tokens and logits of the same
+    file dequantized to float32 on torch's ops (the interpreter on CPU), its prompts past
+    DEQUANT_ROWS."""
     from core.config import EngineConfig
     from gpu import assemble
     from gpu.assemble import resident_weights

@@ -42,7 +42,9 @@ def _kind(form: Any) -> Any:
     if not (isinstance(form, tuple) and len(form) == 2):
         return None
     w = form[0]
-    return "dense" if isinstance(w, torch.Tensor) else w.fmt if isinstance(w, Int4Weight) else None
+    if isinstance(w, Int4Weight):  # (Q8_0 experts keep their own products: no fused mode)
+        return w.fmt if w.bits == 4 else None
+    return "dense" if isinstance(w, torch.Tensor) else None
 
 
 def _shape(w: torch.Tensor | Int4Weight) -> tuple:

@@ -2,7 +2,8 @@
 
 - 4-bit: GGUF's Q4_0 / Q4_1 blocks, AWQ / GPTQ checkpoints (which the loader repacks into
   those) and gpt-oss's MXFP4 experts, in their GPU form (gpu/cuda/int4_weight.py) on the W4A16
-  Triton product (gpu/cuda/kernels/w4a16.py);
+  Triton product (gpu/cuda/kernels/w4a16.py); and 8-bit Q8_0 blocks (GGUF, compressed-tensors
+  W8A16 / W8A8, GPTQ 8-bit) on the same product's int8 mode;
 - FP8: an FP8 checkpoint's weights, or a 16-bit one's quantized at load (`--quantization fp8`),
   on torch's scaled FP8 product (gpu/quant/fp8.py), where the GPU has FP8 arithmetic.
 Weights sharing an input (Q/K/V, gate/up) are joined into one product when they are all of one
@@ -59,6 +60,7 @@ def linear(x: torch.Tensor, weight: Any, bias: torch.Tensor | None) -> torch.Ten
         return fp8.fp8_linear(x, weight, bias, quantize)
     rows = x.reshape(-1, x.shape[-1])
     y = w4a16_linear(
-        rows, weight.qweight, weight.scales, weight.mins, int4_weight.GROUP, bias, fp4=weight.fp4
-    )
+        rows, weight.qweight, weight.scales, weight.mins, int4_weight.GROUP, bias,
+        fp4=weight.fp4, int8=weight.bits == 8,
+    )  # fmt: skip
     return y.reshape(*x.shape[:-1], y.shape[-1])

@@ -49,9 +49,11 @@ CASES = [  # (kernel, dtype, head_dim or size, extra constexprs)
     ("w4a16", "fp16", 0, {"BLOCK_M": 64, "SPLIT_K": 1, "UPCAST": False, "FP4": False}),
     ("w4a16", "fp32", 0, {"BLOCK_M": 16, "SPLIT_K": 2, "UPCAST": True, "FP4": False}),
     ("w4a16", "bf16", 0, {"BLOCK_M": 16, "SPLIT_K": 4, "UPCAST": False, "FP4": True}),  # MXFP4
+    ("w4a16", "bf16", 0, {"BLOCK_M": 16, "SPLIT_K": 4, "UPCAST": False, "INT8": True}),  # Q8_0
     # the same weights dequantized once for torch's product (DEQUANT_ROWS rows and more)
     ("w4a16_dequant", "bf16", 0, {"FP4": False}),
     ("w4a16_dequant", "fp32", 0, {"FP4": True}),
+    ("w4a16_dequant", "bf16", 0, {"INT8": True}),
     # LoRA's shrink and expand; "size" is the rank axis (R_PAD): decode rows with k split,
     # prefill rows, a float32 model, and "fp32/bf16" float32 activations over bfloat16 slots
     ("lora_shrink", "bf16", 16, {"SPLIT_K": 4, "UPCAST": False}),
@@ -122,11 +124,11 @@ def compile_case(kind: str, dtype: str, head_dim: int, extra: dict, arch: int) -
         ptrs = dict(
             x_ptr=p, qweight_ptr="*i32", scales_ptr="*fp16", mins_ptr="*fp16", out_ptr="*fp32"
         )
-        consts = dict(GROUP=32, BLOCK_N=64, BLOCK_K=64)
+        consts = dict(GROUP=32, BLOCK_N=64, BLOCK_K=64, FP4=False, INT8=False)
     elif kind == "w4a16_dequant":
         fn = wq._dequant_kernel
         ptrs = dict(qweight_ptr="*i32", scales_ptr="*fp16", mins_ptr="*fp16", out_ptr=p)
-        consts = dict(GROUP=32, BLOCK_N=64, BLOCK_K=64)
+        consts = dict(GROUP=32, BLOCK_N=64, BLOCK_K=64, FP4=False, INT8=False)
     elif kind == "lora_shrink":
         fn = lo._lora_shrink_kernel
         ptrs = dict(

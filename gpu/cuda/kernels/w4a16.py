@@ -1,5 +1,6 @@
 """y = x @ W.T with W in 4 bits (W4A16): AWQ and GPTQ int4 checkpoints and GGUF's Q4_0 / Q4_1,
-dequantized tile by tile inside the product.
+dequantized tile by tile inside the product; and in 8 (W8A16: GGUF's Q8_0, compressed-tensors'
+and GPTQ's 8-bit layers, `int8`: int8 codes four to a word, a scale per 32, no min).
 
 The weight (gpu/cuda/int4_weight.py `Int4Weight`) is K-major so that a tile of it is one
 coalesced read: `qweight` [k / 8, n] int32, eight 4-bit codes of consecutive k per word (code
@@ -80,6 +81,37 @@ def int4_tile(
 
 
 @triton.jit
+def int8_tile(
+    q_ptr,
+    scales_ptr,
+    k0,
+    n,
+    k,
+    offs_n,
+    n_mask,
+    GROUP: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Q8_0's float32 tile [BLOCK_K, BLOCK_N], as int4_tile's: codes q [k / 4, n] int32 (code j
+    of word i, bits 8j.., is k = 4 i + j, signed), scales [k / GROUP, n]: w = scale * q."""
+    offs_w = k0 // 4 + tl.arange(0, BLOCK_K // 4)
+    words = tl.load(
+        q_ptr + offs_w[:, None].to(tl.int64) * n + offs_n[None, :],
+        mask=(offs_w[:, None] < k // 4) & n_mask[None, :],
+        other=0,
+    )
+    shifts = tl.arange(0, 4) * 8
+    codes = tl.reshape((words[:, None, :] >> shifts[None, :, None]) & 0xFF, (BLOCK_K, BLOCK_N))
+    codes = codes - ((codes >> 7) << 8)  # 128..255 are -128..-1
+    offs_g = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
+    g_mask = (offs_g[:, None] < k // GROUP) & n_mask[None, :]
+    group = offs_g[:, None].to(tl.int64) * n + offs_n[None, :]
+    scale = tl.load(scales_ptr + group, mask=g_mask, other=0.0).to(tl.float32)
+    return codes.to(tl.float32) * _spread(scale, BLOCK_K, BLOCK_N, GROUP)
+
+
+@triton.jit
 def _w4a16_kernel(
     x_ptr,
     qweight_ptr,
@@ -99,6 +131,7 @@ def _w4a16_kernel(
     SPLIT_K: tl.constexpr,
     UPCAST: tl.constexpr,
     FP4: tl.constexpr,
+    INT8: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -121,10 +154,15 @@ def _w4a16_kernel(
             mask=m_mask[:, None] & k_mask[None, :],
             other=0.0,
         )
-        w = int4_tile(
-            qweight_ptr, scales_ptr, mins_ptr, t * BLOCK_K, n, k, offs_n, n_mask,
-            GROUP, BLOCK_K, BLOCK_N, FP4,
-        )  # fmt: skip
+        if INT8:
+            w = int8_tile(
+                qweight_ptr, scales_ptr, t * BLOCK_K, n, k, offs_n, n_mask, GROUP, BLOCK_K, BLOCK_N
+            )
+        else:
+            w = int4_tile(
+                qweight_ptr, scales_ptr, mins_ptr, t * BLOCK_K, n, k, offs_n, n_mask,
+                GROUP, BLOCK_K, BLOCK_N, FP4,
+            )  # fmt: skip
         if UPCAST:  # float32 activations, or Triton's CPU interpreter (no 16-bit products)
             acc += tl.dot(x.to(tl.float32), w, input_precision="ieee")
         else:
@@ -145,16 +183,21 @@ def _dequant_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     FP4: tl.constexpr,
+    INT8: tl.constexpr,
 ):
     """out [k, n] (the weight transposed, in out's dtype), one [BLOCK_K, BLOCK_N] tile a
     program: the very tile the product decodes."""
     offs_k = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < n
-    w = int4_tile(
-        qweight_ptr, scales_ptr, mins_ptr, tl.program_id(0) * BLOCK_K, n, k, offs_n, n_mask,
-        GROUP, BLOCK_K, BLOCK_N, FP4,
-    )  # fmt: skip
+    k0 = tl.program_id(0) * BLOCK_K
+    if INT8:
+        w = int8_tile(qweight_ptr, scales_ptr, k0, n, k, offs_n, n_mask, GROUP, BLOCK_K, BLOCK_N)
+    else:
+        w = int4_tile(
+            qweight_ptr, scales_ptr, mins_ptr, k0, n, k, offs_n, n_mask,
+            GROUP, BLOCK_K, BLOCK_N, FP4,
+        )  # fmt: skip
     out = out_ptr + offs_k[:, None].to(tl.int64) * n + offs_n[None, :]
     tl.store(
         out,
@@ -170,16 +213,17 @@ def dequantize_int4(
     group: int,
     dtype: torch.dtype,
     fp4: bool = False,
+    int8: bool = False,
 ) -> torch.Tensor:
     """The weight W.T [k, n] in `dtype` (each value formed in float32 and rounded once, as the
     product rounds it for a 16-bit tl.dot), from the arguments w4a16_linear takes."""
-    k, n = qweight.shape[0] * 8, qweight.shape[1]
+    k, n = qweight.shape[0] * (4 if int8 else 8), qweight.shape[1]
     out = torch.empty((k, n), dtype=dtype, device=qweight.device)
     block_n, block_k = 64, max(64, group)
     grid = (triton.cdiv(k, block_k), triton.cdiv(n, block_n))
     _dequant_kernel[grid](
-        qweight, scales, scales if fp4 else mins, out, n, k,
-        GROUP=group, BLOCK_K=block_k, BLOCK_N=block_n, FP4=fp4,
+        qweight, scales, scales if mins is None else mins, out, n, k,
+        GROUP=group, BLOCK_K=block_k, BLOCK_N=block_n, FP4=fp4, INT8=int8,
     )  # fmt: skip
     return out
 
@@ -202,31 +246,37 @@ def w4a16_linear(
     bias: torch.Tensor | None = None,
     split_k: int | None = None,
     fp4: bool = False,
+    int8: bool = False,
 ) -> torch.Tensor:
     """x [m, k] (float16 / bfloat16 / float32, rows contiguous) times the 4-bit weight [n, k]
     held as qweight [k / 8, n] int32, scales and mins [k / group, n] float16 (`fp4`: MXFP4's
-    codes, no mins); returns [m, n] in x's dtype (plus bias)."""
+    codes, no mins; `int8`: Q8_0's codes, qweight [k / 4, n], no mins); returns [m, n] in x's
+    dtype (plus bias)."""
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(f"x must be [rows, k] with contiguous rows, got {tuple(x.shape)}")
     m, k = x.shape
+    if fp4 and int8:
+        raise ValueError("fp4 and int8 codes are two formats")
+    per = 4 if int8 else 8  # codes an int32
     if qweight.dtype != torch.int32 or qweight.dim() != 2 or not qweight.is_contiguous():
-        raise ValueError("qweight must be a contiguous [k / 8, n] int32 tensor")
+        raise ValueError(f"qweight must be a contiguous [k / {per}, n] int32 tensor")
     n = qweight.shape[1]
-    if k % group or group % 8 or group & (group - 1) or qweight.shape[0] * 8 != k:
+    if k % group or group % 8 or group & (group - 1) or qweight.shape[0] * per != k:
         raise ValueError(
-            f"k = {k} must be qweight's rows x 8 and a multiple of group {group} (a power of two)"
+            f"k = {k} must be qweight's rows x {per} and a multiple of group {group} (a power "
+            "of two)"
         )
-    if (mins is None) != fp4:
-        raise ValueError("mins are given for integer codes, and only for them (fp4: none)")
-    for name, t in (("scales", scales), ("mins", scales if fp4 else mins)):
+    if (mins is None) != (fp4 or int8):
+        raise ValueError("mins are given for 4-bit integer codes, and only for them")
+    for name, t in (("scales", scales), ("mins", scales if mins is None else mins)):
         if t.shape != (k // group, n) or not t.is_contiguous() or t.dtype != torch.float16:
             raise ValueError(f"{name} must be a contiguous [{k // group}, {n}] float16 tensor")
     if bias is not None and bias.shape != (n,):
         raise ValueError(f"bias must be [{n}]")
-    if any(t.device != x.device for t in (qweight, scales, scales if fp4 else mins)):
+    if any(t.device != x.device for t in (qweight, scales, scales if mins is None else mins)):
         raise ValueError("x and the weight must be on one device")
     if DEQUANT_ROWS is not None and m >= DEQUANT_ROWS:
-        w = dequantize_int4(qweight, scales, mins, group, x.dtype, fp4)
+        w = dequantize_int4(qweight, scales, mins, group, x.dtype, fp4, int8)
         return x @ w if bias is None else torch.addmm(bias.to(x.dtype), x, w)
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
     block_n, block_k = 64, max(64, group)  # whole groups in a k tile
@@ -239,7 +289,7 @@ def w4a16_linear(
         x,
         qweight,
         scales,
-        scales if fp4 else mins,  # (not read with FP4)
+        scales if mins is None else mins,  # (not read with FP4 or INT8)
         parts,
         m,
         n,
@@ -254,6 +304,7 @@ def w4a16_linear(
         SPLIT_K=split_k,
         UPCAST=not x.is_cuda or x.dtype == torch.float32,
         FP4=fp4,
+        INT8=int8,
     )
     y = parts[0] if split_k == 1 else parts.sum(0)
     if bias is not None:
