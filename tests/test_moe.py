@@ -4,6 +4,7 @@ them), against transformers on the same random weights."""
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 import torch
 
@@ -54,6 +55,23 @@ def test_moe_on_the_cuda_backend(tmp_path, monkeypatch):
     """The same model on the CUDA backend's kernels (Triton's interpreter), run eagerly."""
     path = moe(tmp_path / "moe", num_layers=1)
     assert_as_transformers(path, path, prompt(12), **use_cuda_backend(monkeypatch))
+
+
+def test_q8_0_experts_on_the_cuda_backend(tmp_path, monkeypatch):
+    """Q8_0 experts on the CUDA backend (Triton's interpreter): each keeps its own 8-bit product
+    (the fused kernel has no int8 mode), and the file gives transformers' logits on the gguf
+    package's dequantization of it."""
+    from gpu.cuda.int4_weight import Int4Weight
+    from gpu.quant.gguf_write import uniform, write_gguf
+
+    hf = moe(tmp_path / "hf", num_layers=1)
+    path = write_gguf(hf, tmp_path / "moe-q8_0.gguf", uniform("q8_0"))
+    ref = dequantized(path, hf, tmp_path / "ref")
+    config = EngineConfig(model=str(path), dtype="float32", num_kv_blocks=64)
+    core = load(msgspec.structs.replace(config, **use_cuda_backend(monkeypatch))).core
+    mlp = core.runner.model.model.layers[0].mlp
+    assert mlp.stacked is None and isinstance(mlp.experts[0].down[0], Int4Weight)
+    assert_as_transformers(path, ref, prompt(12), **use_cuda_backend(monkeypatch))
 
 
 def test_a_batch_routes_each_token_on_its_own(tmp_path):
