@@ -25,11 +25,11 @@ from compressed_tensors.compressors import BaseCompressor
 from compressed_tensors.quantization import QuantizationConfig, preset_name_to_scheme
 
 from core.config import CheckpointError, EngineConfig
-from core.request import EngineRequest
-from core.sampling import SamplingParams
 from gpu.launch import load
 from gpu.quant.compressed import CompressedScheme
 from gpu.tiny_model import build_tiny_model
+from tests.test_gguf import run
+from tests.test_int4 import without
 
 TEXT = "The quick brown fox jumps over the lazy dog while the cat sleeps in the warm sun today."
 # the products a checkpoint quantizes (Mixtral's experts: w1, w2, w3; routers stay in float)
@@ -195,14 +195,7 @@ def agrees_with_transformers(loaded, hf, meant):
     from transformers import AutoModelForCausalLM
 
     ids = loaded.tokenizer.encode(TEXT, add_special_tokens=False)
-    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, prompt_logprobs=1)
-    core = loaded.core
-    core.add(EngineRequest("r", ids, params))
-    tokens, plp = [], None
-    while core.has_work:
-        for o in core.step():
-            tokens += o.new_token_ids
-            plp = o.prompt_logprobs or plp
+    tokens, plp = run(loaded, ids, n=1, prompt_logprobs=1)
     with tempfile.TemporaryDirectory() as tmp:
         folder = shutil.copytree(hf, f"{tmp}/ref", ignore=shutil.ignore_patterns("*.safetensors"))
         save_file({k: v.contiguous() for k, v in meant.items()}, f"{folder}/model.safetensors")
@@ -307,14 +300,7 @@ def test_flags_and_broken_layers(models, tmp_path):
     with pytest.raises(CheckpointError, match=r"--quantization q8_0: .*already quantized"):
         load_dir(path, quantization="q8_0")
     assert load_dir(path, quantization="compressed-tensors").weight_bytes["q4_0"] > 0
-    bad = tmp_path / "broken"
-    bad.mkdir()
-    for f in path.iterdir():
-        if f.name != "model.safetensors":
-            (bad / f.name).symlink_to(f)
-    tensors = load_file(path / "model.safetensors")
-    del tensors["model.layers.1.mlp.up_proj.weight_scale"]
-    save_file(tensors, bad / "model.safetensors")
+    bad = without(path, tmp_path / "broken", "model.layers.1.mlp.up_proj.weight_scale")
     with pytest.raises(
         CheckpointError, match=r"model.layers.1.mlp.up_proj: incomplete compressed-tensors layer"
     ):

@@ -24,11 +24,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from core.config import CheckpointError, EngineConfig
-from core.request import EngineRequest
-from core.sampling import SamplingParams
 from gpu.launch import load
 from gpu.quant.int4 import PARTS, Int4Scheme, repack
 from gpu.tiny_model import build_tiny_model
+from tests.test_gguf import run
 
 TEXT = "The quick brown fox jumps over the lazy dog while the cat sleeps in the warm sun today."
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -239,14 +238,7 @@ def served(loaded, key) -> torch.Tensor:
     if not hasattr(loaded.core.runner, "workers"):  # (the ranks' processes hold theirs)
         assert set(held) == {fmt, "f16", "f32"} and held["f32"] < 4 * 256 * 8  # f32: norms only
     ids = loaded.tokenizer.encode(TEXT, add_special_tokens=False)
-    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, prompt_logprobs=1)
-    core = loaded.core
-    core.add(EngineRequest("r", ids, params))
-    tokens, plp = [], None
-    while core.has_work:
-        for o in core.step():
-            tokens += o.new_token_ids
-            plp = o.prompt_logprobs or plp
+    tokens, plp = run(loaded, ids, n=1, prompt_logprobs=1)
     return torch.tensor([plp[i].top_ids[0] for i in range(1, len(ids))] + tokens[:1])
 
 
@@ -281,13 +273,18 @@ def test_flags_and_broken_layers(models, tmp_path):
     with pytest.raises(CheckpointError, match=r"--quantization q4_k: .*already quantized \(awq\)"):
         load_dir(path, quantization="q4_k")
     assert load_dir(path, quantization="awq").weight_bytes["q4_1"] > 0
-    bad = tmp_path / "broken"
-    bad.mkdir()
-    for f in path.iterdir():
-        if f.name != "model.safetensors":
-            (bad / f.name).symlink_to(f)
-    tensors = load_file(path / "model.safetensors")
-    del tensors["model.layers.1.mlp.up_proj.scales"]
-    save_file(tensors, bad / "model.safetensors")
+    bad = without(path, tmp_path / "broken", "model.layers.1.mlp.up_proj.scales")
     with pytest.raises(CheckpointError, match=r"model.layers.1.mlp.up_proj: incomplete awq layer"):
         load_dir(bad)
+
+
+def without(path, out, name):
+    """A copy of checkpoint `path` (its other files linked) whose weights lack tensor `name`."""
+    out.mkdir()
+    for f in path.iterdir():
+        if f.name != "model.safetensors":
+            (out / f.name).symlink_to(f)
+    tensors = load_file(path / "model.safetensors")
+    del tensors[name]
+    save_file(tensors, out / "model.safetensors")
+    return out

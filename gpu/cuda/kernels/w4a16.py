@@ -38,6 +38,36 @@ def _spread(rows, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.conste
 
 
 @triton.jit
+def _codes(q_ptr, k0, n, k, offs_n, n_mask, BITS: tl.constexpr, BLOCK_K: tl.constexpr,
+           BLOCK_N: tl.constexpr):  # fmt: skip
+    """The unsigned codes [BLOCK_K, BLOCK_N] at rows k0.. of q [k / PER, n] int32 (PER = 32 /
+    BITS codes a word: code j of word i, bits BITS j.., is k = PER i + j); zero past k and n.
+    Each word is read once."""
+    PER: tl.constexpr = 32 // BITS
+    offs_w = k0 // PER + tl.arange(0, BLOCK_K // PER)
+    words = tl.load(
+        q_ptr + offs_w[:, None].to(tl.int64) * n + offs_n[None, :],
+        mask=(offs_w[:, None] < k // PER) & n_mask[None, :],
+        other=0,
+    )
+    shifts = tl.arange(0, PER) * BITS
+    codes = (words[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1)
+    return tl.reshape(codes, (BLOCK_K, BLOCK_N))
+
+
+@triton.jit
+def _per_group(ptr, k0, n, k, offs_n, n_mask, GROUP: tl.constexpr, BLOCK_K: tl.constexpr,
+               BLOCK_N: tl.constexpr):  # fmt: skip
+    """The float32 values [BLOCK_K, BLOCK_N] of a [k / GROUP, n] tensor (scales, mins) for the
+    tile's rows k0..: each read once and spread over its GROUP rows."""
+    offs_g = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
+    g_mask = (offs_g[:, None] < k // GROUP) & n_mask[None, :]
+    group = offs_g[:, None].to(tl.int64) * n + offs_n[None, :]
+    values = tl.load(ptr + group, mask=g_mask, other=0.0).to(tl.float32)
+    return _spread(values, BLOCK_K, BLOCK_N, GROUP)
+
+
+@triton.jit
 def int4_tile(
     q_ptr,
     scales_ptr,
@@ -54,29 +84,17 @@ def int4_tile(
 ):
     """The weight's float32 tile [BLOCK_K, BLOCK_N] at rows k0.. (a multiple of BLOCK_K, whole
     groups) and columns offs_n, from its codes q [k / 8, n] int32 and scales / mins
-    [k / GROUP, n] (mins unread with FP4); zero past k and n. Each word, scale and min is read
-    once and spread over the k it covers (code j of word i is k = 8 i + j)."""
-    offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-    words = tl.load(
-        q_ptr + offs_w[:, None].to(tl.int64) * n + offs_n[None, :],
-        mask=(offs_w[:, None] < k // 8) & n_mask[None, :],
-        other=0,
-    )
-    shifts = tl.arange(0, 8) * 4
-    codes = tl.reshape((words[:, None, :] >> shifts[None, :, None]) & 0xF, (BLOCK_K, BLOCK_N))
-    offs_g = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
-    g_mask = (offs_g[:, None] < k // GROUP) & n_mask[None, :]
-    group = offs_g[:, None].to(tl.int64) * n + offs_n[None, :]
-    scale = tl.load(scales_ptr + group, mask=g_mask, other=0.0).to(tl.float32)
-    scale = _spread(scale, BLOCK_K, BLOCK_N, GROUP)
+    [k / GROUP, n] (mins unread with FP4); zero past k and n."""
+    codes = _codes(q_ptr, k0, n, k, offs_n, n_mask, 4, BLOCK_K, BLOCK_N)
+    scale = _per_group(scales_ptr, k0, n, k, offs_n, n_mask, GROUP, BLOCK_K, BLOCK_N)
     if FP4:  # magnitudes 0..7 -> 0, 1, 2, 3, 4, 6, 8, 12; bit 3 the sign
         mag = codes & 7
         v = tl.where(mag < 4, mag, tl.where(mag < 6, (mag - 2) * 2, (mag - 4) * 4))
         v = tl.where(codes >= 8, -v, v)
         w = v.to(tl.float32) * scale
     else:
-        low = tl.load(mins_ptr + group, mask=g_mask, other=0.0).to(tl.float32)
-        w = codes.to(tl.float32) * scale + _spread(low, BLOCK_K, BLOCK_N, GROUP)
+        low = _per_group(mins_ptr, k0, n, k, offs_n, n_mask, GROUP, BLOCK_K, BLOCK_N)
+        w = codes.to(tl.float32) * scale + low
     return w
 
 
@@ -93,22 +111,12 @@ def int8_tile(
     BLOCK_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """Q8_0's float32 tile [BLOCK_K, BLOCK_N], as int4_tile's: codes q [k / 4, n] int32 (code j
-    of word i, bits 8j.., is k = 4 i + j, signed), scales [k / GROUP, n]: w = scale * q."""
-    offs_w = k0 // 4 + tl.arange(0, BLOCK_K // 4)
-    words = tl.load(
-        q_ptr + offs_w[:, None].to(tl.int64) * n + offs_n[None, :],
-        mask=(offs_w[:, None] < k // 4) & n_mask[None, :],
-        other=0,
-    )
-    shifts = tl.arange(0, 4) * 8
-    codes = tl.reshape((words[:, None, :] >> shifts[None, :, None]) & 0xFF, (BLOCK_K, BLOCK_N))
+    """Q8_0's float32 tile [BLOCK_K, BLOCK_N], as int4_tile's: codes q [k / 4, n] int32 (signed
+    bytes), scales [k / GROUP, n]: w = scale * q."""
+    codes = _codes(q_ptr, k0, n, k, offs_n, n_mask, 8, BLOCK_K, BLOCK_N)
     codes = codes - ((codes >> 7) << 8)  # 128..255 are -128..-1
-    offs_g = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
-    g_mask = (offs_g[:, None] < k // GROUP) & n_mask[None, :]
-    group = offs_g[:, None].to(tl.int64) * n + offs_n[None, :]
-    scale = tl.load(scales_ptr + group, mask=g_mask, other=0.0).to(tl.float32)
-    return codes.to(tl.float32) * _spread(scale, BLOCK_K, BLOCK_N, GROUP)
+    scale = _per_group(scales_ptr, k0, n, k, offs_n, n_mask, GROUP, BLOCK_K, BLOCK_N)
+    return codes.to(tl.float32) * scale
 
 
 @triton.jit
