@@ -170,11 +170,11 @@ class Targets:
 
 def int4_scheme(path: Path, config: Any) -> Int4Scheme | Fp8Scheme | CompressedScheme | None:
     """The quantization scheme of a checkpoint whose config.json has a quantization_config:
-    AWQ / GPTQ 4-bit (gpu/quant/int4.py), FP8 (gpu/quant/fp8.py; ModelOpt's too, from its
-    hf_quant_config.json) or compressed-tensors
-    (gpu/quant/compressed.py); gpt-oss's MXFP4 experts need none (dequantized as read); any
-    other is refused. Each says which checkpoint tensors are parts of a quantized layer
-    (`gathers`), when a layer's parts are all read (`complete`) and makes its weight (`make`)."""
+    AWQ / GPTQ (gpu/quant/int4.py), FP8 (gpu/quant/fp8.py; ModelOpt's too, from its
+    hf_quant_config.json) or compressed-tensors (gpu/quant/compressed.py); gpt-oss's MXFP4
+    experts need none (dequantized as read); any other is refused. Each says which checkpoint
+    tensors are parts of a quantized layer (`gathers`), when a layer's parts are all read
+    (`complete`) and makes its weight (`make`)."""
     if is_gguf(path):
         return None
     qc = getattr(config, "quantization_config", None)
