@@ -180,12 +180,19 @@ def GB(n: int) -> str:
 
 
 def check_quantization(config: EngineConfig, path: Path, hf_config: Any) -> None:
-    """--quantization against what the checkpoint holds: gguf names a .gguf file; awq, gptq and
-    compressed-tensors a checkpoint whose config.json's quantization_config says so (served as
-    repacked blocks or FP8: gpu/quant/int4.py, gpu/quant/compressed.py); any other method there
-    is refused, naming it."""
+    """--quantization against what the checkpoint holds: gguf names a .gguf file; awq, gptq,
+    compressed-tensors and modelopt a checkpoint whose quantization config says so (served as
+    repacked blocks or FP8: gpu/quant/int4.py, gpu/quant/compressed.py, gpu/quant/fp8.py); any
+    other method there is refused, naming it. Run once, in the engine's process (the ranks do
+    not repeat it): what a checkpoint means that weir does not reproduce is said here."""
     scheme = int4_scheme(path, hf_config)  # refuses other methods, bits, group sizes, layouts
     method = scheme.method if scheme else None
+    if getattr(scheme, "int_activations", False):
+        log.warning(
+            "%s: the checkpoint means int8 activations; weir multiplies its integer weights by "
+            "16-bit activations (weir's CPU kernels: int8 per 32 inputs)",
+            path,
+        )
     q = config.quantization
     if q == "gguf" and not is_gguf(path):
         raise CheckpointError(f"--quantization gguf: {path} is not a .gguf file")

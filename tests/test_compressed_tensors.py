@@ -209,6 +209,18 @@ def agrees_with_transformers(loaded, hf, meant):
     assert float(gaps.mean()) < 0.1, gaps
 
 
+def test_int8_activations_are_said_once(models, caplog):
+    """W8A8's int8 activations are not reproduced: one warning at start-up says so."""
+    path, _, _ = models["llama", "W8A8"]
+    with caplog.at_level("WARNING", logger="weir.launch"):
+        load_dir(path)
+    assert caplog.text.count("the checkpoint means int8 activations") == 1
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="weir.launch"):
+        load_dir(models["llama", "W4A16"][0])
+    assert "int8 activations" not in caplog.text
+
+
 @pytest.mark.parametrize("arch,preset", [("llama", "W4A16"), ("qwen3", "FP8_DYNAMIC")])
 def test_on_two_ranks(models, arch, preset):
     """--tensor-parallel-size 2: each layer made whole, then cut to each rank's share as a GGUF

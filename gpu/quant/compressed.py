@@ -50,19 +50,16 @@ FLOAT_FORMATS = ("float-quantized", "naive-quantized")
 PARTS = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight_g_idx",
          "input_scale", "input_zero_point")  # fmt: skip
 STORED = ("I8", "F8_E4M3")  # a quantized layer's `weight` as the safetensors header names it
-_WARNED: set[str] = set()  # checkpoints whose int8 activations the log has named
 
 
 @dataclass(frozen=True)
 class Group:
     """One config group: the layers it targets and how their weights are stored."""
 
-    name: str
     targets: tuple[str, ...]
     fmt: str
     float_weights: bool  # FP8 weights (else integers)
     bits: int
-    groups: bool  # a scale per group of inputs (else per channel or per tensor)
     symmetric: bool
     static_input: bool  # FP8 activations with the checkpoint's input_scale
     int_activations: bool  # the checkpoint means int8 activations (served at 16 bits)
@@ -127,12 +124,10 @@ class Group:
                     f"{here}: static activation scales of integer weights are not served"
                 )
         return cls(
-            name,
             tuple(str(t) for t in g.get("targets") or ()),
             fmt,
             kind == "float",
             int(bits),
-            strategy == "group",
             bool(w.get("symmetric", True)),
             static,
             bool(a) and kind == "int",
@@ -198,15 +193,13 @@ class CompressedScheme:
             groups.append(Group.parse(name, g, default, where))
         if not groups:
             raise CheckpointError(f"{where}: compressed-tensors config without config_groups")
-        ignore = tuple(str(t) for t in qc.get("ignore") or ())
-        if any(g.int_activations for g in groups) and where not in _WARNED:
-            _WARNED.add(where)  # (the config is read twice at start-up: once said)
-            log.warning(
-                "%s: the checkpoint means int8 activations; weir multiplies its integer "
-                "weights by 16-bit activations (weir's CPU kernels: int8 per 32 inputs)",
-                where,
-            )
-        return cls(tuple(groups), ignore)
+        return cls(tuple(groups), tuple(str(t) for t in qc.get("ignore") or ()))
+
+    @property
+    def int_activations(self) -> bool:
+        """Whether the checkpoint means int8 activations (W8A8, W4A8), which weir does not
+        reproduce (gpu/launch.py check_quantization says so once)."""
+        return any(g.int_activations for g in self.groups)
 
     def group_of(self, layer: str) -> Group:
         if not any(_matches(layer, t) for t in self.ignore):
