@@ -21,6 +21,7 @@ from core.request import (
     RequestOutput,
     StepResult,
 )
+from core.pooling import CLASSIFY
 from core.request_check import check_request
 from core.sampling import InvalidParam, bad_words_ids
 from core.runner_step import GrammarBatch, SchedulerOutput
@@ -37,6 +38,7 @@ class ModelRunner(Protocol):
     rows' bitmask, to fill while the forward runs."""
 
     vocab_size: int
+    num_labels: int  # a sequence classifier's labels (0: a causal LM)
 
     def execute(self, out: SchedulerOutput, grammar: GrammarBatch | None) -> StepResult: ...
 
@@ -120,6 +122,14 @@ class EngineCore(TakeIn, BeamSteps):
         """
         if req.lora is not None and not self.scheduler.max_loras:
             raise InvalidParam("model", "LoRA adapters are not served: start with --enable-lora")
+        classifier = self.runner.num_labels > 0
+        if classifier != (req.pooling is not None and req.pooling.kind == CLASSIFY):
+            raise InvalidParam(
+                "model",
+                "this model is a sequence classifier: it classifies and scores, nothing else"
+                if classifier
+                else "this model is not a sequence classifier: it does not classify",
+            )
         return check_request(
             req,
             self.runner.vocab_size,

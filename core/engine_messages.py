@@ -87,6 +87,7 @@ class EngineReady(msgspec.Struct, tag="ready", gc=False):
     lora_base: LoraBase | None = None  # the shapes an adapter must fit, with --enable-lora
     block_size: int = 16
     eos_token_ids: list[int] = []  # banned with the stop tokens before a request's min_tokens
+    labels: list[str] | None = None  # a sequence classifier's, by index (None: a causal LM)
 
 
 class StepOutputs(msgspec.Struct, tag="step", gc=False):

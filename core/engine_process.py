@@ -125,6 +125,7 @@ def main() -> None:
         loaded.lora_base,
         core.kv.block_size,
         sorted(core.eos_token_ids),
+        loaded.labels,
     )
 
     def publish(outputs, stats) -> bool:

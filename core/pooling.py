@@ -1,20 +1,24 @@
-"""PoolingParams: what an embedding request asks of the engine instead of sampling. The prompt is
-run through the model (chunked and scheduled like any prompt) and its final hidden states are
-pooled into one vector; nothing is generated."""
+"""PoolingParams: what an embedding or classification request asks of the engine instead of
+sampling. The prompt is run through the model (chunked and scheduled like any prompt) and its
+final hidden states are pooled into one vector (or, for a sequence-classification model, its last
+token's row is put through the classifier's head: one raw logit a label); nothing is
+generated."""
 
 from __future__ import annotations
 
 import msgspec
 
-KINDS = ("last", "mean", "cls")
+KINDS = ("last", "mean", "cls")  # embeddings
+CLASSIFY = "classify"  # a sequence classifier's logits, from its last token
 
 
 class PoolingParams(msgspec.Struct, frozen=True, gc=False):
-    kind: str = "last"  # last token (decoder models), mean of all tokens, or the first (CLS)
+    kind: str = "last"  # last token (decoder models), mean of all tokens, the first (CLS), or
+    # CLASSIFY
     normalize: bool = True  # to unit length (after `dimensions`)
     dimensions: int | None = None  # Matryoshka: keep the first N, then normalize
 
     @property
     def needs_every_position(self) -> bool:
         """Mean and CLS pooling read hidden states the prefix cache cannot give back."""
-        return self.kind != "last"
+        return self.kind in ("mean", "cls")

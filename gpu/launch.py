@@ -48,6 +48,7 @@ class Loaded:
     kv_cache_bytes: int = 0
     device: str = ""  # where the model runs: cpu, cuda (the device's type)
     lora_base: Any = None  # core/lora.py LoraBase: the shapes an adapter must fit (--enable-lora)
+    labels: list[str] | None = None  # a sequence classifier's, by index (None: a causal LM)
 
 
 def resolve_async(config: EngineConfig, device: torch.device) -> bool:
@@ -172,7 +173,20 @@ def load(config: EngineConfig) -> Loaded:
         kv_bytes,
         device.type,
         lora_base,
+        classifier_labels(hf_config),
     )
+
+
+def classifier_labels(hf_config: Any) -> list[str] | None:
+    """A sequence classifier's label names (its config's id2label, LABEL_i where it names none),
+    or None for a causal LM."""
+    from gpu.models.spec import ModelSpec
+
+    n = ModelSpec.from_hf_config(hf_config).num_labels
+    if not n:
+        return None
+    names = {int(k): str(v) for k, v in (getattr(hf_config, "id2label", None) or {}).items()}
+    return [names.get(i, f"LABEL_{i}") for i in range(n)]
 
 
 def GB(n: int) -> str:

@@ -1,20 +1,27 @@
 """Pooling a step's final hidden states into embedding vectors (core/pooling.py's kinds): the last
 token's row, the mean of all rows (summed across a prompt's chunks), or the first (CLS) row;
-then Matryoshka truncation and unit normalisation. A vector leaves as little-endian float32."""
+then Matryoshka truncation and unit normalisation. A sequence classifier's request (CLASSIFY)
+puts its last token's row through the model's head instead: one raw logit a label. A vector
+leaves as little-endian float32."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from core.pooling import CLASSIFY
 from core.runner_step import SchedulerOutput
 from gpu.runner_state import RunnerRequest
 
 
 def pool(
-    out: SchedulerOutput, scheduled: list[RunnerRequest], hidden: torch.Tensor
+    out: SchedulerOutput,
+    scheduled: list[RunnerRequest],
+    hidden: torch.Tensor,
+    head: torch.Tensor | None = None,
 ) -> dict[str, bytes]:
-    """The vectors of the pooling requests whose prompt this step finished. Partial state (a
+    """The vectors of the pooling requests whose prompt this step finished (`head`: a
+    classifier's [labels, hidden] weight). Partial state (a
     running sum, the CLS row) is kept with the runner's request between chunks; a recompute
     after a preemption starts again from position 0 and starts the state again too."""
     pooled: dict[str, bytes] = {}
@@ -30,7 +37,9 @@ def pool(
             elif p.kind == "cls" and s.start == 0:
                 r.pool_state = rows[0].float()
             if s.start + n == r.num_tokens:
-                if p.kind == "last":
+                if p.kind == CLASSIFY:  # (the engine takes such requests with a head only)
+                    vector = head.float() @ rows[-1].float()
+                elif p.kind == "last":
                     vector = rows[-1].float()
                 elif p.kind == "mean":
                     vector = r.pool_state / r.num_tokens

@@ -45,6 +45,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.vocab_size = model.spec.vocab_size
+        self.num_labels = model.spec.num_labels  # a sequence classifier's (0: a causal LM)
         self.sampler = Sampler(seed, device, model.backend, logprobs_mode)
         self.eos_token_ids: set[int] = set()  # banned before a request's min_tokens
         self.last_logits: torch.Tensor | None = None  # kept for tests that compare logits
@@ -315,7 +316,7 @@ class ModelRunner:
             prompt_lp = self._prompt_logprobs(out, scheduled, hidden)
         pooled = {}
         if self.samples and any(r.pooling is not None for r in scheduled):
-            pooled = pool(out, scheduled, hidden)
+            pooled = pool(out, scheduled, hidden, self.model.score_weight)
         if logits_rows.numel() == 0:
             return LaunchedStep([], None, prompt_lp, pooled)
         self.last_logits = logits

@@ -16,7 +16,9 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
 from core.config import EngineConfig
+from server.classify import bp as classify_bp
 from server.embeddings import bp as embeddings_bp
+from server.scores import bp as scores_bp
 from server.engine_start import load_engine
 from server.errors import APIError, error_response
 from server.generate import bp as generate_bp
@@ -31,7 +33,7 @@ from server.listen import hypercorn_config, listening_socket
 log = logging.getLogger("weir.server")
 request_log = logging.getLogger("weir.requests")
 
-PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+PROTECTED_PREFIXES = ("/v1/", "/v2/", "/tokenize", "/detokenize", "/classify", "/score", "/rerank")
 
 
 def create_app(
@@ -52,6 +54,8 @@ def create_app(
     app.register_blueprint(generate_bp)
     app.register_blueprint(responses_bp)
     app.register_blueprint(embeddings_bp)
+    app.register_blueprint(classify_bp)
+    app.register_blueprint(scores_bp)
     st.tasks = options.tasks
     st.responses = Runs.from_options(options, seat)
 

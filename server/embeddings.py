@@ -13,11 +13,9 @@ from msgspec import Meta
 from quart import Blueprint, Response
 
 from core.pooling import PoolingParams
-from core.sampling import SamplingParams
 from server.errors import APIError
 from server.prompts import token_lists
-from server.submit import Submitted, request_id
-from server.usage import UsageCounter
+from server.pooled import fit_inputs, pooled
 from server.wire import decode, json_response, state
 
 bp = Blueprint("embeddings", __name__)
@@ -55,37 +53,11 @@ class EmbeddingResponse(msgspec.Struct):
     object: str = "list"
 
 
-def _fit(st, inputs: list[list[int]], truncate: int | None) -> list[list[int]]:
-    """Inputs within max_model_len: cut to their last tokens when asked, else a 400 naming the
-    first input that is too long."""
-    limit = st.max_model_len
-    if truncate is not None:
-        keep = limit if truncate == -1 else truncate
-        if keep > limit:
-            raise APIError(
-                400,
-                f"truncate_prompt_tokens ({keep}) is more than max_model_len ({limit})",
-                "truncate_prompt_tokens",
-                "invalid_value",
-            )
-        return [ids[-keep:] for ids in inputs]
-    for i, ids in enumerate(inputs):
-        if len(ids) > limit:
-            raise APIError(
-                400,
-                f"input[{i}] has {len(ids)} tokens, more than this model's maximum context "
-                f"length ({limit}); shorten it or set truncate_prompt_tokens",
-                f"input[{i}]",
-                "invalid_value",
-            )
-    return inputs
-
-
 @bp.post("/v1/embeddings")
 async def embeddings() -> Response:
     st = state()
     req = await decode(EmbeddingRequest)
-    engine = st.ready_engine()
+    st.ready_engine()  # a 503 while loading, before anything else is checked
     model = st.model_name(req.model)
     st.check_task("embed")
     config = st.embedding
@@ -93,45 +65,22 @@ async def embeddings() -> Response:
         why = config.check_dimensions(req.dimensions)
         if why is not None:
             raise APIError(400, f"dimensions={req.dimensions}: {why}", "dimensions")
-    inputs = _fit(st, token_lists(st, req.input, "input"), req.truncate_prompt_tokens)
+    inputs = fit_inputs(st, token_lists(st, req.input, "input"), req.truncate_prompt_tokens)
     normalize = config.normalize if req.normalize is None else req.normalize
     pooling = PoolingParams(config.kind, normalize, req.dimensions)
-    sub = Submitted(
-        st,
-        engine,
-        request_id("embd"),
-        1,
-        False,
-        model,
-        names={"prompt": "input", "messages": "input"},
+    rid, vectors, prompt_tokens = await pooled(
+        st, model, "embd", inputs, pooling, req.priority, "input"
     )
-    sub.add(inputs, SamplingParams(max_tokens=1), req.priority, None, pooling)
-    usage = UsageCounter(1, len(sub.ids))
-    vectors: list[bytes | None] = [None] * len(sub.ids)
-    try:
-        async for i, out in sub.outputs():
-            usage.update(i, out)
-            if out.finished:
-                if out.embedding is None:
-                    raise APIError(
-                        504,
-                        "The request ran past --request-timeout before every input was embedded",
-                        None,
-                        "timeout",
-                    )
-                vectors[i] = out.embedding
-    finally:
-        sub.close()
     if req.encoding_format == "base64":
         data = [Embedding(i, base64.b64encode(v).decode()) for i, v in enumerate(vectors)]
     else:
         data = [Embedding(i, array.array("f", v).tolist()) for i, v in enumerate(vectors)]
     return json_response(
         EmbeddingResponse(
-            id=sub.base,
+            id=rid,
             created=int(time.time()),
             model=model,
             data=data,
-            usage=EmbeddingUsage(usage.prompt, usage.prompt),
+            usage=EmbeddingUsage(prompt_tokens, prompt_tokens),
         )
     )

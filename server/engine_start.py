@@ -75,7 +75,16 @@ async def load_engine(app: QuartTrio, st: ServerState) -> None:
                 loaded.weight_bytes or {},
                 loaded.kv_cache_bytes,
                 loaded.lora_base,
+                loaded.labels,
             )
+        if loaded.labels is not None:  # a sequence classifier: classify and score, nothing else
+            if st.tasks != ("generate",) and st.tasks != ("embed",):
+                await engine.shutdown()
+                raise CheckpointError(
+                    "a sequence-classification checkpoint serves /classify, /score and /rerank; "
+                    "it cannot also serve embeddings (--enable-embeddings)"
+                )
+            st.tasks, st.labels = ("classify", "score"), loaded.labels
         lora = None
         if st.config.enable_lora:  # --lora-modules, checked before anything is served
             lora = LoraRegistry(loaded.lora_base, st.config.max_lora_rank)
@@ -217,6 +226,7 @@ class _Loaded(NamedTuple):
     weight_bytes: dict[str, int]
     kv_cache_bytes: int
     lora_base: Any = None  # core/lora.py LoraBase, with --enable-lora
+    labels: list[str] | None = None  # a sequence classifier's (None: a causal LM)
 
 
 def _launch(engine: EngineProcess | AttachedEngine) -> _Loaded:
@@ -238,4 +248,5 @@ def _launch(engine: EngineProcess | AttachedEngine) -> _Loaded:
         info.weight_bytes,
         info.kv_cache_bytes,
         info.lora_base,
+        info.labels,
     )

@@ -25,7 +25,9 @@ from server.protocol import (
     TokenizeResponse,
     VersionResponse,
 )
+from server.classify import ClassificationRequest, ClassificationResponse
 from server.embeddings import EmbeddingRequest, EmbeddingResponse
+from server.scores import RerankRequest, RerankResponse, ScoreRequest, ScoreResponse
 from server.responses.protocol import ItemList, ResponseDeleted, ResponseObject, ResponsesRequest
 
 # path, method, summary, request body Struct, success Struct, streams SSE
@@ -72,6 +74,36 @@ ROUTES: list[tuple[str, str, str, type | None, type, bool]] = [
         EmbeddingRequest,
         EmbeddingResponse,
         False,
+    ),
+    (
+        "/classify",
+        "post",
+        "Classify inputs (a sequence-classification model)",
+        ClassificationRequest,
+        ClassificationResponse,
+        False,
+    ),
+    *(
+        (
+            path,
+            "post",
+            "Score text pairs (a one-label classifier: a reranker; or an embedding model)",
+            ScoreRequest,
+            ScoreResponse,
+            False,
+        )
+        for path in ("/score", "/v1/score")
+    ),
+    *(
+        (
+            path,
+            "post",
+            "Rank documents against a query (a reranker, or an embedding model)",
+            RerankRequest,
+            RerankResponse,
+            False,
+        )
+        for path in ("/rerank", "/v1/rerank", "/v2/rerank")
     ),
     (
         "/v1/responses/{response_id}",

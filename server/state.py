@@ -35,7 +35,9 @@ class ServerState:
     checked_constraints: OrderedDict = field(default_factory=OrderedDict)  # Constraint -> error
     metrics: Any = None  # server.metrics.Metrics, once the model is loaded
     responses: Any = None  # server.responses.registry.Runs: running and stored responses
-    tasks: tuple[str, ...] = ("generate",)  # and/or "embed" (--enable-embeddings, --runner)
+    # and/or "embed" (--enable-embeddings, --runner); a sequence classifier's: classify, score
+    tasks: tuple[str, ...] = ("generate",)
+    labels: list[str] | None = None  # a sequence classifier's, by index
     embedding: Any = None  # server.embedding_config.EmbeddingConfig, when "embed" is served
     seat: Any = None  # server.api_server_messages.Seat: one of several API servers (else None)
     inflight: set = field(default_factory=set)  # generation requests being served
@@ -74,6 +76,21 @@ class ServerState:
         """A 400 that says how to start the server for a task it was not started for."""
         if task in self.tasks:
             return
+        if "classify" in self.tasks:
+            raise APIError(
+                400,
+                "This server serves a sequence classifier: /classify, /score and /rerank",
+                "model",
+                "classification_model",
+            )
+        if task == "classify":
+            raise APIError(
+                400,
+                "This model is not a sequence classifier (a *ForSequenceClassification "
+                "checkpoint): it does not classify",
+                "model",
+                "classification_not_supported",
+            )
         if task == "embed":
             raise APIError(
                 400,

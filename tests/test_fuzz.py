@@ -27,6 +27,8 @@ BASE = {
     "/detokenize": {"tokens": [5, 6]},
     "/v1/responses": {"input": "hi", "max_output_tokens": 4},
     "/v1/embeddings": {"input": ["hi", "there"]},
+    "/v1/score": {"text_1": "hi", "text_2": ["hi", "there"]},  # by the embeddings' cosine
+    "/v1/rerank": {"query": "hi", "documents": ["hi", "there"], "top_n": 1},
 }
 
 json_scalars = (

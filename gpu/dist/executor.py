@@ -36,6 +36,7 @@ class Executor:
 
     def __init__(self, spec: ModelSpec, node: Node) -> None:
         self.vocab_size = spec.vocab_size
+        self.num_labels = spec.num_labels  # a sequence classifier's (0: a causal LM)
         self.eos_token_ids: set[int] = set()
         self.node = node
         self.num_blocks = 0

@@ -226,6 +226,9 @@ class DecoderForCausalLM(nn.Module):
         self.model = DecoderModel(local, backend, self.tp)
         if not spec.tie_word_embeddings:
             self.lm_head = Linear(backend, local.hidden_size, local.vocab_size, False)
+        # A sequence classifier's head (its checkpoint's `score`), whole on every rank
+        labels = spec.num_labels
+        self.score = nn.Linear(spec.hidden_size, labels, False) if labels else None
         self.rope: Rope | None = None  # set after weights are on their device (see loader)
         self.rope_local: Rope | None = None  # Gemma 3's sliding layers' own rotation
         self._embed_factor: float | None = None  # spec.embed_scale in the embeddings' dtype
@@ -317,6 +320,11 @@ class DecoderForCausalLM(nn.Module):
         if self.tp is not None:  # each rank's vocabulary rows, side by side, less the padding
             logits = self.tp.all_gather_last(logits)[..., : self.spec.vocab_size]
         return self.soft_capped(logits.float())
+
+    @property
+    def score_weight(self) -> torch.Tensor | None:
+        """A sequence classifier's head, [labels, hidden] (None: a causal LM)."""
+        return self.score.weight if self.score is not None else None
 
     def soft_capped(self, logits: torch.Tensor) -> torch.Tensor:
         """Gemma 2's final soft cap, as transformers applies it (the logits as they are else)."""

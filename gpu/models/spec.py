@@ -31,6 +31,13 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     # a router bias, biased experts and a clamped SwiGLU (gpu/models/gpt_oss.py)
     "GptOssForCausalLM": {"qk_norm": False, "moe": True, "gpt_oss": True},
 }
+# Each causal LM's sequence classifier (a reranker, a classifier): the same decoder under a head
+# of one row a label (`score`) read at the last token; no LM head.
+CLASSIFIERS = {
+    a.replace("ForCausalLM", "ForSequenceClassification"): a
+    for a in ARCHITECTURES
+    if a != "GptOssForCausalLM"
+}
 # Architectures whose O projection has no bias even where the config sets attention_bias (it
 # sets their Q/K/V biases alone)
 NO_O_BIAS = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Phi3ForCausalLM")
@@ -89,16 +96,27 @@ class ModelSpec:
     router_bias: bool = False
     swiglu_limit: float = 0.0
     swiglu_alpha: float = 0.0
+    # A sequence classifier (CLASSIFIERS): its labels' count (0: a causal LM). `architecture`
+    # then names the causal LM whose decoder it shares, and `tie_word_embeddings` is set: it has
+    # no LM head (its logits are never sampled)
+    num_labels: int = 0
 
     @classmethod
     def from_hf_config(cls, config: Any) -> ModelSpec:
         archs = getattr(config, "architectures", None) or []
         arch = next((a for a in archs if a in ARCHITECTURES), None)
+        classifier = None
+        if arch is None:
+            classifier = next((a for a in archs if a in CLASSIFIERS), None)
+            arch = CLASSIFIERS.get(classifier)
         if arch is None:
             raise CheckpointError(
                 f"unsupported architecture {archs or config.model_type!r}; "
-                f"weir serves {', '.join(ARCHITECTURES)}"
+                f"weir serves {', '.join(ARCHITECTURES)} and their ForSequenceClassification"
             )
+        labels = int(getattr(config, "num_labels", 0) or 0) if classifier else 0
+        if classifier and labels < 1:
+            raise CheckpointError(f"{classifier} with {labels} labels")
         extra = ARCHITECTURES[arch]
         heads = config.num_attention_heads
         # Mistral's, Mixtral's and Phi-3's sliding window applies to every layer. (Qwen2's optional
@@ -126,7 +144,7 @@ class ModelSpec:
             head_dim=head_dim,
             intermediate_size=config.intermediate_size,
             rms_norm_eps=config.rms_norm_eps,
-            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False) or labels),
             qkv_bias=extra.get("qkv_bias", attention_bias),
             o_bias=attention_bias and arch not in NO_O_BIAS,
             mlp_bias=bool(getattr(config, "mlp_bias", False)),
@@ -135,6 +153,7 @@ class ModelSpec:
             max_position_embeddings=context_length(config),
             sliding_window=int(window or 0),
             rotary_dim=rotary_dim if rotary_dim < head_dim else 0,
+            num_labels=labels,
         )
         if extra.get("gemma"):
             fields.update(_gemma(config, arch))

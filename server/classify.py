@@ -1,0 +1,113 @@
+"""/classify (vLLM's): inputs (strings or token ids) through a sequence-classification model's
+head, each answered with its labels' probabilities (softmax over the labels; a sigmoid where
+there is one) and the most likely label's name from the checkpoint's id2label."""
+
+from __future__ import annotations
+
+import array
+import math
+import time
+from typing import Annotated, Any
+
+import msgspec
+from msgspec import Meta
+from quart import Blueprint, Response
+
+from core.pooling import CLASSIFY, PoolingParams
+from server.errors import APIError
+from server.pooled import fit_inputs, pooled
+from server.prompts import token_lists
+from server.wire import decode, json_response, state
+
+bp = Blueprint("classify", __name__)
+
+
+class ClassificationRequest(msgspec.Struct, kw_only=True):
+    input: str | list[Any]
+    model: str | None = None
+    user: str | None = None
+    # vLLM's: keep the last N tokens of a longer input (-1: the model's length) instead of a 400
+    truncate_prompt_tokens: Annotated[int, Meta(ge=-1)] | None = None
+    priority: int = 0
+    # vLLM's (its older name: activation): false gives the raw logits instead of probabilities
+    use_activation: bool | None = None
+    activation: bool | None = None
+
+
+class ClassificationData(msgspec.Struct):
+    index: int
+    label: str
+    probs: list[float]
+    num_classes: int
+
+
+class PoolingUsage(msgspec.Struct):
+    prompt_tokens: int
+    total_tokens: int
+    completion_tokens: int = 0
+
+
+class ClassificationResponse(msgspec.Struct):
+    id: str
+    created: int
+    model: str
+    data: list[ClassificationData]
+    usage: PoolingUsage
+    object: str = "list"
+
+
+def use_activation(req: Any) -> bool:
+    """use_activation, or its older name activation (both: they must agree); true unless set."""
+    new, old = req.use_activation, req.activation
+    if new is not None and old is not None and new != old:
+        raise APIError(
+            400, "use_activation and activation (its older name) disagree", "use_activation"
+        )
+    return next((v for v in (new, old) if v is not None), True)
+
+
+def activated(logits: list[float], on: bool) -> list[float]:
+    """A classifier's probabilities as transformers' pipelines give them: the sigmoid of a lone
+    logit, else the softmax over the labels (`on` false: the logits as they are)."""
+    if not on:
+        return logits
+    if len(logits) == 1:
+        x = logits[0]  # the sigmoid, computed without overflow either way
+        return [1 / (1 + math.exp(-x)) if x >= 0 else math.exp(x) / (1 + math.exp(x))]
+    top = max(logits)
+    e = [math.exp(x - top) for x in logits]
+    total = sum(e)
+    return [x / total for x in e]
+
+
+def logits_of(vector: bytes) -> list[float]:
+    return array.array("f", vector).tolist()
+
+
+@bp.post("/classify")
+async def classify() -> Response:
+    st = state()
+    req = await decode(ClassificationRequest)
+    st.ready_engine()  # a 503 while loading, before anything else is checked
+    model = st.model_name(req.model)
+    st.check_task("classify")
+    on = use_activation(req)
+    inputs = fit_inputs(st, token_lists(st, req.input, "input"), req.truncate_prompt_tokens)
+    rid, vectors, prompt_tokens = await pooled(
+        st, model, "classify", inputs, PoolingParams(CLASSIFY, False), req.priority, "input"
+    )
+    labels = st.labels
+    data = []
+    for i, v in enumerate(vectors):
+        logits = logits_of(v)
+        best = max(range(len(logits)), key=logits.__getitem__)
+        data.append(ClassificationData(i, labels[best], activated(logits, on), len(logits)))
+    return json_response(
+        ClassificationResponse(
+            id=rid,
+            created=int(time.time()),
+            model=model,
+            data=data,
+            usage=PoolingUsage(prompt_tokens, prompt_tokens),
+        )
+    )

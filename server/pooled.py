@@ -1,0 +1,95 @@
+"""Prompts run for their pooled vectors, nothing generated: what /v1/embeddings, /classify,
+/score and /rerank share. Each token list is one engine request with the same PoolingParams;
+the vectors (little-endian float32 bytes: an embedding, or a classifier's logits) come back in
+the inputs' order, with the prompt tokens counted."""
+
+from __future__ import annotations
+
+from core.pooling import PoolingParams
+from core.sampling import SamplingParams
+from server.errors import APIError
+from server.state import ServerState
+from server.submit import Submitted, request_id
+from server.usage import UsageCounter
+
+
+async def pooled(
+    st: ServerState,
+    model: str,
+    prefix: str,
+    inputs: list[list[int]],
+    pooling: PoolingParams,
+    priority: int,
+    field: str,
+) -> tuple[str, list[bytes], int]:
+    """(the response's id, one vector an input, the prompt tokens). `field`: the request's name
+    for its inputs, which the engine's checks then name."""
+    sub = Submitted(
+        st,
+        st.ready_engine(),
+        request_id(prefix),
+        1,
+        False,
+        model,
+        names={"prompt": field, "messages": field, "input": field},
+    )
+    sub.add(inputs, SamplingParams(max_tokens=1), priority, None, pooling)
+    usage = UsageCounter(1, len(sub.ids))
+    vectors: list[bytes | None] = [None] * len(sub.ids)
+    try:
+        async for i, out in sub.outputs():
+            usage.update(i, out)
+            if out.finished:
+                if out.embedding is None:
+                    raise APIError(
+                        504,
+                        "The request ran past --request-timeout before every input was pooled",
+                        None,
+                        "timeout",
+                    )
+                vectors[i] = out.embedding
+    finally:
+        sub.close()
+    return sub.base, vectors, usage.prompt
+
+
+def fit_inputs(
+    st: ServerState, inputs: list[list[int]], truncate: int | None, field: str = "input"
+) -> list[list[int]]:
+    """Inputs within max_model_len: cut to their last tokens when asked (vLLM's
+    truncate_prompt_tokens; -1: the model's length), else a 400 naming the first input that is
+    too long."""
+    limit = st.max_model_len
+    if truncate is not None:
+        keep = truncate_length(st, truncate)
+        return [ids[-keep:] for ids in inputs]
+    for i, ids in enumerate(inputs):
+        if len(ids) > limit:
+            raise APIError(
+                400,
+                f"{field}[{i}] has {len(ids)} tokens, more than this model's maximum context "
+                f"length ({limit}); shorten it or set truncate_prompt_tokens",
+                f"{field}[{i}]",
+                "invalid_value",
+            )
+    return inputs
+
+
+def truncate_length(st: ServerState, truncate: int) -> int:
+    """The tokens truncate_prompt_tokens keeps (-1: max_model_len; 0 or more than it: a 400)."""
+    if truncate == 0:
+        raise APIError(
+            400,
+            "truncate_prompt_tokens must be -1 (the model's length) or at least 1",
+            "truncate_prompt_tokens",
+            "invalid_value",
+        )
+    keep = st.max_model_len if truncate == -1 else truncate
+    if keep > st.max_model_len:
+        raise APIError(
+            400,
+            f"truncate_prompt_tokens ({keep}) is more than max_model_len ({st.max_model_len})",
+            "truncate_prompt_tokens",
+            "invalid_value",
+        )
+    return keep
