@@ -239,3 +239,19 @@ def test_a_classifier_with_embeddings_enabled_is_refused(reranker):
     with pytest.raises(RuntimeError, match="cannot also serve embeddings"):
         bad.start()
     bad.stop()
+
+
+@pytest.mark.parametrize(
+    "arch", ["mistral", "phi3", "gemma2", "gemma3", "qwen3_moe", "qwen2_moe", "mixtral"]
+)
+def test_every_decoders_classifier_gives_transformers_logits(arch, model_dir, tmp_path):
+    """The engine alone (weir.llm.LLM) on each other decoder's classifier: its logits."""
+    from core.pooling import CLASSIFY, PoolingParams
+    from weir.llm import LLM
+
+    hf = make_classifier(model_dir(arch), tmp_path, LABELS)
+    llm = LLM(str(tmp_path), num_kv_blocks=64, max_model_len=256)
+    outs = llm.embed(TEXTS[:2], PoolingParams(CLASSIFY, False), use_tqdm=False)
+    for out in outs:
+        want = hf_logits(hf, out.prompt_token_ids)
+        assert torch.allclose(torch.tensor(out.embedding), want, atol=1e-4), (out, want)

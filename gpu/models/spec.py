@@ -32,12 +32,14 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     "GptOssForCausalLM": {"qk_norm": False, "moe": True, "gpt_oss": True},
 }
 # Each causal LM's sequence classifier (a reranker, a classifier): the same decoder under a head
-# of one row a label (`score`) read at the last token; no LM head.
+# of one row a label (`score`) read at the last token; no LM head. (Gemma 3's text classifier
+# has a name of its own: Gemma3ForSequenceClassification is its multimodal model's.)
 CLASSIFIERS = {
     a.replace("ForCausalLM", "ForSequenceClassification"): a
     for a in ARCHITECTURES
-    if a != "GptOssForCausalLM"
+    if a not in ("GptOssForCausalLM", "Gemma3ForCausalLM")
 }
+CLASSIFIERS["Gemma3TextForSequenceClassification"] = "Gemma3ForCausalLM"
 # Architectures whose O projection has no bias even where the config sets attention_bias (it
 # sets their Q/K/V biases alone)
 NO_O_BIAS = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Phi3ForCausalLM")
