@@ -25,6 +25,7 @@ class InstantRunner:
 
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size
+        self.num_labels = 0  # a causal LM
         rng = random.Random(0)
         self._ids = [rng.randrange(10, vocab_size) for _ in range(4096)]
         self._at = 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
@@ -46,6 +47,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # A Hugging Face tokenizer folder to use instead of the model's own (a GGUF file's
     # tokenizer.ggml.* entries, or the folder's tokenizer files)
     tokenizer: str | None = None
+    # --hf-overrides: vLLM's JSON set over the checkpoint's config (gpu/hf_overrides.py)
+    hf_overrides: dict[str, Any] | None = None
     # Weights quantized at load (q8_0, q4_0, q4_k), or the method a checkpoint already holds
     # (gguf, awq, gptq: checked against it); None: as the checkpoint holds them
     quantization: str | None = None

@@ -78,7 +78,7 @@ def load(config: EngineConfig) -> Loaded:
     config.validate()
     path, default_name = model_path(config)
     device = resolve_device(config.device)
-    hf_config = load_config(path)
+    hf_config = load_config(path, config.hf_overrides, config.tokenizer)
     check_quantization(config, path, hf_config)
     dtype = resolve_dtype(config.dtype, hf_config, device)
     kv_t = kv_cache.cache_dtype(config.kv_cache_dtype, dtype, device)  # refused before loading

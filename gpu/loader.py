@@ -18,9 +18,10 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from core.config import CheckpointError
-from gpu import kv_scales
+from gpu import hf_overrides, kv_scales
 from gpu.fused_weights import fused_parts, split_fused
 from gpu.gguf_file import GgufCheckpoint, is_gguf
+from gpu.hf_overrides import ScoreRows
 from gpu.models import gpt_oss
 from gpu.models.decoder import DecoderForCausalLM
 from gpu.models.moe import checkpoint_name
@@ -72,8 +73,14 @@ def resolve_model_path(model: str, revision: str | None = None) -> Path:
     return Path(local)
 
 
-def load_config(path: Path) -> Any:
+def load_config(
+    path: Path, overrides: dict[str, Any] | None = None, tokenizer: str | None = None
+) -> Any:
+    """The checkpoint's config (a multimodal one's text model), with --hf-overrides set over it
+    (gpu/hf_overrides.py; `tokenizer`: --tokenizer, for its tokens)."""
     if is_gguf(path):
+        if overrides:
+            raise CheckpointError("--hf-overrides: a GGUF file's config is not overridden")
         return GgufCheckpoint(path).config()
     from transformers import AutoConfig
 
@@ -81,6 +88,7 @@ def load_config(path: Path) -> Any:
         config = AutoConfig.from_pretrained(path)
     except (OSError, ValueError, KeyError) as e:
         raise CheckpointError(f"{path}: no readable config.json ({e})") from None
+    config = hf_overrides.apply(config, overrides, Path(tokenizer) if tokenizer else path)
     return text_config(config)
 
 
@@ -214,6 +222,8 @@ def load_weights(model: DecoderForCausalLM, path: Path, int4=None, text_only: bo
     tp = model.tp
     pending: dict[str, dict[str, torch.Tensor]] = {}
     experts = gpt_oss.Experts()
+    spec = model.spec
+    score = ScoreRows(spec.score_token_ids, spec.score_difference) if spec.score_token_ids else None
     files = weight_files(path)
     with tqdm(
         total=len(targets.params) + len(targets.modules),
@@ -228,6 +238,10 @@ def load_weights(model: DecoderForCausalLM, path: Path, int4=None, text_only: bo
                     if name is None:
                         continue  # a multimodal checkpoint's other towers (gpu/text_of.py)
                     name = checkpoint_name(name)  # Mixtral's experts (gpu/models/moe.py)
+                    if score is not None and name in ScoreRows.NAMES:
+                        score.take(name, f.get_tensor(stored))
+                        if name == "lm_head.weight":
+                            continue  # the LM head: only its rows, the classifier's head
                     if kv_scales.which(name) is not None:  # a layer's FP8 KV cache scale
                         kv_scales.place(model, name, f.get_tensor(stored))
                         continue
@@ -271,6 +285,8 @@ def load_weights(model: DecoderForCausalLM, path: Path, int4=None, text_only: bo
         if set(parts) - {"g_idx"}:
             raise CheckpointError(f"{prefix}: incomplete {int4.method} layer: {sorted(parts)}")
     experts.check_complete()
+    if score is not None:
+        targets.place("score.weight", score.head())
     targets.check_complete()
 
 

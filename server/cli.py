@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 from functools import partial
@@ -31,6 +32,19 @@ def cpu_threads(value: str) -> int:
     return n
 
 
+def json_object(flag: str, text: str | None) -> dict | None:
+    """A flag's JSON object (None: not given)."""
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"{flag}: not JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{flag} must be a JSON object, not {text!r}")
+    return value
+
+
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 
 
@@ -50,6 +64,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         dtype=DTYPE_ALIASES.get(args.dtype, args.dtype),
         quantization=None if args.quantization in (None, "none", "None") else args.quantization,
         tokenizer=args.tokenizer,
+        hf_overrides=json_object("--hf-overrides", args.hf_overrides),
         device=args.device,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,

@@ -60,6 +60,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="a Hugging Face tokenizer folder to use instead of the model's own (a GGUF file's "
         "tokenizer.ggml.* entries, or the model folder's tokenizer files)",
     )
+    s.add_argument(
+        "--hf-overrides",
+        default=None,
+        help="vLLM's: JSON set over the model's config.json, e.g. a reranker's "
+        '{"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": '
+        '["no", "yes"], "is_original_qwen3_reranker": true}',
+    )
     s.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     s.add_argument(
         "--max-model-len",

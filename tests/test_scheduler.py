@@ -22,6 +22,7 @@ class FakeRunner:
     the protocol loses changes the tokens or fails an assertion. Records every step."""
 
     vocab_size = VOCAB
+    num_labels = 0  # a causal LM
 
     def __init__(self) -> None:
         self.steps: list[list[tuple[str, int, int, bool]]] = []

@@ -255,3 +255,83 @@ def test_every_decoders_classifier_gives_transformers_logits(arch, model_dir, tm
     for out in outs:
         want = hf_logits(hf, out.prompt_token_ids)
         assert torch.allclose(torch.tensor(out.embedding), want, atol=1e-4), (out, want)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])  # a tied LM head, and one of its own
+def test_a_causal_lm_reranks_by_its_tokens_under_hf_overrides(arch, model_dir):
+    """Qwen3-Reranker's recipe (vLLM's --hf-overrides): the causal LM's P("yes") against "no" at
+    the last token, as its sigmoid of the two rows' difference; without is_original_qwen3_reranker,
+    a label a token (here "no" and "the": the tiny vocabulary has no "yes")."""
+    from transformers import AutoModelForCausalLM
+
+    path = model_dir(arch)
+    lm = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(path)
+    ids = tok.convert_tokens_to_ids(["no", "the"])
+    overrides = {
+        "architectures": [lm.config.architectures[0].replace("CausalLM", "SequenceClassification")],
+        "classifier_from_token": ["no", "the"],
+    }
+
+    def last(text: str) -> torch.Tensor:
+        with torch.no_grad():
+            return lm(torch.tensor([text])).logits[0, -1, ids]
+
+    for original in (True, False):
+        config = EngineConfig(
+            model=str(path),
+            max_model_len=128,
+            num_kv_blocks=64,
+            hf_overrides={**overrides, "is_original_qwen3_reranker": original},
+        )
+        s = LiveServer(config).start()
+        try:
+            if original:
+                r = httpx.post(s.url + "/rerank", json={"query": QUERY, "documents": DOCS})
+                assert r.status_code == 200, r.text
+                got = {x["index"]: x["relevance_score"] for x in r.json()["results"]}
+                for i, d in enumerate(DOCS):
+                    want = last(tok(text=QUERY, text_pair=d)["input_ids"]).softmax(-1)[1]
+                    assert got[i] == pytest.approx(want.item(), abs=1e-5)
+            else:
+                r = httpx.post(s.url + "/classify", json={"input": TEXTS[0]})
+                (item,) = r.json()["data"]
+                want = last(tok.encode(TEXTS[0])).softmax(-1)
+                assert item["probs"] == pytest.approx(want.tolist(), abs=1e-5)
+                assert item["label"] == ["no", "the"][int(want.argmax())]
+        finally:
+            s.stop()
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"classifier_from_token": ["no"]}, r"needs a \*ForSequenceClassification"),
+        (
+            {"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["zq"]},
+            "'zq' is no token",
+        ),
+        (
+            {
+                "architectures": ["Qwen3ForSequenceClassification"],
+                "classifier_from_token": ["no"],
+                "is_original_qwen3_reranker": True,
+            },
+            "needs two",
+        ),
+    ],
+)
+def test_bad_hf_overrides_stop_the_start(overrides, message, model_dir):
+    from gpu.loader import load_config
+
+    with pytest.raises(ValueError, match=message):
+        load_config(model_dir("qwen3"), overrides)
+
+
+def test_hf_overrides_must_be_a_json_object(capsys):
+    from server.cli import main
+
+    assert main(["serve", "--hf-overrides", "[1]"]) == 2
+    assert "--hf-overrides must be a JSON object" in capsys.readouterr().err
+    assert main(["serve", "--hf-overrides", "{nope"]) == 2
+    assert "--hf-overrides: not JSON" in capsys.readouterr().err

@@ -172,7 +172,8 @@ def run_headless(config: EngineConfig) -> int:
     if config.nnodes < 2 or config.node_rank == 0:
         raise ValueError("--headless runs the ranks of another node: give --nnodes and --node-rank")
     path, _ = model_path(config)
-    eos = eos_token_ids(path, load_config(path))  # rank 0 samples: these are not used here
+    hf_config = load_config(path, config.hf_overrides, config.tokenizer)
+    eos = eos_token_ids(path, hf_config)  # rank 0 samples: these are not used here
     node, readies = Node.start(config, path, eos, config.node_rank, config.distributed_init_method)
     log.info(
         "node %d of %d: ranks %s on %s, %d KV blocks",

@@ -133,7 +133,7 @@ def run_rank(commands: Connection, replies: Connection) -> None:
         # Every rank takes part in creating a group, members or not.
         relay = Relay(dist.new_group([0, *remote], backend="gloo")) if remote else None
         path = Path(init.model_path)
-        hf_config = load_config(path)
+        hf_config = load_config(path, config.hf_overrides, config.tokenizer)
         set_threads(config, hf_config, device, len(node_ranks(config, 0)))
         dtype = resolve_dtype(config.dtype, hf_config, device)
         model, num_blocks = load_shard(config, path, hf_config, dtype, device, tp)

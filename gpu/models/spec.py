@@ -102,6 +102,10 @@ class ModelSpec:
     # then names the causal LM whose decoder it shares, and `tie_word_embeddings` is set: it has
     # no LM head (its logits are never sampled)
     num_labels: int = 0
+    # --hf-overrides' classifier_from_token (gpu/hf_overrides.py): the head is these tokens'
+    # rows of the causal LM's own head (their difference, the second less the first)
+    score_token_ids: tuple[int, ...] = ()
+    score_difference: bool = False
 
     @classmethod
     def from_hf_config(cls, config: Any) -> ModelSpec:
@@ -156,6 +160,8 @@ class ModelSpec:
             sliding_window=int(window or 0),
             rotary_dim=rotary_dim if rotary_dim < head_dim else 0,
             num_labels=labels,
+            score_token_ids=tuple(getattr(config, "weir_score_token_ids", ()) or ()),
+            score_difference=bool(getattr(config, "weir_score_difference", False)),
         )
         if extra.get("gemma"):
             fields.update(_gemma(config, arch))
