@@ -67,6 +67,10 @@ HANDLED: dict[str, tuple | None] = {
     "router_bias": None,
     "swiglu_limit": None,  # its experts' gate/up plain products, their activation in moe.cpp
     "swiglu_alpha": None,
+    # a sequence classifier's head runs on the call's final hidden states (gpu/pooler.py)
+    "num_labels": None,
+    "score_token_ids": None,
+    "score_difference": None,
 }
 
 
