@@ -20,6 +20,7 @@ import random
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import torch
@@ -33,7 +34,7 @@ def classifier(name: str):
     """The shape's model as a one-label classifier, in the cache beside it."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    base = bench_model(name)
+    base = Path(bench_model(name))
     path = base.parent / (base.name + "-rerank")
     if not (path / "config.json").exists():
         torch.manual_seed(0)
