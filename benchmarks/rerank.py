@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -27,7 +26,7 @@ import torch
 import trio
 
 from benchmarks.common import bench_model, machine, save
-from benchmarks.loadgen import free_port
+from benchmarks.loadgen import ServerProcess, free_port
 
 
 def classifier(name: str):
@@ -58,16 +57,10 @@ def run_weir(path, queries, docs, threads: int) -> tuple[float, list[list[float]
     port = free_port()
     argv = [sys.executable, "-m", "server", "serve", str(path), "--port", str(port)]
     argv += ["--cpu-threads", str(threads), "--disable-log-requests", "--disable-log-stats"]
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}/rerank"
+    srv = ServerProcess(argv, port, "/tmp/weir-rerank.log")
+    url = srv.url + "/rerank"
     try:
-        for _ in range(600):
-            try:
-                if httpx.get(url.replace("/rerank", "/health"), timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
+        srv.wait_ready()
         httpx.post(url, json={"query": queries[0], "documents": docs[0][:4]}, timeout=600)
         scores: list[list[float]] = [[] for _ in queries]
 
@@ -86,8 +79,7 @@ def run_weir(path, queries, docs, threads: int) -> tuple[float, list[list[float]
         trio.run(all_queries)
         return time.perf_counter() - t, scores
     finally:
-        proc.terminate()
-        proc.wait(60)
+        srv.stop()
 
 
 def run_transformers(model, pairs: list[list[int]], batch: int) -> tuple[float, list[float]]:

@@ -173,16 +173,13 @@ def load(config: EngineConfig) -> Loaded:
         kv_bytes,
         device.type,
         lora_base,
-        classifier_labels(hf_config),
+        classifier_labels(hf_config, runner.num_labels),
     )
 
 
-def classifier_labels(hf_config: Any) -> list[str] | None:
-    """A sequence classifier's label names (its config's id2label, LABEL_i where it names none),
-    or None for a causal LM."""
-    from gpu.models.spec import ModelSpec
-
-    n = ModelSpec.from_hf_config(hf_config).num_labels
+def classifier_labels(hf_config: Any, n: int) -> list[str] | None:
+    """A sequence classifier's `n` label names (its config's id2label, LABEL_i where it names
+    none), or None for a causal LM (n = 0)."""
     if not n:
         return None
     names = {int(k): str(v) for k, v in (getattr(hf_config, "id2label", None) or {}).items()}

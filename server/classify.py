@@ -15,7 +15,7 @@ from quart import Blueprint, Response
 
 from core.pooling import CLASSIFY, PoolingParams
 from server.errors import APIError
-from server.pooled import fit_inputs, pooled
+from server.pooled import admit, fit_inputs, pooled
 from server.prompts import token_lists
 from server.wire import decode, json_response, state
 
@@ -88,9 +88,7 @@ def logits_of(vector: bytes) -> list[float]:
 async def classify() -> Response:
     st = state()
     req = await decode(ClassificationRequest)
-    st.ready_engine()  # a 503 while loading, before anything else is checked
-    model = st.model_name(req.model)
-    st.check_task("classify")
+    model = admit(st, req.model, "classify")
     on = use_activation(req)
     inputs = fit_inputs(st, token_lists(st, req.input, "input"), req.truncate_prompt_tokens)
     rid, vectors, prompt_tokens = await pooled(

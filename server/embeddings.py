@@ -15,7 +15,7 @@ from quart import Blueprint, Response
 from core.pooling import PoolingParams
 from server.errors import APIError
 from server.prompts import token_lists
-from server.pooled import fit_inputs, pooled
+from server.pooled import admit, fit_inputs, pooled
 from server.wire import decode, json_response, state
 
 bp = Blueprint("embeddings", __name__)
@@ -57,9 +57,7 @@ class EmbeddingResponse(msgspec.Struct):
 async def embeddings() -> Response:
     st = state()
     req = await decode(EmbeddingRequest)
-    st.ready_engine()  # a 503 while loading, before anything else is checked
-    model = st.model_name(req.model)
-    st.check_task("embed")
+    model = admit(st, req.model, "embed")
     config = st.embedding
     if req.dimensions is not None:
         why = config.check_dimensions(req.dimensions)

@@ -78,7 +78,7 @@ async def load_engine(app: QuartTrio, st: ServerState) -> None:
                 loaded.labels,
             )
         if loaded.labels is not None:  # a sequence classifier: classify and score, nothing else
-            if st.tasks != ("generate",) and st.tasks != ("embed",):
+            if "generate" in st.tasks and "embed" in st.tasks:  # --enable-embeddings
                 await engine.shutdown()
                 raise CheckpointError(
                     "a sequence-classification checkpoint serves /classify, /score and /rerank; "

@@ -13,6 +13,15 @@ from server.submit import Submitted, request_id
 from server.usage import UsageCounter
 
 
+def admit(st: ServerState, requested: str | None, task: str) -> str:
+    """The model a pooling route's request names, once the server is ready (a 503 while it
+    loads, before anything else is checked) and serves `task`."""
+    st.ready_engine()
+    model = st.model_name(requested)
+    st.check_task(task)
+    return model
+
+
 async def pooled(
     st: ServerState,
     model: str,

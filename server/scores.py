@@ -116,9 +116,10 @@ def _pairs(req: ScoreRequest) -> list[Pair]:
 
 async def score_pairs(
     st: ServerState, req: Any, pairs: list[Pair], prefix: str, field: str
-) -> tuple[str, list[float], int]:
-    """(the response's id, each pair's score, the prompt tokens). A text too long is named in
-    its 400 (a pair by its second text); `field` names the inputs in the engine's own checks."""
+) -> tuple[str, str, list[float], int]:
+    """(the response's id, the model, each pair's score, the prompt tokens). A text too long is
+    named in its 400 (a pair by its second text); `field` names the inputs in the engine's own
+    checks."""
     st.ready_engine()  # a 503 while loading, before anything else is checked
     model = st.model_name(req.model)
     keep = None
@@ -137,7 +138,7 @@ async def score_pairs(
         inputs = [_pair_ids(st, a, b, keep, name) for (a, _), (b, name) in pairs]
         pooling = PoolingParams(CLASSIFY, False)
         rid, vectors, tokens = await pooled(st, model, prefix, inputs, pooling, req.priority, field)
-        return rid, [activated(logits_of(v), on)[0] for v in vectors], tokens
+        return rid, model, [activated(logits_of(v), on)[0] for v in vectors], tokens
     if "embed" not in st.tasks:
         raise APIError(
             400,
@@ -147,7 +148,13 @@ async def score_pairs(
             "scoring_not_supported",
         )
     if req.use_activation is not None or req.activation is not None:
-        use_activation(req)  # (their disagreement is still a 400) a cosine has no activation
+        name = "use_activation" if req.use_activation is not None else "activation"
+        raise APIError(
+            400,
+            f"{name} applies to a classifier's logits; an embedding model scores by cosine",
+            name,
+            "invalid_value",
+        )
     named = dict(side for pair in reversed(pairs) for side in reversed(pair))  # first names
     texts = list(dict.fromkeys(t for (a, _), (b, _) in pairs for t in (a, b)))  # each once
     inputs = [_text_ids(st, t, keep, named[t]) for t in texts]
@@ -155,7 +162,7 @@ async def score_pairs(
     rid, vectors, tokens = await pooled(st, model, prefix, inputs, pooling, req.priority, field)
     unit = dict(zip(texts, (array.array("f", v) for v in vectors)))
     cosines = [math.fsum(x * y for x, y in zip(unit[a], unit[b])) for (a, _), (b, _) in pairs]
-    return rid, cosines, tokens
+    return rid, model, cosines, tokens
 
 
 def _pair_ids(st: ServerState, a: str, b: str, keep: int | None, name: str) -> list[int]:
@@ -189,12 +196,12 @@ async def score() -> Response:
     st = state()
     req = await decode(ScoreRequest)
     pairs = _pairs(req)
-    rid, scores, tokens = await score_pairs(st, req, pairs, "score", "text_2")
+    rid, model, scores, tokens = await score_pairs(st, req, pairs, "score", "text_2")
     return json_response(
         ScoreResponse(
             id=rid,
             created=int(time.time()),
-            model=st.model_name(req.model),
+            model=model,
             data=[ScoreData(i, s) for i, s in enumerate(scores)],
             usage=PoolingUsage(tokens, tokens),
         )
@@ -209,14 +216,14 @@ async def rerank() -> Response:
     req = await decode(RerankRequest)
     docs = _listed(req.documents, "documents")
     pairs = [((req.query, "query"), (d, f"documents[{i}]")) for i, d in enumerate(docs)]
-    rid, scores, tokens = await score_pairs(st, req, pairs, "rerank", "documents")
+    rid, model, scores, tokens = await score_pairs(st, req, pairs, "rerank", "documents")
     order = sorted(range(len(docs)), key=lambda i: -scores[i])  # stable: ties keep their order
     if req.top_n:
         order = order[: req.top_n]
     return json_response(
         RerankResponse(
             id=rid,
-            model=st.model_name(req.model),
+            model=model,
             usage=RerankUsage(tokens),
             results=[RerankResult(i, RerankDocument(docs[i]), scores[i]) for i in order],
         )

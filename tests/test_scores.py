@@ -216,6 +216,10 @@ def test_an_embedding_model_scores_by_cosine(embedder, model_dir):
     assert r.json()["usage"]["prompt_tokens"] == sum(len(tok.encode(t)) for t in [QUERY, *DOCS])
     r = httpx.post(s.url + "/v1/rerank", json={"query": QUERY, "documents": DOCS})
     assert [x["index"] for x in r.json()["results"]] == sorted(range(4), key=lambda i: -want[i])
+    # a cosine has no activation to turn off
+    body = {"text_1": "a", "text_2": "b", "use_activation": False}
+    r = httpx.post(s.url + "/score", json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "use_activation"
     # not a classifier: /classify says so, naming the model
     r = httpx.post(s.url + "/classify", json={"input": "hi"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "model"
