@@ -154,7 +154,7 @@ def test_a_4_bit_gguf_on_the_cuda_backend(fmt, tmp_path, monkeypatch):
     from gpu.tiny_model import build_tiny_model
     from tests.test_async_scheduling import drive
 
-    shape = dict(hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2, num_layers=2)
+    shape = dict(hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2, num_layers=1)
     hf = build_tiny_model(tmp_path / "hf", "qwen3", **shape)
     path = write_gguf(hf, tmp_path / f"m-{fmt}.gguf", uniform(fmt))
     runs = {}
@@ -177,7 +177,7 @@ def test_a_4_bit_gguf_on_the_cuda_backend(fmt, tmp_path, monkeypatch):
         # the prompts' step (75 rows) on the dequantized weight, the decode steps on the tiles
         prompts = [[11, 12, 13, 14, 15], list(range(20, 90))]
         requests = [
-            EngineRequest(str(i), p, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+            EngineRequest(str(i), p, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
             for i, p in enumerate(prompts)
         ]
         got, _ = drive(core, requests)
