@@ -87,7 +87,7 @@ def run_weir(path: str, data: list[list[int]], threads: int) -> tuple[float, lis
     llm.embed(data[:20], use_tqdm=False)  # warm up
     t = time.perf_counter()
     outs = llm.embed(data, PoolingParams("last"), use_tqdm=False)
-    return time.perf_counter() - t, [o.embedding for o in outs]
+    return time.perf_counter() - t, [o.outputs.embedding for o in outs]
 
 
 def run_server(path: str, data: list[list[int]], threads: int, port: int = 8712) -> float:

@@ -6,6 +6,8 @@ generated."""
 
 from __future__ import annotations
 
+import math
+
 import msgspec
 
 KINDS = ("last", "mean", "cls")  # embeddings
@@ -22,3 +24,17 @@ class PoolingParams(msgspec.Struct, frozen=True, gc=False):
     def needs_every_position(self) -> bool:
         """Mean and CLS pooling read hidden states the prefix cache cannot give back."""
         return self.kind in ("mean", "cls")
+
+
+def activated(logits: list[float], on: bool) -> list[float]:
+    """A classifier's probabilities as transformers' pipelines give them: the sigmoid of a lone
+    logit, else the softmax over the labels (`on` false: the logits as they are)."""
+    if not on:
+        return logits
+    if len(logits) == 1:
+        x = logits[0]  # the sigmoid, computed without overflow either way
+        return [1 / (1 + math.exp(-x)) if x >= 0 else math.exp(x) / (1 + math.exp(x))]
+    top = max(logits)
+    e = [math.exp(x - top) for x in logits]
+    total = sum(e)
+    return [x / total for x in e]

@@ -5,7 +5,6 @@ there is one) and the most likely label's name from the checkpoint's id2label.""
 from __future__ import annotations
 
 import array
-import math
 import time
 from typing import Annotated, Any
 
@@ -13,7 +12,7 @@ import msgspec
 from msgspec import Meta
 from quart import Blueprint, Response
 
-from core.pooling import CLASSIFY, PoolingParams
+from core.pooling import CLASSIFY, PoolingParams, activated
 from server.errors import APIError
 from server.pooled import admit, fit_inputs, pooled
 from server.prompts import token_lists
@@ -64,20 +63,6 @@ def use_activation(req: Any) -> bool:
             400, "use_activation and activation (its older name) disagree", "use_activation"
         )
     return next((v for v in (new, old) if v is not None), True)
-
-
-def activated(logits: list[float], on: bool) -> list[float]:
-    """A classifier's probabilities as transformers' pipelines give them: the sigmoid of a lone
-    logit, else the softmax over the labels (`on` false: the logits as they are)."""
-    if not on:
-        return logits
-    if len(logits) == 1:
-        x = logits[0]  # the sigmoid, computed without overflow either way
-        return [1 / (1 + math.exp(-x)) if x >= 0 else math.exp(x) / (1 + math.exp(x))]
-    top = max(logits)
-    e = [math.exp(x - top) for x in logits]
-    total = sum(e)
-    return [x / total for x in e]
 
 
 def logits_of(vector: bytes) -> list[float]:

@@ -15,8 +15,8 @@ import msgspec
 from msgspec import Meta
 from quart import Blueprint, Response
 
-from core.pooling import CLASSIFY, PoolingParams
-from server.classify import PoolingUsage, activated, logits_of, use_activation
+from core.pooling import CLASSIFY, PoolingParams, activated
+from server.classify import PoolingUsage, logits_of, use_activation
 from server.errors import APIError
 from server.pooled import pooled, truncate_length
 from server.state import ServerState

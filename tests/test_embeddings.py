@@ -56,13 +56,13 @@ def test_vectors_match_transformers(setup, kind):
         outs = llm.embed(PROMPTS, p, use_tqdm=False)  # batched, the long one chunked
         assert len(outs[1].prompt_token_ids) > 48
         for out in outs:
-            close(out.embedding, reference(hf, out.prompt_token_ids, p))
+            close(out.outputs.embedding, reference(hf, out.prompt_token_ids, p))
         again = llm.embed(PROMPTS[1], p, use_tqdm=False)[0]  # its blocks are cached now
         if kind == "last":
             assert again.num_cached_tokens >= 48
         else:  # mean and CLS pooling read every position: the cache is not used
             assert again.num_cached_tokens == 0
-        close(again.embedding, reference(hf, again.prompt_token_ids, p))
+        close(again.outputs.embedding, reference(hf, again.prompt_token_ids, p))
     assert llm.engine.kv.num_free_blocks == 128  # nothing held once the vectors are out
 
 

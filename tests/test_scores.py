@@ -260,7 +260,7 @@ def test_every_decoders_classifier_gives_transformers_logits(arch, model_dir, tm
     outs = llm.embed(TEXTS[:2], PoolingParams(CLASSIFY, False), use_tqdm=False)
     for out in outs:
         want = hf_logits(hf, out.prompt_token_ids)
-        assert torch.allclose(torch.tensor(out.embedding), want, atol=1e-4), (out, want)
+        assert torch.allclose(torch.tensor(out.outputs.embedding), want, atol=1e-4), (out, want)
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])  # a tied LM head, and one of its own

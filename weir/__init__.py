@@ -1,6 +1,7 @@
 """weir's offline Python API: `from weir import LLM, SamplingParams` (and `Constraint` for
 structured outputs: `SamplingParams(structured=Constraint("regex", "[a-z]+"))`; `BeamSearchParams`
-for `LLM.beam_search`)."""
+for `LLM.beam_search`; `PoolingParams` and the pooled outputs for `LLM.embed`, `LLM.classify` and
+`LLM.score`)."""
 
 from core.lora import LoRARequest
 from core.structured import Constraint
@@ -13,6 +14,16 @@ from weir.llm import (
     RequestOutput,
     SamplingParams,
 )
+from weir.pooling import (
+    ClassificationOutput,
+    ClassificationRequestOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    PoolingParams,
+    PoolingRequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
 
 __all__ = [
     "LLM",
@@ -24,4 +35,12 @@ __all__ = [
     "BeamSearchParams",
     "BeamSearchOutput",
     "BeamSearchSequence",
+    "PoolingParams",
+    "PoolingRequestOutput",
+    "EmbeddingRequestOutput",
+    "EmbeddingOutput",
+    "ClassificationRequestOutput",
+    "ClassificationOutput",
+    "ScoringRequestOutput",
+    "ScoringOutput",
 ]

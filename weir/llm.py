@@ -6,11 +6,11 @@ for out in llm.generate(["Hello", "The river"], SamplingParams(max_tokens=32)):
     print(out.outputs[0].text)
 for out in llm.beam_search(["Hello"], BeamSearchParams(beam_width=4, max_tokens=32)):
     print([seq.text for seq in out.sequences])  # best first
+vectors = [o.outputs.embedding for o in llm.embed(["a river", "a canyon"])]
 """
 
 from __future__ import annotations
 
-import array
 import itertools
 from collections import deque
 from dataclasses import dataclass, field
@@ -23,10 +23,10 @@ from core.config import EngineConfig
 from core.engine_loop import EngineLoop
 from core.engine_messages import AddRequest
 from core.lora import CONFIG_FILE, WEIGHTS_FILE, LoraRef, LoRARequest, read_adapter
-from core.pooling import PoolingParams
 from core.request import EngineRequest, Logprob
 from core.sampling import InvalidParam
 from core.sampling import SamplingParams as EngineSamplingParams
+from weir.pooling import PoolingCalls
 
 
 class SamplingParams(EngineSamplingParams):
@@ -121,17 +121,10 @@ class BeamSearchOutput:
     sequences: list[BeamSearchSequence]
 
 
-@dataclass
-class EmbeddingOutput:
-    request_id: str
-    prompt_token_ids: list[int]
-    embedding: list[float]
-    num_cached_tokens: int = 0
-
-
-class LLM:
+class LLM(PoolingCalls):
     """`model` is a local directory or hub id (None: the built-in tiny model); keyword
-    arguments are EngineConfig fields (max_num_seqs, num_kv_blocks, dtype, ...)."""
+    arguments are EngineConfig fields (max_num_seqs, num_kv_blocks, dtype, ...). `embed`,
+    `classify` and `score` are weir/pooling.py's."""
 
     def __init__(self, model: str | None = None, **engine_args) -> None:
         from gpu import openmp
@@ -144,6 +137,7 @@ class LLM:
         self.engine = loaded.core
         self.tokenizer = loaded.tokenizer
         self.max_model_len = loaded.max_model_len
+        self.labels = loaded.labels  # a sequence classifier's, by index
         self._ids = itertools.count()
         self._lora_base = loaded.lora_base
         self._loras: dict[tuple, LoraRef] = {}  # checked adapters, by folder and file times
@@ -326,38 +320,3 @@ class LLM:
 
         loop = EngineLoop(self.engine, publish, refuse)
         loop.run(take, until_idle=True)
-
-    def embed(
-        self,
-        prompts: str | list[str] | list[list[int]],
-        pooling: PoolingParams | None = None,
-        use_tqdm: bool = True,
-    ) -> list[EmbeddingOutput]:
-        """One vector per prompt (text or token ids), pooled from the model's final hidden
-        states; results in prompt order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        pooling = pooling or PoolingParams()
-        results: dict[str, EmbeddingOutput] = {}
-        adds: deque[AddRequest] = deque()
-        for prompt in prompts:
-            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-            rid = str(next(self._ids))
-            req = EngineRequest(rid, ids, SamplingParams(), pooling=pooling)
-            self.engine.check(req)
-            adds.append(AddRequest(req))
-            results[rid] = EmbeddingOutput(rid, ids, [])
-        with tqdm(total=len(results), desc="Embedding", unit="req", disable=not use_tqdm) as bar:
-
-            def publish(outputs, stats) -> bool:
-                for out in outputs:
-                    res = results[out.request_id]
-                    if out.error is not None or out.embedding is None:
-                        raise RuntimeError(f"request {out.request_id}: {out.error}")
-                    res.embedding = array.array("f", out.embedding).tolist()
-                    res.num_cached_tokens = out.num_cached_tokens
-                    bar.update(1)
-                return True
-
-            self._run(adds, publish)
-        return list(results.values())

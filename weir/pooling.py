@@ -1,0 +1,277 @@
+"""LLM's pooling calls, as vLLM's: `embed` (one vector a prompt), `classify` (a sequence
+classifier's label probabilities) and `score` (how well texts answer each other: a one-label
+classifier, a cross-encoder, reads each pair as the tokenizer's pair encoding and scores it by its
+logit's sigmoid; any other model embeds each text once and scores a pair by the cosine of its two
+vectors). Each prompt is one engine request run for its pooled vector, nothing generated; results
+come in the prompts' order. The server's /v1/embeddings, /classify and /score do the same."""
+
+from __future__ import annotations
+
+import array
+import math
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable, Generic, TypeVar
+
+from tqdm import tqdm
+
+from core.engine_messages import AddRequest
+from core.pooling import CLASSIFY, activated
+from core.pooling import PoolingParams as EnginePoolingParams
+from core.request import EngineRequest
+from core.sampling import InvalidParam, SamplingParams
+
+
+class PoolingParams(EnginePoolingParams, frozen=True):
+    """The engine's PoolingParams (core/pooling.py: kind, normalize, dimensions) with vLLM's
+    offline fields: `use_activation` (a classifier's: False gives the raw logits, not
+    probabilities) and `truncate_prompt_tokens` (keep that many of a prompt's last tokens; -1:
+    the model's length)."""
+
+    use_activation: bool = True
+    truncate_prompt_tokens: int | None = None
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class ClassificationOutput:
+    probs: list[float]  # by label index (the raw logits under use_activation=False)
+    label: str = ""  # the most likely label's name (the checkpoint's id2label)
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ScoringOutput:
+    score: float
+
+
+Out = TypeVar("Out")
+
+
+@dataclass
+class PoolingRequestOutput(Generic[Out]):
+    """vLLM's: a request's `outputs` (one EmbeddingOutput, ClassificationOutput or
+    ScoringOutput) and its prompt's tokens (a score's: the pair encoding, or the first text's)."""
+
+    request_id: str
+    outputs: Out
+    prompt_token_ids: list[int]
+    num_cached_tokens: int = 0
+    finished: bool = True
+
+
+EmbeddingRequestOutput = PoolingRequestOutput[EmbeddingOutput]
+ClassificationRequestOutput = PoolingRequestOutput[ClassificationOutput]
+ScoringRequestOutput = PoolingRequestOutput[ScoringOutput]
+
+
+class PoolingCalls:
+    """Mixed into weir.llm.LLM, whose engine, tokenizer and request ids these use."""
+
+    engine: Any
+    tokenizer: Any
+    max_model_len: int
+    labels: list[str] | None
+    _ids: Any
+    _run: Callable[[deque, Callable], None]  # the engine loop over these requests
+
+    def embed(
+        self,
+        prompts: str | list[str] | list[list[int]],
+        pooling_params: EnginePoolingParams | None = None,
+        use_tqdm: bool = True,
+        *,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """One vector per prompt (text or token ids), pooled from the model's final hidden
+        states (`pooling_params.kind`: last, mean or cls; normalized unless it says not)."""
+        params = pooling_params or PoolingParams()
+        keep = self._keep(truncate_prompt_tokens, params)
+        inputs = [self._ids_of(p, keep) for p in _listed(prompts)]
+        ran = self._pool(inputs, _engine_params(params), use_tqdm, "Embedding")
+        return [
+            PoolingRequestOutput(rid, EmbeddingOutput(array.array("f", v).tolist()), ids, cached)
+            for (rid, v, cached), ids in zip(ran, inputs)
+        ]
+
+    def classify(
+        self,
+        prompts: str | list[str] | list[list[int]],
+        pooling_params: PoolingParams | None = None,
+        use_tqdm: bool = True,
+    ) -> list[ClassificationRequestOutput]:
+        """A sequence classifier's probabilities per prompt: the softmax over its labels (the
+        sigmoid of a lone label's logit), as transformers' pipelines give them."""
+        params = pooling_params or PoolingParams()
+        on = getattr(params, "use_activation", True)
+        keep = self._keep(None, params)
+        inputs = [self._ids_of(p, keep) for p in _listed(prompts)]
+        ran = self._pool(inputs, EnginePoolingParams(CLASSIFY, False), use_tqdm, "Classifying")
+        outputs = []
+        for (rid, v, cached), ids in zip(ran, inputs):
+            logits = array.array("f", v).tolist()
+            best = max(range(len(logits)), key=logits.__getitem__)
+            label = self.labels[best] if self.labels else str(best)
+            out = ClassificationOutput(activated(logits, on), label)
+            outputs.append(PoolingRequestOutput(rid, out, ids, cached))
+        return outputs
+
+    def score(
+        self,
+        data_1: str | list[str],
+        data_2: str | list[str],
+        pooling_params: PoolingParams | None = None,
+        use_tqdm: bool = True,
+        *,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[ScoringRequestOutput]:
+        """One data_1 text against each data_2 text, or data_1[i] against data_2[i]: a
+        reranker's relevance (a one-label classifier over the pair) or, for any other model,
+        the cosine of the two texts' embeddings."""
+        params = pooling_params or PoolingParams()
+        keep = self._keep(truncate_prompt_tokens, params)
+        pairs = _pairs(data_1, data_2)
+        if self.engine.runner.num_labels:
+            if self.engine.runner.num_labels != 1:
+                raise InvalidParam(
+                    "model",
+                    f"this classifier has {self.engine.runner.num_labels} labels; scoring needs "
+                    "one (a reranker's): use LLM.classify",
+                )
+            inputs = [self._pair_ids(a, b, keep) for a, b in pairs]
+            ran = self._pool(inputs, EnginePoolingParams(CLASSIFY, False), use_tqdm, "Scoring")
+            on = getattr(params, "use_activation", True)
+            return [
+                PoolingRequestOutput(
+                    rid, ScoringOutput(activated(array.array("f", v).tolist(), on)[0]), ids, n
+                )
+                for (rid, v, n), ids in zip(ran, inputs)
+            ]
+        if getattr(params, "use_activation", True) is not True:
+            raise InvalidParam(
+                "use_activation",
+                "use_activation applies to a classifier's logits; an embedding model scores by "
+                "cosine",
+            )
+        texts = list(dict.fromkeys(t for pair in pairs for t in pair))  # each text once
+        inputs = [self._ids_of(t, keep) for t in texts]
+        unit = EnginePoolingParams(params.kind, True, params.dimensions)
+        ran = self._pool(inputs, unit, use_tqdm, "Scoring")
+        vectors = {t: array.array("f", v) for t, (_, v, _) in zip(texts, ran)}
+        first = dict(zip(texts, zip(ran, inputs)))
+        outputs = []
+        for a, b in pairs:
+            (rid, _, cached), ids = first[a]
+            cosine = math.fsum(x * y for x, y in zip(vectors[a], vectors[b]))
+            outputs.append(PoolingRequestOutput(rid, ScoringOutput(cosine), ids, cached))
+        return outputs
+
+    def _keep(self, keep: int | None, params: EnginePoolingParams) -> int | None:
+        """The tokens truncate_prompt_tokens keeps (the argument's, else the params'), or None."""
+        if keep is None:
+            keep = getattr(params, "truncate_prompt_tokens", None)
+        if keep is None:
+            return None
+        if keep == -1:
+            return self.max_model_len
+        if not 0 < keep <= self.max_model_len:
+            raise InvalidParam(
+                "truncate_prompt_tokens",
+                f"truncate_prompt_tokens must be -1 or 1..{self.max_model_len} (the context), "
+                f"got {keep}",
+            )
+        return keep
+
+    def _ids_of(self, prompt: str | list[int], keep: int | None) -> list[int]:
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        return ids[-keep:] if keep is not None else ids
+
+    def _pair_ids(self, a: str, b: str, keep: int | None) -> list[int]:
+        """The tokenizer's pair encoding (its template's special tokens), cut to `keep` tokens
+        with the longer text shortened first."""
+        if keep is not None:
+            return self.tokenizer(text=a, text_pair=b, truncation=True, max_length=keep)[
+                "input_ids"
+            ]
+        return self.tokenizer(text=a, text_pair=b)["input_ids"]
+
+    def _pool(
+        self, inputs: list[list[int]], pooling: EnginePoolingParams, use_tqdm: bool, desc: str
+    ) -> list[tuple[str, bytes, int]]:
+        """(request id, pooled vector, cached prompt tokens) per input, in order. Every request
+        is checked before any runs: a bad one raises InvalidParam naming its field."""
+        adds: deque[AddRequest] = deque()
+        results: dict[str, tuple[bytes, int] | None] = {}
+        for ids in inputs:
+            rid = str(next(self._ids))
+            req = EngineRequest(rid, ids, SamplingParams(max_tokens=1), pooling=pooling)
+            self.engine.check(req)
+            adds.append(AddRequest(req))
+            results[rid] = None
+        with tqdm(total=len(results), desc=desc, unit="req", disable=not use_tqdm) as bar:
+
+            def publish(outputs, stats) -> bool:
+                for out in outputs:
+                    if out.error is not None or out.embedding is None:
+                        raise RuntimeError(f"request {out.request_id}: {out.error}")
+                    results[out.request_id] = (out.embedding, out.num_cached_tokens)
+                    bar.update(1)
+                return True
+
+            self._run(adds, publish)
+        return [(rid, *got) for rid, got in results.items() if got is not None]
+
+
+def _listed(prompts: str | list[str] | list[list[int]]) -> list:
+    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        return [prompts]
+    return list(prompts)
+
+
+def _pairs(data_1: str | list[str], data_2: str | list[str]) -> list[tuple[str, str]]:
+    """One data_1 against each data_2, or data_1[i] against data_2[i]."""
+    first = [data_1] if isinstance(data_1, str) else list(data_1)
+    second = [data_2] if isinstance(data_2, str) else list(data_2)
+    for name, texts in (("data_1", first), ("data_2", second)):
+        if not texts:
+            raise InvalidParam(name, f"{name} must not be empty")
+        if not all(isinstance(t, str) for t in texts):
+            raise InvalidParam(name, f"{name} must be a text or a list of texts")
+    if len(first) == 1:
+        return [(first[0], t) for t in second]
+    if len(first) != len(second):
+        raise InvalidParam(
+            "data_1",
+            f"data_1 has {len(first)} texts and data_2 {len(second)}: give one data_1, or as "
+            "many as data_2",
+        )
+    return list(zip(first, second))
+
+
+def _engine_params(params: EnginePoolingParams) -> EnginePoolingParams:
+    """What the engine is sent: its own struct, without the offline fields."""
+    return EnginePoolingParams(params.kind, params.normalize, params.dimensions)
+
+
+__all__ = [
+    "PoolingParams",
+    "EmbeddingOutput",
+    "ClassificationOutput",
+    "ScoringOutput",
+    "PoolingRequestOutput",
+    "EmbeddingRequestOutput",
+    "ClassificationRequestOutput",
+    "ScoringRequestOutput",
+    "PoolingCalls",
+]
