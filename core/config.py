@@ -42,6 +42,22 @@ LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed
 DEFAULT_GPU_MEMORY_UTILIZATION = float(os.environ.get("WEIR_GPU_MEMORY_UTILIZATION", "0.9"))
 
 
+def _kv_cache_space() -> int:
+    """--kv-cache-memory's default: 1 GiB, or VLLM_CPU_KVCACHE_SPACE GiB (vLLM's variable for
+    its CPU backend; a fraction is taken too, 0 or unset: the default)."""
+    raw = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "").strip()
+    try:
+        gib = float(raw or 0)
+    except ValueError:
+        raise ValueError(f"VLLM_CPU_KVCACHE_SPACE must be a number of GiB, got {raw!r}") from None
+    if gib < 0:
+        raise ValueError(f"VLLM_CPU_KVCACHE_SPACE must not be negative, got {raw!r}")
+    return int(gib * (1 << 30)) if gib else 1 << 30
+
+
+DEFAULT_KV_CACHE_MEMORY = _kv_cache_space()
+
+
 class EngineConfig(msgspec.Struct, kw_only=True):
     model: str | None = None  # None: the built-in tiny model; a folder, a hub id or a .gguf file
     # A Hugging Face tokenizer folder to use instead of the model's own (a GGUF file's
@@ -61,7 +77,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     max_num_batched_tokens: int = 2048
     block_size: int = 16
     num_kv_blocks: int | None = None
-    kv_cache_memory: int = 1 << 30  # bytes of KV cache on CPU
+    kv_cache_memory: int = DEFAULT_KV_CACHE_MEMORY  # bytes of KV cache on CPU
     # The cache's elements: auto (the model's dtype), or bfloat16 / float16 under a float32
     # model (half the bytes per token: twice the context, attention reading half as much).
     kv_cache_dtype: str = "auto"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from core.config import DEFAULT_GPU_MEMORY_UTILIZATION, LOGPROBS_MODES
+from core.config import DEFAULT_GPU_MEMORY_UTILIZATION, DEFAULT_KV_CACHE_MEMORY, LOGPROBS_MODES
 from server import vllm_flags
 from server.embedding_config import add_arguments as embedding_flags
 from server.lora import add_arguments as lora_flags
@@ -86,8 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--kv-cache-memory",
         type=int,
-        default=1 << 30,
-        help="bytes of KV cache on CPU (default 1 GiB)",
+        default=DEFAULT_KV_CACHE_MEMORY,
+        help="bytes of KV cache on CPU (default 1 GiB, or VLLM_CPU_KVCACHE_SPACE GiB)",
     )
     s.add_argument(
         "--kv-cache-dtype",

@@ -21,6 +21,10 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
     _workers = int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
     os.environ.setdefault("WEIR_GPU_MEMORY_UTILIZATION", f"{0.6 / max(_workers, 1):.3f}")
+# A CPU engine's KV cache by default (--kv-cache-memory): 128 MiB, not 1 GiB. It is zeroed (and
+# faulted in) at load; the tiny models' contexts fit in 128 MiB many times over, and the suite
+# starts a few hundred engines.
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "0.125")
 
 import itertools
 import socket

@@ -59,6 +59,22 @@ def test_flags_map_to_engine_config():
     assert config_from_args(build_parser().parse_args(["serve"])).lora_dtype == "auto"
 
 
+def test_the_kv_cache_memory_default_follows_vllms_cpu_variable(monkeypatch):
+    """VLLM_CPU_KVCACHE_SPACE (GiB, vLLM's CPU backend's) sets --kv-cache-memory's default in
+    every process that reads the config (this suite's conftest sets it to 0.125)."""
+    from core.config import DEFAULT_KV_CACHE_MEMORY, _kv_cache_space
+
+    assert EngineConfig().kv_cache_memory == DEFAULT_KV_CACHE_MEMORY == 1 << 27
+    assert config_from_args(build_parser().parse_args(["serve"])).kv_cache_memory == 1 << 27
+    for raw, want in (("4", 4 << 30), ("0.5", 1 << 29), ("0", 1 << 30), ("", 1 << 30)):
+        monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", raw)
+        assert _kv_cache_space() == want
+    for bad in ("lots", "-1"):
+        monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", bad)
+        with pytest.raises(ValueError, match="VLLM_CPU_KVCACHE_SPACE"):
+            _kv_cache_space()
+
+
 def test_cpu_threads_auto_follows_the_model_size():
     from types import SimpleNamespace
 
