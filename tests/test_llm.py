@@ -55,3 +55,66 @@ def test_n_samples_and_truncate_prompt_tokens(model_dir):
         llm.generate([ids], SamplingParams(n=0), use_tqdm=False)
     with pytest.raises(InvalidParam, match="truncate_prompt_tokens"):
         llm.generate([ids], SamplingParams(truncate_prompt_tokens=0), use_tqdm=False)
+
+
+def test_chat_renders_as_the_server_and_generates_as_generate(model_dir):
+    """vLLM's LLM.chat: a conversation (or several) through the chat template, as the server
+    renders /v1/chat/completions (tool-call arguments as objects, content parts joined), the
+    rendered text as each output's prompt; what cannot render is refused by field first."""
+    import msgspec
+    import pytest
+
+    from core.sampling import InvalidParam
+    from server.chat import render_text
+    from server.protocol import ChatMessage
+
+    llm = LLM(str(model_dir("qwen3")), num_kv_blocks=128)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}
+    first = [
+        {"role": "system", "content": "be brief"},
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "hello"}, {"type": "text", "text": "river"}],
+        },
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "2"},
+    ]
+    second = [{"role": "user", "content": "the river"}]
+    outs = llm.chat([first, second], params, use_tqdm=False)
+    assert '"x": 1' in outs[0].prompt and "hello\nriver" in outs[0].prompt
+    for conversation, out in zip((first, second), outs):
+        want = render_text(llm.tokenizer, None, msgspec.convert(conversation, list[ChatMessage]))
+        assert out.prompt == want
+        assert out.prompt_token_ids == llm.tokenizer.encode(want, add_special_tokens=False)
+        alone = llm.generate([out.prompt_token_ids], params, use_tqdm=False)[0]
+        assert out.outputs[0].token_ids == alone.outputs[0].token_ids
+    one = llm.chat(second, params, use_tqdm=False, chat_template="{{ messages[0]['content'] }}!")
+    assert len(one) == 1 and one[0].prompt == "the river!"
+    cont = llm.chat(
+        [*second, {"role": "assistant", "content": "it"}],
+        params,
+        use_tqdm=False,
+        add_generation_prompt=False,
+        continue_final_message=True,
+    )[0]
+    assert cont.prompt.rstrip().endswith("it")
+    bad = [
+        ([{"content": "no role"}], "messages[0]"),
+        ([{"role": "user", "content": [{"type": "image_url"}]}], "messages[0].content[0].type"),
+        (
+            [{"role": "assistant", "tool_calls": [{"function": {"arguments": "{"}}]}],
+            "messages[0].tool_calls",
+        ),
+    ]
+    for conversation, field in bad:
+        with pytest.raises(InvalidParam) as e:
+            llm.chat([second, conversation], params, use_tqdm=False)
+        assert e.value.param == field and "conversation 1" in str(e.value), e.value
+    with pytest.raises(InvalidParam) as e:
+        llm.chat(second, params, chat_template="no template here")
+    assert e.value.param == "chat_template"
+    with pytest.raises(InvalidParam) as e:
+        llm.chat(second, params, chat_template_kwargs={"tools": []})
+    assert e.value.param == "chat_template_kwargs"
+    assert llm.engine.kv.num_free_blocks == 128  # nothing refused was admitted

@@ -6,6 +6,7 @@ for out in llm.generate(["Hello", "The river"], SamplingParams(max_tokens=32)):
     print(out.outputs[0].text)
 for out in llm.beam_search(["Hello"], BeamSearchParams(beam_width=4, max_tokens=32)):
     print([seq.text for seq in out.sequences])  # best first
+replies = llm.chat([{"role": "user", "content": "Hello"}], SamplingParams(max_tokens=32))
 vectors = [o.outputs.embedding for o in llm.embed(["a river", "a canyon"])]
 """
 
@@ -15,6 +16,7 @@ import itertools
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import msgspec
 from tqdm import tqdm
@@ -26,6 +28,7 @@ from core.lora import CONFIG_FILE, WEIGHTS_FILE, LoraRef, LoRARequest, read_adap
 from core.request import EngineRequest, Logprob
 from core.sampling import InvalidParam
 from core.sampling import SamplingParams as EngineSamplingParams
+from weir import chat
 from weir.pooling import PoolingCalls
 
 
@@ -227,6 +230,43 @@ class LLM(PoolingCalls):
 
             self._run(adds, publish)
         return [results[rid] for rid in order]
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        lora_request: LoRARequest | list[LoRARequest | None] | None = None,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """vLLM's LLM.chat: one conversation (OpenAI-format messages) or a list of them, each
+        rendered by the chat template (`chat_template`: a template's text or file instead of
+        the model's) as the server renders a chat request, then generated as `generate` does;
+        one RequestOutput a conversation, its `prompt` the rendered text. Every conversation is
+        rendered before any runs: what cannot be raises InvalidParam naming the field."""
+        template = chat.template_of(chat_template)
+        texts, ids = [], []
+        for i, conversation in enumerate(chat.conversations(messages)):
+            text, tokens = chat.prompt_ids(
+                self.tokenizer,
+                template,
+                conversation,
+                i,
+                add_generation_prompt,
+                continue_final_message,
+                tools,
+                chat_template_kwargs,
+            )
+            texts.append(text)
+            ids.append(tokens)
+        outputs = self.generate(ids, sampling_params, use_tqdm, lora_request)
+        for out, text in zip(outputs, texts):
+            out.prompt = text
+        return outputs
 
     def _truncated(self, ids: list[int], p) -> list[int]:
         """The prompt as `truncate_prompt_tokens` leaves it (the server's: server/params.py)."""
