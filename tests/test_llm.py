@@ -124,3 +124,31 @@ def test_chat_renders_as_the_server_and_generates_as_generate(model_dir):
         llm.chat(second, params, chat_template_kwargs={"tools": []})
     assert e.value.param == "chat_template_kwargs"
     assert llm.engine.kv.num_free_blocks == 128  # nothing refused was admitted
+
+
+def test_without_sampling_params_the_models_generation_config_applies(model_dir, tmp_path):
+    """vLLM's get_default_sampling_params: generation_config.json's sampling fields (here greedy
+    and 5 new tokens), which generate and chat use when given none; generation_config="vllm"
+    reads none."""
+    import json
+    import shutil
+
+    path = tmp_path / "model"
+    shutil.copytree(model_dir("qwen3"), path)
+    config = {"temperature": 0.0, "top_k": 20, "max_new_tokens": 5, "repetition_penalty": 1.0}
+    (path / "generation_config.json").write_text(json.dumps(config))
+    llm = LLM(str(path), num_kv_blocks=64, max_model_len=64)
+    p = llm.get_default_sampling_params()
+    assert (p.temperature, p.top_k, p.max_tokens) == (0.0, 20, 5)
+    out = llm.generate("the river", use_tqdm=False)[0]
+    greedy = SamplingParams(temperature=0, max_tokens=5)
+    assert (
+        out.outputs[0].token_ids
+        == llm.generate("the river", greedy, use_tqdm=False)[0].outputs[0].token_ids
+    )
+    near = llm.generate([[7] * 61], use_tqdm=False)[0]  # 3 tokens of room: the default is cut
+    assert len(near.outputs[0].token_ids) <= 3
+    chat = llm.chat([{"role": "user", "content": "hi"}], use_tqdm=False)[0]
+    assert len(chat.outputs[0].token_ids) <= 5  # (16 without the model's defaults)
+    plain = LLM(str(path), num_kv_blocks=64, generation_config="vllm")
+    assert plain.get_default_sampling_params() == SamplingParams()

@@ -141,6 +141,7 @@ class LLM(PoolingCalls):
         self.tokenizer = loaded.tokenizer
         self.max_model_len = loaded.max_model_len
         self.labels = loaded.labels  # a sequence classifier's, by index
+        self._generation_defaults = loaded.generation_defaults
         self._ids = itertools.count()
         self._lora_base = loaded.lora_base
         self._loras: dict[tuple, LoraRef] = {}  # checked adapters, by folder and file times
@@ -162,6 +163,13 @@ class LLM(PoolingCalls):
             self._loras[key] = info.ref
         return self._loras[key]
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: the sampling fields of the model's generation_config.json (temperature,
+        top_p, top_k, min_p, repetition_penalty; max_new_tokens as max_tokens) over
+        SamplingParams' own defaults; `generation_config="vllm"` leaves them out, a folder reads
+        that folder's. What generate and chat use when given no SamplingParams."""
+        return SamplingParams(**self._generation_defaults)
+
     def generate(
         self,
         prompts: str | list[str] | list[list[int]],
@@ -171,10 +179,11 @@ class LLM(PoolingCalls):
     ) -> list[RequestOutput]:
         """Generate for every prompt (text or token ids); results in prompt order.
         `lora_request`: the adapter (vLLM's LoRARequest) for every prompt, or one per prompt
-        (None: the base model); needs `enable_lora=True`."""
+        (None: the base model); needs `enable_lora=True`. No `sampling_params`: the model's
+        (get_default_sampling_params), its max_new_tokens cut to each prompt's room."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        params = sampling_params or SamplingParams()
+        params = sampling_params or self.get_default_sampling_params()
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError("one SamplingParams per prompt, or one for all")
@@ -192,6 +201,11 @@ class LLM(PoolingCalls):
                 raise InvalidParam("n", f"n must be at least 1, got {n}")
             ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
             ids = self._truncated(ids, p)
+            if sampling_params is None and "max_tokens" in self._generation_defaults:
+                room = self.max_model_len - len(ids)  # as the server caps the default
+                p = msgspec.structs.replace(
+                    p, max_tokens=min(p.max_tokens, room) if room >= 1 else None
+                )
             rid = str(next(self._ids))
             results[rid] = RequestOutput(
                 rid,
