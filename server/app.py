@@ -22,6 +22,7 @@ from server.scores import bp as scores_bp
 from server.engine_start import load_engine
 from server.errors import APIError, error_response
 from server.generate import bp as generate_bp
+from server.invocations import bp as invocations_bp
 from server.responses.routes import bp as responses_bp
 from server.responses.registry import Runs
 from server.api_server_messages import Seat
@@ -33,7 +34,10 @@ from server.listen import hypercorn_config, listening_socket
 log = logging.getLogger("weir.server")
 request_log = logging.getLogger("weir.requests")
 
-PROTECTED_PREFIXES = ("/v1/", "/v2/", "/tokenize", "/detokenize", "/classify", "/score", "/rerank")
+PROTECTED_PREFIXES = (
+    *("/v1/", "/v2/", "/tokenize", "/detokenize", "/classify", "/score", "/rerank"),
+    "/invocations",
+)
 
 
 def create_app(
@@ -56,6 +60,7 @@ def create_app(
     app.register_blueprint(embeddings_bp)
     app.register_blueprint(classify_bp)
     app.register_blueprint(scores_bp)
+    app.register_blueprint(invocations_bp)
     st.tasks = options.tasks
     st.responses = Runs.from_options(options, seat)
 

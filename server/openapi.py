@@ -256,6 +256,27 @@ def openapi_document(version: str) -> dict[str, Any]:
                 },
             }
         }
+    shapes = ("ChatCompletionRequest", "CompletionRequest", "EmbeddingRequest")
+    shapes += ("ClassificationRequest", "ScoreRequest", "RerankRequest")
+    answers = [refs[n.replace("Request", "Response")] for n in shapes]
+    paths["/invocations"] = {
+        "post": {
+            "summary": "SageMaker's route: the body's fields pick the route that answers it "
+            "(messages, prompt, input, query and documents, text_1 and text_2)",
+            "requestBody": {
+                "required": True,
+                "content": {"application/json": {"schema": {"anyOf": [refs[n] for n in shapes]}}},
+            },
+            "responses": {
+                "200": {
+                    "description": "the chosen route's answer (a chat completion may stream)",
+                    "content": {"application/json": {"schema": {"anyOf": answers}}},
+                },
+                "400": error,
+                "503": error,
+            },
+        }
+    }
     return {
         "openapi": "3.1.0",
         "info": {

@@ -194,3 +194,37 @@ def test_pooling_from_sentence_transformers_files(tmp_path):
     assert resolve(tmp_path, "cls", False) == EmbeddingConfig("cls", False, 8, [])
     assert "not trained for Matryoshka" in EmbeddingConfig("last", True, 8, []).check_dimensions(4)
     assert EmbeddingConfig("last", True, 8, []).check_dimensions(8) is None
+
+
+def test_invocations_answers_as_the_route_the_body_names(server):
+    """SageMaker's /invocations: each body answered as its own route answers it (chat, also
+    streamed; completions; embeddings; score and rerank by cosine), a body naming no route and
+    a body that is not JSON each a 400."""
+    url = server.url
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0}
+    bodies = [
+        ("/v1/chat/completions", chat),
+        ("/v1/completions", {"prompt": "the river", "max_tokens": 4, "temperature": 0}),
+        ("/v1/embeddings", {"input": TEXTS}),
+        ("/v1/score", {"text_1": TEXTS[0], "text_2": TEXTS[1:]}),
+        ("/v1/rerank", {"query": TEXTS[0], "documents": TEXTS[1:]}),
+    ]
+    volatile = ("id", "created", "system_fingerprint")
+    for path, body in bodies:
+        want, got = (httpx.post(url + p, json=body, timeout=60) for p in (path, "/invocations"))
+        assert got.status_code == want.status_code == 200, (path, got.text)
+        w, g = ({k: v for k, v in r.json().items() if k not in volatile} for r in (want, got))
+        assert g == w, path
+    with httpx.stream("POST", url + "/invocations", json={**chat, "stream": True}) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert (
+        lines[-1] == "data: [DONE]"
+        and json.loads(lines[0][6:])["object"] == "chat.completion.chunk"
+    )
+    r = httpx.post(url + "/invocations", json={"model": "x"})
+    assert r.status_code == 400 and "messages (a chat completion)" in r.json()["error"]["message"]
+    r = httpx.post(url + "/invocations", content=b"{not json")
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+    r = httpx.post(url + "/invocations", json={"messages": "hi"})  # the chat route's own 400
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"

@@ -157,6 +157,7 @@ def test_auth_and_cors(tiny):
             ("POST", "/tokenize", {"prompt": "hi"}),
             ("POST", "/detokenize", {"tokens": [5]}),
             ("POST", "/v1/responses", {"input": "hi", "max_output_tokens": 1}),
+            ("POST", "/invocations", {"prompt": "hi", "max_tokens": 1}),
         ]
         for method, path, body in protected:
             for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekrit"}):

@@ -125,6 +125,12 @@ def test_a_classifier_serves_nothing_else(classifier):
     # scoring needs one label
     r = httpx.post(s.url + "/score", json={"text_1": "a", "text_2": "b"})
     assert r.status_code == 400 and "3 labels" in r.json()["error"]["message"]
+    # SageMaker's /invocations: an input is a classification here, not an embedding
+    body = {"input": TEXTS[:2]}
+    got, want = (
+        httpx.post(s.url + p, json=body, timeout=60) for p in ("/invocations", "/classify")
+    )
+    assert got.status_code == 200 and got.json()["data"] == want.json()["data"], got.text
 
 
 def test_scores_and_ranks_as_transformers_does(reranker):
