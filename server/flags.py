@@ -333,8 +333,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--tool-call-parser",
         default="auto",
         help="how a model's tool calls are read from its output: hermes, llama3_json, mistral, "
-        "pythonic, qwen3_coder, or auto (default: the parser whose markup the chat template "
-        "writes)",
+        "pythonic, qwen3_coder, phi4_mini_json, openai, or auto (default: the parser whose "
+        "markup the chat template writes)",
     )
     s.add_argument(
         "--enable-auto-tool-choice",

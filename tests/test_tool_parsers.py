@@ -110,6 +110,26 @@ def test_qwen3_coder():
     assert whole("qwen3_coder", broken) == (broken, [])
 
 
+def test_phi4_mini_json():
+    listed = f'Sure. functools[{WEATHER}, {{"name": "now", "arguments": {{}}}}]'
+    assert whole("phi4_mini_json", listed) == (
+        "Sure. ",
+        [("get_weather", '{"city": "Zürich", "days": [1, 2]}'), ("now", "{}")],
+    )
+    nested = f"functools[{NESTED}]"  # a list inside the arguments ends no call (vLLM's regex did)
+    assert whole("phi4_mini_json", nested)[1][0][1].startswith('{"steps": [{"do": "a"')
+    for plain in ("use functools.partial here", "functools", "functools[not json]"):
+        assert whole("phi4_mini_json", plain) == (plain, [])
+    # streamed: "functools" is held back until its "[" (or anything else) says what it was
+    assert streamed("phi4_mini_json", ["a functools", ".partial"]) == ("a functools.partial", [])
+    assert streamed("phi4_mini_json", ["a func", "tools[", WEATHER[:30], WEATHER[30:] + "]"]) == (
+        "a ",
+        [("get_weather", '{"city": "Zürich", "days": [1, 2]}')],
+    )
+    phi4_template = "{{ '<|system|>' + message['content'] + '<|tool|>' + message['tools'] }}"
+    assert detect(phi4_template) == "phi4_mini_json"
+
+
 def test_auto_detects_from_the_template():
     assert detect("{% for t in tools %}<tool_call>{{ t | tojson }}</tool_call>{% endfor %}") == (
         "hermes"
@@ -136,6 +156,10 @@ FRAGMENTS = {
     "qwen3_coder": [
         "<tool_call>", "</tool_call>", "<function=f>", "</function>", "<parameter=a>", "1",
         "</parameter>", "<parameter=b>", "é x", "text ", "<tool", "\n", "<function=",
+    ],
+    "phi4_mini_json": [
+        "functools", "[", '{"name": "a", "arguments": {"x": "é"}}', ", ", "]", "text ", "func",
+        "tools", '{"k": [1, {"z": null}]}', ".partial", "{",
     ],
     "mistral": [
         "[TOOL_CALLS]", "[", '{"name": "a", "arguments": {"x": "é"}}', ", ", "]", "a[ARGS]",
@@ -181,6 +205,8 @@ BROKEN = [
     ("mistral", '[TOOL_CALLS]f[ARGS]{"a": "x'),
     ("mistral", "[TOOL_CALLS] not a call"),
     ("mistral", '[TOOL_CALLS][{"name": "a", "arguments": {}}] trailing text'),
+    ("phi4_mini_json", 'functools[{"name": "a", "arguments": {}}] trailing text'),
+    ("phi4_mini_json", 'functools[{"name": "a", "arguments": {"b": "c'),
     ("qwen3_coder", "<tool_call>\n<function=f>\n<parameter=a>\nhel"),
     ("pythonic", '[f(a="x")] Let me know if you need more.'),
     ("pythonic", '[f(a="x"), 5, g(x=1)]'),

@@ -17,6 +17,7 @@ from core.structured import Constraint
 from server.tool_parsers.hermes import HermesParser
 from server.tool_parsers.llama3_json import Llama3JsonParser
 from server.tool_parsers.mistral import MistralParser
+from server.tool_parsers.phi4_mini import Phi4MiniJsonParser
 from server.tool_parsers.pythonic import PythonicParser
 from server.tool_parsers.qwen3_coder import Qwen3CoderParser
 from tests.conftest import GrammarProbe, tools_server
@@ -100,6 +101,8 @@ MARKUP = {  # each parser's call markup for one call
     + json.dumps({"name": name, "arguments": args})
     + "\n</tool_call>",
     MistralParser: lambda name, args: "[TOOL_CALLS]"
+    + json.dumps([{"name": name, "arguments": args}]),
+    Phi4MiniJsonParser: lambda name, args: "functools"
     + json.dumps([{"name": name, "arguments": args}]),
     Llama3JsonParser: lambda name, args: json.dumps({"name": name, "parameters": args}),
     Qwen3CoderParser: lambda name, args: f"<tool_call>\n<function={name}>\n"

@@ -10,6 +10,7 @@ from server.tool_parsers.hermes import HermesParser
 from server.tool_parsers.llama3_json import Llama3JsonParser
 from server.tool_parsers.mistral import MistralParser
 from server.tool_parsers.openai import OpenAIParser
+from server.tool_parsers.phi4_mini import Phi4MiniJsonParser
 from server.tool_parsers.pythonic import PythonicParser
 from server.tool_parsers.qwen3_coder import Qwen3CoderParser
 from server.tool_parsers.stream import ToolStream, tool_calls
@@ -23,6 +24,7 @@ PARSERS: dict[str, type[ToolParser]] = {
         MistralParser,
         PythonicParser,
         OpenAIParser,
+        Phi4MiniJsonParser,
     )
 }
 CHOICES = (*PARSERS, "auto")
@@ -30,7 +32,9 @@ CHOICES = (*PARSERS, "auto")
 
 # Most specific markup first: harmony's (gpt-oss) special tokens, Qwen3-Coder's templates also
 # write <tool_call>, and pythonic templates may mention "parameters".
-DETECT_ORDER = ("openai", "qwen3_coder", "hermes", "mistral", "pythonic", "llama3_json")
+DETECT_ORDER = (
+    *("openai", "qwen3_coder", "hermes", "mistral", "phi4_mini_json", "pythonic", "llama3_json"),
+)
 
 
 def detect(template: str | None) -> str | None:

@@ -177,6 +177,26 @@ def whole_call(text: str) -> Call | None:
     return call_from(whole_json(text.strip()), True)
 
 
+def listed_calls(rest: str, final: bool) -> list[Call]:
+    """The calls of a JSON list of call objects being written (`rest` begins with it): each
+    item once it has a whole name; the last is complete only once the list is closed."""
+    value = partial_json(rest)
+    calls = []
+    for j, item in enumerate(value if isinstance(value, list) else []):
+        done = final or j < len(value) - 1 or rest.rstrip().endswith("]")
+        call = call_from(item, done)
+        if call is not None:
+            calls.append(call)
+    return calls
+
+
+def whole_listed_calls(rest: str) -> list[Call | None]:
+    """A finished JSON list of call objects: one Call an item (None for an item that is not a
+    call, and [None] where the text is not a whole list)."""
+    value = whole_json(rest)
+    return [call_from(item, True) for item in value] if isinstance(value, list) else [None]
+
+
 def dumps(arguments: Any) -> str:
     """The arguments' JSON text, non-ASCII as itself; escaped where it holds a lone surrogate
     (a `\\ud800` the model wrote), which no UTF-8 reply can carry."""

@@ -11,13 +11,14 @@ from server.tool_parsers.base import (
     Call,
     Parsed,
     ToolParser,
-    call_from,
     call_schema,
     lift_defs,
     lark_json,
+    listed_calls,
     partial_json,
     text_or_calls,
     whole_json,
+    whole_listed_calls,
 )
 
 MARK = "[TOOL_CALLS]"
@@ -38,13 +39,7 @@ class MistralParser(ToolParser):
         out = Parsed(content=text[:at])
         rest = text[at + len(MARK) :]
         if rest.lstrip().startswith("[") or (not final and not rest.strip()):
-            value = partial_json(rest)
-            for j, item in enumerate(value if isinstance(value, list) else []):
-                # The list's last item is complete only once the list is.
-                done = final or j < len(value) - 1 or rest.rstrip().endswith("]")
-                call = call_from(item, done)
-                if call is not None:
-                    out.calls.append(call)
+            out.calls = listed_calls(rest, final)
             return out
         # name[ARGS]{json}, repeated with further [TOOL_CALLS] markers.
         parts = rest.split(MARK)
@@ -66,8 +61,7 @@ class MistralParser(ToolParser):
         rest = text[at + len(MARK) :].strip()
         calls: list[Call | None] = []
         if rest.startswith("["):
-            value = whole_json(rest)
-            calls = [call_from(item, True) for item in value] if isinstance(value, list) else [None]
+            calls = whole_listed_calls(rest)
         else:
             for part in rest.split(MARK):
                 name, sep, args = part.partition(ARGS)
