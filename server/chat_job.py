@@ -82,9 +82,12 @@ async def prepare_chat(
     params = sampling_params(
         st, req, req.max_completion_tokens or req.max_tokens, len(prompt), logprobs, constraint
     )
-    if getattr(thinker, "special_tokens", False) and params.skip_special_tokens:
-        # harmony's markup is special tokens: the reply is read with them, and the parser
-        # leaves none in the content
+    special_calls = call_parser is not None and not st.special_texts.isdisjoint(call_parser.markers)
+    if (getattr(thinker, "special_tokens", False) or special_calls) and params.skip_special_tokens:
+        # harmony's markup is special tokens, and a tool parser's may be (Mistral's
+        # [TOOL_CALLS]): the reply is read with them, else the calls would be lost in the
+        # content (vLLM keeps them for its mistral parser so); the parsers take their markup
+        # out of the content
         params = msgspec.structs.replace(params, skip_special_tokens=False)
     named = isinstance(req.tool_choice, dict)
     return ChatJob(tail, prompt, thinker, call_parser, params, req, named)

@@ -31,6 +31,9 @@ class ServerState:
     vocab_size: int = 0  # the model's lm_head width (>= the tokenizer's vocabulary)
     reasoning_parser: str | None = None  # resolved --reasoning-parser (server/reasoning)
     tool_parser: str | None = None  # resolved --tool-call-parser (server/tool_parsers)
+    # the tokenizer's special tokens' texts: a parser whose markup is among them (Mistral's
+    # [TOOL_CALLS], Llama 3's <|python_tag|>) reads replies decoded with special tokens kept
+    special_texts: frozenset[str] = frozenset()
     grammar_checker: Any = None  # core.structured.Grammars, built with the first constraint
     checked_constraints: OrderedDict = field(default_factory=OrderedDict)  # Constraint -> error
     metrics: Any = None  # server.metrics.Metrics, once the model is loaded

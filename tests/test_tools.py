@@ -297,3 +297,41 @@ def test_auto_without_a_parser_is_a_400(model_dir):
         assert r["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "get_time"
     finally:
         s.stop()
+
+
+def test_markup_that_is_a_special_token_reaches_the_parser(model_dir, tmp_path):
+    """Mistral's [TOOL_CALLS] is a special token in its tokenizers: a reply to a request with
+    tools is decoded with special tokens kept (as vLLM does for its mistral parser), or the
+    marker, and the calls after it, would vanish from the text the parser reads. Here the
+    marker alone (one token, forced by a bias) is no whole call, so it comes back as content;
+    without tools, or with tool_choice none, special tokens are skipped as asked."""
+    import shutil
+
+    from core.config import EngineConfig
+
+    path = tmp_path / "model"
+    shutil.copytree(model_dir("qwen3", added_tokens=("[TOOL_CALLS]",)), path)
+    for name, entries in (("tokenizer.json", "added_tokens"), ("tokenizer_config.json", None)):
+        data = json.loads((path / name).read_text())
+        found = data[entries] if entries else data.get("added_tokens_decoder", {}).values()
+        for token in found:
+            if token["content"] == "[TOOL_CALLS]":
+                token["special"] = True
+        (path / name).write_text(json.dumps(data))
+    config = EngineConfig(model=str(path), num_kv_blocks=32, max_model_len=256)
+    s = LiveServer(config, tool_call_parser="mistral").start()
+    try:
+        assert "[TOOL_CALLS]" in s.state.special_texts
+        mark = s.state.tokenizer.convert_tokens_to_ids("[TOOL_CALLS]")
+        body = {"messages": USER, "max_tokens": 1, "logit_bias": {str(mark): 100}}
+        for extra, content in (
+            ({"tools": TOOLS}, "[TOOL_CALLS]"),
+            ({"tools": TOOLS, "tool_choice": "none"}, ""),
+            ({}, ""),
+        ):
+            r = httpx.post(s.url + "/v1/chat/completions", json=body | extra)
+            assert r.status_code == 200, r.text
+            message = r.json()["choices"][0]["message"]
+            assert message["content"] == content and not message.get("tool_calls"), (extra, r.text)
+    finally:
+        s.stop()
