@@ -326,8 +326,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--reasoning-parser",
         default=None,
         help="split a thinking model's output into `reasoning` (also sent as "
-        "`reasoning_content`) and `content`: qwen3, deepseek_r1, or auto (from the chat "
-        "template's <think> markup)",
+        "`reasoning_content`) and `content`: qwen3, deepseek_r1, mistral, openai_gptoss, or "
+        "auto (from the chat template's markup)",
     )
     s.add_argument(
         "--tool-call-parser",

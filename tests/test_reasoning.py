@@ -49,6 +49,16 @@ def test_deepseek_r1_starts_in_reasoning():
     assert split("deepseek_r1", "no end marker at all") == ("no end marker at all", "")
 
 
+def test_mistral_splits_magistral_think_blocks():
+    text = "[THINK]2 × 21, so 42 🤔[/THINK]The answer is 42."
+    assert split("mistral", text) == ("2 × 21, so 42 🤔", "The answer is 42.")
+    assert split("mistral", "No thinking.") == (None, "No thinking.")
+    assert split("mistral", "[THINK]cut off") == ("cut off", "")
+    assert stream("mistral", ["[TH", "INK]a", "[/", "THINK]b"]) == ("a", "b")
+    assert PARSERS["mistral"].special_tokens  # its markers are special tokens: kept in the text
+    assert detect("{{ '[THINK]' + m.thinking + '[/THINK]' }}") == "mistral"
+
+
 def test_auto_picks_from_the_template():
     assert detect("{% if x %}<think>\n{{ r }}\n</think>{% endif %}") == "qwen3"
     assert detect("<|im_start|>{{ m.role }}") is None and resolve(None, "<think></think>") is None
@@ -68,6 +78,7 @@ def stream(name: str, chunks: list[str], prompt: str = "") -> tuple[str, str]:
 
 PIECES = st.sampled_from(
     ["<think>", "</think>", "<", "</", "think", ">", "\n", "a", "é", "🤔", " answer ", "<th"]
+    + ["[THINK]", "[/THINK]", "[", "[/", "THINK]"]
 )
 
 
@@ -84,7 +95,7 @@ def test_streamed_deltas_reassemble_to_the_whole_split(pieces, cuts, name, opene
     text = "".join(pieces)
     bounds = sorted({min(c, len(text)) for c in cuts} | {0, len(text)})
     chunks = [text[a:b] for a, b in zip(bounds, bounds[1:])] or [""]
-    prompt = "<think>\n" if opened else ""
+    prompt = getattr(PARSERS[name], "start", "<think>") + "\n" if opened else ""
     whole_think, whole_text = split(name, text, prompt)
     assert stream(name, chunks, prompt) == (whole_think or "", whole_text)
     assert stream(name, list(text) + [""], prompt) == (whole_think or "", whole_text)

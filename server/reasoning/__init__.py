@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from server.reasoning.deepseek_r1 import DeepSeekR1Parser
 from server.reasoning.harmony import HarmonyParser
+from server.reasoning.mistral import MistralParser
 from server.reasoning.qwen3 import Qwen3Parser
 from server.reasoning.think import ReasoningStream, ThinkParser
 
@@ -18,6 +19,7 @@ PARSERS: dict[str, type[ThinkParser]] = {
     "qwen3": Qwen3Parser,
     "deepseek_r1": DeepSeekR1Parser,
     "openai_gptoss": HarmonyParser,  # vLLM's name for gpt-oss's harmony format
+    "mistral": MistralParser,  # Magistral's [THINK] ... [/THINK]
 }
 CHOICES = (*PARSERS, "auto")
 
@@ -28,6 +30,8 @@ def detect(template: str | None) -> str | None:
         return "openai_gptoss"
     if template and "<think>" in template and "</think>" in template:
         return "qwen3"
+    if template and "[THINK]" in template and "[/THINK]" in template:
+        return "mistral"
     return None
 
 
