@@ -309,6 +309,27 @@ def text_or_calls(marker: str, answer: bool) -> str:
     )
 
 
+def _calls_rule(tools: list[dict[str, Any]], parallel: bool) -> str:
+    """The `calls` rule: a JSON list of call objects to `tools` (one unless `parallel`)."""
+    bound = {} if parallel else {"maxItems": 1}
+    calls = lift_defs(
+        call_schema(tools), lambda one: {"type": "array", "items": one, "minItems": 1, **bound}
+    )
+    return f"calls: {lark_json(calls)}"
+
+
+def listed_grammar(marker: str, tools: list[dict[str, Any]], parallel: bool) -> str:
+    """The call grammar of `marker` then a JSON list of calls (Mistral's, Phi-4-mini's)."""
+    return f"start: {json.dumps(marker)} calls\n" + _calls_rule(tools, parallel)
+
+
+def listed_auto_grammar(
+    marker: str, tools: list[dict[str, Any]], parallel: bool, answer: bool
+) -> str:
+    """Text, then `marker` and the list of calls (as listed_grammar's)."""
+    return text_or_calls(marker, answer) + "after: calls\n" + _calls_rule(tools, parallel)
+
+
 def strict_only(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The tools as enforced under tool_choice auto: a strict tool's arguments validate
     against its parameters, any other's are any JSON object (still a whole call to a tool the

@@ -11,12 +11,10 @@ from server.tool_parsers.base import (
     Call,
     Parsed,
     ToolParser,
-    call_schema,
-    lift_defs,
-    lark_json,
+    listed_auto_grammar,
     listed_calls,
+    listed_grammar,
     partial_json,
-    text_or_calls,
     whole_json,
     whole_listed_calls,
 )
@@ -73,14 +71,7 @@ class MistralParser(ToolParser):
         return Parsed(content=text[:at], calls=calls)
 
     def call_grammar(self, tools: list[dict[str, Any]], parallel: bool) -> str:
-        bound = {} if parallel else {"maxItems": 1}
-        calls = lift_defs(
-            call_schema(tools), lambda one: {"type": "array", "items": one, "minItems": 1, **bound}
-        )
-        return f'start: "{MARK}" calls\ncalls: {lark_json(calls)}'
+        return listed_grammar(MARK, tools, parallel)
 
     def auto_grammar(self, tools: list[dict[str, Any]], parallel: bool, answer: bool) -> str:
-        """Text, then the marker and the v3 tokenizers' list of calls (as call_grammar's)."""
-        return text_or_calls(MARK, answer) + self.call_grammar(tools, parallel).replace(
-            f'start: "{MARK}" calls', "after: calls", 1
-        )
+        return listed_auto_grammar(MARK, tools, parallel, answer)

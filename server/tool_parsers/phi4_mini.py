@@ -10,11 +10,9 @@ from server.markers import held
 from server.tool_parsers.base import (
     Parsed,
     ToolParser,
-    call_schema,
-    lark_json,
-    lift_defs,
+    listed_auto_grammar,
     listed_calls,
-    text_or_calls,
+    listed_grammar,
     whole_listed_calls,
 )
 
@@ -42,14 +40,7 @@ class Phi4MiniJsonParser(ToolParser):
         return Parsed(content=text[:at], calls=listed_calls(rest, final))
 
     def call_grammar(self, tools: list[dict[str, Any]], parallel: bool) -> str:
-        bound = {} if parallel else {"maxItems": 1}
-        calls = lift_defs(
-            call_schema(tools), lambda one: {"type": "array", "items": one, "minItems": 1, **bound}
-        )
-        return f'start: "{MARK}" calls\ncalls: {lark_json(calls)}'
+        return listed_grammar(MARK, tools, parallel)
 
     def auto_grammar(self, tools: list[dict[str, Any]], parallel: bool, answer: bool) -> str:
-        """Text, then the word and the list of calls (as call_grammar's)."""
-        return text_or_calls(MARK, answer) + self.call_grammar(tools, parallel).replace(
-            f'start: "{MARK}" calls', "after: calls", 1
-        )
+        return listed_auto_grammar(MARK, tools, parallel, answer)
