@@ -136,7 +136,8 @@ def build_tiny_model(
     `shared_expert_size` (twice an expert's unless given), and `dense_layers` (mlp_only_layers)
     with a dense MLP of `intermediate_size` instead. gpt-oss ("gpt_oss"): every other layer a
     window of `sliding_window` (8 unless given), `num_experts` of `intermediate_size`, random
-    biases and sinks."""
+    biases and sinks. OLMo 2 and OLMoE ("olmo2", "olmoe": `num_experts` of `intermediate_size`):
+    random norm weights."""
     import torch
     from transformers import (
         AutoModelForCausalLM,
@@ -271,6 +272,20 @@ def build_tiny_model(
             num_local_experts=num_experts,
             num_experts_per_tok=experts_per_token,
         )
+    elif arch == "olmo2":  # norms after the blocks only; Q/K norms over all heads
+        from transformers import Olmo2Config
+
+        config = Olmo2Config(**common, tie_word_embeddings=bool(tie_word_embeddings))
+    elif arch == "olmoe":  # OLMo's Q/K norms over experts of intermediate_size
+        from transformers import OlmoeConfig
+
+        config = OlmoeConfig(
+            **common,
+            tie_word_embeddings=bool(tie_word_embeddings),
+            num_experts=num_experts,
+            num_experts_per_tok=experts_per_token,
+            norm_topk_prob=norm_topk_prob,
+        )
     else:
         raise ValueError(f"unknown tiny architecture {arch!r}")
     torch.manual_seed(seed)
@@ -287,6 +302,11 @@ def build_tiny_model(
                     p.normal_(0.0, 0.5)
                 elif ".experts." in name:
                     p.mul_(20.0)
+    if arch.startswith("olmo"):  # norm weights drawn (they start at one): a norm read at the
+        with torch.no_grad():  # wrong width or place shows
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.normal_(1.0, 0.3)
     if zero_padding_rows:
         with torch.no_grad():
             model.get_output_embeddings().weight[len(tokenizer) :] = 0

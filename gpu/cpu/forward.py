@@ -71,12 +71,13 @@ HANDLED: dict[str, tuple | None] = {
     "num_labels": None,
     "score_token_ids": None,
     "score_difference": None,
+    "qk_norm_whole": (lambda v: not v, "Q/K norms over all heads at once (OLMo's)"),
+    "post_norms_only": (lambda v: not v, "no norms before the blocks (OLMo 2's)"),
 }
 
 
 def unfit(model, backend) -> str | None:
-    """Why `model` (built on `backend`, its weights prepared) cannot run as one call; None when
-    it can."""
+    """Why `model` (built on `backend`, its weights prepared) cannot run as one call, or None."""
     if backend.forward_mode == "modules":
         return "--cpu-forward modules"
     if backend.matmul != "weir":

@@ -69,6 +69,11 @@ def check(spec: ModelSpec, world_size: int) -> None:
         raise ValueError("--tensor-parallel-size must be at least 1")
     if world_size == 1:
         return
+    if spec.qk_norm_whole:  # OLMo's norm of all heads at once: no rank holds them all
+        raise CheckpointError(
+            f"{spec.architecture} under tensor parallelism is not served: its Q/K norms span "
+            "every head"
+        )
     problems = []
     if spec.num_heads % world_size:
         problems.append(f"{spec.num_heads} attention heads")

@@ -1,6 +1,7 @@
-"""One decoder-only transformer that covers Llama, Mistral, Phi-3, Qwen2, Qwen3, Gemma 3 (its
-layer's norms in gemma.py) and the mixtures of experts Mixtral, Qwen3-MoE and Qwen2-MoE
-(moe.py), built on a backend.
+"""One decoder-only transformer that covers Llama, Mistral, Phi-3, Qwen2, Qwen3, Gemma 2 and 3
+(their layer's norms in gemma.py), OLMo 2 (gemma.py's layer without its first norms, Q/K norms
+over all heads), gpt-oss (gpt_oss.py) and the mixtures of experts Mixtral, Qwen3-MoE, Qwen2-MoE
+and OLMoE (moe.py), built on a backend.
 
 Module and parameter names follow the Hugging Face checkpoints, so weights load by name without
 a mapping. The model is built with one backend (gpu/backend.py), which every layer computes
@@ -40,10 +41,13 @@ class Attention(nn.Module):
         self.sinks = None  # gpt-oss's: a logit per head in each softmax's sum (gpt_oss.py)
         if spec.attn_sinks:
             self.sinks = nn.Parameter(torch.zeros(spec.num_heads))
-        if spec.qk_norm:
-            self.q_norm = RMSNorm(d, spec.rms_norm_eps, backend)
-            self.k_norm = RMSNorm(d, spec.rms_norm_eps, backend)
-        self.qk_norm = spec.qk_norm
+        if spec.qk_norm:  # each head's, or OLMo's over all heads at once
+            whole = spec.qk_norm_whole
+            qn, kn = (spec.num_heads * d, spec.num_kv_heads * d) if whole else (d, d)
+            self.q_norm = RMSNorm(qn, spec.rms_norm_eps, backend)
+            self.k_norm = RMSNorm(kn, spec.rms_norm_eps, backend)
+        self.qk_norm = spec.qk_norm and not spec.qk_norm_whole  # per head, with the rotation
+        self.qk_norm_whole = spec.qk_norm_whole
         self.scale = spec.attn_scale or d**-0.5
         # The checkpoint's FP8 KV cache scales [k, v] (gpu/kv_scales.py), and their use under
         # an FP8 cache (None: unscaled)
@@ -79,6 +83,8 @@ class Attention(nn.Module):
         else:
             qa, ka, va = add.split(self.qkv_sizes, dim=-1)
             q, k, v = self.q_proj(x, qa), self.k_proj(x, ka), self.v_proj(x, va)
+        if self.qk_norm_whole:  # OLMo's: all heads normalized together, before the split
+            q, k = self.q_norm(q.contiguous()), self.k_norm(k.contiguous())
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
@@ -170,11 +176,13 @@ class DecoderLayer(nn.Module):
         window = spec.layer_windows[index] if spec.layer_windows else spec.sliding_window
         self.self_attn = Attention(spec, backend, window)
         self.mlp = _mixture(spec, backend) if spec.is_moe_layer(index) else MLP(spec, backend)
-        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, backend)
+        # OLMo 2 has no norms before its blocks: each an identity in the sandwich layer
+        first = nn.Identity if spec.post_norms_only else RMSNorm
+        self.input_layernorm = first(spec.hidden_size, spec.rms_norm_eps, backend)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, backend)
         self.sandwich = spec.sandwich_norms  # Gemma 3's norms after the blocks (gemma.py)
         if self.sandwich:
-            self.pre_feedforward_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, backend)
+            self.pre_feedforward_layernorm = first(spec.hidden_size, spec.rms_norm_eps, backend)
             self.post_feedforward_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, backend)
         self.local_rope = bool(spec.layer_windows) and window > 0  # its sliding layers' rotation
         self.tp = tp

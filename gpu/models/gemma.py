@@ -5,7 +5,8 @@ Gemma3DecoderLayer computes it:
     x = x + post_attention_layernorm(attention(input_layernorm(x)))
     x = x + post_feedforward_layernorm(mlp(pre_feedforward_layernorm(x)))
 
-Its other differences are data: norm weights w stored as 1 + w at load (gpu/loader.py), the
+OLMo 2's layer is this one with the two norms before the blocks left out (identities).
+Gemma's other differences are data: norm weights w stored as 1 + w at load (gpu/loader.py), the
 embeddings scaled by sqrt(hidden), the attention scale from query_pre_attn_scalar, a window on
 the sliding layers, which turn with their own rotation (gpu/models/spec.py, rope.py)."""
 

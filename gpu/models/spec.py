@@ -30,6 +30,11 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     # gpt-oss: every other layer sliding, attention sinks and biases, a mixture of experts with
     # a router bias, biased experts and a clamped SwiGLU (gpu/models/gpt_oss.py)
     "GptOssForCausalLM": {"qk_norm": False, "moe": True, "gpt_oss": True},
+    # OLMo 2: norms after attention and after the MLP and none before them (Gemma 3's layer
+    # without its first norms: gpu/models/gemma.py), Q/K norms over all heads at once
+    "Olmo2ForCausalLM": {"qk_norm": True, "olmo": True},
+    # OLMoE: Llama's layer with OLMo's Q/K norms over a mixture of experts of intermediate_size
+    "OlmoeForCausalLM": {"qk_norm": True, "olmo": True, "moe": True},
 }
 # Each causal LM's sequence classifier (a reranker, a classifier): the same decoder under a head
 # of one row a label (`score`) read at the last token; no LM head. (Gemma 3's text classifier
@@ -106,6 +111,11 @@ class ModelSpec:
     # rows of the causal LM's own head (their difference, the second less the first)
     score_token_ids: tuple[int, ...] = ()
     score_difference: bool = False
+    # OLMo 2 and OLMoE: the Q/K norms span all heads at once (a weight of num_heads *
+    # head_dim, applied before the heads are split), not each head; OLMo 2's layer has no norms
+    # before its blocks (`sandwich_norms` with the first two left out)
+    qk_norm_whole: bool = False
+    post_norms_only: bool = False
 
     @classmethod
     def from_hf_config(cls, config: Any) -> ModelSpec:
@@ -169,6 +179,11 @@ class ModelSpec:
             fields.update(_moe(config, arch))
         if extra.get("gpt_oss"):
             fields.update(_gpt_oss(config))
+        if extra.get("olmo"):
+            if getattr(config, "clip_qkv", None) is not None:
+                raise CheckpointError(f"{arch} with clip_qkv is not served")
+            olmo2 = arch == "Olmo2ForCausalLM"
+            fields.update(qk_norm_whole=True, post_norms_only=olmo2, sandwich_norms=olmo2)
         return cls(**fields)
 
     def is_moe_layer(self, index: int) -> bool:
@@ -187,6 +202,8 @@ def _moe(config: Any, arch: str) -> dict[str, Any]:
     n = config.num_hidden_layers
     if arch in ("MixtralForCausalLM", "GptOssForCausalLM"):  # the top k's softmax: renormalized
         size, norm, dense = config.intermediate_size, True, ()
+    elif arch == "OlmoeForCausalLM":  # every layer sparse, its experts of intermediate_size
+        size, norm, dense = config.intermediate_size, bool(config.norm_topk_prob), ()
     else:
         size = int(config.moe_intermediate_size)
         norm = bool(getattr(config, "norm_topk_prob", False))
