@@ -1,8 +1,8 @@
 """OLMo 2 (Olmo2ForCausalLM: norms after attention and after the MLP, none before them) and OLMoE
 (OlmoeForCausalLM: Llama's layer over a mixture of experts), both with Q/K norms over all heads
 at once (gpu/models/decoder.py, spec.qk_norm_whole), against transformers on the same random
-weights (their norm weights drawn too), on CPU and on the CUDA backend's kernels; the one-call
-CPU stack says it does not run them, and tensor parallelism is refused naming the reason."""
+weights (their norm weights drawn too), in the one-call CPU stack, layer by layer and on the
+CUDA backend's kernels; tensor parallelism and clip_qkv are refused naming the reason."""
 
 from __future__ import annotations
 
@@ -28,11 +28,14 @@ def models(tmp_path_factory):
 
 
 @pytest.mark.parametrize("arch", ["olmo2", "olmoe"])
-@pytest.mark.parametrize("backend", ["cpu", "cuda-backend"])
+@pytest.mark.parametrize("backend", ["stack", "modules", "cuda-backend"])
 def test_olmo_matches_transformers(models, arch, backend, monkeypatch):
     """A 30-token prompt's logits and six greedy tokens (OLMoE: every expert used by some
-    token, its top 2 of 8 not renormalized)."""
-    config = use_cuda_backend(monkeypatch) if backend == "cuda-backend" else {}
+    token, its top 2 of 8 not renormalized), in the one-call CPU stack, layer by layer, and on
+    the CUDA backend's kernels (Triton's interpreter)."""
+    config = {"stack": {}, "modules": {"cpu_forward": "modules"}}.get(backend)
+    if config is None:
+        config = use_cuda_backend(monkeypatch)
     assert_as_transformers(models[arch], models[arch], prompt(30), **config)
 
 
@@ -44,7 +47,7 @@ def test_the_spec_and_what_runs_it(models):
     assert (olmoe.num_experts, olmoe.experts_per_token, olmoe.norm_topk_prob) == (8, 2, False)
     core = load(EngineConfig(model=str(models["olmo2"]), num_kv_blocks=16)).core
     model = core.runner.model
-    assert model.stack is None  # the compiled stack refuses (forward.py HANDLED): modules run
+    assert model.stack is not None  # the one-call CPU stack runs it
     attn = model.model.layers[0].self_attn
     assert attn.q_norm.weight.shape == (olmo2.num_heads * olmo2.head_dim,)
     assert isinstance(model.model.layers[0].input_layernorm, torch.nn.Identity)

@@ -22,7 +22,7 @@ import torch
 from gpu.attention.backend import AttentionMetadata
 from gpu.cpu import build as cpu_build
 from gpu.cpu import gemm, quant
-from gpu.cpu.prepared import GatedPair, Stacked
+from gpu.cpu import stack_parts as sp
 from gpu.models.moe import SparseMoE
 from gpu.models.spec import ARCHITECTURES, ModelSpec
 
@@ -71,8 +71,8 @@ HANDLED: dict[str, tuple | None] = {
     "num_labels": None,
     "score_token_ids": None,
     "score_difference": None,
-    "qk_norm_whole": (lambda v: not v, "Q/K norms over all heads at once (OLMo's)"),
-    "post_norms_only": (lambda v: not v, "no norms before the blocks (OLMo 2's)"),
+    "qk_norm_whole": None,  # OLMo's Q/K norms over all heads: weights of that width
+    "post_norms_only": None,  # OLMo 2's first norms absent: empty (set_gemma's too)
 }
 
 
@@ -95,153 +95,24 @@ def unfit(model, backend) -> str | None:
     for name, rule in HANDLED.items():
         if rule is not None and not rule[0](getattr(spec, name)):
             return rule[1]
-    if _embed(model) is None:
+    if sp.embed_of(model) is None:
         return "embeddings not float32 rows nor a packed weight"
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        if _parts(attn.qkv) is None or _parts(attn.o) is None:
+        if sp.parts_of(attn.qkv) is None or sp.parts_of(attn.o) is None:
             return "attention products not on weir's kernels"
         if getattr(attn.o, "bias", None) is not None and spec.sandwich_norms:
             return "an output projection bias beside norms after the blocks"
         if spec.mlp_bias and not (isinstance(mlp, SparseMoE) and mlp.swiglu is not None):
             return "an MLP bias"
         if isinstance(mlp, SparseMoE):
-            if _experts(mlp) is None:
+            if sp.experts_of(mlp) is None:
                 return "experts not all in block formats on weir's kernels"
-            if mlp.has_shared and _shared(mlp) is None:
+            if mlp.has_shared and sp.shared_of(mlp) is None:
                 return "a shared expert not on weir's kernels, or of another activation"
-        elif _gated(mlp.gate_up) is None or _parts(mlp.down) is None:
+        elif sp.gated_of(mlp.gate_up) is None or sp.parts_of(mlp.down) is None:
             return "MLP products not on weir's kernels"
     return None
-
-
-def _experts(moe: SparseMoE) -> tuple[list[int], list[torch.Tensor], int] | None:
-    """A mixture's experts as the stack takes them ([router format, E, top_k, flags (1:
-    renormalize, 2: gate/up plain products, gpt-oss's), intermediate, E gate/ups' formats, E
-    downs' formats], [router, E gate/ups, E downs], the activation's code: gpt-oss's, set by
-    set_gpt_oss, stands in as SiLU's), or None when any is not a packed block-format weight."""
-    router = _part(moe.router)
-    pairs, downs = [e.gate_up for e in moe.experts], [e.down for e in moe.experts]
-    packed = all(isinstance(w, quant.QuantWeight) for w in pairs + downs)
-    if router is None or not packed or any(d.act for d in downs):
-        return None
-    if any(w.bias is not None for w in pairs + downs):  # gpt-oss's are apart (set_gpt_oss)
-        return None
-    plain = moe.swiglu is not None
-    acts = {p.act for p in pairs}
-    if len(acts) != 1 or (0 in acts) != plain:
-        return None
-    width = pairs[0].out_features // 2 if plain else moe.experts[0].widths[0] // 2
-    formats = [router[0], len(pairs), moe.top_k, int(moe.renormalize) | (2 * plain), width]
-    formats += [w.fmt.ggml_type for w in pairs + downs]
-    act = gemm.ACTIVATIONS["silu"] if plain else acts.pop()
-    return formats, [router[1]] + [w.packed for w in pairs + downs], act
-
-
-def _shared(moe: SparseMoE) -> tuple[list[torch.Tensor], list[int]] | None:
-    """Qwen2-MoE's shared expert as set_shared takes it ([gate_up0, gate_up1, down, gate],
-    [their formats, its intermediate size]), or None when a part is not on weir's kernels or
-    its activation is not the experts'."""
-    expert = moe.shared_expert
-    gated, down, gate = _gated(expert.gate_up), _parts(expert.down), _part(moe.shared_gate)
-    if gated is None or down is None or len(down) != 1 or gate is None:
-        return None
-    pairs, act = gated
-    if act != moe.experts[0].gate_up.act:
-        return None
-    (gu0, t0), (gu1, t1) = pairs[0], (pairs[1] if len(pairs) > 1 else (-1, torch.empty(0)))
-    ((d_fmt, d, _),) = down
-    formats = [gu0, gu1, d_fmt, gate[0], expert.widths[0] // 2]
-    return [t0, t1, d, gate[1]], formats
-
-
-def _part(w) -> tuple[int, torch.Tensor, int] | None:
-    """(format, packed tensor, outputs) of a plain weight on weir's kernels, else None."""
-    if isinstance(w, gemm.GemmWeight):
-        return 0, w.packed, w.out_features
-    if isinstance(w, quant.QuantWeight) and w.act == 0:
-        return w.fmt.ggml_type, w.packed, w.out_features
-    return None
-
-
-def _parts(w) -> list[tuple[int, torch.Tensor, int]] | None:
-    """A product's weight as the stack's parts (Q/K/V in formats that differ: several)."""
-
-    parts = [_part(p) for p in w.parts] if isinstance(w, Stacked) else [_part(w)]
-    return None if any(p is None for p in parts) or len(parts) > 3 else parts
-
-
-def _gated(w) -> tuple[list[tuple[int, torch.Tensor]], int] | None:
-    """A gated MLP's gate/up as the stack takes it: ([(format, the packed pair)] or [gate,
-    up], the activation's code)."""
-
-    if isinstance(w, gemm.GemmGated):
-        return [(0, w.packed)], w.act
-    if isinstance(w, quant.QuantWeight) and w.act:
-        return [(w.fmt.ggml_type, w.packed)], w.act
-    if isinstance(w, GatedPair) and w.act in gemm.ACTIVATIONS:
-        g, u = _part(w.gate), _part(w.up)
-        if g is None or u is None or w.gate.bias is not None or w.up.bias is not None:
-            return None
-        return [g[:2], u[:2]], gemm.ACTIVATIONS[w.act]
-    return None
-
-
-def _bias(w, none: torch.Tensor) -> torch.Tensor:
-    """A product's bias (Q/K/V in parts: Stacked.bias, theirs joined), or `none`."""
-    bias = getattr(w, "bias", None)
-    return none if bias is None else bias
-
-
-def _embed(model) -> tuple[int, torch.Tensor] | None:
-    w = model.model.embed_tokens.w
-    if isinstance(w, quant.QuantWeight):
-        return w.fmt.ggml_type, w.packed
-    if isinstance(w, torch.Tensor) and w.dtype == torch.float32 and w.is_contiguous():
-        return 0, w
-    return None
-
-
-SANDWICH = ("post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
-
-
-def _gemma(model) -> tuple[list[list[torch.Tensor]], list[int], list[int], float, float]:
-    """set_gemma's arguments: each layer's norms after its blocks (none: empty), window and
-    rotation, the embeddings' factor as the module path rounds it (float32 activations), and
-    Gemma 2's cap on the attention scores (0: none)."""
-    none = torch.empty(0)
-    norms, windows, local = [], [], []
-    for layer in model.model.layers:
-        sandwich = getattr(layer, "sandwich", False)
-        norms.append([getattr(layer, n).weight.detach() if sandwich else none for n in SANDWICH])
-        windows.append(layer.self_attn.sliding_window or 0)
-        local.append(int(layer.local_rope))
-    factor = torch.tensor(model.spec.embed_scale, dtype=torch.float32).item()
-    return norms, windows, local, factor, model.spec.attn_softcap
-
-
-def _gpt_oss(model) -> tuple[list[list[torch.Tensor]], float, float] | None:
-    """set_gpt_oss's arguments: each layer's [O bias, sinks, router bias, the experts' gate/up
-    biases [E, 2I] and down's [E, hidden]] as float32 (none: empty) and the experts' clamped
-    SwiGLU's limit and alpha; None when no layer has any of them."""
-    none = torch.empty(0)
-
-    def f32(t) -> torch.Tensor:
-        return none if t is None else t.detach().float().contiguous()
-
-    per_layer, swiglu = [], None
-    for layer in model.model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        moe = mlp if isinstance(mlp, SparseMoE) else None
-        router_bias = getattr(moe.router, "bias", None) if moe else None
-        biases = (moe.expert_biases if moe and moe.swiglu else None) or (None, None)
-        swiglu = swiglu or (moe.swiglu if moe else None)
-        parts = [getattr(attn.o, "bias", None), attn.sinks, router_bias, *biases]
-        per_layer.append([f32(t) for t in parts])
-    if all(not t.numel() for layer in per_layer for t in layer) and swiglu is None:
-        return None
-    limit, alpha = swiglu or (1.0, 1.0)  # (unread without plain experts; set_gpt_oss wants > 0)
-    return per_layer, float(limit), float(alpha)
 
 
 class FusedStack:
@@ -255,10 +126,10 @@ class FusedStack:
         # embeddings' rows through torch).
         if model.spec.tie_word_embeddings:
             w = model.model.embed_tokens.w
-            head = _part(w) if isinstance(w, quant.QuantWeight) else None
+            head = sp.part_of(w) if isinstance(w, quant.QuantWeight) else None
         else:
             w = model.lm_head.w
-            head = _part(w) if getattr(w, "bias", None) is None else None
+            head = sp.part_of(w) if getattr(w, "bias", None) is None else None
         self.lm_head = head
 
     def _bind(self, kv_caches) -> None:
@@ -270,23 +141,23 @@ class FusedStack:
         act = 0
         for layer, (k, v) in zip(layers, kv_caches):
             attn = layer.self_attn
-            qkv = _parts(attn.qkv) + [(0, none, 0)] * (3 - len(_parts(attn.qkv)))
-            ((o_fmt, o, _),) = _parts(attn.o)
-            experts = _experts(layer.mlp) if isinstance(layer.mlp, SparseMoE) else None
+            qkv = sp.parts_of(attn.qkv) + [(0, none, 0)] * (3 - len(sp.parts_of(attn.qkv)))
+            ((o_fmt, o, _),) = sp.parts_of(attn.o)
+            experts = sp.experts_of(layer.mlp) if isinstance(layer.mlp, SparseMoE) else None
             if experts is None:
-                gate_up, act = _gated(layer.mlp.gate_up)
-                ((d_fmt, down, _),) = _parts(layer.mlp.down)
+                gate_up, act = sp.gated_of(layer.mlp.gate_up)
+                ((d_fmt, down, _),) = sp.parts_of(layer.mlp.down)
             else:  # the MLP's places empty; the experts after the caches
                 gate_up, d_fmt, down, act = [(-1, none)], -1, none, experts[2]
             gu = gate_up + [(-1, none)] * (2 - len(gate_up))
             per_layer.append(
                 [
-                    layer.input_layernorm.weight.detach(),
+                    sp.weight_of(layer.input_layernorm, none),
                     layer.post_attention_layernorm.weight.detach(),
                     *(t for _, t, _ in qkv),
-                    _bias(attn.qkv, none),
-                    attn.q_norm.weight.detach() if attn.qk_norm else none,
-                    attn.k_norm.weight.detach() if attn.qk_norm else none,
+                    sp.bias_of(attn.qkv, none),
+                    sp.weight_of(getattr(attn, "q_norm", None), none),
+                    sp.weight_of(getattr(attn, "k_norm", None), none),
                     o,
                     gu[0][1],
                     gu[1][1],
@@ -301,7 +172,7 @@ class FusedStack:
                 + [o_fmt, gu[0][0], gu[1][0], d_fmt]
                 + (experts[0] if experts else [])
             )
-        embed_fmt, embed = _embed(model)
+        embed_fmt, embed = sp.embed_of(model)
         head = self.lm_head
         dims = [
             spec.hidden_size,
@@ -326,16 +197,16 @@ class FusedStack:
             head[1] if head is not None else none,
         )
         if spec.sandwich_norms or spec.layer_windows or spec.embed_scale != 1.0:
-            self._stack.set_gemma(*_gemma(model))
+            self._stack.set_gemma(*sp.gemma_of(model))
         if spec.shared_expert_size:  # Qwen2-MoE's shared experts: bound once, like weights
             shared = [
-                _shared(layer.mlp) if getattr(layer.mlp, "has_shared", False) else None
+                sp.shared_of(layer.mlp) if getattr(layer.mlp, "has_shared", False) else None
                 for layer in layers
             ]
             self._stack.set_shared(
                 [s[0] if s else [] for s in shared], [s[1] if s else [] for s in shared]
             )
-        extras = _gpt_oss(model)
+        extras = sp.gpt_oss_of(model)
         if extras is not None:  # gpt-oss's parts, and any layer's O bias
             self._stack.set_gpt_oss(*extras)
         if model.lora is not None:  # the adapters' slots (gpu/lora.py): bound once, like weights

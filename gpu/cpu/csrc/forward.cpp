@@ -223,20 +223,29 @@ int decoder_forward(const DecoderModel& model, const DecoderStep& step) {
     Timer timer;
     for (int64_t i = 0; i < m->num_layers; ++i) {
         const DecoderLayer& L = m->layers[i];
-        rms_norm_rope(x, T, 1, H, H, L.input_norm, m->eps, nullptr, nullptr, h, nt);
+        const float* hin = L.input_norm ? h : x;  // OLMo 2: no norm before attention
+        if (L.input_norm)
+            rms_norm_rope(x, T, 1, H, H, L.input_norm, m->eps, nullptr, nullptr, h, nt);
         timer.lap(kNorm);
         // Adapters' deltas: added to Q/K/V's output ((x W^T + b) + delta, as a residual would
         // be), into the residual stream before the O and down products add theirs, and as
         // gate/up's pre-activation addend (written whole, or none when no adapter of the step
         // modifies gate or up); rows without an adapter add nothing.
-        product(L.qkv, h, T, H, 0, L.qkv_bias, nullptr, 0, qkv, qkvw, nt, spare);
-        if (lora && L.lora[kLoraQkv].a) lora_add(L.lora[kLoraQkv], h, T, H, lora, qkv, qkvw, nt);
+        product(L.qkv, hin, T, H, 0, L.qkv_bias, nullptr, 0, qkv, qkvw, nt, spare);
+        if (lora && L.lora[kLoraQkv].a) lora_add(L.lora[kLoraQkv], hin, T, H, lora, qkv, qkvw, nt);
         timer.lap(kQkv);
         const float eps = L.q_norm ? m->eps : 0.f;
         const float* c = L.local_rope && local ? cos_l : cos;
         const float* sn = L.local_rope && local ? sin_l : sin;
-        rms_norm_rope(qkv, T, m->heads, D, qkvw, L.q_norm, eps, c, sn, q, nt);
-        rms_norm_rope(qkv + qw, T, m->kv_heads, D, qkvw, L.k_norm, eps, c, sn, k, nt);
+        if (L.qk_whole) {  // OLMo's: each token's Q (and K) normalized whole, then turned
+            rms_norm_rope(qkv, T, 1, qw, qkvw, L.q_norm, eps, nullptr, nullptr, q, nt);
+            rms_norm_rope(qkv + qw, T, 1, kvw, qkvw, L.k_norm, eps, nullptr, nullptr, k, nt);
+            rms_norm_rope(q, T, m->heads, D, qw, nullptr, 0.f, c, sn, q, nt);
+            rms_norm_rope(k, T, m->kv_heads, D, kvw, nullptr, 0.f, c, sn, k, nt);
+        } else {
+            rms_norm_rope(qkv, T, m->heads, D, qkvw, L.q_norm, eps, c, sn, q, nt);
+            rms_norm_rope(qkv + qw, T, m->kv_heads, D, qkvw, L.k_norm, eps, c, sn, k, nt);
+        }
         timer.lap(kRope);
         if (L.k_mul != 0.f) {  // a checkpoint's FP8 KV scales: K and V as they are written
             for (int64_t i = 0; i < T * kvw; ++i) k[i] *= L.k_mul;
@@ -262,8 +271,10 @@ int decoder_forward(const DecoderModel& model, const DecoderStep& step) {
             sandwich(L.o, o, T, qw, H, L.post_attn_norm, m->eps, x, block_out, block_normed, nt,
                      spare);
             timer.lap(kOut);
-            rms_norm_rope(x, T, 1, H, H, L.pre_ffn_norm, m->eps, nullptr, nullptr, h, nt);
-            product(L.gate_up, h, T, H, int(m->act), nullptr, nullptr, 0, g, I, nt, spare);
+            if (L.pre_ffn_norm)  // (OLMo 2: none, the MLP reads the stream itself)
+                rms_norm_rope(x, T, 1, H, H, L.pre_ffn_norm, m->eps, nullptr, nullptr, h, nt);
+            const float* mlp_in = L.pre_ffn_norm ? h : x;
+            product(L.gate_up, mlp_in, T, H, int(m->act), nullptr, nullptr, 0, g, I, nt, spare);
             timer.lap(kGateUp);
             sandwich(L.down, g, T, I, H, L.post_ffn_norm, m->eps, x, block_out, block_normed,
                      nt, spare);

@@ -65,7 +65,7 @@ struct DecoderStack : torch::CustomClassHolder {
                               "each layer gives 14 tensors (a mixture: 15 + 2 experts)");
             TORCH_CHECK_VALUE(F.size() == size_t(E ? 15 + 2 * E : 10),
                               "each layer gives 10 format entries (a mixture: 15 + 2 experts)");
-            check_flat(L[0], at::kFloat, H, "input_norm");
+            if (L[0].numel()) check_flat(L[0], at::kFloat, H, "input_norm");  // OLMo 2: none
             check_flat(L[1], at::kFloat, H, "post_norm");
             weir::DecoderLayer d{};
             int64_t qkv_n = 0;
@@ -78,9 +78,10 @@ struct DecoderStack : torch::CustomClassHolder {
                               qw + 2 * kvw);
             if (L[5].numel()) check_flat(L[5], at::kFloat, qw + 2 * kvw, "qkv_bias");
             TORCH_CHECK_VALUE(bool(L[6].numel()) == bool(L[7].numel()), "q_norm/k_norm: both");
-            if (L[6].numel()) {
-                check_flat(L[6], at::kFloat, D, "q_norm");
-                check_flat(L[7], at::kFloat, D, "k_norm");
+            if (L[6].numel()) {  // each head's, or OLMo's over all heads at once
+                d.qk_whole = L[6].numel() == qw && qw != D;
+                check_flat(L[6], at::kFloat, d.qk_whole ? qw : D, "q_norm");
+                check_flat(L[7], at::kFloat, d.qk_whole ? kvw : D, "k_norm");
             }
             d.o.part[0] = stack_weight(F[6], L[8], H, qw, false, "o");
             d.o.parts = 1;
@@ -258,10 +259,11 @@ struct DecoderStack : torch::CustomClassHolder {
             TORCH_CHECK_VALUE(!d.experts || !N[0].numel(), "gemma: norms after the blocks "
                               "beside a mixture of experts");
             if (N[0].numel()) {
-                for (int i = 0; i < 3; ++i) check_flat(N[i], at::kFloat, H, "gemma norm");
+                for (int i = 0; i < 3; ++i)  // (OLMo 2's pre_feedforward_norm: none, empty)
+                    if (i != 1 || N[1].numel()) check_flat(N[i], at::kFloat, H, "gemma norm");
                 for (int i = 0; i < 3; ++i) keep.push_back(N[i]);
                 d.post_attn_norm = N[0].data_ptr<float>();
-                d.pre_ffn_norm = N[1].data_ptr<float>();
+                d.pre_ffn_norm = N[1].numel() ? N[1].data_ptr<float>() : nullptr;
                 d.post_ffn_norm = N[2].data_ptr<float>();
             }
             d.window = windows[li];

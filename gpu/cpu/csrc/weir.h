@@ -260,7 +260,8 @@ struct DecoderLayer {
     const float* post_norm;   // [hidden]
     StackLinear qkv;          // [q + 2 kv outputs, hidden]
     const float* qkv_bias;    // or null
-    const float* q_norm;      // [head_dim] or null (no Q/K norm)
+    const float* q_norm;      // [head_dim] or null (no Q/K norm); qk_whole: [heads * head_dim]
+    bool qk_whole;            // OLMo's Q/K norms over all heads at once (k_norm: kv width)
     const float* k_norm;
     StackLinear o;        // [hidden, heads * head_dim]
     const float* o_bias;  // [hidden] or null
