@@ -136,8 +136,9 @@ def build_tiny_model(
     `shared_expert_size` (twice an expert's unless given), and `dense_layers` (mlp_only_layers)
     with a dense MLP of `intermediate_size` instead. gpt-oss ("gpt_oss"): every other layer a
     window of `sliding_window` (8 unless given), `num_experts` of `intermediate_size`, random
-    biases and sinks. OLMo 2 and OLMoE ("olmo2", "olmoe": `num_experts` of `intermediate_size`):
-    random norm weights."""
+    biases and sinks. OLMo 2, OLMo 3 (every `global_every`-th layer global, the others a window of
+    `sliding_window`, 8 unless given) and OLMoE ("olmo2", "olmo3", "olmoe": `num_experts` of
+    `intermediate_size`): random norm weights."""
     import torch
     from transformers import (
         AutoModelForCausalLM,
@@ -276,6 +277,18 @@ def build_tiny_model(
         from transformers import Olmo2Config
 
         config = Olmo2Config(**common, tie_word_embeddings=bool(tie_word_embeddings))
+    elif arch == "olmo3":  # OLMo 2's layer, every third layer global, the others a window
+        from transformers import Olmo3Config
+
+        config = Olmo3Config(
+            **common,
+            tie_word_embeddings=bool(tie_word_embeddings),
+            sliding_window=sliding_window or 8,
+            layer_types=[
+                "full_attention" if (i + 1) % global_every == 0 else "sliding_attention"
+                for i in range(num_layers)
+            ],
+        )
     elif arch == "olmoe":  # OLMo's Q/K norms over experts of intermediate_size
         from transformers import OlmoeConfig
 

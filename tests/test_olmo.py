@@ -1,10 +1,13 @@
-"""OLMo 2 (Olmo2ForCausalLM: norms after attention and after the MLP, none before them) and OLMoE
-(OlmoeForCausalLM: Llama's layer over a mixture of experts), both with Q/K norms over all heads
-at once (gpu/models/decoder.py, spec.qk_norm_whole), against transformers on the same random
-weights (their norm weights drawn too), in the one-call CPU stack, layer by layer and on the
-CUDA backend's kernels; tensor parallelism and clip_qkv are refused naming the reason."""
+"""OLMo 2 (Olmo2ForCausalLM: norms after attention and after the MLP, none before them), OLMo 3
+(Olmo3ForCausalLM: OLMo 2's layer, sliding layers with their own rotation beside global ones)
+and OLMoE (OlmoeForCausalLM: Llama's layer over a mixture of experts), all with Q/K norms over
+all heads at once (gpu/models/decoder.py, spec.qk_norm_whole), against transformers on the same
+random weights (their norm weights drawn too), in the one-call CPU stack, layer by layer and on
+the CUDA backend's kernels; tensor parallelism and clip_qkv are refused naming the reason."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -21,17 +24,27 @@ def models(tmp_path_factory):
     from gpu.tiny_model import build_tiny_model
 
     root = tmp_path_factory.mktemp("olmo")
+    olmo3 = build_tiny_model(root / "olmo3", "olmo3", num_layers=3)
+    config = json.loads((olmo3 / "config.json").read_text())
+    config["rope_parameters"] = {  # each layer kind its own rotation: a window of 8 at 100
+        "full_attention": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 2.0,
+                           "original_max_position_embeddings": 2048},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+    }  # fmt: skip
+    (olmo3 / "config.json").write_text(json.dumps(config))
     return {
         "olmo2": build_tiny_model(root / "olmo2", "olmo2", num_layers=3),
+        "olmo3": olmo3,
         "olmoe": moe(root / "olmoe", "olmoe", norm_topk_prob=False),
     }
 
 
-@pytest.mark.parametrize("arch", ["olmo2", "olmoe"])
+@pytest.mark.parametrize("arch", ["olmo2", "olmo3", "olmoe"])
 @pytest.mark.parametrize("backend", ["stack", "modules", "cuda-backend"])
 def test_olmo_matches_transformers(models, arch, backend, monkeypatch):
-    """A 30-token prompt's logits and six greedy tokens (OLMoE: every expert used by some
-    token, its top 2 of 8 not renormalized), in the one-call CPU stack, layer by layer, and on
+    """A 30-token prompt's logits and six greedy tokens (OLMo 3: past its sliding layers' window
+    of 8, which turn with their own rotation; OLMoE: every expert used by some token, its top 2
+    of 8 not renormalized), in the one-call CPU stack, layer by layer, and on
     the CUDA backend's kernels (Triton's interpreter)."""
     config = {"stack": {}, "modules": {"cpu_forward": "modules"}}.get(backend)
     if config is None:
@@ -51,6 +64,8 @@ def test_the_spec_and_what_runs_it(models):
     attn = model.model.layers[0].self_attn
     assert attn.q_norm.weight.shape == (olmo2.num_heads * olmo2.head_dim,)
     assert isinstance(model.model.layers[0].input_layernorm, torch.nn.Identity)
+    olmo3 = ModelSpec.from_hf_config(_config(models["olmo3"]))
+    assert olmo3.layer_windows == (8, 8, 0) and olmo3.post_norms_only
     config = _config(models["olmoe"])
     config.clip_qkv = 8.0
     with pytest.raises(CheckpointError, match="clip_qkv"):

@@ -33,6 +33,8 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     # OLMo 2: norms after attention and after the MLP and none before them (Gemma 3's layer
     # without its first norms: gpu/models/gemma.py), Q/K norms over all heads at once
     "Olmo2ForCausalLM": {"qk_norm": True, "olmo": True},
+    # OLMo 3: OLMo 2's layer, three sliding layers to a global one, each kind its own rotation
+    "Olmo3ForCausalLM": {"qk_norm": True, "olmo": True},
     # OLMoE: Llama's layer with OLMo's Q/K norms over a mixture of experts of intermediate_size
     "OlmoeForCausalLM": {"qk_norm": True, "olmo": True, "moe": True},
 }
@@ -182,8 +184,12 @@ class ModelSpec:
         if extra.get("olmo"):
             if getattr(config, "clip_qkv", None) is not None:
                 raise CheckpointError(f"{arch} with clip_qkv is not served")
-            olmo2 = arch == "Olmo2ForCausalLM"
-            fields.update(qk_norm_whole=True, post_norms_only=olmo2, sandwich_norms=olmo2)
+            post = arch != "OlmoeForCausalLM"  # OLMo 2's and 3's norms after the blocks only
+            fields.update(qk_norm_whole=True, post_norms_only=post, sandwich_norms=post)
+            if arch == "Olmo3ForCausalLM":  # its sliding layers turn with their own rotation
+                window = int(config.sliding_window or 0)
+                types = config.layer_types
+                fields.update(layer_windows=tuple(window * (t != "full_attention") for t in types))
         return cls(**fields)
 
     def is_moe_layer(self, index: int) -> bool:
