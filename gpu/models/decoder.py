@@ -1,5 +1,5 @@
 """One decoder-only transformer that covers Llama, Mistral, Phi-3, Qwen2, Qwen3, Gemma 2 and 3
-(their layer's norms in gemma.py), OLMo 2 (gemma.py's layer without its first norms, Q/K norms
+(their layer's norms in gemma.py), OLMo 2 and 3 (gemma.py's layer without its first norms, Q/K norms
 over all heads), gpt-oss (gpt_oss.py) and the mixtures of experts Mixtral, Qwen3-MoE, Qwen2-MoE
 and OLMoE (moe.py), built on a backend.
 
