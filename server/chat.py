@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from server.errors import APIError
-from server.protocol import ChatMessage
+from server.requests import ChatMessage
 
 
 def load_template(value: str | None) -> str | None:

@@ -13,7 +13,7 @@ from core.structured import Constraint
 from server import chat, reasoning, structured, tools
 from server.errors import APIError
 from server.params import sampling_params, truncate_prompt
-from server.protocol import ChatCompletionRequest
+from server.requests import ChatCompletionRequest
 from server.reasoning import ThinkParser
 from server.reply import Reply
 from server.state import ServerState

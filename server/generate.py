@@ -25,14 +25,13 @@ from server.params import (
 from server.protocol import (
     ChatChoice,
     ChatCompletionChunk,
-    ChatCompletionRequest,
     ChatCompletionResponse,
     ChunkChoice,
     CompletionChoice,
-    CompletionRequest,
     CompletionResponse,
     Delta,
 )
+from server.requests import ChatCompletionRequest, CompletionRequest
 from server.submit import Submitted, collect, request_id, stream_response
 from server.usage import UsageCounter
 from server.wire import decode, json_response, state

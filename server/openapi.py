@@ -11,19 +11,21 @@ import msgspec
 
 from server.protocol import (
     ChatCompletionChunk,
-    ChatCompletionRequest,
     ChatCompletionResponse,
-    CompletionRequest,
     CompletionResponse,
-    DetokenizeRequest,
     DetokenizeResponse,
     LoadLoRAAdapterRequest,
     ErrorResponse,
     ModelCard,
     ModelList,
-    TokenizeRequest,
     TokenizeResponse,
     VersionResponse,
+)
+from server.requests import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
 )
 from server.classify import ClassificationRequest, ClassificationResponse
 from server.embeddings import EmbeddingRequest, EmbeddingResponse

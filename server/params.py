@@ -6,7 +6,7 @@ from __future__ import annotations
 from core.sampling import InvalidParam, SamplingParams
 from core.structured import Constraint
 from server.errors import APIError
-from server.protocol import ChatCompletionRequest, SamplingFields
+from server.requests import ChatCompletionRequest, SamplingFields
 from server.state import ServerState
 
 # The fields that carry a structured-output constraint, in the order they are named.

@@ -17,15 +17,14 @@ from server.errors import APIError, error_response
 from server.wire import decode, json_response, state
 from server.openapi import DOCS_HTML, openapi_document
 from server.protocol import (
-    DetokenizeRequest,
     DetokenizeResponse,
     LoadLoRAAdapterRequest,
     ModelCard,
     ModelList,
-    TokenizeRequest,
     TokenizeResponse,
     VersionResponse,
 )
+from server.requests import DetokenizeRequest, TokenizeRequest
 
 bp = Blueprint("routes", __name__)
 log = logging.getLogger("weir.server")

@@ -14,7 +14,7 @@ import trio
 
 from core.structured import Constraint, Grammars
 from server.errors import APIError
-from server.protocol import SamplingFields
+from server.requests import SamplingFields
 from server.state import ServerState
 
 CHECKED_SIZE = 1024  # constraints whose check result is remembered

@@ -13,7 +13,7 @@ from typing import Any
 from core.structured import Constraint
 from server import structured
 from server.errors import APIError
-from server.protocol import ChatCompletionRequest
+from server.requests import ChatCompletionRequest
 from server.state import ServerState
 from server.tool_parsers import PARSERS, Parsed, ToolParser
 from server.tool_parsers.base import strict_only

@@ -66,7 +66,7 @@ def test_chat_renders_as_the_server_and_generates_as_generate(model_dir):
 
     from core.sampling import InvalidParam
     from server.chat import render_text
-    from server.protocol import ChatMessage
+    from server.requests import ChatMessage
 
     llm = LLM(str(model_dir("qwen3")), num_kv_blocks=128)
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)

@@ -284,7 +284,7 @@ def test_a_marker_inside_a_message_opens_no_reasoning(server):
     import msgspec
 
     from server import chat
-    from server.protocol import ChatCompletionRequest
+    from server.requests import ChatCompletionRequest
     from server.reasoning import PARSERS
 
     st = server.state

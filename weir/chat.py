@@ -48,7 +48,7 @@ def prompt_ids(
     message by its place: messages[i] of conversation `index`) for what cannot be rendered."""
     from server.chat import render_text
     from server.errors import APIError
-    from server.protocol import ChatMessage
+    from server.requests import ChatMessage
 
     try:
         parsed = msgspec.convert(conversation, list[ChatMessage])

@@ -9,7 +9,7 @@ import uuid
 from typing import Any
 
 from server.errors import APIError
-from server.protocol import ChatMessage
+from server.requests import ChatMessage
 
 TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
 ROLES = ("user", "assistant", "system", "developer")

@@ -9,7 +9,7 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import Meta
 
-from server.protocol import PositiveInt, SamplingFields
+from server.requests import PositiveInt, SamplingFields
 
 # OpenAI's bounds: 16 pairs, keys up to 64 characters, values up to 512.
 MetadataMap = Annotated[

@@ -18,7 +18,7 @@ from server.api_server_messages import local_socket
 from server.errors import APIError
 from server.forward import forward, forwarded
 from server.params import check_common
-from server.protocol import ChatCompletionRequest, ChatMessage, SamplingFields
+from server.requests import ChatCompletionRequest, ChatMessage, SamplingFields
 from server.responses import items as item_forms
 from server.responses.protocol import (
     ItemList,
