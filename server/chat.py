@@ -136,7 +136,14 @@ def generation_tail(tokenizer: Any, template: str | None, prompt_text: str, req:
     if not adds_generation_prompt(req):
         return ""
     bare = render_text(
-        tokenizer, template, req.messages, False, False, template_kwargs(req), req.tools
+        tokenizer,
+        template,
+        req.messages,
+        False,
+        False,
+        template_kwargs(req),
+        req.tools,
+        getattr(req, "documents", None),
     )
     return prompt_text[len(bare) :] if prompt_text.startswith(bare) else prompt_text
 
@@ -158,6 +165,27 @@ def template_kwargs(req: Any) -> dict[str, Any] | None:
     return {"reasoning_effort": effort, **(req.chat_template_kwargs or {})}
 
 
+def template_for(st: Any, req: Any) -> str | None:
+    """The template a chat or tokenize request renders with: its own `chat_template` (vLLM's,
+    under --trust-request-chat-template only, as vLLM; checked as the flag's), else the
+    server's (None: the tokenizer's)."""
+    given = getattr(req, "chat_template", None)
+    if given is None:
+        return st.chat_template
+    if not st.options.trust_request_chat_template:
+        raise APIError(
+            400,
+            "chat_template in a request needs the server started with "
+            "--trust-request-chat-template (vLLM refuses an untrusted template too)",
+            "chat_template",
+        )
+    try:
+        check_template(given)
+    except ValueError as e:
+        raise APIError(400, str(e).replace("--chat-template", "chat_template"), "chat_template")
+    return given
+
+
 def request_text(tokenizer: Any, template: str | None, req: Any) -> str:
     """A chat or tokenize request's messages -> the prompt text, with its template options."""
     return render_text(
@@ -168,6 +196,7 @@ def request_text(tokenizer: Any, template: str | None, req: Any) -> str:
         req.continue_final_message,
         template_kwargs(req),
         req.tools,
+        getattr(req, "documents", None),
     )
 
 
@@ -179,8 +208,10 @@ def render_text(
     continue_final_message: bool = False,
     template_kwargs: dict[str, Any] | None = None,
     tools: list[dict[str, Any]] | None = None,
+    documents: list[dict[str, Any]] | None = None,
 ) -> str:
-    """Messages -> the prompt text, through the chat template."""
+    """Messages -> the prompt text, through the chat template (`documents`: vLLM's, given to
+    it as transformers gives them, for retrieval templates)."""
     template = template or getattr(tokenizer, "chat_template", None)
     if not template:
         raise APIError(
@@ -197,7 +228,7 @@ def render_text(
             "continue_final_message",
         )
     kwargs = dict(template_kwargs or {})
-    for reserved in ("conversation", "messages", "chat_template", "tokenize", "tools"):
+    for reserved in ("conversation", "messages", "chat_template", "tokenize", "tools", "documents"):
         if reserved in kwargs:
             raise APIError(
                 400, f"chat_template_kwargs may not set {reserved!r}", "chat_template_kwargs"
@@ -208,6 +239,7 @@ def render_text(
             chat_template=template,
             tokenize=False,
             tools=tools,
+            documents=documents,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
             **kwargs,

@@ -58,7 +58,8 @@ async def prepare_chat(
     """`given`: a constraint the caller read from its own fields, with the field's name."""
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs to be true", "top_logprobs")
-    prompt_text = chat.request_text(st.tokenizer, st.chat_template, req)
+    template = chat.template_for(st, req)  # the request's own, or the server's
+    prompt_text = chat.request_text(st.tokenizer, template, req)
     # The template already wrote any BOS it wants; don't let the tokenizer add another.
     prompt = truncate_prompt(st, req, st.tokenizer.encode(prompt_text, add_special_tokens=False))
     thinker = reasoning.PARSERS[st.reasoning_parser] if st.reasoning_parser else None
@@ -67,7 +68,7 @@ async def prepare_chat(
     think = ""
     tail = prompt_text
     if thinker is not None:  # constraints hold once the reasoning has ended, as in vLLM
-        tail = chat.generation_tail(st.tokenizer, st.chat_template, prompt_text, req)
+        tail = chat.generation_tail(st.tokenizer, template, prompt_text, req)
         reader = thinker(tail)
         think = "open" if reader.in_reasoning else "" if reader.thinking_off else "optional"
     try:

@@ -8,6 +8,7 @@ import os
 
 from core.config import DEFAULT_GPU_MEMORY_UTILIZATION, DEFAULT_KV_CACHE_MEMORY, LOGPROBS_MODES
 from server import vllm_flags
+from server.chat_flags import add_arguments as chat_flags
 from server.embedding_config import add_arguments as embedding_flags
 from server.lora import add_arguments as lora_flags
 from server.responses.flags import add_arguments as responses_flags
@@ -202,7 +203,6 @@ def build_parser() -> argparse.ArgumentParser:
         "node 0; it stops when node 0 does)",
     )
     s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--chat-template", default=None, help="a Jinja template file or text")
     s.add_argument(
         "--generation-config",
         default="auto",
@@ -322,25 +322,6 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument(
         "--disable-log-requests", action="store_true", help="no log line per finished request"
     )
-    s.add_argument(
-        "--reasoning-parser",
-        default=None,
-        help="split a thinking model's output into `reasoning` (also sent as "
-        "`reasoning_content`) and `content`: qwen3, deepseek_r1, mistral, openai_gptoss, or "
-        "auto (from the chat template's markup)",
-    )
-    s.add_argument(
-        "--tool-call-parser",
-        default="auto",
-        help="how a model's tool calls are read from its output: hermes, llama3_json, mistral, "
-        "pythonic, qwen3_coder, phi4_mini_json, openai, or auto (default: the parser whose "
-        "markup the chat template writes)",
-    )
-    s.add_argument(
-        "--enable-auto-tool-choice",
-        action="store_true",
-        help="accepted as vLLM spells it: tool_choice auto works whenever a parser is known",
-    )
     o.add_argument(
         "--disable-log-stats",
         action="store_true",
@@ -358,6 +339,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=True,
         help="exit non-zero when the engine dies (default), or stay up, unhealthy",
     )
+    chat_flags(s)
     responses_flags(s)
     embedding_flags(s)
     s.add_argument(

@@ -25,6 +25,8 @@ class ServerOptions(msgspec.Struct, kw_only=True):
     return_tokens_as_token_ids: bool = False  # default of the request field of that name
     reasoning_parser: str | None = None  # server/reasoning: a name, or auto (from the template)
     tool_call_parser: str = "auto"  # server/tool_parsers: a name, or auto (from the template)
+    # vLLM's: a chat request's own chat_template is rendered (else refused, as vLLM refuses it)
+    trust_request_chat_template: bool = False
     exit_on_engine_error: bool = True
     # The Responses API's store (server/responses): in memory, or an SQLite file; or none.
     responses_store: str | None = None

@@ -31,6 +31,10 @@ SAMPLING_DEFAULTS = {
 }
 
 
+# vLLM's request fields for what weir does not serve: a request that sets one is refused
+UNSERVED = ("logits_processors", "vllm_xargs", "kv_transfer_params", "mm_processor_kwargs")
+
+
 def sampling_params(
     st: ServerState,
     req: SamplingFields,
@@ -39,6 +43,9 @@ def sampling_params(
     logprobs: int | None,
     structured: Constraint | None = None,
 ) -> SamplingParams:
+    for name in UNSERVED:
+        if getattr(req, name, None):
+            raise APIError(400, f"{name} (vLLM's) is not served by weir", name, "invalid_value")
     beams = req.use_beam_search
     # A beam search ranks the model's own log-probabilities: the generation config's sampling
     # defaults do not apply, and a field set to change the distribution is refused.

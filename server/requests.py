@@ -134,6 +134,11 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     use_beam_search: bool = False
     length_penalty: float = 1.0
     early_stopping: bool | str = False
+    # vLLM's fields for what weir does not serve, refused by name when set (not ignored): its
+    # custom logits processors and their arguments, disaggregated prefill's KV transfer
+    logits_processors: list[Any] | None = None
+    vllm_xargs: dict[str, Any] | None = None
+    kv_transfer_params: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.n is None:
@@ -151,6 +156,11 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     add_generation_prompt: bool | None = None  # None: true unless continue_final_message
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: this request's own template (--trust-request-chat-template), and documents the
+    # template is given (as `documents`: retrieval templates); multimodal options are refused
+    chat_template: str | None = None
+    documents: list[dict[str, Any]] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
     # OpenAI's, for reasoning models: given to the chat template as `reasoning_effort` (gpt-oss's
     # reads it), as vLLM gives it
     reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
@@ -193,6 +203,8 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     add_generation_prompt: bool | None = None  # None: true unless continue_final_message
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None  # as a chat request's
+    documents: list[dict[str, Any]] | None = None
     tools: list[dict[str, Any]] | None = None
     return_token_strs: bool = False
 

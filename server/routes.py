@@ -143,7 +143,7 @@ async def tokenize() -> Response:
     if req.messages is not None:
         if not req.messages:
             raise APIError(400, "messages must not be empty", "messages")
-        text = chat.request_text(st.tokenizer, st.chat_template, req)
+        text = chat.request_text(st.tokenizer, chat.template_for(st, req), req)
         # The template already wrote any BOS it wants; don't let the tokenizer add another.
         ids = st.tokenizer.encode(text, add_special_tokens=False)
     else:

@@ -103,6 +103,49 @@ def test_chat_template_override_and_missing_template(model_dir, tmp_path):
             s.stop()
 
 
+def test_a_requests_own_template_documents_and_the_vllm_fields_weir_refuses(server, model_dir):
+    """vLLM's chat_template field is rendered only under --trust-request-chat-template (else a
+    400 that names the flag, as vLLM refuses it); `documents` reach the template; the vLLM
+    fields for what weir does not serve are refused by name when set, never ignored."""
+    from tests.conftest import tiny_config
+
+    hi = [{"role": "user", "content": "hi"}]
+    body = {"messages": hi, "max_tokens": 2}
+    docs_then_hi = "{% for d in documents %}{{ d.text }}|{% endfor %}{{ messages[0].content }}!"
+    own = {"chat_template": docs_then_hi}
+    docs = {"documents": [{"text": "a"}, {"text": "b"}]}
+    r = httpx.post(server.url + "/v1/chat/completions", json=body | own | docs)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template", r.text
+    assert "--trust-request-chat-template" in r.json()["error"]["message"]
+    unserved = {
+        "logits_processors": ["my.Processor"],
+        "vllm_xargs": {"a": 1},
+        "kv_transfer_params": {"do_remote_prefill": True},
+        "mm_processor_kwargs": {"fps": 1},
+    }
+    for name, value in unserved.items():
+        r = httpx.post(server.url + "/v1/chat/completions", json=body | {name: value})
+        assert r.status_code == 400 and r.json()["error"]["param"] == name, (name, r.text)
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "vllm_xargs": {"a": 1}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "vllm_xargs"
+    unset = {"logits_processors": None, "vllm_xargs": {}, "kv_transfer_params": None}
+    r = httpx.post(server.url + "/v1/chat/completions", json=body | unset | docs)
+    assert r.status_code == 200, r.text
+    trusted = LiveServer(tiny_config(model_dir, num_kv_blocks=32), trust_request_chat_template=True)
+    trusted.start()
+    try:
+        want = trusted.state.tokenizer.encode("a|b|hi!", add_special_tokens=False)
+        r = httpx.post(trusted.url + "/tokenize", json={"messages": hi} | own | docs)
+        assert r.json()["tokens"] == want, r.text
+        r = httpx.post(trusted.url + "/v1/chat/completions", json=body | own | docs)
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(want), r.text
+        bad = {"chat_template": "{% for m in messages %}{{ m.content }}"}
+        r = httpx.post(trusted.url + "/v1/chat/completions", json=body | bad)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template", r.text
+    finally:
+        trusted.stop()
+
+
 def test_generation_config_defaults_apply_when_unset(model_dir, tmp_path):
     import shutil
 

@@ -77,6 +77,5 @@ class OpenAIParser(ToolParser):
             'msg: <|channel|> ("analysis" | "commentary") <|message|> TEXT? <|end|> '
             '<|start|> "assistant"\n'
             f'final: <|channel|> "final" <|message|> {body} <|return|>?\n'
-            "TEXT: /(?s:.+)/\n"
-            + self.call_grammar(tools, parallel).replace("start:", "call:", 1)
+            "TEXT: /(?s:.+)/\n" + self.call_grammar(tools, parallel).replace("start:", "call:", 1)
         )
