@@ -6,6 +6,7 @@ import time
 from collections.abc import AsyncIterator
 
 import msgspec
+from msgspec import UNSET
 from quart import Blueprint, Response
 
 from core.request import Logprob
@@ -62,6 +63,7 @@ async def chat_completions() -> Response:
     text_of = st.token_text
     as_ids = tokens_as_ids(st, req)
     echo = echo_text(req)
+    want_ids = req.return_token_ids
 
     if req.stream:
         want_usage, continuous = include_usage(req)
@@ -72,6 +74,7 @@ async def chat_completions() -> Response:
             finish: str | None = None,
             entries: list[Logprob] | None = None,
             stop_reason: str | int | None = None,
+            ids: list[int] | None = None,
         ) -> bytes:
             lp = (
                 chat_logprobs(entries, text_of, as_ids)
@@ -90,9 +93,11 @@ async def chat_completions() -> Response:
                             finish_reason=finish,
                             logprobs=lp,
                             stop_reason=stop_reason,
+                            token_ids=UNSET if ids is None or not want_ids else ids,
                         )
                     ],
                     usage=usage.of_choice(index, len(job.prompt)) if continuous else None,
+                    prompt_token_ids=job.prompt if want_ids and delta.role else UNSET,
                 )
             )
 
@@ -100,9 +105,9 @@ async def chat_completions() -> Response:
 
         async def events() -> AsyncIterator[bytes]:
             for i in range(sub.choices):
-                yield chunk(i, Delta(role="assistant", content=""))
+                yield chunk(i, Delta(role="assistant", content=""), ids=[])
             for i in range(sub.choices if echo else 0):
-                yield chunk(i, Delta(content=echo))
+                yield chunk(i, Delta(content=echo), ids=[])
             async for i, out in sub.outputs():
                 usage.update(i, out)
                 reply = replies[i]
@@ -111,16 +116,17 @@ async def chat_completions() -> Response:
                     usage.reasoning[i] = job.reasoning_tokens(st, reply, usage, i)
                 if out.finished:
                     finish = reply.finish(out.finish_reason)
-                    yield chunk(i, delta, finish, out.logprobs, out.stop_reason)
+                    yield chunk(i, delta, finish, out.logprobs, out.stop_reason, out.new_token_ids)
                 elif (
                     delta.content
                     or delta.reasoning
                     or delta.tool_calls
                     or (logprobs is not None and out.logprobs)
+                    or (want_ids and out.new_token_ids)  # every token's id is sent
                 ):
                     if reply.plain:
                         delta.content = out.new_text
-                    yield chunk(i, delta, None, out.logprobs)
+                    yield chunk(i, delta, None, out.logprobs, ids=out.new_token_ids)
             if want_usage:
                 yield sse.event(
                     ChatCompletionChunk(
@@ -155,6 +161,7 @@ async def chat_completions() -> Response:
                     if logprobs is not None
                     else None,
                     stop_reason=got.stop_reason[i],
+                    token_ids=got.token_ids[i] if want_ids else UNSET,
                 )
                 for i in range(sub.choices)
             ],
@@ -162,6 +169,7 @@ async def chat_completions() -> Response:
             prompt_logprobs=prompt_logprobs(got.prompt_logprobs[0], text_of)
             if got.prompt_logprobs[0] is not None
             else None,
+            prompt_token_ids=job.prompt if want_ids else UNSET,
         )
     )
 
@@ -207,6 +215,7 @@ async def completions() -> Response:
         st.tokenizer.decode(prompts[i // req.n]) if req.echo else "" for i in range(sub.choices)
     ]
     as_ids = tokens_as_ids(st, req)
+    want_ids = req.return_token_ids
     builders = [CompletionLogprobsBuilder(text_of, as_ids) for _ in range(sub.choices)]
 
     def choice_logprobs(
@@ -228,12 +237,17 @@ async def completions() -> Response:
             async for i, out in sub.outputs():
                 usage.update(i, out)
                 text = out.new_text
-                prompt_lp = None
-                if not started[i]:
+                prompt_lp, first = None, not started[i]
+                if first:
                     started[i] = True
                     text = echo_text[i] + text
                     prompt_lp = out.prompt_logprobs
-                if text or out.finished or (req.logprobs is not None and out.logprobs):
+                if (
+                    text
+                    or out.finished
+                    or (req.logprobs is not None and out.logprobs)
+                    or (want_ids and (out.new_token_ids or first))  # every id, the prompt's first
+                ):
                     yield sse.event(
                         CompletionResponse(
                             id=sub.base,
@@ -250,6 +264,8 @@ async def completions() -> Response:
                                     and req.prompt_logprobs is not None
                                     else None,
                                     out.stop_reason,
+                                    prompts[i // req.n] if want_ids and first else UNSET,
+                                    out.new_token_ids if want_ids else UNSET,
                                 )
                             ],
                             usage=usage.of_choice(i, len(prompts[i // req.n]))
@@ -281,6 +297,8 @@ async def completions() -> Response:
                 if plp is not None and req.prompt_logprobs is not None
                 else None,
                 got.stop_reason[i],
+                prompts[i // req.n] if want_ids else UNSET,
+                got.token_ids[i] if want_ids else UNSET,
             )
         )
     return json_response(

@@ -95,6 +95,7 @@ class ChatChoice(msgspec.Struct):
     finish_reason: str | None
     logprobs: ChatLogprobs | None = None
     stop_reason: str | int | None = None  # vLLM's: the stop string or token id that ended it
+    token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET  # vLLM's return_token_ids
 
 
 class ChatCompletionResponse(msgspec.Struct):
@@ -105,6 +106,7 @@ class ChatCompletionResponse(msgspec.Struct):
     usage: Usage
     object: str = "chat.completion"
     prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET  # return_token_ids
 
 
 class Delta(msgspec.Struct, omit_defaults=True):
@@ -121,6 +123,7 @@ class ChunkChoice(msgspec.Struct):
     finish_reason: str | None = None
     logprobs: ChatLogprobs | None = None
     stop_reason: str | int | None = None
+    token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET  # the chunk's (return_token_ids)
 
 
 class ChatCompletionChunk(msgspec.Struct):
@@ -130,6 +133,7 @@ class ChatCompletionChunk(msgspec.Struct):
     choices: list[ChunkChoice]
     object: str = "chat.completion.chunk"
     usage: Usage | None = None
+    prompt_token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET  # on each role chunk
 
 
 class CompletionChoice(msgspec.Struct):
@@ -139,6 +143,9 @@ class CompletionChoice(msgspec.Struct):
     logprobs: CompletionLogprobs | None = None
     prompt_logprobs: PromptLogprobs | None = None
     stop_reason: str | int | None = None
+    # vLLM's return_token_ids: the prompt's (a stream's first chunk) and the choice's tokens
+    prompt_token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET
+    token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET
 
 
 class CompletionResponse(msgspec.Struct):

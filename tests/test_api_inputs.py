@@ -146,6 +146,47 @@ def test_a_requests_own_template_documents_and_the_vllm_fields_weir_refuses(serv
         trusted.stop()
 
 
+def test_return_token_ids_gives_the_prompts_and_each_choices_tokens(server):
+    """vLLM's return_token_ids: the prompt's token ids (chat: the response's; completions: each
+    choice's) and each choice's generated ids, whole and streamed (every id sent once, the
+    prompt's on a choice's first chunk); without it the keys are absent."""
+    hi = [{"role": "user", "content": "hi"}]
+    greedy = {"max_tokens": 6, "temperature": 0, "ignore_eos": True, "n": 2}
+    prompt = httpx.post(server.url + "/tokenize", json={"messages": hi}).json()["tokens"]
+    chat = {"messages": hi, **greedy, "return_token_ids": True}
+    body = httpx.post(server.url + "/v1/chat/completions", json=chat).json()
+    assert body["prompt_token_ids"] == prompt
+    ids = [c["token_ids"] for c in body["choices"]]
+    assert [len(x) for x in ids] == [6, 6] and body["usage"]["completion_tokens"] == 12
+    with httpx.stream(
+        "POST", server.url + "/v1/chat/completions", json=chat | {"stream": True}
+    ) as r:
+        chunks = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
+    streamed, prompts = [[], []], []
+    for c in chunks:
+        if "prompt_token_ids" in c:
+            prompts.append(c["prompt_token_ids"])
+        for choice in c["choices"]:
+            streamed[choice["index"]] += choice["token_ids"]
+    assert streamed == ids and prompts == [prompt, prompt]
+    text = {"prompt": "the river", **greedy, "return_token_ids": True}
+    done = httpx.post(server.url + "/v1/completions", json=text).json()
+    want = httpx.post(server.url + "/tokenize", json={"prompt": "the river"}).json()["tokens"]
+    assert [c["prompt_token_ids"] for c in done["choices"]] == [want, want]
+    ids = [c["token_ids"] for c in done["choices"]]
+    assert [len(x) for x in ids] == [6, 6]
+    with httpx.stream("POST", server.url + "/v1/completions", json=text | {"stream": True}) as r:
+        chunks = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
+    streamed, prompts = [[], []], [[], []]
+    for c in chunks:
+        for choice in c["choices"]:
+            streamed[choice["index"]] += choice["token_ids"]
+            prompts[choice["index"]] += choice.get("prompt_token_ids", [])
+    assert streamed == ids and prompts == [want, want]
+    plain = httpx.post(server.url + "/v1/chat/completions", json={"messages": hi, **greedy})
+    assert "prompt_token_ids" not in plain.json() and "token_ids" not in plain.json()["choices"][0]
+
+
 def test_generation_config_defaults_apply_when_unset(model_dir, tmp_path):
     import shutil
 
