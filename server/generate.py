@@ -53,7 +53,13 @@ async def chat_completions() -> Response:
     thinker = job.thinker
     logprobs = job.params.logprobs
     sub = Submitted(
-        st, engine, request_id("chatcmpl"), req.n, req.stream, model, req.use_beam_search
+        st,
+        engine,
+        request_id("chatcmpl", req.request_id),
+        req.n,
+        req.stream,
+        model,
+        req.use_beam_search,
     )
     sub.add([job.prompt], job.params, req.priority, req.cache_salt)
     created = int(time.time())
@@ -203,8 +209,9 @@ async def completions() -> Response:
         # Echoed prompt tokens carry log-probs too: ask the engine for them.
         want = max(params.logprobs, params.prompt_logprobs or 0)
         params = msgspec.structs.replace(params, prompt_logprobs=want)
+    rid = request_id("cmpl", req.request_id)
     sub = Submitted(
-        st, engine, request_id("cmpl"), req.n, req.stream, model, req.use_beam_search,
+        st, engine, rid, req.n, req.stream, model, req.use_beam_search,
         names={"messages": "prompt"},
     )  # fmt: skip
     sub.add(prompts, params, req.priority, req.cache_salt)

@@ -135,6 +135,7 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     length_penalty: float = 1.0
     early_stopping: bool | str = False
     return_token_ids: bool = False  # vLLM's: the prompt's and each choice's token ids too
+    request_id: str | None = None  # vLLM's: the response's id (after its prefix); X-Request-Id wins
     # vLLM's fields for what weir does not serve, refused by name when set (not ignored): its
     # custom logits processors and their arguments, disaggregated prefill's KV transfer
     logits_processors: list[Any] | None = None

@@ -35,14 +35,15 @@ def engine_error(out: RequestOutput) -> APIError:
     return APIError(out.error_status, out.error, None, code)
 
 
-def request_id(prefix: str) -> str:
-    """The client's X-Request-Id when it sent one (vLLM does the same), else a fresh id."""
-    given = request.headers.get("X-Request-Id")
+def request_id(prefix: str, body_id: str | None = None) -> str:
+    """The client's X-Request-Id when it sent one (vLLM does the same), else the body's
+    `request_id` (vLLM's field, under the route's prefix as vLLM puts it), else a fresh id."""
+    given, name = request.headers.get("X-Request-Id"), "X-Request-Id"
+    if not given and body_id:
+        given, name = f"{prefix}-{body_id}", "request_id"
     if given:
         if len(given) > 256 or not given.isprintable():
-            raise APIError(
-                400, "X-Request-Id must be printable and at most 256 characters", "X-Request-Id"
-            )
+            raise APIError(400, f"{name} must be printable and at most 256 characters", name)
         return given
     return f"{prefix}-{uuid.uuid4().hex}"
 

@@ -239,6 +239,14 @@ def test_version_openapi_docs_and_request_id(server):
         json={"messages": USER, "max_tokens": 2},
     )
     assert r.headers["X-Request-Id"] == "my-id-123" and r.json()["id"] == "my-id-123"
+    # vLLM's body field: the id after the route's prefix; the header wins over it
+    body = {"prompt": "hi", "max_tokens": 2, "request_id": "job-7"}
+    r = httpx.post(server.url + "/v1/completions", json=body)
+    assert r.json()["id"] == "cmpl-job-7"
+    r = httpx.post(server.url + "/v1/completions", json=body, headers={"X-Request-Id": "h"})
+    assert r.json()["id"] == "h"
+    r = httpx.post(server.url + "/v1/completions", json=body | {"request_id": "x" * 300})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "request_id"
     assert httpx.get(server.url + "/ping").status_code == 200
 
 
