@@ -88,3 +88,6 @@ def test_score_on_an_embedding_model_is_the_cosine(model_dir):
     assert bad.value.param == "use_activation"
     with pytest.raises(InvalidParam, match="not a sequence classifier"):
         llm.classify(TEXTS)
+    with pytest.raises(InvalidParam) as bad:
+        llm.embed(TEXTS, PoolingParams(use_activation=False))
+    assert bad.value.param == "use_activation"

@@ -97,6 +97,8 @@ class PoolingCalls:
         """One vector per prompt (text or token ids), pooled from the model's final hidden
         states (`pooling_params.kind`: last, mean or cls; normalized unless it says not)."""
         params = pooling_params or PoolingParams()
+        if getattr(params, "use_activation", True) is not True:
+            raise InvalidParam("use_activation", "use_activation is a classifier's; use classify")
         keep = self._keep(truncate_prompt_tokens, params)
         inputs = [self._ids_of(p, keep) for p in _listed(prompts)]
         ran = self._pool(inputs, _engine_params(params), use_tqdm, "Embedding")
@@ -230,7 +232,10 @@ class PoolingCalls:
                 return True
 
             self._run(adds, publish)
-        return [(rid, *got) for rid, got in results.items() if got is not None]
+        missing = [rid for rid, got in results.items() if got is None]
+        if missing:  # (the loop runs until every request has ended: never expected)
+            raise RuntimeError(f"requests {missing} ended without their vectors")
+        return [(rid, *got) for rid, got in results.items()]  # type: ignore[misc]
 
 
 def _listed(prompts: str | list[str] | list[list[int]]) -> list:
