@@ -105,6 +105,7 @@ def build_tiny_model(
     model_vocab_size: int | None = None,
     dtype: str = "float32",
     added_tokens: tuple[str, ...] = (),
+    special_tokens: tuple[str, ...] = (),
     extra_eos: tuple[str, ...] = (),
     zero_padding_rows: bool = False,
     mlp_bias: bool = False,
@@ -121,8 +122,10 @@ def build_tiny_model(
 ) -> Path:
     """Write a random-weight model of the given shape with a trained tokenizer to `path`.
     `added_tokens`: whole-text tokens added to the vocabulary, not special (as Qwen3's
-    `<think>` and `</think>` are: they stay in the decoded text). `extra_eos`: tokens listed
-    after `<|im_end|>` in generation_config.json's eos_token_id (as Llama 3 lists two).
+    `<think>` and `</think>` are: they stay in the decoded text); `special_tokens` are added as
+    special (as Mistral's [TOOL_CALLS]: skipped in decoded text unless asked). `extra_eos`:
+    tokens listed after `<|im_end|>` in generation_config.json's eos_token_id (as Llama 3 lists
+    two).
     `zero_padding_rows`: the output rows past the tokenizer's tokens zeroed, so that greedy
     decoding (whose best logit over random rows is positive) never picks a token without text,
     as a real model never does; the matrix products keep their full size. `mlp_bias`: biases
@@ -160,6 +163,8 @@ def build_tiny_model(
     tokenizer = train_tokenizer(vocab_size, seed, pretokenizer)
     if added_tokens:
         tokenizer.add_tokens(list(added_tokens))
+    if special_tokens:
+        tokenizer.add_special_tokens({"additional_special_tokens": list(special_tokens)})
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     common = dict(
         # A model may have more embedding rows than the tokenizer has tokens (Qwen pads to 151,936).

@@ -83,7 +83,9 @@ async def prepare_chat(
     params = sampling_params(
         st, req, req.max_completion_tokens or req.max_tokens, len(prompt), logprobs, constraint
     )
-    special_calls = call_parser is not None and not st.special_texts.isdisjoint(call_parser.markers)
+    special_calls = call_parser is not None and not st.special_ids.keys().isdisjoint(
+        call_parser.markers
+    )
     if (getattr(thinker, "special_tokens", False) or special_calls) and params.skip_special_tokens:
         # harmony's markup is special tokens, and a tool parser's may be (Mistral's
         # [TOOL_CALLS]): the reply is read with them, else the calls would be lost in the

@@ -160,9 +160,9 @@ async def load_engine(app: QuartTrio, st: ServerState) -> None:
     st.max_model_len = loaded.max_model_len
     st.generation_defaults = loaded.generation_defaults
     st.token_text = TokenText(loaded.tokenizer)
-    st.special_texts = frozenset(
-        t.content for t in loaded.tokenizer.added_tokens_decoder.values() if t.special
-    )
+    st.special_ids = {
+        t.content: i for i, t in loaded.tokenizer.added_tokens_decoder.items() if t.special
+    }
     st.vocab_size = loaded.vocab_size
     if "embed" in st.tasks:
         st.embedding = embedding_config.resolve(

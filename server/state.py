@@ -31,9 +31,10 @@ class ServerState:
     vocab_size: int = 0  # the model's lm_head width (>= the tokenizer's vocabulary)
     reasoning_parser: str | None = None  # resolved --reasoning-parser (server/reasoning)
     tool_parser: str | None = None  # resolved --tool-call-parser (server/tool_parsers)
-    # the tokenizer's special tokens' texts: a parser whose markup is among them (Mistral's
-    # [TOOL_CALLS], Llama 3's <|python_tag|>) reads replies decoded with special tokens kept
-    special_texts: frozenset[str] = frozenset()
+    # the tokenizer's special tokens (text -> id): a parser whose markup is among them
+    # (Mistral's [TOOL_CALLS], Llama 3's <|python_tag|>) reads replies decoded with special
+    # tokens kept, and its grammars write that markup as the token (tool_parsers.base.literal)
+    special_ids: dict[str, int] = field(default_factory=dict)
     grammar_checker: Any = None  # core.structured.Grammars, built with the first constraint
     checked_constraints: OrderedDict = field(default_factory=OrderedDict)  # Constraint -> error
     metrics: Any = None  # server.metrics.Metrics, once the model is loaded

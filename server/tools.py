@@ -46,8 +46,10 @@ class FirstCall(ToolParser):
     """parallel_tool_calls false: the first call only (the first `limit`: max_tool_calls)."""
 
     def __init__(self, inner: ToolParser, limit: int = 1) -> None:
+        super().__init__(special=inner.special)
         self.inner = inner
         self.limit = limit
+        self.markers = inner.markers  # what the reply is read for (chat_job's special tokens)
 
     def parse(self, text: str, final: bool = False) -> Parsed:
         parsed = self.inner.parse(text, final)
@@ -87,11 +89,11 @@ def tool_parser(
     if choice in ("required", "named"):
         if not names:
             raise _bad("tool_choice", f"tool_choice {req.tool_choice!r} needs tools")
-        parser = PARSERS[st.tool_parser or "hermes"](tools)
+        parser = PARSERS[st.tool_parser or "hermes"](tools, st.special_ids)
         parallel = req.parallel_tool_calls and choice == "required"
         grammar = parser.call_grammar(chosen, parallel)
         if grammar is None:  # no grammar for this markup (pythonic, XML): hermes's
-            parser = PARSERS["hermes"](tools)
+            parser = PARSERS["hermes"](tools, st.special_ids)
             grammar = parser.call_grammar(chosen, parallel)
         return (parser if parallel else FirstCall(parser)), Constraint("grammar", grammar), None
     if not names or choice == "none":
@@ -105,7 +107,7 @@ def tool_parser(
                 f"({', '.join(PARSERS)})",
             )
         return None, None, None  # tools left to the template, the reply returned as text
-    parser = PARSERS[st.tool_parser](tools)
+    parser = PARSERS[st.tool_parser](tools, st.special_ids)
     auto = None
     if any(tool["function"].get("strict") is True for tool in tools):
         auto = partial(parser.auto_grammar, strict_only(tools), req.parallel_tool_calls)

@@ -129,6 +129,49 @@ def test_the_call_grammar_follows_the_references(grammars, parser, name):
     assert not accepts(grammars, lark, write(name, extra))
 
 
+SPECIAL_MARKUP = ("[TOOL_CALLS]", "<tool_call>", "</tool_call>")
+
+
+@pytest.mark.parametrize("parser", [MistralParser, HermesParser, Qwen3CoderParser])
+def test_markup_that_is_a_special_token_is_written_as_that_token(model_dir, parser):
+    """Where the tokenizer holds the markup as a special token (Mistral's [TOOL_CALLS]; some
+    Hermes models' <tool_call>), the grammars take that token and refuse the markup spelled
+    out in text tokens (what llguidance does with quoted text: it never matches a special
+    token), in an enforced call and in a strict tool's auto reply; text stays free."""
+    from transformers import AutoTokenizer
+
+    from core.structured import Grammars
+    from server.tool_parsers.base import strict_only
+
+    tok = AutoTokenizer.from_pretrained(model_dir("qwen3", special_tokens=SPECIAL_MARKUP))
+    special = {t: tok.convert_tokens_to_ids(t) for t in SPECIAL_MARKUP}
+    grammars = Grammars(tok.backend_tokenizer.to_str(), len(tok), [tok.eos_token_id])
+
+    def takes(lark: str, text: str, spelled: bool = False) -> bool:
+        ids = tok.encode(text, add_special_tokens=False, split_special_tokens=spelled)
+        if not spelled:  # the tokenizer reads the markup as its special tokens
+            assert all(special[m] in ids for m in SPECIAL_MARKUP if m in text), ids
+        matcher = grammars.start(Constraint("grammar", lark)).result()
+        ok = matcher.consume_tokens(ids)
+        return bool(ok) and not matcher.is_error() and matcher.is_accepting()
+
+    p = parser(TOOLS, special)
+    call = MARKUP[parser]("place", VALID["place"])
+    one = p.call_grammar(TOOLS, parallel=False)
+    assert takes(one, call) and not takes(one, call, spelled=True)
+    auto = p.auto_grammar(strict_only(TOOLS), parallel=True, answer=False)
+    for text, spelled, ok in (
+        ("Just text, no call.", False, True),
+        ("Let me look. " + call, False, True),
+        (call, False, True),
+        ("Let me look. " + call, True, False),
+    ):
+        assert takes(auto, text, spelled) is ok, (text, spelled)
+    # without the tokenizer's special tokens the grammar is text, as before
+    plain = parser(TOOLS).call_grammar(TOOLS, parallel=False)
+    assert not takes(plain, call) and takes(plain, call, spelled=True)
+
+
 # ---------------------------------------------------------------- through the OpenAI SDK
 @pytest.fixture(scope="module")
 def server(model_dir):

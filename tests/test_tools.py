@@ -299,30 +299,24 @@ def test_auto_without_a_parser_is_a_400(model_dir):
         s.stop()
 
 
-def test_markup_that_is_a_special_token_reaches_the_parser(model_dir, tmp_path):
+def test_markup_that_is_a_special_token_reaches_the_parser(model_dir):
     """Mistral's [TOOL_CALLS] is a special token in its tokenizers: a reply to a request with
     tools is decoded with special tokens kept (as vLLM does for its mistral parser), or the
     marker, and the calls after it, would vanish from the text the parser reads. Here the
     marker alone (one token, forced by a bias) is no whole call, so it comes back as content;
-    without tools, or with tool_choice none, special tokens are skipped as asked."""
-    import shutil
-
+    without tools, or with tool_choice none, special tokens are skipped as asked. An enforced
+    call writes the marker as that one token, not spelled out in text tokens (llguidance never
+    matches quoted grammar text against a special token), with or without parallel calls."""
     from core.config import EngineConfig
+    from tests.test_structured import close_bias, no_whitespace_bias
 
-    path = tmp_path / "model"
-    shutil.copytree(model_dir("qwen3", added_tokens=("[TOOL_CALLS]",)), path)
-    for name, entries in (("tokenizer.json", "added_tokens"), ("tokenizer_config.json", None)):
-        data = json.loads((path / name).read_text())
-        found = data[entries] if entries else data.get("added_tokens_decoder", {}).values()
-        for token in found:
-            if token["content"] == "[TOOL_CALLS]":
-                token["special"] = True
-        (path / name).write_text(json.dumps(data))
+    path = model_dir("qwen3", special_tokens=("[TOOL_CALLS]",))
     config = EngineConfig(model=str(path), num_kv_blocks=32, max_model_len=256)
     s = LiveServer(config, tool_call_parser="mistral").start()
     try:
-        assert "[TOOL_CALLS]" in s.state.special_texts
-        mark = s.state.tokenizer.convert_tokens_to_ids("[TOOL_CALLS]")
+        assert "[TOOL_CALLS]" in s.state.special_ids
+        tok = s.state.tokenizer
+        mark = tok.convert_tokens_to_ids("[TOOL_CALLS]")
         body = {"messages": USER, "max_tokens": 1, "logit_bias": {str(mark): 100}}
         for extra, content in (
             ({"tools": TOOLS}, "[TOOL_CALLS]"),
@@ -333,5 +327,22 @@ def test_markup_that_is_a_special_token_reaches_the_parser(model_dir, tmp_path):
             assert r.status_code == 200, r.text
             message = r.json()["choices"][0]["message"]
             assert message["content"] == content and not message.get("tool_calls"), (extra, r.text)
+        bias = close_bias(tok) | no_whitespace_bias(tok) | {str(mark): -100}
+        for parallel in (True, False):
+            body = {
+                "messages": USER,
+                "tools": TOOLS,
+                "tool_choice": "required",
+                "parallel_tool_calls": parallel,
+                "max_tokens": 200,
+                "logit_bias": bias,  # the marker pushed down: the grammar still forces it
+                "return_token_ids": True,
+            }
+            r = httpx.post(s.url + "/v1/chat/completions", json=body)
+            assert r.status_code == 200, r.text
+            choice = r.json()["choices"][0]
+            assert choice["token_ids"][0] == mark, tok.decode(choice["token_ids"][:4])
+            assert choice["finish_reason"] == "tool_calls", choice
+            assert choice["message"]["tool_calls"] and not choice["message"]["content"], choice
     finally:
         s.stop()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -293,20 +294,39 @@ def lark_json(schema: dict[str, Any]) -> str:
     return "%json " + json.dumps(schema)
 
 
-def text_or_calls(marker: str, answer: bool) -> str:
+def literal(text: str, special: Mapping[str, int]) -> str:
+    """`text` as a Lark sequence: each special token in it (`special`: the tokenizer's, text
+    -> id) as the token itself, `<[id]>`, and the rest as quoted text. llguidance never
+    matches a grammar's quoted text against a special token, so markup a tokenizer holds as
+    one (Mistral's [TOOL_CALLS]) must be written so, or the model is forced to spell it out
+    in ordinary tokens, which it was never trained to do."""
+    found = [t for t in special if t and t in text]
+    if not found:
+        return json.dumps(text)
+    pattern = "|".join(re.escape(t) for t in sorted(found, key=len, reverse=True))
+    pieces = []
+    for piece in re.split(f"({pattern})", text):
+        if piece in special:
+            pieces.append(f"<[{special[piece]}]>")
+        elif piece:
+            pieces.append(json.dumps(piece))
+    return " ".join(pieces)
+
+
+def text_or_calls(marker: str, answer: bool, special: Mapping[str, int]) -> str:
     """The top of an auto_grammar for markup where `marker` opens the calls: the reply is
     text (any text that never writes `marker`), or text and then calls (the parser's rule
     `after`: what follows the marker). A lazy lexeme takes the text with the marker, ending
-    where the marker does. With `answer` the text is the nested grammar @answer (a response
-    format's) instead, and calls open the reply."""
+    where the marker does; a marker that is a special token follows the text as that token.
+    With `answer` the text is the nested grammar @answer (a response format's) instead, and
+    calls open the reply."""
     if answer:
-        return f"start: @answer | {json.dumps(marker)} after\n"
+        return f"start: @answer | {literal(marker, special)} after\n"
     mark = re.escape(marker).replace("/", "\\/")
-    return (
-        "start: TEXT | lead after\n"
-        f"TEXT: /(?s:.*)/ & ~/(?s:.*{mark}.*)/\n"
-        f"lead[lazy]: /(?s:.*){mark}/\n"
-    )
+    text = f"TEXT: /(?s:.*)/ & ~/(?s:.*{mark}.*)/\n"
+    if marker in special:
+        return f"start: TEXT | TEXT? {literal(marker, special)} after\n" + text
+    return "start: TEXT | lead after\n" + text + f"lead[lazy]: /(?s:.*){mark}/\n"
 
 
 def _calls_rule(tools: list[dict[str, Any]], parallel: bool) -> str:
@@ -318,16 +338,23 @@ def _calls_rule(tools: list[dict[str, Any]], parallel: bool) -> str:
     return f"calls: {lark_json(calls)}"
 
 
-def listed_grammar(marker: str, tools: list[dict[str, Any]], parallel: bool) -> str:
+def listed_grammar(
+    marker: str, tools: list[dict[str, Any]], parallel: bool, special: Mapping[str, int]
+) -> str:
     """The call grammar of `marker` then a JSON list of calls (Mistral's, Phi-4-mini's)."""
-    return f"start: {json.dumps(marker)} calls\n" + _calls_rule(tools, parallel)
+    return f"start: {literal(marker, special)} calls\n" + _calls_rule(tools, parallel)
 
 
 def listed_auto_grammar(
-    marker: str, tools: list[dict[str, Any]], parallel: bool, answer: bool
+    marker: str,
+    tools: list[dict[str, Any]],
+    parallel: bool,
+    answer: bool,
+    special: Mapping[str, int],
 ) -> str:
     """Text, then `marker` and the list of calls (as listed_grammar's)."""
-    return text_or_calls(marker, answer) + "after: calls\n" + _calls_rule(tools, parallel)
+    top = text_or_calls(marker, answer, special)
+    return top + "after: calls\n" + _calls_rule(tools, parallel)
 
 
 def strict_only(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -351,8 +378,17 @@ class ToolParser:
     name = ""
     markers: tuple[str, ...] = ()
 
-    def __init__(self, tools: list[dict[str, Any]] | None = None) -> None:
-        """`tools`: the request's tools, for parsers that type values by their schemas."""
+    def __init__(
+        self, tools: list[dict[str, Any]] | None = None, special: Mapping[str, int] | None = None
+    ) -> None:
+        """`tools`: the request's tools, for parsers that type values by their schemas;
+        `special`: the tokenizer's special tokens (text -> id), which a grammar writes as
+        tokens (`literal`)."""
+        self.special: Mapping[str, int] = special or {}
+
+    def lit(self, text: str) -> str:
+        """`text` as a Lark sequence, its special tokens as tokens (`literal`)."""
+        return literal(text, self.special)
 
     def parse(self, text: str, final: bool = False) -> Parsed:
         raise NotImplementedError

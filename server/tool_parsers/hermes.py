@@ -69,16 +69,16 @@ class HermesParser(ToolParser):
 
     def call_grammar(self, tools: list[dict[str, Any]], parallel: bool) -> str:
         more = ' ("\\n" call)*' if parallel else ""
+        opened, closed = self.lit(self.open + "\n"), self.lit("\n" + self.close)
         return (
-            f"start: call{more}\n"
-            'call: "<tool_call>\\n" obj "\\n</tool_call>"\n'
-            f"obj: {lark_json(call_schema(tools))}"
+            f"start: call{more}\ncall: {opened} obj {closed}\nobj: {lark_json(call_schema(tools))}"
         )
 
     def auto_grammar(self, tools: list[dict[str, Any]], parallel: bool, answer: bool) -> str:
-        more = ' ("\\n<tool_call>\\n" obj "\\n</tool_call>")*' if parallel else ""
+        closed = self.lit("\n" + self.close)
+        more = f" ({self.lit(chr(10) + self.open + chr(10))} obj {closed})*" if parallel else ""
         return (
-            text_or_calls(self.open, answer)
-            + f'after: "\\n" obj "\\n</tool_call>"{more}\n'
+            text_or_calls(self.open, answer, self.special)
+            + f'after: "\\n" obj {closed}{more}\n'
             + f"obj: {lark_json(call_schema(tools))}"
         )

@@ -40,7 +40,7 @@ class Phi4MiniJsonParser(ToolParser):
         return Parsed(content=text[:at], calls=listed_calls(rest, final))
 
     def call_grammar(self, tools: list[dict[str, Any]], parallel: bool) -> str:
-        return listed_grammar(MARK, tools, parallel)
+        return listed_grammar(MARK, tools, parallel, self.special)
 
     def auto_grammar(self, tools: list[dict[str, Any]], parallel: bool, answer: bool) -> str:
-        return listed_auto_grammar(MARK, tools, parallel, answer)
+        return listed_auto_grammar(MARK, tools, parallel, answer, self.special)

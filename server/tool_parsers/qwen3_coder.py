@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Mapping
 from typing import Any
 
 from core.structured import Constraint, close_objects, json_options
@@ -112,7 +113,10 @@ class Qwen3CoderParser(ToolParser):
     name = "qwen3_coder"
     markers = ("<function=", "<parameter=")
 
-    def __init__(self, tools: list[dict[str, Any]] | None = None) -> None:
+    def __init__(
+        self, tools: list[dict[str, Any]] | None = None, special: Mapping[str, int] | None = None
+    ) -> None:
+        super().__init__(tools, special)
         self.text_params: dict[str, set[str]] = {}  # function -> parameters that take text
         self.null_params: dict[str, set[str]] = {}  # and those that take null
         for tool in tools or []:
@@ -178,9 +182,11 @@ class Qwen3CoderParser(ToolParser):
 
     def call_grammar(self, tools: list[dict[str, Any]], parallel: bool) -> str:
         more = ' ("\\n" call)*' if parallel else ""
-        return f'start: call{more}\ncall: "<tool_call>\\n" fn "</tool_call>"\n' + _calls(tools)
+        call = f"call: {self.lit(OPEN + chr(10))} fn {self.lit(CLOSE)}\n"
+        return f"start: call{more}\n" + call + _calls(tools)
 
     def auto_grammar(self, tools: list[dict[str, Any]], parallel: bool, answer: bool) -> str:
-        more = ' ("\\n<tool_call>\\n" fn "</tool_call>")*' if parallel else ""
-        after = f'after: "\\n" fn "</tool_call>"{more}\n'
-        return text_or_calls(OPEN, answer) + after + _calls(tools)
+        closed = self.lit(CLOSE)
+        more = f" ({self.lit(chr(10) + OPEN + chr(10))} fn {closed})*" if parallel else ""
+        after = f'after: "\\n" fn {closed}{more}\n'
+        return text_or_calls(OPEN, answer, self.special) + after + _calls(tools)
