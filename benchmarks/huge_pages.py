@@ -20,7 +20,7 @@ import torch
 
 from gpu.cpu import quant as cpu_quant
 from gpu.quant.formats import FORMATS
-from gpu.quant.gguf_write import random_blocks
+from gpu.quant.gguf_random import random_blocks
 
 
 def anon_huge_kb() -> int:

@@ -21,7 +21,7 @@ import torch
 
 from gpu.cpu import quant as cpu_quant
 from gpu.quant.formats import FORMATS
-from gpu.quant.gguf_write import random_blocks
+from gpu.quant.gguf_random import random_blocks
 
 SIXTEEN = {"bf16": torch.bfloat16, "f16": torch.float16}
 

@@ -87,7 +87,8 @@ def weir_gguf_of(model: Path, quant: str) -> Path:
 
 def model_8b(tokenizer_dir: Path) -> Path:
     from gpu.cache import cache_dir
-    from gpu.quant.gguf_write import q4_k_m, write_random_gguf
+    from gpu.quant.gguf_random import write_random_gguf
+    from gpu.quant.gguf_write import q4_k_m
 
     path = cache_dir() / "bench-llama-8b-q4_k_m.gguf"
     if not path.exists():

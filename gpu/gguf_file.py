@@ -21,7 +21,7 @@ import torch
 
 from core.config import CheckpointError
 from gpu.gguf_names import ARCHES, expert_name, hf_name, llama_unpermute_index
-from gpu.models import gpt_oss
+from gpu.gguf_config import HfConfigOf
 from gpu.quant.formats import BY_GGML_TYPE
 from gpu.quant.tensor import BlockTensor
 
@@ -40,15 +40,6 @@ def is_gguf(path: Path) -> bool:
 
 # tensors of the rotation, not of a layer: llama3-style divisors, Phi-3's LongRoPE factors
 ROTATION_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
-
-
-def sliding_layers(pattern: int | list, n: int) -> list[bool]:
-    """Which of n layers slide, as llama.cpp reads `attention.sliding_window_pattern`: a flag
-    per layer, or a period (set_swa_pattern: every p-th layer global; 0 all sliding, 1 none)."""
-    if isinstance(pattern, list):
-        return [bool(p) for p in pattern]
-    p = int(pattern)
-    return [p == 0 or i % p < p - 1 for i in range(n)]
 
 
 def experts(stacked: str, value: Any, count: int) -> Iterator[tuple[str, Any]]:
@@ -105,207 +96,13 @@ class GgufCheckpoint:
 
     # ---- configuration ----
     def config(self) -> Any:
-        """A Hugging Face config (LlamaConfig, MixtralConfig, Phi3Config, Qwen2Config,
-        Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, Gemma2Config, Gemma3TextConfig) of the
-        file's shapes."""
-        from transformers import (
-            Gemma2Config,
-            Gemma3TextConfig,
-            LlamaConfig,
-            MixtralConfig,
-            Phi3Config,
-            Qwen2Config,
-            Qwen2MoeConfig,
-            Qwen3Config,
-            Qwen3MoeConfig,
-        )
-
-        a = self.arch
-        hidden = int(self.get(f"{a}.embedding_length"))
-        heads = int(self.get(f"{a}.attention.head_count"))
-        kv_heads = int(self.get(f"{a}.attention.head_count_kv", heads))
-        head_dim = int(self.get(f"{a}.attention.key_length", hidden // heads))
-        if int(self.get(f"{a}.attention.value_length", head_dim)) != head_dim:
-            raise CheckpointError(f"{self.path.name}: key and value head sizes differ")
-        embd = self.tensors["token_embd.weight"]
-        vocab = int(self.get(f"{a}.vocab_size", int(embd.shape[1])))
-        common = dict(
-            architectures=[ARCHES[a]],
-            vocab_size=vocab,
-            hidden_size=hidden,
-            intermediate_size=int(self.get(f"{a}.feed_forward_length", 0)),
-            num_hidden_layers=int(self.get(f"{a}.block_count")),
-            num_attention_heads=heads,
-            num_key_value_heads=kv_heads,
-            max_position_embeddings=int(self.get(f"{a}.context_length", 4096)),
-            rms_norm_eps=float(self.get(f"{a}.attention.layer_norm_rms_epsilon")),
-            rope_parameters=self._rope(head_dim),
-            tie_word_embeddings="output.weight" not in self.tensors,
-            bos_token_id=self.get("tokenizer.ggml.bos_token_id", None),
-            eos_token_id=self._end_tokens(),
-            dtype=self._dtype(),
-        )
-        if a == "gpt-oss":
-            return gpt_oss.gguf_config(self.get, common, head_dim)
-        if a == "gemma3":
-            return self._gemma3(common, head_dim, Gemma3TextConfig)
-        if a == "gemma2":
-            return self._gemma2(common, head_dim, Gemma2Config)
-        if a == "phi3":  # a window of 0: none (llama.cpp's converter writes Phi-4's so)
-            window = int(self.get("phi3.attention.sliding_window", 0) or 0)
-            return Phi3Config(
-                **common,
-                sliding_window=window or None,
-                original_max_position_embeddings=self._original_context(),
-            )
-        if a == "qwen2":
-            if head_dim != hidden // heads:
-                raise CheckpointError(f"{self.path.name}: qwen2 with a head size of {head_dim}")
-            return Qwen2Config(**common)
-        experts = int(self.get(f"{a}.expert_count", 0) or 0)
-        if a == "qwen2moe":
-            if head_dim != hidden // heads:
-                raise CheckpointError(f"{self.path.name}: qwen2moe with a head size of {head_dim}")
-            return self._experts(common, head_dim, MixtralConfig, Qwen2MoeConfig)
-        if a == "qwen3moe" or (a == "llama" and experts):
-            return self._experts(common, head_dim, MixtralConfig, Qwen3MoeConfig)
-        cls = LlamaConfig if a == "llama" else Qwen3Config
-        return cls(**common, head_dim=head_dim)
-
-    def _experts(self, common: dict, head_dim: int, mixtral: Any, qwen: Any) -> Any:
-        """A mixture of experts as llama.cpp reads its file: a "llama" with experts is Mixtral
-        (its feed_forward_length the experts' size); Qwen3-MoE's and Qwen2-MoE's experts have
-        their own (`expert_feed_forward_length`), Qwen2-MoE's shared expert too
-        (`expert_shared_feed_forward_length`). llama.cpp renormalizes the chosen experts'
-        weights of Mixtral and Qwen3-MoE, not Qwen2-MoE's."""
-        a = self.arch
-        experts = int(self.get(f"{a}.expert_count"))
-        used = int(self.get(f"{a}.expert_used_count"))
-        if a == "llama":
-            common["architectures"] = ["MixtralForCausalLM"]
-            return mixtral(
-                **common, head_dim=head_dim, num_local_experts=experts, num_experts_per_tok=used
-            )
-        sized = dict(
-            num_experts=experts,
-            num_experts_per_tok=used,
-            moe_intermediate_size=int(self.get(f"{a}.expert_feed_forward_length")),
-        )
-        if a == "qwen2moe":
-            shared = int(self.get(f"{a}.expert_shared_feed_forward_length"))
-            return qwen(
-                **common, **sized, shared_expert_intermediate_size=shared, norm_topk_prob=False
-            )
-        return qwen(**common, **sized, head_dim=head_dim, norm_topk_prob=True)
-
-    def _end_tokens(self) -> int | list[int] | None:
-        """The tokens that end generation, as llama.cpp reads them: EOS, and the end-of-turn
-        and end-of-message tokens where the file names them (Llama 3's <|eot_id|>, <|eom_id|>)."""
-        ids = []
-        for key in ("eos", "eot", "eom"):
-            value = self.get(f"tokenizer.ggml.{key}_token_id", None)
-            if isinstance(value, int) and value not in ids:
-                ids.append(value)
-        return None if not ids else ids[0] if len(ids) == 1 else ids
-
-    def _gemma3(self, common: dict, head_dim: int, cls: Any) -> Any:
-        """Gemma 3 as llama.cpp reads its file: a window on all layers but every pattern-th
-        (`attention.sliding_window_pattern`, 6 if absent, or one flag per layer), the sliding
-        layers turning at `rope.freq_base_swa` (10,000 if absent), the attention scale derived
-        as llama.cpp derives it (the file has none: 1/sqrt(hidden / heads) for the 62-layer
-        27B, else 1/sqrt(head size))."""
-        n, heads = common["num_hidden_layers"], common["num_attention_heads"]
-        window = int(self.get("gemma3.attention.sliding_window", 0) or 0)
-        sliding = sliding_layers(self.get("gemma3.attention.sliding_window_pattern", 6), n)
-        full = dict(common.pop("rope_parameters"))
-        local = {
-            "rope_type": "default",
-            "rope_theta": float(self.get("gemma3.rope.freq_base_swa", 1e4)),
-        }
-        return cls(
-            **common,
-            head_dim=head_dim,
-            sliding_window=window or None,
-            layer_types=[
-                "sliding_attention" if s and window else "full_attention" for s in sliding
-            ],
-            rope_parameters={"full_attention": full, "sliding_attention": local},
-            query_pre_attn_scalar=common["hidden_size"] // heads if n == 62 else head_dim,
-            final_logit_softcapping=self.get("gemma3.final_logit_softcapping", None),
-        )
-
-    def _gemma2(self, common: dict, head_dim: int, cls: Any) -> Any:
-        """Gemma 2 as llama.cpp reads its file: every other layer sliding (the first one), one
-        rotation, its soft caps, the attention scale derived as llama.cpp derives it (the file
-        has none: 1/sqrt(hidden / heads) for the 46-layer 27B, else 1/sqrt(head size))."""
-        n, heads = common["num_hidden_layers"], common["num_attention_heads"]
-        window = int(self.get("gemma2.attention.sliding_window", 0) or 0)
-        return cls(
-            **common,
-            head_dim=head_dim,
-            sliding_window=window or None,
-            layer_types=[
-                "sliding_attention" if i % 2 == 0 and window else "full_attention" for i in range(n)
-            ],
-            query_pre_attn_scalar=common["hidden_size"] // heads if n == 46 else head_dim,
-            attn_logit_softcapping=self.get("gemma2.attn_logit_softcapping", None),
-            final_logit_softcapping=self.get("gemma2.final_logit_softcapping", None),
-        )
-
-    def _original_context(self) -> int:
-        a = self.arch
-        fallback = self.get(f"{a}.context_length", 4096)
-        return int(self.get(f"{a}.rope.scaling.original_context_length", fallback))
-
-    def _rope(self, head_dim: int) -> dict[str, Any]:
-        a = self.arch
-        params: dict[str, Any] = {"rope_theta": float(self.get(f"{a}.rope.freq_base", 10000.0))}
-        rotated = int(self.get(f"{a}.rope.dimension_count", head_dim))
-        if rotated != head_dim:  # refused by name (gpu/models/spec.py)
-            params["partial_rotary_factor"] = rotated / head_dim
-        kind = self.get(f"{a}.rope.scaling.type", "none")
-        if "rope_factors_long.weight" in self.tensors:  # Phi-3's LongRoPE, as two tensors
-            params.update(
-                rope_type="longrope",
-                long_factor=self._floats("rope_factors_long.weight"),
-                short_factor=self._floats("rope_factors_short.weight"),
-                original_max_position_embeddings=self._original_context(),
-            )
-        elif kind in ("none", ""):
-            params["rope_type"] = "default"
-        elif kind == "linear":
-            params.update(rope_type="linear", factor=float(self.get(f"{a}.rope.scaling.factor")))
-        elif kind == "yarn":
-            params.update(
-                rope_type="yarn",
-                factor=float(self.get(f"{a}.rope.scaling.factor")),
-                original_max_position_embeddings=int(
-                    self.get(f"{a}.rope.scaling.original_context_length")
-                ),
-            )
-        else:
-            raise CheckpointError(f"{self.path.name}: rope scaling {kind!r} is not served")
-        return params
-
-    def _floats(self, name: str) -> list[float]:
-        if name not in self.tensors:
-            raise CheckpointError(f"{self.path.name}: no {name} tensor")
-        return np.array(self.tensors[name].data, dtype=np.float32).tolist()
+        """A Hugging Face config of the file's shapes (gpu/gguf_config.py)."""
+        return HfConfigOf(self).config()
 
     def rope_factors(self) -> torch.Tensor | None:
         """llama3-style per-frequency divisors (the rope_freqs tensor), when the file has them."""
         t = self.tensors.get("rope_freqs.weight")
         return None if t is None else torch.from_numpy(np.array(t.data, dtype=np.float32))
-
-    def _dtype(self) -> str:
-        """The checkpoint's float type, as --dtype auto and the KV cache take it: that of its
-        16-bit or float32 matrices, and float16 (llama.cpp's cache) for block formats."""
-        kinds = {t.tensor_type.name for t in self.tensors.values() if len(t.shape) == 2}
-        if kinds <= {"BF16"}:
-            return "bfloat16"
-        if kinds <= {"F32"}:
-            return "float32"
-        return "float16"
 
     # ---- tensors ----
     def weights(self) -> Iterator[tuple[str, Any]]:

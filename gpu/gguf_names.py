@@ -16,6 +16,8 @@ ARCHES = {
     "qwen3moe": "Qwen3MoeForCausalLM",
     "qwen2moe": "Qwen2MoeForCausalLM",
     "gpt-oss": "GptOssForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",  # an "olmo2" file with a window is OLMo 3 (gpu/gguf_file.py)
+    "olmoe": "OlmoeForCausalLM",
 }
 # A "llama" file with experts is a Mixtral (llama.cpp's converter writes it so).
 
@@ -59,6 +61,13 @@ _NAMES = {  # an architecture's layer names where they are not Llama's
     "gemma3": {**LAYER_NAMES, **SANDWICH_NAMES},
     # gpt-oss (gpu/models/gpt_oss.py): its norm before the mixture, its sinks (a vector per
     # layer, `attn_sinks.weight` in the file), each expert stack's biases [experts, rows]
+    # OLMo 2 and 3: norms after attention and after the MLP, none before them
+    "olmo2": {
+        **LAYER_NAMES,
+        "input_layernorm": None,
+        "post_attention_layernorm": "post_attention_norm",
+        "post_feedforward_layernorm": "post_ffw_norm",
+    },
     "gpt-oss": {
         **LAYER_NAMES,
         "post_attention_layernorm": "post_attention_norm",

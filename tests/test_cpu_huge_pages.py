@@ -17,7 +17,7 @@ import torch
 from gpu import kv_cache
 from gpu.cpu import build as cpu_build, gemm, quant
 from gpu.quant.formats import FORMATS
-from gpu.quant.gguf_write import random_blocks
+from gpu.quant.gguf_random import random_blocks
 
 HUGE = 2 << 20
 PR_GET_THP_DISABLE = 42

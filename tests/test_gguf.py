@@ -32,7 +32,8 @@ from core.sampling import SamplingParams
 from gpu.gguf_names import hf_name, llama_unpermute_index
 from gpu.launch import load
 from gpu.quant.formats import BY_GGML_TYPE
-from gpu.quant.gguf_write import q4_k_m, uniform, write_gguf, write_random_gguf
+from gpu.quant.gguf_random import write_random_gguf
+from gpu.quant.gguf_write import q4_k_m, uniform, write_gguf
 from gpu.tiny_model import build_tiny_model
 
 TEXT = (

@@ -72,6 +72,60 @@ def test_the_spec_and_what_runs_it(models):
         ModelSpec.from_hf_config(config)
 
 
+@pytest.mark.parametrize("arch", ["olmo2", "olmo3", "olmoe"])
+def test_a_gguf_file_serves_as_its_checkpoint(models, arch, tmp_path):
+    """As llama.cpp's converter writes them (checked against its files): OLMo 2 and 3 as
+    "olmo2" (the norms after the blocks as post_attention_norm and post_ffw_norm, no Q/K row
+    reordering: llama.cpp turns them NEOX-style), OLMo 3's window, layer pattern, its sliding
+    layers' own base and the global layers' YaRN as metadata; OLMoE as "olmoe" with stacked
+    experts, never renormalized. In float32, transformers' logits and greedy tokens."""
+    from gpu.gguf_file import GgufCheckpoint
+    from gpu.quant.gguf_write import uniform, write_gguf
+
+    path = write_gguf(models[arch], tmp_path / f"{arch}.gguf", uniform("f32"))
+    ckpt = GgufCheckpoint(path)
+    assert ckpt.arch == ("olmoe" if arch == "olmoe" else "olmo2")
+    config, want = ckpt.config(), _config(models[arch])
+    assert config.architectures == want.architectures
+    if arch == "olmo3":
+        assert config.layer_types == want.layer_types and config.sliding_window == 8
+        assert config.rope_parameters["sliding_attention"]["rope_theta"] == 100.0
+        assert config.rope_parameters["full_attention"]["rope_type"] == "yarn"
+    assert_as_transformers(path, models[arch], prompt(30))
+
+
+def test_a_quantized_olmo_file_against_its_dequantized_weights(models, tmp_path):
+    """OLMo 3 in Q8_0 on weir's kernels, which round the activations to 8 bits as llama.cpp's
+    do: at each of the prompt's positions the token weir ranks first is transformers' first,
+    or within 0.1 of it in log-probability on average, on the `gguf` package's dequantization
+    of the same file."""
+    from transformers import AutoModelForCausalLM
+
+    from core.request import EngineRequest
+    from core.sampling import SamplingParams
+    from gpu.quant.gguf_write import uniform, write_gguf
+    from tests.test_moe import dequantized
+
+    path = write_gguf(models["olmo3"], tmp_path / "olmo3.gguf", uniform("q8_0"))
+    ref = dequantized(path, models["olmo3"], tmp_path / "ref")
+    ids = prompt(30)
+    core = load(EngineConfig(model=str(path), device="cpu", num_kv_blocks=64)).core
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, prompt_logprobs=1)
+    core.add(EngineRequest("r", ids, params))
+    plp = None
+    while core.has_work:
+        for o in core.step():
+            plp = o.prompt_logprobs or plp
+    ours = torch.tensor([plp[i].top_ids[0] for i in range(1, len(ids))])
+    model = AutoModelForCausalLM.from_pretrained(ref, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logprobs = torch.log_softmax(model(torch.tensor([ids])).logits[0, :-1].double(), -1)
+    agree = int((logprobs.argmax(-1) == ours).sum())
+    assert agree >= 0.8 * len(ours), (agree, len(ours))
+    gaps = logprobs.max(-1).values - logprobs[torch.arange(len(ours)), ours]
+    assert float(gaps.mean()) < 0.1, gaps
+
+
 def test_tensor_parallelism_is_refused_by_name(models):
     with pytest.raises(CheckpointError, match="span every head"):
         load(EngineConfig(model=str(models["olmo2"]), tensor_parallel_size=2, num_kv_blocks=16))

@@ -90,9 +90,9 @@ def test_rows_that_are_not_whole_blocks_are_refused():
 
 @pytest.mark.parametrize("fmt", ["q4_k", "q6_k", "iq4_xs", "iq3_xxs", "iq3_s", "iq2_xs", "iq2_s"])
 def test_random_blocks_are_weights_of_a_trained_models_size(fmt):
-    """The benchmarks' fast random files (gguf_write.random_blocks), every block format: |w| up
+    """The benchmarks' fast random files (gguf_random.random_blocks), every block format: |w| up
     to about 0.1 (the grid i-quants had been refused)."""
-    from gpu.quant.gguf_write import random_blocks
+    from gpu.quant.gguf_random import random_blocks
 
     rows = random_blocks(fmt, 8, 512, np.random.default_rng(0))
     w = dequant(rows, fmt)

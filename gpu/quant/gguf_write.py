@@ -1,12 +1,13 @@
-"""A Hugging Face checkpoint (Llama, Phi-3, Qwen2, Qwen3, Gemma 3, Mixtral, Qwen3-MoE) written
-as a GGUF file with the `gguf` package's writer, each weight in a chosen format (weir's
-quantizers, gpu/quant/quantize.py), the names, metadata, Q/K row order and stacked experts as
-llama.cpp's convert_hf_to_gguf.py writes them, and the tokenizer (byte-level BPE) as
-`tokenizer.ggml.*` entries with its chat template.
+"""A Hugging Face checkpoint (Llama, Phi-3, Qwen2, Qwen3, Gemma 2 and 3, Mixtral, Qwen2-MoE and
+Qwen3-MoE, OLMo 2 and 3, OLMoE) written as a GGUF file with the `gguf` package's writer, each
+weight in a chosen format (weir's quantizers, gpu/quant/quantize.py), the names, metadata, Q/K
+row order and stacked experts as llama.cpp's convert_hf_to_gguf.py writes them, and the
+tokenizer (byte-level BPE) as `tokenizer.ggml.*` entries with its chat template.
 
 The tests serve the files this writes (tests/test_gguf.py); the benchmarks write random-weight
-models of real sizes with it (`write_random_gguf`). Not a replacement for llama.cpp's converter: no
-rope scaling but Phi-3's LongRoPE, no sentencepiece tokenizers.
+models of real sizes with its metadata (gpu/quant/gguf_random.py). Not a replacement for
+llama.cpp's converter: no rope scaling but YaRN and Phi-3's LongRoPE, no sentencepiece
+tokenizers.
 """
 
 from __future__ import annotations
@@ -25,11 +26,11 @@ from gpu.gguf_names import gguf_name, llama_permute
 from gpu.gguf_tokenizer import split_of
 from gpu.models.moe import checkpoint_name
 from gpu.quant.formats import FORMATS
-from gpu.quant.iq_grids import GRIDS, table
 from gpu.quant.quantize import quantize
 
 ARCHES = {v: k for k, v in GGUF_ARCHES.items()}  # HF class -> GGUF architecture
 ARCHES["MixtralForCausalLM"] = "llama"  # a Llama with experts, as llama.cpp writes it
+ARCHES["Olmo3ForCausalLM"] = "olmo2"  # OLMo 2 with a window, as llama.cpp writes it
 
 
 def q4_k_m(name: str, shape: tuple[int, ...]) -> str:
@@ -60,7 +61,7 @@ FALLBACK = {
 }  # fmt: skip
 
 
-def _fitting(fmt: str, k: int) -> str:
+def fitting(fmt: str, k: int) -> str:
     """`fmt`, or the format llama.cpp falls back to for rows of k, else the nearest whose
     blocks divide them."""
     for f in (fmt, FALLBACK.get(fmt, "q8_0"), "q8_0", "f16"):
@@ -79,7 +80,7 @@ def write_gguf(
     file at `out`. `tensors` replaces the checkpoint's weights (HF names, float32 arrays)."""
     hf_dir, out = Path(hf_dir), Path(out)
     config = json.loads((hf_dir / "config.json").read_text())
-    w, arch = _writer(out, config, hf_dir)
+    w, arch = metadata_writer(out, config, hf_dir)
     heads = config["num_attention_heads"]
     kv_heads = config.get("num_key_value_heads") or heads
     if tensors is None:
@@ -103,7 +104,7 @@ def write_gguf(
             t = t + 1.0  # Gemma's norms multiply by 1 + w: llama.cpp's converter stores that
         gname = gguf_name(name, arch)
         fmt = formats(gname, t.shape)
-        fmt = "f32" if t.ndim == 1 else _fitting(fmt, t.shape[-1])
+        fmt = "f32" if t.ndim == 1 else fitting(fmt, t.shape[-1])
         if gname.endswith("ffn_gate_inp_shexp.weight"):
             fmt = "f32"  # Qwen2-MoE's shared gate, one row: llama.cpp's converter keeps it so
         f = FORMATS[fmt]
@@ -143,18 +144,23 @@ def _stacked_experts(
         raise ValueError(f"gguf_write: incomplete experts {sorted(held)[:3]}")
 
 
-def _writer(out: Path, config: dict, tokenizer_dir: Path) -> tuple[gguf.GGUFWriter, str]:
+def metadata_writer(out: Path, config: dict, tokenizer_dir: Path) -> tuple[gguf.GGUFWriter, str]:
     """A writer with `config`'s metadata and `tokenizer_dir`'s tokenizer, no tensors yet."""
     arch = ARCHES.get((config.get("architectures") or [""])[0])
     if arch is None:
         raise ValueError(f"gguf_write: no GGUF architecture for {config.get('architectures')}")
     rope = config.get("rope_parameters") or {}
-    if arch == "gemma3":
-        local = rope.get("sliding_attention", {"rope_theta": 10000.0})
-        rope = rope.get("full_attention", rope)
+    local = {"rope_theta": 10000.0}
+    if "full_attention" in rope:  # a rotation per layer type (Gemma 3, OLMo 3)
+        local = rope.get("sliding_attention", local)
+        rope = rope["full_attention"]
     kind = rope.get("rope_type", "default")
-    if config.get("rope_scaling") or kind not in ("default", *(["longrope"] * (arch == "phi3"))):
-        raise ValueError("gguf_write: rope scaling is not written (Phi-3's LongRoPE is)")
+    if config.get("rope_scaling") or kind not in (
+        "default",
+        "yarn",
+        *["longrope"] * (arch == "phi3"),
+    ):
+        raise ValueError("gguf_write: rope scaling is not written but YaRN (and Phi-3's LongRoPE)")
     heads = config["num_attention_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
     w = gguf.GGUFWriter(str(out), arch)
@@ -171,8 +177,14 @@ def _writer(out: Path, config: dict, tokenizer_dir: Path) -> tuple[gguf.GGUFWrit
     w.add_rope_freq_base(float(rope.get("rope_theta") or config.get("rope_theta") or 10000.0))
     w.add_layer_norm_rms_eps(float(config["rms_norm_eps"]))
     w.add_vocab_size(config["vocab_size"])
+    if kind == "yarn":  # as llama.cpp's converter writes it (llama.cpp derives the rest)
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(float(rope["factor"]))
+        w.add_rope_scaling_orig_ctx_len(int(rope["original_max_position_embeddings"]))
     if arch == "gemma3":
         _gemma3_keys(w, config, local, head_dim)
+    if arch == "olmo2" and config.get("sliding_window"):  # OLMo 3
+        _window_keys(w, config, local)
     if arch == "gemma2":
         _gemma2_keys(w, config, head_dim)
     if arch == "phi3":  # as llama.cpp's converter writes Phi-3 (its factors are tensors)
@@ -187,9 +199,10 @@ def _writer(out: Path, config: dict, tokenizer_dir: Path) -> tuple[gguf.GGUFWrit
         w.add_expert_used_count(config["num_experts_per_tok"])
         if config.get("moe_intermediate_size"):
             w.add_expert_feed_forward_length(config["moe_intermediate_size"])
-        if arch == "qwen2moe":  # llama.cpp never renormalizes its chosen experts' weights
-            if config.get("norm_topk_prob"):
-                raise ValueError("gguf_write: a qwen2moe file cannot say norm_topk_prob")
+        if arch in ("qwen2moe", "olmoe") and config.get("norm_topk_prob"):
+            # llama.cpp never renormalizes their chosen experts' weights
+            raise ValueError(f"gguf_write: a {arch} file cannot say norm_topk_prob")
+        if arch == "qwen2moe":
             w.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
     _write_tokenizer(w, tokenizer_dir, config)
     return w, arch
@@ -203,6 +216,11 @@ def _gemma3_keys(w: gguf.GGUFWriter, config: dict, local: dict, head_dim: int) -
     derived = config["hidden_size"] // heads if n == 62 else head_dim
     if config.get("query_pre_attn_scalar", derived) != derived:
         raise ValueError(f"gguf_write: query_pre_attn_scalar must be {derived} in a GGUF file")
+    _window_keys(w, config, local)
+
+
+def _window_keys(w: gguf.GGUFWriter, config: dict, local: dict) -> None:
+    """The window, its pattern (one flag per layer), the sliding layers' rotation base."""
     types = config.get("layer_types") or []
     w.add_sliding_window(config.get("sliding_window") or 0)
     w.add_sliding_window_pattern([t == "sliding_attention" for t in types])
@@ -288,99 +306,3 @@ def _write_tokenizer(w: gguf.GGUFWriter, hf_dir: Path, config: dict) -> None:
         template = jinja.read_text()
     if template:
         w.add_chat_template(template)
-
-
-def shapes(config: dict) -> Iterator[tuple[str, tuple[int, ...]]]:
-    """GGUF names and (numpy-order) shapes of a Llama-shaped model's tensors."""
-    h, inter = config["hidden_size"], config["intermediate_size"]
-    heads = config["num_attention_heads"]
-    kv = config.get("num_key_value_heads") or heads
-    d = config.get("head_dim") or h // heads
-    yield "token_embd.weight", (config["vocab_size"], h)
-    for i in range(config["num_hidden_layers"]):
-        yield f"blk.{i}.attn_norm.weight", (h,)
-        yield f"blk.{i}.ffn_norm.weight", (h,)
-        yield f"blk.{i}.attn_q.weight", (heads * d, h)
-        yield f"blk.{i}.attn_k.weight", (kv * d, h)
-        yield f"blk.{i}.attn_v.weight", (kv * d, h)
-        yield f"blk.{i}.attn_output.weight", (h, heads * d)
-        yield f"blk.{i}.ffn_gate.weight", (inter, h)
-        yield f"blk.{i}.ffn_up.weight", (inter, h)
-        yield f"blk.{i}.ffn_down.weight", (h, inter)
-    yield "output_norm.weight", (h,)
-    if not config.get("tie_word_embeddings", False):
-        yield "output.weight", (config["vocab_size"], h)
-
-
-def random_blocks(fmt: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
-    """[n, row_bytes] of random blocks in `fmt` whose weights are of the size of a trained
-    model's (|w| up to about 0.1): random integers, small fixed scales. Fast: a benchmark's
-    8B-shaped file is written without any float weights or quantizing."""
-    f = FORMATS[fmt]
-    blocks = rng.integers(0, 256, size=(n * k // f.block_size, f.block_bytes), dtype=np.uint8)
-
-    def f16(offset: int, value: float) -> None:
-        blocks[:, offset : offset + 2] = (
-            np.full(len(blocks), value, np.float16).view(np.uint8)[:, None].reshape(-1, 2)
-        )
-
-    if fmt in ("q8_0", "q4_0", "q5_0"):
-        f16(0, 0.1 / {"q8_0": 127, "q4_0": 8, "q5_0": 16}[fmt])
-    elif fmt in ("q4_1", "q5_1"):
-        f16(0, 0.1 / (15 if fmt == "q4_1" else 31))
-        f16(2, -0.05)
-    elif fmt in ("q4_k", "q5_k"):
-        f16(0, 0.1 / 63 / (15 if fmt == "q4_k" else 31))
-        f16(2, 0.05 / 63)
-    elif fmt == "q3_k":
-        f16(108, 0.1 / 4 / 32)
-    elif fmt == "q2_k":
-        f16(80, 0.1 / 3 / 15)
-        f16(82, 0.05 / 15)
-    elif fmt in ("iq4_nl", "iq4_xs"):
-        f16(0, 0.1 / 127 / (1 if fmt == "iq4_nl" else 32))
-    elif fmt == "q6_k":
-        blocks[:, 192:208] = rng.integers(1, 64, size=(len(blocks), 16), dtype=np.uint8)
-        f16(208, 0.1 / 63 / 32)
-    elif fmt in GRIDS:  # d first; the largest weight d unit 31 top
-        f16(0, 0.1 / (GRIDS[fmt].unit * 31 * float(table(fmt)[2][-1])))
-    else:
-        raise ValueError(f"random_blocks: {fmt} is not a block format")
-    return blocks.reshape(n, f.row_bytes(k))
-
-
-def write_random_gguf(
-    out: str | Path,
-    config: dict,
-    tokenizer_dir: str | Path,
-    formats: Callable[[str, tuple[int, ...]], str] = q4_k_m,
-    seed: int = 0,
-) -> Path:
-    """A random-weight GGUF of `config`'s shape (a Llama) written straight in block formats,
-    one tensor at a time (an 8B-shaped Q4_K_M file needs no more memory than its largest
-    tensor), with `tokenizer_dir`'s tokenizer (padded with unused tokens to the vocabulary)."""
-    out = Path(out)
-    config = {"architectures": ["LlamaForCausalLM"], "rms_norm_eps": 1e-5, **config}
-    w, _ = _writer(out, config, Path(tokenizer_dir))
-    plan = []
-    for name, shape in shapes(config):
-        fmt = "f32" if len(shape) == 1 else _fitting(formats(name, shape), shape[-1])
-        f = FORMATS[fmt]
-        if fmt == "f32":
-            w.add_tensor_info(name, shape, np.dtype(np.float32), 4 * shape[0])
-        else:
-            rows = (shape[0], f.row_bytes(shape[1]))
-            qtype = gguf.GGMLQuantizationType(f.ggml_type)
-            w.add_tensor_info(name, rows, np.dtype(np.uint8), rows[0] * rows[1], raw_dtype=qtype)
-        plan.append((fmt, shape))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_ti_data_to_file()
-    rng = np.random.default_rng(seed)
-    for fmt, shape in plan:
-        if fmt == "f32":
-            w.write_tensor_data(np.ones(shape, dtype=np.float32))
-        else:
-            w.write_tensor_data(random_blocks(fmt, shape[0], shape[1], rng))
-    w.close()
-    return out

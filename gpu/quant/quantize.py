@@ -144,7 +144,6 @@ def _iq4_xs(b: np.ndarray) -> np.ndarray:
     return xs_blocks(d, ls + 32, qs)
 
 
-
 def _grid(values: np.ndarray, top: int) -> tuple[np.ndarray, np.ndarray]:
     """Non-negative per-sub-block values [blocks, subs] on a grid of `top` steps: (the f16 step
     per block [blocks, 1], the integer multiples [blocks, subs])."""
@@ -220,9 +219,7 @@ def _q2_k(b: np.ndarray) -> np.ndarray:
     inv = np.divide(1.0, scale, out=np.zeros_like(scale), where=scale != 0)[:, :, None]
     q = np.clip(_round((sub + (dmin * m)[:, :, None]) * inv), 0, 3).astype(np.uint8)
     q = q.reshape(len(b), 256)
-    return np.concatenate(
-        [sc | (m << 4), _low_bits(q), _f16_bytes(d), _f16_bytes(dmin)], axis=1
-    )
+    return np.concatenate([sc | (m << 4), _low_bits(q), _f16_bytes(d), _f16_bytes(dmin)], axis=1)
 
 
 def _q3_k(b: np.ndarray) -> np.ndarray:
