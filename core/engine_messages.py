@@ -88,6 +88,7 @@ class EngineReady(msgspec.Struct, tag="ready", gc=False):
     block_size: int = 16
     eos_token_ids: list[int] = []  # banned with the stop tokens before a request's min_tokens
     labels: list[str] | None = None  # a sequence classifier's, by index (None: a causal LM)
+    score_template: str | None = None  # a reranker's prompt for its pairs (core/score_pairs.py)
 
 
 class StepOutputs(msgspec.Struct, tag="step", gc=False):

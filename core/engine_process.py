@@ -126,6 +126,7 @@ def main() -> None:
         core.kv.block_size,
         sorted(core.eos_token_ids),
         loaded.labels,
+        loaded.score_template,
     )
 
     def publish(outputs, stats) -> bool:

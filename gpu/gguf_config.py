@@ -6,10 +6,15 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+from gguf import PoolingType
 
 from core.config import CheckpointError
 from gpu.gguf_names import ARCHES
 from gpu.models import gpt_oss
+
+
+# llama.cpp's classification head (a reranker's): [labels, hidden]
+RANK_HEAD = "cls.output.weight"
 
 
 def sliding_layers(pattern: int | list, n: int) -> list[bool]:
@@ -31,9 +36,36 @@ class HfConfigOf:
         self.path = ckpt.path
 
     def config(self) -> Any:
+        """A Hugging Face config of the file's shapes: a decoder's (`decoder`), or a reranker's
+        made of it (`reranker`) where the file has a classification head."""
+        config = self.decoder()
+        return self.reranker(config) if RANK_HEAD in self.tensors else config
+
+    def reranker(self, config: Any) -> Any:
+        """A Qwen3 reranker as llama.cpp's converter writes one: `pooling_type` rank, its head
+        `cls.output` the LM head's "yes" and "no" rows, labelled so, whose softmax llama.cpp
+        serves as the score. Served as a one-label Qwen3ForSequenceClassification whose logit is
+        "yes" less "no" (gguf_file.py `weights` takes the difference): its sigmoid is the same
+        P(yes). A head of any other model or kind is refused by name."""
+        a, head = self.arch, self.tensors[RANK_HEAD]
+        labels = list(self.get(f"{a}.classifier.output_labels", None) or [])
+        pooling = int(self.get(f"{a}.pooling_type", 0) or 0)
+        rows = int(head.shape[1]) if len(head.shape) == 2 else 1
+        if a != "qwen3" or pooling != int(PoolingType.RANK) or labels != ["yes", "no"] or rows != 2:
+            raise CheckpointError(
+                f"{self.path.name}: a classification head ({RANK_HEAD}) is served for Qwen3 "
+                "rerankers (pooling_type rank, labels yes and no); this file's is "
+                f"{a}'s, pooling_type {pooling}, {rows} rows, labels {labels}"
+            )
+        config.architectures = ["Qwen3ForSequenceClassification"]
+        config.num_labels = 1
+        config.id2label, config.label2id = {0: "yes"}, {"yes": 0}
+        return config
+
+    def decoder(self) -> Any:
         """A Hugging Face config (LlamaConfig, MixtralConfig, Phi3Config, Qwen2Config,
         Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, Gemma2Config, Gemma3TextConfig, GptOssConfig,
-        Olmo2Config, Olmo3Config, OlmoeConfig) of the file's shapes."""
+        Olmo2Config, Olmo3Config, OlmoeConfig) of the file's decoder."""
         from transformers import (
             Gemma2Config,
             Gemma3TextConfig,

@@ -21,7 +21,7 @@ import torch
 
 from core.config import CheckpointError
 from gpu.gguf_names import ARCHES, expert_name, hf_name, llama_unpermute_index
-from gpu.gguf_config import HfConfigOf
+from gpu.gguf_config import RANK_HEAD, HfConfigOf
 from gpu.quant.formats import BY_GGML_TYPE
 from gpu.quant.tensor import BlockTensor
 
@@ -99,6 +99,13 @@ class GgufCheckpoint:
         """A Hugging Face config of the file's shapes (gpu/gguf_config.py)."""
         return HfConfigOf(self).config()
 
+    def rerank_template(self) -> str | None:
+        """A reranker's prompt (`tokenizer.chat_template.rerank`, llama.cpp's), its {query} and
+        {document} filled per pair (core/score_pairs.py)."""
+        return (
+            self.get("tokenizer.chat_template.rerank", None) if RANK_HEAD in self.tensors else None
+        )
+
     def rope_factors(self) -> torch.Tensor | None:
         """llama3-style per-frequency divisors (the rope_freqs tensor), when the file has them."""
         t = self.tensors.get("rope_freqs.weight")
@@ -115,6 +122,12 @@ class GgufCheckpoint:
         for name, t in self.tensors.items():
             if name in ROTATION_TENSORS:
                 continue  # read by rope_factors and _rope
+            if name == RANK_HEAD:  # a reranker's "yes" and "no" rows: one label, their difference
+                yes, no = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).astype(
+                    np.float32
+                )
+                yield "score.weight", torch.from_numpy(yes - no)[None]
+                continue
             target = hf_name(name, self.arch)
             if target is None:
                 raise CheckpointError(f"{self.path.name}: tensor {name} has no place in the model")

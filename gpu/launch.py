@@ -49,6 +49,7 @@ class Loaded:
     device: str = ""  # where the model runs: cpu, cuda (the device's type)
     lora_base: Any = None  # core/lora.py LoraBase: the shapes an adapter must fit (--enable-lora)
     labels: list[str] | None = None  # a sequence classifier's, by index (None: a causal LM)
+    score_template: str | None = None  # a reranker's prompt for its pairs (core/score_pairs.py)
 
 
 def resolve_async(config: EngineConfig, device: torch.device) -> bool:
@@ -174,6 +175,7 @@ def load(config: EngineConfig) -> Loaded:
         device.type,
         lora_base,
         classifier_labels(hf_config, runner.num_labels),
+        GgufCheckpoint(path).rerank_template() if is_gguf(path) else None,
     )
 
 

@@ -76,6 +76,7 @@ async def load_engine(app: QuartTrio, st: ServerState) -> None:
                 loaded.kv_cache_bytes,
                 loaded.lora_base,
                 loaded.labels,
+                loaded.score_template,
             )
         if loaded.labels is not None:  # a sequence classifier: classify and score, nothing else
             if "generate" in st.tasks and "embed" in st.tasks:  # --enable-embeddings
@@ -85,6 +86,7 @@ async def load_engine(app: QuartTrio, st: ServerState) -> None:
                     "it cannot also serve embeddings (--enable-embeddings)"
                 )
             st.tasks, st.labels = ("classify", "score"), loaded.labels
+            st.score_template = loaded.score_template
         lora = None
         if st.config.enable_lora:  # --lora-modules, checked before anything is served
             lora = LoraRegistry(loaded.lora_base, st.config.max_lora_rank)
@@ -230,6 +232,7 @@ class _Loaded(NamedTuple):
     kv_cache_bytes: int
     lora_base: Any = None  # core/lora.py LoraBase, with --enable-lora
     labels: list[str] | None = None  # a sequence classifier's (None: a causal LM)
+    score_template: str | None = None  # a reranker's prompt for its pairs (core/score_pairs.py)
 
 
 def _launch(engine: EngineProcess | AttachedEngine) -> _Loaded:
@@ -252,4 +255,5 @@ def _launch(engine: EngineProcess | AttachedEngine) -> _Loaded:
         info.kv_cache_bytes,
         info.lora_base,
         info.labels,
+        info.score_template,
     )

@@ -16,6 +16,7 @@ from msgspec import Meta
 from quart import Blueprint, Response
 
 from core.pooling import CLASSIFY, PoolingParams, activated
+from core.score_pairs import PairTooLong, pair_ids
 from server.classify import PoolingUsage, logits_of, use_activation
 from server.errors import APIError
 from server.pooled import pooled, truncate_length
@@ -166,11 +167,13 @@ async def score_pairs(
 
 
 def _pair_ids(st: ServerState, a: str, b: str, keep: int | None, name: str) -> list[int]:
-    """The tokenizer's pair encoding (its template's special tokens included), cut to `keep`
-    tokens with the longer text shortened first, or a 400 where it is too long."""
-    if keep is not None:
-        return st.tokenizer(text=a, text_pair=b, truncation=True, max_length=keep)["input_ids"]
-    return _checked(st, st.tokenizer(text=a, text_pair=b)["input_ids"], name)
+    """The pair as one input (core/score_pairs.py: the model's rerank prompt, or the tokenizer's
+    pair encoding), cut to `keep` tokens, or a 400 where it is too long."""
+    try:
+        ids = pair_ids(st.tokenizer, a, b, keep, st.score_template)
+    except PairTooLong as e:
+        raise APIError(400, str(e), "truncate_prompt_tokens", "invalid_value") from None
+    return ids if keep is not None else _checked(st, ids, name)
 
 
 def _text_ids(st: ServerState, text: str, keep: int | None, name: str) -> list[int]:

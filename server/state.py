@@ -42,6 +42,7 @@ class ServerState:
     # and/or "embed" (--enable-embeddings, --runner); a sequence classifier's: classify, score
     tasks: tuple[str, ...] = ("generate",)
     labels: list[str] | None = None  # a sequence classifier's, by index
+    score_template: str | None = None  # a reranker's prompt for its pairs (core/score_pairs.py)
     embedding: Any = None  # server.embedding_config.EmbeddingConfig, when "embed" is served
     seat: Any = None  # server.api_server_messages.Seat: one of several API servers (else None)
     inflight: set = field(default_factory=set)  # generation requests being served

@@ -141,6 +141,7 @@ class LLM(PoolingCalls):
         self.tokenizer = loaded.tokenizer
         self.max_model_len = loaded.max_model_len
         self.labels = loaded.labels  # a sequence classifier's, by index
+        self.score_template = loaded.score_template
         self._generation_defaults = loaded.generation_defaults
         self._ids = itertools.count()
         self._lora_base = loaded.lora_base

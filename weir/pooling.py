@@ -19,6 +19,7 @@ from core.engine_messages import AddRequest
 from core.pooling import CLASSIFY, activated
 from core.pooling import PoolingParams as EnginePoolingParams
 from core.request import EngineRequest
+from core.score_pairs import PairTooLong, pair_ids
 from core.sampling import InvalidParam, SamplingParams
 
 
@@ -83,6 +84,7 @@ class PoolingCalls:
     tokenizer: Any
     max_model_len: int
     labels: list[str] | None
+    score_template: str | None  # a reranker's prompt for its pairs (core/score_pairs.py)
     _ids: Any
     _run: Callable[[deque, Callable], None]  # the engine loop over these requests
 
@@ -200,13 +202,12 @@ class PoolingCalls:
         return ids[-keep:] if keep is not None else ids
 
     def _pair_ids(self, a: str, b: str, keep: int | None) -> list[int]:
-        """The tokenizer's pair encoding (its template's special tokens), cut to `keep` tokens
-        with the longer text shortened first."""
-        if keep is not None:
-            return self.tokenizer(text=a, text_pair=b, truncation=True, max_length=keep)[
-                "input_ids"
-            ]
-        return self.tokenizer(text=a, text_pair=b)["input_ids"]
+        """The pair as one input (core/score_pairs.py: the model's rerank prompt, or the
+        tokenizer's pair encoding), cut to `keep` tokens."""
+        try:
+            return pair_ids(self.tokenizer, a, b, keep, self.score_template)
+        except PairTooLong as e:
+            raise InvalidParam("truncate_prompt_tokens", str(e)) from None
 
     def _pool(
         self, inputs: list[list[int]], pooling: EnginePoolingParams, use_tqdm: bool, desc: str

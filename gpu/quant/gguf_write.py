@@ -75,12 +75,17 @@ def write_gguf(
     out: str | Path,
     formats: Callable[[str, tuple[int, ...]], str] = uniform("q8_0"),
     tensors: Iterator[tuple[str, np.ndarray]] | None = None,
+    rerank: str | None = None,
 ) -> Path:
     """`hf_dir` (config.json, tokenizer.json and tokenizer_config.json, the weights) as a GGUF
-    file at `out`. `tensors` replaces the checkpoint's weights (HF names, float32 arrays)."""
+    file at `out`. `tensors` replaces the checkpoint's weights (HF names, float32 arrays).
+    `rerank`: a Qwen3 reranker's file as llama.cpp's converter writes one, this its prompt
+    (`tokenizer.chat_template.rerank`), the LM head's "yes" and "no" rows its head
+    (`cls.output`, in place of the LM head), pooling_type rank."""
     hf_dir, out = Path(hf_dir), Path(out)
     config = json.loads((hf_dir / "config.json").read_text())
     w, arch = metadata_writer(out, config, hf_dir)
+    yes_no = _rerank_keys(w, hf_dir, rerank) if rerank is not None else None
     heads = config["num_attention_heads"]
     kv_heads = config.get("num_key_value_heads") or heads
     if tensors is None:
@@ -94,10 +99,15 @@ def write_gguf(
         for kind in ("long", "short"):
             factors = np.array(rope[f"{kind}_factor"], np.float32)
             w.add_tensor(f"rope_factors_{kind}.weight", factors)
+    head = "model.embed_tokens.weight" if tie else "lm_head.weight"
     for name, t in tensors:
         if name.endswith("rotary_emb.inv_freq") or (tie and name == "lm_head.weight"):
             continue
         t = np.ascontiguousarray(t, dtype=np.float32)
+        if yes_no is not None and name == head:
+            w.add_tensor("cls.output.weight", np.ascontiguousarray(t[yes_no]))
+            if not tie:
+                continue  # the converter writes the head's two rows, not the LM head
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             t = llama_permute(t, heads if "q_proj" in name else kv_heads)
         if arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
@@ -120,6 +130,20 @@ def write_gguf(
     w.write_tensors_to_file()
     w.close()
     return out
+
+
+def _rerank_keys(w: gguf.GGUFWriter, hf_dir: Path, template: str) -> list[int]:
+    """A reranker's metadata as llama.cpp's converter writes it; the ids of "yes" and "no"."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(hf_dir / "tokenizer.json"))
+    ids = [tok.token_to_id(t) for t in ("yes", "no")]
+    if None in ids:
+        raise ValueError("gguf_write: a reranker's vocabulary has the tokens yes and no")
+    w.add_pooling_type(gguf.PoolingType.RANK)
+    w.add_classifier_output_labels(["yes", "no"])
+    w.add_chat_template([{"name": "rerank", "template": template}])
+    return ids
 
 
 def _stacked_experts(
