@@ -17,6 +17,7 @@ import msgspec
 
 from core.config import EngineConfig
 from core.lora import LoraBase
+from core.pooling import ModelPooling
 from core.request import EngineRequest, RequestOutput
 from core.stats import StepStats
 
@@ -89,6 +90,7 @@ class EngineReady(msgspec.Struct, tag="ready", gc=False):
     eos_token_ids: list[int] = []  # banned with the stop tokens before a request's min_tokens
     labels: list[str] | None = None  # a sequence classifier's, by index (None: a causal LM)
     score_template: str | None = None  # a reranker's prompt for its pairs (core/score_pairs.py)
+    pooling: ModelPooling | None = None  # the model's own pooling facts (a GGUF file's kind)
 
 
 class StepOutputs(msgspec.Struct, tag="step", gc=False):

@@ -127,6 +127,7 @@ def main() -> None:
         sorted(core.eos_token_ids),
         loaded.labels,
         loaded.score_template,
+        loaded.pooling,
     )
 
     def publish(outputs, stats) -> bool:

@@ -26,6 +26,15 @@ class PoolingParams(msgspec.Struct, frozen=True, gc=False):
         return self.kind in ("mean", "cls")
 
 
+class ModelPooling(msgspec.Struct, frozen=True, gc=False):
+    """What the engine's model says of its own vectors, for the embedding default where its
+    folder has no sentence-transformers files (a GGUF file): the kind its `pooling_type` names
+    (None: none named) and the vector's size."""
+
+    kind: str | None
+    hidden_size: int
+
+
 def activated(logits: list[float], on: bool) -> list[float]:
     """A classifier's probabilities as transformers' pipelines give them: the sigmoid of a lone
     logit, else the softmax over the labels (`on` false: the logits as they are)."""

@@ -14,6 +14,7 @@ import torch
 
 from core.config import CheckpointError, EngineConfig
 from core.engine_core import EngineCore
+from core.pooling import ModelPooling
 from core.speculative import SpeculativeConfig
 from gpu import gguf_tokenizer, kv_cache, kv_scales
 from gpu.cache import cache_dir
@@ -50,6 +51,7 @@ class Loaded:
     lora_base: Any = None  # core/lora.py LoraBase: the shapes an adapter must fit (--enable-lora)
     labels: list[str] | None = None  # a sequence classifier's, by index (None: a causal LM)
     score_template: str | None = None  # a reranker's prompt for its pairs (core/score_pairs.py)
+    pooling: ModelPooling | None = None  # the model's own pooling facts (a GGUF file's kind)
 
 
 def resolve_async(config: EngineConfig, device: torch.device) -> bool:
@@ -161,6 +163,7 @@ def load(config: EngineConfig) -> Loaded:
     defaults = generation_defaults(path, config.generation_config)
     if defaults:
         log.info("sampling defaults from the generation config: %s", defaults)
+    gguf = GgufCheckpoint(path) if is_gguf(path) else None
     return Loaded(
         core,
         tokenizer,
@@ -175,7 +178,8 @@ def load(config: EngineConfig) -> Loaded:
         device.type,
         lora_base,
         classifier_labels(hf_config, runner.num_labels),
-        GgufCheckpoint(path).rerank_template() if is_gguf(path) else None,
+        gguf.rerank_template() if gguf else None,
+        ModelPooling(gguf.pooling() if gguf else None, int(hf_config.hidden_size)),
     )
 
 

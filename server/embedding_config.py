@@ -1,6 +1,7 @@
 """How a served model embeds: the pooling kind (--pooling, else the checkpoint's
-sentence-transformers files, else the last token, as decoder embedding models such as
-Qwen3-Embedding are trained), normalisation, and the Matryoshka dimensions the model allows."""
+sentence-transformers files, else a GGUF file's pooling_type, else the last token, as decoder
+embedding models such as Qwen3-Embedding are trained), normalisation, and the Matryoshka
+dimensions the model allows. LLM.embed's default is the same."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from core.pooling import KINDS
+from core.pooling import KINDS, ModelPooling
 
 # sentence-transformers' Pooling config keys, in the order they are checked.
 _ST_MODES = (
@@ -66,10 +67,17 @@ def sentence_transformers_pooling(model_path: Path) -> str | None:
     return None
 
 
-def resolve(model_path: Path | None, pooling: str | None, normalize: bool) -> EmbeddingConfig:
+def resolve(
+    model_path: Path | None,
+    pooling: str | None,
+    normalize: bool,
+    facts: ModelPooling | None = None,
+) -> EmbeddingConfig:
+    """`pooling`: --pooling; `facts`: the engine's (a GGUF file's pooling_type, the model's
+    hidden size), used where the folder says nothing."""
     config = (_json(model_path / "config.json") if model_path else None) or {}
     kind = pooling or (sentence_transformers_pooling(model_path) if model_path else None)
-    kind = kind or "last"
+    kind = kind or (facts.kind if facts is not None else None) or "last"
     if kind not in KINDS:
         raise ValueError(f"--pooling {kind!r} is unknown; weir has {', '.join(KINDS)}")
     dims = config.get("matryoshka_dimensions")
@@ -79,7 +87,8 @@ def resolve(model_path: Path | None, pooling: str | None, normalize: bool) -> Em
         matryoshka = None
     else:
         matryoshka = []
-    return EmbeddingConfig(kind, normalize, int(config.get("hidden_size", 0)), matryoshka)
+    size = facts.hidden_size if facts is not None else int(config.get("hidden_size", 0))
+    return EmbeddingConfig(kind, normalize, size, matryoshka)
 
 
 def add_arguments(s) -> None:

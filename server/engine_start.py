@@ -16,6 +16,7 @@ from quart_trio import QuartTrio
 from core.config import CheckpointError, EngineConfig, is_bad_input
 from core.engine import EngineThread
 from core.engine_attached import AttachedEngine
+from core.pooling import ModelPooling
 from core.engine_process import EngineProcess
 from core.lora import LoraError
 from core.shared_count import SharedCounts
@@ -77,6 +78,7 @@ async def load_engine(app: QuartTrio, st: ServerState) -> None:
                 loaded.lora_base,
                 loaded.labels,
                 loaded.score_template,
+                loaded.pooling,
             )
         if loaded.labels is not None:  # a sequence classifier: classify and score, nothing else
             if "generate" in st.tasks and "embed" in st.tasks:  # --enable-embeddings
@@ -168,7 +170,7 @@ async def load_engine(app: QuartTrio, st: ServerState) -> None:
     st.vocab_size = loaded.vocab_size
     if "embed" in st.tasks:
         st.embedding = embedding_config.resolve(
-            Path(loaded.model_path), st.options.pooling, st.options.normalize
+            Path(loaded.model_path), st.options.pooling, st.options.normalize, loaded.pooling
         )
         log.info(
             "embeddings: %s pooling%s", st.embedding.kind, ", normalized" * st.embedding.normalize
@@ -233,6 +235,7 @@ class _Loaded(NamedTuple):
     lora_base: Any = None  # core/lora.py LoraBase, with --enable-lora
     labels: list[str] | None = None  # a sequence classifier's (None: a causal LM)
     score_template: str | None = None  # a reranker's prompt for its pairs (core/score_pairs.py)
+    pooling: ModelPooling | None = None  # the model's own pooling facts (a GGUF file's kind)
 
 
 def _launch(engine: EngineProcess | AttachedEngine) -> _Loaded:
@@ -256,4 +259,5 @@ def _launch(engine: EngineProcess | AttachedEngine) -> _Loaded:
         info.lora_base,
         info.labels,
         info.score_template,
+        info.pooling,
     )

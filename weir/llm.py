@@ -142,6 +142,8 @@ class LLM(PoolingCalls):
         self.max_model_len = loaded.max_model_len
         self.labels = loaded.labels  # a sequence classifier's, by index
         self.score_template = loaded.score_template
+        self.pooling = loaded.pooling
+        self.model_path = Path(loaded.model_path)
         self._generation_defaults = loaded.generation_defaults
         self._ids = itertools.count()
         self._lora_base = loaded.lora_base

@@ -11,24 +11,29 @@ import array
 import math
 from collections import deque
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Generic, TypeVar
 
+import msgspec
 from tqdm import tqdm
 
 from core.engine_messages import AddRequest
-from core.pooling import CLASSIFY, activated
+from core.pooling import CLASSIFY, ModelPooling, activated
 from core.pooling import PoolingParams as EnginePoolingParams
 from core.request import EngineRequest
 from core.score_pairs import PairTooLong, pair_ids
 from core.sampling import InvalidParam, SamplingParams
+from server import embedding_config
 
 
 class PoolingParams(EnginePoolingParams, frozen=True):
     """The engine's PoolingParams (core/pooling.py: kind, normalize, dimensions) with vLLM's
     offline fields: `use_activation` (a classifier's: False gives the raw logits, not
     probabilities) and `truncate_prompt_tokens` (keep that many of a prompt's last tokens; -1:
-    the model's length)."""
+    the model's length). `kind` None (the default) is the model's own, as the server's: its
+    sentence-transformers files, a GGUF file's pooling_type, else the last token."""
 
+    kind: str | None = None
     use_activation: bool = True
     truncate_prompt_tokens: int | None = None
 
@@ -85,6 +90,8 @@ class PoolingCalls:
     max_model_len: int
     labels: list[str] | None
     score_template: str | None  # a reranker's prompt for its pairs (core/score_pairs.py)
+    pooling: ModelPooling | None  # the model's own pooling facts (a GGUF file's kind)
+    model_path: Path  # the model's folder or GGUF file
     _ids: Any
     _run: Callable[[deque, Callable], None]  # the engine loop over these requests
 
@@ -103,7 +110,7 @@ class PoolingCalls:
             raise InvalidParam("use_activation", "use_activation is a classifier's; use classify")
         keep = self._keep(truncate_prompt_tokens, params)
         inputs = [self._ids_of(p, keep) for p in _listed(prompts)]
-        ran = self._pool(inputs, _engine_params(params), use_tqdm, "Embedding")
+        ran = self._pool(inputs, self._engine_params(params), use_tqdm, "Embedding")
         return [
             PoolingRequestOutput(rid, EmbeddingOutput(array.array("f", v).tolist()), ids, cached)
             for (rid, v, cached), ids in zip(ran, inputs)
@@ -170,7 +177,7 @@ class PoolingCalls:
             )
         texts = list(dict.fromkeys(t for pair in pairs for t in pair))  # each text once
         inputs = [self._ids_of(t, keep) for t in texts]
-        unit = EnginePoolingParams(params.kind, True, params.dimensions)
+        unit = msgspec.structs.replace(self._engine_params(params), normalize=True)
         ran = self._pool(inputs, unit, use_tqdm, "Scoring")
         vectors = {t: array.array("f", v) for t, (_, v, _) in zip(texts, ran)}
         first = dict(zip(texts, zip(ran, inputs)))
@@ -180,6 +187,14 @@ class PoolingCalls:
             cosine = math.fsum(x * y for x, y in zip(vectors[a], vectors[b]))
             outputs.append(PoolingRequestOutput(rid, ScoringOutput(cosine), ids, cached))
         return outputs
+
+    def _engine_params(self, params: EnginePoolingParams) -> EnginePoolingParams:
+        """What the engine is sent: its own struct, without the offline fields, the kind the
+        model's own where the params leave it unset (server/embedding_config.py)."""
+        kind = params.kind
+        if kind is None:
+            kind = embedding_config.resolve(self.model_path, None, True, self.pooling).kind
+        return EnginePoolingParams(kind, params.normalize, params.dimensions)
 
     def _keep(self, keep: int | None, params: EnginePoolingParams) -> int | None:
         """The tokens truncate_prompt_tokens keeps (the argument's, else the params'), or None."""
@@ -263,11 +278,6 @@ def _pairs(data_1: str | list[str], data_2: str | list[str]) -> list[tuple[str, 
             "many as data_2",
         )
     return list(zip(first, second))
-
-
-def _engine_params(params: EnginePoolingParams) -> EnginePoolingParams:
-    """What the engine is sent: its own struct, without the offline fields."""
-    return EnginePoolingParams(params.kind, params.normalize, params.dimensions)
 
 
 __all__ = [

@@ -76,16 +76,22 @@ def write_gguf(
     formats: Callable[[str, tuple[int, ...]], str] = uniform("q8_0"),
     tensors: Iterator[tuple[str, np.ndarray]] | None = None,
     rerank: str | None = None,
+    pooling: str | None = None,
 ) -> Path:
     """`hf_dir` (config.json, tokenizer.json and tokenizer_config.json, the weights) as a GGUF
     file at `out`. `tensors` replaces the checkpoint's weights (HF names, float32 arrays).
     `rerank`: a Qwen3 reranker's file as llama.cpp's converter writes one, this its prompt
     (`tokenizer.chat_template.rerank`), the LM head's "yes" and "no" rows its head
-    (`cls.output`, in place of the LM head), pooling_type rank."""
+    (`cls.output`, in place of the LM head), pooling_type rank. `pooling`: an embedding
+    model's pooling_type (mean, cls or last), as the converter writes it from
+    sentence-transformers' files."""
     hf_dir, out = Path(hf_dir), Path(out)
     config = json.loads((hf_dir / "config.json").read_text())
     w, arch = metadata_writer(out, config, hf_dir)
     yes_no = _rerank_keys(w, hf_dir, rerank) if rerank is not None else None
+    if pooling is not None:
+        kinds = {"mean": gguf.PoolingType.MEAN, "cls": gguf.PoolingType.CLS}
+        w.add_pooling_type(kinds.get(pooling, gguf.PoolingType.LAST))
     heads = config["num_attention_heads"]
     kv_heads = config.get("num_key_value_heads") or heads
     if tensors is None:
