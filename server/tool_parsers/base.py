@@ -282,6 +282,13 @@ def call_schema(tools: list[dict[str, Any]], key: str = "arguments") -> dict[str
     return {"x-guidance": json_options(Constraint("json")), "$defs": defs, **top}
 
 
+def args_schema(tool: dict[str, Any]) -> dict[str, Any]:
+    """One tool's arguments as a document of their own (markup that names the function outside
+    the JSON: Mistral's v11 calls), closed and whitespace-bounded as call_schema's are."""
+    params = tool["function"].get("parameters") or {"type": "object"}
+    return {"x-guidance": json_options(Constraint("json")), **close_objects(params)}
+
+
 def lift_defs(inner: dict[str, Any], wrap) -> dict[str, Any]:
     """`wrap(inner)` with `inner`'s `$defs` (and llguidance's options) moved to the new
     document's top, where its references ("#/$defs/...") resolve."""

@@ -1,8 +1,11 @@
 """Mistral calls: text, then `[TOOL_CALLS]` and a JSON list of `{"name", "arguments"}` objects
-(the v3 tokenizers), or `[TOOL_CALLS]name[ARGS]{...}` per call (v11 and later)."""
+(the v3 tokenizers), or `[TOOL_CALLS]name[ARGS]{...}` per call (v11 and later). Both are read;
+an enforced call is written in the form the tokenizer says (v11's has [ARGS] as a special
+token), its markers as the special tokens they are."""
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
@@ -11,10 +14,13 @@ from server.tool_parsers.base import (
     Call,
     Parsed,
     ToolParser,
+    args_schema,
+    lark_json,
     listed_auto_grammar,
     listed_calls,
     listed_grammar,
     partial_json,
+    text_or_calls,
     whole_json,
     whole_listed_calls,
 )
@@ -71,7 +77,25 @@ class MistralParser(ToolParser):
         return Parsed(content=text[:at], calls=calls)
 
     def call_grammar(self, tools: list[dict[str, Any]], parallel: bool) -> str:
-        return listed_grammar(MARK, tools, parallel, self.special)
+        if ARGS not in self.special:
+            return listed_grammar(MARK, tools, parallel, self.special)
+        more = f" ({self.lit(MARK)} call)*" if parallel else ""
+        return f"start: {self.lit(MARK)} call{more}\n" + self._named_calls(tools)
 
     def auto_grammar(self, tools: list[dict[str, Any]], parallel: bool, answer: bool) -> str:
-        return listed_auto_grammar(MARK, tools, parallel, answer, self.special)
+        if ARGS not in self.special:
+            return listed_auto_grammar(MARK, tools, parallel, answer, self.special)
+        more = f" ({self.lit(MARK)} call)*" if parallel else ""
+        top = text_or_calls(MARK, answer, self.special)
+        return top + f"after: call{more}\n" + self._named_calls(tools)
+
+    def _named_calls(self, tools: list[dict[str, Any]]) -> str:
+        """v11 and later (their tokenizers hold [ARGS] as a special token): each call is the
+        function's name, [ARGS], then its arguments' JSON, typed by that function's schema."""
+        names = " | ".join(f"call{i}" for i in range(len(tools)))
+        lines = [f"call: {names}"]
+        for i, tool in enumerate(tools):
+            name = json.dumps(tool["function"]["name"])
+            lines.append(f"call{i}: {name} {self.lit(ARGS)} args{i}")
+            lines.append(f"args{i}: {lark_json(args_schema(tool))}")
+        return "\n".join(lines)
