@@ -240,3 +240,9 @@ def test_strict_tools_under_auto_hold_a_harmony_call(server):
         "It is sunny.",  # no harmony markup
     ):
         assert not accepts(think + bad), bad
+    # an object that lists its properties is closed, as response_format's and every other
+    # parser's calls are (before, harmony's arguments took any extra key)
+    listed = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    lark = OpenAIParser().call_grammar([{"function": {"name": "f", "parameters": listed}}], False)
+    call = call.replace("get_weather", "f")
+    assert accepts(call.format('{"a": 1}')) and not accepts(call.format('{"a": 1, "b": 2}'))

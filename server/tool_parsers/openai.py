@@ -10,7 +10,15 @@ from typing import Any
 
 from server.markers import held
 from server.reasoning.harmony import CALL_HEADER, MESSAGE
-from server.tool_parsers.base import Call, Parsed, ToolParser, lark_json, partial_json, whole_json
+from server.tool_parsers.base import (
+    Call,
+    Parsed,
+    ToolParser,
+    args_schema,
+    lark_json,
+    partial_json,
+    whole_json,
+)
 
 CLOSE = "<|call|>"
 
@@ -57,14 +65,14 @@ class OpenAIParser(ToolParser):
     def call_grammar(self, tools: list[dict[str, Any]], parallel: bool) -> str:
         """One call (harmony ends the reply at a call's `<|call|>`: one a reply, whatever
         `parallel` says), its markers the tokenizer's special tokens, its arguments those of
-        the function it names."""
+        the function it names (closed and whitespace-bounded as every parser's: args_schema)."""
         calls = " | ".join(f"call{i}" for i in range(len(tools)))
         lines = [f"start: {calls}"]
         for i, tool in enumerate(tools):
             fn = tool["function"]
             name = json.dumps(f"commentary to=functions.{fn['name']}")
             lines.append(f"call{i}: <|channel|> {name} <|message|> args{i} <|call|>")
-            lines.append(f"args{i}: {lark_json(fn.get('parameters') or {'type': 'object'})}")
+            lines.append(f"args{i}: {lark_json(args_schema(tool))}")
         return "\n".join(lines)
 
     def auto_grammar(self, tools: list[dict[str, Any]], parallel: bool, answer: bool) -> str:
