@@ -17,9 +17,7 @@ the two servers' scores are apart.
 from __future__ import annotations
 
 import argparse
-import os
 import random
-import subprocess
 import time
 from pathlib import Path
 
@@ -27,8 +25,8 @@ import httpx
 
 from benchmarks.common import machine, save
 from benchmarks.loadgen import ServerProcess, free_port, weir_argv
+from benchmarks.real_checkpoints import PEERS, gguf_of
 
-PEERS = Path(__file__).parent / "peers"
 NAME = "reranker"
 SHAPE = dict(
     hidden_size=1024,
@@ -59,17 +57,6 @@ def model() -> Path:
         build_tiny_model(tmp, "qwen3", **SHAPE)
         tmp.rename(path)
     return path
-
-
-def gguf_of(folder: Path, quant: str) -> Path:
-    out = subprocess.run(
-        [str(PEERS / "llama_cpp.sh"), "gguf", str(folder)],
-        env={**os.environ, "LLAMA_CPP_QUANT": quant},
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    return Path(out.stdout.strip().splitlines()[-1])
 
 
 def documents(n: int, seed: int = 0) -> list[str]:

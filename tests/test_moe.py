@@ -197,6 +197,19 @@ def test_adapters_on_a_mixture_of_experts_modify_its_attention(tmp_path):
             read_adapter("bad", bad, base, 16)
 
 
+def prompt_choices(path, ids: list[int], **config) -> list[int]:
+    """weir's first-ranked token after each of the prompt's positions (its prompt log-probs)."""
+    config = {"device": "cpu", "num_kv_blocks": 64} | config
+    core = load(EngineConfig(model=str(path), **config)).core
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, prompt_logprobs=1)
+    core.add(EngineRequest("r", ids, params))
+    plp = None
+    while core.has_work:
+        for o in core.step():
+            plp = o.prompt_logprobs or plp
+    return [plp[i].top_ids[0] for i in range(1, len(ids))]
+
+
 def dequantized(path, hf_dir, out):
     """A Hugging Face directory of `hf_dir`'s config holding the GGUF file's weights as the `gguf`
     package dequantizes them (experts unstacked, Llama's Q/K rows back in Hugging Face's order):
@@ -259,15 +272,7 @@ def test_quantized_experts_against_their_dequantized_weights(tmp_path, monkeypat
     path = write_gguf(hf, tmp_path / "moe.gguf", q4_k_m if fmt == "q4_k_m" else uniform(fmt))
     ref = dequantized(path, hf, tmp_path / "ref")
     ids = prompt(40)
-    config = EngineConfig(model=str(path), device="cpu", dtype="float32", num_kv_blocks=64)
-    core = load(config).core
-    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, prompt_logprobs=1)
-    core.add(EngineRequest("r", ids, params))
-    plp = None
-    while core.has_work:
-        for o in core.step():
-            plp = o.prompt_logprobs or plp
-    ours = [plp[i].top_ids[0] for i in range(1, len(ids))]
+    ours = prompt_choices(path, ids, dtype="float32")
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(ref, dtype=torch.float32).eval()

@@ -101,22 +101,13 @@ def test_a_quantized_olmo_file_against_its_dequantized_weights(models, tmp_path)
     of the same file."""
     from transformers import AutoModelForCausalLM
 
-    from core.request import EngineRequest
-    from core.sampling import SamplingParams
     from gpu.quant.gguf_write import uniform, write_gguf
-    from tests.test_moe import dequantized
+    from tests.test_moe import dequantized, prompt_choices
 
     path = write_gguf(models["olmo3"], tmp_path / "olmo3.gguf", uniform("q8_0"))
     ref = dequantized(path, models["olmo3"], tmp_path / "ref")
     ids = prompt(30)
-    core = load(EngineConfig(model=str(path), device="cpu", num_kv_blocks=64)).core
-    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, prompt_logprobs=1)
-    core.add(EngineRequest("r", ids, params))
-    plp = None
-    while core.has_work:
-        for o in core.step():
-            plp = o.prompt_logprobs or plp
-    ours = torch.tensor([plp[i].top_ids[0] for i in range(1, len(ids))])
+    ours = torch.tensor(prompt_choices(path, ids))
     model = AutoModelForCausalLM.from_pretrained(ref, dtype=torch.float32).eval()
     with torch.no_grad():
         logprobs = torch.log_softmax(model(torch.tensor([ids])).logits[0, :-1].double(), -1)
