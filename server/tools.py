@@ -16,7 +16,7 @@ from server.errors import APIError
 from server.requests import ChatCompletionRequest
 from server.state import ServerState
 from server.tool_parsers import PARSERS, Parsed, ToolParser
-from server.tool_parsers.base import strict_only
+from server.tool_parsers.grammar import strict_only
 
 
 def _bad(param: str, message: str) -> APIError:

@@ -15,6 +15,7 @@ from gpu.launch import load
 from gpu.models.moe import checkpoint_name
 from gpu.models.spec import ModelSpec
 from gpu.tiny_model import build_tiny_model
+from tests.gguf_reference import dequantized, prompt_choices
 from tests.test_phi3 import assert_as_transformers, prompt, transformers_run, use_cuda_backend
 
 
@@ -195,52 +196,6 @@ def test_adapters_on_a_mixture_of_experts_modify_its_attention(tmp_path):
         save_file({**weights, **pair}, str(bad / "adapter_model.safetensors"))
         with pytest.raises(LoraError, match=says):
             read_adapter("bad", bad, base, 16)
-
-
-def prompt_choices(path, ids: list[int], **config) -> list[int]:
-    """weir's first-ranked token after each of the prompt's positions (its prompt log-probs)."""
-    config = {"device": "cpu", "num_kv_blocks": 64} | config
-    core = load(EngineConfig(model=str(path), **config)).core
-    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, prompt_logprobs=1)
-    core.add(EngineRequest("r", ids, params))
-    plp = None
-    while core.has_work:
-        for o in core.step():
-            plp = o.prompt_logprobs or plp
-    return [plp[i].top_ids[0] for i in range(1, len(ids))]
-
-
-def dequantized(path, hf_dir, out):
-    """A Hugging Face directory of `hf_dir`'s config holding the GGUF file's weights as the `gguf`
-    package dequantizes them (experts unstacked, Llama's Q/K rows back in Hugging Face's order):
-    the reference a quantized file's serving is held to."""
-    import shutil
-
-    import gguf
-    import numpy as np
-    from safetensors.torch import save_file
-
-    from gpu.gguf_names import expert_name, hf_name, llama_unpermute_index
-
-    reader = gguf.GGUFReader(path)
-    arch = reader.fields["general.architecture"].contents()
-    heads = reader.fields[f"{arch}.attention.head_count"].contents()
-    kv_heads = reader.fields[f"{arch}.attention.head_count_kv"].contents()
-    state = {}
-    for t in reader.tensors:
-        w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
-        w = torch.from_numpy(w.reshape([int(d) for d in reversed(t.shape)]))
-        name = hf_name(t.name, arch)
-        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
-            n = heads if "q_proj" in name else kv_heads
-            w = w[torch.from_numpy(llama_unpermute_index(w.shape[0], n))]
-        if w.dim() == 3:
-            state.update({expert_name(name, e): w[e].contiguous() for e in range(w.shape[0])})
-        else:
-            state[name] = w.contiguous()
-    shutil.copytree(hf_dir, out, ignore=shutil.ignore_patterns("*.safetensors*"))
-    save_file(state, str(out / "model.safetensors"))
-    return out
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "qwen2_moe"])

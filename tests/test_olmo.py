@@ -102,7 +102,7 @@ def test_a_quantized_olmo_file_against_its_dequantized_weights(models, tmp_path)
     from transformers import AutoModelForCausalLM
 
     from gpu.quant.gguf_write import uniform, write_gguf
-    from tests.test_moe import dequantized, prompt_choices
+    from tests.gguf_reference import dequantized, prompt_choices
 
     path = write_gguf(models["olmo3"], tmp_path / "olmo3.gguf", uniform("q8_0"))
     ref = dequantized(path, models["olmo3"], tmp_path / "ref")

@@ -14,7 +14,7 @@ import pytest
 
 from server.responses.items import chat_tools
 from server.tool_parsers import PARSERS
-from server.tool_parsers.base import strict_only
+from server.tool_parsers.grammar import strict_only
 from tests.conftest import LiveServer, tiny_config
 from tests.test_structured import close_bias, no_whitespace_bias
 from tests.test_tools import BOUNDED, CHATML_TOOLS, NO_THINKING, SET, USER

@@ -6,16 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 from server.markers import held
-from server.tool_parsers.base import (
-    Parsed,
-    ToolParser,
-    call_from,
-    call_schema,
-    lark_json,
-    partial_json,
-    text_or_calls,
-    whole_call,
-)
+from server.tool_parsers.base import Parsed, ToolParser, call_from, partial_json, whole_call
+from server.tool_parsers.grammar import call_schema, lark_json, text_or_calls
 
 
 class HermesParser(ToolParser):

@@ -6,15 +6,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from server.tool_parsers.base import (
-    Parsed,
-    ToolParser,
-    call_from,
-    call_schema,
-    lark_json,
-    partial_json,
-    whole_call,
-)
+from server.tool_parsers.base import Parsed, ToolParser, call_from, partial_json, whole_call
+
+from server.tool_parsers.grammar import call_schema, lark_json
 
 TAG = "<|python_tag|>"
 

@@ -14,15 +14,17 @@ from server.tool_parsers.base import (
     Call,
     Parsed,
     ToolParser,
+    listed_calls,
+    partial_json,
+    whole_json,
+    whole_listed_calls,
+)
+from server.tool_parsers.grammar import (
     args_schema,
     lark_json,
     listed_auto_grammar,
-    listed_calls,
     listed_grammar,
-    partial_json,
     text_or_calls,
-    whole_json,
-    whole_listed_calls,
 )
 
 MARK = "[TOOL_CALLS]"

@@ -10,15 +10,8 @@ from typing import Any
 
 from server.markers import held
 from server.reasoning.harmony import CALL_HEADER, MESSAGE
-from server.tool_parsers.base import (
-    Call,
-    Parsed,
-    ToolParser,
-    args_schema,
-    lark_json,
-    partial_json,
-    whole_json,
-)
+from server.tool_parsers.base import Call, Parsed, ToolParser, partial_json, whole_json
+from server.tool_parsers.grammar import args_schema, lark_json
 
 CLOSE = "<|call|>"
 

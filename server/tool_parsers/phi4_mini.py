@@ -7,14 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 from server.markers import held
-from server.tool_parsers.base import (
-    Parsed,
-    ToolParser,
-    listed_auto_grammar,
-    listed_calls,
-    listed_grammar,
-    whole_listed_calls,
-)
+from server.tool_parsers.base import Parsed, ToolParser, listed_calls, whole_listed_calls
+from server.tool_parsers.grammar import listed_auto_grammar, listed_grammar
 
 MARK = "functools"
 

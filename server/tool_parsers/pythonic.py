@@ -16,7 +16,8 @@ import math
 from typing import Any
 
 from core.structured import Constraint, close_objects, json_options
-from server.tool_parsers.base import Call, Parsed, ToolParser, rebase_refs, resolve_ref
+from server.tool_parsers.base import Call, Parsed, ToolParser
+from server.tool_parsers.grammar import rebase_refs, resolve_ref
 
 
 def _after_list(body: str) -> str:

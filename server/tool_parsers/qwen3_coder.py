@@ -20,14 +20,8 @@ from typing import Any
 
 from core.structured import Constraint, close_objects, json_options
 from server.markers import held
-from server.tool_parsers.base import (
-    Call,
-    Parsed,
-    ToolParser,
-    rebase_refs,
-    resolve_ref,
-    text_or_calls,
-)
+from server.tool_parsers.base import Call, Parsed, ToolParser
+from server.tool_parsers.grammar import rebase_refs, resolve_ref, text_or_calls
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 FUNCTION = re.compile(r"<function=([^>\n]+)>")
