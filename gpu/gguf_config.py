@@ -37,8 +37,12 @@ class HfConfigOf:
 
     def config(self) -> Any:
         """A Hugging Face config of the file's shapes: a decoder's (`decoder`), or a reranker's
-        made of it (`reranker`) where the file has a classification head."""
+        made of it (`reranker`) where the file has a classification head. `weir_pooling`: the
+        pooling kind the file names (`pooling_type`: mean, cls or last; None for none, or a
+        reranker's rank), the embedding default (server/embedding_config.py)."""
         config = self.decoder()
+        kinds = {1: "mean", 2: "cls", 3: "last"}
+        config.weir_pooling = kinds.get(int(self.get(f"{self.arch}.pooling_type", 0) or 0))
         return self.reranker(config) if RANK_HEAD in self.tensors else config
 
     def reranker(self, config: Any) -> Any:
@@ -60,6 +64,8 @@ class HfConfigOf:
         config.architectures = ["Qwen3ForSequenceClassification"]
         config.num_labels = 1
         config.id2label, config.label2id = {0: "yes"}, {"yes": 0}
+        # its prompt (llama.cpp's), {query} and {document} filled per pair (core/score_pairs.py)
+        config.weir_rerank_template = self.get("tokenizer.chat_template.rerank", None)
         return config
 
     def decoder(self) -> Any:

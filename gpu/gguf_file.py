@@ -99,19 +99,6 @@ class GgufCheckpoint:
         """A Hugging Face config of the file's shapes (gpu/gguf_config.py)."""
         return HfConfigOf(self).config()
 
-    def pooling(self) -> str | None:
-        """The pooling kind the file names (`pooling_type`, llama.cpp's: mean, cls or last; None
-        for none, or a reranker's rank)."""
-        kinds = {1: "mean", 2: "cls", 3: "last"}
-        return kinds.get(int(self.get(f"{self.arch}.pooling_type", 0) or 0))
-
-    def rerank_template(self) -> str | None:
-        """A reranker's prompt (`tokenizer.chat_template.rerank`, llama.cpp's), its {query} and
-        {document} filled per pair (core/score_pairs.py)."""
-        return (
-            self.get("tokenizer.chat_template.rerank", None) if RANK_HEAD in self.tensors else None
-        )
-
     def rope_factors(self) -> torch.Tensor | None:
         """llama3-style per-frequency divisors (the rope_freqs tensor), when the file has them."""
         t = self.tensors.get("rope_freqs.weight")

@@ -163,7 +163,6 @@ def load(config: EngineConfig) -> Loaded:
     defaults = generation_defaults(path, config.generation_config)
     if defaults:
         log.info("sampling defaults from the generation config: %s", defaults)
-    gguf = GgufCheckpoint(path) if is_gguf(path) else None
     return Loaded(
         core,
         tokenizer,
@@ -178,8 +177,8 @@ def load(config: EngineConfig) -> Loaded:
         device.type,
         lora_base,
         classifier_labels(hf_config, runner.num_labels),
-        gguf.rerank_template() if gguf else None,
-        ModelPooling(gguf.pooling() if gguf else None, int(hf_config.hidden_size)),
+        getattr(hf_config, "weir_rerank_template", None),  # a GGUF reranker's (gguf_config.py)
+        ModelPooling(getattr(hf_config, "weir_pooling", None), int(hf_config.hidden_size)),
     )
 
 
