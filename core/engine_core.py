@@ -22,7 +22,7 @@ from core.request import (
     StepResult,
 )
 from core.pooling import CLASSIFY
-from core.request_check import check_request
+from core.request_check import check_encoder_request, check_request
 from core.sampling import InvalidParam, bad_words_ids
 from core.runner_step import GrammarBatch, SchedulerOutput
 from core.scheduler import ScheduledSeq, ScheduledStep, Scheduler
@@ -39,6 +39,7 @@ class ModelRunner(Protocol):
 
     vocab_size: int
     num_labels: int  # a sequence classifier's labels (0: a causal LM)
+    pooling_only: bool  # an encoder (BERT): it embeds and classifies, never generates
 
     def execute(self, out: SchedulerOutput, grammar: GrammarBatch | None) -> StepResult: ...
 
@@ -68,10 +69,14 @@ class EngineCore(TakeIn, BeamSteps):
         self.tokenizer = tokenizer
         self.max_model_len = min(max_model_len, num_blocks * block_size)
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
+        # An encoder's inputs attend both ways and leave no K/V: none cached, none chunked.
+        self.pooling_only = getattr(runner, "pooling_only", False)
+        caching = enable_prefix_caching and not self.pooling_only
+        self.kv = KVCacheManager(num_blocks, block_size, caching)
         self.scheduler = Scheduler(
-            self.kv, max_num_seqs, max_num_batched_tokens, scheduling_policy, max_loras
-        )
+            self.kv, max_num_seqs, max_num_batched_tokens, scheduling_policy, max_loras,
+            whole_prompts=self.pooling_only,
+        )  # fmt: skip
         self.requests: dict[str, Request] = {}
         self.check_integrity = check_integrity
         self.max_logprobs = max_logprobs
@@ -130,6 +135,8 @@ class EngineCore(TakeIn, BeamSteps):
                 if classifier
                 else "this model is not a sequence classifier: it does not classify",
             )
+        if self.pooling_only:
+            check_encoder_request(req, self.scheduler.max_num_batched_tokens)
         return check_request(
             req,
             self.runner.vocab_size,

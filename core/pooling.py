@@ -19,6 +19,9 @@ class PoolingParams(msgspec.Struct, frozen=True, gc=False):
     # CLASSIFY
     normalize: bool = True  # to unit length (after `dimensions`)
     dimensions: int | None = None  # Matryoshka: keep the first N, then normalize
+    # BERT's token types: from this position on, the input is its pair's second text (type 1);
+    # None: one text. Read by encoders with token types only (a pair encoding's own fact).
+    type_start: int | None = None
 
     @property
     def needs_every_position(self) -> bool:
@@ -29,10 +32,12 @@ class PoolingParams(msgspec.Struct, frozen=True, gc=False):
 class ModelPooling(msgspec.Struct, frozen=True, gc=False):
     """What the engine's model says of its own vectors, for the embedding default where its
     folder has no sentence-transformers files (a GGUF file): the kind its `pooling_type` names
-    (None: none named) and the vector's size."""
+    (None: none named; an encoder's: CLS) and the vector's size. `encoder`: the model embeds
+    (or, a classifier, classifies) and never generates (BERT, XLM-RoBERTa)."""
 
     kind: str | None
     hidden_size: int
+    encoder: bool = False
 
 
 def activated(logits: list[float], on: bool) -> list[float]:

@@ -22,6 +22,24 @@ def _outside(ids: Iterable[int], vocab: int) -> str | None:
     return f"{what.format(shown)} outside the vocabulary (vocab_size={vocab}: ids 0..{vocab - 1})"
 
 
+def check_encoder_request(req: EngineRequest, max_num_batched_tokens: int) -> None:
+    """An encoder's request (the model embeds or classifies, each input whole in one step):
+    a pooling request whose input fits in a step."""
+    if req.pooling is None:
+        raise InvalidParam(
+            "model",
+            "this model is an encoder: it embeds (a classifier classifies and scores); it does "
+            "not generate",
+        )
+    n = len(req.prompt_token_ids)
+    if n > max_num_batched_tokens:
+        raise InvalidParam(
+            "input",
+            f"the input has {n} tokens; this encoder runs an input whole, in one step of at "
+            f"most {max_num_batched_tokens} tokens (--max-num-batched-tokens)",
+        )
+
+
 def check_request(
     req: EngineRequest,
     vocab_size: int,

@@ -3,9 +3,10 @@
 Every step has a token budget (`max_num_batched_tokens`) and a cap on running requests
 (`max_num_seqs`). Running requests are served first, then waiting ones in policy order (arrival,
 or priority then arrival). A waiting request starts after the longest run of its blocks already in
-the prefix cache. A prompt longer than what is left of the budget is chunked across steps. When the
-pool runs out of blocks the newest (or lowest-priority) running request is preempted: its blocks
-are freed and it is recomputed later; a step that preempted admits nothing new.
+the prefix cache. A prompt longer than what is left of the budget is chunked across steps (an
+encoder's never is: `whole_prompts`). When the pool runs out of blocks the newest (or
+lowest-priority) running request is preempted: its blocks are freed and it is recomputed later;
+a step that preempted admits nothing new.
 
 A beam search (core/beam.py) holds its width in running sequences from admission on; its beams
 are admitted together, preempted together and removed together.
@@ -33,6 +34,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         policy: str = "fcfs",
         max_loras: int = 0,
+        whole_prompts: bool = False,
     ) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
@@ -42,6 +44,8 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.policy = policy
+        # An encoder's: a prompt is never chunked; it starts in a step with room for all of it.
+        self.whole_prompts = whole_prompts
         # Distinct LoRA adapters among the running requests at most (0: adapters off); a
         # waiting request for another adapter waits (`num_waiting_lora`) until one's requests end.
         self.max_loras = max_loras
@@ -251,6 +255,8 @@ class Scheduler:
                 hits = self.kv.find_cached(request)
                 cached = len(hits) * self.kv.block_size
                 num_new = min(request.num_tokens - cached, budget)
+                if self.whole_prompts and num_new < request.num_tokens - cached:
+                    break  # it waits, first in line, for a step with room for all of it
                 if not self.kv.can_allocate(request, num_new, hits):
                     break
                 del self.waiting[i]

@@ -15,17 +15,22 @@ class PairTooLong(ValueError):
     """The pair does not fit in `keep` tokens even with its document emptied."""
 
 
-def pair_ids(tokenizer: Any, a: str, b: str, keep: int | None, template: str | None) -> list[int]:
+def pair_ids(
+    tokenizer: Any, a: str, b: str, keep: int | None, template: str | None
+) -> tuple[list[int], int | None]:
     """The pair's tokens, cut to `keep` (None: whole): the pair encoding's longer text shortened
-    first; a prompt's document shortened from its end, the rest kept whole."""
+    first; a prompt's document shortened from its end, the rest kept whole. With them, where
+    the pair encoding's second segment starts (its first token of type 1: BERT's token types,
+    core/pooling.py `type_start`), or None (a prompt, or an encoding of one type)."""
     if template is None:
-        if keep is not None:
-            return tokenizer(text=a, text_pair=b, truncation=True, max_length=keep)["input_ids"]
-        return tokenizer(text=a, text_pair=b)["input_ids"]
+        cut = {"truncation": True, "max_length": keep} if keep is not None else {}
+        encoded = tokenizer(text=a, text_pair=b, return_token_type_ids=True, **cut)
+        types = encoded.get("token_type_ids") or []
+        return encoded["input_ids"], types.index(1) if 1 in types else None
     filled = template.replace(QUERY, a)
     ids = tokenizer.encode(filled.replace(DOCUMENT, b), add_special_tokens=False)
     if keep is None or len(ids) <= keep:
-        return ids
+        return ids, None
     head, _, tail = filled.partition(DOCUMENT)
     tail = tail.replace(DOCUMENT, b)
     around = [tokenizer.encode(text, add_special_tokens=False) for text in (head, tail)]
@@ -35,4 +40,4 @@ def pair_ids(tokenizer: Any, a: str, b: str, keep: int | None, template: str | N
             f"the rerank prompt with its query gives {keep - room} tokens before any of the "
             f"document, more than truncate_prompt_tokens ({keep})"
         )
-    return around[0] + tokenizer.encode(b, add_special_tokens=False)[:room] + around[1]
+    return around[0] + tokenizer.encode(b, add_special_tokens=False)[:room] + around[1], None

@@ -16,8 +16,10 @@ from gpu import kv_cache, kv_scales
 from gpu.attention.select import get_backend
 from gpu.backend import TorchBackend
 from gpu.dist.parallel import TensorParallel
+from gpu.encoder_loader import load_encoder
 from gpu.loader import load_model, resolve_model_path
 from gpu.models.decoder import DecoderForCausalLM
+from gpu.models.encoder_spec import encoder_architecture
 from gpu.models.moe import mixtures_on_device
 from gpu.runner import ModelRunner
 
@@ -122,6 +124,9 @@ def load_shard(
     """The model (under `tp`, this rank's share of it) and how many KV blocks fit beside it
     (with a draft model, already loaded: blocks that hold both models' K/V)."""
     backend = choose_backend(config, device, dtype)
+    if encoder_architecture(hf_config) is not None:  # an encoder: no KV cache (encoder.py)
+        model = load_encoder(path, hf_config, dtype, device, backend)
+        return model, encoder_blocks(config, model.spec.max_position_embeddings)
     model = load_model(path, hf_config, dtype, device, backend, tp)
     kv_dtype = kv_cache.cache_dtype(config.kv_cache_dtype, dtype, device)
     extra = kv_cache.bytes_per_block(draft.spec, config.block_size, kv_dtype) if draft else 0
@@ -136,6 +141,15 @@ def load_shard(
         extra_block_bytes=extra,
     )
     return model, num_blocks
+
+
+def encoder_blocks(config: EngineConfig, positions: int) -> int:
+    """An encoder's blocks: it caches nothing, so they only count what may run at once, a
+    whole input of the longest length in every seat (--num-kv-blocks, where given)."""
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks
+    longest = min(config.max_model_len or positions, positions)
+    return config.max_num_seqs * -(-longest // config.block_size)
 
 
 def fit_model_len(config: EngineConfig, max_positions: int, num_blocks: int, rank: int = 0) -> int:
@@ -193,6 +207,8 @@ def build_runner(
 ) -> ModelRunner:
     """The KV cache of `num_blocks` blocks and the runner over it, with its CUDA graphs
     captured for contexts up to `max_model_len` (LongRoPE's factors chosen for it)."""
+    if model.pooling_only:  # an encoder: no cache, no graphs (it never decodes)
+        return ModelRunner(model, [], config.block_size, device, config.seed)
     model.rope.fit_context(max_model_len)
     kv_dtype = kv_cache.cache_dtype(config.kv_cache_dtype, dtype, device)
     caches = kv_cache.allocate(model.local_spec, num_blocks, config.block_size, kv_dtype, device)

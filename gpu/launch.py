@@ -31,6 +31,7 @@ from gpu.assemble import (
 )
 from gpu.gguf_file import GgufCheckpoint, is_gguf
 from gpu.loader import eos_token_ids, int4_scheme, load_config, resolve_dtype
+from gpu.models.encoder_spec import encoder_architecture
 
 log = logging.getLogger("weir.launch")
 
@@ -83,6 +84,7 @@ def load(config: EngineConfig) -> Loaded:
     device = resolve_device(config.device)
     hf_config = load_config(path, config.hf_overrides, config.tokenizer)
     check_quantization(config, path, hf_config)
+    check_encoder(config, hf_config)
     dtype = resolve_dtype(config.dtype, hf_config, device)
     kv_t = kv_cache.cache_dtype(config.kv_cache_dtype, dtype, device)  # refused before loading
     kv_dtype = config.kv_cache_dtype  # as given (vLLM's cache_config_info); auto by its dtype
@@ -128,7 +130,10 @@ def load(config: EngineConfig) -> Loaded:
         num_blocks=num_blocks,
         block_size=config.block_size,
         max_num_seqs=config.max_num_seqs,
-        max_num_batched_tokens=config.max_num_batched_tokens,
+        # an encoder runs each input whole: a step holds the longest
+        max_num_batched_tokens=max(
+            config.max_num_batched_tokens, max_model_len if runner.pooling_only else 0
+        ),
         max_model_len=max_model_len,
         eos_token_ids=eos,
         check_integrity=config.check_integrity,
@@ -178,8 +183,31 @@ def load(config: EngineConfig) -> Loaded:
         lora_base,
         classifier_labels(hf_config, runner.num_labels),
         getattr(hf_config, "weir_rerank_template", None),  # a GGUF reranker's (gguf_config.py)
-        ModelPooling(getattr(hf_config, "weir_pooling", None), int(hf_config.hidden_size)),
+        model_pooling(hf_config),
     )
+
+
+def model_pooling(hf_config: Any) -> ModelPooling:
+    """The model's own pooling facts: a GGUF file's pooling_type; an encoder pools its CLS
+    row unless its folder says otherwise (as vLLM's BERT and XLM-RoBERTa embedders do)."""
+    encoder = encoder_architecture(hf_config) is not None
+    kind = getattr(hf_config, "weir_pooling", None) or ("cls" if encoder else None)
+    return ModelPooling(kind, int(hf_config.hidden_size), encoder)
+
+
+def check_encoder(config: EngineConfig, hf_config: Any) -> None:
+    """What an encoder (BERT, XLM-RoBERTa: gpu/models/encoder.py) is not served with, refused
+    by name before anything loads."""
+    arch = encoder_architecture(hf_config)
+    if arch is None:
+        return
+    for flag, on in (
+        ("--tensor-parallel-size", config.tensor_parallel_size > 1),
+        ("--enable-lora", config.enable_lora),
+        ("--speculative-config", bool(config.speculative_config)),
+    ):
+        if on:
+            raise CheckpointError(f"{flag}: {arch} (an encoder) is not served with it")
 
 
 def classifier_labels(hf_config: Any, n: int) -> list[str] | None:

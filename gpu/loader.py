@@ -146,7 +146,9 @@ class Targets:
 
     def place(self, name: str, value: Any) -> None:
         spec = self.model.spec
-        if spec.rotary_dim and reordered(name):  # a partial rotation (gpu/models/partial_rope.py)
+        # A partial rotation (gpu/models/partial_rope.py). (An encoder's spec,
+        # gpu/models/encoder_spec.py, has no rotation and no Gemma norms.)
+        if getattr(spec, "rotary_dim", 0) and reordered(name):
             if not isinstance(value, torch.Tensor | BlockTensor):
                 raise CheckpointError(
                     f"{name}: a partial rotation over {type(value).__name__} weights is not served"
@@ -160,7 +162,7 @@ class Targets:
             mod.load(kind, value)
         else:
             target = self.params[name]
-            if spec.norm_plus_one and name.endswith("norm.weight"):
+            if getattr(spec, "norm_plus_one", False) and name.endswith("norm.weight"):
                 value = value.float() + 1.0  # Gemma's norms multiply by 1 + w
             if shape != tuple(target.shape):
                 raise CheckpointError(

@@ -1,10 +1,12 @@
 """Pooling a step's final hidden states into embedding vectors (core/pooling.py's kinds): the last
 token's row, the mean of all rows (summed across a prompt's chunks), or the first (CLS) row;
 then Matryoshka truncation and unit normalisation. A sequence classifier's request (CLASSIFY)
-puts its last token's row through the model's head instead: one raw logit a label. A vector
-leaves as little-endian float32."""
+puts its rows through the model's head instead (a decoder's last token's row, an encoder's
+first): one raw logit a label. A vector leaves as little-endian float32."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -18,10 +20,11 @@ def pool(
     out: SchedulerOutput,
     scheduled: list[RunnerRequest],
     hidden: torch.Tensor,
-    head: torch.Tensor | None = None,
+    classify: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> dict[str, bytes]:
-    """The vectors of the pooling requests whose prompt this step finished (`head`: a
-    classifier's [labels, hidden] weight). Partial state (a
+    """The vectors of the pooling requests whose prompt this step finished (`classify`: a
+    classifier's raw logits from the rows of an input's last chunk: a decoder's from its last
+    row, an encoder's from its first, the whole input being one chunk). Partial state (a
     running sum, the CLS row) is kept with the runner's request between chunks; a recompute
     after a preemption starts again from position 0 and starts the state again too."""
     pooled: dict[str, bytes] = {}
@@ -38,7 +41,7 @@ def pool(
                 r.pool_state = rows[0].float()
             if s.start + n == r.num_tokens:
                 if p.kind == CLASSIFY:  # (the engine takes such requests with a head only)
-                    vector = head.float() @ rows[-1].float()
+                    vector = classify(rows)
                 elif p.kind == "last":
                     vector = rows[-1].float()
                 elif p.kind == "mean":

@@ -46,6 +46,7 @@ class ModelRunner:
         self.device = device
         self.vocab_size = model.spec.vocab_size
         self.num_labels = model.spec.num_labels  # a sequence classifier's (0: a causal LM)
+        self.pooling_only = model.pooling_only  # an encoder: it embeds and classifies alone
         self.sampler = Sampler(seed, device, model.backend, logprobs_mode)
         self.eos_token_ids: set[int] = set()  # banned before a request's min_tokens
         self.last_logits: torch.Tensor | None = None  # kept for tests that compare logits
@@ -298,16 +299,20 @@ class ModelRunner:
             )
         if grammar is not None and self.samples:
             masks = self._start_masks(grammar)
-        hidden, logits = replay_or_run(
-            self.model,
-            self.kv_caches,
-            (self.graphs, self.verify_graphs),
-            input_ids,
-            positions,
-            meta,
-            logits_rows,
-            lora,
-        )
+        if self.model.pooling_only:  # an encoder: each input whole, nothing sampled
+            starts = [r.pooling.type_start if r.pooling else None for r in scheduled]
+            hidden, logits = self.model.encode(input_ids, positions, meta, starts), None
+        else:
+            hidden, logits = replay_or_run(
+                self.model,
+                self.kv_caches,
+                (self.graphs, self.verify_graphs),
+                input_ids,
+                positions,
+                meta,
+                logits_rows,
+                lora,
+            )
         if self.draft is not None and not any(s.draft_token_ids for s in out.scheduled):
             self.draft.catch_up(input_ids, positions, meta)  # (after a verification: advance)
         grammar_rows = masks() if masks is not None else None
@@ -316,7 +321,8 @@ class ModelRunner:
             prompt_lp = self._prompt_logprobs(out, scheduled, hidden)
         pooled = {}
         if self.samples and any(r.pooling is not None for r in scheduled):
-            pooled = pool(out, scheduled, hidden, self.model.score_weight)
+            classify = self.model.classify if self.model.classifies else None
+            pooled = pool(out, scheduled, hidden, classify)
         if logits_rows.numel() == 0:
             return LaunchedStep([], None, prompt_lp, pooled)
         self.last_logits = logits

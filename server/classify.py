@@ -15,7 +15,6 @@ from quart import Blueprint, Response
 from core.pooling import CLASSIFY, PoolingParams, activated
 from server.errors import APIError
 from server.pooled import admit, fit_inputs, pooled
-from server.prompts import token_lists
 from server.wire import decode, json_response, state
 
 bp = Blueprint("classify", __name__)
@@ -75,7 +74,7 @@ async def classify() -> Response:
     req = await decode(ClassificationRequest)
     model = admit(st, req.model, "classify")
     on = use_activation(req)
-    inputs = fit_inputs(st, token_lists(st, req.input, "input"), req.truncate_prompt_tokens)
+    inputs = fit_inputs(st, req.input, req.truncate_prompt_tokens)
     rid, vectors, prompt_tokens = await pooled(
         st, model, "classify", inputs, PoolingParams(CLASSIFY, False), req.priority, "input"
     )

@@ -14,7 +14,6 @@ from quart import Blueprint, Response
 
 from core.pooling import PoolingParams
 from server.errors import APIError
-from server.prompts import token_lists
 from server.pooled import admit, fit_inputs, pooled
 from server.wire import decode, json_response, state
 
@@ -63,7 +62,7 @@ async def embeddings() -> Response:
         why = config.check_dimensions(req.dimensions)
         if why is not None:
             raise APIError(400, f"dimensions={req.dimensions}: {why}", "dimensions")
-    inputs = fit_inputs(st, token_lists(st, req.input, "input"), req.truncate_prompt_tokens)
+    inputs = fit_inputs(st, req.input, req.truncate_prompt_tokens)
     normalize = config.normalize if req.normalize is None else req.normalize
     pooling = PoolingParams(config.kind, normalize, req.dimensions)
     rid, vectors, prompt_tokens = await pooled(

@@ -80,6 +80,11 @@ async def load_engine(app: QuartTrio, st: ServerState) -> None:
                 loaded.score_template,
                 loaded.pooling,
             )
+        st.encoder = loaded.pooling is not None and loaded.pooling.encoder
+        if st.encoder and loaded.labels is None:  # an encoder embeds, and only embeds
+            if "generate" in st.tasks:
+                log.info("the model is an encoder: it serves embeddings, not generation")
+            st.tasks = ("embed",)
         if loaded.labels is not None:  # a sequence classifier: classify and score, nothing else
             if "generate" in st.tasks and "embed" in st.tasks:  # --enable-embeddings
                 await engine.shutdown()

@@ -5,9 +5,12 @@ the inputs' order, with the prompt tokens counted."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from core.pooling import PoolingParams
 from core.sampling import SamplingParams
 from server.errors import APIError
+from server.prompts import token_lists
 from server.state import ServerState
 from server.submit import Submitted, request_id
 from server.usage import UsageCounter
@@ -27,12 +30,13 @@ async def pooled(
     model: str,
     prefix: str,
     inputs: list[list[int]],
-    pooling: PoolingParams,
+    pooling: PoolingParams | list[PoolingParams],
     priority: int,
     field: str,
 ) -> tuple[str, list[bytes], int]:
-    """(the response's id, one vector an input, the prompt tokens). `field`: the request's name
-    for its inputs, which the engine's checks then name."""
+    """(the response's id, one vector an input, the prompt tokens). `pooling`: every input's,
+    or each input's own (a pair's token types); `field`: the request's name for its inputs,
+    which the engine's checks then name."""
     sub = Submitted(
         st,
         st.ready_engine(),
@@ -63,15 +67,16 @@ async def pooled(
 
 
 def fit_inputs(
-    st: ServerState, inputs: list[list[int]], truncate: int | None, field: str = "input"
+    st: ServerState, value: str | list[Any], truncate: int | None, field: str = "input"
 ) -> list[list[int]]:
-    """Inputs within max_model_len: cut to their last tokens when asked (vLLM's
-    truncate_prompt_tokens; -1: the model's length), else a 400 naming the first input that is
+    """A request's inputs (texts or token ids: server/prompts.py) as token lists within
+    max_model_len: cut to their last tokens when asked (vLLM's truncate_prompt_tokens; -1: the
+    model's length; a text's special tokens kept), else a 400 naming the first input that is
     too long."""
     limit = st.max_model_len
     if truncate is not None:
-        keep = truncate_length(st, truncate)
-        return [ids[-keep:] for ids in inputs]
+        return token_lists(st, value, field, truncate_length(st, truncate))
+    inputs = token_lists(st, value, field)
     for i, ids in enumerate(inputs):
         if len(ids) > limit:
             raise APIError(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from core.truncation import kept_tail
 from server.errors import APIError
 from server.state import ServerState
 
@@ -17,9 +18,17 @@ def _is_ids(x: Any) -> bool:
     )
 
 
-def token_lists(st: ServerState, value: str | list[Any], field: str) -> list[list[int]]:
+def token_lists(
+    st: ServerState, value: str | list[Any], field: str, keep: int | None = None
+) -> list[list[int]]:
+    """`keep`: each input cut to its last `keep` tokens (a text's special tokens kept:
+    kept_tail); None: whole."""
+
     def encode(text: str) -> list[int]:
-        return st.tokenizer.encode(text)
+        return st.tokenizer.encode(text) if keep is None else kept_tail(st.tokenizer, text, keep)
+
+    def listed(ids: list[int]) -> list[int]:
+        return list(ids) if keep is None else list(ids[-keep:])
 
     if isinstance(value, str):
         return [encode(value)]
@@ -28,9 +37,9 @@ def token_lists(st: ServerState, value: str | list[Any], field: str) -> list[lis
     if all(isinstance(p, str) for p in value):
         return [encode(p) for p in value]
     if _is_ids(value):
-        return [list(value)]
+        return [listed(value)]
     if all(_is_ids(p) for p in value):
-        return [list(p) for p in value]
+        return [listed(p) for p in value]
     raise APIError(
         400,
         f"{field} must be a string, a list of strings, a list of token ids or a "

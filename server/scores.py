@@ -17,6 +17,7 @@ from quart import Blueprint, Response
 
 from core.pooling import CLASSIFY, PoolingParams, activated
 from core.score_pairs import PairTooLong, pair_ids
+from core.truncation import kept_tail
 from server.classify import PoolingUsage, logits_of, use_activation
 from server.errors import APIError
 from server.pooled import pooled, truncate_length
@@ -136,8 +137,9 @@ async def score_pairs(
                 "invalid_value",
             )
         on = use_activation(req)
-        inputs = [_pair_ids(st, a, b, keep, name) for (a, _), (b, name) in pairs]
-        pooling = PoolingParams(CLASSIFY, False)
+        encoded = [_pair_ids(st, a, b, keep, name) for (a, _), (b, name) in pairs]
+        inputs = [ids for ids, _ in encoded]
+        pooling = [PoolingParams(CLASSIFY, False, type_start=start) for _, start in encoded]
         rid, vectors, tokens = await pooled(st, model, prefix, inputs, pooling, req.priority, field)
         return rid, model, [activated(logits_of(v), on)[0] for v in vectors], tokens
     if "embed" not in st.tasks:
@@ -166,19 +168,23 @@ async def score_pairs(
     return rid, model, cosines, tokens
 
 
-def _pair_ids(st: ServerState, a: str, b: str, keep: int | None, name: str) -> list[int]:
+def _pair_ids(
+    st: ServerState, a: str, b: str, keep: int | None, name: str
+) -> tuple[list[int], int | None]:
     """The pair as one input (core/score_pairs.py: the model's rerank prompt, or the tokenizer's
-    pair encoding), cut to `keep` tokens, or a 400 where it is too long."""
+    pair encoding) and where its second text starts, cut to `keep` tokens, or a 400 where it
+    is too long."""
     try:
-        ids = pair_ids(st.tokenizer, a, b, keep, st.score_template)
+        ids, start = pair_ids(st.tokenizer, a, b, keep, st.score_template)
     except PairTooLong as e:
         raise APIError(400, str(e), "truncate_prompt_tokens", "invalid_value") from None
-    return ids if keep is not None else _checked(st, ids, name)
+    return (ids if keep is not None else _checked(st, ids, name)), start
 
 
 def _text_ids(st: ServerState, text: str, keep: int | None, name: str) -> list[int]:
-    ids = st.tokenizer.encode(text)
-    return ids[-keep:] if keep is not None else _checked(st, ids, name)
+    if keep is not None:
+        return kept_tail(st.tokenizer, text, keep)
+    return _checked(st, st.tokenizer.encode(text), name)
 
 
 def _checked(st: ServerState, ids: list[int], name: str) -> list[int]:

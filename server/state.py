@@ -41,6 +41,7 @@ class ServerState:
     responses: Any = None  # server.responses.registry.Runs: running and stored responses
     # and/or "embed" (--enable-embeddings, --runner); a sequence classifier's: classify, score
     tasks: tuple[str, ...] = ("generate",)
+    encoder: bool = False  # the model is an encoder (BERT): it never generates
     labels: list[str] | None = None  # a sequence classifier's, by index
     score_template: str | None = None  # a reranker's prompt for its pairs (core/score_pairs.py)
     embedding: Any = None  # server.embedding_config.EmbeddingConfig, when "embed" is served
@@ -103,6 +104,14 @@ class ServerState:
                 "(generation and embeddings) or --runner pooling (embeddings only)",
                 "model",
                 "embeddings_not_enabled",
+            )
+        if self.encoder:
+            raise APIError(
+                400,
+                "This model is an encoder (BERT-like): it serves embeddings only; it does not "
+                "generate",
+                "model",
+                "generation_not_supported",
             )
         raise APIError(
             400,

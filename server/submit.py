@@ -103,8 +103,9 @@ class Submitted:
         params: SamplingParams,
         priority: int,
         cache_salt: str | None,
-        pooling: PoolingParams | None = None,
+        pooling: PoolingParams | list[PoolingParams] | None = None,
     ) -> None:
+        """`pooling`: every prompt's, or each prompt's own (a list as long as `prompts`)."""
         limit = self.st.options.max_waiting_requests
         if limit is not None and self._refuses(limit):
             status = self.st.options.shed_status
@@ -144,7 +145,7 @@ class Submitted:
                             priority=priority,
                             cache_salt=cache_salt,
                             leader_id=leader,
-                            pooling=pooling,
+                            pooling=pooling[p] if isinstance(pooling, list) else pooling,
                             lora=self.lora,
                         ),
                         self.channel,

@@ -22,6 +22,7 @@ from core.pooling import CLASSIFY, ModelPooling, activated
 from core.pooling import PoolingParams as EnginePoolingParams
 from core.request import EngineRequest
 from core.score_pairs import PairTooLong, pair_ids
+from core.truncation import kept_tail
 from core.sampling import InvalidParam, SamplingParams
 from server import embedding_config
 
@@ -160,8 +161,10 @@ class PoolingCalls:
                     f"this classifier has {self.engine.runner.num_labels} labels; scoring needs "
                     "one (a reranker's): use LLM.classify",
                 )
-            inputs = [self._pair_ids(a, b, keep) for a, b in pairs]
-            ran = self._pool(inputs, EnginePoolingParams(CLASSIFY, False), use_tqdm, "Scoring")
+            encoded = [self._pair_ids(a, b, keep) for a, b in pairs]
+            inputs = [ids for ids, _ in encoded]
+            each = [EnginePoolingParams(CLASSIFY, False, type_start=t) for _, t in encoded]
+            ran = self._pool(inputs, each, use_tqdm, "Scoring")
             on = getattr(params, "use_activation", True)
             return [
                 PoolingRequestOutput(
@@ -213,27 +216,38 @@ class PoolingCalls:
         return keep
 
     def _ids_of(self, prompt: str | list[int], keep: int | None) -> list[int]:
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        return ids[-keep:] if keep is not None else ids
+        """A text's or token list's ids, cut to their last `keep` (a text's special tokens
+        kept: core/truncation.py)."""
+        if isinstance(prompt, str):
+            if keep is not None:
+                return kept_tail(self.tokenizer, prompt, keep)
+            return self.tokenizer.encode(prompt)
+        return list(prompt)[-keep:] if keep is not None else list(prompt)
 
-    def _pair_ids(self, a: str, b: str, keep: int | None) -> list[int]:
+    def _pair_ids(self, a: str, b: str, keep: int | None) -> tuple[list[int], int | None]:
         """The pair as one input (core/score_pairs.py: the model's rerank prompt, or the
-        tokenizer's pair encoding), cut to `keep` tokens."""
+        tokenizer's pair encoding) and where its second text starts, cut to `keep` tokens."""
         try:
             return pair_ids(self.tokenizer, a, b, keep, self.score_template)
         except PairTooLong as e:
             raise InvalidParam("truncate_prompt_tokens", str(e)) from None
 
     def _pool(
-        self, inputs: list[list[int]], pooling: EnginePoolingParams, use_tqdm: bool, desc: str
+        self,
+        inputs: list[list[int]],
+        pooling: EnginePoolingParams | list[EnginePoolingParams],
+        use_tqdm: bool,
+        desc: str,
     ) -> list[tuple[str, bytes, int]]:
-        """(request id, pooled vector, cached prompt tokens) per input, in order. Every request
-        is checked before any runs: a bad one raises InvalidParam naming its field."""
+        """(request id, pooled vector, cached prompt tokens) per input, in order (`pooling`:
+        every input's, or each input's own). Every request is checked before any runs: a bad
+        one raises InvalidParam naming its field."""
         adds: deque[AddRequest] = deque()
         results: dict[str, tuple[bytes, int] | None] = {}
-        for ids in inputs:
+        for i, ids in enumerate(inputs):
             rid = str(next(self._ids))
-            req = EngineRequest(rid, ids, SamplingParams(max_tokens=1), pooling=pooling)
+            each = pooling[i] if isinstance(pooling, list) else pooling
+            req = EngineRequest(rid, ids, SamplingParams(max_tokens=1), pooling=each)
             self.engine.check(req)
             adds.append(AddRequest(req))
             results[rid] = None

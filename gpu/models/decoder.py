@@ -224,6 +224,8 @@ class DecoderForCausalLM(nn.Module):
     """`spec` is the checkpoint's; with `tp` (gpu/dist/parallel.py) the modules hold one rank's
     share (`local_spec`), and the embedding and logits are assembled across ranks."""
 
+    pooling_only = False  # it generates (an encoder, gpu/models/encoder.py, does not)
+
     def __init__(self, spec: ModelSpec, backend, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.spec = spec
@@ -330,9 +332,13 @@ class DecoderForCausalLM(nn.Module):
         return self.soft_capped(logits.float())
 
     @property
-    def score_weight(self) -> torch.Tensor | None:
-        """A sequence classifier's head, [labels, hidden] (None: a causal LM)."""
-        return self.score.weight if self.score is not None else None
+    def classifies(self) -> bool:
+        return self.score is not None
+
+    def classify(self, rows: torch.Tensor) -> torch.Tensor:
+        """A sequence classifier's raw logits [labels] for the final rows of one input's last
+        chunk (its last token's row), in float32."""
+        return self.score.weight.float() @ rows[-1].float()
 
     def soft_capped(self, logits: torch.Tensor) -> torch.Tensor:
         """Gemma 2's final soft cap, as transformers applies it (the logits as they are else)."""

@@ -1,0 +1,67 @@
+"""An encoder checkpoint (BERT, RoBERTa, XLM-RoBERTa: gpu/models/encoder.py) read into its model.
+
+Its tensors load by name as a decoder's do (gpu/loader.py `Targets`), once a classifier's
+`bert.` / `roberta.` prefix is dropped and older checkpoints' LayerNorm `gamma` / `beta` are read
+as `weight` / `bias`. What no served path reads is skipped by name: pretraining heads (`cls.`,
+`lm_head.`) and, in an embedding model, BERT's pooler; any other tensor the model does not
+have is refused, as is a tensor it needs that the checkpoint lacks.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from core.config import CheckpointError
+from gpu.loader import Targets, weight_files
+from gpu.models.encoder import EncoderModel
+from gpu.models.encoder_spec import EncoderSpec
+
+PREFIXES = ("bert.", "roberta.")
+PRETRAINING = ("cls.", "lm_head.")  # masked-LM and next-sentence heads
+BUFFERS = ("embeddings.position_ids", "embeddings.token_type_ids")  # saved by older versions
+
+
+def checkpoint_name(stored: str, spec: EncoderSpec) -> str | None:
+    """The model's name for the checkpoint tensor `stored`, or None: a tensor no path reads."""
+    name = stored
+    for prefix in PREFIXES:
+        if name.startswith(prefix):
+            name = name[len(prefix) :]
+            break
+    if name.startswith(PRETRAINING) or name in BUFFERS:
+        return None
+    if name.startswith("pooler.") and spec.head != "bert":
+        return None  # an embedding model's pooler (only BERT's classifier reads it)
+    if name.endswith(".gamma"):
+        return name[: -len("gamma")] + "weight"
+    if name.endswith(".beta"):
+        return name[: -len("beta")] + "bias"
+    return name
+
+
+def load_encoder(
+    path: Path, config: Any, dtype: torch.dtype, device: torch.device, backend
+) -> EncoderModel:
+    """The encoder built on `backend`, its weights read and prepared (in `dtype` unless the
+    backend keeps them as the checkpoint holds them)."""
+    spec = EncoderSpec.from_hf_config(config)
+    if getattr(config, "quantization_config", None):
+        raise CheckpointError(f"{spec.architecture}: quantized encoder checkpoints are not served")
+    compute = backend.bind(device, dtype)
+    with torch.device("meta"):
+        model = EncoderModel(spec, backend)
+    model = model.to(compute).to_empty(device=device)
+    targets = Targets(model)
+    for file in weight_files(path):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for stored in f.keys():
+                name = checkpoint_name(stored, spec)
+                if name is not None and targets.wants(name):
+                    targets.place(name, f.get_tensor(stored))
+    targets.check_complete()
+    model.prepare()
+    return model.eval()

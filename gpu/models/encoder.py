@@ -1,0 +1,244 @@
+"""A BERT-family encoder (BERT, RoBERTa, XLM-RoBERTa) on a backend: every input attends to the
+whole of itself, so a step holds each of its inputs whole (the scheduler never chunks them,
+core/scheduler.py `whole_prompts`) and nothing is cached: each input's K/V live only in its
+step, and the model holds no KV cache. It embeds (gpu/pooler.py pools its final rows) and, with
+a head, classifies from its first token's row; it never generates.
+
+The layer is BERT's, norms after each block: LayerNorm(x + attention(x)), then
+LayerNorm(x + dense(act(dense(x)))); the input is the token's embedding plus its segment's
+(BERT's token type: a pair's second text is type 1) plus its position's. Products run on the
+backend as a decoder's do (Q/K/V one product); the norms, the activation and the attention are
+torch's (attention per input, scaled_dot_product_attention without a mask).
+
+Module and parameter names follow the Hugging Face checkpoints (after the classifiers' `bert.` /
+`roberta.` prefix), so weights load by name (gpu/encoder_loader.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gpu.attention.backend import AttentionMetadata
+from gpu.models.encoder_spec import EncoderSpec
+from gpu.models.layers import Embedding, Linear
+
+ACTIVATIONS = {
+    "gelu": F.gelu,
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+    "silu": F.silu,
+}
+
+
+class Embeddings(nn.Module):
+    def __init__(self, spec: EncoderSpec, backend) -> None:
+        super().__init__()
+        h = spec.hidden_size
+        self.word_embeddings = Embedding(backend, spec.vocab_size, h)
+        self.position_embeddings = nn.Embedding(spec.position_rows, h)
+        self.token_type_embeddings = (
+            nn.Embedding(spec.type_vocab_size, h) if spec.type_vocab_size else None
+        )
+        self.LayerNorm = nn.LayerNorm(h, spec.layer_norm_eps)
+        self.roberta = spec.family == "roberta"
+        self.pad = spec.pad_token_id
+
+    def forward(self, input_ids, positions, meta: AttentionMetadata, token_types) -> torch.Tensor:
+        x = self.word_embeddings(input_ids).to(self.LayerNorm.weight.dtype)
+        if self.token_type_embeddings is not None:
+            if token_types is None:  # every token the first segment's
+                x = x + self.token_type_embeddings.weight[0]
+            else:
+                x = x + self.token_type_embeddings(token_types)
+        if self.roberta:
+            positions = roberta_positions(input_ids, meta, self.pad)
+        return self.LayerNorm(x + self.position_embeddings(positions))
+
+
+def roberta_positions(input_ids: torch.Tensor, meta: AttentionMetadata, pad: int) -> torch.Tensor:
+    """RoBERTa's positions, as transformers counts them: each input's tokens that are not its
+    padding id numbered from pad + 1 on, a padding token at `pad` itself."""
+    keep = (input_ids != pad).long()
+    counts = keep.cumsum(0)
+    starts = meta.query_start_loc[:-1].long()
+    before = torch.cat([counts.new_zeros(1), counts])[starts]  # kept tokens of earlier inputs
+    lens = meta.query_start_loc.diff().long()
+    counts = counts - torch.repeat_interleave(before, lens, output_size=input_ids.numel())
+    return counts * keep + pad
+
+
+def token_types(lengths: list[int], starts: list[int | None]) -> list[int] | None:
+    """Each token's segment over a step's inputs of `lengths`, the second segment from
+    `starts` on (None: one text), or None where every token is the first segment's."""
+    if all(t is None for t in starts):
+        return None
+    types: list[int] = []
+    for n, start in zip(lengths, starts):
+        first = n if start is None else min(start, n)
+        types += [0] * first + [1] * (n - first)
+    return types
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, spec: EncoderSpec, backend) -> None:
+        super().__init__()
+        h = spec.hidden_size
+        self.query = Linear(backend, h, h, True)
+        self.key = Linear(backend, h, h, True)
+        self.value = Linear(backend, h, h, True)
+
+
+class Output(nn.Module):
+    """A block's output product (with its bias), the residual, then the block's LayerNorm."""
+
+    def __init__(self, spec: EncoderSpec, backend, width: int) -> None:
+        super().__init__()
+        self.dense = Linear(backend, width, spec.hidden_size, True)
+        self.LayerNorm = nn.LayerNorm(spec.hidden_size, spec.layer_norm_eps)
+
+    def forward(self, h: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return self.LayerNorm(self.dense(h, residual))
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: EncoderSpec, backend) -> None:
+        super().__init__()
+        self.backend = backend
+        self.self = SelfAttention(spec, backend)
+        self.output = Output(spec, backend, spec.hidden_size)
+        self.num_heads, self.head_dim = spec.num_heads, spec.head_dim
+        self.qkv = None  # Q/K/V as one product
+
+    def prepare(self) -> None:
+        s = self.self
+        self.qkv = self.backend.prepare_stacked([p.take() for p in (s.query, s.key, s.value)])
+        del self.self
+        self.output.dense.prepare()
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = (
+            part.view(t, self.num_heads, self.head_dim).transpose(0, 1)
+            for part in self.backend.linear(x, self.qkv).chunk(3, dim=-1)
+        )
+        outs, start = [], 0
+        for n in meta.query_lens_cpu:  # each input attends to the whole of itself, no more
+            end = start + n
+            part = slice(start, end)
+            outs.append(F.scaled_dot_product_attention(q[:, part], k[:, part], v[:, part]))
+            start = end
+        o = torch.cat(outs, dim=1).transpose(0, 1).reshape(t, -1)
+        return self.output(o, x)
+
+
+class Intermediate(nn.Module):
+    def __init__(self, spec: EncoderSpec, backend) -> None:
+        super().__init__()
+        self.dense = Linear(backend, spec.hidden_size, spec.intermediate_size, True)
+
+
+class Layer(nn.Module):
+    def __init__(self, spec: EncoderSpec, backend) -> None:
+        super().__init__()
+        self.attention = Attention(spec, backend)
+        self.intermediate = Intermediate(spec, backend)
+        self.output = Output(spec, backend, spec.intermediate_size)
+        self.act = ACTIVATIONS[spec.hidden_act]
+
+    def prepare(self) -> None:
+        self.attention.prepare()
+        self.intermediate.dense.prepare()
+        self.output.dense.prepare()
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x = self.attention(x, meta)
+        h = self.act(self.intermediate.dense(x))
+        return self.output(h, x)
+
+
+class Encoder(nn.Module):
+    def __init__(self, spec: EncoderSpec, backend) -> None:
+        super().__init__()
+        self.layer = nn.ModuleList(Layer(spec, backend) for _ in range(spec.num_layers))
+
+
+class Pooler(nn.Module):  # BERT's: dense then tanh over the first token's row
+    def __init__(self, spec: EncoderSpec) -> None:
+        super().__init__()
+        self.dense = nn.Linear(spec.hidden_size, spec.hidden_size)
+
+
+class RobertaHead(nn.Module):  # RoBERTa's classifier: dense, tanh, out_proj
+    def __init__(self, spec: EncoderSpec) -> None:
+        super().__init__()
+        self.dense = nn.Linear(spec.hidden_size, spec.hidden_size)
+        self.out_proj = nn.Linear(spec.hidden_size, spec.num_labels)
+
+
+class EncoderModel(nn.Module):
+    """An encoder on `backend`; with a head (spec.head), a sequence classifier."""
+
+    pooling_only = True  # it embeds and classifies; it never generates
+    tp = None  # (tensor parallelism is refused for encoders)
+
+    def __init__(self, spec: EncoderSpec, backend) -> None:
+        super().__init__()
+        self.spec = self.local_spec = spec
+        self.backend = backend
+        self.embeddings = Embeddings(spec, backend)
+        self.encoder = Encoder(spec, backend)
+        self.pooler = Pooler(spec) if spec.head == "bert" else None
+        if spec.head == "bert":
+            self.classifier = nn.Linear(spec.hidden_size, spec.num_labels)
+        elif spec.head == "roberta":
+            self.classifier = RobertaHead(spec)
+        else:
+            self.classifier = None
+        self.lora = None
+        self.stack = None
+
+    def prepare(self) -> None:
+        """After loading: each product in the backend's form; the head in float32."""
+        self.embeddings.word_embeddings.prepare()
+        for layer in self.encoder.layer:
+            layer.prepare()
+        for head in (self.pooler, self.classifier):
+            if head is not None:
+                head.float()
+
+    def encode(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        type_starts: list[int | None] | None = None,
+    ) -> torch.Tensor:
+        """The final hidden states [tokens, hidden] of the step's inputs, each whole (its
+        positions from 0: what the scheduler gives an encoder); `type_starts`: where each
+        input's second segment starts (BERT's pairs; None: one text)."""
+        if meta.query_lens_cpu != meta.seq_lens_cpu:
+            raise ValueError("an encoder's inputs are run whole, in one step each")
+        types = None
+        if type_starts is not None and self.spec.type_vocab_size > 1:
+            types = token_types(meta.query_lens_cpu, type_starts)
+            if types is not None:
+                types = torch.tensor(types, dtype=torch.int64, device=input_ids.device)
+        x = self.embeddings(input_ids, positions, meta, types)
+        for layer in self.encoder.layer:
+            x = layer(x, meta)
+        return x
+
+    @property
+    def classifies(self) -> bool:
+        return self.classifier is not None
+
+    def classify(self, rows: torch.Tensor) -> torch.Tensor:
+        """A classifier's raw logits [labels] for one input's final rows (its first token's:
+        BERT's [CLS], RoBERTa's <s>), in float32."""
+        first = rows[0].float()
+        if self.pooler is not None:
+            return self.classifier(torch.tanh(self.pooler.dense(first)))
+        head = self.classifier
+        return head.out_proj(torch.tanh(head.dense(first)))

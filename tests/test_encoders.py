@@ -1,0 +1,226 @@
+"""BERT-family encoders (BertModel, XLMRobertaModel and their sequence classifiers) served
+offline: vectors, logits and pair scores equal to transformers' on the same weights, inputs of
+different lengths in one step, BERT's token types for a pair's second text, RoBERTa's positions
+past its padding id, bfloat16 weights; generation refused, and what an encoder is not served
+with refused by name before it loads. The scheduler runs an encoder's input whole."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoModel, AutoModelForSequenceClassification, AutoTokenizer
+
+from core.config import CheckpointError, EngineConfig
+from core.sampling import InvalidParam
+from tests.encoder_models import build_encoder
+from weir.llm import LLM
+
+TEXTS = [
+    "the river runs to the sea",
+    "a much longer text about valleys, canyons and the slow work of water on stone " * 3,
+    "x",
+]
+QUERY, DOCS = "where does the river go", ["the river runs to the sea", "hello world", "a canyon"]
+
+
+@pytest.fixture(scope="module")
+def encoders(tmp_path_factory):
+    """encoders(family, labels=0, pooling="mean") -> a folder, each built once."""
+    made = {}
+
+    def get(family: str, labels: int = 0, pooling: str | None = "mean"):
+        key = (family, labels, pooling)
+        if key not in made:
+            path = tmp_path_factory.mktemp(f"{family}-{labels}-{pooling}")
+            made[key] = build_encoder(path, family, num_labels=labels, pooling=pooling)
+        return made[key]
+
+    return get
+
+
+def hf_rows(path, ids: list[int], types: list[int] | None = None) -> torch.Tensor:
+    model = AutoModel.from_pretrained(str(path), dtype=torch.float32).eval()
+    kw = {} if types is None else {"token_type_ids": torch.tensor([types])}
+    with torch.no_grad():
+        return model(torch.tensor([ids]), **kw).last_hidden_state[0]
+
+
+def pooled(rows: torch.Tensor, kind: str) -> torch.Tensor:
+    return F.normalize(rows.mean(0) if kind == "mean" else rows[0], dim=0)
+
+
+@pytest.mark.parametrize("family,kind", [("bert", "mean"), ("xlm-roberta", "cls")])
+def test_embeddings_equal_transformers(encoders, family, kind):
+    """The folder's sentence-transformers pooling, three inputs of different lengths in one
+    step (each attends to itself alone), equal to transformers' vectors."""
+    path = encoders(family, pooling=kind)
+    llm = LLM(str(path), max_model_len=128)
+    assert llm.engine.scheduler.whole_prompts and not llm.engine.kv.enable_caching
+    steps = llm.engine.num_steps
+    out = llm.embed(TEXTS, use_tqdm=False)
+    assert llm.engine.num_steps - steps == 1  # all three in one step
+    tok = AutoTokenizer.from_pretrained(str(path))
+    for text, o in zip(TEXTS, out):
+        want = pooled(hf_rows(path, tok(text)["input_ids"]), kind)
+        got = torch.tensor(o.outputs.embedding)
+        assert (got - want).abs().max().item() < 1e-5
+
+
+def test_cuda_backend_classifier_equals_transformers(encoders, monkeypatch):
+    """The encoder on the CUDA backend (compiled on a GPU, else Triton's interpreter on CPU):
+    transformers' logits."""
+    from tests.test_phi3 import use_cuda_backend
+
+    path = encoders("xlm-roberta", labels=3)
+    llm = LLM(str(path), max_model_len=128, **use_cuda_backend(monkeypatch))
+    tok = AutoTokenizer.from_pretrained(str(path))
+    hf = AutoModelForSequenceClassification.from_pretrained(str(path)).eval()
+    for text, o in zip(TEXTS, llm.classify(TEXTS, use_tqdm=False)):
+        with torch.no_grad():
+            want = hf(**tok(text, return_tensors="pt")).logits[0].softmax(-1)
+        assert (torch.tensor(o.outputs.probs) - want).abs().max().item() < 1e-4
+
+
+def test_default_pooling_without_sentence_transformers_files_is_cls(encoders):
+    """As vLLM's BERT and XLM-RoBERTa embedders: the [CLS] row, normalized."""
+    path = encoders("bert", pooling=None)
+    llm = LLM(str(path), max_model_len=128)
+    ids = AutoTokenizer.from_pretrained(str(path))(TEXTS[0])["input_ids"]
+    got = torch.tensor(llm.embed(TEXTS[0], use_tqdm=False)[0].outputs.embedding)
+    assert (got - pooled(hf_rows(path, ids), "cls")).abs().max().item() < 1e-5
+
+
+def test_roberta_positions_skip_its_padding_id(encoders):
+    """A padding token inside an input keeps position pad_token_id and the later tokens
+    count on without it, as transformers numbers them."""
+    path = encoders("xlm-roberta", pooling="cls")
+    llm = LLM(str(path), max_model_len=128)
+    ids = [0, 17, 1, 23, 1, 1, 40, 2]  # 1: <pad>
+    got = torch.tensor(llm.embed([ids], use_tqdm=False)[0].outputs.embedding)
+    want = pooled(hf_rows(path, ids), "cls")
+    assert (got - want).abs().max().item() < 1e-5
+    plain = [0, 17, 5, 23, 5, 5, 40, 2]  # (the test means something: other positions differ)
+    assert (pooled(hf_rows(path, plain), "cls") - want).abs().max().item() > 1e-3
+
+
+@pytest.mark.parametrize("family", ["bert", "xlm-roberta"])
+def test_classifier_logits_and_pair_scores_equal_transformers(encoders, family):
+    """classify: each input's raw logits from its first token's row through the head (BERT's
+    pooler and classifier, RoBERTa's dense and out_proj); score: a one-label classifier's
+    sigmoid over the pair encoding, BERT's second text of token type 1."""
+    path3, path1 = encoders(family, labels=3), encoders(family, labels=1)
+    tok = AutoTokenizer.from_pretrained(str(path3))
+    hf3 = AutoModelForSequenceClassification.from_pretrained(str(path3)).eval()
+    llm = LLM(str(path3), max_model_len=128)
+    out = llm.classify(TEXTS, use_tqdm=False)
+    for text, o in zip(TEXTS, out):
+        with torch.no_grad():
+            want = hf3(**tok(text, return_tensors="pt")).logits[0].softmax(-1)
+        assert (torch.tensor(o.outputs.probs) - want).abs().max().item() < 1e-5
+    del llm
+    tok = AutoTokenizer.from_pretrained(str(path1))  # (each folder's tokenizer is its own)
+    hf1 = AutoModelForSequenceClassification.from_pretrained(str(path1)).eval()
+    llm = LLM(str(path1), max_model_len=128)
+    scores = [o.outputs.score for o in llm.score(QUERY, DOCS, use_tqdm=False)]
+    for doc, got in zip(DOCS, scores):
+        enc = tok(QUERY, doc, return_tensors="pt", return_token_type_ids=True)
+        with torch.no_grad():
+            want = hf1(**enc).logits[0, 0].sigmoid().item()
+            untyped = hf1(enc["input_ids"]).logits[0, 0].sigmoid().item()
+        assert abs(got - want) < 1e-5
+        if family == "bert":  # the token types change the score: the test can tell
+            assert abs(untyped - want) > 1e-4
+
+
+def test_bfloat16_weights(encoders):
+    """--dtype bfloat16: the products on bfloat16 weights, close to float32's vectors."""
+    path = encoders("bert")
+    want = LLM(str(path), max_model_len=128).embed(TEXTS, use_tqdm=False)
+    got = LLM(str(path), max_model_len=128, dtype="bfloat16").embed(TEXTS, use_tqdm=False)
+    for w, g in zip(want, got):
+        w, g = torch.tensor(w.outputs.embedding), torch.tensor(g.outputs.embedding)
+        assert F.cosine_similarity(w, g, dim=0).item() > 0.999
+
+
+def test_generation_and_long_inputs_refused(encoders):
+    path = encoders("bert")
+    llm = LLM(str(path), max_model_len=64)
+    with pytest.raises(InvalidParam, match="encoder"):
+        llm.generate("hello", use_tqdm=False)
+    with pytest.raises(InvalidParam, match="maximum context length"):
+        llm.embed([[2] + [7] * 80 + [3]], use_tqdm=False)
+    # truncate_prompt_tokens keeps the text's [CLS] and [SEP] around its last tokens
+    tok = AutoTokenizer.from_pretrained(str(path))
+    ids = tok(TEXTS[1])["input_ids"]
+    cut = llm.embed(TEXTS[1], use_tqdm=False, truncate_prompt_tokens=10)[0]
+    assert cut.prompt_token_ids == ids[:1] + ids[-9:]
+
+
+@pytest.mark.parametrize(
+    "flags,named",
+    [
+        ({"tensor_parallel_size": 2}, "--tensor-parallel-size"),
+        ({"enable_lora": True}, "--enable-lora"),
+        ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}, "--speculative"),
+    ],
+)
+def test_what_an_encoder_is_not_served_with_is_refused_by_name(encoders, flags, named):
+    from gpu.launch import load
+
+    with pytest.raises(CheckpointError, match=named):
+        load(EngineConfig(model=str(encoders("bert")), **flags))
+
+
+class WholeRunner:
+    """A fake encoder runner: it records each step's (request, start, tokens) and pools each
+    input it is given whole; a chunk fails the test."""
+
+    vocab_size = 1000
+    num_labels = 0
+    pooling_only = True
+
+    def __init__(self) -> None:
+        self.steps: list[list[tuple[str, int, int]]] = []
+
+    def execute(self, out, grammar=None):
+        from core.request import StepResult
+
+        self.steps.append([(s.request_id, s.start, s.num_new_tokens) for s in out.scheduled])
+        lengths = {n.request_id: len(n.prompt_token_ids) for n in out.new}
+        for s in out.scheduled:
+            assert s.start == 0 and s.num_new_tokens == lengths[s.request_id]
+        return StepResult([], [], pooled={s.request_id: b"\0" * 4 for s in out.scheduled})
+
+
+def test_scheduler_runs_an_encoders_inputs_whole():
+    """Under a budget of 16 tokens, inputs of 10, 10 and 16: the second waits for the next
+    step instead of running its first 6 tokens beside the first; none is cached or chunked;
+    an input the budget can never hold is refused by name, and so is generation."""
+    from core.engine_core import EngineCore
+    from core.pooling import PoolingParams
+    from core.request import EngineRequest
+    from core.sampling import SamplingParams
+
+    runner = WholeRunner()
+    core = EngineCore(
+        runner, None, num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=16,
+        max_model_len=64, check_integrity=True,
+    )  # fmt: skip
+    assert not core.kv.enable_caching
+
+    def request(rid, n, pooling=PoolingParams("mean")):
+        ids = [10 + i for i in range(n)]  # (the same prefix: a cache would have served it)
+        return EngineRequest(rid, ids, SamplingParams(max_tokens=1), pooling=pooling)
+
+    for rid, n in (("a", 10), ("b", 10), ("c", 16)):
+        core.add(request(rid, n))
+    done = set()
+    while core.has_work:
+        done |= {o.request_id for o in core.step() if o.finished and o.embedding is not None}
+    assert done == {"a", "b", "c"}
+    assert runner.steps == [[("a", 0, 10)], [("b", 0, 10)], [("c", 0, 16)]]
+    with pytest.raises(InvalidParam, match="max-num-batched-tokens"):
+        core.add(request("d", 17))
+    with pytest.raises(InvalidParam, match="encoder"):
+        core.add(request("e", 4, pooling=None))
