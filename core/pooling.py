@@ -38,17 +38,56 @@ class ModelPooling(msgspec.Struct, frozen=True, gc=False):
     kind: str | None
     hidden_size: int
     encoder: bool = False
+    # A classifier's activations (ACTIVATIONS), as vLLM reads its config: /classify's by
+    # problem_type, /score's by sentence-transformers' CrossEncoder activation_fn
+    classify_activation: str = "default"
+    score_activation: str = "default"
 
 
-def activated(logits: list[float], on: bool) -> list[float]:
+# "default": the softmax over the labels, a lone label's sigmoid; torch.nn's classes by name
+ACTIVATIONS = {"Identity": "identity", "Sigmoid": "sigmoid", "Softmax": "softmax", "Tanh": "tanh"}
+
+
+def model_activations(config: dict) -> tuple[str, str]:
+    """A classifier's (classify, score) activations from its config.json as vLLM reads them:
+    problem_type regression gives the logits, multi_label_classification each one's sigmoid;
+    a sentence-transformers CrossEncoder's `sentence_transformers.activation_fn` (or the older
+    `sbert_ce_default_activation_function`: ms-marco-MiniLM's Identity) is its scores'. Raises
+    ValueError for an activation that is not torch.nn's Identity, Sigmoid, Softmax or Tanh."""
+    problem = config.get("problem_type")
+    classify = {"regression": "identity", "multi_label_classification": "sigmoid"}.get(
+        problem, "default"
+    )
+    st = config.get("sentence_transformers")
+    name = st.get("activation_fn") if isinstance(st, dict) else None
+    name = name or config.get("sbert_ce_default_activation_function")
+    if not name:
+        return classify, "default"
+    short = str(name).rsplit(".", 1)[-1]
+    if not str(name).startswith("torch.nn.") or short not in ACTIVATIONS:
+        raise ValueError(
+            f"the cross-encoder's activation_fn {name!r} is not served "
+            f"(torch.nn's {', '.join(ACTIVATIONS)})"
+        )
+    return classify, ACTIVATIONS[short]
+
+
+def activated(logits: list[float], on: bool, fn: str = "default") -> list[float]:
     """A classifier's probabilities as transformers' pipelines give them: the sigmoid of a lone
-    logit, else the softmax over the labels (`on` false: the logits as they are)."""
-    if not on:
+    logit, else the softmax over the labels; or the model's own activation `fn` (ACTIVATIONS'
+    names: model_activations); `on` false: the logits as they are."""
+    if not on or fn == "identity":
         return logits
-    if len(logits) == 1:
-        x = logits[0]  # the sigmoid, computed without overflow either way
-        return [1 / (1 + math.exp(-x)) if x >= 0 else math.exp(x) / (1 + math.exp(x))]
+    if fn == "tanh":
+        return [math.tanh(x) for x in logits]
+    if fn == "sigmoid" or (fn == "default" and len(logits) == 1):
+        return [_sigmoid(x) for x in logits]
     top = max(logits)
     e = [math.exp(x - top) for x in logits]
     total = sum(e)
     return [x / total for x in e]
+
+
+def _sigmoid(x: float) -> float:
+    """Computed without overflow either way."""
+    return 1 / (1 + math.exp(-x)) if x >= 0 else math.exp(x) / (1 + math.exp(x))

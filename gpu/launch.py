@@ -14,7 +14,7 @@ import torch
 
 from core.config import CheckpointError, EngineConfig
 from core.engine_core import EngineCore
-from core.pooling import ModelPooling
+from core.pooling import ModelPooling, model_activations
 from core.speculative import SpeculativeConfig
 from gpu import gguf_tokenizer, kv_cache, kv_scales
 from gpu.cache import cache_dir
@@ -85,6 +85,7 @@ def load(config: EngineConfig) -> Loaded:
     hf_config = load_config(path, config.hf_overrides, config.tokenizer)
     check_quantization(config, path, hf_config)
     check_encoder(config, hf_config)
+    pooling = model_pooling(hf_config)
     dtype = resolve_dtype(config.dtype, hf_config, device)
     kv_t = kv_cache.cache_dtype(config.kv_cache_dtype, dtype, device)  # refused before loading
     kv_dtype = config.kv_cache_dtype  # as given (vLLM's cache_config_info); auto by its dtype
@@ -183,16 +184,22 @@ def load(config: EngineConfig) -> Loaded:
         lora_base,
         classifier_labels(hf_config, runner.num_labels),
         getattr(hf_config, "weir_rerank_template", None),  # a GGUF reranker's (gguf_config.py)
-        model_pooling(hf_config),
+        pooling,
     )
 
 
 def model_pooling(hf_config: Any) -> ModelPooling:
     """The model's own pooling facts: a GGUF file's pooling_type; an encoder pools its CLS
-    row unless its folder says otherwise (as vLLM's BERT and XLM-RoBERTa embedders do)."""
+    row unless its folder says otherwise (as vLLM's BERT and XLM-RoBERTa embedders do); a
+    classifier's activations (core/pooling.py model_activations: one that is not served is
+    refused here, before anything is served)."""
     encoder = encoder_architecture(hf_config) is not None
     kind = getattr(hf_config, "weir_pooling", None) or ("cls" if encoder else None)
-    return ModelPooling(kind, int(hf_config.hidden_size), encoder)
+    try:
+        acts = model_activations(hf_config.to_dict() if hasattr(hf_config, "to_dict") else {})
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
+    return ModelPooling(kind, int(hf_config.hidden_size), encoder, *acts)
 
 
 def check_encoder(config: EngineConfig, hf_config: Any) -> None:

@@ -83,7 +83,8 @@ async def classify() -> Response:
     for i, v in enumerate(vectors):
         logits = logits_of(v)
         best = max(range(len(logits)), key=logits.__getitem__)
-        data.append(ClassificationData(i, labels[best], activated(logits, on), len(logits)))
+        probs = activated(logits, on, st.activations[0])
+        data.append(ClassificationData(i, labels[best], probs, len(logits)))
     return json_response(
         ClassificationResponse(
             id=rid,

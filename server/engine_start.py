@@ -80,7 +80,10 @@ async def load_engine(app: QuartTrio, st: ServerState) -> None:
                 loaded.score_template,
                 loaded.pooling,
             )
-        st.encoder = loaded.pooling is not None and loaded.pooling.encoder
+        facts = loaded.pooling
+        st.encoder = facts is not None and facts.encoder
+        if facts is not None:
+            st.activations = (facts.classify_activation, facts.score_activation)
         if st.encoder and loaded.labels is None:  # an encoder embeds, and only embeds
             if "generate" in st.tasks:
                 log.info("the model is an encoder: it serves embeddings, not generation")

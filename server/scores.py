@@ -141,7 +141,8 @@ async def score_pairs(
         inputs = [ids for ids, _ in encoded]
         pooling = [PoolingParams(CLASSIFY, False, type_start=start) for _, start in encoded]
         rid, vectors, tokens = await pooled(st, model, prefix, inputs, pooling, req.priority, field)
-        return rid, model, [activated(logits_of(v), on)[0] for v in vectors], tokens
+        fn = st.activations[1]
+        return rid, model, [activated(logits_of(v), on, fn)[0] for v in vectors], tokens
     if "embed" not in st.tasks:
         raise APIError(
             400,

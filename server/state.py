@@ -42,6 +42,8 @@ class ServerState:
     # and/or "embed" (--enable-embeddings, --runner); a sequence classifier's: classify, score
     tasks: tuple[str, ...] = ("generate",)
     encoder: bool = False  # the model is an encoder (BERT): it never generates
+    # a classifier's activations: /classify's and /score's (core/pooling.py ModelPooling)
+    activations: tuple[str, str] = ("default", "default")
     labels: list[str] | None = None  # a sequence classifier's, by index
     score_template: str | None = None  # a reranker's prompt for its pairs (core/score_pairs.py)
     embedding: Any = None  # server.embedding_config.EmbeddingConfig, when "embed" is served

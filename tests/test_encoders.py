@@ -224,3 +224,45 @@ def test_scheduler_runs_an_encoders_inputs_whole():
         core.add(request("d", 17))
     with pytest.raises(InvalidParam, match="encoder"):
         core.add(request("e", 4, pooling=None))
+
+
+def test_a_classifiers_own_activations(encoders, tmp_path):
+    """As vLLM reads a config: a sentence-transformers CrossEncoder's activation_fn for its
+    scores (ms-marco-MiniLM's Identity: the raw logit), problem_type for /classify
+    (multi_label_classification: each label's sigmoid); an activation outside torch.nn's four
+    is refused before the model is served."""
+    import json
+    import math
+    import shutil
+
+    from core.pooling import model_activations
+
+    identity = "torch.nn.modules.linear.Identity"
+    assert model_activations({"sbert_ce_default_activation_function": identity}) == (
+        "default",
+        "identity",
+    )
+    st = {"sentence_transformers": {"activation_fn": "torch.nn.modules.activation.Sigmoid"}}
+    assert model_activations({**st, "problem_type": "regression"}) == ("identity", "sigmoid")
+    path = tmp_path / "ce"
+    shutil.copytree(encoders("bert", labels=1), path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(
+        json.dumps({**config, "sbert_ce_default_activation_function": identity})
+    )
+    llm = LLM(str(path), max_model_len=128)
+    raw = llm.score(QUERY, DOCS, use_tqdm=False)
+    default = LLM(str(encoders("bert", labels=1)), max_model_len=128)
+    for r, d in zip(raw, default.score(QUERY, DOCS, use_tqdm=False)):
+        assert 1 / (1 + math.exp(-r.outputs.score)) == pytest.approx(d.outputs.score, abs=1e-6)
+    multi = tmp_path / "multi"
+    shutil.copytree(encoders("bert", labels=3), multi)
+    config = json.loads((multi / "config.json").read_text())
+    config["problem_type"] = "multi_label_classification"
+    (multi / "config.json").write_text(json.dumps(config))
+    probs = LLM(str(multi), max_model_len=128).classify(TEXTS[0], use_tqdm=False)[0].outputs.probs
+    assert abs(sum(probs) - 1) > 1e-3  # each label's own sigmoid, not a softmax
+    config["sbert_ce_default_activation_function"] = "torch.nn.modules.activation.GELU"
+    (multi / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="GELU"):
+        LLM(str(multi), max_model_len=128)

@@ -135,7 +135,8 @@ class PoolingCalls:
             logits = array.array("f", v).tolist()
             best = max(range(len(logits)), key=logits.__getitem__)
             label = self.labels[best] if self.labels else str(best)
-            out = ClassificationOutput(activated(logits, on), label)
+            fn = self.pooling.classify_activation if self.pooling else "default"
+            out = ClassificationOutput(activated(logits, on, fn), label)
             outputs.append(PoolingRequestOutput(rid, out, ids, cached))
         return outputs
 
@@ -166,9 +167,10 @@ class PoolingCalls:
             each = [EnginePoolingParams(CLASSIFY, False, type_start=t) for _, t in encoded]
             ran = self._pool(inputs, each, use_tqdm, "Scoring")
             on = getattr(params, "use_activation", True)
+            fn = self.pooling.score_activation if self.pooling else "default"
             return [
                 PoolingRequestOutput(
-                    rid, ScoringOutput(activated(array.array("f", v).tolist(), on)[0]), ids, n
+                    rid, ScoringOutput(activated(array.array("f", v).tolist(), on, fn)[0]), ids, n
                 )
                 for (rid, v, n), ids in zip(ran, inputs)
             ]
