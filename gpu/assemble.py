@@ -3,6 +3,7 @@ process, or in a tensor-parallel worker): the device, the threads, the model's f
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from pathlib import Path
@@ -57,12 +58,15 @@ def set_threads(config: EngineConfig, hf_config: Any, device: torch.device, rank
     torch.set_num_threads(max(1, threads // ranks))
 
 
-def choose_backend(config: EngineConfig, device: torch.device, dtype: torch.dtype):
+def choose_backend(
+    config: EngineConfig, device: torch.device, dtype: torch.dtype, encoder: bool = False
+):
     """What the model's layers run on (gpu/backend.py), chosen once: on CUDA torch's products
     (Q/K/V and gate/up each one) with the work between them in Triton kernels
     (gpu/cuda/backend.py); on CPU weir's compiled kernels (float32, 16-bit and block-format
-    weights), or, where they cannot be built here, oneDNN's products for a float32 model and
-    torch's ops for any other."""
+    weights; an `encoder`'s float32 products, all of them prefills, on oneDNN's), or, where
+    they cannot be built here, oneDNN's products for a float32 model and torch's ops for any
+    other."""
     from gpu.cpu import onednn
 
     attention = get_backend(config.attention_backend, device)
@@ -100,6 +104,7 @@ def choose_backend(config: EngineConfig, device: torch.device, dtype: torch.dtyp
             keep_dtype=config.dtype == "auto",
             quantization=quantize,
             lora=config.enable_lora,
+            prefill=encoder and config.cpu_matmul == "weir",
         )
     except cpu_build.BuildError as e:
         if config.cpu_forward == "fused" or quantize:
@@ -123,10 +128,12 @@ def load_shard(
 ) -> tuple[DecoderForCausalLM, int]:
     """The model (under `tp`, this rank's share of it) and how many KV blocks fit beside it
     (with a draft model, already loaded: blocks that hold both models' K/V)."""
-    backend = choose_backend(config, device, dtype)
-    if encoder_architecture(hf_config) is not None:  # an encoder: no KV cache (encoder.py)
+    if encoder_architecture(hf_config) is not None:  # no KV cache (gpu/models/encoder.py)
+        backend = choose_backend(config, device, dtype, encoder=True)
         model = load_encoder(path, hf_config, dtype, device, backend)
-        return model, encoder_blocks(config, model.spec.max_position_embeddings)
+        positions = served_positions(path, model.spec.max_position_embeddings)
+        return model, encoder_blocks(config, positions)
+    backend = choose_backend(config, device, dtype)
     model = load_model(path, hf_config, dtype, device, backend, tp)
     kv_dtype = kv_cache.cache_dtype(config.kv_cache_dtype, dtype, device)
     extra = kv_cache.bytes_per_block(draft.spec, config.block_size, kv_dtype) if draft else 0
@@ -150,6 +157,18 @@ def encoder_blocks(config: EngineConfig, positions: int) -> int:
         return config.num_kv_blocks
     longest = min(config.max_model_len or positions, positions)
     return config.max_num_seqs * -(-longest // config.block_size)
+
+
+def served_positions(path: Path, positions: int) -> int:
+    """The model's positions, cut to sentence-transformers' `max_seq_length` where its folder
+    names one (sentence_bert_config.json: the length the model is used at; all-MiniLM-L6-v2's
+    256 of its 512), as vLLM cuts them."""
+    file = path / "sentence_bert_config.json"
+    try:
+        length = json.loads(file.read_text()).get("max_seq_length") if file.is_file() else None
+    except (OSError, ValueError, AttributeError):
+        length = None
+    return min(positions, length) if isinstance(length, int) and length > 0 else positions
 
 
 def fit_model_len(config: EngineConfig, max_positions: int, num_blocks: int, rank: int = 0) -> int:

@@ -38,6 +38,8 @@ ACTIVATIONS = {
     "gelu": F.gelu,
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
 }
+# after a plain product (an encoder's MLP: `linear_act`)
+PLAIN_ACTIVATIONS = {**ACTIVATIONS, "relu": F.relu}
 
 
 class TorchBackend:
@@ -89,6 +91,10 @@ class TorchBackend:
         weight, bias = w
         y = F.linear(x, weight, bias)
         return y if residual is None else residual + y
+
+    def linear_act(self, x: torch.Tensor, w: Any, act: str) -> torch.Tensor:
+        """act(x W^T + b), `act` one of PLAIN_ACTIVATIONS (an encoder's MLP)."""
+        return PLAIN_ACTIVATIONS[act](self.linear(x, w))
 
     def prepare_mlp(self, gate, up, down, act: str) -> tuple[Any, Any]:
         """A gated MLP's (weight, bias) pairs, gate and up [intermediate, hidden] and down

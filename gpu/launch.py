@@ -26,6 +26,7 @@ from gpu.assemble import (
     model_path,
     resident_weights,
     resolve_device,
+    served_positions,
     set_threads,
     speculative_config,
 )
@@ -106,7 +107,7 @@ def load(config: EngineConfig) -> Loaded:
         set_threads(config, hf_config, device)
         draft = load_draft_of(config, dtype, device, hf_config)
         model, num_blocks = load_shard(config, path, hf_config, dtype, device, draft=draft)
-        positions = model.spec.max_position_embeddings
+        positions = served_positions(path, model.spec.max_position_embeddings)
         if draft is not None:
             positions = min(positions, draft.spec.max_position_embeddings)
         max_model_len = fit_model_len(config, positions, num_blocks)

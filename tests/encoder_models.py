@@ -87,10 +87,13 @@ def build_encoder(
     max_position_embeddings: int = 128,
     hidden_act: str = "gelu",
     seed: int = 0,
+    vocab_size: int | None = None,
 ) -> Path:
     """A random-weight encoder of `family` ("bert" or "xlm-roberta") written to `path`: an
     embedding model (BertModel, XLMRobertaModel) whose sentence-transformers files name
-    `pooling` (None: no such files), or, with `num_labels`, a sequence classifier."""
+    `pooling` (None: no such files), or, with `num_labels`, a sequence classifier.
+    `vocab_size`: embedding rows beyond the tokenizer's (a real model's table, for
+    benchmarks)."""
     from transformers import (
         BertConfig,
         BertForSequenceClassification,
@@ -106,7 +109,7 @@ def build_encoder(
     bert = family == "bert"
     tokenizer = bert_tokenizer() if bert else xlmr_tokenizer()
     common = dict(
-        vocab_size=len(tokenizer),
+        vocab_size=max(vocab_size or 0, len(tokenizer)),
         hidden_size=hidden_size,
         num_hidden_layers=num_layers,
         num_attention_heads=num_heads,

@@ -266,3 +266,22 @@ def test_a_classifiers_own_activations(encoders, tmp_path):
     (multi / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match="GELU"):
         LLM(str(multi), max_model_len=128)
+
+
+def test_sentence_transformers_max_seq_length_caps_the_context(encoders, tmp_path):
+    """sentence_bert_config.json's max_seq_length (all-MiniLM-L6-v2's 256 of its 512
+    positions) is the served context, as vLLM reads it: a longer input is refused by name,
+    and a --max-model-len past it is refused at start."""
+    import json
+    import shutil
+
+    path = tmp_path / "st"
+    shutil.copytree(encoders("bert"), path)
+    (path / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 32}))
+    llm = LLM(str(path))
+    assert llm.max_model_len == 32
+    with pytest.raises(InvalidParam, match="maximum context length is 32"):
+        llm.embed([[2] + [7] * 31 + [3]], use_tqdm=False)
+    assert len(llm.embed([[2] + [7] * 30 + [3]], use_tqdm=False)[0].outputs.embedding) == 64
+    with pytest.raises(CheckpointError, match="--max-model-len 64"):
+        LLM(str(path), max_model_len=64)

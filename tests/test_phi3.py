@@ -74,7 +74,7 @@ def use_cuda_backend(monkeypatch) -> dict:
     from gpu.cuda.backend import CudaBackend
 
     monkeypatch.setattr(
-        assemble, "choose_backend", lambda c, d, t: CudaBackend(get_backend("triton", d))
+        assemble, "choose_backend", lambda c, d, t, **kw: CudaBackend(get_backend("triton", d))
     )
     return {"device": "cuda" if torch.cuda.is_available() else "cpu"}
 

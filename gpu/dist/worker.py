@@ -38,7 +38,14 @@ from core.config import EngineConfig
 from core.request import StepResult
 from core.runner_step import SchedulerOutput
 from gpu.dist import parallel
-from gpu.assemble import build_runner, fit_model_len, load_shard, resolve_device, set_threads
+from gpu.assemble import (
+    build_runner,
+    fit_model_len,
+    load_shard,
+    resolve_device,
+    served_positions,
+    set_threads,
+)
 from gpu.loader import load_config, resolve_dtype
 
 log = logging.getLogger("weir.worker")
@@ -141,7 +148,8 @@ def run_rank(commands: Connection, replies: Connection) -> None:
         fewest = torch.tensor([num_blocks], device=device)
         dist.all_reduce(fewest, op=dist.ReduceOp.MIN)
         num_blocks = int(fewest.item())
-        max_model_len = fit_model_len(config, model.spec.max_position_embeddings, num_blocks, rank)
+        positions = served_positions(path, model.spec.max_position_embeddings)
+        max_model_len = fit_model_len(config, positions, num_blocks, rank)
         eos = set(init.eos_token_ids)
         runner = build_runner(config, model, num_blocks, max_model_len, dtype, device, eos)
         runner.samples = rank == 0

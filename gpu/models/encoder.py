@@ -24,14 +24,6 @@ from gpu.attention.backend import AttentionMetadata
 from gpu.models.encoder_spec import EncoderSpec
 from gpu.models.layers import Embedding, Linear
 
-ACTIVATIONS = {
-    "gelu": F.gelu,
-    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "relu": F.relu,
-    "silu": F.silu,
-}
-
-
 class Embeddings(nn.Module):
     def __init__(self, spec: EncoderSpec, backend) -> None:
         super().__init__()
@@ -119,18 +111,17 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = (
-            part.view(t, self.num_heads, self.head_dim).transpose(0, 1)
-            for part in self.backend.linear(x, self.qkv).chunk(3, dim=-1)
-        )
-        outs, start = [], 0
+        q, k, v = self.backend.linear(x, self.qkv).view(t, 3, self.num_heads, -1).unbind(1)
+        o = torch.empty_like(q)
+        start = 0
         for n in meta.query_lens_cpu:  # each input attends to the whole of itself, no more
-            end = start + n
-            part = slice(start, end)
-            outs.append(F.scaled_dot_product_attention(q[:, part], k[:, part], v[:, part]))
-            start = end
-        o = torch.cat(outs, dim=1).transpose(0, 1).reshape(t, -1)
-        return self.output(o, x)
+            part = slice(start, start + n)
+            # [1, heads, n, head_dim] views: torch's fused CPU kernel takes 4-D inputs only
+            # (3-D ones fell to its unfused path, 1.75x slower)
+            q_, k_, v_ = (z[part].transpose(0, 1)[None] for z in (q, k, v))
+            o[part] = F.scaled_dot_product_attention(q_, k_, v_)[0].transpose(0, 1)
+            start += n
+        return self.output(o.view(t, -1), x)
 
 
 class Intermediate(nn.Module):
@@ -145,7 +136,7 @@ class Layer(nn.Module):
         self.attention = Attention(spec, backend)
         self.intermediate = Intermediate(spec, backend)
         self.output = Output(spec, backend, spec.intermediate_size)
-        self.act = ACTIVATIONS[spec.hidden_act]
+        self.backend, self.act = backend, spec.hidden_act
 
     def prepare(self) -> None:
         self.attention.prepare()
@@ -154,7 +145,7 @@ class Layer(nn.Module):
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x = self.attention(x, meta)
-        h = self.act(self.intermediate.dense(x))
+        h = self.backend.linear_act(x, self.intermediate.dense.w, self.act)
         return self.output(h, x)
 
 

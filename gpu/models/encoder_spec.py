@@ -21,11 +21,11 @@ ENCODERS: dict[str, tuple[str, str]] = {
     "XLMRobertaModel": ("roberta", ""),
     "XLMRobertaForSequenceClassification": ("roberta", "roberta"),
 }
-# hidden_act -> the activation's name in gpu/models/encoder.py ACTIVATIONS
+# hidden_act -> the activation's name in gpu/backend.py PLAIN_ACTIVATIONS
 ACTS = {
     "gelu": "gelu",
-    "gelu_new": "gelu_tanh",
-    "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu_new": "gelu_pytorch_tanh",
+    "gelu_pytorch_tanh": "gelu_pytorch_tanh",
     "relu": "relu",
     "silu": "silu",
 }

