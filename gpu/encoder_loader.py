@@ -1,4 +1,5 @@
-"""An encoder checkpoint (BERT, RoBERTa, XLM-RoBERTa: gpu/models/encoder.py) read into its model.
+"""An encoder checkpoint (BERT, RoBERTa, XLM-RoBERTa: gpu/models/encoder.py) read into its model,
+from safetensors or a GGUF file as llama.cpp's converter writes it ("bert": gpu/gguf_config.py).
 
 Its tensors load by name as a decoder's do (gpu/loader.py `Targets`), once a classifier's
 `bert.` / `roberta.` prefix is dropped and older checkpoints' LayerNorm `gamma` / `beta` are read
@@ -9,6 +10,7 @@ have is refused, as is a tensor it needs that the checkpoint lacks.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,9 +18,11 @@ import torch
 from safetensors import safe_open
 
 from core.config import CheckpointError
+from gpu.gguf_file import GgufCheckpoint, is_gguf
 from gpu.loader import Targets, weight_files
 from gpu.models.encoder import EncoderModel
 from gpu.models.encoder_spec import EncoderSpec
+from gpu.quant.tensor import BlockTensor
 
 PREFIXES = ("bert.", "roberta.")
 PRETRAINING = ("cls.", "lm_head.")  # masked-LM and next-sentence heads
@@ -56,12 +60,32 @@ def load_encoder(
         model = EncoderModel(spec, backend)
     model = model.to(compute).to_empty(device=device)
     targets = Targets(model)
-    for file in weight_files(path):
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for stored in f.keys():
-                name = checkpoint_name(stored, spec)
-                if name is not None and targets.wants(name):
-                    targets.place(name, f.get_tensor(stored))
+    for name, value in _tensors(path, spec):
+        if name is not None and targets.wants(name):
+            if name in targets.params and isinstance(value, BlockTensor):
+                value = value.dequantize()  # a 16-bit table, held by a torch module
+            targets.place(name, value)
     targets.check_complete()
     model.prepare()
     return model.eval()
+
+
+def _tensors(path: Path, spec: EncoderSpec) -> Iterator[tuple[str | None, Any]]:
+    """(the model's name, or None: not read; the tensor) of a safetensors checkpoint or a GGUF
+    file (gpu/gguf_file.py: its names already the model's, block formats as BlockTensors)."""
+    if not is_gguf(path):
+        for file in weight_files(path):
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for stored in f.keys():
+                    yield checkpoint_name(stored, spec), f.get_tensor(stored)
+        return
+    ckpt = GgufCheckpoint(path)
+    for name, value in ckpt.weights():
+        rows = spec.position_rows
+        if name == "embeddings.position_embeddings.weight" and value.shape[0] < rows:
+            # llama.cpp's converter leaves out RoBERTa's first pad + 1 rows (never read)
+            if isinstance(value, BlockTensor):
+                value = value.dequantize()
+            value = torch.cat([value.new_zeros(rows - value.shape[0], value.shape[1]), value])
+        yield name, value
+    ckpt.close()

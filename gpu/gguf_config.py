@@ -40,10 +40,57 @@ class HfConfigOf:
         made of it (`reranker`) where the file has a classification head. `weir_pooling`: the
         pooling kind the file names (`pooling_type`: mean, cls or last; None for none, or a
         reranker's rank), the embedding default (server/embedding_config.py)."""
-        config = self.decoder()
+        config = self.encoder() if self.arch == "bert" else self.decoder()
         kinds = {1: "mean", 2: "cls", 3: "last"}
         config.weir_pooling = kinds.get(int(self.get(f"{self.arch}.pooling_type", 0) or 0))
         return self.reranker(config) if RANK_HEAD in self.tensors else config
+
+    def encoder(self) -> Any:
+        """An encoder as llama.cpp's converter writes one ("bert"), told by its vocabulary:
+        BERT's WordPiece ("bert"), XLM-RoBERTa's SentencePiece ("t5"), RoBERTa's byte-level
+        BPE ("gpt2"). The RoBERTa family's first pad + 1 position rows, never read, are not in
+        the file: the config counts them (gpu/encoder_loader.py puts them back as zeros), so
+        positions are counted as transformers counts them. Its GELU is transformers' (llama.cpp
+        computes the tanh approximation). A causal one, or a classification head, is refused."""
+        from transformers import BertConfig, RobertaConfig, XLMRobertaConfig
+
+        kinds = {
+            "bert": (BertConfig, "BertModel"),
+            "t5": (XLMRobertaConfig, "XLMRobertaModel"),
+            "gpt2": (RobertaConfig, "RobertaModel"),
+        }
+        vocab = self.get("tokenizer.ggml.model", "bert")
+        heads = [n for n in (RANK_HEAD, "cls.weight") if n in self.tensors]
+        what = None
+        if heads:
+            what = f"a classification head ({heads[0]})"
+        elif vocab not in kinds:
+            what = f"a {vocab!r} vocabulary"
+        elif self.get("bert.attention.causal", False):
+            what = "causal attention"
+        if what is not None:
+            raise CheckpointError(
+                f"{self.path.name}: a GGUF encoder with {what} is not served (BERT, "
+                "XLM-RoBERTa and RoBERTa embedders: vocabularies bert, t5, gpt2)"
+            )
+        cls, arch = kinds[vocab]
+        bert = vocab == "bert"
+        pad = int(self.get("tokenizer.ggml.padding_token_id", 0 if bert else 1))
+        positions = int(self.get("bert.context_length"))
+        return cls(
+            architectures=[arch],
+            vocab_size=int(self.tensors["token_embd.weight"].shape[1]),
+            hidden_size=int(self.get("bert.embedding_length")),
+            num_hidden_layers=int(self.get("bert.block_count")),
+            num_attention_heads=int(self.get("bert.attention.head_count")),
+            intermediate_size=int(self.get("bert.feed_forward_length")),
+            max_position_embeddings=positions if bert else positions + pad + 1,
+            layer_norm_eps=float(self.get("bert.attention.layer_norm_epsilon")),
+            type_vocab_size=int(self.get("tokenizer.ggml.token_type_count", 2 if bert else 1)),
+            hidden_act="gelu",
+            pad_token_id=pad,
+            dtype=self._dtype(),
+        )
 
     def reranker(self, config: Any) -> Any:
         """A Qwen3 reranker as llama.cpp's converter writes one: `pooling_type` rank, its head

@@ -157,10 +157,17 @@ class GgufCheckpoint:
         for byte-level BPE, transformers' for the rest), with the file's chat template."""
         from transformers import AutoTokenizer
 
-        from gpu.gguf_tokenizer import build_byte_level, set_special_tokens
+        from gpu.gguf_tokenizer import (
+            build_byte_level,
+            build_unigram,
+            build_wordpiece,
+            set_special_tokens,
+        )
 
         try:
-            tok = build_byte_level(self.get)
+            tok = None
+            for build in (build_byte_level, build_wordpiece, build_unigram):
+                tok = build(self.get) if tok is None else tok
             if tok is None:
                 tok = AutoTokenizer.from_pretrained(str(self.path.parent), gguf_file=self.path.name)
                 set_special_tokens(tok, self.get)

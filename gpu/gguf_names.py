@@ -18,6 +18,9 @@ ARCHES = {
     "gpt-oss": "GptOssForCausalLM",
     "olmo2": "Olmo2ForCausalLM",  # an "olmo2" file with a window is OLMo 3 (gpu/gguf_file.py)
     "olmoe": "OlmoeForCausalLM",
+    # an encoder (gpu/models/encoder.py): BERT, or XLM-RoBERTa / RoBERTa by its vocabulary
+    # (gpu/gguf_config.py `encoder`)
+    "bert": "BertModel",
 }
 # A "llama" file with experts is a Mixtral (llama.cpp's converter writes it so).
 
@@ -76,6 +79,23 @@ _NAMES = {  # an architecture's layer names where they are not Llama's
 }
 TOP_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 _TOP_HF = {v: k for k, v in TOP_NAMES.items()}
+# An encoder's (llama.cpp's "bert"): GGUF's names -> transformers' (under encoder.layer.N.)
+ENCODER_TOP = {
+    "token_embd": "embeddings.word_embeddings",
+    "position_embd": "embeddings.position_embeddings",
+    "token_types": "embeddings.token_type_embeddings",
+    "token_embd_norm": "embeddings.LayerNorm",
+}
+ENCODER_LAYER = {
+    "attn_q": "attention.self.query",
+    "attn_k": "attention.self.key",
+    "attn_v": "attention.self.value",
+    "attn_output": "attention.output.dense",
+    "attn_output_norm": "attention.output.LayerNorm",
+    "ffn_up": "intermediate.dense",
+    "ffn_down": "output.dense",
+    "layer_output_norm": "output.LayerNorm",
+}
 
 
 def _layer_names(arch: str) -> dict[str, str]:
@@ -98,8 +118,15 @@ def gguf_name(hf_name: str, arch: str = "llama") -> str:
 
 def hf_name(name: str, arch: str = "llama") -> str | None:
     """blk.3.ffn_up.weight -> model.layers.3.mlp.up_proj.weight (a Phi-3 file's ffn_up:
-    mlp.gate_up_proj); None for a tensor weir has no module for."""
+    mlp.gate_up_proj; an encoder's: encoder.layer.3.intermediate.dense.weight); None for a
+    tensor weir has no module for."""
     stem, _, kind = name.rpartition(".")
+    if arch == "bert":
+        parts = stem.split(".")
+        if stem in ENCODER_TOP:
+            return f"{ENCODER_TOP[stem]}.{kind}"
+        layer = ENCODER_LAYER.get(parts[-1]) if len(parts) == 3 and parts[0] == "blk" else None
+        return f"encoder.layer.{parts[1]}.{layer}.{kind}" if layer and parts[1].isdigit() else None
     if stem in _TOP_HF:
         return f"{_TOP_HF[stem]}.{kind}"
     parts = stem.split(".")

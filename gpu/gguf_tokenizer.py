@@ -146,6 +146,98 @@ def build_byte_level(get: Callable[[str, Any], Any]) -> Any | None:
     return fast
 
 
+def build_wordpiece(get: Callable[[str, Any], Any]) -> Any | None:
+    """A PreTrainedTokenizerFast for BERT's WordPiece vocabulary ("bert"), else None. llama.cpp's
+    converter writes a word's first piece with a phantom space ("▁play") and a continuation
+    bare ("ing", transformers' "##ing"), control tokens as they are: undone here, and rebuilt
+    as transformers builds BERT's: its normalizer (lowercased unless the file says not), its
+    split, [CLS] A [SEP] and [CLS] A [SEP] B [SEP] with B of token type 1."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers
+    from tokenizers import processors
+    from transformers import PreTrainedTokenizerFast
+
+    if get("tokenizer.ggml.model", None) != "bert":
+        return None
+    tokens = list(get("tokenizer.ggml.tokens", None))
+    types = list(get("tokenizer.ggml.token_type", None) or [1] * len(tokens))
+    vocab: dict[str, int] = {}
+    for i, (text, kind) in enumerate(zip(tokens, types)):
+        if kind != _CONTROL:
+            text = text[1:] if text.startswith("▁") else "##" + text
+        vocab.setdefault(text, i)
+    specials = special_tokens(get, tokens)
+    # (the converter writes [CLS] as BOS and [SEP] as EOS and as the separator: its spelling)
+    cls = tokens[int(get("tokenizer.ggml.bos_token_id", vocab.get("[CLS]", 101)))]
+    sep = tokens[int(get("tokenizer.ggml.seperator_token_id", vocab.get("[SEP]", 102)))]
+    tok = Tokenizer(models.WordPiece(vocab, unk_token=specials.get("unk_token", "[UNK]")))
+    lower = bool(get("tokenizer.ggml.normalizer.lowercase", True))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=lower)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece()
+    tok.add_special_tokens(
+        [AddedToken(t, normalized=False) for t, k in zip(tokens, types) if k == _CONTROL]
+    )
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{cls} $A {sep}",
+        pair=f"{cls} $A {sep} $B:1 {sep}:1",
+        special_tokens=[(cls, vocab[cls]), (sep, vocab[sep])],
+    )
+    mask = get("tokenizer.ggml.mask_token_id", None)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        cls_token=cls,
+        sep_token=sep,
+        mask_token=tokens[int(mask)] if mask is not None else None,
+        **{k: v for k, v in specials.items() if k in ("unk_token", "pad_token")},
+    )
+
+
+def build_unigram(get: Callable[[str, Any], Any]) -> Any | None:
+    """A PreTrainedTokenizerFast for XLM-RoBERTa's SentencePiece vocabulary ("t5": pieces and
+    their scores), else None, as transformers 5 converts XLM-RoBERTa's SentencePiece model: the
+    file's precompiled normalization, the text split at whitespace where the file removes
+    extra whitespace, a phantom space before each word unless it says not, <s> A </s> and <s>
+    A </s></s> B </s>."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers
+    from tokenizers import processors
+    from transformers import PreTrainedTokenizerFast
+
+    if get("tokenizer.ggml.model", None) != "t5":
+        return None
+    tokens = list(get("tokenizer.ggml.tokens", None))
+    types = list(get("tokenizer.ggml.token_type", None) or [1] * len(tokens))
+    scores = list(get("tokenizer.ggml.scores", None) or [0.0] * len(tokens))
+    unk = int(get("tokenizer.ggml.unknown_token_id", 3))
+    tok = Tokenizer(models.Unigram(list(zip(tokens, map(float, scores))), unk_id=unk))
+    charsmap = get("tokenizer.ggml.precompiled_charsmap", None)
+    if charsmap:
+        tok.normalizer = normalizers.Precompiled(bytes(int(b) & 0xFF for b in charsmap))
+    prepend = "always" if get("tokenizer.ggml.add_space_prefix", True) else "never"
+    split = pre_tokenizers.Metaspace(prepend_scheme=prepend)
+    if get("tokenizer.ggml.remove_extra_whitespaces", True):  # no leading, trailing or double
+        split = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(), split])
+    tok.pre_tokenizer = split
+    tok.decoder = decoders.Metaspace(prepend_scheme=prepend)
+    tok.add_special_tokens(
+        [AddedToken(t, normalized=False) for t, k in zip(tokens, types) if k == _CONTROL]
+    )
+    specials = special_tokens(get, tokens)
+    bos, eos = specials.get("bos_token", "<s>"), specials.get("eos_token", "</s>")
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A {eos}",
+        pair=f"{bos} $A {eos} {eos} $B {eos}",
+        special_tokens=[(bos, tokens.index(bos)), (eos, tokens.index(eos))],
+    )
+    mask = get("tokenizer.ggml.mask_token_id", None)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        cls_token=bos,
+        sep_token=eos,
+        mask_token=tokens[int(mask)] if mask is not None else None,
+        **specials,
+    )
+
+
 def special_tokens(get: Callable[[str, Any], Any], tokens: list[str]) -> dict[str, str]:
     """bos/eos/unk/pad tokens by the file's ids (those it names and that exist)."""
     out = {}
