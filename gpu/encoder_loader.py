@@ -1,11 +1,13 @@
-"""An encoder checkpoint (BERT, RoBERTa, XLM-RoBERTa: gpu/models/encoder.py) read into its model,
-from safetensors or a GGUF file as llama.cpp's converter writes it ("bert": gpu/gguf_config.py).
+"""An encoder checkpoint (BERT, RoBERTa, XLM-RoBERTa: gpu/models/encoder.py; ModernBERT:
+gpu/models/modernbert.py) read into its model, from safetensors or a GGUF file as llama.cpp's
+converter writes it ("bert": gpu/gguf_config.py).
 
 Its tensors load by name as a decoder's do (gpu/loader.py `Targets`), once a classifier's
-`bert.` / `roberta.` prefix is dropped and older checkpoints' LayerNorm `gamma` / `beta` are read
-as `weight` / `bias`. What no served path reads is skipped by name: pretraining heads (`cls.`,
-`lm_head.`) and, in an embedding model, BERT's pooler; any other tensor the model does not
-have is refused, as is a tensor it needs that the checkpoint lacks.
+`bert.` / `roberta.` / `model.` prefix is dropped and older checkpoints' LayerNorm `gamma` /
+`beta` are read as `weight` / `bias`. What no served path reads is skipped by name: pretraining
+heads (`cls.`, `lm_head.`, a ModernBERT embedder's masked-LM `head.` and `decoder.`) and, in an
+embedding model, BERT's pooler; any other tensor the model does not have is refused, as is a
+tensor it needs that the checkpoint lacks.
 """
 
 from __future__ import annotations
@@ -22,9 +24,10 @@ from gpu.gguf_file import GgufCheckpoint, is_gguf
 from gpu.loader import Targets, weight_files
 from gpu.models.encoder import EncoderModel
 from gpu.models.encoder_spec import EncoderSpec
+from gpu.models.modernbert import ModernBertModel
 from gpu.quant.tensor import BlockTensor
 
-PREFIXES = ("bert.", "roberta.")
+PREFIXES = ("bert.", "roberta.", "model.")  # a classifier's encoder (ModernBERT's: model.)
 PRETRAINING = ("cls.", "lm_head.")  # masked-LM and next-sentence heads
 BUFFERS = ("embeddings.position_ids", "embeddings.token_type_ids")  # saved by older versions
 
@@ -40,6 +43,8 @@ def checkpoint_name(stored: str, spec: EncoderSpec) -> str | None:
         return None
     if name.startswith("pooler.") and spec.head != "bert":
         return None  # an embedding model's pooler (only BERT's classifier reads it)
+    if name.startswith(("head.", "decoder.")) and spec.family == "modernbert" and not spec.head:
+        return None  # a ModernBERT embedder saved with its masked-LM head
     if name.endswith(".gamma"):
         return name[: -len("gamma")] + "weight"
     if name.endswith(".beta"):
@@ -49,7 +54,7 @@ def checkpoint_name(stored: str, spec: EncoderSpec) -> str | None:
 
 def load_encoder(
     path: Path, config: Any, dtype: torch.dtype, device: torch.device, backend
-) -> EncoderModel:
+) -> EncoderModel | ModernBertModel:
     """The encoder built on `backend`, its weights read and prepared (in `dtype` unless the
     backend keeps them as the checkpoint holds them)."""
     spec = EncoderSpec.from_hf_config(config)
@@ -57,7 +62,7 @@ def load_encoder(
         raise CheckpointError(f"{spec.architecture}: quantized encoder checkpoints are not served")
     compute = backend.bind(device, dtype)
     with torch.device("meta"):
-        model = EncoderModel(spec, backend)
+        model = (ModernBertModel if spec.family == "modernbert" else EncoderModel)(spec, backend)
     model = model.to(compute).to_empty(device=device)
     targets = Targets(model)
     for name, value in _tensors(path, spec):

@@ -78,6 +78,32 @@ def xlmr_tokenizer(vocab_size: int = 600):
     )
 
 
+def modernbert_tokenizer(vocab_size: int = 600):
+    """Byte-level BPE (as ModernBERT's, OLMo's) with BERT's special tokens and template."""
+    from tokenizers import AddedToken, processors
+    from transformers import PreTrainedTokenizerFast
+
+    from gpu.tiny_model import train_tokenizer
+
+    base = train_tokenizer(vocab_size).backend_tokenizer
+    base.add_special_tokens([AddedToken(t, normalized=False) for t in BERT_SPECIAL])
+    cls, sep = base.token_to_id("[CLS]"), base.token_to_id("[SEP]")
+    base.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]",
+        pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", cls), ("[SEP]", sep)],
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=base,
+        unk_token="[UNK]",
+        sep_token="[SEP]",
+        pad_token="[PAD]",
+        cls_token="[CLS]",
+        mask_token="[MASK]",
+        model_max_length=512,
+    )
+
+
 def build_encoder(
     path: str | Path,
     family: str = "bert",
@@ -93,15 +119,19 @@ def build_encoder(
     seed: int = 0,
     vocab_size: int | None = None,
 ) -> Path:
-    """A random-weight encoder of `family` ("bert" or "xlm-roberta") written to `path`: an
-    embedding model (BertModel, XLMRobertaModel) whose sentence-transformers files name
-    `pooling` (None: no such files), or, with `num_labels`, a sequence classifier.
-    `vocab_size`: embedding rows beyond the tokenizer's (a real model's table, for
-    benchmarks)."""
+    """A random-weight encoder of `family` ("bert", "xlm-roberta" or "modernbert") written to
+    `path`: an embedding model (BertModel, XLMRobertaModel, ModernBertModel) whose
+    sentence-transformers files name `pooling` (None: no such files), or, with `num_labels`, a
+    sequence classifier. `vocab_size`: embedding rows beyond the tokenizer's (a real model's
+    table, for benchmarks). ModernBERT: every third layer global (the first), the others local
+    with a window of 8 (4 either way), its classifier pooling `pooling` (cls or mean)."""
     from transformers import (
         BertConfig,
         BertForSequenceClassification,
         BertModel,
+        ModernBertConfig,
+        ModernBertForSequenceClassification,
+        ModernBertModel,
         XLMRobertaConfig,
         XLMRobertaForSequenceClassification,
         XLMRobertaModel,
@@ -111,7 +141,8 @@ def build_encoder(
     path.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
     bert = family == "bert"
-    tokenizer = bert_tokenizer() if bert else xlmr_tokenizer()
+    builders = {"bert": bert_tokenizer, "xlm-roberta": xlmr_tokenizer}
+    tokenizer = builders.get(family, modernbert_tokenizer)()
     common = dict(
         vocab_size=max(vocab_size or 0, len(tokenizer)),
         hidden_size=hidden_size,
@@ -125,6 +156,19 @@ def build_encoder(
     if bert:
         config = BertConfig(**common, max_position_embeddings=max_position_embeddings)
         classes = BertModel, BertForSequenceClassification
+    elif family == "modernbert":
+        common["hidden_activation"] = common.pop("hidden_act")
+        config = ModernBertConfig(
+            **common,
+            max_position_embeddings=max_position_embeddings,
+            local_attention=8,
+            cls_token_id=tokenizer.cls_token_id,
+            sep_token_id=tokenizer.sep_token_id,
+            bos_token_id=tokenizer.cls_token_id,
+            eos_token_id=tokenizer.sep_token_id,
+            classifier_pooling=pooling or "cls",
+        )
+        classes = ModernBertModel, ModernBertForSequenceClassification
     else:  # RoBERTa's positions start past the padding id: two rows more
         config = XLMRobertaConfig(
             **common,
@@ -141,7 +185,7 @@ def build_encoder(
         model = classes[0](config)
     with torch.no_grad():  # LayerNorms drawn too, so that a wrong norm shows
         for name, p in model.named_parameters():
-            if "LayerNorm" in name:
+            if "LayerNorm" in name or "norm." in name:
                 p.copy_(torch.randn_like(p) * 0.3 + (1.0 if name.endswith("weight") else 0.0))
     model.eval().save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)

@@ -189,10 +189,11 @@ class CpuBackend(OneDnnBackend):
         return super().linear(x, w, residual)
 
     def prepare_mlp(self, gate, up, down, act: str) -> tuple[Any, Any]:
-        if self.matmul != "weir":
+        g, u = self._source(gate[0]), self._source(up[0])
+        floats = isinstance(g, torch.Tensor) and isinstance(u, torch.Tensor)
+        if self.matmul != "weir" or (self.prefill and floats):
             return super().prepare_mlp(gate, up, down, act)
         bias_free = gate[1] is None and up[1] is None and down[1] is None
-        g, u = self._source(gate[0]), self._source(up[0])
         same = (
             isinstance(g, torch.Tensor)
             and isinstance(u, torch.Tensor)

@@ -112,16 +112,29 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.backend.linear(x, self.qkv).view(t, 3, self.num_heads, -1).unbind(1)
-        o = torch.empty_like(q)
-        start = 0
-        for n in meta.query_lens_cpu:  # each input attends to the whole of itself, no more
-            part = slice(start, start + n)
-            # [1, heads, n, head_dim] views: torch's fused CPU kernel takes 4-D inputs only
-            # (3-D ones fell to its unfused path, 1.75x slower)
-            q_, k_, v_ = (z[part].transpose(0, 1)[None] for z in (q, k, v))
-            o[part] = F.scaled_dot_product_attention(q_, k_, v_)[0].transpose(0, 1)
-            start += n
-        return self.output(o.view(t, -1), x)
+        return self.output(bidirectional(q, k, v, meta.query_lens_cpu).view(t, -1), x)
+
+
+def bidirectional(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int], window: int = 0
+) -> torch.Tensor:
+    """Attention of [tokens, heads, head_dim] Q/K/V where each input (of `lengths`, one after
+    another) attends to the whole of itself and nothing else; with `window`, a token only to
+    those at most `window` positions away either way (ModernBERT's local layers)."""
+    o = torch.empty_like(q)
+    start = 0
+    for n in lengths:
+        part = slice(start, start + n)
+        # [1, heads, n, head_dim] views: torch's fused CPU kernel takes 4-D inputs only (3-D
+        # ones fell to its unfused path, 1.75x slower)
+        q_, k_, v_ = (z[part].transpose(0, 1)[None] for z in (q, k, v))
+        mask = None
+        if window and n > window + 1:
+            i = torch.arange(n, device=q.device)
+            mask = (i[:, None] - i[None, :]).abs() <= window
+        o[part] = F.scaled_dot_product_attention(q_, k_, v_, attn_mask=mask)[0].transpose(0, 1)
+        start += n
+    return o
 
 
 class Intermediate(nn.Module):

@@ -1,6 +1,6 @@
-"""EncoderSpec: what a BERT-family encoder (BERT, RoBERTa, XLM-RoBERTa) needs, read from its
-Hugging Face config. Such a model attends both ways over a whole input, so it embeds and
-classifies; it never generates (gpu/models/encoder.py)."""
+"""EncoderSpec: what an encoder (BERT, RoBERTa, XLM-RoBERTa: gpu/models/encoder.py; ModernBERT:
+gpu/models/modernbert.py) needs, read from its Hugging Face config. Such a model attends both
+ways over a whole input, so it embeds and classifies; it never generates."""
 
 from __future__ import annotations
 
@@ -9,10 +9,12 @@ from typing import Any
 
 from core.config import CheckpointError
 
-# Architecture -> (family, head). The family says how positions are counted (RoBERTa's start
-# past its padding id); the head is what a classifier puts its first token's row through:
-# BERT's pooler (dense, tanh) then `classifier`, RoBERTa's `classifier.dense`, tanh, then
-# `classifier.out_proj`; "" for an embedding model (its pooler, if any, is not read).
+# Architecture -> (family, head). The family says which layer it is and how positions count
+# (RoBERTa's start past its padding id; ModernBERT's rotate); the head is what a classifier puts
+# its first token's row through: BERT's pooler (dense, tanh) then `classifier`, RoBERTa's
+# `classifier.dense`, tanh, then `classifier.out_proj`, ModernBERT's `head` (dense, act,
+# norm) over its CLS row or mean then `classifier`; "" for an embedding model (its pooler, if
+# any, is not read).
 ENCODERS: dict[str, tuple[str, str]] = {
     "BertModel": ("bert", ""),
     "BertForSequenceClassification": ("bert", "bert"),
@@ -20,6 +22,8 @@ ENCODERS: dict[str, tuple[str, str]] = {
     "RobertaForSequenceClassification": ("roberta", "roberta"),
     "XLMRobertaModel": ("roberta", ""),
     "XLMRobertaForSequenceClassification": ("roberta", "roberta"),
+    "ModernBertModel": ("modernbert", ""),
+    "ModernBertForSequenceClassification": ("modernbert", "modernbert"),
 }
 # hidden_act -> the activation's name in gpu/backend.py PLAIN_ACTIVATIONS
 ACTS = {
@@ -40,8 +44,8 @@ def encoder_architecture(config: Any) -> str | None:
 @dataclass(frozen=True)
 class EncoderSpec:
     architecture: str
-    family: str  # bert, roberta
-    head: str  # "" (embeddings), bert, roberta: see ENCODERS
+    family: str  # bert, roberta, modernbert
+    head: str  # "" (embeddings), bert, roberta, modernbert: see ENCODERS
     vocab_size: int
     hidden_size: int
     num_layers: int
@@ -51,10 +55,24 @@ class EncoderSpec:
     layer_norm_eps: float
     hidden_act: str  # an ACTS value
     max_position_embeddings: int  # the positions served (RoBERTa's: the table less its offset)
-    position_rows: int  # the position table's rows
+    position_rows: int  # the position table's rows (ModernBERT: none, it rotates)
     pad_token_id: int  # RoBERTa's positions count the tokens that are not this one
     type_vocab_size: int  # BERT's segments (a pair's second text is type 1); RoBERTa's: 1
     num_labels: int = 0  # a classifier's (0: an embedding model)
+    # ModernBERT's: biases on the norms, on attention's products and on the MLP's; the
+    # rotation's bases for the global and the local layers, which layers are local, and how far
+    # a local layer's token sees (|i - j| <= window); its classifier's pooling (cls, mean), head
+    # bias and activation
+    norm_bias: bool = True
+    attention_bias: bool = True
+    mlp_bias: bool = True
+    rope_theta: float = 0.0
+    local_rope_theta: float = 0.0
+    local_layers: tuple[bool, ...] = ()
+    window: int = 0
+    classifier_pooling: str = "cls"
+    classifier_bias: bool = True
+    classifier_act: str = "gelu"
 
     @classmethod
     def from_hf_config(cls, config: Any) -> EncoderSpec:
@@ -65,30 +83,13 @@ class EncoderSpec:
         for flag in ("is_decoder", "add_cross_attention"):
             if getattr(config, flag, False):
                 raise CheckpointError(f"{arch} with {flag} is not served (weir serves encoders)")
-        kind = getattr(config, "position_embedding_type", None) or "absolute"
-        if kind != "absolute":
-            raise CheckpointError(
-                f"{arch} with position_embedding_type {kind!r} is not served (absolute only)"
-            )
-        act = str(getattr(config, "hidden_act", "gelu"))
-        if act not in ACTS:
-            raise CheckpointError(
-                f"{arch} with hidden_act {act!r} is not served ({', '.join(ACTS)})"
-            )
         labels = int(getattr(config, "num_labels", 0) or 0) if head else 0
         if head and labels < 1:
             raise CheckpointError(f"{arch} with {labels} labels")
         heads = int(config.num_attention_heads)
         if config.hidden_size % heads:
             raise CheckpointError(f"{arch}: hidden_size {config.hidden_size} over {heads} heads")
-        rows = int(config.max_position_embeddings)
-        pad = getattr(config, "pad_token_id", None)
-        pad = int(pad if pad is not None else (1 if family == "roberta" else 0))
-        # RoBERTa counts positions from padding_idx + 1 (its first rows are never read)
-        served = rows - (pad + 1) if family == "roberta" else rows
-        if served < 1:
-            raise CheckpointError(f"{arch}: {rows} positions with padding id {pad}")
-        return cls(
+        common = dict(
             architecture=arch,
             family=family,
             head=head,
@@ -98,11 +99,81 @@ class EncoderSpec:
             num_heads=heads,
             head_dim=int(config.hidden_size) // heads,
             intermediate_size=int(config.intermediate_size),
-            layer_norm_eps=float(getattr(config, "layer_norm_eps", 1e-12)),
-            hidden_act=ACTS[act],
-            max_position_embeddings=served,
-            position_rows=rows,
-            pad_token_id=pad,
-            type_vocab_size=int(getattr(config, "type_vocab_size", 0) or 0),
             num_labels=labels,
         )
+        if family == "modernbert":
+            return cls(**common, **_modernbert(config, arch))
+        return cls(**common, **_bert(config, arch, family))
+
+
+def _act(arch: str, name: str, what: str = "hidden_act") -> str:
+    if name not in ACTS:
+        raise CheckpointError(f"{arch} with {what} {name!r} is not served ({', '.join(ACTS)})")
+    return ACTS[name]
+
+
+def _bert(config: Any, arch: str, family: str) -> dict[str, Any]:
+    """BERT's and the RoBERTa family's fields: learned positions (RoBERTa's past its padding
+    id), token types, post-norm layers with biases."""
+    kind = getattr(config, "position_embedding_type", None) or "absolute"
+    if kind != "absolute":
+        raise CheckpointError(
+            f"{arch} with position_embedding_type {kind!r} is not served (absolute only)"
+        )
+    rows = int(config.max_position_embeddings)
+    pad = getattr(config, "pad_token_id", None)
+    pad = int(pad if pad is not None else (1 if family == "roberta" else 0))
+    # RoBERTa counts positions from padding_idx + 1 (its first rows are never read)
+    served = rows - (pad + 1) if family == "roberta" else rows
+    if served < 1:
+        raise CheckpointError(f"{arch}: {rows} positions with padding id {pad}")
+    return dict(
+        layer_norm_eps=float(getattr(config, "layer_norm_eps", 1e-12)),
+        hidden_act=_act(arch, str(getattr(config, "hidden_act", "gelu"))),
+        max_position_embeddings=served,
+        position_rows=rows,
+        pad_token_id=pad,
+        type_vocab_size=int(getattr(config, "type_vocab_size", 0) or 0),
+    )
+
+
+def _modernbert(config: Any, arch: str) -> dict[str, Any]:
+    """ModernBERT's fields: rotated positions (a base for global and one for local layers),
+    local layers that see `local_attention // 2` tokens either way, pre-norm layers, a gated
+    MLP, no token types; its classifier's pooling and head."""
+    rope = getattr(config, "rope_parameters", None) or {}
+    thetas = {}
+    for kind in ("full_attention", "sliding_attention"):
+        params = rope.get(kind) or {}
+        if params.get("rope_type", "default") != "default":
+            raise CheckpointError(f"{arch} with {kind} rope {params.get('rope_type')!r}")
+        default = 160_000.0 if kind == "full_attention" else 10_000.0
+        thetas[kind] = float(params.get("rope_theta", default))
+    types = list(getattr(config, "layer_types", None) or [])
+    if len(types) != int(config.num_hidden_layers):
+        raise CheckpointError(f"{arch}: {len(types)} layer_types for {config.num_hidden_layers}")
+    pooling = str(getattr(config, "classifier_pooling", "cls"))
+    if pooling not in ("cls", "mean"):
+        raise CheckpointError(f"{arch} with classifier_pooling {pooling!r} is not served")
+    return dict(
+        layer_norm_eps=float(getattr(config, "norm_eps", 1e-5)),
+        hidden_act=_act(
+            arch, str(getattr(config, "hidden_activation", "gelu")), "hidden_activation"
+        ),
+        max_position_embeddings=int(config.max_position_embeddings),
+        position_rows=0,
+        pad_token_id=int(getattr(config, "pad_token_id", 0) or 0),
+        type_vocab_size=0,
+        norm_bias=bool(getattr(config, "norm_bias", False)),
+        attention_bias=bool(getattr(config, "attention_bias", False)),
+        mlp_bias=bool(getattr(config, "mlp_bias", False)),
+        rope_theta=thetas["full_attention"],
+        local_rope_theta=thetas["sliding_attention"],
+        local_layers=tuple(t == "sliding_attention" for t in types),
+        window=int(getattr(config, "local_attention", 128)) // 2,
+        classifier_pooling=pooling,
+        classifier_bias=bool(getattr(config, "classifier_bias", False)),
+        classifier_act=_act(
+            arch, str(getattr(config, "classifier_activation", "gelu")), "classifier_activation"
+        ),
+    )
