@@ -110,31 +110,46 @@ def run_server(path: str, data: list[list[int]], threads: int, port: int = 8712)
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    url = f"http://127.0.0.1:{port}"
     try:
-        for _ in range(600):
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        body = {"input": data[:20], "encoding_format": "base64"}
-        httpx.post(url + "/v1/embeddings", json=body, timeout=600).raise_for_status()
-        t = time.perf_counter()
-        r = httpx.post(
-            url + "/v1/embeddings", json={**body, "input": data}, timeout=3600
-        ).raise_for_status()
-        elapsed = time.perf_counter() - t
-        assert len(r.json()["data"]) == len(data)
-        base64.b64decode(r.json()["data"][0]["embedding"])
-        return elapsed
+        return time_server(proc, f"http://127.0.0.1:{port}", data)
     finally:
         proc.terminate()
         proc.wait(60)
 
 
-def run_transformers(model, data: list[list[int]], batch: int) -> tuple[float, list]:
+def time_server(proc, url: str, data: list[list[int]], model: str | None = None) -> float:
+    """Seconds for one /v1/embeddings request of every input (base64) at `url`, once the
+    server `proc` answers /health (6 minutes at most) and has embedded a warm-up request."""
+    for _ in range(1800):
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited ({proc.returncode}) before it answered")
+        time.sleep(0.2)
+    body = {"input": data[:20], "encoding_format": "base64", **({"model": model} if model else {})}
+    httpx.post(url + "/v1/embeddings", json=body, timeout=600).raise_for_status()
+    t = time.perf_counter()
+    r = httpx.post(url + "/v1/embeddings", json={**body, "input": data}, timeout=3600)
+    elapsed = time.perf_counter() - t
+    r.raise_for_status()
+    assert len(r.json()["data"]) == len(data)
+    base64.b64decode(r.json()["data"][0]["embedding"])
+    return elapsed
+
+
+def last_token(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Each padded row's last real token's state."""
+    return hidden[torch.arange(len(hidden)), mask.sum(1) - 1]
+
+
+def run_transformers(
+    model, data: list[list[int]], batch: int, pool=last_token
+) -> tuple[float, list]:
+    """`data` through `model` in padded batches sorted by length, as sentence-transformers
+    encodes; `pool(hidden, mask)` gives each row's vector (normalised after)."""
     order = sorted(range(len(data)), key=lambda i: -len(data[i]))  # as sentence-transformers
     out: list = [None] * len(data)
     t = time.perf_counter()
@@ -148,8 +163,7 @@ def run_transformers(model, data: list[list[int]], batch: int) -> tuple[float, l
                 ids[row, : len(data[i])] = torch.tensor(data[i])
                 mask[row, : len(data[i])] = 1
             hidden = model(input_ids=ids, attention_mask=mask).last_hidden_state
-            last = mask.sum(1) - 1
-            vectors = F.normalize(hidden[torch.arange(len(idx)), last].float(), dim=-1)
+            vectors = F.normalize(pool(hidden, mask).float(), dim=-1)
             for row, i in enumerate(idx):
                 out[i] = vectors[row]
     return time.perf_counter() - t, out

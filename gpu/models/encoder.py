@@ -181,16 +181,37 @@ class RobertaHead(nn.Module):  # RoBERTa's classifier: dense, tanh, out_proj
         self.out_proj = nn.Linear(spec.hidden_size, spec.num_labels)
 
 
-class EncoderModel(nn.Module):
-    """An encoder on `backend`; with a head (spec.head), a sequence classifier."""
+class Encoding(nn.Module):
+    """What the runner (gpu/runner.py) reads of an encoder, this one's or ModernBERT's
+    (gpu/models/modernbert.py): it pools and never generates, each input whole in a step;
+    `classifier` is its head's last product (None: an embedding model)."""
 
-    pooling_only = True  # it embeds and classifies; it never generates
-    tp = None  # (tensor parallelism is refused for encoders)
+    pooling_only = True
+    tp = None  # (tensor parallelism, LoRA and the one-call stack are refused for encoders)
+    lora = None
+    stack = None
+    classifier: nn.Module | None
 
     def __init__(self, spec: EncoderSpec, backend) -> None:
         super().__init__()
         self.spec = self.local_spec = spec
         self.backend = backend
+
+    @property
+    def classifies(self) -> bool:
+        return self.classifier is not None
+
+    @staticmethod
+    def check_whole(meta: AttentionMetadata) -> None:
+        if meta.query_lens_cpu != meta.seq_lens_cpu:
+            raise ValueError("an encoder's inputs are run whole, in one step each")
+
+
+class EncoderModel(Encoding):
+    """An encoder on `backend`; with a head (spec.head), a sequence classifier."""
+
+    def __init__(self, spec: EncoderSpec, backend) -> None:
+        super().__init__(spec, backend)
         self.embeddings = Embeddings(spec, backend)
         self.encoder = Encoder(spec, backend)
         self.pooler = Pooler(spec) if spec.head == "bert" else None
@@ -200,8 +221,6 @@ class EncoderModel(nn.Module):
             self.classifier = RobertaHead(spec)
         else:
             self.classifier = None
-        self.lora = None
-        self.stack = None
 
     def prepare(self) -> None:
         """After loading: each product in the backend's form; the head in float32."""
@@ -222,8 +241,7 @@ class EncoderModel(nn.Module):
         """The final hidden states [tokens, hidden] of the step's inputs, each whole (its
         positions from 0: what the scheduler gives an encoder); `type_starts`: where each
         input's second segment starts (BERT's pairs; None: one text)."""
-        if meta.query_lens_cpu != meta.seq_lens_cpu:
-            raise ValueError("an encoder's inputs are run whole, in one step each")
+        self.check_whole(meta)
         types = None
         if type_starts is not None and self.spec.type_vocab_size > 1:
             types = token_types(meta.query_lens_cpu, type_starts)
@@ -233,10 +251,6 @@ class EncoderModel(nn.Module):
         for layer in self.encoder.layer:
             x = layer(x, meta)
         return x
-
-    @property
-    def classifies(self) -> bool:
-        return self.classifier is not None
 
     def classify(self, rows: torch.Tensor) -> torch.Tensor:
         """A classifier's raw logits [labels] for one input's final rows (its first token's:

@@ -23,7 +23,7 @@ from torch import nn
 
 from gpu.attention.backend import AttentionMetadata
 from gpu.backend import PLAIN_ACTIVATIONS
-from gpu.models.encoder import bidirectional
+from gpu.models.encoder import Encoding, bidirectional
 from gpu.models.encoder_spec import EncoderSpec
 from gpu.models.layers import Embedding, Linear
 
@@ -127,16 +127,11 @@ def rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos[:, None, :] + turned * sin[:, None, :]
 
 
-class ModernBertModel(nn.Module):
+class ModernBertModel(Encoding):
     """ModernBERT on `backend`; with a head (spec.head), a sequence classifier."""
 
-    pooling_only = True  # it embeds and classifies; it never generates
-    tp = None  # (tensor parallelism is refused for encoders)
-
     def __init__(self, spec: EncoderSpec, backend) -> None:
-        super().__init__()
-        self.spec = self.local_spec = spec
-        self.backend = backend
+        super().__init__(spec, backend)
         self.embeddings = Embeddings(spec, backend)
         self.layers = nn.ModuleList(Layer(spec, backend, i) for i in range(spec.num_layers))
         self.final_norm = _norm(spec)
@@ -144,8 +139,6 @@ class ModernBertModel(nn.Module):
         self.head = Head(spec) if classifier else None
         self.classifier = nn.Linear(spec.hidden_size, spec.num_labels) if classifier else None
         self.freqs: dict[bool, torch.Tensor] = {}  # local or not -> the rotation's frequencies
-        self.lora = None
-        self.stack = None
 
     def prepare(self) -> None:
         """After loading: each product in the backend's form; the head in float32; the
@@ -170,8 +163,7 @@ class ModernBertModel(nn.Module):
     ) -> torch.Tensor:
         """The final hidden states [tokens, hidden] of the step's inputs, each whole (its
         positions from 0); ModernBERT has no token types (`type_starts` is not read)."""
-        if meta.query_lens_cpu != meta.seq_lens_cpu:
-            raise ValueError("an encoder's inputs are run whole, in one step each")
+        self.check_whole(meta)
         norm = self.embeddings.norm
         x = norm(self.embeddings.tok_embeddings(input_ids).to(norm.weight.dtype))
         rotations = {}
@@ -182,10 +174,6 @@ class ModernBertModel(nn.Module):
         for layer in self.layers:
             x = layer(x, rotations, meta)
         return self.final_norm(x)
-
-    @property
-    def classifies(self) -> bool:
-        return self.classifier is not None
 
     def classify(self, rows: torch.Tensor) -> torch.Tensor:
         """A classifier's raw logits [labels] for one input's final rows: its CLS row or their
