@@ -9,13 +9,16 @@ embedding models are fed), mean pooling, normalised, float32, every core:
 - transformers: `AutoModel` with the inputs sorted by length and padded per batch, as
   sentence-transformers' `encode` does, at the best of several batch sizes (picked on the
   first 200 inputs), its masked mean;
-- vLLM (`--peer`): its server, the same request.
+- vLLM (`--peer`): its server, the same request;
+- llama.cpp (`--gguf FILE`: weir then serves the file too): llama-server --embedding on the
+  same file, the same request, mean pooling.
 
 Rounds alternate the sides; the table gives each side's best round and the ratios. Achieved
 GFLOP/s are the inputs' matrix-product FLOPs (attention included) over the time, beside the
 machine's rate for one layer's products at the model's shapes on 2,048 rows (torch's linear).
 
     python -m benchmarks.encoders [--model DIR] [--inputs 1000] [--rounds 2] [--peer]
+    python -m benchmarks.encoders --model DIR --gguf FILE   # weir and llama.cpp on FILE
 """
 
 from __future__ import annotations
@@ -118,6 +121,31 @@ def run_peer(path: str, data: list[list[int]], port: int = 8713) -> float | None
         proc.wait(60)
 
 
+def run_llama_cpp(gguf: str, data: list[list[int]], kind: str, port: int = 8714) -> float | None:
+    """llama.cpp's llama-server (`make peer-llama-cpp`) embedding the same GGUF file's inputs,
+    pooled as weir pools them, steps of 4,096 tokens as weir's; None where it is not built."""
+    home = Path(os.environ.get("LLAMA_CPP_HOME", Path.home() / ".cache/weir-peers/llama-cpp"))
+    binary = home / "build" / "bin" / "llama-server"
+    if not binary.exists():
+        print("llama.cpp is not built (make peer-llama-cpp): no peer")
+        return None
+    threads = str(os.cpu_count() or 1)
+    proc = subprocess.Popen(
+        [
+            str(binary), "-m", gguf, "--embedding", "--pooling", kind, "--host", "127.0.0.1",
+            "--port", str(port), "-c", "8192", "-np", "16", "-b", "4096", "-ub", "4096",
+            "-t", threads, "-tb", threads,
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        return time_server(proc, f"http://127.0.0.1:{port}", data, model=gguf)
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None, help="an encoder folder (default: BERT-base, random)")
@@ -127,6 +155,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--no-server", action="store_true")
     ap.add_argument("--peer", action="store_true", help="vLLM's CPU server too")
+    ap.add_argument(
+        "--gguf",
+        default=None,
+        help="a GGUF file of --model (llama.cpp's converter): weir serves the file, beside "
+        "llama.cpp's llama-server on it; transformers runs --model",
+    )
     args = ap.parse_args()
     threads = os.cpu_count() or 1
     torch.set_num_threads(threads)
@@ -141,7 +175,8 @@ def main() -> None:
     tokens = sum(len(x) for x in data)
     work, rate = flops(config, data), products_rate(config)
     print(f"{args.inputs} inputs, {tokens} tokens; products at {rate / 1e9:.0f} GFLOP/s here")
-    llm = LLM(path, cpu_threads=threads, max_num_seqs=256, max_num_batched_tokens=4096)
+    served = args.gguf or path
+    llm = LLM(served, cpu_threads=threads, max_num_seqs=256, max_num_batched_tokens=4096)
     llm.embed(data[:20], use_tqdm=False)  # warm up
     model = AutoModel.from_pretrained(path, dtype=torch.float32).eval()
     sizes = [int(b) for b in args.batch_sizes.split(",")]
@@ -158,7 +193,11 @@ def main() -> None:
     cos = min(F.cosine_similarity(a, b, dim=0).item() for a, b in zip(mine, ref))
     del llm
     if not args.no_server:
-        times["weir server"] = [run_server(path, data, threads)]
+        times["weir server"] = [run_server(served, data, threads)]
+    if args.gguf:
+        peer = run_llama_cpp(args.gguf, data, "mean")
+        if peer is not None:
+            times["llama.cpp server"] = [peer]
     if args.peer:
         peer = run_peer(path, data)
         if peer is not None:
