@@ -40,9 +40,14 @@ class HfConfigOf:
         made of it (`reranker`) where the file has a classification head. `weir_pooling`: the
         pooling kind the file names (`pooling_type`: mean, cls or last; None for none, or a
         reranker's rank), the embedding default (server/embedding_config.py)."""
-        config = self.encoder() if self.arch == "bert" else self.decoder()
         kinds = {1: "mean", 2: "cls", 3: "last"}
-        config.weir_pooling = kinds.get(int(self.get(f"{self.arch}.pooling_type", 0) or 0))
+        pooling = kinds.get(int(self.get(f"{self.arch}.pooling_type", 0) or 0))
+        if self.arch == "bert":  # (its classification head is its own: `encoder`)
+            config = self.encoder()
+            config.weir_pooling = pooling
+            return config
+        config = self.decoder()
+        config.weir_pooling = pooling
         return self.reranker(config) if RANK_HEAD in self.tensors else config
 
     def encoder(self) -> Any:
@@ -51,7 +56,9 @@ class HfConfigOf:
         BPE ("gpt2"). The RoBERTa family's first pad + 1 position rows, never read, are not in
         the file: the config counts them (gpu/encoder_loader.py puts them back as zeros), so
         positions are counted as transformers counts them. Its GELU is transformers' (llama.cpp
-        computes the tanh approximation). A causal one, or a classification head, is refused."""
+        computes the tanh approximation). A RoBERTa-family classifier's head (`cls` dense and
+        `cls.output`: a reranker such as bge-reranker-v2-m3) makes it a sequence classifier; a
+        BERT one is refused (the converter leaves out its pooler), as is a causal one."""
         from transformers import BertConfig, RobertaConfig, XLMRobertaConfig
 
         kinds = {
@@ -61,9 +68,13 @@ class HfConfigOf:
         }
         vocab = self.get("tokenizer.ggml.model", "bert")
         heads = [n for n in (RANK_HEAD, "cls.weight") if n in self.tensors]
+        classifier = len(heads) == 2 and vocab in ("t5", "gpt2")
         what = None
-        if heads:
-            what = f"a classification head ({heads[0]})"
+        if heads and not classifier:
+            what = (
+                f"a classification head ({', '.join(heads)}; served for the RoBERTa family's "
+                "dense and out_proj: llama.cpp's converter leaves out BERT's pooler)"
+            )
         elif vocab not in kinds:
             what = f"a {vocab!r} vocabulary"
         elif self.get("bert.attention.causal", False):
@@ -77,7 +88,20 @@ class HfConfigOf:
         bert = vocab == "bert"
         pad = int(self.get("tokenizer.ggml.padding_token_id", 0 if bert else 1))
         positions = int(self.get("bert.context_length"))
+        labels = {}
+        if classifier:  # a reranker (bge-reranker) or classifier: its labels as the file has them
+            shape = self.tensors[RANK_HEAD].shape
+            count = int(shape[1]) if len(shape) == 2 else 1
+            names = list(self.get("bert.classifier.output_labels", None) or [])
+            names = names if len(names) == count else [f"LABEL_{i}" for i in range(count)]
+            arch = arch.replace("Model", "ForSequenceClassification")
+            labels = dict(
+                num_labels=count,
+                id2label=dict(enumerate(names)),
+                label2id={n: i for i, n in enumerate(names)},
+            )
         return cls(
+            **labels,
             architectures=[arch],
             vocab_size=int(self.tensors["token_embd.weight"].shape[1]),
             hidden_size=int(self.get("bert.embedding_length")),

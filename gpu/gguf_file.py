@@ -115,7 +115,7 @@ class GgufCheckpoint:
         for name, t in self.tensors.items():
             if name in ROTATION_TENSORS:
                 continue  # read by rope_factors and _rope
-            if name == RANK_HEAD:  # a reranker's "yes" and "no" rows: one label, their difference
+            if name == RANK_HEAD and self.arch != "bert":  # a Qwen3 reranker's "yes", "no" rows
                 yes, no = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).astype(
                     np.float32
                 )

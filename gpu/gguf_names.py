@@ -85,6 +85,9 @@ ENCODER_TOP = {
     "position_embd": "embeddings.position_embeddings",
     "token_types": "embeddings.token_type_embeddings",
     "token_embd_norm": "embeddings.LayerNorm",
+    # a RoBERTa-family classifier's head (a reranker's: bge-reranker): dense, tanh, out_proj
+    "cls": "classifier.dense",
+    "cls.output": "classifier.out_proj",
 }
 ENCODER_LAYER = {
     "attn_q": "attention.self.query",

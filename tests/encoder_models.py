@@ -212,8 +212,9 @@ def write_encoder_gguf(
     one ("bert"): its names, BERT's vocabulary with phantom spaces (a word's first piece
     "\u2581play", a continuation bare) or XLM-RoBERTa's pieces with their scores ("t5"), the
     RoBERTa family's first pad + 1 position rows left out, the sentence-transformers pooling
-    (`pooling` false: none written); matrices in `fmt` (weir's quantizers), norms, biases and
-    the small tables F32."""
+    (`pooling` false: none written), an XLM-RoBERTa classifier's head as `cls` and
+    `cls.output`; matrices in `fmt` (weir's quantizers), norms, biases, the small tables and the
+    head F32."""
     import gguf
     import numpy as np
     from safetensors.numpy import load_file
@@ -270,6 +271,7 @@ def write_encoder_gguf(
     top = {v: k for k, v in ENCODER_TOP.items()}
     layer = {v: k for k, v in ENCODER_LAYER.items()}
     for name, t in load_file(str(hf_dir / "model.safetensors")).items():
+        name = name.removeprefix("roberta.")  # a classifier's encoder
         stem, _, kind = name.rpartition(".")
         parts = stem.split(".")
         if stem in top:
@@ -277,11 +279,11 @@ def write_encoder_gguf(
         elif parts[:2] == ["encoder", "layer"] and ".".join(parts[3:]) in layer:
             target = f"blk.{parts[2]}.{layer['.'.join(parts[3:])]}.{kind}"
         else:
-            continue  # pooler, buffers
+            continue  # pooler, buffers (a BERT classifier's head: not written here)
         t = np.ascontiguousarray(t, dtype=np.float32)
         if target == "position_embd.weight":
             t = np.ascontiguousarray(t[offset:])
-        small = t.ndim == 1 or target.startswith(("position_embd", "token_types"))
+        small = t.ndim == 1 or target.startswith(("position_embd", "token_types", "cls"))
         f = FORMATS["f32" if small else fmt]
         if f.name == "f32":
             w.add_tensor(target, t)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import AutoModel, AutoTokenizer
+from transformers import AutoModel, AutoModelForSequenceClassification, AutoTokenizer
 
 from core.config import CheckpointError, EngineConfig
 from tests.conftest import LiveServer
@@ -130,3 +130,18 @@ def test_served_over_http(folders, tmp_path):
             assert (got - pooled(hf, tok, text, kind)).abs().max().item() < 1e-5
     finally:
         s.stop()
+
+
+def test_an_xlm_roberta_reranker_file_scores_as_transformers(tmp_path):
+    """A bge-reranker-shaped file (llama.cpp's `cls` dense and `cls.output` out_proj): served as
+    a one-label classifier, /score's sigmoid over the pair encoding equal to transformers'."""
+    folder = build_encoder(tmp_path / "ce", "xlm-roberta", num_labels=1)
+    llm = LLM(str(write_encoder_gguf(folder, tmp_path / "ce.gguf")), max_model_len=64)
+    assert llm.labels == ["LABEL_0"]
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    hf = AutoModelForSequenceClassification.from_pretrained(str(folder)).eval()
+    docs = ["to the sea, at last", "x", "a canyon is a deep valley"]
+    for doc, out in zip(docs, llm.score(PAIR[0], docs, use_tqdm=False)):
+        with torch.no_grad():
+            want = hf(**tok(PAIR[0], doc, return_tensors="pt")).logits[0, 0].sigmoid().item()
+        assert out.outputs.score == pytest.approx(want, abs=1e-5)
