@@ -149,16 +149,16 @@ def load(config: EngineConfig) -> Loaded:
     )
     weights = resident_weights(model) if config.tensor_parallel_size == 1 else {}
     kv_bytes = sum(k.numel() * k.element_size() * 2 for k, _ in runner.kv_caches) if weights else 0
+    cache = f"KV cache {num_blocks} blocks of {config.block_size} tokens ({kv_dtype}, "
+    cache += f"{kv_bytes / 1e9:.2f} GB)"
+    if runner.pooling_only:
+        cache = "an encoder: no KV cache, each input whole in a step"
     log.info(
-        "loaded %s on %s: weights %s; KV cache %d blocks of %d tokens (%s, %.2f GB), "
-        "max_model_len %d",
+        "loaded %s on %s: weights %s; %s, max_model_len %d",
         path,
         where,
         ", ".join(f"{GB(b)} {fmt}" for fmt, b in sorted(weights.items())) or "(in the workers)",
-        num_blocks,
-        config.block_size,
-        kv_dtype,
-        kv_bytes / 1e9,
+        cache,
         max_model_len,
     )
     lora_base = None
