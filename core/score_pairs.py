@@ -16,15 +16,26 @@ class PairTooLong(ValueError):
 
 
 def pair_ids(
-    tokenizer: Any, a: str, b: str, keep: int | None, template: str | None
+    tokenizer: Any,
+    a: str,
+    b: str,
+    keep: int | None,
+    template: str | None,
+    side: str = "right",
 ) -> tuple[list[int], int | None]:
     """The pair's tokens, cut to `keep` (None: whole): the pair encoding's longer text shortened
-    first; a prompt's document shortened from its end, the rest kept whole. With them, where
+    first, at its end (`side` "right") or its start ("left"); a prompt's document shortened from
+    its end, the rest kept whole. With them, where
     the pair encoding's second segment starts (its first token of type 1: BERT's token types,
     core/pooling.py `type_start`), or None (a prompt, or an encoding of one type)."""
     if template is None:
         cut = {"truncation": True, "max_length": keep} if keep is not None else {}
-        encoded = tokenizer(text=a, text_pair=b, return_token_type_ids=True, **cut)
+        before = tokenizer.truncation_side  # (the tokenizer's own setting, put back at once)
+        tokenizer.truncation_side = side
+        try:
+            encoded = tokenizer(text=a, text_pair=b, return_token_type_ids=True, **cut)
+        finally:
+            tokenizer.truncation_side = before
         types = encoded.get("token_type_ids") or []
         return encoded["input_ids"], types.index(1) if 1 in types else None
     filled = template.replace(QUERY, a)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import array
 import time
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
@@ -24,8 +24,10 @@ class ClassificationRequest(msgspec.Struct, kw_only=True):
     input: str | list[Any]
     model: str | None = None
     user: str | None = None
-    # vLLM's: keep the last N tokens of a longer input (-1: the model's length) instead of a 400
+    # vLLM's: cut a longer input to N tokens (-1: the model's length) instead of a 400, its
+    # first (truncation_side "right", vLLM's pooling default) or its last ("left")
     truncate_prompt_tokens: Annotated[int, Meta(ge=-1)] | None = None
+    truncation_side: Literal["left", "right"] | None = None
     priority: int = 0
     # vLLM's (its older name: activation): false gives the raw logits instead of probabilities
     use_activation: bool | None = None
@@ -74,7 +76,7 @@ async def classify() -> Response:
     req = await decode(ClassificationRequest)
     model = admit(st, req.model, "classify")
     on = use_activation(req)
-    inputs = fit_inputs(st, req.input, req.truncate_prompt_tokens)
+    inputs = fit_inputs(st, req.input, req.truncate_prompt_tokens, req.truncation_side)
     rid, vectors, prompt_tokens = await pooled(
         st, model, "classify", inputs, PoolingParams(CLASSIFY, False), req.priority, "input"
     )

@@ -26,8 +26,10 @@ class EmbeddingRequest(msgspec.Struct, kw_only=True):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Annotated[int, Meta(ge=1)] | None = None
     user: str | None = None
-    # vLLM's: keep the last N tokens of a longer input (-1: the model's length) instead of a 400.
+    # vLLM's: cut a longer input to N tokens (-1: the model's length) instead of a 400, its
+    # first (truncation_side "right", vLLM's pooling default) or its last ("left")
     truncate_prompt_tokens: Annotated[int, Meta(ge=-1)] | None = None
+    truncation_side: Literal["left", "right"] | None = None
     normalize: bool | None = None  # vLLM's: override --normalize for this request
     priority: int = 0
 
@@ -62,7 +64,7 @@ async def embeddings() -> Response:
         why = config.check_dimensions(req.dimensions)
         if why is not None:
             raise APIError(400, f"dimensions={req.dimensions}: {why}", "dimensions")
-    inputs = fit_inputs(st, req.input, req.truncate_prompt_tokens)
+    inputs = fit_inputs(st, req.input, req.truncate_prompt_tokens, req.truncation_side)
     normalize = config.normalize if req.normalize is None else req.normalize
     pooling = PoolingParams(config.kind, normalize, req.dimensions)
     rid, vectors, prompt_tokens = await pooled(

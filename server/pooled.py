@@ -67,15 +67,19 @@ async def pooled(
 
 
 def fit_inputs(
-    st: ServerState, value: str | list[Any], truncate: int | None, field: str = "input"
+    st: ServerState,
+    value: str | list[Any],
+    truncate: int | None,
+    side: str | None = None,
+    field: str = "input",
 ) -> list[list[int]]:
     """A request's inputs (texts or token ids: server/prompts.py) as token lists within
-    max_model_len: cut to their last tokens when asked (vLLM's truncate_prompt_tokens; -1: the
-    model's length; a text's special tokens kept), else a 400 naming the first input that is
-    too long."""
+    max_model_len: cut when asked (vLLM's truncate_prompt_tokens, -1: the model's length; its
+    first tokens kept, or its last with truncation_side "left"; a text's special tokens kept),
+    else a 400 naming the first input that is too long."""
     limit = st.max_model_len
     if truncate is not None:
-        return token_lists(st, value, field, truncate_length(st, truncate))
+        return token_lists(st, value, field, truncate_length(st, truncate), side or "right")
     inputs = token_lists(st, value, field)
     for i, ids in enumerate(inputs):
         if len(ids) > limit:

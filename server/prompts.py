@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from core.truncation import kept_tail
+from core.truncation import cut_ids, cut_text
 from server.errors import APIError
 from server.state import ServerState
 
@@ -19,16 +19,22 @@ def _is_ids(x: Any) -> bool:
 
 
 def token_lists(
-    st: ServerState, value: str | list[Any], field: str, keep: int | None = None
+    st: ServerState,
+    value: str | list[Any],
+    field: str,
+    keep: int | None = None,
+    side: str = "right",
 ) -> list[list[int]]:
-    """`keep`: each input cut to its last `keep` tokens (a text's special tokens kept:
-    kept_tail); None: whole."""
+    """`keep`: each input cut to `keep` tokens, its first (`side` "right") or its last ("left"),
+    a text's special tokens kept (core/truncation.py); None: whole."""
 
     def encode(text: str) -> list[int]:
-        return st.tokenizer.encode(text) if keep is None else kept_tail(st.tokenizer, text, keep)
+        if keep is None:
+            return st.tokenizer.encode(text)
+        return cut_text(st.tokenizer, text, keep, side)
 
     def listed(ids: list[int]) -> list[int]:
-        return list(ids) if keep is None else list(ids[-keep:])
+        return list(ids) if keep is None else cut_ids(ids, keep, side)
 
     if isinstance(value, str):
         return [encode(value)]

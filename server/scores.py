@@ -9,7 +9,7 @@ from __future__ import annotations
 import array
 import math
 import time
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
@@ -17,7 +17,7 @@ from quart import Blueprint, Response
 
 from core.pooling import CLASSIFY, PoolingParams, activated
 from core.score_pairs import PairTooLong, pair_ids
-from core.truncation import kept_tail
+from core.truncation import cut_text
 from server.classify import PoolingUsage, logits_of, use_activation
 from server.errors import APIError
 from server.pooled import pooled, truncate_length
@@ -33,6 +33,7 @@ class ScoreRequest(msgspec.Struct, kw_only=True):
     model: str | None = None
     user: str | None = None
     truncate_prompt_tokens: Annotated[int, Meta(ge=-1)] | None = None
+    truncation_side: Literal["left", "right"] | None = None  # (None: "right")
     priority: int = 0
     use_activation: bool | None = None  # a cross-encoder's: false gives the raw logit
     activation: bool | None = None
@@ -60,6 +61,7 @@ class RerankRequest(msgspec.Struct, kw_only=True):
     top_n: Annotated[int, Meta(ge=0)] = 0  # the best N (0: every document)
     user: str | None = None
     truncate_prompt_tokens: Annotated[int, Meta(ge=-1)] | None = None
+    truncation_side: Literal["left", "right"] | None = None  # (None: "right")
     priority: int = 0
     use_activation: bool | None = None
     activation: bool | None = None
@@ -125,6 +127,7 @@ async def score_pairs(
     st.ready_engine()  # a 503 while loading, before anything else is checked
     model = st.model_name(req.model)
     keep = None
+    side = req.truncation_side or "right"
     if req.truncate_prompt_tokens is not None:
         keep = truncate_length(st, req.truncate_prompt_tokens)
     if "score" in st.tasks:
@@ -137,7 +140,7 @@ async def score_pairs(
                 "invalid_value",
             )
         on = use_activation(req)
-        encoded = [_pair_ids(st, a, b, keep, name) for (a, _), (b, name) in pairs]
+        encoded = [_pair_ids(st, a, b, keep, side, name) for (a, _), (b, name) in pairs]
         inputs = [ids for ids, _ in encoded]
         pooling = [PoolingParams(CLASSIFY, False, type_start=start) for _, start in encoded]
         rid, vectors, tokens = await pooled(st, model, prefix, inputs, pooling, req.priority, field)
@@ -161,7 +164,7 @@ async def score_pairs(
         )
     named = dict(side for pair in reversed(pairs) for side in reversed(pair))  # first names
     texts = list(dict.fromkeys(t for (a, _), (b, _) in pairs for t in (a, b)))  # each once
-    inputs = [_text_ids(st, t, keep, named[t]) for t in texts]
+    inputs = [_text_ids(st, t, keep, side, named[t]) for t in texts]
     pooling = PoolingParams(st.embedding.kind, True)
     rid, vectors, tokens = await pooled(st, model, prefix, inputs, pooling, req.priority, field)
     unit = dict(zip(texts, (array.array("f", v) for v in vectors)))
@@ -170,21 +173,21 @@ async def score_pairs(
 
 
 def _pair_ids(
-    st: ServerState, a: str, b: str, keep: int | None, name: str
+    st: ServerState, a: str, b: str, keep: int | None, side: str, name: str
 ) -> tuple[list[int], int | None]:
     """The pair as one input (core/score_pairs.py: the model's rerank prompt, or the tokenizer's
     pair encoding) and where its second text starts, cut to `keep` tokens, or a 400 where it
     is too long."""
     try:
-        ids, start = pair_ids(st.tokenizer, a, b, keep, st.score_template)
+        ids, start = pair_ids(st.tokenizer, a, b, keep, st.score_template, side)
     except PairTooLong as e:
         raise APIError(400, str(e), "truncate_prompt_tokens", "invalid_value") from None
     return (ids if keep is not None else _checked(st, ids, name)), start
 
 
-def _text_ids(st: ServerState, text: str, keep: int | None, name: str) -> list[int]:
+def _text_ids(st: ServerState, text: str, keep: int | None, side: str, name: str) -> list[int]:
     if keep is not None:
-        return kept_tail(st.tokenizer, text, keep)
+        return cut_text(st.tokenizer, text, keep, side)
     return _checked(st, st.tokenizer.encode(text), name)
 
 

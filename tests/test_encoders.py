@@ -150,11 +150,16 @@ def test_generation_and_long_inputs_refused(encoders):
         llm.generate("hello", use_tqdm=False)
     with pytest.raises(InvalidParam, match="maximum context length"):
         llm.embed([[2] + [7] * 80 + [3]], use_tqdm=False)
-    # truncate_prompt_tokens keeps the text's [CLS] and [SEP] around its last tokens
+    # truncate_prompt_tokens keeps the text's [CLS] and [SEP] around its first tokens (vLLM's
+    # pooling default), or around its last
+    from weir import PoolingParams
+
     tok = AutoTokenizer.from_pretrained(str(path))
     ids = tok(TEXTS[1])["input_ids"]
     cut = llm.embed(TEXTS[1], use_tqdm=False, truncate_prompt_tokens=10)[0]
-    assert cut.prompt_token_ids == ids[:1] + ids[-9:]
+    assert cut.prompt_token_ids == ids[:9] + ids[-1:]
+    left = PoolingParams(truncate_prompt_tokens=10, truncation_side="left")
+    assert llm.embed(TEXTS[1], left, use_tqdm=False)[0].prompt_token_ids == ids[:1] + ids[-9:]
 
 
 @pytest.mark.parametrize(

@@ -68,13 +68,14 @@ def test_embeddings_equal_transformers_and_generation_is_refused(embedder):
         assert "encoder" in error["message"]
 
 
-def test_truncation_keeps_cls_and_sep(embedder):
-    """truncate_prompt_tokens=6: [CLS], the text's last four tokens, [SEP] (as vLLM's
-    tokenizer truncates from the left), not the last six ids with [CLS] cut off."""
+@pytest.mark.parametrize("side", [None, "right", "left"])
+def test_truncation_keeps_cls_and_sep(embedder, side):
+    """truncate_prompt_tokens=6: [CLS], the text's first four tokens (vLLM's pooling default,
+    truncation_side "right") or its last four ("left"), [SEP]: never [CLS] cut off."""
     s, hf = embedder
     ids = s.state.tokenizer(TEXTS[1])["input_ids"]
-    kept = ids[:1] + ids[-5:]
-    body = {"input": TEXTS[1], "truncate_prompt_tokens": 6}
+    kept = ids[:1] + ids[-5:] if side == "left" else ids[:5] + ids[-1:]
+    body = {"input": TEXTS[1], "truncate_prompt_tokens": 6, "truncation_side": side}
     r = httpx.post(s.url + "/v1/embeddings", json=body, timeout=60)
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["prompt_tokens"] == 6

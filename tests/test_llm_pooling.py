@@ -28,6 +28,9 @@ def test_classify_gives_transformers_probabilities_and_labels(model_dir, tmp_pat
     raw = llm.classify(TEXTS[0], PoolingParams(use_activation=False), use_tqdm=False)[0]
     assert torch.allclose(torch.tensor(raw.outputs.probs), hf_logits(hf, raw.prompt_token_ids))
     cut = llm.classify(TEXTS[1], PoolingParams(truncate_prompt_tokens=5), use_tqdm=False)[0]
+    assert cut.prompt_token_ids == outs[1].prompt_token_ids[:5]  # vLLM's pooling keeps the first
+    left = PoolingParams(truncate_prompt_tokens=5, truncation_side="left")
+    cut = llm.classify(TEXTS[1], left, use_tqdm=False)[0]
     assert cut.prompt_token_ids == outs[1].prompt_token_ids[-5:]
     with pytest.raises(InvalidParam, match="one \\(a reranker's\\)"):
         llm.score(QUERY, DOCS)
@@ -61,6 +64,11 @@ def test_score_is_a_rerankers_sigmoid_over_the_pair_encoding(model_dir, tmp_path
         cut.prompt_token_ids
         == tok(text=QUERY, text_pair=DOCS[1], truncation=True, max_length=6)["input_ids"]
     )
+    left = PoolingParams(truncation_side="left")
+    cut = llm.score(QUERY, DOCS[1], left, use_tqdm=False, truncate_prompt_tokens=6)[0]
+    tok.truncation_side = "left"
+    want = tok(text=QUERY, text_pair=DOCS[1], truncation=True, max_length=6)["input_ids"]
+    assert cut.prompt_token_ids == want and llm.tokenizer.truncation_side == "right"
     with pytest.raises(InvalidParam) as bad:
         llm.score(DOCS[:2], DOCS[:3])
     assert bad.value.param == "data_1"

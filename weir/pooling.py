@@ -22,7 +22,7 @@ from core.pooling import CLASSIFY, ModelPooling, activated
 from core.pooling import PoolingParams as EnginePoolingParams
 from core.request import EngineRequest
 from core.score_pairs import PairTooLong, pair_ids
-from core.truncation import kept_tail
+from core.truncation import SIDES, cut_ids, cut_text
 from core.sampling import InvalidParam, SamplingParams
 from server import embedding_config
 
@@ -30,13 +30,16 @@ from server import embedding_config
 class PoolingParams(EnginePoolingParams, frozen=True):
     """The engine's PoolingParams (core/pooling.py: kind, normalize, dimensions) with vLLM's
     offline fields: `use_activation` (a classifier's: False gives the raw logits, not
-    probabilities) and `truncate_prompt_tokens` (keep that many of a prompt's last tokens; -1:
-    the model's length). `kind` None (the default) is the model's own, as the server's: its
-    sentence-transformers files, a GGUF file's pooling_type, else the last token."""
+    probabilities), `truncate_prompt_tokens` (cut a prompt to that many tokens; -1: the model's
+    length) and `truncation_side` (which it keeps: "right", vLLM's pooling default, its first
+    tokens; "left" its last; a text's special tokens kept either way). `kind` None (the default)
+    is the model's own, as the server's: its sentence-transformers files, a GGUF file's
+    pooling_type, else the last token."""
 
     kind: str | None = None
     use_activation: bool = True
     truncate_prompt_tokens: int | None = None
+    truncation_side: str = "right"
 
 
 @dataclass
@@ -109,8 +112,8 @@ class PoolingCalls:
         params = pooling_params or PoolingParams()
         if getattr(params, "use_activation", True) is not True:
             raise InvalidParam("use_activation", "use_activation is a classifier's; use classify")
-        keep = self._keep(truncate_prompt_tokens, params)
-        inputs = [self._ids_of(p, keep) for p in _listed(prompts)]
+        keep, side = self._keep(truncate_prompt_tokens, params)
+        inputs = [self._ids_of(p, keep, side) for p in _listed(prompts)]
         ran = self._pool(inputs, self._engine_params(params), use_tqdm, "Embedding")
         return [
             PoolingRequestOutput(rid, EmbeddingOutput(array.array("f", v).tolist()), ids, cached)
@@ -127,8 +130,8 @@ class PoolingCalls:
         sigmoid of a lone label's logit), as transformers' pipelines give them."""
         params = pooling_params or PoolingParams()
         on = getattr(params, "use_activation", True)
-        keep = self._keep(None, params)
-        inputs = [self._ids_of(p, keep) for p in _listed(prompts)]
+        keep, side = self._keep(None, params)
+        inputs = [self._ids_of(p, keep, side) for p in _listed(prompts)]
         ran = self._pool(inputs, EnginePoolingParams(CLASSIFY, False), use_tqdm, "Classifying")
         outputs = []
         for (rid, v, cached), ids in zip(ran, inputs):
@@ -153,7 +156,7 @@ class PoolingCalls:
         reranker's relevance (a one-label classifier over the pair) or, for any other model,
         the cosine of the two texts' embeddings."""
         params = pooling_params or PoolingParams()
-        keep = self._keep(truncate_prompt_tokens, params)
+        keep, side = self._keep(truncate_prompt_tokens, params)
         pairs = _pairs(data_1, data_2)
         if self.engine.runner.num_labels:
             if self.engine.runner.num_labels != 1:
@@ -162,7 +165,7 @@ class PoolingCalls:
                     f"this classifier has {self.engine.runner.num_labels} labels; scoring needs "
                     "one (a reranker's): use LLM.classify",
                 )
-            encoded = [self._pair_ids(a, b, keep) for a, b in pairs]
+            encoded = [self._pair_ids(a, b, keep, side) for a, b in pairs]
             inputs = [ids for ids, _ in encoded]
             each = [EnginePoolingParams(CLASSIFY, False, type_start=t) for _, t in encoded]
             ran = self._pool(inputs, each, use_tqdm, "Scoring")
@@ -181,7 +184,7 @@ class PoolingCalls:
                 "cosine",
             )
         texts = list(dict.fromkeys(t for pair in pairs for t in pair))  # each text once
-        inputs = [self._ids_of(t, keep) for t in texts]
+        inputs = [self._ids_of(t, keep, side) for t in texts]
         unit = msgspec.structs.replace(self._engine_params(params), normalize=True)
         ran = self._pool(inputs, unit, use_tqdm, "Scoring")
         vectors = {t: array.array("f", v) for t, (_, v, _) in zip(texts, ran)}
@@ -201,36 +204,42 @@ class PoolingCalls:
             kind = embedding_config.resolve(self.model_path, None, True, self.pooling).kind
         return EnginePoolingParams(kind, params.normalize, params.dimensions)
 
-    def _keep(self, keep: int | None, params: EnginePoolingParams) -> int | None:
-        """The tokens truncate_prompt_tokens keeps (the argument's, else the params'), or None."""
+    def _keep(self, keep: int | None, params: EnginePoolingParams) -> tuple[int | None, str]:
+        """(the tokens truncate_prompt_tokens keeps: the argument's, else the params', or None;
+        the side it cuts from, the params' truncation_side)."""
+        side = getattr(params, "truncation_side", "right")
+        if side not in SIDES:
+            raise InvalidParam("truncation_side", f"truncation_side must be left or right: {side}")
         if keep is None:
             keep = getattr(params, "truncate_prompt_tokens", None)
         if keep is None:
-            return None
+            return None, side
         if keep == -1:
-            return self.max_model_len
+            return self.max_model_len, side
         if not 0 < keep <= self.max_model_len:
             raise InvalidParam(
                 "truncate_prompt_tokens",
                 f"truncate_prompt_tokens must be -1 or 1..{self.max_model_len} (the context), "
                 f"got {keep}",
             )
-        return keep
+        return keep, side
 
-    def _ids_of(self, prompt: str | list[int], keep: int | None) -> list[int]:
-        """A text's or token list's ids, cut to their last `keep` (a text's special tokens
+    def _ids_of(self, prompt: str | list[int], keep: int | None, side: str) -> list[int]:
+        """A text's or token list's ids, cut to `keep` from `side` (a text's special tokens
         kept: core/truncation.py)."""
         if isinstance(prompt, str):
             if keep is not None:
-                return kept_tail(self.tokenizer, prompt, keep)
+                return cut_text(self.tokenizer, prompt, keep, side)
             return self.tokenizer.encode(prompt)
-        return list(prompt)[-keep:] if keep is not None else list(prompt)
+        return cut_ids(prompt, keep, side) if keep is not None else list(prompt)
 
-    def _pair_ids(self, a: str, b: str, keep: int | None) -> tuple[list[int], int | None]:
+    def _pair_ids(
+        self, a: str, b: str, keep: int | None, side: str
+    ) -> tuple[list[int], int | None]:
         """The pair as one input (core/score_pairs.py: the model's rerank prompt, or the
         tokenizer's pair encoding) and where its second text starts, cut to `keep` tokens."""
         try:
-            return pair_ids(self.tokenizer, a, b, keep, self.score_template)
+            return pair_ids(self.tokenizer, a, b, keep, self.score_template, side)
         except PairTooLong as e:
             raise InvalidParam("truncate_prompt_tokens", str(e)) from None
 
