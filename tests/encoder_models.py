@@ -18,9 +18,7 @@ XLMR_SPECIAL = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]
 
 
 def bert_tokenizer(vocab_size: int = 600):
-    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
-    from tokenizers import trainers
-    from transformers import PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
     tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
     tok.normalizer = normalizers.BertNormalizer(lowercase=True)
@@ -30,6 +28,14 @@ def bert_tokenizer(vocab_size: int = 600):
         vocab_size=vocab_size, special_tokens=BERT_SPECIAL, show_progress=False
     )
     tok.train_from_iterator(corpus(), trainer=trainer)
+    return bert_template(tok)
+
+
+def bert_template(tok):
+    """`tok` with BERT's template ([CLS] A [SEP], then B [SEP] of type 1) and special tokens."""
+    from tokenizers import processors
+    from transformers import PreTrainedTokenizerFast
+
     cls, sep = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
     tok.post_processor = processors.TemplateProcessing(
         single="[CLS] $A [SEP]",
@@ -80,28 +86,13 @@ def xlmr_tokenizer(vocab_size: int = 600):
 
 def modernbert_tokenizer(vocab_size: int = 600):
     """Byte-level BPE (as ModernBERT's, OLMo's) with BERT's special tokens and template."""
-    from tokenizers import AddedToken, processors
-    from transformers import PreTrainedTokenizerFast
+    from tokenizers import AddedToken
 
     from gpu.tiny_model import train_tokenizer
 
     base = train_tokenizer(vocab_size).backend_tokenizer
     base.add_special_tokens([AddedToken(t, normalized=False) for t in BERT_SPECIAL])
-    cls, sep = base.token_to_id("[CLS]"), base.token_to_id("[SEP]")
-    base.post_processor = processors.TemplateProcessing(
-        single="[CLS] $A [SEP]",
-        pair="[CLS] $A [SEP] $B:1 [SEP]:1",
-        special_tokens=[("[CLS]", cls), ("[SEP]", sep)],
-    )
-    return PreTrainedTokenizerFast(
-        tokenizer_object=base,
-        unk_token="[UNK]",
-        sep_token="[SEP]",
-        pad_token="[PAD]",
-        cls_token="[CLS]",
-        mask_token="[MASK]",
-        model_max_length=512,
-    )
+    return bert_template(base)
 
 
 def build_encoder(
