@@ -16,7 +16,7 @@
 # that image's transformers (5.17: no swiglu_limit), the CUDA-backend tests read the next step's
 # logits under asynchronous scheduling, and the automatic API-server count was 1 on a GPU host.
 # What is left, in two calls:
-#   benchmarks/gpu_session.sh env lastfailed serving              # <= 400 s
+#   benchmarks/gpu_session.sh env lastfailed encoders serving     # <= 520 s
 #   LIMIT_gptoss=300 benchmarks/gpu_session.sh gptoss quant       # at once, on the warm machine
 #   (and `gputests`: FP8 KV caches in the Triton kernels, tests/test_fp8_kv_triton.py, compiled,
 #   with a checkpoint's per-layer K/V scales through the fused write, tests/test_kv_scales.py)
@@ -27,7 +27,7 @@
 # 0.25x of bf16 at batch 64 before); set w4a16.DEQUANT_ROWS from what it shows; and "q8_0",
 # the product's int8 mode (W8A16), first measured there.) Other stages:
 #   kernels correctness gputests asyncoffline fused fusedkernels offline profile overhead step
-#   suite spec fullsuite attention quant api_servers
+#   suite spec fullsuite attention quant api_servers encoders
 #
 # Stage limits in seconds can be changed with LIMIT_<stage>=N; the defaults of each call above
 # sum to under the device tool's 600 s a command (the stages seen on an H100 took: env 10 s,
@@ -147,6 +147,15 @@ import server.app, core.engine, gpu.runner; print(\"imports ok\")'; git log --on
             tests/test_moe.py tests/test_fp8.py tests/test_lora.py tests/test_lora_engine.py \
             tests/test_tools.py::test_auto_without_a_parser_is_a_400 tests/test_gpt_oss.py \
             tests/test_w4a16.py tests/test_fused_moe.py
+        ;;
+    # the encoders (BERT, XLM-RoBERTa, ModernBERT, their GGUF files) on the CUDA backend by
+    # default (LLM's device auto): transformers' vectors and logits (twenty-third session's;
+    # on CPU they ran the CUDA backend in Triton's interpreter only)
+    encoders)
+        LIVE_FAILURES=$LOGS/failures.log stage encoders 120 $PY -m pytest -v \
+            -p no:cacheprovider -p benchmarks.live_failures --timeout 120 -n "${WORKERS:-8}" \
+            -rfE tests/test_encoders.py tests/test_modernbert.py tests/test_encoders_api.py \
+            tests/test_encoders_gguf.py
         ;;
     # gpt-oss-20b's layer x 2 with MXFP4 experts (benchmarks/gpt_oss.py's folder, built on the
     # machine): decode steps at 1 and 32 streams, the experts on the W4A16 product in FP4 mode

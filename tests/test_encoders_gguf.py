@@ -76,7 +76,7 @@ def test_block_formats_against_the_files_own_weights(folders, fmt, tmp_path):
     folder, _ = folders["bert"]
     path = write_encoder_gguf(folder, tmp_path / "m.gguf", fmt, pooling=False)
     hf, tok = reference(path, folder), AutoTokenizer.from_pretrained(str(folder))
-    llm = LLM(str(path), max_model_len=64)
+    llm = LLM(str(path), max_model_len=64, device="cpu")  # (weir's CPU kernels' formats)
     weights = llm.engine.runner.model.backend.resident
     assert fmt in weights  # kept in its format, not dequantized
     for text, out in zip(TEXTS, llm.embed(TEXTS, use_tqdm=False)):
