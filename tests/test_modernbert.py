@@ -71,3 +71,25 @@ def test_classifier_equals_transformers(folders, pooling, backend, monkeypatch):
         with torch.no_grad():
             want = hf(**tok(text, return_tensors="pt")).logits[0].softmax(-1)
         assert (torch.tensor(out.outputs.probs) - want).abs().max().item() < 1e-4
+
+
+def test_older_configs_name_the_pattern_and_bases_their_own_way():
+    """A hub config.json (and transformers before 5) names global_attn_every_n_layers and
+    global/local_rope_theta; transformers 5 makes them layer_types and rope_parameters: the
+    spec reads either alike."""
+    from types import SimpleNamespace
+
+    from transformers import ModernBertConfig
+
+    from gpu.models.encoder_spec import EncoderSpec
+
+    raw = dict(
+        architectures=["ModernBertModel"], hidden_size=64, num_attention_heads=4,
+        num_hidden_layers=5, intermediate_size=96, vocab_size=300, global_attn_every_n_layers=2,
+        global_rope_theta=5000.0, local_rope_theta=500.0, local_attention=16,
+    )  # fmt: skip
+    old = EncoderSpec.from_hf_config(SimpleNamespace(**raw, max_position_embeddings=512))
+    new = EncoderSpec.from_hf_config(ModernBertConfig(**raw))
+    assert old.local_layers == new.local_layers == (False, True, False, True, False)
+    assert (old.rope_theta, old.local_rope_theta) == (new.rope_theta, new.local_rope_theta)
+    assert (new.rope_theta, new.local_rope_theta, new.window) == (5000.0, 500.0, 8)

@@ -141,16 +141,24 @@ def _modernbert(config: Any, arch: str) -> dict[str, Any]:
     """ModernBERT's fields: rotated positions (a base for global and one for local layers),
     local layers that see `local_attention // 2` tokens either way, pre-norm layers, a gated
     MLP, no token types; its classifier's pooling and head."""
+    # (transformers 5's config; earlier ones, and the hub's config.json files, name the bases
+    # global_rope_theta and local_rope_theta, and the pattern global_attn_every_n_layers)
     rope = getattr(config, "rope_parameters", None) or {}
     thetas = {}
-    for kind in ("full_attention", "sliding_attention"):
+    for kind, old, default in (
+        ("full_attention", "global_rope_theta", 160_000.0),
+        ("sliding_attention", "local_rope_theta", 10_000.0),
+    ):
         params = rope.get(kind) or {}
         if params.get("rope_type", "default") != "default":
             raise CheckpointError(f"{arch} with {kind} rope {params.get('rope_type')!r}")
-        default = 160_000.0 if kind == "full_attention" else 10_000.0
-        thetas[kind] = float(params.get("rope_theta", default))
+        thetas[kind] = float(params.get("rope_theta", getattr(config, old, None) or default))
+    n = int(config.num_hidden_layers)
     types = list(getattr(config, "layer_types", None) or [])
-    if len(types) != int(config.num_hidden_layers):
+    if not types:
+        every = int(getattr(config, "global_attn_every_n_layers", 3) or 1)
+        types = ["full_attention" if i % every == 0 else "sliding_attention" for i in range(n)]
+    if len(types) != n:
         raise CheckpointError(f"{arch}: {len(types)} layer_types for {config.num_hidden_layers}")
     pooling = str(getattr(config, "classifier_pooling", "cls"))
     if pooling not in ("cls", "mean"):
