@@ -18,6 +18,7 @@ from werkzeug.exceptions import HTTPException
 from core.config import EngineConfig
 from server.classify import bp as classify_bp
 from server.embeddings import bp as embeddings_bp
+from server.pooling import bp as pooling_bp
 from server.scores import bp as scores_bp
 from server.engine_start import load_engine
 from server.errors import APIError, error_response
@@ -35,7 +36,7 @@ log = logging.getLogger("weir.server")
 request_log = logging.getLogger("weir.requests")
 
 PROTECTED_PREFIXES = (
-    *("/v1/", "/v2/", "/tokenize", "/detokenize", "/classify", "/score", "/rerank"),
+    *("/v1/", "/v2/", "/tokenize", "/detokenize", "/classify", "/score", "/rerank", "/pooling"),
     "/invocations",
 )
 
@@ -58,6 +59,7 @@ def create_app(
     app.register_blueprint(generate_bp)
     app.register_blueprint(responses_bp)
     app.register_blueprint(embeddings_bp)
+    app.register_blueprint(pooling_bp)
     app.register_blueprint(classify_bp)
     app.register_blueprint(scores_bp)
     app.register_blueprint(invocations_bp)

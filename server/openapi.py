@@ -28,6 +28,7 @@ from server.requests import (
     TokenizeRequest,
 )
 from server.classify import ClassificationRequest, ClassificationResponse
+from server.pooling import PoolingRequest, PoolingResponse
 from server.embeddings import EmbeddingRequest, EmbeddingResponse
 from server.scores import RerankRequest, RerankResponse, ScoreRequest, ScoreResponse
 from server.responses.protocol import ItemList, ResponseDeleted, ResponseObject, ResponsesRequest
@@ -83,6 +84,14 @@ ROUTES: list[tuple[str, str, str, type | None, type, bool]] = [
         "Classify inputs (a sequence-classification model)",
         ClassificationRequest,
         ClassificationResponse,
+        False,
+    ),
+    (
+        "/pooling",
+        "post",
+        "Pool inputs as the model does: vectors (task embed) or a classifier's outputs",
+        PoolingRequest,
+        PoolingResponse,
         False,
     ),
     *(

@@ -228,3 +228,17 @@ def test_invocations_answers_as_the_route_the_body_names(server):
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
     r = httpx.post(url + "/invocations", json={"messages": "hi"})  # the chat route's own 400
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+
+
+def test_pooling_a_conversation(server):
+    """vLLM's /pooling with messages: the conversation through the chat template, tokenized as
+    a chat request's text, pooled as /v1/embeddings pools those ids."""
+    messages = [{"role": "user", "content": "the river runs to the sea"}]
+    r = httpx.post(server.url + "/pooling", json={"messages": messages}, timeout=30)
+    assert r.status_code == 200, r.text
+    tok = server.state.tokenizer
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+    ids = tok.encode(text, add_special_tokens=False)
+    e = httpx.post(server.url + "/v1/embeddings", json={"input": ids}, timeout=30).json()
+    assert r.json()["data"][0]["data"] == pytest.approx(e["data"][0]["embedding"], abs=1e-6)
+    assert r.json()["usage"]["prompt_tokens"] == len(ids)

@@ -290,3 +290,21 @@ def test_sentence_transformers_max_seq_length_caps_the_context(encoders, tmp_pat
     assert len(llm.embed([[2] + [7] * 30 + [3]], use_tqdm=False)[0].outputs.embedding) == 64
     with pytest.raises(CheckpointError, match="--max-model-len 64"):
         LLM(str(path), max_model_len=64)
+
+
+def test_llm_encode_is_the_models_own_pooling(encoders):
+    """vLLM's LLM.encode: an embedder's vectors (use_activation False: not normalized), a
+    classifier's probabilities; a task the model has not, refused by name."""
+    from weir import PoolingParams
+
+    llm = LLM(str(encoders("bert")), max_model_len=128)
+    vectors = [o.outputs.data for o in llm.encode(TEXTS, use_tqdm=False)]
+    assert vectors == [o.outputs.embedding for o in llm.embed(TEXTS, use_tqdm=False)]
+    raw = llm.encode(TEXTS[0], PoolingParams(use_activation=False), use_tqdm=False)[0]
+    assert abs(torch.tensor(raw.outputs.data).norm().item() - 1) > 1e-3
+    with pytest.raises(InvalidParam, match="pooling_task"):
+        llm.encode(TEXTS, pooling_task="token_embed", use_tqdm=False)
+    del llm
+    clf = LLM(str(encoders("bert", labels=3)), max_model_len=128)
+    probs = [o.outputs.data for o in clf.encode(TEXTS, use_tqdm=False)]
+    assert probs == [o.outputs.probs for o in clf.classify(TEXTS, use_tqdm=False)]

@@ -6,7 +6,10 @@ token type 1."""
 
 from __future__ import annotations
 
+import base64
+
 import httpx
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -117,3 +120,41 @@ def test_cross_encoder_scores_and_ranks_as_transformers(cross_encoder):
     assert r.json()["data"][0]["probs"] == pytest.approx([p], abs=1e-5)
     r = httpx.post(s.url + "/v1/embeddings", json={"input": "a"}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "model"
+
+
+def test_pooling_route_gives_the_models_own_outputs(embedder, cross_encoder):
+    """vLLM's /pooling: an embedder's vectors as /v1/embeddings gives them (use_activation
+    false: not normalized; base64 too), a classifier's probabilities as /classify gives them
+    (use_activation false: the raw logit); what it does not take, a 400 naming it."""
+    s, hf = embedder
+    r = httpx.post(s.url + "/pooling", json={"input": TEXTS}, timeout=60)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "list" and body["id"].startswith("pool")
+    embedded = httpx.post(s.url + "/v1/embeddings", json={"input": TEXTS}, timeout=60).json()
+    for d, e in zip(body["data"], embedded["data"]):
+        assert d["object"] == "pooling" and d["data"] == pytest.approx(e["embedding"], abs=1e-6)
+    raw = httpx.post(s.url + "/pooling", json={"input": TEXTS[0], "use_activation": False}).json()
+    ids = s.state.tokenizer(TEXTS[0])["input_ids"]
+    with torch.no_grad():
+        mean = hf(torch.tensor([ids])).last_hidden_state[0].mean(0)
+    assert torch.tensor(raw["data"][0]["data"]) == pytest.approx(mean, abs=1e-5)
+    b64 = httpx.post(s.url + "/pooling", json={"input": TEXTS[0], "encoding_format": "base64"})
+    vector = np.frombuffer(base64.b64decode(b64.json()["data"][0]["data"]), "<f4")
+    assert vector.tolist() == pytest.approx(body["data"][0]["data"], abs=1e-7)
+    for bad, param in (
+        ({"input": "a", "dimensions": 8}, "dimensions"),
+        ({}, "input"),
+        ({"input": "a", "task": "classify"}, "model"),
+        ({"messages": [{"role": "user", "content": "a"}]}, "messages"),  # no chat template
+    ):
+        r = httpx.post(s.url + "/pooling", json=bad, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (bad, r.text)
+    c, _ = cross_encoder
+    classified = httpx.post(c.url + "/classify", json={"input": TEXTS}, timeout=60).json()
+    pooled = httpx.post(c.url + "/pooling", json={"input": TEXTS}, timeout=60).json()
+    for p, k in zip(pooled["data"], classified["data"]):
+        assert p["data"] == pytest.approx(k["probs"], abs=1e-7)
+    raw = httpx.post(c.url + "/pooling", json={"input": TEXTS[0], "use_activation": False})
+    p = classified["data"][0]["probs"][0]
+    assert raw.json()["data"][0]["data"][0] == pytest.approx(np.log(p / (1 - p)), abs=1e-4)

@@ -168,6 +168,12 @@ def test_auth_and_cors(tiny):
                 method, url + path, json=body, headers={"Authorization": "Bearer sekrit"}
             )
             assert r.status_code == 200, (path, r.text)
+        # the pooling routes (this server generates: with the key, a 400 naming the model)
+        for path in ("/pooling", "/classify", "/score", "/rerank", "/v1/embeddings"):
+            body = {"input": "hi", "text_1": "a", "text_2": "b", "query": "a", "documents": ["b"]}
+            assert httpx.post(url + path, json=body).status_code == 401, path
+            r = httpx.post(url + path, json=body, headers={"Authorization": "Bearer sekrit"})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "model", (path, r.text)
         for path in ("/health", "/ping", "/metrics", "/version"):
             assert httpx.get(url + path).status_code == 200, path
         pre = httpx.options(

@@ -1,7 +1,7 @@
 """weir's offline Python API: `from weir import LLM, SamplingParams` (and `Constraint` for
 structured outputs: `SamplingParams(structured=Constraint("regex", "[a-z]+"))`; `BeamSearchParams`
 for `LLM.beam_search`; `PoolingParams` and the pooled outputs for `LLM.embed`, `LLM.classify` and
-`LLM.score`)."""
+`LLM.score`, and `LLM.encode`, vLLM's general pooling call)."""
 
 from core.lora import LoRARequest
 from core.structured import Constraint
@@ -19,6 +19,7 @@ from weir.pooling import (
     ClassificationRequestOutput,
     EmbeddingOutput,
     EmbeddingRequestOutput,
+    PoolingOutput,
     PoolingParams,
     PoolingRequestOutput,
     ScoringOutput,
@@ -37,6 +38,7 @@ __all__ = [
     "BeamSearchSequence",
     "PoolingParams",
     "PoolingRequestOutput",
+    "PoolingOutput",
     "EmbeddingRequestOutput",
     "EmbeddingOutput",
     "ClassificationRequestOutput",

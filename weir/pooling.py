@@ -10,7 +10,7 @@ from __future__ import annotations
 import array
 import math
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Generic, TypeVar
 
@@ -66,6 +66,13 @@ class ScoringOutput:
     score: float
 
 
+@dataclass
+class PoolingOutput:
+    """LLM.encode's (vLLM's): the pooled data, an embedding or a classifier's outputs."""
+
+    data: list[float]
+
+
 Out = TypeVar("Out")
 
 
@@ -119,6 +126,31 @@ class PoolingCalls:
             PoolingRequestOutput(rid, EmbeddingOutput(array.array("f", v).tolist()), ids, cached)
             for (rid, v, cached), ids in zip(ran, inputs)
         ]
+
+    def encode(
+        self,
+        prompts: str | list[str] | list[list[int]],
+        pooling_params: PoolingParams | None = None,
+        use_tqdm: bool = True,
+        *,
+        pooling_task: str | None = None,
+    ) -> list[PoolingRequestOutput[PoolingOutput]]:
+        """vLLM's general pooling call: each prompt's output for `pooling_task` ("embed": its
+        vector, "classify": a classifier's probabilities, or logits under use_activation
+        False), the model's own task where not named (a classifier classifies)."""
+        task = pooling_task or ("classify" if self.engine.runner.num_labels else "embed")
+        if task not in ("embed", "classify"):
+            raise InvalidParam("pooling_task", f"pooling_task {task!r}: embed or classify")
+        if task == "embed":
+            params = pooling_params or PoolingParams()
+            if getattr(params, "use_activation", True) is False:  # (vLLM's name for normalize)
+                params = msgspec.structs.replace(params, use_activation=True, normalize=False)
+            done = self.embed(prompts, params, use_tqdm)
+            data = [o.outputs.embedding for o in done]
+        else:
+            done = self.classify(prompts, pooling_params, use_tqdm)
+            data = [o.outputs.probs for o in done]
+        return [replace(o, outputs=PoolingOutput(d)) for o, d in zip(done, data)]
 
     def classify(
         self,
