@@ -9,12 +9,15 @@ import numpy as np
 from gguf import PoolingType
 
 from core.config import CheckpointError
+from gpu.gguf_encoder import ENCODER_ARCHES, encoder_config
 from gpu.gguf_names import ARCHES
 from gpu.models import gpt_oss
 
 
 # llama.cpp's classification head (a reranker's): [labels, hidden]
 RANK_HEAD = "cls.output.weight"
+# the GGUF architectures of decoders (the others, encoders: gpu/gguf_encoder.py)
+DECODERS = tuple(a for a in ARCHES if a not in ENCODER_ARCHES)
 
 
 def sliding_layers(pattern: int | list, n: int) -> list[bool]:
@@ -42,79 +45,13 @@ class HfConfigOf:
         reranker's rank), the embedding default (server/embedding_config.py)."""
         kinds = {1: "mean", 2: "cls", 3: "last"}
         pooling = kinds.get(int(self.get(f"{self.arch}.pooling_type", 0) or 0))
-        if self.arch == "bert":  # (its classification head is its own: `encoder`)
-            config = self.encoder()
+        if self.arch not in DECODERS:  # an encoder (its classification head is its own)
+            config = encoder_config(self)
             config.weir_pooling = pooling
             return config
         config = self.decoder()
         config.weir_pooling = pooling
         return self.reranker(config) if RANK_HEAD in self.tensors else config
-
-    def encoder(self) -> Any:
-        """An encoder as llama.cpp's converter writes one ("bert"), told by its vocabulary:
-        BERT's WordPiece ("bert"), XLM-RoBERTa's SentencePiece ("t5"), RoBERTa's byte-level
-        BPE ("gpt2"). The RoBERTa family's first pad + 1 position rows, never read, are not in
-        the file: the config counts them (gpu/encoder_loader.py puts them back as zeros), so
-        positions are counted as transformers counts them. Its GELU is transformers' (llama.cpp
-        computes the tanh approximation). A RoBERTa-family classifier's head (`cls` dense and
-        `cls.output`: a reranker such as bge-reranker-v2-m3) makes it a sequence classifier; a
-        BERT one is refused (the converter leaves out its pooler), as is a causal one."""
-        from transformers import BertConfig, RobertaConfig, XLMRobertaConfig
-
-        kinds = {
-            "bert": (BertConfig, "BertModel"),
-            "t5": (XLMRobertaConfig, "XLMRobertaModel"),
-            "gpt2": (RobertaConfig, "RobertaModel"),
-        }
-        vocab = self.get("tokenizer.ggml.model", "bert")
-        heads = [n for n in (RANK_HEAD, "cls.weight") if n in self.tensors]
-        classifier = len(heads) == 2 and vocab in ("t5", "gpt2")
-        what = None
-        if heads and not classifier:
-            what = (
-                f"a classification head ({', '.join(heads)}; served for the RoBERTa family's "
-                "dense and out_proj: llama.cpp's converter leaves out BERT's pooler)"
-            )
-        elif vocab not in kinds:
-            what = f"a {vocab!r} vocabulary"
-        elif self.get("bert.attention.causal", False):
-            what = "causal attention"
-        if what is not None:
-            raise CheckpointError(
-                f"{self.path.name}: a GGUF encoder with {what} is not served (BERT, "
-                "XLM-RoBERTa and RoBERTa embedders: vocabularies bert, t5, gpt2)"
-            )
-        cls, arch = kinds[vocab]
-        bert = vocab == "bert"
-        pad = int(self.get("tokenizer.ggml.padding_token_id", 0 if bert else 1))
-        positions = int(self.get("bert.context_length"))
-        labels = {}
-        if classifier:  # a reranker (bge-reranker) or classifier: its labels as the file has them
-            shape = self.tensors[RANK_HEAD].shape
-            count = int(shape[1]) if len(shape) == 2 else 1
-            names = list(self.get("bert.classifier.output_labels", None) or [])
-            names = names if len(names) == count else [f"LABEL_{i}" for i in range(count)]
-            arch = arch.replace("Model", "ForSequenceClassification")
-            labels = dict(
-                num_labels=count,
-                id2label=dict(enumerate(names)),
-                label2id={n: i for i, n in enumerate(names)},
-            )
-        return cls(
-            **labels,
-            architectures=[arch],
-            vocab_size=int(self.tensors["token_embd.weight"].shape[1]),
-            hidden_size=int(self.get("bert.embedding_length")),
-            num_hidden_layers=int(self.get("bert.block_count")),
-            num_attention_heads=int(self.get("bert.attention.head_count")),
-            intermediate_size=int(self.get("bert.feed_forward_length")),
-            max_position_embeddings=positions if bert else positions + pad + 1,
-            layer_norm_eps=float(self.get("bert.attention.layer_norm_epsilon")),
-            type_vocab_size=int(self.get("tokenizer.ggml.token_type_count", 2 if bert else 1)),
-            hidden_act="gelu",
-            pad_token_id=pad,
-            dtype=self._dtype(),
-        )
 
     def reranker(self, config: Any) -> Any:
         """A Qwen3 reranker as llama.cpp's converter writes one: `pooling_type` rank, its head

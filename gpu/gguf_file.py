@@ -21,7 +21,7 @@ import torch
 
 from core.config import CheckpointError
 from gpu.gguf_names import ARCHES, expert_name, hf_name, llama_unpermute_index
-from gpu.gguf_config import RANK_HEAD, HfConfigOf
+from gpu.gguf_config import DECODERS, RANK_HEAD, HfConfigOf
 from gpu.quant.formats import BY_GGML_TYPE
 from gpu.quant.tensor import BlockTensor
 
@@ -115,7 +115,7 @@ class GgufCheckpoint:
         for name, t in self.tensors.items():
             if name in ROTATION_TENSORS:
                 continue  # read by rope_factors and _rope
-            if name == RANK_HEAD and self.arch != "bert":  # a Qwen3 reranker's "yes", "no" rows
+            if name == RANK_HEAD and self.arch in DECODERS:  # a Qwen3 reranker's "yes", "no" rows
                 yes, no = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).astype(
                     np.float32
                 )
@@ -158,6 +158,7 @@ class GgufCheckpoint:
         from transformers import AutoTokenizer
 
         from gpu.gguf_tokenizer import (
+            bert_pairs,
             build_byte_level,
             build_unigram,
             build_wordpiece,
@@ -176,6 +177,8 @@ class GgufCheckpoint:
                 f"{self.path.name}: no tokenizer from its tokenizer.ggml entries "
                 f"({type(e).__name__}: {e}); give one with --tokenizer DIR"
             ) from None
+        if self.arch == "modern-bert":  # its [CLS] and [SEP] are the file's BOS and EOS
+            bert_pairs(tok)
         template = self.get("tokenizer.chat_template", None)
         if template:
             tok.chat_template = template

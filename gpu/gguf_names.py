@@ -21,6 +21,7 @@ ARCHES = {
     # an encoder (gpu/models/encoder.py): BERT, or XLM-RoBERTa / RoBERTa by its vocabulary
     # (gpu/gguf_config.py `encoder`)
     "bert": "BertModel",
+    "modern-bert": "ModernBertModel",
 }
 # A "llama" file with experts is a Mixtral (llama.cpp's converter writes it so).
 
@@ -89,6 +90,24 @@ ENCODER_TOP = {
     "cls": "classifier.dense",
     "cls.output": "classifier.out_proj",
 }
+# ModernBERT's (llama.cpp's "modern-bert"), under layers.N.; its classifier's head as `cls`
+# (dense), `cls.norm` and `cls.output`
+MODERNBERT_TOP = {
+    "token_embd": "embeddings.tok_embeddings",
+    "token_embd_norm": "embeddings.norm",
+    "output_norm": "final_norm",
+    "cls": "head.dense",
+    "cls.norm": "head.norm",
+    "cls.output": "classifier",
+}
+MODERNBERT_LAYER = {
+    "attn_norm": "attn_norm",
+    "attn_qkv": "attn.Wqkv",
+    "attn_output": "attn.Wo",
+    "ffn_norm": "mlp_norm",
+    "ffn_up": "mlp.Wi",
+    "ffn_down": "mlp.Wo",
+}
 ENCODER_LAYER = {
     "attn_q": "attention.self.query",
     "attn_k": "attention.self.key",
@@ -124,12 +143,15 @@ def hf_name(name: str, arch: str = "llama") -> str | None:
     mlp.gate_up_proj; an encoder's: encoder.layer.3.intermediate.dense.weight); None for a
     tensor weir has no module for."""
     stem, _, kind = name.rpartition(".")
-    if arch == "bert":
+    if arch in ("bert", "modern-bert"):
+        top, layers, under = (ENCODER_TOP, ENCODER_LAYER, "encoder.layer")
+        if arch == "modern-bert":
+            top, layers, under = (MODERNBERT_TOP, MODERNBERT_LAYER, "layers")
         parts = stem.split(".")
-        if stem in ENCODER_TOP:
-            return f"{ENCODER_TOP[stem]}.{kind}"
-        layer = ENCODER_LAYER.get(parts[-1]) if len(parts) == 3 and parts[0] == "blk" else None
-        return f"encoder.layer.{parts[1]}.{layer}.{kind}" if layer and parts[1].isdigit() else None
+        if stem in top:
+            return f"{top[stem]}.{kind}"
+        layer = layers.get(parts[-1]) if len(parts) == 3 and parts[0] == "blk" else None
+        return f"{under}.{parts[1]}.{layer}.{kind}" if layer and parts[1].isdigit() else None
     if stem in _TOP_HF:
         return f"{_TOP_HF[stem]}.{kind}"
     parts = stem.split(".")

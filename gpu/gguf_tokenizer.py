@@ -271,6 +271,20 @@ def set_special_tokens(tok: Any, get: Callable[[str, Any], Any]) -> None:
     _post_process(tok, get, specials)
 
 
+def bert_pairs(tok: Any) -> None:
+    """BERT's template on a tokenizer whose BOS is its [CLS] and EOS its [SEP] (ModernBERT's
+    file): [CLS] A [SEP], and a pair's second text then its [SEP] of token type 1."""
+    from tokenizers import processors
+
+    cls, sep = tok.bos_token, tok.eos_token
+    ids = tok.convert_tokens_to_ids
+    tok.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{cls} $A {sep}",
+        pair=f"{cls} $A {sep} $B:1 {sep}:1",
+        special_tokens=[(cls, ids(cls)), (sep, ids(sep))],
+    )
+
+
 def _post_process(tok: Any, get: Callable[[str, Any], Any], specials: dict[str, str]) -> None:
     """BOS and EOS added to a plain encoding as the file says (Llama 3: BOS, Qwen: neither)."""
     from tokenizers import processors

@@ -211,8 +211,6 @@ def write_encoder_gguf(
     from safetensors.numpy import load_file
 
     from gpu.gguf_names import ENCODER_LAYER, ENCODER_TOP
-    from gpu.quant.formats import FORMATS
-    from gpu.quant.quantize import quantize
     from server.embedding_config import sentence_transformers_pooling
 
     hf_dir, out = Path(hf_dir), Path(out)
@@ -274,16 +272,82 @@ def write_encoder_gguf(
         t = np.ascontiguousarray(t, dtype=np.float32)
         if target == "position_embd.weight":
             t = np.ascontiguousarray(t[offset:])
-        small = t.ndim == 1 or target.startswith(("position_embd", "token_types", "cls"))
-        f = FORMATS["f32" if small else fmt]
-        if f.name == "f32":
-            w.add_tensor(target, t)
-        else:
-            data = quantize(t, f.name)
-            qtype = gguf.GGMLQuantizationType(f.ggml_type)
-            w.add_tensor(target, data, raw_shape=data.shape, raw_dtype=qtype)
+        small = target.startswith(("position_embd", "token_types", "cls"))
+        _add(w, target, t, "f32" if small else fmt)
+    return _close(w, out)
+
+
+def _add(w, name: str, t, fmt: str) -> None:
+    """A tensor written in `fmt` (weir's quantizers), a vector in F32."""
+    import gguf
+    import numpy as np
+
+    from gpu.quant.formats import FORMATS
+    from gpu.quant.quantize import quantize
+
+    t = np.ascontiguousarray(t, dtype=np.float32)
+    f = FORMATS["f32" if t.ndim == 1 else fmt]
+    if f.name == "f32":
+        w.add_tensor(name, t)
+    else:
+        data = quantize(t, f.name)
+        qtype = gguf.GGMLQuantizationType(f.ggml_type)
+        w.add_tensor(name, data, raw_shape=data.shape, raw_dtype=qtype)
+
+
+def _close(w, out: Path) -> Path:
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
     return out
+
+
+def write_modernbert_gguf(hf_dir: str | Path, out: str | Path, fmt: str = "f32") -> Path:
+    """A ModernBERT folder of build_encoder's as llama.cpp's converter writes it
+    ("modern-bert"): its names, the bases of its global and local layers, its whole local
+    window, its byte-level BPE vocabulary with [CLS] and [SEP] as BOS and EOS, its pooling (a
+    classifier's own: `classifier.pooling_type`) and head (`cls`, `cls.norm`, `cls.output`)."""
+    import gguf
+    from safetensors.numpy import load_file
+
+    from gpu.gguf_names import MODERNBERT_LAYER, MODERNBERT_TOP
+    from gpu.quant.gguf_write import write_tokenizer
+    from server.embedding_config import sentence_transformers_pooling
+
+    hf_dir, out = Path(hf_dir), Path(out)
+    config = json.loads((hf_dir / "config.json").read_text())
+    a = "modern-bert"
+    w = gguf.GGUFWriter(str(out), a)
+    w.add_block_count(config["num_hidden_layers"])
+    w.add_context_length(config["max_position_embeddings"])
+    w.add_embedding_length(config["hidden_size"])
+    w.add_feed_forward_length(config["intermediate_size"])
+    w.add_head_count(config["num_attention_heads"])
+    rope = config["rope_parameters"]
+    w.add_rope_freq_base(rope["full_attention"]["rope_theta"])
+    w.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
+    w.add_layer_norm_rms_eps(config["norm_eps"])  # (the key the converter writes)
+    w.add_causal_attention(False)
+    kinds = {"mean": gguf.PoolingType.MEAN, "cls": gguf.PoolingType.CLS}
+    kind = sentence_transformers_pooling(hf_dir)
+    if kind is not None:
+        w.add_pooling_type(kinds[kind])
+    w.add_uint32(f"{a}.classifier.pooling_type", int(kinds[config["classifier_pooling"]]))
+    w.add_sliding_window(config["local_attention"])
+    w.add_vocab_size(config["vocab_size"])
+    w.add_string(f"{a}.hidden_activation", config["hidden_activation"])
+    write_tokenizer(w, hf_dir, config, bert=True)
+    top = {v: k for k, v in MODERNBERT_TOP.items()}
+    layer = {v: k for k, v in MODERNBERT_LAYER.items()}
+    for name, t in load_file(str(hf_dir / "model.safetensors")).items():
+        stem, _, part = name.removeprefix("model.").rpartition(".")
+        pieces = stem.split(".")
+        if stem in top:
+            target = f"{top[stem]}.{part}"
+        elif pieces[0] == "layers" and ".".join(pieces[2:]) in layer:
+            target = f"blk.{pieces[1]}.{layer['.'.join(pieces[2:])]}.{part}"
+        else:
+            raise ValueError(f"no GGUF name for {name}")
+        _add(w, target, t, "f32" if target.startswith("cls") else fmt)
+    return _close(w, out)

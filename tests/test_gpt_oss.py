@@ -244,7 +244,7 @@ def write_gpt_oss_gguf(hf_dir, out) -> dict:
     import gguf
     from safetensors.torch import load_file
 
-    from gpu.quant.gguf_write import _write_tokenizer
+    from gpu.quant.gguf_write import write_tokenizer
 
     config = json.loads((hf_dir / "config.json").read_text())
     w = gguf.GGUFWriter(str(out), "gpt-oss")
@@ -268,7 +268,7 @@ def write_gpt_oss_gguf(hf_dir, out) -> dict:
     w.add_expert_used_count(config["num_experts_per_tok"])
     w.add_sliding_window(config["sliding_window"])
     w.add_expert_feed_forward_length(config["intermediate_size"])
-    _write_tokenizer(w, hf_dir, config)
+    write_tokenizer(w, hf_dir, config)
     names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
              "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
              "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",

@@ -93,3 +93,32 @@ def test_older_configs_name_the_pattern_and_bases_their_own_way():
     assert old.local_layers == new.local_layers == (False, True, False, True, False)
     assert (old.rope_theta, old.local_rope_theta) == (new.rope_theta, new.local_rope_theta)
     assert (new.rope_theta, new.local_rope_theta, new.window) == (5000.0, 500.0, 8)
+
+
+@pytest.mark.parametrize("labels,pooling", [(0, "mean"), (3, "cls"), (3, "mean")])
+def test_gguf_file_equals_transformers(folders, labels, pooling, tmp_path):
+    """llama.cpp's "modern-bert" file (written as its converter writes one: its names and keys,
+    the BPE vocabulary with [CLS] and [SEP] as BOS and EOS): tokens and pairs as the folder's
+    tokenizer gives them, and transformers' vectors or probabilities."""
+    from tests.encoder_models import write_modernbert_gguf
+
+    path = folders(labels=labels, pooling=pooling)
+    llm = LLM(str(write_modernbert_gguf(path, tmp_path / "m.gguf")), max_model_len=128)
+    tok = AutoTokenizer.from_pretrained(str(path))
+    for text in TEXTS:
+        assert llm.tokenizer(text)["input_ids"] == tok(text)["input_ids"]
+    typed = {"return_token_type_ids": True}
+    assert llm.tokenizer("a b", "c d", **typed) == tok("a b", "c d", **typed)
+    if labels:
+        hf = AutoModelForSequenceClassification.from_pretrained(str(path)).eval()
+        for text, out in zip(TEXTS, llm.classify(TEXTS, use_tqdm=False)):
+            with torch.no_grad():
+                want = hf(**tok(text, return_tensors="pt")).logits[0].softmax(-1)
+            assert (torch.tensor(out.outputs.probs) - want).abs().max().item() < 1e-5
+        return
+    hf = AutoModel.from_pretrained(str(path)).eval()
+    for text, out in zip(TEXTS, llm.embed(TEXTS, use_tqdm=False)):
+        with torch.no_grad():
+            rows = hf(**tok(text, return_tensors="pt")).last_hidden_state[0]
+        want = F.normalize(rows.mean(0), dim=0)
+        assert (torch.tensor(out.outputs.embedding) - want).abs().max().item() < 1e-5

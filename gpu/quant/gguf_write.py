@@ -234,7 +234,7 @@ def metadata_writer(out: Path, config: dict, tokenizer_dir: Path) -> tuple[gguf.
             raise ValueError(f"gguf_write: a {arch} file cannot say norm_topk_prob")
         if arch == "qwen2moe":
             w.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
-    _write_tokenizer(w, tokenizer_dir, config)
+    write_tokenizer(w, tokenizer_dir, config)
     return w, arch
 
 
@@ -292,7 +292,9 @@ def _checkpoint(hf_dir: Path) -> Iterator[tuple[str, np.ndarray]]:
                 yield name, f.get_tensor(name).float().numpy()
 
 
-def _write_tokenizer(w: gguf.GGUFWriter, hf_dir: Path, config: dict) -> None:
+def write_tokenizer(w: gguf.GGUFWriter, hf_dir: Path, config: dict, bert: bool = False) -> None:
+    """`hf_dir`'s byte-level BPE tokenizer as `tokenizer.ggml.*` entries; `bert`: its [CLS] and
+    [SEP] written as BOS and EOS, both added, as llama.cpp's converter writes ModernBERT's."""
     tok = json.loads((hf_dir / "tokenizer.json").read_text())
     if tok["model"]["type"] != "BPE":
         raise ValueError("gguf_write: only BPE tokenizers are written")
@@ -321,15 +323,17 @@ def _write_tokenizer(w: gguf.GGUFWriter, hf_dir: Path, config: dict) -> None:
     w.add_token_merges(merges)
     tcfg = json.loads((hf_dir / "tokenizer_config.json").read_text())
     for key, add in (
-        ("eos_token", w.add_eos_token_id),
+        ("sep_token" if bert else "eos_token", w.add_eos_token_id),
         ("pad_token", w.add_pad_token_id),
-        ("bos_token", w.add_bos_token_id),
+        ("cls_token" if bert else "bos_token", w.add_bos_token_id),
     ):
         value = tcfg.get(key)
         value = value.get("content") if isinstance(value, dict) else value
         if value in vocab:
             add(vocab[value])
-    w.add_add_bos_token(False)
+    w.add_add_bos_token(bert)
+    if bert:
+        w.add_add_eos_token(True)
     template = tcfg.get("chat_template")
     jinja = hf_dir / "chat_template.jinja"
     if not template and jinja.exists():
