@@ -27,7 +27,16 @@ from gpu.models.encoder_spec import EncoderSpec
 from gpu.models.modernbert import ModernBertModel
 from gpu.quant.tensor import BlockTensor
 
-PREFIXES = ("bert.", "roberta.", "model.")  # a classifier's encoder (ModernBERT's: model.)
+# a classifier's encoder (ModernBERT's: model.)
+PREFIXES = ("bert.", "roberta.", "mpnet.", "model.")
+# MPNet's attention under BERT's names (its Q/K/V/O in `attention.attn`, its norm one up)
+MPNET_NAMES = {
+    ".attention.attn.q.": ".attention.self.query.",
+    ".attention.attn.k.": ".attention.self.key.",
+    ".attention.attn.v.": ".attention.self.value.",
+    ".attention.attn.o.": ".attention.output.dense.",
+    ".attention.LayerNorm.": ".attention.output.LayerNorm.",
+}
 PRETRAINING = ("cls.", "lm_head.")  # masked-LM and next-sentence heads
 BUFFERS = ("embeddings.position_ids", "embeddings.token_type_ids")  # saved by older versions
 
@@ -45,6 +54,9 @@ def checkpoint_name(stored: str, spec: EncoderSpec) -> str | None:
         return None  # an embedding model's pooler (only BERT's classifier reads it)
     if name.startswith(("head.", "decoder.")) and spec.family == "modernbert" and not spec.head:
         return None  # a ModernBERT embedder saved with its masked-LM head
+    if spec.family == "mpnet":
+        for theirs, ours in MPNET_NAMES.items():
+            name = name.replace(theirs, ours)
     if name.endswith(".gamma"):
         return name[: -len("gamma")] + "weight"
     if name.endswith(".beta"):

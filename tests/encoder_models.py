@@ -110,7 +110,7 @@ def build_encoder(
     seed: int = 0,
     vocab_size: int | None = None,
 ) -> Path:
-    """A random-weight encoder of `family` ("bert", "xlm-roberta" or "modernbert") written to
+    """A random-weight encoder of `family` ("bert", "xlm-roberta", "mpnet" or "modernbert") to
     `path`: an embedding model (BertModel, XLMRobertaModel, ModernBertModel) whose
     sentence-transformers files name `pooling` (None: no such files), or, with `num_labels`, a
     sequence classifier. `vocab_size`: embedding rows beyond the tokenizer's (a real model's
@@ -120,6 +120,9 @@ def build_encoder(
         BertConfig,
         BertForSequenceClassification,
         BertModel,
+        MPNetConfig,
+        MPNetForSequenceClassification,
+        MPNetModel,
         ModernBertConfig,
         ModernBertForSequenceClassification,
         ModernBertModel,
@@ -132,7 +135,7 @@ def build_encoder(
     path.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
     bert = family == "bert"
-    builders = {"bert": bert_tokenizer, "xlm-roberta": xlmr_tokenizer}
+    builders = {"bert": bert_tokenizer, "xlm-roberta": xlmr_tokenizer, "mpnet": xlmr_tokenizer}
     tokenizer = builders.get(family, modernbert_tokenizer)()
     common = dict(
         vocab_size=max(vocab_size or 0, len(tokenizer)),
@@ -147,6 +150,9 @@ def build_encoder(
     if bert:
         config = BertConfig(**common, max_position_embeddings=max_position_embeddings)
         classes = BertModel, BertForSequenceClassification
+    elif family == "mpnet":  # (its positions too start past its padding id, 1: two rows more)
+        config = MPNetConfig(**common, max_position_embeddings=max_position_embeddings + 2)
+        classes = MPNetModel, MPNetForSequenceClassification
     elif family == "modernbert":
         common["hidden_activation"] = common.pop("hidden_act")
         config = ModernBertConfig(

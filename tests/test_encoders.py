@@ -50,7 +50,9 @@ def pooled(rows: torch.Tensor, kind: str) -> torch.Tensor:
     return F.normalize(rows.mean(0) if kind == "mean" else rows[0], dim=0)
 
 
-@pytest.mark.parametrize("family,kind", [("bert", "mean"), ("xlm-roberta", "cls")])
+@pytest.mark.parametrize(
+    "family,kind", [("bert", "mean"), ("xlm-roberta", "cls"), ("mpnet", "mean")]
+)
 def test_embeddings_equal_transformers(encoders, family, kind):
     """The folder's sentence-transformers pooling, three inputs of different lengths in one
     step (each attends to itself alone), equal to transformers' vectors."""
@@ -104,7 +106,7 @@ def test_roberta_positions_skip_its_padding_id(encoders):
     assert (pooled(hf_rows(path, plain), "cls") - want).abs().max().item() > 1e-3
 
 
-@pytest.mark.parametrize("family", ["bert", "xlm-roberta"])
+@pytest.mark.parametrize("family", ["bert", "xlm-roberta", "mpnet"])
 def test_classifier_logits_and_pair_scores_equal_transformers(encoders, family):
     """classify: each input's raw logits from its first token's row through the head (BERT's
     pooler and classifier, RoBERTa's dense and out_proj); score: a one-label classifier's

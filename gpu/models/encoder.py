@@ -1,20 +1,24 @@
-"""A BERT-family encoder (BERT, RoBERTa, XLM-RoBERTa) on a backend: every input attends to the
-whole of itself, so a step holds each of its inputs whole (the scheduler never chunks them,
-core/scheduler.py `whole_prompts`) and nothing is cached: each input's K/V live only in its
-step, and the model holds no KV cache. It embeds (gpu/pooler.py pools its final rows) and, with
-a head, classifies from its first token's row; it never generates.
+"""A BERT-family encoder (BERT, RoBERTa, XLM-RoBERTa, MPNet) on a backend: every input attends
+to the whole of itself, so a step holds each of its inputs whole (the scheduler never chunks
+them, core/scheduler.py `whole_prompts`) and nothing is cached: each input's K/V live only in
+its step, and the model holds no KV cache. It embeds (gpu/pooler.py pools its final rows) and,
+with a head, classifies from its first token's row; it never generates.
 
 The layer is BERT's, norms after each block: LayerNorm(x + attention(x)), then
 LayerNorm(x + dense(act(dense(x)))); the input is the token's embedding plus its segment's
-(BERT's token type: a pair's second text is type 1) plus its position's. Products run on the
-backend as a decoder's do (Q/K/V one product); the norms, the activation and the attention are
-torch's (attention per input, scaled_dot_product_attention without a mask).
+(BERT's token type: a pair's second text is type 1) plus its position's (RoBERTa's and
+MPNet's counted past their padding id). MPNet adds to each head's scores a learned bias by the
+two tokens' bucketed distance. Products run on the backend as a decoder's do (Q/K/V one
+product); the norms, the activation and the attention are torch's (attention per input,
+scaled_dot_product_attention, MPNet's bias its additive mask).
 
 Module and parameter names follow the Hugging Face checkpoints (after the classifiers' `bert.` /
 `roberta.` prefix), so weights load by name (gpu/encoder_loader.py).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -34,7 +38,7 @@ class Embeddings(nn.Module):
             nn.Embedding(spec.type_vocab_size, h) if spec.type_vocab_size else None
         )
         self.LayerNorm = nn.LayerNorm(h, spec.layer_norm_eps)
-        self.roberta = spec.family == "roberta"
+        self.roberta = spec.family in ("roberta", "mpnet")
         self.pad = spec.pad_token_id
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, token_types) -> torch.Tensor:
@@ -109,18 +113,26 @@ class Attention(nn.Module):
         del self.self
         self.output.dense.prepare()
 
-    def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata, biases=None) -> torch.Tensor:
+        """`biases`: MPNet's, each input length's [heads, n, n] added to the scores."""
         t = x.shape[0]
         q, k, v = self.backend.linear(x, self.qkv).view(t, 3, self.num_heads, -1).unbind(1)
-        return self.output(bidirectional(q, k, v, meta.query_lens_cpu).view(t, -1), x)
+        o = bidirectional(q, k, v, meta.query_lens_cpu, biases=biases)
+        return self.output(o.view(t, -1), x)
 
 
 def bidirectional(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int], window: int = 0
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lengths: list[int],
+    window: int = 0,
+    biases: dict[int, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Attention of [tokens, heads, head_dim] Q/K/V where each input (of `lengths`, one after
     another) attends to the whole of itself and nothing else; with `window`, a token only to
-    those at most `window` positions away either way (ModernBERT's local layers)."""
+    those at most `window` positions away either way (ModernBERT's local layers); `biases`: by
+    input length, [heads, n, n] added to the scaled scores (MPNet's relative positions)."""
     o = torch.empty_like(q)
     start = 0
     for n in lengths:
@@ -132,6 +144,8 @@ def bidirectional(
         if window and n > window + 1:
             i = torch.arange(n, device=q.device)
             mask = (i[:, None] - i[None, :]).abs() <= window
+        if biases is not None:
+            mask = biases[n][None].to(q.dtype)
         o[part] = F.scaled_dot_product_attention(q_, k_, v_, attn_mask=mask)[0].transpose(0, 1)
         start += n
     return o
@@ -156,8 +170,8 @@ class Layer(nn.Module):
         self.intermediate.dense.prepare()
         self.output.dense.prepare()
 
-    def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x = self.attention(x, meta)
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata, biases=None) -> torch.Tensor:
+        x = self.attention(x, meta, biases)
         h = self.backend.linear_act(x, self.intermediate.dense.w, self.act)
         return self.output(h, x)
 
@@ -166,6 +180,37 @@ class Encoder(nn.Module):
     def __init__(self, spec: EncoderSpec, backend) -> None:
         super().__init__()
         self.layer = nn.ModuleList(Layer(spec, backend) for _ in range(spec.num_layers))
+        self.relative_attention_bias = None  # MPNet's: [buckets, heads], for every layer
+        if spec.relative_buckets:
+            self.relative_attention_bias = nn.Embedding(spec.relative_buckets, spec.num_heads)
+
+    def biases(self, lengths: list[int]) -> dict[int, torch.Tensor] | None:
+        """MPNet's score biases for inputs of `lengths`: [heads, n, n] by each length, of the
+        bucket of each key's distance from its query (transformers' buckets: 32, exact to 8
+        either way, logarithmic to 128), or None."""
+        table = self.relative_attention_bias
+        if table is None:
+            return None
+        out = {}
+        for n in set(lengths):
+            i = torch.arange(n, device=table.weight.device)
+            out[n] = table(relative_bucket(i[None, :] - i[:, None])).permute(2, 0, 1)
+        return out
+
+
+def relative_bucket(relative: torch.Tensor, buckets: int = 32, max_distance: int = 128):
+    """transformers' MPNet (T5's) buckets of key-minus-query distances: half the buckets for
+    each sign, exact below a quarter of them, then logarithmic up to max_distance."""
+    half = buckets // 2
+    n = -relative
+    out = (n < 0).long() * half
+    n = n.abs()
+    exact = half // 2
+    large = exact + (
+        torch.log(n.float() / exact) / math.log(max_distance / exact) * (half - exact)
+    ).long()
+    large = torch.minimum(large, torch.full_like(large, half - 1))
+    return out + torch.where(n < exact, n, large)
 
 
 class Pooler(nn.Module):  # BERT's: dense then tanh over the first token's row
@@ -248,8 +293,9 @@ class EncoderModel(Encoding):
             if types is not None:
                 types = torch.tensor(types, dtype=torch.int64, device=input_ids.device)
         x = self.embeddings(input_ids, positions, meta, types)
+        biases = self.encoder.biases(meta.query_lens_cpu)
         for layer in self.encoder.layer:
-            x = layer(x, meta)
+            x = layer(x, meta, biases)
         return x
 
     def classify(self, rows: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,10 @@ ENCODERS: dict[str, tuple[str, str]] = {
     "RobertaForSequenceClassification": ("roberta", "roberta"),
     "XLMRobertaModel": ("roberta", ""),
     "XLMRobertaForSequenceClassification": ("roberta", "roberta"),
+    # MPNet: RoBERTa's positions (its padding id always 1), no token types, and a bias on each
+    # head's scores by the two tokens' relative distance (in buckets, one table for all layers)
+    "MPNetModel": ("mpnet", ""),
+    "MPNetForSequenceClassification": ("mpnet", "roberta"),
     "ModernBertModel": ("modernbert", ""),
     "ModernBertForSequenceClassification": ("modernbert", "modernbert"),
 }
@@ -59,6 +63,7 @@ class EncoderSpec:
     pad_token_id: int  # RoBERTa's positions count the tokens that are not this one
     type_vocab_size: int  # BERT's segments (a pair's second text is type 1); RoBERTa's: 1
     num_labels: int = 0  # a classifier's (0: an embedding model)
+    relative_buckets: int = 0  # MPNet's relative-position buckets (0: none)
     # ModernBERT's: biases on the norms, on attention's products and on the MLP's; the
     # rotation's bases for the global and the local layers, which layers are local, and how far
     # a local layer's token sees (|i - j| <= window); its classifier's pooling (cls, mean), head
@@ -113,8 +118,9 @@ def _act(arch: str, name: str, what: str = "hidden_act") -> str:
 
 
 def _bert(config: Any, arch: str, family: str) -> dict[str, Any]:
-    """BERT's and the RoBERTa family's fields: learned positions (RoBERTa's past its padding
-    id), token types, post-norm layers with biases."""
+    """BERT's, the RoBERTa family's and MPNet's fields: learned positions (RoBERTa's and
+    MPNet's past the padding id), token types (not MPNet's), post-norm layers with biases;
+    MPNet's relative-position buckets."""
     kind = getattr(config, "position_embedding_type", None) or "absolute"
     if kind != "absolute":
         raise CheckpointError(
@@ -123,8 +129,10 @@ def _bert(config: Any, arch: str, family: str) -> dict[str, Any]:
     rows = int(config.max_position_embeddings)
     pad = getattr(config, "pad_token_id", None)
     pad = int(pad if pad is not None else (1 if family == "roberta" else 0))
+    if family == "mpnet":
+        pad = 1  # (transformers' MPNet counts positions past 1, whatever the config's id)
     # RoBERTa counts positions from padding_idx + 1 (its first rows are never read)
-    served = rows - (pad + 1) if family == "roberta" else rows
+    served = rows - (pad + 1) if family in ("roberta", "mpnet") else rows
     if served < 1:
         raise CheckpointError(f"{arch}: {rows} positions with padding id {pad}")
     return dict(
@@ -133,7 +141,8 @@ def _bert(config: Any, arch: str, family: str) -> dict[str, Any]:
         max_position_embeddings=served,
         position_rows=rows,
         pad_token_id=pad,
-        type_vocab_size=int(getattr(config, "type_vocab_size", 0) or 0),
+        type_vocab_size=int(getattr(config, "type_vocab_size", 0) or 0) if family != "mpnet" else 0,
+        relative_buckets=int(config.relative_attention_num_buckets) if family == "mpnet" else 0,
     )
 
 
