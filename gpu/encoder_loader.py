@@ -25,10 +25,11 @@ from gpu.loader import Targets, weight_files
 from gpu.models.encoder import EncoderModel
 from gpu.models.encoder_spec import EncoderSpec
 from gpu.models.modernbert import ModernBertModel
+from gpu.models.nomic import NomicBertModel
 from gpu.quant.tensor import BlockTensor
 
 # a classifier's encoder (ModernBERT's: model.)
-PREFIXES = ("bert.", "roberta.", "mpnet.", "model.")
+PREFIXES = ("bert.", "roberta.", "mpnet.", "nomic_bert.", "model.")
 # MPNet's attention under BERT's names (its Q/K/V/O in `attention.attn`, its norm one up)
 MPNET_NAMES = {
     ".attention.attn.q.": ".attention.self.query.",
@@ -37,6 +38,19 @@ MPNET_NAMES = {
     ".attention.attn.o.": ".attention.output.dense.",
     ".attention.LayerNorm.": ".attention.output.LayerNorm.",
 }
+# NomicBERT's own layout (the hub's) under transformers 5's names (its fused Q/K/V is cut in
+# three as it is read: _tensors)
+NOMIC_NAMES = {
+    "encoder.layers.": "layers.",
+    "emb_ln.": "embeddings.LayerNorm.",
+    ".attn.out_proj.": ".self_attn.o_proj.",
+    ".mlp.fc11.": ".mlp.up_proj.",
+    ".mlp.fc12.": ".mlp.gate_proj.",
+    ".mlp.fc2.": ".mlp.down_proj.",
+    ".norm1.": ".post_attention_layernorm.",
+    ".norm2.": ".post_mlp_layernorm.",
+}
+MODELS = {"modernbert": ModernBertModel, "nomic": NomicBertModel}  # else BERT's layer
 PRETRAINING = ("cls.", "lm_head.")  # masked-LM and next-sentence heads
 BUFFERS = ("embeddings.position_ids", "embeddings.token_type_ids")  # saved by older versions
 
@@ -57,6 +71,9 @@ def checkpoint_name(stored: str, spec: EncoderSpec) -> str | None:
     if spec.family == "mpnet":
         for theirs, ours in MPNET_NAMES.items():
             name = name.replace(theirs, ours)
+    if spec.family == "nomic":
+        for theirs, ours in NOMIC_NAMES.items():
+            name = name.replace(theirs, ours)
     if name.endswith(".gamma"):
         return name[: -len("gamma")] + "weight"
     if name.endswith(".beta"):
@@ -66,7 +83,7 @@ def checkpoint_name(stored: str, spec: EncoderSpec) -> str | None:
 
 def load_encoder(
     path: Path, config: Any, dtype: torch.dtype, device: torch.device, backend
-) -> EncoderModel | ModernBertModel:
+) -> EncoderModel | ModernBertModel | NomicBertModel:
     """The encoder built on `backend`, its weights read and prepared (in `dtype` unless the
     backend keeps them as the checkpoint holds them)."""
     spec = EncoderSpec.from_hf_config(config)
@@ -74,7 +91,7 @@ def load_encoder(
         raise CheckpointError(f"{spec.architecture}: quantized encoder checkpoints are not served")
     compute = backend.bind(device, dtype)
     with torch.device("meta"):
-        model = (ModernBertModel if spec.family == "modernbert" else EncoderModel)(spec, backend)
+        model = MODELS.get(spec.family, EncoderModel)(spec, backend)
     model = model.to(compute).to_empty(device=device)
     targets = Targets(model)
     for name, value in _tensors(path, spec):
@@ -94,7 +111,14 @@ def _tensors(path: Path, spec: EncoderSpec) -> Iterator[tuple[str | None, Any]]:
         for file in weight_files(path):
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 for stored in f.keys():
-                    yield checkpoint_name(stored, spec), f.get_tensor(stored)
+                    name = checkpoint_name(stored, spec)
+                    nomic = spec.family == "nomic" and name is not None
+                    if nomic and name.endswith(".attn.Wqkv.weight"):  # cut in three
+                        stem = name.removesuffix("attn.Wqkv.weight")
+                        for part, rows in zip("qkv", f.get_tensor(stored).chunk(3)):
+                            yield f"{stem}self_attn.{part}_proj.weight", rows
+                        continue
+                    yield name, f.get_tensor(stored)
         return
     ckpt = GgufCheckpoint(path)
     for name, value in ckpt.weights():

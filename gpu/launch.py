@@ -32,7 +32,7 @@ from gpu.assemble import (
 )
 from gpu.gguf_file import GgufCheckpoint, is_gguf
 from gpu.loader import eos_token_ids, int4_scheme, load_config, resolve_dtype
-from gpu.models.encoder_spec import encoder_architecture
+from gpu.models.encoder_spec import EncoderSpec, encoder_architecture
 
 log = logging.getLogger("weir.launch")
 
@@ -200,7 +200,9 @@ def model_pooling(hf_config: Any) -> ModelPooling:
         acts = model_activations(hf_config.to_dict() if hasattr(hf_config, "to_dict") else {})
     except ValueError as e:
         raise CheckpointError(str(e)) from None
-    return ModelPooling(kind, int(hf_config.hidden_size), encoder, *acts)
+    # (an encoder's size as its spec reads it: nomic's own config names it n_embd)
+    hidden = EncoderSpec.from_hf_config(hf_config).hidden_size if encoder else hf_config.hidden_size
+    return ModelPooling(kind, int(hidden), encoder, *acts)
 
 
 def check_encoder(config: EngineConfig, hf_config: Any) -> None:

@@ -123,6 +123,9 @@ def build_encoder(
         MPNetConfig,
         MPNetForSequenceClassification,
         MPNetModel,
+        NomicBertConfig,
+        NomicBertForSequenceClassification,
+        NomicBertModel,
         ModernBertConfig,
         ModernBertForSequenceClassification,
         ModernBertModel,
@@ -135,7 +138,12 @@ def build_encoder(
     path.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
     bert = family == "bert"
-    builders = {"bert": bert_tokenizer, "xlm-roberta": xlmr_tokenizer, "mpnet": xlmr_tokenizer}
+    builders = {
+        "bert": bert_tokenizer,
+        "nomic": bert_tokenizer,
+        "xlm-roberta": xlmr_tokenizer,
+        "mpnet": xlmr_tokenizer,
+    }
     tokenizer = builders.get(family, modernbert_tokenizer)()
     common = dict(
         vocab_size=max(vocab_size or 0, len(tokenizer)),
@@ -150,6 +158,10 @@ def build_encoder(
     if bert:
         config = BertConfig(**common, max_position_embeddings=max_position_embeddings)
         classes = BertModel, BertForSequenceClassification
+    elif family == "nomic":  # (its activation is SwiGLU's: its config's default, silu)
+        common.pop("hidden_act")
+        config = NomicBertConfig(**common, max_position_embeddings=max_position_embeddings)
+        classes = NomicBertModel, NomicBertForSequenceClassification
     elif family == "mpnet":  # (its positions too start past its padding id, 1: two rows more)
         config = MPNetConfig(**common, max_position_embeddings=max_position_embeddings + 2)
         classes = MPNetModel, MPNetForSequenceClassification
@@ -202,158 +214,50 @@ def build_encoder(
     return path
 
 
-def write_encoder_gguf(
-    hf_dir: str | Path, out: str | Path, fmt: str = "f32", pooling: bool = True
-) -> Path:
-    """An encoder folder of build_encoder's written as llama.cpp's convert_hf_to_gguf.py writes
-    one ("bert"): its names, BERT's vocabulary with phantom spaces (a word's first piece
-    "\u2581play", a continuation bare) or XLM-RoBERTa's pieces with their scores ("t5"), the
-    RoBERTa family's first pad + 1 position rows left out, the sentence-transformers pooling
-    (`pooling` false: none written), an XLM-RoBERTa classifier's head as `cls` and
-    `cls.output`; matrices in `fmt` (weir's quantizers), norms, biases, the small tables and the
-    head F32."""
-    import gguf
+def nomic_hub_layout(folder: str | Path, out: str | Path) -> Path:
+    """A NomicBERT folder of build_encoder's as nomic's own checkpoints on the hub hold it (what
+    transformers 5 converts as it loads): its config.json names (n_embd, n_layer, ...), its
+    tensor names (encoder.layers.N.attn.Wqkv fused, mlp.fc11 / fc12 / fc2, norm1 / norm2,
+    emb_ln; transformers 5 itself saves these tensor names, its own config's)."""
+    import shutil
+
     import numpy as np
-    from safetensors.numpy import load_file
+    from safetensors.numpy import load_file, save_file
 
-    from gpu.gguf_names import ENCODER_LAYER, ENCODER_TOP
-    from server.embedding_config import sentence_transformers_pooling
-
-    hf_dir, out = Path(hf_dir), Path(out)
-    config = json.loads((hf_dir / "config.json").read_text())
-    tok = json.loads((hf_dir / "tokenizer.json").read_text())
-    bert = config["model_type"] == "bert"
-    w = gguf.GGUFWriter(str(out), "bert")
-    w.add_block_count(config["num_hidden_layers"])
-    offset = 0 if bert else config["pad_token_id"] + 1  # RoBERTa's rows never read
-    w.add_context_length(config["max_position_embeddings"] - offset)
-    w.add_embedding_length(config["hidden_size"])
-    w.add_feed_forward_length(config["intermediate_size"])
-    w.add_head_count(config["num_attention_heads"])
-    w.add_layer_norm_eps(config["layer_norm_eps"])
-    w.add_causal_attention(False)
-    kinds = {"mean": gguf.PoolingType.MEAN, "cls": gguf.PoolingType.CLS}
-    kind = sentence_transformers_pooling(hf_dir) if pooling else None
-    if kind is not None:
-        w.add_pooling_type(kinds[kind])
-    w.add_token_type_count(config["type_vocab_size"])
-    specials = {t["content"]: t["id"] for t in tok["added_tokens"]}
-    if bert:
-        vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
-        tokens = [
-            t if t in specials else t[2:] if t.startswith("##") else "\u2581" + t for t, _ in vocab
-        ]
-        types = [3 if t in specials else 1 for t, _ in vocab]
-        w.add_tokenizer_model("bert")
-        w.add_token_list(tokens)
-        w.add_token_types(types)
-        ids = dict(bos="[CLS]", eos="[SEP]", unk="[UNK]", sep="[SEP]", pad="[PAD]", mask="[MASK]")
-    else:
-        pieces = tok["model"]["vocab"]
-        w.add_tokenizer_model("t5")
-        w.add_token_list([p for p, _ in pieces])
-        w.add_token_scores([float(s) for _, s in pieces])
-        w.add_token_types([3 if p in specials else 1 for p, _ in pieces])
-        w.add_add_space_prefix(True)
-        w.add_remove_extra_whitespaces(True)
-        ids = dict(bos="<s>", eos="</s>", unk="<unk>", sep="</s>", pad="<pad>", mask="<mask>")
-    w.add_bos_token_id(specials[ids["bos"]])
-    w.add_eos_token_id(specials[ids["eos"]])
-    w.add_unk_token_id(specials[ids["unk"]])
-    w.add_sep_token_id(specials[ids["sep"]])
-    w.add_pad_token_id(specials[ids["pad"]])
-    w.add_mask_token_id(specials[ids["mask"]])
-    top = {v: k for k, v in ENCODER_TOP.items()}
-    layer = {v: k for k, v in ENCODER_LAYER.items()}
-    for name, t in load_file(str(hf_dir / "model.safetensors")).items():
-        name = name.removeprefix("roberta.")  # a classifier's encoder
-        stem, _, kind = name.rpartition(".")
-        parts = stem.split(".")
-        if stem in top:
-            target = f"{top[stem]}.{kind}"
-        elif parts[:2] == ["encoder", "layer"] and ".".join(parts[3:]) in layer:
-            target = f"blk.{parts[2]}.{layer['.'.join(parts[3:])]}.{kind}"
-        else:
-            continue  # pooler, buffers (a BERT classifier's head: not written here)
-        t = np.ascontiguousarray(t, dtype=np.float32)
-        if target == "position_embd.weight":
-            t = np.ascontiguousarray(t[offset:])
-        small = target.startswith(("position_embd", "token_types", "cls"))
-        _add(w, target, t, "f32" if small else fmt)
-    return _close(w, out)
-
-
-def _add(w, name: str, t, fmt: str) -> None:
-    """A tensor written in `fmt` (weir's quantizers), a vector in F32."""
-    import gguf
-    import numpy as np
-
-    from gpu.quant.formats import FORMATS
-    from gpu.quant.quantize import quantize
-
-    t = np.ascontiguousarray(t, dtype=np.float32)
-    f = FORMATS["f32" if t.ndim == 1 else fmt]
-    if f.name == "f32":
-        w.add_tensor(name, t)
-    else:
-        data = quantize(t, f.name)
-        qtype = gguf.GGMLQuantizationType(f.ggml_type)
-        w.add_tensor(name, data, raw_shape=data.shape, raw_dtype=qtype)
-
-
-def _close(w, out: Path) -> Path:
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    folder, out = Path(folder), Path(out)
+    shutil.copytree(folder, out, ignore=shutil.ignore_patterns("*.safetensors"))
+    c = json.loads((folder / "config.json").read_text())
+    hub = {
+        "architectures": c["architectures"], "model_type": "nomic_bert",
+        "n_embd": c["hidden_size"], "n_layer": c["num_hidden_layers"],
+        "n_head": c["num_attention_heads"], "n_inner": c["intermediate_size"],
+        "n_positions": c["max_position_embeddings"], "layer_norm_epsilon": c["layer_norm_eps"],
+        "rotary_emb_base": c["rope_parameters"]["rope_theta"], "rotary_emb_fraction": 1.0,
+        "rotary_emb_interleaved": False, "prenorm": False, "activation_function": "swiglu",
+        "qkv_proj_bias": False, "mlp_fc1_bias": False, "mlp_fc2_bias": False,
+        "type_vocab_size": c["type_vocab_size"], "vocab_size": c["vocab_size"],
+        "pad_token_id": c.get("pad_token_id"), "num_labels": c.get("num_labels", 2),
+        "id2label": c.get("id2label"), "label2id": c.get("label2id"),
+    }  # fmt: skip
+    (out / "config.json").write_text(json.dumps(hub))
+    names = {
+        "layers.": "encoder.layers.", "embeddings.LayerNorm.": "emb_ln.",
+        ".self_attn.o_proj.": ".attn.out_proj.", ".mlp.up_proj.": ".mlp.fc11.",
+        ".mlp.gate_proj.": ".mlp.fc12.", ".mlp.down_proj.": ".mlp.fc2.",
+        ".post_attention_layernorm.": ".norm1.", ".post_mlp_layernorm.": ".norm2.",
+    }  # fmt: skip
+    state, qkv = {}, {}
+    for name, t in load_file(str(folder / "model.safetensors")).items():
+        prefix = "nomic_bert." if name.startswith("nomic_bert.") else ""
+        name = name.removeprefix(prefix)
+        for ours, theirs in names.items():
+            name = name.replace(ours, theirs) if name.startswith(ours) or ours[0] == "." else name
+        if ".self_attn." in name:  # q, k, v: one Wqkv a layer
+            stem, part = name.split(".self_attn.")
+            qkv.setdefault(prefix + stem, {})[part[0]] = t
+            continue
+        state[prefix + name] = t
+    for stem, parts in qkv.items():
+        state[f"{stem}.attn.Wqkv.weight"] = np.concatenate([parts[k] for k in "qkv"])
+    save_file(state, str(out / "model.safetensors"))
     return out
-
-
-def write_modernbert_gguf(hf_dir: str | Path, out: str | Path, fmt: str = "f32") -> Path:
-    """A ModernBERT folder of build_encoder's as llama.cpp's converter writes it
-    ("modern-bert"): its names, the bases of its global and local layers, its whole local
-    window, its byte-level BPE vocabulary with [CLS] and [SEP] as BOS and EOS, its pooling (a
-    classifier's own: `classifier.pooling_type`) and head (`cls`, `cls.norm`, `cls.output`)."""
-    import gguf
-    from safetensors.numpy import load_file
-
-    from gpu.gguf_names import MODERNBERT_LAYER, MODERNBERT_TOP
-    from gpu.quant.gguf_write import write_tokenizer
-    from server.embedding_config import sentence_transformers_pooling
-
-    hf_dir, out = Path(hf_dir), Path(out)
-    config = json.loads((hf_dir / "config.json").read_text())
-    a = "modern-bert"
-    w = gguf.GGUFWriter(str(out), a)
-    w.add_block_count(config["num_hidden_layers"])
-    w.add_context_length(config["max_position_embeddings"])
-    w.add_embedding_length(config["hidden_size"])
-    w.add_feed_forward_length(config["intermediate_size"])
-    w.add_head_count(config["num_attention_heads"])
-    rope = config["rope_parameters"]
-    w.add_rope_freq_base(rope["full_attention"]["rope_theta"])
-    w.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
-    w.add_layer_norm_rms_eps(config["norm_eps"])  # (the key the converter writes)
-    w.add_causal_attention(False)
-    kinds = {"mean": gguf.PoolingType.MEAN, "cls": gguf.PoolingType.CLS}
-    kind = sentence_transformers_pooling(hf_dir)
-    if kind is not None:
-        w.add_pooling_type(kinds[kind])
-    w.add_uint32(f"{a}.classifier.pooling_type", int(kinds[config["classifier_pooling"]]))
-    w.add_sliding_window(config["local_attention"])
-    w.add_vocab_size(config["vocab_size"])
-    w.add_string(f"{a}.hidden_activation", config["hidden_activation"])
-    write_tokenizer(w, hf_dir, config, bert=True)
-    top = {v: k for k, v in MODERNBERT_TOP.items()}
-    layer = {v: k for k, v in MODERNBERT_LAYER.items()}
-    for name, t in load_file(str(hf_dir / "model.safetensors")).items():
-        stem, _, part = name.removeprefix("model.").rpartition(".")
-        pieces = stem.split(".")
-        if stem in top:
-            target = f"{top[stem]}.{part}"
-        elif pieces[0] == "layers" and ".".join(pieces[2:]) in layer:
-            target = f"blk.{pieces[1]}.{layer['.'.join(pieces[2:])]}.{part}"
-        else:
-            raise ValueError(f"no GGUF name for {name}")
-        _add(w, target, t, "f32" if target.startswith("cls") else fmt)
-    return _close(w, out)

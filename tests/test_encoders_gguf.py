@@ -17,7 +17,8 @@ from transformers import AutoModel, AutoModelForSequenceClassification, AutoToke
 
 from core.config import CheckpointError, EngineConfig
 from tests.conftest import LiveServer
-from tests.encoder_models import build_encoder, write_encoder_gguf
+from tests.encoder_gguf import write_encoder_gguf
+from tests.encoder_models import build_encoder
 from weir.llm import LLM
 
 TEXTS = ["the river runs to the sea", "Über naïve café, don't stop!", "x", "  spaced   out  "]

@@ -100,7 +100,7 @@ def test_gguf_file_equals_transformers(folders, labels, pooling, tmp_path):
     """llama.cpp's "modern-bert" file (written as its converter writes one: its names and keys,
     the BPE vocabulary with [CLS] and [SEP] as BOS and EOS): tokens and pairs as the folder's
     tokenizer gives them, and transformers' vectors or probabilities."""
-    from tests.encoder_models import write_modernbert_gguf
+    from tests.encoder_gguf import write_modernbert_gguf
 
     path = folders(labels=labels, pooling=pooling)
     llm = LLM(str(write_modernbert_gguf(path, tmp_path / "m.gguf")), max_model_len=128)

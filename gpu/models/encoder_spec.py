@@ -26,6 +26,9 @@ ENCODERS: dict[str, tuple[str, str]] = {
     # head's scores by the two tokens' relative distance (in buckets, one table for all layers)
     "MPNetModel": ("mpnet", ""),
     "MPNetForSequenceClassification": ("mpnet", "roberta"),
+    # NomicBERT: rotated positions, SwiGLU, norms after the blocks (gpu/models/nomic.py)
+    "NomicBertModel": ("nomic", ""),
+    "NomicBertForSequenceClassification": ("nomic", "bert"),
     "ModernBertModel": ("modernbert", ""),
     "ModernBertForSequenceClassification": ("modernbert", "modernbert"),
 }
@@ -85,6 +88,8 @@ class EncoderSpec:
         if arch is None:
             raise CheckpointError(f"not an encoder: {getattr(config, 'architectures', None)}")
         family, head = ENCODERS[arch]
+        if family == "nomic":
+            config = _nomic_names(config, arch)
         for flag in ("is_decoder", "add_cross_attention"):
             if getattr(config, flag, False):
                 raise CheckpointError(f"{arch} with {flag} is not served (weir serves encoders)")
@@ -108,6 +113,8 @@ class EncoderSpec:
         )
         if family == "modernbert":
             return cls(**common, **_modernbert(config, arch))
+        if family == "nomic":
+            return cls(**common, **_nomic(config, arch))
         return cls(**common, **_bert(config, arch, family))
 
 
@@ -193,4 +200,69 @@ def _modernbert(config: Any, arch: str) -> dict[str, Any]:
         classifier_act=_act(
             arch, str(getattr(config, "classifier_activation", "gelu")), "classifier_activation"
         ),
+    )
+
+
+# nomic's own config.json names (the hub's, which transformers 5 does not read: it keeps its
+# defaults) -> transformers'
+NOMIC_NAMES = {
+    "n_embd": "hidden_size",
+    "n_layer": "num_hidden_layers",
+    "n_head": "num_attention_heads",
+    "n_inner": "intermediate_size",
+    "n_positions": "max_position_embeddings",
+    "layer_norm_epsilon": "layer_norm_eps",
+    "rotary_emb_base": "rope_theta",
+}
+
+
+def _nomic_names(config: Any, arch: str) -> Any:
+    """A NomicBERT config with transformers' names, read from nomic's own where the config has
+    them; what weir does not compute refused by name (prenorm layers, a partial, interleaved or
+    scaled rotation, biases, an activation but SwiGLU)."""
+    from types import SimpleNamespace
+
+    raw = config.to_dict() if hasattr(config, "to_dict") else dict(vars(config))
+    if "n_embd" not in raw:
+        return config
+    for key, bad in (
+        ("prenorm", True),
+        ("rotary_emb_interleaved", True),
+        ("qkv_proj_bias", True),
+        ("mlp_fc1_bias", True),
+        ("mlp_fc2_bias", True),
+    ):
+        if raw.get(key) is bad:
+            raise CheckpointError(f"{arch} with {key} {bad} is not served")
+    if float(raw.get("rotary_emb_fraction", 1.0) or 1.0) != 1.0:
+        raise CheckpointError(f"{arch} with rotary_emb_fraction {raw['rotary_emb_fraction']}")
+    if raw.get("rotary_scaling_factor"):
+        raise CheckpointError(
+            f"{arch} with rotary_scaling_factor {raw['rotary_scaling_factor']} (dynamic NTK "
+            "scaling) is not served"
+        )
+    if raw.get("activation_function", "swiglu") != "swiglu":
+        raise CheckpointError(f"{arch} with activation_function {raw['activation_function']!r}")
+    out = {**raw, **{ours: raw[theirs] for theirs, ours in NOMIC_NAMES.items() if theirs in raw}}
+    out["hidden_act"] = "silu"
+    out["rope_parameters"] = {"rope_theta": float(out.get("rope_theta", 1000.0))}
+    return SimpleNamespace(**out)
+
+
+def _nomic(config: Any, arch: str) -> dict[str, Any]:
+    """NomicBERT's fields: no position table (it rotates, at its base), token types, norms
+    after the blocks with biases, no biases on its products, SwiGLU."""
+    rope = getattr(config, "rope_parameters", None) or {}
+    if rope.get("rope_type", "default") != "default":
+        raise CheckpointError(f"{arch} with rope {rope.get('rope_type')!r} is not served")
+    return dict(
+        layer_norm_eps=float(getattr(config, "layer_norm_eps", 1e-12)),
+        hidden_act=_act(arch, str(getattr(config, "hidden_act", "silu"))),
+        max_position_embeddings=int(config.max_position_embeddings),
+        position_rows=0,
+        pad_token_id=int(getattr(config, "pad_token_id", 0) or 0),
+        type_vocab_size=int(getattr(config, "type_vocab_size", 2) or 1),
+        attention_bias=False,
+        mlp_bias=False,
+        rope_theta=float(rope.get("rope_theta", getattr(config, "rope_theta", 1000.0))),
     )
