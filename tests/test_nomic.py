@@ -58,7 +58,7 @@ def test_pair_scores_equal_transformers(tmp_path):
 @pytest.mark.parametrize(
     "key,value",
     [("prenorm", True), ("rotary_emb_fraction", 0.5), ("rotary_scaling_factor", 2.0),
-     ("qkv_proj_bias", True), ("activation_function", "gelu")],
+     ("qkv_proj_bias", True), ("activation_function", "gelu"), ("use_rms_norm", True)],
 )  # fmt: skip
 def test_what_weir_does_not_compute_is_refused_by_name(embedder, tmp_path, key, value):
     hub = nomic_hub_layout(embedder, tmp_path / "hub")

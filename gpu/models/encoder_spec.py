@@ -227,6 +227,9 @@ def _nomic_names(config: Any, arch: str) -> Any:
         return config
     for key, bad in (
         ("prenorm", True),
+        ("use_rms_norm", True),
+        ("parallel_block", True),
+        ("causal", True),
         ("rotary_emb_interleaved", True),
         ("qkv_proj_bias", True),
         ("mlp_fc1_bias", True),
