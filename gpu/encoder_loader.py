@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from safetensors import safe_open
 
@@ -114,14 +115,15 @@ def _tensors(path: Path, spec: EncoderSpec) -> Iterator[tuple[str | None, Any]]:
                     name = checkpoint_name(stored, spec)
                     nomic = spec.family == "nomic" and name is not None
                     if nomic and name.endswith(".attn.Wqkv.weight"):  # cut in three
-                        stem = name.removesuffix("attn.Wqkv.weight")
-                        for part, rows in zip("qkv", f.get_tensor(stored).chunk(3)):
-                            yield f"{stem}self_attn.{part}_proj.weight", rows
+                        yield from _thirds(name, f.get_tensor(stored))
                         continue
                     yield name, f.get_tensor(stored)
         return
     ckpt = GgufCheckpoint(path)
     for name, value in ckpt.weights():
+        if name.endswith(".attn.Wqkv.weight"):  # a nomic-bert file's fused Q/K/V, cut in three
+            yield from _thirds(name, value)
+            continue
         rows = spec.position_rows
         if name == "embeddings.position_embeddings.weight" and value.shape[0] < rows:
             # llama.cpp's converter leaves out RoBERTa's first pad + 1 rows (never read)
@@ -130,3 +132,15 @@ def _tensors(path: Path, spec: EncoderSpec) -> Iterator[tuple[str | None, Any]]:
             value = torch.cat([value.new_zeros(rows - value.shape[0], value.shape[1]), value])
         yield name, value
     ckpt.close()
+
+
+def _thirds(name: str, value: Any) -> Iterator[tuple[str, Any]]:
+    """NomicBERT's fused Q/K/V (layers.N.attn.Wqkv) as its three products' weights."""
+    stem = name.removesuffix("attn.Wqkv.weight")
+    n = value.shape[0] // 3
+    for i, part in enumerate("qkv"):
+        if isinstance(value, BlockTensor):
+            rows = value.take_rows(np.arange(i * n, (i + 1) * n))
+        else:
+            rows = value[i * n : (i + 1) * n]
+        yield f"{stem}self_attn.{part}_proj.weight", rows

@@ -9,13 +9,15 @@ from typing import Any
 
 from core.config import CheckpointError
 
-ENCODER_ARCHES = ("bert", "modern-bert")
+ENCODER_ARCHES = ("bert", "modern-bert", "nomic-bert")
 HEAD = "cls.output.weight"  # llama.cpp's classification head: [labels, hidden]
 
 
 def encoder_config(f: Any) -> Any:
     """The config of an open encoder file (`f`: gpu/gguf_config.py HfConfigOf: its `get`,
     `tensors`, `arch`, `path`, `_dtype`)."""
+    if f.arch == "nomic-bert":
+        return nomic(f)
     return modernbert(f) if f.arch == "modern-bert" else bert(f)
 
 
@@ -140,5 +142,33 @@ def modernbert(f: Any) -> Any:
         cls_token_id=f.get("tokenizer.ggml.bos_token_id", None),
         eos_token_id=f.get("tokenizer.ggml.eos_token_id", None),
         sep_token_id=f.get("tokenizer.ggml.seperator_token_id", None),
+        dtype=f._dtype(),
+    )
+
+
+def nomic(f: Any) -> Any:
+    """NomicBERT as llama.cpp's converter writes it ("nomic-bert": nomic-embed-text, Ollama's
+    embedder): its rotation's base, its context (the converter's: the 2,048 tokens v1 and v1.5
+    were trained at), token types, its WordPiece vocabulary (SentencePiece for v2's, not
+    served: its experts)."""
+    from transformers import NomicBertConfig
+
+    a = f.arch
+    if f.get(f"{a}.attention.causal", False) or HEAD in f.tensors:
+        raise CheckpointError(f"{f.path.name}: a causal nomic-bert file, or a classifier's")
+    if f.get("tokenizer.ggml.model", "bert") != "bert":
+        raise CheckpointError(f"{f.path.name}: a nomic-bert file with a SentencePiece vocabulary")
+    return NomicBertConfig(
+        architectures=["NomicBertModel"],
+        vocab_size=int(f.tensors["token_embd.weight"].shape[1]),
+        hidden_size=int(f.get(f"{a}.embedding_length")),
+        num_hidden_layers=int(f.get(f"{a}.block_count")),
+        num_attention_heads=int(f.get(f"{a}.attention.head_count")),
+        intermediate_size=int(f.get(f"{a}.feed_forward_length")),
+        max_position_embeddings=int(f.get(f"{a}.context_length")),
+        layer_norm_eps=float(f.get(f"{a}.attention.layer_norm_epsilon")),
+        type_vocab_size=int(f.get("tokenizer.ggml.token_type_count", 2)),
+        rope_parameters={"rope_type": "default", "rope_theta": float(f.get(f"{a}.rope.freq_base"))},
+        pad_token_id=int(f.get("tokenizer.ggml.padding_token_id", 0)),
         dtype=f._dtype(),
     )

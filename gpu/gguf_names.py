@@ -22,6 +22,7 @@ ARCHES = {
     # (gpu/gguf_config.py `encoder`)
     "bert": "BertModel",
     "modern-bert": "ModernBertModel",
+    "nomic-bert": "NomicBertModel",  # (nomic-embed-text's: Ollama's own embedder)
 }
 # A "llama" file with experts is a Mixtral (llama.cpp's converter writes it so).
 
@@ -108,6 +109,22 @@ MODERNBERT_LAYER = {
     "ffn_up": "mlp.Wi",
     "ffn_down": "mlp.Wo",
 }
+# NomicBERT's (llama.cpp's "nomic-bert"), under layers.N.; its fused Q/K/V under nomic's own
+# name, which gpu/encoder_loader.py cuts in three
+NOMIC_TOP = {
+    "token_embd": "embeddings.word_embeddings",
+    "token_types": "embeddings.token_type_embeddings",
+    "token_embd_norm": "embeddings.LayerNorm",
+}
+NOMIC_LAYER = {
+    "attn_qkv": "attn.Wqkv",
+    "attn_output": "self_attn.o_proj",
+    "attn_output_norm": "post_attention_layernorm",
+    "ffn_up": "mlp.up_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_down": "mlp.down_proj",
+    "layer_output_norm": "post_mlp_layernorm",
+}
 ENCODER_LAYER = {
     "attn_q": "attention.self.query",
     "attn_k": "attention.self.key",
@@ -143,10 +160,12 @@ def hf_name(name: str, arch: str = "llama") -> str | None:
     mlp.gate_up_proj; an encoder's: encoder.layer.3.intermediate.dense.weight); None for a
     tensor weir has no module for."""
     stem, _, kind = name.rpartition(".")
-    if arch in ("bert", "modern-bert"):
+    if arch in ("bert", "modern-bert", "nomic-bert"):
         top, layers, under = (ENCODER_TOP, ENCODER_LAYER, "encoder.layer")
         if arch == "modern-bert":
             top, layers, under = (MODERNBERT_TOP, MODERNBERT_LAYER, "layers")
+        if arch == "nomic-bert":
+            top, layers, under = (NOMIC_TOP, NOMIC_LAYER, "layers")
         parts = stem.split(".")
         if stem in top:
             return f"{top[stem]}.{kind}"

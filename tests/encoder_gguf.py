@@ -11,7 +11,8 @@ def write_encoder_gguf(
     hf_dir: str | Path, out: str | Path, fmt: str = "f32", pooling: bool = True
 ) -> Path:
     """An encoder folder of build_encoder's written as llama.cpp's convert_hf_to_gguf.py writes
-    one ("bert"): its names, BERT's vocabulary with phantom spaces (a word's first piece
+    one ("bert"; NomicBERT's "nomic-bert": its base, its fused Q/K/V): its names, BERT's
+    vocabulary with phantom spaces (a word's first piece
     "\u2581play", a continuation bare) or XLM-RoBERTa's pieces with their scores ("t5"), the
     RoBERTa family's first pad + 1 position rows left out, the sentence-transformers pooling
     (`pooling` false: none written), an XLM-RoBERTa classifier's head as `cls` and
@@ -20,18 +21,24 @@ def write_encoder_gguf(
     import gguf
     import numpy as np
     from safetensors.numpy import load_file
+    from transformers import AutoConfig
 
-    from gpu.gguf_names import ENCODER_LAYER, ENCODER_TOP
+    from gpu.encoder_loader import checkpoint_name
+    from gpu.gguf_names import ENCODER_LAYER, ENCODER_TOP, NOMIC_LAYER, NOMIC_TOP
+    from gpu.models.encoder_spec import EncoderSpec
     from server.embedding_config import sentence_transformers_pooling
 
     hf_dir, out = Path(hf_dir), Path(out)
     config = json.loads((hf_dir / "config.json").read_text())
     tok = json.loads((hf_dir / "tokenizer.json").read_text())
-    bert = config["model_type"] == "bert"
-    w = gguf.GGUFWriter(str(out), "bert")
+    nomic = config["model_type"] == "nomic_bert"
+    bert = config["model_type"] == "bert" or nomic  # (NomicBERT's vocabulary is BERT's)
+    w = gguf.GGUFWriter(str(out), "nomic-bert" if nomic else "bert")
     w.add_block_count(config["num_hidden_layers"])
     offset = 0 if bert else config["pad_token_id"] + 1  # RoBERTa's rows never read
     w.add_context_length(config["max_position_embeddings"] - offset)
+    if nomic:
+        w.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
     w.add_embedding_length(config["hidden_size"])
     w.add_feed_forward_length(config["intermediate_size"])
     w.add_head_count(config["num_attention_heads"])
@@ -68,10 +75,15 @@ def write_encoder_gguf(
     w.add_sep_token_id(specials[ids["sep"]])
     w.add_pad_token_id(specials[ids["pad"]])
     w.add_mask_token_id(specials[ids["mask"]])
-    top = {v: k for k, v in ENCODER_TOP.items()}
-    layer = {v: k for k, v in ENCODER_LAYER.items()}
+    top = {v: k for k, v in (NOMIC_TOP if nomic else ENCODER_TOP).items()}
+    layer = {v: k for k, v in (NOMIC_LAYER if nomic else ENCODER_LAYER).items()}
+    spec = EncoderSpec.from_hf_config(AutoConfig.from_pretrained(hf_dir))
     for name, t in load_file(str(hf_dir / "model.safetensors")).items():
         name = name.removeprefix("roberta.")  # a classifier's encoder
+        if nomic:  # (its own names, as transformers 5 saves them: weir's, Wqkv kept whole)
+            name = checkpoint_name(name, spec)
+            if name.startswith("layers."):
+                name = "encoder.layer." + name.removeprefix("layers.")
         stem, _, kind = name.rpartition(".")
         parts = stem.split(".")
         if stem in top:

@@ -66,3 +66,26 @@ def test_what_weir_does_not_compute_is_refused_by_name(embedder, tmp_path, key, 
     (hub / "config.json").write_text(json.dumps({**config, key: value}))
     with pytest.raises(CheckpointError, match=key):
         LLM(str(hub))
+
+
+@pytest.mark.parametrize("fmt", ["f32", "q8_0"])
+def test_gguf_file_equals_transformers(embedder, fmt, tmp_path):
+    """llama.cpp's "nomic-bert" file (nomic-embed-text's GGUF, as Ollama serves it), written as
+    its converter writes one: the folder's tokens, and transformers' vectors (F32) or within 2%
+    of them (Q8_0, kept in its format: int8 activations per 32)."""
+    from tests.encoder_gguf import write_encoder_gguf
+
+    path = write_encoder_gguf(embedder, tmp_path / "m.gguf", fmt)
+    llm = LLM(str(path), max_model_len=128, device="cpu")
+    assert fmt in llm.engine.runner.model.backend.resident
+    tok = AutoTokenizer.from_pretrained(str(embedder))
+    hf = AutoModel.from_pretrained(str(embedder)).eval()
+    for text, out in zip(TEXTS, llm.embed(TEXTS, use_tqdm=False)):
+        assert llm.tokenizer(text)["input_ids"] == tok(text)["input_ids"]
+        with torch.no_grad():
+            rows = hf(**tok(text, return_tensors="pt")).last_hidden_state[0]
+        want, got = F.normalize(rows.mean(0), dim=0), torch.tensor(out.outputs.embedding)
+        if fmt == "f32":
+            assert (got - want).abs().max().item() < 1e-5
+        else:
+            assert F.cosine_similarity(got, want, dim=0).item() > 0.99

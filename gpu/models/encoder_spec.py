@@ -247,6 +247,11 @@ def _nomic_names(config: Any, arch: str) -> Any:
     if raw.get("activation_function", "swiglu") != "swiglu":
         raise CheckpointError(f"{arch} with activation_function {raw['activation_function']!r}")
     out = {**raw, **{ours: raw[theirs] for theirs, ours in NOMIC_NAMES.items() if theirs in raw}}
+    # the length it was trained at (nomic-embed-text-v1.5: 2,048 of its 8,192 positions, the
+    # rest for the dynamic scaling refused above), as vLLM and llama.cpp's converter serve it
+    trained = raw.get("max_trained_positions")
+    if trained:
+        out["max_position_embeddings"] = min(int(out["max_position_embeddings"]), int(trained))
     out["hidden_act"] = "silu"
     out["rope_parameters"] = {"rope_theta": float(out.get("rope_theta", 1000.0))}
     return SimpleNamespace(**out)
