@@ -121,7 +121,7 @@ def _tensors(path: Path, spec: EncoderSpec) -> Iterator[tuple[str | None, Any]]:
         return
     ckpt = GgufCheckpoint(path)
     for name, value in ckpt.weights():
-        if name.endswith(".attn.Wqkv.weight"):  # a nomic-bert file's fused Q/K/V, cut in three
+        if spec.family == "nomic" and name.endswith(".attn.Wqkv.weight"):  # cut in three
             yield from _thirds(name, value)
             continue
         rows = spec.position_rows
