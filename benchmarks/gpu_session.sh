@@ -148,13 +148,14 @@ import server.app, core.engine, gpu.runner; print(\"imports ok\")'; git log --on
             tests/test_tools.py::test_auto_without_a_parser_is_a_400 tests/test_gpt_oss.py \
             tests/test_w4a16.py tests/test_fused_moe.py
         ;;
-    # the encoders (BERT, XLM-RoBERTa, ModernBERT, their GGUF files) on the CUDA backend by
+    # the encoders (BERT, XLM-RoBERTa, MPNet, NomicBERT, ModernBERT, GGUF files) on CUDA by
     # default (LLM's device auto): transformers' vectors and logits (twenty-third session's;
     # on CPU they ran the CUDA backend in Triton's interpreter only)
     encoders)
         LIVE_FAILURES=$LOGS/failures.log stage encoders 120 $PY -m pytest -v \
             -p no:cacheprovider -p benchmarks.live_failures --timeout 120 -n "${WORKERS:-8}" \
-            -rfE tests/test_encoders.py tests/test_modernbert.py tests/test_encoders_api.py \
+            -rfE tests/test_encoders.py tests/test_modernbert.py tests/test_nomic.py \
+            tests/test_encoders_api.py \
             tests/test_encoders_gguf.py
         ;;
     # gpt-oss-20b's layer x 2 with MXFP4 experts (benchmarks/gpt_oss.py's folder, built on the
