@@ -1,1 +1,4 @@
-"""Decoder-only transformer models in plain torch: Llama (and Mistral), Qwen2, Qwen3."""
+"""The models on a backend: decoders (decoder.py: Llama, Mistral, Qwen, Gemma, OLMo, gpt-oss and
+the mixtures of experts, their specs in spec.py) and encoders, which embed and classify and
+never generate (encoder.py: BERT, RoBERTa, XLM-RoBERTa, MPNet; nomic.py: NomicBERT;
+modernbert.py: ModernBERT; their specs in encoder_spec.py)."""
