@@ -19,6 +19,7 @@ machine's rate for one layer's products at the model's shapes on 2,048 rows (tor
 
     python -m benchmarks.encoders [--model DIR] [--inputs 1000] [--rounds 2] [--peer]
     python -m benchmarks.encoders --model DIR --gguf FILE   # weir and llama.cpp on FILE
+    python -m benchmarks.encoders --family nomic --gguf auto  # nomic-embed-text's shape
 """
 
 from __future__ import annotations
@@ -37,21 +38,42 @@ from benchmarks.common import machine, save
 from benchmarks.embeddings import run_server, run_transformers, time_server
 from core.pooling import PoolingParams
 
-# bge-base-en-v1.5's and e5-base-v2's shape (BERT-base): 110M weights
+# bge-base-en-v1.5's and e5-base-v2's shape (BERT-base): 110M weights; all-mpnet-base-v2's,
+# nomic-embed-text-v1.5's and ModernBERT-base's
 BASE = dict(hidden_size=768, num_layers=12, num_heads=12, intermediate_size=3072)
+SHAPES = {
+    "bert": dict(BASE, vocab_size=30522, max_position_embeddings=512),
+    "mpnet": dict(BASE, vocab_size=30527, max_position_embeddings=512),
+    "nomic": dict(BASE, vocab_size=30528, max_position_embeddings=2048),
+    "modernbert": dict(BASE, num_layers=22, intermediate_size=1152, vocab_size=50368,
+                       max_position_embeddings=8192),
+}  # fmt: skip
 
 
-def base_model() -> str:
-    """A random-weight BERT-base embedder (mean pooling), built once into weir's cache."""
+def base_model(family: str = "bert") -> str:
+    """A random-weight embedder of `family` at its base size (mean pooling), built once into
+    weir's cache."""
     from gpu.cache import cache_dir
     from tests.encoder_models import build_encoder
 
-    path = cache_dir() / "bench-bert-base-v1"
+    path = cache_dir() / f"bench-{family}-base-v1"
     if not (path / "config.json").exists():
         tmp = path.with_name(path.name + ".tmp")
-        build_encoder(tmp, "bert", max_position_embeddings=512, vocab_size=30522, **BASE)
+        build_encoder(tmp, family, **SHAPES[family])
         tmp.rename(path)
     return str(path)
+
+
+def gguf_of(folder: str) -> str:
+    """`folder` as an F32 GGUF file written as llama.cpp's converter writes it (BERT's and
+    NomicBERT's: tests/encoder_gguf.py), once, beside it."""
+    from tests.encoder_gguf import write_encoder_gguf
+
+    out = Path(folder).with_suffix(".gguf")
+    if not out.exists():
+        write_encoder_gguf(folder, out.with_suffix(".tmp"))
+        out.with_suffix(".tmp").rename(out)
+    return str(out)
 
 
 def inputs(n: int, vocab: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
@@ -66,11 +88,14 @@ def inputs(n: int, vocab: int, lo: int, hi: int, seed: int = 0) -> list[list[int
 
 
 def flops(config: dict, data: list[list[int]]) -> float:
+    """The inputs' matrix-product FLOPs: Q/K/V and O, the MLP (three products where it is
+    gated: NomicBERT's, ModernBERT's), attention's two."""
     h, m, layers = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
+    mlp = 3 if config["model_type"] in ("nomic_bert", "modernbert") else 2
     total = 0.0
     for ids in data:
         n = len(ids)
-        total += layers * (2 * n * (4 * h * h + 2 * h * m) + 4 * n * n * h)
+        total += layers * (2 * n * (4 * h * h + mlp * h * m) + 4 * n * n * h)
     return total
 
 
@@ -148,7 +173,8 @@ def run_llama_cpp(gguf: str, data: list[list[int]], kind: str, port: int = 8714)
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default=None, help="an encoder folder (default: BERT-base, random)")
+    ap.add_argument("--model", default=None, help="an encoder folder (default: --family's, random)")
+    ap.add_argument("--family", default="bert", choices=sorted(SHAPES))
     ap.add_argument("--inputs", type=int, default=1000)
     ap.add_argument("--lengths", default="16,256")
     ap.add_argument("--batch-sizes", default="16,32,64")
@@ -158,13 +184,15 @@ def main() -> None:
     ap.add_argument(
         "--gguf",
         default=None,
-        help="a GGUF file of --model (llama.cpp's converter): weir serves the file, beside "
-        "llama.cpp's llama-server on it; transformers runs --model",
+        help="a GGUF file of --model (llama.cpp's converter; auto: written here, BERT's and "
+        "NomicBERT's): weir serves the file, beside llama-server on it; transformers runs --model",
     )
     args = ap.parse_args()
     threads = os.cpu_count() or 1
     torch.set_num_threads(threads)
-    path = args.model or base_model()
+    path = args.model or base_model(args.family)
+    if args.gguf == "auto":
+        args.gguf = gguf_of(path)
     from transformers import AutoConfig, AutoModel
 
     from weir.llm import LLM
@@ -194,14 +222,18 @@ def main() -> None:
     del llm
     if not args.no_server:
         times["weir server"] = [run_server(served, data, threads)]
-    if args.gguf:
-        peer = run_llama_cpp(args.gguf, data, "mean")
+    peers = {
+        "llama.cpp server": (lambda: run_llama_cpp(args.gguf, data, "mean")) if args.gguf else None,
+        "vLLM CPU server": (lambda: run_peer(path, data)) if args.peer else None,
+    }
+    for name, run in peers.items():
+        try:
+            peer = run() if run is not None else None
+        except (RuntimeError, OSError) as e:  # (a peer that does not serve this model)
+            print(f"{name}: {e}")
+            peer = None
         if peer is not None:
-            times["llama.cpp server"] = [peer]
-    if args.peer:
-        peer = run_peer(path, data)
-        if peer is not None:
-            times["vLLM CPU server"] = [peer]
+            times[name] = [peer]
     best = {k: min(v) for k, v in times.items()}
     base = best["transformers"]
     print(f"\n{'':18} {'s':>7} {'inputs/s':>9} {'tokens/s':>9} {'GFLOP/s':>8} {'vs hf':>6}")
