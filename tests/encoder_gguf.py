@@ -56,6 +56,9 @@ def write_encoder_gguf(
             t if t in specials else t[2:] if t.startswith("##") else "\u2581" + t for t, _ in vocab
         ]
         types = [3 if t in specials else 1 for t, _ in vocab]
+        pad = config["vocab_size"] - len(tokens)  # the table's rows past the vocabulary's
+        tokens += [f"[PAD{i}]" for i in range(len(tokens), config["vocab_size"])]
+        types += [5] * pad  # (unused, as the converter writes them)
         w.add_tokenizer_model("bert")
         w.add_token_list(tokens)
         w.add_token_types(types)

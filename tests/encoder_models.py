@@ -109,13 +109,16 @@ def build_encoder(
     hidden_act: str = "gelu",
     seed: int = 0,
     vocab_size: int | None = None,
+    initializer_range: float = 0.2,
 ) -> Path:
-    """A random-weight encoder of `family` ("bert", "xlm-roberta", "mpnet" or "modernbert") to
-    `path`: an embedding model (BertModel, XLMRobertaModel, ModernBertModel) whose
-    sentence-transformers files name `pooling` (None: no such files), or, with `num_labels`, a
-    sequence classifier. `vocab_size`: embedding rows beyond the tokenizer's (a real model's
-    table, for benchmarks). ModernBERT: every third layer global (the first), the others local
-    with a window of 8 (4 either way), its classifier pooling `pooling` (cls or mean)."""
+    """A random-weight encoder of `family` ("bert", "xlm-roberta", "mpnet", "nomic" or
+    "modernbert") written to `path`: an embedding model whose sentence-transformers files name
+    `pooling` (None: no such files), or, with `num_labels`, a sequence classifier.
+    `vocab_size`: embedding rows beyond the tokenizer's (a real model's table, for
+    benchmarks, with a real model's `initializer_range`, 0.02: deep random models of 0.2 are
+    chaotic, their float32 and float64 transformers vectors already apart). ModernBERT: every
+    third layer global (the first), the others local with a window of 8 (4 either way), its
+    classifier pooling `pooling` (cls or mean)."""
     from transformers import (
         BertConfig,
         BertForSequenceClassification,
@@ -152,7 +155,7 @@ def build_encoder(
         num_attention_heads=num_heads,
         intermediate_size=intermediate_size,
         hidden_act=hidden_act,
-        initializer_range=0.2,
+        initializer_range=initializer_range,
         pad_token_id=tokenizer.pad_token_id,
     )
     if bert:
