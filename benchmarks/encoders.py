@@ -149,6 +149,20 @@ def run_peer(path: str, data: list[list[int]], port: int = 8713) -> float | None
         proc.wait(60)
 
 
+def peer_folder(path: str, config: dict) -> str:
+    """The folder vLLM is given: a NomicBERT folder in transformers 5's layout goes as nomic's
+    own hub layout (vLLM 0.32 reads nomic's config names: on transformers 5's it stops at
+    `activation_function`); any other folder as it is."""
+    if config["model_type"] != "nomic_bert" or "n_embd" in config:
+        return path
+    from tests.encoder_models import nomic_hub_layout
+
+    hub = Path(f"{path.rstrip('/')}-hub")
+    if not hub.exists():
+        nomic_hub_layout(path, hub)
+    return str(hub)
+
+
 def run_llama_cpp(gguf: str, data: list[list[int]], kind: str, port: int = 8714) -> float | None:
     """llama.cpp's llama-server (`make peer-llama-cpp`) embedding the same GGUF file's inputs,
     pooled as weir pools them, steps of 4,096 tokens as weir's; None where it is not built."""
@@ -227,7 +241,9 @@ def main() -> None:
         times["weir server"] = [run_server(served, data, threads)]
     peers = {
         "llama.cpp server": (lambda: run_llama_cpp(args.gguf, data, "mean")) if args.gguf else None,
-        "vLLM CPU server": (lambda: run_peer(path, data)) if args.peer else None,
+        "vLLM CPU server": (
+            (lambda: run_peer(peer_folder(path, config), data)) if args.peer else None
+        ),
     }
     for name, run in peers.items():
         try:
