@@ -21,8 +21,7 @@ from core.request import (
     RequestOutput,
     StepResult,
 )
-from core.pooling import CLASSIFY
-from core.request_check import check_encoder_request, check_request
+from core.request_check import check_classifier, check_encoder_request, check_request
 from core.sampling import InvalidParam, bad_words_ids
 from core.runner_step import GrammarBatch, SchedulerOutput
 from core.scheduler import ScheduledSeq, ScheduledStep, Scheduler
@@ -40,6 +39,7 @@ class ModelRunner(Protocol):
     vocab_size: int
     num_labels: int  # a sequence classifier's labels (0: a causal LM)
     pooling_only: bool  # an encoder (BERT): it embeds and classifies, never generates
+    per_token: bool  # the classifier labels every token (a *ForTokenClassification)
 
     def execute(self, out: SchedulerOutput, grammar: GrammarBatch | None) -> StepResult: ...
 
@@ -71,6 +71,7 @@ class EngineCore(TakeIn, BeamSteps):
         self.eos_token_ids = frozenset(eos_token_ids)
         # An encoder's inputs attend both ways and leave no K/V: none cached, none chunked.
         self.pooling_only = getattr(runner, "pooling_only", False)
+        self.per_token = getattr(runner, "per_token", False)
         caching = enable_prefix_caching and not self.pooling_only
         self.kv = KVCacheManager(num_blocks, block_size, caching)
         self.scheduler = Scheduler(
@@ -127,14 +128,7 @@ class EngineCore(TakeIn, BeamSteps):
         """
         if req.lora is not None and not self.scheduler.max_loras:
             raise InvalidParam("model", "LoRA adapters are not served: start with --enable-lora")
-        classifier = self.runner.num_labels > 0
-        if classifier != (req.pooling is not None and req.pooling.kind == CLASSIFY):
-            raise InvalidParam(
-                "model",
-                "this model is a sequence classifier: it classifies and scores, nothing else"
-                if classifier
-                else "this model is not a sequence classifier: it does not classify",
-            )
+        check_classifier(req, self.runner.num_labels, self.per_token)
         if self.pooling_only:
             check_encoder_request(req, self.scheduler.max_num_batched_tokens)
         return check_request(

@@ -2,7 +2,8 @@
 sampling. The prompt is run through the model (chunked and scheduled like any prompt) and its
 final hidden states are pooled into one vector (or, for a sequence-classification model, its last
 token's row is put through the classifier's head: one raw logit a label); nothing is
-generated."""
+generated. The token-level kinds (vLLM's token_embed and token_classify tasks) give a row for
+every token of the prompt instead: its hidden state, or a token classifier's logits."""
 
 from __future__ import annotations
 
@@ -12,11 +13,14 @@ import msgspec
 
 KINDS = ("last", "mean", "cls")  # embeddings
 CLASSIFY = "classify"  # a sequence classifier's logits, from its last token
+TOKEN_EMBED = "token_embed"  # every token's final hidden state (each normalized)
+TOKEN_CLASSIFY = "token_classify"  # a token classifier's logits for every token
+PER_TOKEN = (TOKEN_EMBED, TOKEN_CLASSIFY)
 
 
 class PoolingParams(msgspec.Struct, frozen=True, gc=False):
-    kind: str = "last"  # last token (decoder models), mean of all tokens, the first (CLS), or
-    # CLASSIFY
+    kind: str = "last"  # last token (decoder models), mean of all tokens, the first (CLS),
+    # CLASSIFY, or a PER_TOKEN kind
     normalize: bool = True  # to unit length (after `dimensions`)
     dimensions: int | None = None  # Matryoshka: keep the first N, then normalize
     # BERT's token types: from this position on, the input is its pair's second text (type 1);
@@ -25,8 +29,9 @@ class PoolingParams(msgspec.Struct, frozen=True, gc=False):
 
     @property
     def needs_every_position(self) -> bool:
-        """Mean and CLS pooling read hidden states the prefix cache cannot give back."""
-        return self.kind in ("mean", "cls")
+        """Mean, CLS and token-level pooling read hidden states the prefix cache cannot give
+        back."""
+        return self.kind in ("mean", "cls") or self.kind in PER_TOKEN
 
 
 class ModelPooling(msgspec.Struct, frozen=True, gc=False):
@@ -42,6 +47,7 @@ class ModelPooling(msgspec.Struct, frozen=True, gc=False):
     # problem_type, /score's by sentence-transformers' CrossEncoder activation_fn
     classify_activation: str = "default"
     score_activation: str = "default"
+    per_token: bool = False  # the classifier labels each token (a *ForTokenClassification)
 
 
 # "default": the softmax over the labels, a lone label's sigmoid; torch.nn's classes by name

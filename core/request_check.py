@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from core.pooling import CLASSIFY, TOKEN_CLASSIFY
 from core.request import EngineRequest
 from core.sampling import InvalidParam
 
@@ -20,6 +21,23 @@ def _outside(ids: Iterable[int], vocab: int) -> str | None:
     shown = ", ".join(str(t) for t in bad[:8]) + (", ..." if len(bad) > 8 else "")
     what = "token id {} is" if len(bad) == 1 else "token ids {} are"
     return f"{what.format(shown)} outside the vocabulary (vocab_size={vocab}: ids 0..{vocab - 1})"
+
+
+def check_classifier(req: EngineRequest, num_labels: int, per_token: bool) -> None:
+    """A classifier takes its own kind of request only (a sequence classifier's CLASSIFY, a
+    token classifier's TOKEN_CLASSIFY), and no other model takes either."""
+    kind = req.pooling.kind if req.pooling is not None else None
+    if num_labels and per_token and kind != TOKEN_CLASSIFY:
+        raise InvalidParam(
+            "model", "this model is a token classifier: it labels each token, nothing else"
+        )
+    if num_labels and not per_token and kind != CLASSIFY:
+        raise InvalidParam(
+            "model", "this model is a sequence classifier: it classifies and scores, nothing else"
+        )
+    if not num_labels and kind in (CLASSIFY, TOKEN_CLASSIFY):
+        what = "token" if kind == TOKEN_CLASSIFY else "sequence"
+        raise InvalidParam("model", f"this model is not a {what} classifier: it does not classify")
 
 
 def check_encoder_request(req: EngineRequest, max_num_batched_tokens: int) -> None:

@@ -32,7 +32,7 @@ from gpu.assemble import (
 )
 from gpu.gguf_file import GgufCheckpoint, is_gguf
 from gpu.loader import eos_token_ids, int4_scheme, load_config, resolve_dtype
-from gpu.models.encoder_spec import EncoderSpec, encoder_architecture
+from gpu.models.encoder_spec import PER_TOKEN_HEADS, EncoderSpec, encoder_architecture
 
 log = logging.getLogger("weir.launch")
 
@@ -201,8 +201,10 @@ def model_pooling(hf_config: Any) -> ModelPooling:
     except ValueError as e:
         raise CheckpointError(str(e)) from None
     # (an encoder's size as its spec reads it: nomic's own config names it n_embd)
-    hidden = EncoderSpec.from_hf_config(hf_config).hidden_size if encoder else hf_config.hidden_size
-    return ModelPooling(kind, int(hidden), encoder, *acts)
+    spec = EncoderSpec.from_hf_config(hf_config) if encoder else None
+    hidden = spec.hidden_size if spec is not None else hf_config.hidden_size
+    per_token = spec is not None and spec.head in PER_TOKEN_HEADS
+    return ModelPooling(kind, int(hidden), encoder, *acts, per_token=per_token)
 
 
 def check_encoder(config: EngineConfig, hf_config: Any) -> None:

@@ -2,7 +2,9 @@
 token's row, the mean of all rows (summed across a prompt's chunks), or the first (CLS) row;
 then Matryoshka truncation and unit normalisation. A sequence classifier's request (CLASSIFY)
 puts its rows through the model's head instead (a decoder's last token's row, an encoder's
-first): one raw logit a label. A vector leaves as little-endian float32."""
+first): one raw logit a label. The token-level kinds give a row for every prompt token (its
+hidden state, each normalized; or a token classifier's logits), the rows one after another. A
+vector leaves as little-endian float32."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from core.pooling import CLASSIFY
+from core.pooling import CLASSIFY, TOKEN_CLASSIFY, TOKEN_EMBED
 from core.runner_step import SchedulerOutput
 from gpu.runner_state import RunnerRequest
 
@@ -39,9 +41,14 @@ def pool(
                 r.pool_state = part if s.start == 0 else r.pool_state + part
             elif p.kind == "cls" and s.start == 0:
                 r.pool_state = rows[0].float()
+            elif p.kind == TOKEN_EMBED:  # (every chunk's rows, kept until the last)
+                part = [rows.float()]
+                r.pool_state = part if s.start == 0 else r.pool_state + part
             if s.start + n == r.num_tokens:
-                if p.kind == CLASSIFY:  # (the engine takes such requests with a head only)
+                if p.kind in (CLASSIFY, TOKEN_CLASSIFY):  # (the engine takes them with a head)
                     vector = classify(rows)
+                elif p.kind == TOKEN_EMBED:
+                    vector = torch.cat(r.pool_state)
                 elif p.kind == "last":
                     vector = rows[-1].float()
                 elif p.kind == "mean":
@@ -49,9 +56,9 @@ def pool(
                 else:
                     vector = r.pool_state
                 if p.dimensions is not None:
-                    vector = vector[: p.dimensions]
+                    vector = vector[..., : p.dimensions]
                 if p.normalize:
-                    vector = F.normalize(vector, dim=0)
+                    vector = F.normalize(vector, dim=-1)
                 pooled[r.request_id] = vector.cpu().numpy().astype("<f4").tobytes()
                 r.pool_state = None
         row += n

@@ -25,6 +25,7 @@ from gpu.attention.backend import AttentionMetadata
 from gpu.cuda.graphs import replay_or_run
 from gpu.models.decoder import DecoderForCausalLM
 from gpu.launched_step import LaunchedStep
+from gpu.models.encoder_spec import PER_TOKEN_HEADS
 from gpu.pooler import pool
 from gpu.runner_state import RunnerRequest, RunnerRequests
 from gpu.sampler import Sampler, SamplingMetadata
@@ -47,6 +48,8 @@ class ModelRunner:
         self.vocab_size = model.spec.vocab_size
         self.num_labels = model.spec.num_labels  # a sequence classifier's (0: a causal LM)
         self.pooling_only = model.pooling_only  # an encoder: it embeds and classifies alone
+        # a token classifier (an encoder's *ForTokenClassification): logits for every token
+        self.per_token = getattr(model.spec, "head", "") in PER_TOKEN_HEADS
         self.sampler = Sampler(seed, device, model.backend, logprobs_mode)
         self.eos_token_ids: set[int] = set()  # banned before a request's min_tokens
         self.last_logits: torch.Tensor | None = None  # kept for tests that compare logits

@@ -96,6 +96,8 @@ async def load_engine(app: QuartTrio, st: ServerState) -> None:
                     "it cannot also serve embeddings (--enable-embeddings)"
                 )
             st.tasks, st.labels = ("classify", "score"), loaded.labels
+            if facts is not None and facts.per_token:  # a token classifier: /pooling's task
+                st.tasks = ("token_classify",)
             st.score_template = loaded.score_template
         lora = None
         if st.config.enable_lora:  # --lora-modules, checked before anything is served

@@ -2,8 +2,11 @@
 the chat template) pooled as the served model pools them, its `task` named or left to the
 model: an embedding model's vectors ("embed": its pooling, normalized unless use_activation is
 false or the server runs --no-normalize) or a classifier's outputs ("classify": its
-probabilities, or the raw logits under use_activation false). Each answer is {"index",
-"object": "pooling", "data"}, floats or base64 of little-endian float32."""
+probabilities, or the raw logits under use_activation false); or one row for every token
+(vLLM's token tasks: "token_embed", each token's hidden state, normalized as "embed" is;
+"token_classify", a token classifier's probabilities or logits for each token). Each answer is
+{"index", "object": "pooling", "data"}: floats (a list of them a token for the token tasks) or
+base64 of little-endian float32 (the rows one after another)."""
 
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ import msgspec
 from msgspec import Meta
 from quart import Blueprint, Response
 
-from core.pooling import CLASSIFY, PoolingParams, activated
+from core.pooling import CLASSIFY, TOKEN_CLASSIFY, TOKEN_EMBED, PoolingParams, activated
 from server.chat import render_text
 from server.classify import PoolingUsage
 from server.errors import APIError
@@ -31,7 +34,8 @@ class PoolingRequest(msgspec.Struct, kw_only=True):
     model: str | None = None
     input: str | list[Any] | None = None
     messages: list[ChatMessage] | None = None  # (instead of input) one conversation
-    task: Literal["embed", "classify"] | None = None  # None: the model's own
+    # None: the model's own (a token classifier's token_classify)
+    task: Literal["embed", "classify", "token_embed", "token_classify"] | None = None
     encoding_format: Literal["float", "base64"] = "float"
     # embed: normalize (vLLM's use_activation, the name it gave `normalize`); classify: the
     # probabilities, not the raw logits
@@ -46,7 +50,7 @@ class PoolingRequest(msgspec.Struct, kw_only=True):
 
 class PoolingData(msgspec.Struct):
     index: int
-    data: list[float] | str
+    data: list[Any] | str  # floats; a list of floats a token for the token tasks; base64
     object: str = "pooling"
 
 
@@ -63,7 +67,7 @@ class PoolingResponse(msgspec.Struct):
 async def pooling() -> Response:
     st = state()
     req = await decode(PoolingRequest)
-    task = req.task or ("classify" if "classify" in st.tasks else "embed")
+    task = req.task or next((t for t in ("classify", "token_classify") if t in st.tasks), "embed")
     model = admit(st, req.model, task)
     if req.dimensions is not None:
         raise APIError(400, "dimensions is not taken by /pooling: use /v1/embeddings", "dimensions")
@@ -78,17 +82,34 @@ async def pooling() -> Response:
     on = req.use_activation is not False
     if task == "classify":
         params = PoolingParams(CLASSIFY, False)
+    elif task == "token_classify":
+        params = PoolingParams(TOKEN_CLASSIFY, False)
+    elif task == "token_embed":
+        params = PoolingParams(TOKEN_EMBED, on and st.embedding.normalize)
     else:
         params = PoolingParams(st.embedding.kind, on and st.embedding.normalize)
     rid, vectors, tokens = await pooled(st, model, "pool", inputs, params, req.priority, field)
     data = []
     for i, v in enumerate(vectors):
-        if task == "classify":
-            v = array.array("f", activated(array.array("f", v).tolist(), on, st.activations[0]))
+        rows = [array.array("f", v)]
+        if task.startswith("token_"):  # (the rows one after another: one a token)
+            rows = split_rows(rows[0], len(inputs[i]))
+        if task.endswith("classify"):
+            fn = st.activations[0]
+            rows = [array.array("f", activated(r.tolist(), on, fn)) for r in rows]
         if req.encoding_format == "base64":
-            data.append(PoolingData(i, base64.b64encode(bytes(v)).decode()))
+            data.append(PoolingData(i, base64.b64encode(b"".join(map(bytes, rows))).decode()))
+        elif task.startswith("token_"):
+            data.append(PoolingData(i, [r.tolist() for r in rows]))
         else:
-            data.append(PoolingData(i, array.array("f", v).tolist()))
+            data.append(PoolingData(i, rows[0].tolist()))
     return json_response(
         PoolingResponse(rid, int(time.time()), model, data, PoolingUsage(tokens, tokens))
     )
+
+
+def split_rows(values: array.array, n: int) -> list[array.array]:
+    """A token-level answer's `n` rows (one a token) from its values, stored one row after
+    another."""
+    width = len(values) // n
+    return [values[i * width : (i + 1) * width] for i in range(n)]

@@ -82,8 +82,23 @@ class ServerState:
 
     def check_task(self, task: str) -> None:
         """A 400 that says how to start the server for a task it was not started for."""
-        if task in self.tasks:
+        if task in self.tasks or (task == "token_embed" and "embed" in self.tasks):
             return
+        if "token_classify" in self.tasks:
+            raise APIError(
+                400,
+                "This server serves a token classifier: /pooling with task token_classify",
+                "model",
+                "classification_model",
+            )
+        if task == "token_classify":
+            raise APIError(
+                400,
+                "This model is not a token classifier (a *ForTokenClassification checkpoint): "
+                "it does not label tokens",
+                "model",
+                "classification_not_supported",
+            )
         if "classify" in self.tasks:
             raise APIError(
                 400,
@@ -99,7 +114,7 @@ class ServerState:
                 "model",
                 "classification_not_supported",
             )
-        if task == "embed":
+        if task in ("embed", "token_embed"):
             raise APIError(
                 400,
                 "This server does not serve embeddings: start it with --enable-embeddings "

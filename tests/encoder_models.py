@@ -110,10 +110,12 @@ def build_encoder(
     seed: int = 0,
     vocab_size: int | None = None,
     initializer_range: float = 0.2,
+    per_token: bool = False,
 ) -> Path:
     """A random-weight encoder of `family` ("bert", "xlm-roberta", "mpnet", "nomic" or
     "modernbert") written to `path`: an embedding model whose sentence-transformers files name
-    `pooling` (None: no such files), or, with `num_labels`, a sequence classifier.
+    `pooling` (None: no such files), or, with `num_labels`, a sequence classifier (with
+    `per_token` too, a token classifier: *ForTokenClassification).
     `vocab_size`: embedding rows beyond the tokenizer's (a real model's table, for
     benchmarks, with a real model's `initializer_range`, 0.02: deep random models of 0.2 are
     chaotic, their float32 and float64 transformers vectors already apart). ModernBERT: every
@@ -192,7 +194,13 @@ def build_encoder(
         classes = XLMRobertaModel, XLMRobertaForSequenceClassification
     if num_labels:
         config.num_labels = num_labels
-        model = classes[1](config)
+        if per_token:
+            import transformers
+
+            name = classes[1].__name__.replace("Sequence", "Token")
+            model = getattr(transformers, name)(config)
+        else:
+            model = classes[1](config)
     else:
         model = classes[0](config)
     with torch.no_grad():  # LayerNorms drawn too, so that a wrong norm shows

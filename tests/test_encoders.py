@@ -305,7 +305,7 @@ def test_llm_encode_is_the_models_own_pooling(encoders):
     raw = llm.encode(TEXTS[0], PoolingParams(use_activation=False), use_tqdm=False)[0]
     assert abs(torch.tensor(raw.outputs.data).norm().item() - 1) > 1e-3
     with pytest.raises(InvalidParam, match="pooling_task"):
-        llm.encode(TEXTS, pooling_task="token_embed", use_tqdm=False)
+        llm.encode(TEXTS, pooling_task="rank", use_tqdm=False)
     del llm
     clf = LLM(str(encoders("bert", labels=3)), max_model_len=128)
     probs = [o.outputs.data for o in clf.encode(TEXTS, use_tqdm=False)]

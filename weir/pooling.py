@@ -18,7 +18,7 @@ import msgspec
 from tqdm import tqdm
 
 from core.engine_messages import AddRequest
-from core.pooling import CLASSIFY, ModelPooling, activated
+from core.pooling import CLASSIFY, TOKEN_CLASSIFY, TOKEN_EMBED, ModelPooling, activated
 from core.pooling import PoolingParams as EnginePoolingParams
 from core.request import EngineRequest
 from core.score_pairs import PairTooLong, pair_ids
@@ -68,12 +68,14 @@ class ScoringOutput:
 
 @dataclass
 class PoolingOutput:
-    """LLM.encode's (vLLM's): the pooled data, an embedding or a classifier's outputs."""
+    """LLM.encode's (vLLM's): the pooled data, an embedding or a classifier's outputs; for
+    the token-level tasks a list of them, one a token."""
 
-    data: list[float]
+    data: list[float] | list[list[float]]
 
 
 Out = TypeVar("Out")
+TASKS = ("embed", "classify", "token_embed", "token_classify")  # encode's, vLLM's names
 
 
 @dataclass
@@ -137,10 +139,16 @@ class PoolingCalls:
     ) -> list[PoolingRequestOutput[PoolingOutput]]:
         """vLLM's general pooling call: each prompt's output for `pooling_task` ("embed": its
         vector, "classify": a classifier's probabilities, or logits under use_activation
-        False), the model's own task where not named (a classifier classifies)."""
-        task = pooling_task or ("classify" if self.engine.runner.num_labels else "embed")
-        if task not in ("embed", "classify"):
-            raise InvalidParam("pooling_task", f"pooling_task {task!r}: embed or classify")
+        False; "token_embed" and "token_classify": the same for each of its tokens, a list a
+        token), the model's own task where not named (a classifier classifies, a token
+        classifier labels each token)."""
+        per_token = getattr(self.engine, "per_token", False)
+        own = "token_classify" if per_token else "classify"
+        task = pooling_task or (own if self.engine.runner.num_labels else "embed")
+        if task not in TASKS:
+            raise InvalidParam("pooling_task", f"pooling_task {task!r}: {', '.join(TASKS)}")
+        if task.startswith("token_"):
+            return self._token_task(prompts, pooling_params, use_tqdm, task)
         if task == "embed":
             params = pooling_params or PoolingParams()
             if getattr(params, "use_activation", True) is False:  # (vLLM's name for normalize)
@@ -151,6 +159,35 @@ class PoolingCalls:
             done = self.classify(prompts, pooling_params, use_tqdm)
             data = [o.outputs.probs for o in done]
         return [replace(o, outputs=PoolingOutput(d)) for o, d in zip(done, data)]
+
+    def _token_task(
+        self,
+        prompts: str | list[str] | list[list[int]],
+        pooling_params: PoolingParams | None,
+        use_tqdm: bool,
+        task: str,
+    ) -> list[PoolingRequestOutput[PoolingOutput]]:
+        """encode's token-level tasks: a row for every token of each prompt (its hidden state,
+        normalized unless use_activation is False; or a token classifier's probabilities,
+        logits under use_activation False)."""
+        params = pooling_params or PoolingParams()
+        on = getattr(params, "use_activation", True)
+        keep, side = self._keep(None, params)
+        inputs = [self._ids_of(p, keep, side) for p in _listed(prompts)]
+        if task == "token_embed":
+            sent = EnginePoolingParams(TOKEN_EMBED, on and params.normalize, params.dimensions)
+        else:
+            sent = EnginePoolingParams(TOKEN_CLASSIFY, False)
+        fn = self.pooling.classify_activation if self.pooling else "default"
+        outputs = []
+        for (rid, v, cached), ids in zip(self._pool(inputs, sent, use_tqdm, "Pooling"), inputs):
+            values = array.array("f", v).tolist()
+            width = len(values) // len(ids)
+            rows = [values[i * width : (i + 1) * width] for i in range(len(ids))]
+            if task == "token_classify":
+                rows = [activated(r, on, fn) for r in rows]
+            outputs.append(PoolingRequestOutput(rid, PoolingOutput(rows), ids, cached))
+        return outputs
 
     def classify(
         self,

@@ -38,6 +38,7 @@ class Executor:
         self.vocab_size = spec.vocab_size
         self.num_labels = spec.num_labels  # a sequence classifier's (0: a causal LM)
         self.pooling_only = False  # (encoders are not served under tensor parallelism)
+        self.per_token = False
         self.eos_token_ids: set[int] = set()
         self.node = node
         self.num_blocks = 0

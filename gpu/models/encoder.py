@@ -28,6 +28,7 @@ from gpu.attention.backend import AttentionMetadata
 from gpu.models.encoder_spec import EncoderSpec
 from gpu.models.layers import Embedding, Linear
 
+
 class Embeddings(nn.Module):
     def __init__(self, spec: EncoderSpec, backend) -> None:
         super().__init__()
@@ -206,9 +207,10 @@ def relative_bucket(relative: torch.Tensor, buckets: int = 32, max_distance: int
     out = (n < 0).long() * half
     n = n.abs()
     exact = half // 2
-    large = exact + (
-        torch.log(n.float() / exact) / math.log(max_distance / exact) * (half - exact)
-    ).long()
+    large = (
+        exact
+        + (torch.log(n.float() / exact) / math.log(max_distance / exact) * (half - exact)).long()
+    )
     large = torch.minimum(large, torch.full_like(large, half - 1))
     return out + torch.where(n < exact, n, large)
 
@@ -264,6 +266,8 @@ class EncoderModel(Encoding):
             self.classifier = nn.Linear(spec.hidden_size, spec.num_labels)
         elif spec.head == "roberta":
             self.classifier = RobertaHead(spec)
+        elif spec.head == "token":
+            self.classifier = nn.Linear(spec.hidden_size, spec.num_labels)
         else:
             self.classifier = None
 
@@ -300,7 +304,10 @@ class EncoderModel(Encoding):
 
     def classify(self, rows: torch.Tensor) -> torch.Tensor:
         """A classifier's raw logits [labels] for one input's final rows (its first token's:
-        BERT's [CLS], RoBERTa's <s>), in float32."""
+        BERT's [CLS], RoBERTa's <s>), in float32; a token classifier's [tokens, labels], every
+        row's."""
+        if self.spec.head == "token":
+            return self.classifier(rows.float())
         first = rows[0].float()
         if self.pooler is not None:
             return self.classifier(torch.tanh(self.pooler.dense(first)))

@@ -31,7 +31,14 @@ ENCODERS: dict[str, tuple[str, str]] = {
     "NomicBertForSequenceClassification": ("nomic", "bert"),
     "ModernBertModel": ("modernbert", ""),
     "ModernBertForSequenceClassification": ("modernbert", "modernbert"),
+    "BertForTokenClassification": ("bert", "token"),
+    "RobertaForTokenClassification": ("roberta", "token"),
+    "XLMRobertaForTokenClassification": ("roberta", "token"),
+    "MPNetForTokenClassification": ("mpnet", "token"),
+    "NomicBertForTokenClassification": ("nomic", "token"),
+    "ModernBertForTokenClassification": ("modernbert", "modernbert_token"),
 }
+PER_TOKEN_HEADS = ("token", "modernbert_token")
 # hidden_act -> the activation's name in gpu/backend.py PLAIN_ACTIVATIONS
 ACTS = {
     "gelu": "gelu",
@@ -52,7 +59,7 @@ def encoder_architecture(config: Any) -> str | None:
 class EncoderSpec:
     architecture: str
     family: str  # bert, roberta, modernbert
-    head: str  # "" (embeddings), bert, roberta, modernbert: see ENCODERS
+    head: str  # "" (embeddings), bert, roberta, modernbert, token, modernbert_token: ENCODERS
     vocab_size: int
     hidden_size: int
     num_layers: int

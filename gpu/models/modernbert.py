@@ -128,14 +128,14 @@ def rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 class ModernBertModel(Encoding):
-    """ModernBERT on `backend`; with a head (spec.head), a sequence classifier."""
+    """ModernBERT on `backend`; with a head (spec.head), a sequence or token classifier."""
 
     def __init__(self, spec: EncoderSpec, backend) -> None:
         super().__init__(spec, backend)
         self.embeddings = Embeddings(spec, backend)
         self.layers = nn.ModuleList(Layer(spec, backend, i) for i in range(spec.num_layers))
         self.final_norm = _norm(spec)
-        classifier = spec.head == "modernbert"
+        classifier = spec.head in ("modernbert", "modernbert_token")
         self.head = Head(spec) if classifier else None
         self.classifier = nn.Linear(spec.hidden_size, spec.num_labels) if classifier else None
         self.freqs: dict[bool, torch.Tensor] = {}  # local or not -> the rotation's frequencies
@@ -177,6 +177,9 @@ class ModernBertModel(Encoding):
 
     def classify(self, rows: torch.Tensor) -> torch.Tensor:
         """A classifier's raw logits [labels] for one input's final rows: its CLS row or their
-        mean (`classifier_pooling`) through the head, in float32."""
+        mean (`classifier_pooling`) through the head, in float32; a token classifier's [tokens,
+        labels], every row through the head."""
+        if self.spec.head == "modernbert_token":
+            return self.classifier(self.head(rows.float()))
         pooled = rows[0] if self.spec.classifier_pooling == "cls" else rows.mean(0)
         return self.classifier(self.head(pooled.float()))

@@ -93,14 +93,15 @@ class Layer(nn.Module):
 
 
 class NomicBertModel(Encoding):
-    """NomicBERT on `backend`; with a head (spec.head "bert"), a sequence classifier."""
+    """NomicBERT on `backend`; with a head (spec.head "bert"), a sequence classifier ("token":
+    a token classifier)."""
 
     def __init__(self, spec: EncoderSpec, backend) -> None:
         super().__init__(spec, backend)
         self.embeddings = Embeddings(spec, backend)
         self.layers = nn.ModuleList(Layer(spec, backend) for _ in range(spec.num_layers))
-        classifier = spec.head == "bert"
-        self.pooler = Pooler(spec) if classifier else None
+        self.pooler = Pooler(spec) if spec.head == "bert" else None
+        classifier = spec.head in ("bert", "token")
         self.classifier = nn.Linear(spec.hidden_size, spec.num_labels) if classifier else None
         self.freq: torch.Tensor | None = None  # the rotation's frequencies (made in prepare)
 
@@ -146,5 +147,8 @@ class NomicBertModel(Encoding):
 
     def classify(self, rows: torch.Tensor) -> torch.Tensor:
         """A classifier's raw logits [labels] for one input's final rows: its first row
-        through BERT's pooler and `classifier`, in float32."""
+        through BERT's pooler and `classifier`, in float32; a token classifier's [tokens,
+        labels], every row through `classifier`."""
+        if self.pooler is None:
+            return self.classifier(rows.float())
         return self.classifier(torch.tanh(self.pooler.dense(rows[0].float())))
