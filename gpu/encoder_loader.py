@@ -30,7 +30,7 @@ from gpu.models.nomic import NomicBertModel
 from gpu.quant.tensor import BlockTensor
 
 # a classifier's encoder (ModernBERT's: model.)
-PREFIXES = ("bert.", "roberta.", "mpnet.", "nomic_bert.", "model.")
+PREFIXES = ("bert.", "roberta.", "mpnet.", "nomic_bert.", "model.", "new.")
 # MPNet's attention under BERT's names (its Q/K/V/O in `attention.attn`, its norm one up)
 MPNET_NAMES = {
     ".attention.attn.q.": ".attention.self.query.",
@@ -51,7 +51,19 @@ NOMIC_NAMES = {
     ".norm1.": ".post_attention_layernorm.",
     ".norm2.": ".post_mlp_layernorm.",
 }
-MODELS = {"modernbert": ModernBertModel, "nomic": NomicBertModel}  # else BERT's layer
+# GTE's (the "new" remote code's) under the same names; its fused Q/K/V (weight and bias) is
+# cut in three and its up_gate_proj in two (up, then gate) as they are read
+GTE_NAMES = {
+    "encoder.layer.": "layers.",
+    ".attention.qkv_proj.": ".attn.Wqkv.",
+    ".attention.q_proj.": ".self_attn.q_proj.",
+    ".attention.k_proj.": ".self_attn.k_proj.",
+    ".attention.v_proj.": ".self_attn.v_proj.",
+    ".attention.o_proj.": ".self_attn.o_proj.",
+    ".attn_ln.": ".post_attention_layernorm.",
+    ".mlp_ln.": ".post_mlp_layernorm.",
+}
+MODELS = {"modernbert": ModernBertModel, "nomic": NomicBertModel, "gte": NomicBertModel}
 PRETRAINING = ("cls.", "lm_head.")  # masked-LM and next-sentence heads
 BUFFERS = ("embeddings.position_ids", "embeddings.token_type_ids")  # saved by older versions
 
@@ -63,8 +75,8 @@ def checkpoint_name(stored: str, spec: EncoderSpec) -> str | None:
         if name.startswith(prefix):
             name = name[len(prefix) :]
             break
-    if name.startswith(PRETRAINING) or name in BUFFERS:
-        return None
+    if name.startswith(PRETRAINING) or name in BUFFERS or ".rotary_emb." in name:
+        return None  # (GTE's remote code may save its rotation's tables)
     if name.startswith("pooler.") and spec.head != "bert":
         return None  # an embedding model's pooler (only BERT's classifier reads it)
     if name.startswith(("head.", "decoder.")) and spec.family == "modernbert" and not spec.head:
@@ -72,9 +84,8 @@ def checkpoint_name(stored: str, spec: EncoderSpec) -> str | None:
     if spec.family == "mpnet":
         for theirs, ours in MPNET_NAMES.items():
             name = name.replace(theirs, ours)
-    if spec.family == "nomic":
-        for theirs, ours in NOMIC_NAMES.items():
-            name = name.replace(theirs, ours)
+    for theirs, ours in {"nomic": NOMIC_NAMES, "gte": GTE_NAMES}.get(spec.family, {}).items():
+        name = name.replace(theirs, ours)
     if name.endswith(".gamma"):
         return name[: -len("gamma")] + "weight"
     if name.endswith(".beta"):
@@ -113,11 +124,16 @@ def _tensors(path: Path, spec: EncoderSpec) -> Iterator[tuple[str | None, Any]]:
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 for stored in f.keys():
                     name = checkpoint_name(stored, spec)
-                    nomic = spec.family == "nomic" and name is not None
-                    if nomic and name.endswith(".attn.Wqkv.weight"):  # cut in three
+                    if name is None or spec.family not in ("nomic", "gte"):
+                        yield name, f.get_tensor(stored)
+                    elif ".attn.Wqkv." in name:  # cut in three (ModernBERT's stays whole)
                         yield from _thirds(name, f.get_tensor(stored))
-                        continue
-                    yield name, f.get_tensor(stored)
+                    elif name.endswith(".mlp.up_gate_proj.weight"):
+                        up, gate = f.get_tensor(stored).chunk(2)  # (GTE's: up, then gate)
+                        yield name.replace("up_gate_proj", "up_proj"), up
+                        yield name.replace("up_gate_proj", "gate_proj"), gate
+                    else:
+                        yield name, f.get_tensor(stored)
         return
     ckpt = GgufCheckpoint(path)
     for name, value in ckpt.weights():
@@ -135,12 +151,13 @@ def _tensors(path: Path, spec: EncoderSpec) -> Iterator[tuple[str | None, Any]]:
 
 
 def _thirds(name: str, value: Any) -> Iterator[tuple[str, Any]]:
-    """NomicBERT's fused Q/K/V (layers.N.attn.Wqkv) as its three products' weights."""
-    stem = name.removesuffix("attn.Wqkv.weight")
+    """NomicBERT's (and GTE's) fused Q/K/V (layers.N.attn.Wqkv, a weight or a bias) as its
+    three products'."""
+    stem, kind = name.split("attn.Wqkv.")
     n = value.shape[0] // 3
     for i, part in enumerate("qkv"):
         if isinstance(value, BlockTensor):
             rows = value.take_rows(np.arange(i * n, (i + 1) * n))
         else:
             rows = value[i * n : (i + 1) * n]
-        yield f"{stem}self_attn.{part}_proj.weight", rows
+        yield f"{stem}self_attn.{part}_proj.{kind}", rows

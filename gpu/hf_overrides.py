@@ -39,7 +39,7 @@ def _score_from_tokens(config: Any, tokens: Any, tokenizer_dir: Path) -> None:
         )
     if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
         raise CheckpointError("--hf-overrides: classifier_from_token must be a list of tokens")
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, trust_remote_code=False)
     ids = []
     for token in tokens:
         encoded = tokenizer.convert_tokens_to_ids(token)

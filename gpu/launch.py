@@ -270,7 +270,7 @@ def load_tokenizer(config: EngineConfig, path: Path, hf_config: Any) -> tuple[An
 
     if config.tokenizer is not None:
         folder = Path(config.tokenizer).expanduser()
-        tokenizer = AutoTokenizer.from_pretrained(folder)
+        tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
     elif is_gguf(path):
         stat = path.stat()
         key = hashlib.sha256(
@@ -278,14 +278,14 @@ def load_tokenizer(config: EngineConfig, path: Path, hf_config: Any) -> tuple[An
         )
         folder = cache_dir() / "tokenizers" / f"{path.stem}-{key.hexdigest()[:12]}"
         if (folder / "tokenizer.json").exists():
-            tokenizer = AutoTokenizer.from_pretrained(folder)
+            tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
         else:
             tokenizer = GgufCheckpoint(path).tokenizer()
             tokenizer.save_pretrained(folder)
     else:
         folder = path
         try:
-            tokenizer = AutoTokenizer.from_pretrained(path)
+            tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
         except (OSError, ValueError) as e:
             raise CheckpointError(
                 f"{path}: no tokenizer ({e}); give one with --tokenizer"

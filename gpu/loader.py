@@ -85,11 +85,25 @@ def load_config(
     from transformers import AutoConfig
 
     try:
-        config = AutoConfig.from_pretrained(path)
+        config = AutoConfig.from_pretrained(path, trust_remote_code=False)
     except (OSError, ValueError, KeyError) as e:
-        raise CheckpointError(f"{path}: no readable config.json ({e})") from None
+        config = _remote_config(path)
+        if config is None:
+            raise CheckpointError(f"{path}: no readable config.json ({e})") from None
     config = hf_overrides.apply(config, overrides, Path(tokenizer) if tokenizer else path)
     return text_config(config)
+
+
+def _remote_config(path: Path) -> Any:
+    """The config of a model whose config class lives in its hub's remote code, for the types
+    weir reads itself (gpu/models/encoder_spec.py REMOTE_TYPES: GTE's); else None."""
+    from gpu.models.encoder_spec import REMOTE_TYPES, remote_config
+
+    try:
+        raw = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return remote_config(raw) if raw.get("model_type") in REMOTE_TYPES else None
 
 
 def resolve_dtype(dtype: str, config: Any, device: torch.device) -> torch.dtype:

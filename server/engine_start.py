@@ -256,7 +256,9 @@ def _launch(engine: EngineProcess | AttachedEngine) -> _Loaded:
 
     info = engine.launch()
     return _Loaded(
-        AutoTokenizer.from_pretrained(info.tokenizer_path or info.model_path),
+        AutoTokenizer.from_pretrained(
+            info.tokenizer_path or info.model_path, trust_remote_code=False
+        ),
         info.served_names,
         info.max_model_len,
         info.generation_defaults,

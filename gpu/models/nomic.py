@@ -7,7 +7,10 @@ whole of itself, no KV cache; it embeds and classifies, never generates), with i
 - norms after each block, as BERT's: LayerNorm(x + attention(x)), then LayerNorm(x + mlp(x));
 - the MLP is gated (SwiGLU: act(gate) * up), no biases anywhere but the norms'.
 
-A classifier reads its first row through BERT's pooler (dense, tanh) and `classifier`.
+GTE (gpu/models/encoder_spec.py's "gte" family) is the same layer with biases on Q/K/V, the
+output and the down product, a GELU gate, token types only where it has them, and a rotation
+that may be NTK-scaled. A classifier reads its first row through BERT's pooler (dense, tanh)
+and `classifier`.
 Module and parameter names follow transformers 5's; a checkpoint in nomic's own layout (the
 hub's: `encoder.layers.N.attn.Wqkv`, `mlp.fc11` ...) is read into them by
 gpu/encoder_loader.py."""
@@ -28,7 +31,8 @@ class Embeddings(nn.Module):
     def __init__(self, spec: EncoderSpec, backend) -> None:
         super().__init__()
         self.word_embeddings = Embedding(backend, spec.vocab_size, spec.hidden_size)
-        self.token_type_embeddings = nn.Embedding(spec.type_vocab_size, spec.hidden_size)
+        types = spec.type_vocab_size
+        self.token_type_embeddings = nn.Embedding(types, spec.hidden_size) if types else None
         self.LayerNorm = nn.LayerNorm(spec.hidden_size, spec.layer_norm_eps)
 
 
@@ -62,8 +66,9 @@ class MLP(nn.Module):
         super().__init__()
         h, m = spec.hidden_size, spec.intermediate_size
         self.backend = backend
-        self.gate_proj = Linear(backend, h, m, spec.mlp_bias)
-        self.up_proj = Linear(backend, h, m, spec.mlp_bias)
+        gated_bias = spec.mlp_bias and spec.gated_bias
+        self.gate_proj = Linear(backend, h, m, gated_bias)
+        self.up_proj = Linear(backend, h, m, gated_bias)
         self.down_proj = Linear(backend, m, h, spec.mlp_bias)
         self.act = spec.hidden_act
         self.gated = self.down = None
@@ -92,9 +97,23 @@ class Layer(nn.Module):
         return self.post_mlp_layernorm(self.mlp(x))
 
 
+def frequencies(spec: EncoderSpec) -> torch.Tensor:
+    """The rotation's frequencies, one a pair of a head's elements: base ** -(2i / d); under
+    GTE's NTK scaling by factor f, the base times f and each frequency over f ** (2 / d) (its
+    mixed variant: over exp(a * (i + 1) ** b), a = log f / (d / 2) ** b, the base unscaled)."""
+    d, f, b = spec.head_dim, spec.rope_ntk, spec.rope_mixed_b
+    steps = torch.arange(0, d, 2).float() / d
+    if not f:
+        return spec.rope_theta**-steps
+    if b is None:
+        return (spec.rope_theta * f) ** -steps / f ** (2 / d)
+    a = torch.tensor(f).log() / (d / 2) ** b
+    return spec.rope_theta**-steps / (a * torch.arange(1, d // 2 + 1).float() ** b).exp()
+
+
 class NomicBertModel(Encoding):
-    """NomicBERT on `backend`; with a head (spec.head "bert"), a sequence classifier ("token":
-    a token classifier)."""
+    """NomicBERT or GTE on `backend`; with a head (spec.head "bert"), a sequence classifier
+    ("token": a token classifier)."""
 
     def __init__(self, spec: EncoderSpec, backend) -> None:
         super().__init__(spec, backend)
@@ -108,8 +127,8 @@ class NomicBertModel(Encoding):
     def prepare(self) -> None:
         """After loading: each product in the backend's form; the head in float32; the
         rotation's frequencies, on the model's device (it is built on "meta")."""
-        d, device = self.spec.head_dim, self.embeddings.LayerNorm.weight.device
-        self.freq = self.spec.rope_theta ** -(torch.arange(0, d, 2, device=device).float() / d)
+        device = self.embeddings.LayerNorm.weight.device
+        self.freq = frequencies(self.spec).to(device)
         self.embeddings.word_embeddings.prepare()
         for layer in self.layers:
             layer.self_attn.prepare()
@@ -133,7 +152,9 @@ class NomicBertModel(Encoding):
         types = None
         if type_starts and self.spec.type_vocab_size > 1:
             types = token_types(meta.query_lens_cpu, type_starts)
-        if types is None:
+        if e.token_type_embeddings is None:  # (GTE's with none)
+            pass
+        elif types is None:
             x = x + e.token_type_embeddings.weight[0]
         else:
             x = x + e.token_type_embeddings(torch.tensor(types, device=input_ids.device))
