@@ -14,6 +14,7 @@ from transformers import AutoModel
 
 from core.pooling import PoolingParams
 from core.request import EngineRequest
+from core.sampling import InvalidParam
 from core.sampling import SamplingParams
 from weir.llm import LLM
 
@@ -52,7 +53,10 @@ def setup(request, model_dir):
 @pytest.mark.parametrize("kind", ["last", "mean", "cls"])
 def test_vectors_match_transformers(setup, kind):
     llm, hf = setup
-    for p in (PoolingParams(kind), PoolingParams(kind, normalize=False, dimensions=16)):
+    with pytest.raises(InvalidParam) as bad:  # (no matryoshka_dimensions in its config)
+        llm.embed(PROMPTS, PoolingParams(kind, dimensions=16), use_tqdm=False)
+    assert bad.value.param == "dimensions" and "Matryoshka" in str(bad.value)
+    for p in (PoolingParams(kind), PoolingParams(kind, normalize=False)):
         outs = llm.embed(PROMPTS, p, use_tqdm=False)  # batched, the long one chunked
         assert len(outs[1].prompt_token_ids) > 48
         for out in outs:
@@ -99,3 +103,25 @@ def test_embeddings_beside_generation_under_preemption(model_dir):
     assert [tokens["g0"], tokens["g1"]] == [o.outputs[0].token_ids for o in alone]
     for i, prompt in enumerate(ids):
         close(vectors[f"e{i}"], reference(hf, prompt, mean))
+
+
+def test_matryoshka_dimensions_offline(model_dir, tmp_path):
+    """LLM.embed's `dimensions`: the first N of the vector, then normalized, where the model's
+    config allows N; any other N refused by name, as the server refuses it."""
+    import json
+    import shutil
+
+    shutil.copytree(model_dir("qwen3"), tmp_path, dirs_exist_ok=True)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["matryoshka_dimensions"] = [16, config["hidden_size"]]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    llm = LLM(str(tmp_path), num_kv_blocks=64)
+    hf = AutoModel.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
+    p = PoolingParams("mean", dimensions=16)
+    for out in llm.embed(PROMPTS, p, use_tqdm=False):
+        assert len(out.outputs.embedding) == 16
+        close(out.outputs.embedding, reference(hf, out.prompt_token_ids, p))
+    for bad in (20, 0):
+        with pytest.raises(InvalidParam) as e:
+            llm.embed(PROMPTS[0], PoolingParams("mean", dimensions=bad), use_tqdm=False)
+        assert e.value.param == "dimensions"

@@ -14,7 +14,7 @@ from weir.llm import (
     RequestOutput,
     SamplingParams,
 )
-from weir.pooling import (
+from weir.pooling_outputs import (
     ClassificationOutput,
     ClassificationRequestOutput,
     EmbeddingOutput,

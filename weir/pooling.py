@@ -10,9 +10,9 @@ from __future__ import annotations
 import array
 import math
 from collections import deque
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable, Generic, TypeVar
+from typing import Any, Callable
 
 import msgspec
 from tqdm import tqdm
@@ -25,74 +25,18 @@ from core.score_pairs import PairTooLong, pair_ids
 from core.truncation import SIDES, cut_ids, cut_text
 from core.sampling import InvalidParam, SamplingParams
 from server import embedding_config
-
-
-class PoolingParams(EnginePoolingParams, frozen=True):
-    """The engine's PoolingParams (core/pooling.py: kind, normalize, dimensions) with vLLM's
-    offline fields: `use_activation` (a classifier's: False gives the raw logits, not
-    probabilities), `truncate_prompt_tokens` (cut a prompt to that many tokens; -1: the model's
-    length) and `truncation_side` (which it keeps: "right", vLLM's pooling default, its first
-    tokens; "left" its last; a text's special tokens kept either way). `kind` None (the default)
-    is the model's own, as the server's: its sentence-transformers files, a GGUF file's
-    pooling_type, else the last token."""
-
-    kind: str | None = None
-    use_activation: bool = True
-    truncate_prompt_tokens: int | None = None
-    truncation_side: str = "right"
-
-
-@dataclass
-class EmbeddingOutput:
-    embedding: list[float]
-
-    @property
-    def hidden_size(self) -> int:
-        return len(self.embedding)
-
-
-@dataclass
-class ClassificationOutput:
-    probs: list[float]  # by label index (the raw logits under use_activation=False)
-    label: str = ""  # the most likely label's name (the checkpoint's id2label)
-
-    @property
-    def num_classes(self) -> int:
-        return len(self.probs)
-
-
-@dataclass
-class ScoringOutput:
-    score: float
-
-
-@dataclass
-class PoolingOutput:
-    """LLM.encode's (vLLM's): the pooled data, an embedding or a classifier's outputs; for
-    the token-level tasks a list of them, one a token."""
-
-    data: list[float] | list[list[float]]
-
-
-Out = TypeVar("Out")
-TASKS = ("embed", "classify", "token_embed", "token_classify")  # encode's, vLLM's names
-
-
-@dataclass
-class PoolingRequestOutput(Generic[Out]):
-    """vLLM's: a request's `outputs` (one EmbeddingOutput, ClassificationOutput or
-    ScoringOutput) and its prompt's tokens (a score's: the pair encoding, or the first text's)."""
-
-    request_id: str
-    outputs: Out
-    prompt_token_ids: list[int]
-    num_cached_tokens: int = 0
-    finished: bool = True
-
-
-EmbeddingRequestOutput = PoolingRequestOutput[EmbeddingOutput]
-ClassificationRequestOutput = PoolingRequestOutput[ClassificationOutput]
-ScoringRequestOutput = PoolingRequestOutput[ScoringOutput]
+from weir.pooling_outputs import (
+    TASKS,
+    ClassificationOutput,
+    ClassificationRequestOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    PoolingOutput,
+    PoolingParams,
+    PoolingRequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
 
 
 class PoolingCalls:
@@ -175,6 +119,7 @@ class PoolingCalls:
         keep, side = self._keep(None, params)
         inputs = [self._ids_of(p, keep, side) for p in _listed(prompts)]
         if task == "token_embed":
+            self._check_dimensions(params)
             sent = EnginePoolingParams(TOKEN_EMBED, on and params.normalize, params.dimensions)
         else:
             sent = EnginePoolingParams(TOKEN_CLASSIFY, False)
@@ -268,10 +213,19 @@ class PoolingCalls:
     def _engine_params(self, params: EnginePoolingParams) -> EnginePoolingParams:
         """What the engine is sent: its own struct, without the offline fields, the kind the
         model's own where the params leave it unset (server/embedding_config.py)."""
-        kind = params.kind
-        if kind is None:
-            kind = embedding_config.resolve(self.model_path, None, True, self.pooling).kind
-        return EnginePoolingParams(kind, params.normalize, params.dimensions)
+        config = embedding_config.resolve(self.model_path, None, True, self.pooling)
+        self._check_dimensions(params, config)
+        return EnginePoolingParams(params.kind or config.kind, params.normalize, params.dimensions)
+
+    def _check_dimensions(self, params: EnginePoolingParams, config=None) -> None:
+        """`dimensions` the model allows, as the server checks them (a 400 there; here an
+        InvalidParam naming the field) instead of a silently shorter or unchanged vector."""
+        if params.dimensions is None:
+            return
+        config = config or embedding_config.resolve(self.model_path, None, True, self.pooling)
+        why = config.check_dimensions(params.dimensions)
+        if why:
+            raise InvalidParam("dimensions", f"dimensions={params.dimensions}: {why}")
 
     def _keep(self, keep: int | None, params: EnginePoolingParams) -> tuple[int | None, str]:
         """(the tokens truncate_prompt_tokens keeps: the argument's, else the params', or None;
