@@ -49,6 +49,9 @@ SHAPES = {
     "nomic": dict(BASE, vocab_size=30528, max_position_embeddings=2048),
     "modernbert": dict(BASE, num_layers=22, intermediate_size=1152, vocab_size=50368,
                        max_position_embeddings=8192),
+    # jina-embeddings-v2-base-en's (JinaBERT: transformers has no class of it; llama.cpp's
+    # jina-bert-v2 is its peer, vLLM serves it on TPU only)
+    "jina": dict(BASE, vocab_size=30528),
 }  # fmt: skip
 
 
@@ -62,7 +65,12 @@ def base_model(family: str = "bert") -> str:
     path = cache_dir() / f"bench-{family}-base-v{version}"
     if not (path / "config.json").exists():
         tmp = path.with_name(path.name + ".tmp")
-        build_encoder(tmp, family, **{"initializer_range": 0.02, **SHAPES[family]})
+        if family == "jina":
+            from tests.jina_models import build_jina
+
+            build_jina(tmp, scale=0.02, **SHAPES["jina"])
+        else:
+            build_encoder(tmp, family, **{"initializer_range": 0.02, **SHAPES[family]})
         tmp.rename(path)
     return str(path)
 
@@ -94,7 +102,8 @@ def flops(config: dict, data: list[list[int]]) -> float:
     """The inputs' matrix-product FLOPs: Q/K/V and O, the MLP (three products where it is
     gated: NomicBERT's, ModernBERT's), attention's two."""
     h, m, layers = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
-    mlp = 3 if config["model_type"] in ("nomic_bert", "modernbert") else 2
+    gated = config["model_type"] in ("nomic_bert", "modernbert") or "feed_forward_type" in config
+    mlp = 3 if gated else 2
     total = 0.0
     for ids in data:
         n = len(ids)
@@ -188,6 +197,19 @@ def run_llama_cpp(gguf: str, data: list[list[int]], kind: str, port: int = 8714)
         proc.wait(60)
 
 
+def jina_means(path: str, data: list[list[int]]) -> list[torch.Tensor]:
+    """JinaBERT's mean-pooled vectors from its definition (tests/jina_models.py), float64."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from tests.jina_models import jina_reference
+
+    config = json.loads((Path(path) / "config.json").read_text())
+    tensors = load_file(str(Path(path) / "model.safetensors"))
+    return [F.normalize(jina_reference(tensors, config, ids).mean(0), dim=0) for ids in data]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None, help="an encoder folder (default: --family's, random)")
@@ -223,19 +245,25 @@ def main() -> None:
     served = args.gguf or path
     llm = LLM(served, cpu_threads=threads, max_num_seqs=256, max_num_batched_tokens=4096)
     llm.embed(data[:20], use_tqdm=False)  # warm up
-    model = AutoModel.from_pretrained(path, dtype=torch.float32).eval()
+    jina = config.get("position_embedding_type") == "alibi"  # (no transformers class)
+    model = None if jina else AutoModel.from_pretrained(path, dtype=torch.float32).eval()
     sizes = [int(b) for b in args.batch_sizes.split(",")]
-    trial = {b: run_transformers(model, data[:200], b, mean)[0] for b in sizes}
-    batch = min(trial, key=trial.get)
-    print("transformers on the first 200:", {b: f"{200 / s:.1f}/s" for b, s in trial.items()})
-    times: dict[str, list[float]] = {"weir": [], "transformers": []}
+    trial, batch = {}, 0
+    if model is not None:
+        trial = {b: run_transformers(model, data[:200], b, mean)[0] for b in sizes}
+        batch = min(trial, key=trial.get)
+        print("transformers on the first 200:", {b: f"{200 / s:.1f}/s" for b, s in trial.items()})
+    times: dict[str, list[float]] = {"weir": []}
     for r in range(args.rounds):
         s, mine = run_weir(llm, data)
         times["weir"].append(s)
-        s, ref = run_transformers(model, data, batch, mean)
-        times["transformers"].append(s)
-        print(f"round {r}: weir {times['weir'][-1]:.1f} s, transformers {s:.1f} s")
-    cos = min(F.cosine_similarity(a, b, dim=0).item() for a, b in zip(mine, ref))
+        if model is not None:
+            s, ref = run_transformers(model, data, batch, mean)
+            times.setdefault("transformers", []).append(s)
+        print(f"round {r}: " + ", ".join(f"{k} {v[-1]:.1f} s" for k, v in times.items()))
+    if model is None:  # JinaBERT: its definition written out (float64) on the first three
+        ref = jina_means(path, data[:3])
+    cos = min(F.cosine_similarity(a, b.float(), dim=0).item() for a, b in zip(mine, ref))
     del llm
     if not args.no_server:
         times["weir server"] = [run_server(served, data, threads)]
@@ -254,14 +282,16 @@ def main() -> None:
         if peer is not None:
             times[name] = [peer]
     best = {k: min(v) for k, v in times.items()}
-    base = best["transformers"]
-    print(f"\n{'':18} {'s':>7} {'inputs/s':>9} {'tokens/s':>9} {'GFLOP/s':>8} {'vs hf':>6}")
+    against = next(k for k in ("transformers", "llama.cpp server", "weir") if k in best)
+    base = best[against]
+    print(f"\n{'':18} {'s':>7} {'inputs/s':>9} {'tokens/s':>9} {'GFLOP/s':>8}  vs {against}")
     for k, s in best.items():
         print(
             f"{k:18} {s:7.1f} {args.inputs / s:9.1f} {tokens / s:9.0f} {work / s / 1e9:8.1f} "
             f"{base / s:5.2f}x"
         )
-    print(f"transformers batch {batch}; min cosine weir/transformers {cos:.6f}")
+    what = "transformers" if model is not None else "its definition, first three inputs"
+    print(f"transformers batch {batch}; min cosine weir / {what}: {cos:.6f}")
     save(
         "encoders",
         {

@@ -1,6 +1,8 @@
-"""An encoder checkpoint (BERT, RoBERTa, XLM-RoBERTa: gpu/models/encoder.py; ModernBERT:
-gpu/models/modernbert.py) read into its model, from safetensors or a GGUF file as llama.cpp's
-converter writes it ("bert": gpu/gguf_config.py).
+"""An encoder checkpoint (BERT, RoBERTa, XLM-RoBERTa, MPNet: gpu/models/encoder.py; ModernBERT:
+gpu/models/modernbert.py; NomicBERT and GTE: gpu/models/nomic.py; JinaBERT: gpu/models/jina.py)
+read into its model, from safetensors or a GGUF file as llama.cpp's converter writes it
+(gpu/gguf_encoder.py). Fused products are cut as they are read: NomicBERT's and GTE's Q/K/V in
+three, GTE's up_gate_proj and JinaBERT's gated_layers in two.
 
 Its tensors load by name as a decoder's do (gpu/loader.py `Targets`), once a classifier's
 `bert.` / `roberta.` / `model.` prefix is dropped and older checkpoints' LayerNorm `gamma` /
@@ -25,6 +27,7 @@ from gpu.gguf_file import GgufCheckpoint, is_gguf
 from gpu.loader import Targets, weight_files
 from gpu.models.encoder import EncoderModel
 from gpu.models.encoder_spec import EncoderSpec
+from gpu.models.jina import JinaBertModel
 from gpu.models.modernbert import ModernBertModel
 from gpu.models.nomic import NomicBertModel
 from gpu.quant.tensor import BlockTensor
@@ -63,7 +66,14 @@ GTE_NAMES = {
     ".attn_ln.": ".post_attention_layernorm.",
     ".mlp_ln.": ".post_mlp_layernorm.",
 }
-MODELS = {"modernbert": ModernBertModel, "nomic": NomicBertModel, "gte": NomicBertModel}
+# JinaBERT's MLP under the names of its model's (its gated_layers cut in two: gate, then up)
+JINA_NAMES = {".mlp.wo.": ".mlp.down_proj."}
+MODELS = {
+    "modernbert": ModernBertModel,
+    "nomic": NomicBertModel,
+    "gte": NomicBertModel,
+    "jina": JinaBertModel,
+}
 PRETRAINING = ("cls.", "lm_head.")  # masked-LM and next-sentence heads
 BUFFERS = ("embeddings.position_ids", "embeddings.token_type_ids")  # saved by older versions
 
@@ -84,7 +94,8 @@ def checkpoint_name(stored: str, spec: EncoderSpec) -> str | None:
     if spec.family == "mpnet":
         for theirs, ours in MPNET_NAMES.items():
             name = name.replace(theirs, ours)
-    for theirs, ours in {"nomic": NOMIC_NAMES, "gte": GTE_NAMES}.get(spec.family, {}).items():
+    names = {"nomic": NOMIC_NAMES, "gte": GTE_NAMES, "jina": JINA_NAMES}.get(spec.family, {})
+    for theirs, ours in names.items():
         name = name.replace(theirs, ours)
     if name.endswith(".gamma"):
         return name[: -len("gamma")] + "weight"
@@ -95,7 +106,7 @@ def checkpoint_name(stored: str, spec: EncoderSpec) -> str | None:
 
 def load_encoder(
     path: Path, config: Any, dtype: torch.dtype, device: torch.device, backend
-) -> EncoderModel | ModernBertModel | NomicBertModel:
+) -> EncoderModel | ModernBertModel | NomicBertModel | JinaBertModel:
     """The encoder built on `backend`, its weights read and prepared (in `dtype` unless the
     backend keeps them as the checkpoint holds them)."""
     spec = EncoderSpec.from_hf_config(config)
@@ -124,7 +135,9 @@ def _tensors(path: Path, spec: EncoderSpec) -> Iterator[tuple[str | None, Any]]:
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 for stored in f.keys():
                     name = checkpoint_name(stored, spec)
-                    if name is None or spec.family not in ("nomic", "gte"):
+                    if name is not None and name.endswith(".mlp.gated_layers.weight"):
+                        yield from _halves(name, f.get_tensor(stored))  # (gate first)
+                    elif name is None or spec.family not in ("nomic", "gte"):
                         yield name, f.get_tensor(stored)
                     elif ".attn.Wqkv." in name:  # cut in three (ModernBERT's stays whole)
                         yield from _thirds(name, f.get_tensor(stored))
@@ -139,6 +152,9 @@ def _tensors(path: Path, spec: EncoderSpec) -> Iterator[tuple[str | None, Any]]:
     for name, value in ckpt.weights():
         if spec.family == "nomic" and name.endswith(".attn.Wqkv.weight"):  # cut in three
             yield from _thirds(name, value)
+            continue
+        if name.endswith(".mlp.gated_layers.weight"):  # (JinaBERT's: gate rows, then up)
+            yield from _halves(name, value)
             continue
         rows = spec.position_rows
         if name == "embeddings.position_embeddings.weight" and value.shape[0] < rows:
@@ -161,3 +177,14 @@ def _thirds(name: str, value: Any) -> Iterator[tuple[str, Any]]:
         else:
             rows = value[i * n : (i + 1) * n]
         yield f"{stem}self_attn.{part}_proj.{kind}", rows
+
+
+def _halves(name: str, value: Any) -> Iterator[tuple[str, Any]]:
+    """JinaBERT's gate and up product (mlp.gated_layers: gate rows, then up) as its two."""
+    n = value.shape[0] // 2
+    for i, part in enumerate(("gate_proj", "up_proj")):
+        if isinstance(value, BlockTensor):
+            rows = value.take_rows(np.arange(i * n, (i + 1) * n))
+        else:
+            rows = value[i * n : (i + 1) * n]
+        yield name.replace("gated_layers", part), rows

@@ -1,7 +1,7 @@
 """A GGUF encoder's metadata read as llama.cpp reads it, into the Hugging Face config of the
 model it holds (gpu/gguf_config.py reads decoders'): llama.cpp's "bert" (BERT, XLM-RoBERTa,
-RoBERTa, told by the vocabulary) and "modern-bert" (ModernBERT). The models:
-gpu/models/encoder.py, gpu/models/modernbert.py."""
+RoBERTa, told by the vocabulary), "modern-bert" (ModernBERT), "nomic-bert" (NomicBERT) and
+"jina-bert-v2" (JinaBERT). The models: gpu/models/encoder.py, modernbert.py, nomic.py, jina.py."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 
 from core.config import CheckpointError
 
-ENCODER_ARCHES = ("bert", "modern-bert", "nomic-bert")
+ENCODER_ARCHES = ("bert", "modern-bert", "nomic-bert", "jina-bert-v2")
 HEAD = "cls.output.weight"  # llama.cpp's classification head: [labels, hidden]
 
 
@@ -18,6 +18,8 @@ def encoder_config(f: Any) -> Any:
     `tensors`, `arch`, `path`, `_dtype`)."""
     if f.arch == "nomic-bert":
         return nomic(f)
+    if f.arch == "jina-bert-v2":
+        return jina(f)
     return modernbert(f) if f.arch == "modern-bert" else bert(f)
 
 
@@ -169,6 +171,47 @@ def nomic(f: Any) -> Any:
         layer_norm_eps=float(f.get(f"{a}.attention.layer_norm_epsilon")),
         type_vocab_size=int(f.get("tokenizer.ggml.token_type_count", 2)),
         rope_parameters={"rope_type": "default", "rope_theta": float(f.get(f"{a}.rope.freq_base"))},
+        pad_token_id=int(f.get("tokenizer.ggml.padding_token_id", 0)),
+        dtype=f._dtype(),
+    )
+
+
+def jina(f: Any) -> Any:
+    """JinaBERT as llama.cpp's converter writes it ("jina-bert-v2": jina-embeddings-v2-small-en
+    and -base-en): BERT's layers without positions (ALiBi), its gated MLP one product
+    (`ffn_up`, gate rows first), token types, a WordPiece vocabulary. Refused by name: the
+    variant with Q/K norms and a second attention norm (jina-embeddings-v2-base-code's), a
+    split gate, other vocabularies, a causal or classifier file."""
+    from transformers import BertConfig
+
+    a = f.arch
+    extra = [
+        n
+        for n in ("blk.0.attn_q_norm.weight", "blk.0.attn_norm_2.weight", "blk.0.ffn_gate.weight")
+        if n in f.tensors
+    ]
+    what = None
+    if f.get(f"{a}.attention.causal", False) or HEAD in f.tensors:
+        what = "causal attention or a classification head"
+    elif extra:
+        what = f"{', '.join(extra)} (jina-embeddings-v2-base-code's layers, or a split gate)"
+    elif f.get("tokenizer.ggml.model", "bert") != "bert":
+        what = f"a {f.get('tokenizer.ggml.model')!r} vocabulary (WordPiece's is served)"
+    if what is not None:
+        raise CheckpointError(f"{f.path.name}: a jina-bert-v2 file with {what} is not served")
+    return BertConfig(
+        architectures=["JinaBertModel"],
+        vocab_size=int(f.tensors["token_embd.weight"].shape[1]),
+        hidden_size=int(f.get(f"{a}.embedding_length")),
+        num_hidden_layers=int(f.get(f"{a}.block_count")),
+        num_attention_heads=int(f.get(f"{a}.attention.head_count")),
+        intermediate_size=int(f.get(f"{a}.feed_forward_length")),
+        max_position_embeddings=int(f.get(f"{a}.context_length")),
+        layer_norm_eps=float(f.get(f"{a}.attention.layer_norm_epsilon")),
+        type_vocab_size=int(f.get("tokenizer.ggml.token_type_count", 2)),
+        position_embedding_type="alibi",
+        feed_forward_type="geglu",
+        hidden_act="gelu",
         pad_token_id=int(f.get("tokenizer.ggml.padding_token_id", 0)),
         dtype=f._dtype(),
     )

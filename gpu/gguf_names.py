@@ -23,6 +23,7 @@ ARCHES = {
     "bert": "BertModel",
     "modern-bert": "ModernBertModel",
     "nomic-bert": "NomicBertModel",  # (nomic-embed-text's: Ollama's own embedder)
+    "jina-bert-v2": "JinaBertModel",  # (jina-embeddings-v2's: gpu/models/jina.py)
 }
 # A "llama" file with experts is a Mixtral (llama.cpp's converter writes it so).
 
@@ -137,6 +138,17 @@ ENCODER_LAYER = {
 }
 
 
+# JinaBERT's (llama.cpp's "jina-bert-v2"), under encoder.layer.N.: BERT's attention; its fused
+# gate and up product (ffn_up, gate rows first) under the checkpoint's own name, which
+# gpu/encoder_loader.py cuts in two
+JINA_LAYER = {
+    **ENCODER_LAYER,
+    "ffn_up": "mlp.gated_layers",
+    "ffn_down": "mlp.down_proj",
+    "layer_output_norm": "mlp.layernorm",
+}
+
+
 def _layer_names(arch: str) -> dict[str, str]:
     names = _NAMES.get(arch, LAYER_NAMES)
     return {k: v for k, v in names.items() if v is not None}
@@ -160,8 +172,10 @@ def hf_name(name: str, arch: str = "llama") -> str | None:
     mlp.gate_up_proj; an encoder's: encoder.layer.3.intermediate.dense.weight); None for a
     tensor weir has no module for."""
     stem, _, kind = name.rpartition(".")
-    if arch in ("bert", "modern-bert", "nomic-bert"):
+    if arch in ("bert", "modern-bert", "nomic-bert", "jina-bert-v2"):
         top, layers, under = (ENCODER_TOP, ENCODER_LAYER, "encoder.layer")
+        if arch == "jina-bert-v2":
+            layers = JINA_LAYER
         if arch == "modern-bert":
             top, layers, under = (MODERNBERT_TOP, MODERNBERT_LAYER, "layers")
         if arch == "nomic-bert":

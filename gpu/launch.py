@@ -14,7 +14,7 @@ import torch
 
 from core.config import CheckpointError, EngineConfig
 from core.engine_core import EngineCore
-from core.pooling import ModelPooling, model_activations
+from core.pooling import KINDS, ModelPooling, model_activations
 from core.speculative import SpeculativeConfig
 from gpu import gguf_tokenizer, kv_cache, kv_scales
 from gpu.cache import cache_dir
@@ -190,12 +190,15 @@ def load(config: EngineConfig) -> Loaded:
 
 
 def model_pooling(hf_config: Any) -> ModelPooling:
-    """The model's own pooling facts: a GGUF file's pooling_type; an encoder pools its CLS
-    row unless its folder says otherwise (as vLLM's BERT and XLM-RoBERTa embedders do); a
+    """The model's own pooling facts: a GGUF file's pooling_type (or JinaBERT's config's
+    emb_pooler); an encoder pools its CLS row unless its folder says otherwise (as vLLM's BERT
+    and XLM-RoBERTa embedders do); a
     classifier's activations (core/pooling.py model_activations: one that is not served is
     refused here, before anything is served)."""
     encoder = encoder_architecture(hf_config) is not None
-    kind = getattr(hf_config, "weir_pooling", None) or ("cls" if encoder else None)
+    own = getattr(hf_config, "emb_pooler", None)  # (JinaBERT's config names its pooling)
+    kind = getattr(hf_config, "weir_pooling", None) or (own if own in KINDS else None)
+    kind = kind or ("cls" if encoder else None)
     try:
         acts = model_activations(hf_config.to_dict() if hasattr(hf_config, "to_dict") else {})
     except ValueError as e:

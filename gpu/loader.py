@@ -97,7 +97,7 @@ def load_config(
 def _remote_config(path: Path) -> Any:
     """The config of a model whose config class lives in its hub's remote code, for the types
     weir reads itself (gpu/models/encoder_spec.py REMOTE_TYPES: GTE's); else None."""
-    from gpu.models.encoder_spec import REMOTE_TYPES, remote_config
+    from gpu.models.remote_encoder_spec import REMOTE_TYPES, remote_config
 
     try:
         raw = json.loads((Path(path) / "config.json").read_text())

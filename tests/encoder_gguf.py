@@ -1,5 +1,6 @@
-"""GGUF files of tests/encoder_models.py's encoders, written as llama.cpp's convert_hf_to_gguf.py
-writes them: "bert" (BERT, XLM-RoBERTa) and "modern-bert" (ModernBERT)."""
+"""GGUF files of tests/encoder_models.py's encoders (and tests/jina_models.py's), written as
+llama.cpp's convert_hf_to_gguf.py writes them: "bert" (BERT, XLM-RoBERTa), "nomic-bert",
+"jina-bert-v2" and "modern-bert" (ModernBERT)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ def write_encoder_gguf(
     hf_dir: str | Path, out: str | Path, fmt: str = "f32", pooling: bool = True
 ) -> Path:
     """An encoder folder of build_encoder's written as llama.cpp's convert_hf_to_gguf.py writes
-    one ("bert"; NomicBERT's "nomic-bert": its base, its fused Q/K/V): its names, BERT's
+    one ("bert"; NomicBERT's "nomic-bert": its base, its fused Q/K/V; JinaBERT's
+    "jina-bert-v2": its fused gate and up product as ffn_up): its names, BERT's
     vocabulary with phantom spaces (a word's first piece
     "\u2581play", a continuation bare) or XLM-RoBERTa's pieces with their scores ("t5"), the
     RoBERTa family's first pad + 1 position rows left out, the sentence-transformers pooling
@@ -24,7 +26,7 @@ def write_encoder_gguf(
     from transformers import AutoConfig
 
     from gpu.encoder_loader import checkpoint_name
-    from gpu.gguf_names import ENCODER_LAYER, ENCODER_TOP, NOMIC_LAYER, NOMIC_TOP
+    from gpu.gguf_names import ENCODER_LAYER, ENCODER_TOP, JINA_LAYER, NOMIC_LAYER, NOMIC_TOP
     from gpu.models.encoder_spec import EncoderSpec
     from server.embedding_config import sentence_transformers_pooling
 
@@ -32,8 +34,10 @@ def write_encoder_gguf(
     config = json.loads((hf_dir / "config.json").read_text())
     tok = json.loads((hf_dir / "tokenizer.json").read_text())
     nomic = config["model_type"] == "nomic_bert"
+    jina = config.get("position_embedding_type") == "alibi"  # (JinaBERT: tests/jina_models.py)
     bert = config["model_type"] == "bert" or nomic  # (NomicBERT's vocabulary is BERT's)
-    w = gguf.GGUFWriter(str(out), "nomic-bert" if nomic else "bert")
+    arch = "nomic-bert" if nomic else "jina-bert-v2" if jina else "bert"
+    w = gguf.GGUFWriter(str(out), arch)
     w.add_block_count(config["num_hidden_layers"])
     offset = 0 if bert else config["pad_token_id"] + 1  # RoBERTa's rows never read
     w.add_context_length(config["max_position_embeddings"] - offset)
@@ -79,10 +83,15 @@ def write_encoder_gguf(
     w.add_pad_token_id(specials[ids["pad"]])
     w.add_mask_token_id(specials[ids["mask"]])
     top = {v: k for k, v in (NOMIC_TOP if nomic else ENCODER_TOP).items()}
-    layer = {v: k for k, v in (NOMIC_LAYER if nomic else ENCODER_LAYER).items()}
-    spec = EncoderSpec.from_hf_config(AutoConfig.from_pretrained(hf_dir))
+    names = NOMIC_LAYER if nomic else JINA_LAYER if jina else ENCODER_LAYER
+    layer = {v: k for k, v in names.items()}
+    spec = EncoderSpec.from_hf_config(AutoConfig.from_pretrained(hf_dir, trust_remote_code=False))
     for name, t in load_file(str(hf_dir / "model.safetensors")).items():
         name = name.removeprefix("roberta.")  # a classifier's encoder
+        if jina:  # (weir's names: mlp.wo read as mlp.down_proj, the MLM head none)
+            name = checkpoint_name(name, spec)
+            if name is None:
+                continue
         if nomic:  # (its own names, as transformers 5 saves them: weir's, Wqkv kept whole)
             name = checkpoint_name(name, spec)
             if name.startswith("layers."):

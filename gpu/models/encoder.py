@@ -34,7 +34,9 @@ class Embeddings(nn.Module):
         super().__init__()
         h = spec.hidden_size
         self.word_embeddings = Embedding(backend, spec.vocab_size, h)
-        self.position_embeddings = nn.Embedding(spec.position_rows, h)
+        # (none where positions are not a table: JinaBERT's ALiBi)
+        rows = spec.position_rows
+        self.position_embeddings = nn.Embedding(rows, h) if rows else None
         self.token_type_embeddings = (
             nn.Embedding(spec.type_vocab_size, h) if spec.type_vocab_size else None
         )
@@ -49,6 +51,8 @@ class Embeddings(nn.Module):
                 x = x + self.token_type_embeddings.weight[0]
             else:
                 x = x + self.token_type_embeddings(token_types)
+        if self.position_embeddings is None:
+            return self.LayerNorm(x)
         if self.roberta:
             positions = roberta_positions(input_ids, meta, self.pad)
         return self.LayerNorm(x + self.position_embeddings(positions))
@@ -114,11 +118,14 @@ class Attention(nn.Module):
         del self.self
         self.output.dense.prepare()
 
-    def forward(self, x: torch.Tensor, meta: AttentionMetadata, biases=None) -> torch.Tensor:
-        """`biases`: MPNet's, each input length's [heads, n, n] added to the scores."""
+    def forward(
+        self, x: torch.Tensor, meta: AttentionMetadata, biases=None, alibi=None
+    ) -> torch.Tensor:
+        """`biases`: MPNet's, each input length's [heads, n, n] added to the scores; `alibi`:
+        JinaBERT's slopes (bidirectional)."""
         t = x.shape[0]
         q, k, v = self.backend.linear(x, self.qkv).view(t, 3, self.num_heads, -1).unbind(1)
-        o = bidirectional(q, k, v, meta.query_lens_cpu, biases=biases)
+        o = bidirectional(q, k, v, meta.query_lens_cpu, biases=biases, alibi=alibi)
         return self.output(o.view(t, -1), x)
 
 
@@ -129,15 +136,21 @@ def bidirectional(
     lengths: list[int],
     window: int = 0,
     biases: dict[int, torch.Tensor] | None = None,
+    alibi: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of [tokens, heads, head_dim] Q/K/V where each input (of `lengths`, one after
     another) attends to the whole of itself and nothing else; with `window`, a token only to
     those at most `window` positions away either way (ModernBERT's local layers); `biases`: by
-    input length, [heads, n, n] added to the scaled scores (MPNet's relative positions)."""
+    input length, [heads, n, n] added to the scaled scores (MPNet's relative positions);
+    `alibi`: [heads] slopes, each head's scores less its slope times |i - j| (JinaBERT's)."""
     o = torch.empty_like(q)
     start = 0
     for n in lengths:
         part = slice(start, start + n)
+        if alibi is not None:
+            o[part] = _alibi_attention(q[part], k[part], v[part], alibi)
+            start += n
+            continue
         # [1, heads, n, head_dim] views: torch's fused CPU kernel takes 4-D inputs only (3-D
         # ones fell to its unfused path, 1.75x slower)
         q_, k_, v_ = (z[part].transpose(0, 1)[None] for z in (q, k, v))
@@ -150,6 +163,37 @@ def bidirectional(
         o[part] = F.scaled_dot_product_attention(q_, k_, v_, attn_mask=mask)[0].transpose(0, 1)
         start += n
     return o
+
+
+def _alibi_attention(q, k, v, slopes: torch.Tensor, block: int = 1024) -> torch.Tensor:
+    """One input's attention under symmetric ALiBi biases, its queries `block` rows at a time
+    (the bias of a block is [heads, block, n], not [heads, n, n]: 3.2 GB at 8,192 tokens)."""
+    n = q.shape[0]
+    keys = torch.arange(n, device=q.device, dtype=torch.float32)
+    k_, v_ = (z.transpose(0, 1)[None] for z in (k, v))
+    out = torch.empty_like(q)
+    for s in range(0, n, block):
+        rows = slice(s, min(s + block, n))
+        distance = (keys[rows, None] - keys[None, :]).abs()
+        bias = (-slopes.float()[:, None, None] * distance)[None].to(q.dtype)
+        q_ = q[rows].transpose(0, 1)[None]
+        out[rows] = F.scaled_dot_product_attention(q_, k_, v_, attn_mask=bias)[0].transpose(0, 1)
+    return out
+
+
+def alibi_slopes(heads: int) -> torch.Tensor:
+    """ALiBi's head slopes: for a power of two n, 2 ** (-8 (i + 1) / n); otherwise the nearest
+    lower power's, then every other slope of twice that many heads (the ALiBi paper's, as
+    JinaBERT computes them)."""
+
+    def powers(n: int) -> list[float]:
+        start = 2 ** (-(2 ** -(math.log2(n) - 3)))
+        return [start ** (i + 1) for i in range(n)]
+
+    if math.log2(heads).is_integer():
+        return torch.tensor(powers(heads))
+    low = 2 ** math.floor(math.log2(heads))
+    return torch.tensor(powers(low) + powers(2 * low)[0::2][: heads - low])
 
 
 class Intermediate(nn.Module):

@@ -45,10 +45,11 @@ ENCODERS: dict[str, tuple[str, str]] = {
     "GteModel": ("gte", ""),
     "NewForSequenceClassification": ("gte", "bert"),
     "GteNewForSequenceClassification": ("gte", "bert"),
+    # JinaBERT (jina-embeddings-v2-small/base-en and the like; gpu/models/jina.py)
+    "JinaBertForMaskedLM": ("jina", ""),
+    "JinaBertModel": ("jina", ""),
 }
-# model types whose config class transformers does not ship (their hubs' remote code): read by
-# weir from config.json itself (remote_config)
-REMOTE_TYPES = ("new", "gte")
+
 PER_TOKEN_HEADS = ("token", "modernbert_token")
 # hidden_act -> the activation's name in gpu/backend.py PLAIN_ACTIVATIONS
 ACTS = {
@@ -139,12 +140,16 @@ class EncoderSpec:
             return cls(**common, **_modernbert(config, arch))
         if family == "nomic":
             return cls(**common, **_nomic(config, arch))
+        from gpu.models.remote_encoder_spec import gte_fields, jina_fields
+
         if family == "gte":
-            return cls(**common, **_gte(config, arch))
+            return cls(**common, **gte_fields(config, arch))
+        if family == "jina":
+            return cls(**common, **jina_fields(config, arch))
         return cls(**common, **_bert(config, arch, family))
 
 
-def _act(arch: str, name: str, what: str = "hidden_act") -> str:
+def act_name(arch: str, name: str, what: str = "hidden_act") -> str:
     if name not in ACTS:
         raise CheckpointError(f"{arch} with {what} {name!r} is not served ({', '.join(ACTS)})")
     return ACTS[name]
@@ -170,7 +175,7 @@ def _bert(config: Any, arch: str, family: str) -> dict[str, Any]:
         raise CheckpointError(f"{arch}: {rows} positions with padding id {pad}")
     return dict(
         layer_norm_eps=float(getattr(config, "layer_norm_eps", 1e-12)),
-        hidden_act=_act(arch, str(getattr(config, "hidden_act", "gelu"))),
+        hidden_act=act_name(arch, str(getattr(config, "hidden_act", "gelu"))),
         max_position_embeddings=served,
         position_rows=rows,
         pad_token_id=pad,
@@ -207,7 +212,7 @@ def _modernbert(config: Any, arch: str) -> dict[str, Any]:
         raise CheckpointError(f"{arch} with classifier_pooling {pooling!r} is not served")
     return dict(
         layer_norm_eps=float(getattr(config, "norm_eps", 1e-5)),
-        hidden_act=_act(
+        hidden_act=act_name(
             arch, str(getattr(config, "hidden_activation", "gelu")), "hidden_activation"
         ),
         max_position_embeddings=int(config.max_position_embeddings),
@@ -223,7 +228,7 @@ def _modernbert(config: Any, arch: str) -> dict[str, Any]:
         window=int(getattr(config, "local_attention", 128)) // 2,
         classifier_pooling=pooling,
         classifier_bias=bool(getattr(config, "classifier_bias", False)),
-        classifier_act=_act(
+        classifier_act=act_name(
             arch, str(getattr(config, "classifier_activation", "gelu")), "classifier_activation"
         ),
     )
@@ -291,7 +296,7 @@ def _nomic(config: Any, arch: str) -> dict[str, Any]:
         raise CheckpointError(f"{arch} with rope {rope.get('rope_type')!r} is not served")
     return dict(
         layer_norm_eps=float(getattr(config, "layer_norm_eps", 1e-12)),
-        hidden_act=_act(arch, str(getattr(config, "hidden_act", "silu"))),
+        hidden_act=act_name(arch, str(getattr(config, "hidden_act", "silu"))),
         max_position_embeddings=int(config.max_position_embeddings),
         position_rows=0,
         pad_token_id=int(getattr(config, "pad_token_id", 0) or 0),
@@ -299,53 +304,4 @@ def _nomic(config: Any, arch: str) -> dict[str, Any]:
         attention_bias=False,
         mlp_bias=False,
         rope_theta=float(rope.get("rope_theta", getattr(config, "rope_theta", 1000.0))),
-    )
-
-
-def remote_config(raw: dict[str, Any]) -> Any:
-    """A config.json of REMOTE_TYPES as a transformers config (its rotation kept as written, in
-    `rope_parameters`, where transformers would check it against its own kinds)."""
-    from transformers import PretrainedConfig
-
-    raw = dict(raw)
-    rope = {"rope_theta": float(raw.pop("rope_theta", 10000.0) or 10000.0)}
-    scaling = raw.pop("rope_scaling", None) or {}
-    if scaling:
-        rope.update(scaling, rope_type=scaling.get("rope_type") or scaling.get("type"))
-    raw.pop("rope_parameters", None)
-    config = PretrainedConfig.from_dict(raw)
-    config.rope_parameters = {"rope_type": "default", **rope}
-    return config
-
-
-def _gte(config: Any, arch: str) -> dict[str, Any]:
-    """GTE's fields: NomicBERT's layer (norms after the blocks, a rotation, no position table)
-    with biases on Q/K/V, the output and the down product, none on the gate and up products, a
-    GELU gate; token types where it has them; the rotation at rope_theta, NTK-scaled where
-    rope_scaling says so. What weir does not compute is refused by name."""
-    raw = config.to_dict() if hasattr(config, "to_dict") else dict(vars(config))
-    for key, want in (("position_embedding_type", "rope"), ("layer_norm_type", "layer_norm")):
-        if raw.get(key, want) != want:
-            raise CheckpointError(f"{arch} with {key} {raw[key]!r} is not served")
-    positions = int(raw.get("max_position_embeddings", 8192))
-    if raw.get("logn_attention_scale") and positions > 8192:  # (it scales past 8,192 only)
-        raise CheckpointError(f"{arch} with logn_attention_scale past 8,192 positions")
-    rope = dict(raw.get("rope_parameters") or {})
-    kind = rope.get("rope_type") or "default"
-    if kind not in ("default", "ntk"):
-        raise CheckpointError(f"{arch} with rope_scaling {kind!r} is not served (ntk is)")
-    mixed = rope.get("mixed_b")
-    return dict(
-        layer_norm_eps=float(raw.get("layer_norm_eps", 1e-12)),
-        hidden_act=_act(arch, str(raw.get("hidden_act", "gelu"))),
-        max_position_embeddings=positions,
-        position_rows=0,
-        pad_token_id=int(raw.get("pad_token_id") or 0),
-        type_vocab_size=int(raw.get("type_vocab_size", 0) or 0),
-        attention_bias=True,
-        mlp_bias=True,
-        gated_bias=False,
-        rope_theta=float(rope.get("rope_theta", 10000.0)),
-        rope_ntk=float(rope.get("factor", 1.0)) if kind == "ntk" else 0.0,
-        rope_mixed_b=float(mixed) if mixed is not None else None,
     )
