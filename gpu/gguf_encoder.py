@@ -162,17 +162,8 @@ def nomic(f: Any) -> Any:
         raise CheckpointError(f"{f.path.name}: a nomic-bert file with a SentencePiece vocabulary")
     return NomicBertConfig(
         architectures=["NomicBertModel"],
-        vocab_size=int(f.tensors["token_embd.weight"].shape[1]),
-        hidden_size=int(f.get(f"{a}.embedding_length")),
-        num_hidden_layers=int(f.get(f"{a}.block_count")),
-        num_attention_heads=int(f.get(f"{a}.attention.head_count")),
-        intermediate_size=int(f.get(f"{a}.feed_forward_length")),
-        max_position_embeddings=int(f.get(f"{a}.context_length")),
-        layer_norm_eps=float(f.get(f"{a}.attention.layer_norm_epsilon")),
-        type_vocab_size=int(f.get("tokenizer.ggml.token_type_count", 2)),
+        **_shapes(f),
         rope_parameters={"rope_type": "default", "rope_theta": float(f.get(f"{a}.rope.freq_base"))},
-        pad_token_id=int(f.get("tokenizer.ggml.padding_token_id", 0)),
-        dtype=f._dtype(),
     )
 
 
@@ -201,6 +192,18 @@ def jina(f: Any) -> Any:
         raise CheckpointError(f"{f.path.name}: a jina-bert-v2 file with {what} is not served")
     return BertConfig(
         architectures=["JinaBertModel"],
+        **_shapes(f),
+        position_embedding_type="alibi",
+        feed_forward_type="geglu",
+        hidden_act="gelu",
+    )
+
+
+def _shapes(f: Any) -> dict[str, Any]:
+    """What a NomicBERT or JinaBERT file says alike: its sizes, context, norm epsilon, token
+    types, padding id and dtype."""
+    a = f.arch
+    return dict(
         vocab_size=int(f.tensors["token_embd.weight"].shape[1]),
         hidden_size=int(f.get(f"{a}.embedding_length")),
         num_hidden_layers=int(f.get(f"{a}.block_count")),
@@ -209,9 +212,6 @@ def jina(f: Any) -> Any:
         max_position_embeddings=int(f.get(f"{a}.context_length")),
         layer_norm_eps=float(f.get(f"{a}.attention.layer_norm_epsilon")),
         type_vocab_size=int(f.get("tokenizer.ggml.token_type_count", 2)),
-        position_embedding_type="alibi",
-        feed_forward_type="geglu",
-        hidden_act="gelu",
         pad_token_id=int(f.get("tokenizer.ggml.padding_token_id", 0)),
         dtype=f._dtype(),
     )

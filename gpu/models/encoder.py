@@ -297,6 +297,16 @@ class Encoding(nn.Module):
         if meta.query_lens_cpu != meta.seq_lens_cpu:
             raise ValueError("an encoder's inputs are run whole, in one step each")
 
+    def segments(
+        self, meta: AttentionMetadata, type_starts: list[int | None] | None, device
+    ) -> torch.Tensor | None:
+        """Each token's segment (token type) over the step's inputs, or None where every token
+        is the first segment's (one text each, or a model of one segment)."""
+        if type_starts is None or self.spec.type_vocab_size <= 1:
+            return None
+        types = token_types(meta.query_lens_cpu, type_starts)
+        return None if types is None else torch.tensor(types, dtype=torch.int64, device=device)
+
 
 class EncoderModel(Encoding):
     """An encoder on `backend`; with a head (spec.head), a sequence classifier."""
@@ -335,11 +345,7 @@ class EncoderModel(Encoding):
         positions from 0: what the scheduler gives an encoder); `type_starts`: where each
         input's second segment starts (BERT's pairs; None: one text)."""
         self.check_whole(meta)
-        types = None
-        if type_starts is not None and self.spec.type_vocab_size > 1:
-            types = token_types(meta.query_lens_cpu, type_starts)
-            if types is not None:
-                types = torch.tensor(types, dtype=torch.int64, device=input_ids.device)
+        types = self.segments(meta, type_starts, input_ids.device)
         x = self.embeddings(input_ids, positions, meta, types)
         biases = self.encoder.biases(meta.query_lens_cpu)
         for layer in self.encoder.layer:

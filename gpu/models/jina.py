@@ -16,31 +16,22 @@ import torch
 from torch import nn
 
 from gpu.attention.backend import AttentionMetadata
-from gpu.models.encoder import Attention, Embeddings, Encoding, alibi_slopes, token_types
+from gpu.models.encoder import Attention, Embeddings, Encoding, alibi_slopes
 from gpu.models.encoder_spec import EncoderSpec
-from gpu.models.layers import Linear
+from gpu.models.nomic import MLP as GatedMLP
 
 
-class MLP(nn.Module):
+class MLP(GatedMLP):
+    """NomicBERT's gated MLP (biases as the spec says: the down product's only), its norm
+    inside (the checkpoint's `mlp.layernorm`)."""
+
     def __init__(self, spec: EncoderSpec, backend) -> None:
-        super().__init__()
-        h, m = spec.hidden_size, spec.intermediate_size
-        self.backend, self.act = backend, spec.hidden_act
-        self.gate_proj = Linear(backend, h, m, False)
-        self.up_proj = Linear(backend, h, m, False)
-        self.down_proj = Linear(backend, m, h, True)
-        self.layernorm = nn.LayerNorm(h, spec.layer_norm_eps)
-        self.gated = self.down = None
-
-    def prepare(self) -> None:
-        self.gated, self.down = self.backend.prepare_mlp(
-            self.gate_proj.take(), self.up_proj.take(), self.down_proj.take(), self.act
-        )
-        del self.gate_proj, self.up_proj, self.down_proj
+        super().__init__(spec, backend)
+        self.layernorm = nn.LayerNorm(spec.hidden_size, spec.layer_norm_eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """LayerNorm(x + mlp(x))."""
-        return self.layernorm(self.backend.linear(self.backend.gated(x, self.gated), self.down, x))
+        return self.layernorm(super().forward(x))
 
 
 class Layer(nn.Module):
@@ -88,11 +79,7 @@ class JinaBertModel(Encoding):
         """The final hidden states [tokens, hidden] of the step's inputs, each whole;
         `type_starts`: where each input's second segment starts (None: one text)."""
         self.check_whole(meta)
-        types = None
-        if type_starts is not None and self.spec.type_vocab_size > 1:
-            types = token_types(meta.query_lens_cpu, type_starts)
-            if types is not None:
-                types = torch.tensor(types, dtype=torch.int64, device=input_ids.device)
+        types = self.segments(meta, type_starts, input_ids.device)
         x = self.embeddings(input_ids, positions, meta, types)
         for layer in self.encoder.layer:
             x = layer(x, meta, self.slopes)

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from gpu.attention.backend import AttentionMetadata
-from gpu.models.encoder import Encoding, Pooler, bidirectional, token_types
+from gpu.models.encoder import Encoding, Pooler, bidirectional
 from gpu.models.encoder_spec import EncoderSpec
 from gpu.models.layers import Embedding, Linear
 from gpu.models.modernbert import rotated
@@ -149,15 +149,13 @@ class NomicBertModel(Encoding):
         self.check_whole(meta)
         e = self.embeddings
         x = e.word_embeddings(input_ids).to(e.LayerNorm.weight.dtype)
-        types = None
-        if type_starts and self.spec.type_vocab_size > 1:
-            types = token_types(meta.query_lens_cpu, type_starts)
+        types = self.segments(meta, type_starts, input_ids.device)
         if e.token_type_embeddings is None:  # (GTE's with none)
             pass
         elif types is None:
             x = x + e.token_type_embeddings.weight[0]
         else:
-            x = x + e.token_type_embeddings(torch.tensor(types, device=input_ids.device))
+            x = x + e.token_type_embeddings(types)
         x = e.LayerNorm(x)
         angles = positions.float()[:, None] * self.freq[None, :]
         angles = torch.cat([angles, angles], dim=-1)
