@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from core.config import CheckpointError
+from gpu.models.remote_encoder_spec import gte_fields, jina_fields
 
 # Architecture -> (family, head). The family says which layer it is and how positions count
 # (RoBERTa's start past its padding id; ModernBERT's rotate); the head is what a classifier puts
@@ -140,8 +141,6 @@ class EncoderSpec:
             return cls(**common, **_modernbert(config, arch))
         if family == "nomic":
             return cls(**common, **_nomic(config, arch))
-        from gpu.models.remote_encoder_spec import gte_fields, jina_fields
-
         if family == "gte":
             return cls(**common, **gte_fields(config, arch))
         if family == "jina":

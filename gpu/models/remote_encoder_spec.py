@@ -10,10 +10,11 @@ from __future__ import annotations
 from typing import Any
 
 from core.config import CheckpointError
-from gpu.models.encoder_spec import act_name
 
-# JinaBERT's feed_forward_type -> its gate's activation (gpu/backend.py ACTIVATIONS' names)
+# JinaBERT's feed_forward_type and GTE's hidden_act -> their gate's activation (gpu/backend.py
+# ACTIVATIONS' names)
 JINA_GATES = {"geglu": "gelu"}
+GTE_GATES = {"gelu": "gelu"}
 
 # model types whose config class transformers does not ship: read by weir from config.json
 REMOTE_TYPES = ("new", "gte")
@@ -44,6 +45,9 @@ def gte_fields(config: Any, arch: str) -> dict[str, Any]:
     for key, want in (("position_embedding_type", "rope"), ("layer_norm_type", "layer_norm")):
         if raw.get(key, want) != want:
             raise CheckpointError(f"{arch} with {key} {raw[key]!r} is not served")
+    act = str(raw.get("hidden_act", "gelu"))
+    if act not in GTE_GATES:
+        raise CheckpointError(f"{arch} with hidden_act {act!r} is not served (gelu)")
     positions = int(raw.get("max_position_embeddings", 8192))
     if raw.get("logn_attention_scale") and positions > 8192:  # (it scales past 8,192 only)
         raise CheckpointError(f"{arch} with logn_attention_scale past 8,192 positions")
@@ -54,7 +58,7 @@ def gte_fields(config: Any, arch: str) -> dict[str, Any]:
     mixed = rope.get("mixed_b")
     return dict(
         layer_norm_eps=float(raw.get("layer_norm_eps", 1e-12)),
-        hidden_act=act_name(arch, str(raw.get("hidden_act", "gelu"))),
+        hidden_act=GTE_GATES[act],
         max_position_embeddings=positions,
         position_rows=0,
         pad_token_id=int(raw.get("pad_token_id") or 0),
