@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import torch
 
 from core.config import CheckpointError, EngineConfig
@@ -32,6 +33,7 @@ from gpu.assemble import (
 )
 from gpu.gguf_file import GgufCheckpoint, is_gguf
 from gpu.loader import eos_token_ids, int4_scheme, load_config, resolve_dtype
+from gpu.st_dense import load_projector, projected_size
 from gpu.models.encoder_spec import PER_TOKEN_HEADS, EncoderSpec, encoder_architecture
 
 log = logging.getLogger("weir.launch")
@@ -112,6 +114,7 @@ def load(config: EngineConfig) -> Loaded:
             positions = min(positions, draft.spec.max_position_embeddings)
         max_model_len = fit_model_len(config, positions, num_blocks)
         runner = build_runner(config, model, num_blocks, max_model_len, dtype, device, eos)
+        runner.projector = load_projector(path, device)
         if draft is not None:
             caches = kv_cache.allocate(
                 draft.local_spec, num_blocks, config.block_size, kv_t, device
@@ -126,6 +129,8 @@ def load(config: EngineConfig) -> Loaded:
                     speculative_config(config, device).num_speculative_tokens,
                 )
         where = f"{device}, {torch.get_num_threads()} threads" if device.type == "cpu" else device
+    size = projected_size(path, pooling.hidden_size)  # (the vectors' size: Dense modules')
+    pooling = msgspec.structs.replace(pooling, hidden_size=size)
     core = EngineCore(
         runner,
         tokenizer.backend_tokenizer,

@@ -23,12 +23,15 @@ def pool(
     scheduled: list[RunnerRequest],
     hidden: torch.Tensor,
     classify: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    project: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> dict[str, bytes]:
     """The vectors of the pooling requests whose prompt this step finished (`classify`: a
     classifier's raw logits from the rows of an input's last chunk: a decoder's from its last
     row, an encoder's from its first, the whole input being one chunk). Partial state (a
     running sum, the CLS row) is kept with the runner's request between chunks; a recompute
-    after a preemption starts again from position 0 and starts the state again too."""
+    after a preemption starts again from position 0 and starts the state again too.
+    `project`: sentence-transformers' Dense modules, put over an embedding (every row of a
+    token_embed) before Matryoshka truncation and normalization."""
     pooled: dict[str, bytes] = {}
     row = 0
     for s, r in zip(out.scheduled, scheduled):
@@ -55,6 +58,8 @@ def pool(
                     vector = r.pool_state / r.num_tokens
                 else:
                     vector = r.pool_state
+                if project is not None and p.kind not in (CLASSIFY, TOKEN_CLASSIFY):
+                    vector = project(vector)
                 if p.dimensions is not None:
                     vector = vector[..., : p.dimensions]
                 if p.normalize:

@@ -48,8 +48,8 @@ class ModelRunner:
         self.vocab_size = model.spec.vocab_size
         self.num_labels = model.spec.num_labels  # a sequence classifier's (0: a causal LM)
         self.pooling_only = model.pooling_only  # an encoder: it embeds and classifies alone
-        # a token classifier (an encoder's *ForTokenClassification): logits for every token
-        self.per_token = getattr(model.spec, "head", "") in PER_TOKEN_HEADS
+        self.per_token = getattr(model.spec, "head", "") in PER_TOKEN_HEADS  # token classifier
+        self.projector = None  # sentence-transformers' Dense modules (gpu/st_dense.py)
         self.sampler = Sampler(seed, device, model.backend, logprobs_mode)
         self.eos_token_ids: set[int] = set()  # banned before a request's min_tokens
         self.last_logits: torch.Tensor | None = None  # kept for tests that compare logits
@@ -325,7 +325,7 @@ class ModelRunner:
         pooled = {}
         if self.samples and any(r.pooling is not None for r in scheduled):
             classify = self.model.classify if self.model.classifies else None
-            pooled = pool(out, scheduled, hidden, classify)
+            pooled = pool(out, scheduled, hidden, classify, self.projector)
         if logits_rows.numel() == 0:
             return LaunchedStep([], None, prompt_lp, pooled)
         self.last_logits = logits

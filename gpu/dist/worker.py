@@ -38,6 +38,7 @@ from core.config import EngineConfig
 from core.request import StepResult
 from core.runner_step import SchedulerOutput
 from gpu.dist import parallel
+from gpu.st_dense import load_projector
 from gpu.assemble import (
     build_runner,
     fit_model_len,
@@ -153,6 +154,8 @@ def run_rank(commands: Connection, replies: Connection) -> None:
         eos = set(init.eos_token_ids)
         runner = build_runner(config, model, num_blocks, max_model_len, dtype, device, eos)
         runner.samples = rank == 0
+        if rank == 0:  # (the rank that pools)
+            runner.projector = load_projector(path, device)
         replies.send_bytes(encode(WorkerReady(num_blocks, max_model_len, str(device))))
         from_relay = relay is not None and rank in remote
 
