@@ -54,16 +54,24 @@ def _json(path: Path) -> Any:
 
 
 def sentence_transformers_pooling(model_path: Path) -> str | None:
-    """The pooling kind named by modules.json and its Pooling module's config.json."""
+    """The pooling kind named by modules.json and its Pooling module's config.json. A mode
+    weir does not pool by (max, mean over the square root of the length, weighted mean) or
+    several at once (sentence-transformers then concatenates them) raises ValueError naming
+    them: never pooled some other way without a word."""
     modules = _json(model_path / "modules.json")
     if not isinstance(modules, list):
         return None
     for module in modules:
         if isinstance(module, dict) and str(module.get("type", "")).endswith("Pooling"):
             config = _json(model_path / module.get("path", "1_Pooling") / "config.json") or {}
-            for key, kind in _ST_MODES:
-                if config.get(key):
-                    return kind
+            asked = sorted(k for k, v in config.items() if k.startswith("pooling_mode_") and v)
+            served = [kind for key, kind in _ST_MODES if key in asked]
+            if len(asked) > 1 or (asked and not served):
+                raise ValueError(
+                    f"the sentence-transformers Pooling module asks for {', '.join(asked)}; "
+                    "weir pools by one of last token, mean or CLS: give --pooling to choose"
+                )
+            return served[0] if served else None
     return None
 
 

@@ -179,9 +179,15 @@ async def load_engine(app: QuartTrio, st: ServerState) -> None:
     }
     st.vocab_size = loaded.vocab_size
     if "embed" in st.tasks:
-        st.embedding = embedding_config.resolve(
-            Path(loaded.model_path), st.options.pooling, st.options.normalize, loaded.pooling
-        )
+        try:
+            st.embedding = embedding_config.resolve(
+                Path(loaded.model_path), st.options.pooling, st.options.normalize, loaded.pooling
+            )
+        except ValueError as e:  # (its pooling files ask for what weir does not do)
+            log.error("could not load the model: %s", e)
+            app.weir_bad_input = True
+            _fail(app, st, f"loading failed: {e}")
+            return
         log.info(
             "embeddings: %s pooling%s", st.embedding.kind, ", normalized" * st.embedding.normalize
         )

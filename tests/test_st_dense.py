@@ -100,3 +100,28 @@ def test_dense_modules_over_http_and_an_unknown_activation_refused(tmp_path):
     with_dense(other, [(64, 16, "Softplus")])
     with pytest.raises(CheckpointError, match="Softplus"):
         LLM(str(other))
+
+
+def test_a_pooling_mode_weir_lacks_is_refused_unless_one_is_chosen(tmp_path):
+    """sentence-transformers' max pooling (or two modes at once): no silent fallback to CLS;
+    `--pooling` (offline: PoolingParams' kind) chooses one."""
+    path = build_encoder(tmp_path, "bert", pooling="mean")
+    pooling = path / "1_Pooling" / "config.json"
+    config = json.loads(pooling.read_text())
+    pooling.write_text(json.dumps({**config, "pooling_mode_mean_tokens": False,
+                                   "pooling_mode_max_tokens": True}))  # fmt: skip
+    llm = LLM(str(path), max_model_len=128)
+    with pytest.raises(ValueError, match="pooling_mode_max_tokens"):
+        llm.embed(TEXTS[0], use_tqdm=False)
+    assert len(llm.embed(TEXTS[0], PoolingParams("mean"), use_tqdm=False)[0].outputs.embedding)
+    s = LiveServer(EngineConfig(model=str(path)))
+    with pytest.raises(Exception):  # noqa: B017 - the start fails, naming the mode
+        s.start()
+    assert "pooling_mode_max_tokens" in (s.state.reason or "")
+    assert s.wait_exit() == 2  # (bad input, as any model it cannot serve)
+    s = LiveServer(EngineConfig(model=str(path)), pooling="mean").start()
+    try:
+        r = httpx.post(s.url + "/v1/embeddings", json={"input": "x"}, timeout=60)
+        assert r.status_code == 200, r.text
+    finally:
+        s.stop()
