@@ -48,10 +48,15 @@ class ModelPooling(msgspec.Struct, frozen=True, gc=False):
     classify_activation: str = "default"
     score_activation: str = "default"
     per_token: bool = False  # the classifier labels each token (a *ForTokenClassification)
+    # BGE-M3's (BgeM3EmbeddingModel): its BOS and EOS ids, whose rows its token tasks leave
+    # out as vLLM's do (token_classify, its sparse weights: both, one float a token;
+    # token_embed, its ColBERT vectors: the BOS row only)
+    m3_specials: tuple[int, int] | None = None
 
 
 # "default": the softmax over the labels, a lone label's sigmoid; torch.nn's classes by name
 ACTIVATIONS = {"Identity": "identity", "Sigmoid": "sigmoid", "Softmax": "softmax", "Tanh": "tanh"}
+# (and "relu": BGE-M3's sparse weights)
 
 
 def model_activations(config: dict) -> tuple[str, str]:
@@ -86,6 +91,8 @@ def activated(logits: list[float], on: bool, fn: str = "default") -> list[float]
         return logits
     if fn == "tanh":
         return [math.tanh(x) for x in logits]
+    if fn == "relu":
+        return [max(x, 0.0) for x in logits]
     if fn == "sigmoid" or (fn == "default" and len(logits) == 1):
         return [_sigmoid(x) for x in logits]
     top = max(logits)
@@ -97,3 +104,22 @@ def activated(logits: list[float], on: bool, fn: str = "default") -> list[float]
 def _sigmoid(x: float) -> float:
     """Computed without overflow either way."""
     return 1 / (1 + math.exp(-x)) if x >= 0 else math.exp(x) / (1 + math.exp(x))
+
+
+def token_rows(values: list[float], ids: list[int], task: str, facts: ModelPooling | None):
+    """A token task's answer for the prompt `ids` from its values (the rows one after another,
+    one a token): a list of rows; BGE-M3's with its BOS (and, token_classify, EOS) rows left
+    out, its sparse weights one float a token, as vLLM gives them."""
+    width = len(values) // max(len(ids), 1)
+    rows = [values[i * width : (i + 1) * width] for i in range(len(ids))]
+    specials = facts.m3_specials if facts is not None else None
+    if specials is None:
+        return rows
+    bos, eos = specials
+    if ids and ids[0] == bos:
+        rows, ids = rows[1:], ids[1:]
+    if task == TOKEN_CLASSIFY:
+        if ids and ids[-1] == eos:
+            rows = rows[:-1]
+        return [r[0] for r in rows]
+    return rows

@@ -25,7 +25,9 @@ def _outside(ids: Iterable[int], vocab: int) -> str | None:
 
 def check_classifier(req: EngineRequest, num_labels: int, per_token: bool) -> None:
     """A classifier takes its own kind of request only (a sequence classifier's CLASSIFY, a
-    token classifier's TOKEN_CLASSIFY), and no other model takes either."""
+    token classifier's TOKEN_CLASSIFY), and no other model takes either, but an embedding model
+    with a head for every token (`per_token` without labels: BGE-M3's sparse weights) takes
+    TOKEN_CLASSIFY beside its embeddings."""
     kind = req.pooling.kind if req.pooling is not None else None
     if num_labels and per_token and kind != TOKEN_CLASSIFY:
         raise InvalidParam(
@@ -35,7 +37,7 @@ def check_classifier(req: EngineRequest, num_labels: int, per_token: bool) -> No
         raise InvalidParam(
             "model", "this model is a sequence classifier: it classifies and scores, nothing else"
         )
-    if not num_labels and kind in (CLASSIFY, TOKEN_CLASSIFY):
+    if not num_labels and (kind == CLASSIFY or (kind == TOKEN_CLASSIFY and not per_token)):
         what = "token" if kind == TOKEN_CLASSIFY else "sequence"
         raise InvalidParam("model", f"this model is not a {what} classifier: it does not classify")
 

@@ -122,6 +122,9 @@ def load_encoder(
             if name in targets.params and isinstance(value, BlockTensor):
                 value = value.dequantize()  # a 16-bit table, held by a torch module
             targets.place(name, value)
+    if spec.head == "bge_m3":
+        for name, value in _m3_heads(path):
+            targets.place(name, value)
     targets.check_complete()
     model.prepare()
     return model.eval()
@@ -188,3 +191,17 @@ def _halves(name: str, value: Any) -> Iterator[tuple[str, Any]]:
         else:
             rows = value[i * n : (i + 1) * n]
         yield name.replace("gated_layers", part), rows
+
+
+def _m3_heads(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """BGE-M3's sparse and ColBERT heads, the folder's sparse_linear.pt and colbert_linear.pt
+    (state dicts, read as weights only)."""
+    for head in ("sparse_linear", "colbert_linear"):
+        file = Path(path) / f"{head}.pt"
+        if not file.exists():
+            raise CheckpointError(f"BgeM3EmbeddingModel: {file.name} is not in {path}")
+        state = torch.load(file, map_location="cpu", weights_only=True)
+        for kind in ("weight", "bias"):
+            if kind not in state:
+                raise CheckpointError(f"{file.name} has no {kind}")
+            yield f"{head}.{kind}", state[kind]

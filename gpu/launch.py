@@ -33,7 +33,7 @@ from gpu.assemble import (
 )
 from gpu.gguf_file import GgufCheckpoint, is_gguf
 from gpu.loader import eos_token_ids, int4_scheme, load_config, resolve_dtype
-from gpu.st_dense import load_projector, projected_size
+from gpu.st_dense import projected_size, projection
 from gpu.models.encoder_spec import PER_TOKEN_HEADS, EncoderSpec, encoder_architecture
 
 log = logging.getLogger("weir.launch")
@@ -114,7 +114,7 @@ def load(config: EngineConfig) -> Loaded:
             positions = min(positions, draft.spec.max_position_embeddings)
         max_model_len = fit_model_len(config, positions, num_blocks)
         runner = build_runner(config, model, num_blocks, max_model_len, dtype, device, eos)
-        runner.projector = load_projector(path, device)
+        runner.projector = projection(path, model, device)
         if draft is not None:
             caches = kv_cache.allocate(
                 draft.local_spec, num_blocks, config.block_size, kv_t, device
@@ -212,6 +212,9 @@ def model_pooling(hf_config: Any) -> ModelPooling:
     spec = EncoderSpec.from_hf_config(hf_config) if encoder else None
     hidden = spec.hidden_size if spec is not None else hf_config.hidden_size
     per_token = spec is not None and spec.head in PER_TOKEN_HEADS
+    if spec is not None and spec.head == "bge_m3":  # (embeds; its sparse weights: ReLU'd)
+        specials = (int(hf_config.bos_token_id), int(hf_config.eos_token_id))
+        return ModelPooling(kind, int(hidden), encoder, "relu", m3_specials=specials)
     return ModelPooling(kind, int(hidden), encoder, *acts, per_token=per_token)
 
 

@@ -9,6 +9,7 @@ vector leaves as little-endian float32."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -23,15 +24,16 @@ def pool(
     scheduled: list[RunnerRequest],
     hidden: torch.Tensor,
     classify: Callable[[torch.Tensor], torch.Tensor] | None = None,
-    project: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    project: Any = None,
 ) -> dict[str, bytes]:
     """The vectors of the pooling requests whose prompt this step finished (`classify`: a
     classifier's raw logits from the rows of an input's last chunk: a decoder's from its last
     row, an encoder's from its first, the whole input being one chunk). Partial state (a
     running sum, the CLS row) is kept with the runner's request between chunks; a recompute
     after a preemption starts again from position 0 and starts the state again too.
-    `project`: sentence-transformers' Dense modules, put over an embedding (every row of a
-    token_embed) before Matryoshka truncation and normalization."""
+    `project`: gpu/st_dense.py's Projection (sentence-transformers' Dense modules; BGE-M3's
+    ColBERT head) put over an embedding or token_embed's rows before Matryoshka truncation
+    and normalization."""
     pooled: dict[str, bytes] = {}
     row = 0
     for s, r in zip(out.scheduled, scheduled):
@@ -58,8 +60,11 @@ def pool(
                     vector = r.pool_state / r.num_tokens
                 else:
                     vector = r.pool_state
+                head = None
                 if project is not None and p.kind not in (CLASSIFY, TOKEN_CLASSIFY):
-                    vector = project(vector)
+                    head = project.tokens if p.kind == TOKEN_EMBED else project.pooled
+                if head is not None:
+                    vector = head(vector)
                 if p.dimensions is not None:
                     vector = vector[..., : p.dimensions]
                 if p.normalize:

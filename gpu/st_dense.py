@@ -87,3 +87,21 @@ def _weights(folder: Path) -> dict[str, torch.Tensor]:
     if (folder / "pytorch_model.bin").exists():
         return torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
     raise CheckpointError(f"{folder}: a Dense module without its weights")
+
+
+class Projection:
+    """What the pooler (gpu/pooler.py) puts over an embedding: `pooled` over a pooled vector,
+    `tokens` over token_embed's rows (the Dense modules both; BGE-M3's ColBERT head the rows
+    only)."""
+
+    def __init__(self, pooled=None, tokens=None) -> None:
+        self.pooled, self.tokens = pooled, tokens
+
+
+def projection(model_path: Path, model: nn.Module, device: torch.device) -> Projection | None:
+    """The model's Projection, or None where it has none."""
+    dense = load_projector(model_path, device)
+    colbert = getattr(model, "colbert_linear", None)
+    if dense is None and colbert is None:
+        return None
+    return Projection(dense, colbert if colbert is not None else dense)

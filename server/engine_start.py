@@ -80,7 +80,7 @@ async def load_engine(app: QuartTrio, st: ServerState) -> None:
                 loaded.score_template,
                 loaded.pooling,
             )
-        facts = loaded.pooling
+        facts = st.pooling_facts = loaded.pooling
         st.encoder = facts is not None and facts.encoder
         if facts is not None:
             st.activations = (facts.classify_activation, facts.score_activation)
@@ -88,6 +88,8 @@ async def load_engine(app: QuartTrio, st: ServerState) -> None:
             if "generate" in st.tasks:
                 log.info("the model is an encoder: it serves embeddings, not generation")
             st.tasks = ("embed",)
+            if facts.m3_specials is not None:  # (BGE-M3: its sparse weights too)
+                st.tasks = ("embed", "token_classify")
         if loaded.labels is not None:  # a sequence classifier: classify and score, nothing else
             if "generate" in st.tasks and "embed" in st.tasks:  # --enable-embeddings
                 await engine.shutdown()

@@ -19,7 +19,7 @@ import msgspec
 from msgspec import Meta
 from quart import Blueprint, Response
 
-from core.pooling import CLASSIFY, TOKEN_CLASSIFY, TOKEN_EMBED, PoolingParams, activated
+from core.pooling import CLASSIFY, TOKEN_CLASSIFY, TOKEN_EMBED, PoolingParams, activated, token_rows
 from server.chat import render_text
 from server.classify import PoolingUsage
 from server.errors import APIError
@@ -67,7 +67,7 @@ class PoolingResponse(msgspec.Struct):
 async def pooling() -> Response:
     st = state()
     req = await decode(PoolingRequest)
-    task = req.task or next((t for t in ("classify", "token_classify") if t in st.tasks), "embed")
+    task = req.task or ("embed" if "embed" in st.tasks else st.tasks[0])
     model = admit(st, req.model, task)
     if req.dimensions is not None:
         raise APIError(400, "dimensions is not taken by /pooling: use /v1/embeddings", "dimensions")
@@ -91,25 +91,23 @@ async def pooling() -> Response:
     rid, vectors, tokens = await pooled(st, model, "pool", inputs, params, req.priority, field)
     data = []
     for i, v in enumerate(vectors):
-        rows = [array.array("f", v)]
+        values = array.array("f", v).tolist()
         if task.startswith("token_"):  # (the rows one after another: one a token)
-            rows = split_rows(rows[0], len(inputs[i]))
+            rows = token_rows(values, inputs[i], task, st.pooling_facts)
+        else:
+            rows = values
         if task.endswith("classify"):
             fn = st.activations[0]
-            rows = [array.array("f", activated(r.tolist(), on, fn)) for r in rows]
+            flat = rows and not isinstance(rows[0], list)  # (one float a token: BGE-M3's)
+            if task == "classify" or flat:
+                rows = activated(rows, on, fn)
+            else:
+                rows = [activated(r, on, fn) for r in rows]
         if req.encoding_format == "base64":
-            data.append(PoolingData(i, base64.b64encode(b"".join(map(bytes, rows))).decode()))
-        elif task.startswith("token_"):
-            data.append(PoolingData(i, [r.tolist() for r in rows]))
+            flat = [x for r in rows for x in r] if rows and isinstance(rows[0], list) else rows
+            data.append(PoolingData(i, base64.b64encode(array.array("f", flat).tobytes()).decode()))
         else:
-            data.append(PoolingData(i, rows[0].tolist()))
+            data.append(PoolingData(i, rows))
     return json_response(
         PoolingResponse(rid, int(time.time()), model, data, PoolingUsage(tokens, tokens))
     )
-
-
-def split_rows(values: array.array, n: int) -> list[array.array]:
-    """A token-level answer's `n` rows (one a token) from its values, stored one row after
-    another."""
-    width = len(values) // n
-    return [values[i * width : (i + 1) * width] for i in range(n)]

@@ -44,6 +44,7 @@ class ServerState:
     encoder: bool = False  # the model is an encoder (BERT): it never generates
     # a classifier's activations: /classify's and /score's (core/pooling.py ModelPooling)
     activations: tuple[str, str] = ("default", "default")
+    pooling_facts: Any = None  # core.pooling.ModelPooling: the model's own (token_rows reads it)
     labels: list[str] | None = None  # a sequence classifier's, by index
     score_template: str | None = None  # a reranker's prompt for its pairs (core/score_pairs.py)
     embedding: Any = None  # server.embedding_config.EmbeddingConfig, when "embed" is served

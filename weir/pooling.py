@@ -18,7 +18,14 @@ import msgspec
 from tqdm import tqdm
 
 from core.engine_messages import AddRequest
-from core.pooling import CLASSIFY, TOKEN_CLASSIFY, TOKEN_EMBED, ModelPooling, activated
+from core.pooling import (
+    CLASSIFY,
+    TOKEN_CLASSIFY,
+    TOKEN_EMBED,
+    ModelPooling,
+    activated,
+    token_rows,
+)
 from core.pooling import PoolingParams as EnginePoolingParams
 from core.request import EngineRequest
 from core.score_pairs import PairTooLong, pair_ids
@@ -126,11 +133,10 @@ class PoolingCalls:
         fn = self.pooling.classify_activation if self.pooling else "default"
         outputs = []
         for (rid, v, cached), ids in zip(self._pool(inputs, sent, use_tqdm, "Pooling"), inputs):
-            values = array.array("f", v).tolist()
-            width = len(values) // len(ids)
-            rows = [values[i * width : (i + 1) * width] for i in range(len(ids))]
+            rows = token_rows(array.array("f", v).tolist(), ids, task, self.pooling)
+            flat = rows and not isinstance(rows[0], list)  # (one float a token: BGE-M3's)
             if task == "token_classify":
-                rows = [activated(r, on, fn) for r in rows]
+                rows = activated(rows, on, fn) if flat else [activated(r, on, fn) for r in rows]
             outputs.append(PoolingRequestOutput(rid, PoolingOutput(rows), ids, cached))
         return outputs
 

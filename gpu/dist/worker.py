@@ -38,7 +38,7 @@ from core.config import EngineConfig
 from core.request import StepResult
 from core.runner_step import SchedulerOutput
 from gpu.dist import parallel
-from gpu.st_dense import load_projector
+from gpu.st_dense import projection
 from gpu.assemble import (
     build_runner,
     fit_model_len,
@@ -155,7 +155,7 @@ def run_rank(commands: Connection, replies: Connection) -> None:
         runner = build_runner(config, model, num_blocks, max_model_len, dtype, device, eos)
         runner.samples = rank == 0
         if rank == 0:  # (the rank that pools)
-            runner.projector = load_projector(path, device)
+            runner.projector = projection(path, model, device)
         replies.send_bytes(encode(WorkerReady(num_blocks, max_model_len, str(device))))
         from_relay = relay is not None and rank in remote
 

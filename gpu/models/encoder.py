@@ -324,15 +324,25 @@ class EncoderModel(Encoding):
             self.classifier = nn.Linear(spec.hidden_size, spec.num_labels)
         else:
             self.classifier = None
+        if spec.head == "bge_m3":  # its sparse weights' and ColBERT vectors' heads
+            self.sparse_linear = nn.Linear(spec.hidden_size, 1)
+            self.colbert_linear = nn.Linear(spec.hidden_size, spec.hidden_size)
 
     def prepare(self) -> None:
         """After loading: each product in the backend's form; the head in float32."""
         self.embeddings.word_embeddings.prepare()
         for layer in self.encoder.layer:
             layer.prepare()
-        for head in (self.pooler, self.classifier):
+        heads = [self.pooler, self.classifier]
+        if self.spec.head == "bge_m3":
+            heads += [self.sparse_linear, self.colbert_linear]
+        for head in heads:
             if head is not None:
                 head.float()
+
+    @property
+    def classifies(self) -> bool:
+        return self.classifier is not None or self.spec.head == "bge_m3"
 
     def encode(
         self,
@@ -358,6 +368,8 @@ class EncoderModel(Encoding):
         row's."""
         if self.spec.head == "token":
             return self.classifier(rows.float())
+        if self.spec.head == "bge_m3":  # (its sparse weights, before their ReLU)
+            return self.sparse_linear(rows.float())
         first = rows[0].float()
         if self.pooler is not None:
             return self.classifier(torch.tanh(self.pooler.dense(first)))

@@ -35,6 +35,9 @@ ENCODERS: dict[str, tuple[str, str]] = {
     "BertForTokenClassification": ("bert", "token"),
     "RobertaForTokenClassification": ("roberta", "token"),
     "XLMRobertaForTokenClassification": ("roberta", "token"),
+    # BGE-M3 (vLLM's name, through --hf-overrides '{"architectures": ["BgeM3EmbeddingModel"]}'):
+    # XLM-RoBERTa's dense CLS vector, and its sparse_linear.pt and colbert_linear.pt heads
+    "BgeM3EmbeddingModel": ("roberta", "bge_m3"),
     "MPNetForTokenClassification": ("mpnet", "token"),
     "NomicBertForTokenClassification": ("nomic", "token"),
     "ModernBertForTokenClassification": ("modernbert", "modernbert_token"),
@@ -51,7 +54,7 @@ ENCODERS: dict[str, tuple[str, str]] = {
     "JinaBertModel": ("jina", ""),
 }
 
-PER_TOKEN_HEADS = ("token", "modernbert_token")
+PER_TOKEN_HEADS = ("token", "modernbert_token", "bge_m3")
 # hidden_act -> the activation's name in gpu/backend.py PLAIN_ACTIVATIONS
 ACTS = {
     "gelu": "gelu",
@@ -119,8 +122,8 @@ class EncoderSpec:
         for flag in ("is_decoder", "add_cross_attention"):
             if getattr(config, flag, False):
                 raise CheckpointError(f"{arch} with {flag} is not served (weir serves encoders)")
-        labels = int(getattr(config, "num_labels", 0) or 0) if head else 0
-        if head and labels < 1:
+        labels = int(getattr(config, "num_labels", 0) or 0) if head not in ("", "bge_m3") else 0
+        if head not in ("", "bge_m3") and labels < 1:
             raise CheckpointError(f"{arch} with {labels} labels")
         heads = int(config.num_attention_heads)
         if config.hidden_size % heads:
