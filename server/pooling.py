@@ -67,7 +67,8 @@ class PoolingResponse(msgspec.Struct):
 async def pooling() -> Response:
     st = state()
     req = await decode(PoolingRequest)
-    task = req.task or ("embed" if "embed" in st.tasks else st.tasks[0])
+    own = [t for t in ("embed", "classify", "token_classify") if t in st.tasks]
+    task = req.task or (own[0] if own else "embed")  # (a generator: the 400 embed's check says)
     model = admit(st, req.model, task)
     if req.dimensions is not None:
         raise APIError(400, "dimensions is not taken by /pooling: use /v1/embeddings", "dimensions")

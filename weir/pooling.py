@@ -20,6 +20,7 @@ from tqdm import tqdm
 from core.engine_messages import AddRequest
 from core.pooling import (
     CLASSIFY,
+    KINDS,
     TOKEN_CLASSIFY,
     TOKEN_EMBED,
     ModelPooling,
@@ -219,16 +220,19 @@ class PoolingCalls:
     def _engine_params(self, params: EnginePoolingParams) -> EnginePoolingParams:
         """What the engine is sent: its own struct, without the offline fields, the kind the
         model's own where the params leave it unset (server/embedding_config.py)."""
-        config = embedding_config.resolve(self.model_path, params.kind, True, self.pooling)
+        named = params.kind if params.kind in KINDS else None  # (another: the engine refuses)
+        config = embedding_config.resolve(self.model_path, named, True, self.pooling)
         self._check_dimensions(params, config)
-        return EnginePoolingParams(config.kind, params.normalize, params.dimensions)
+        kind = params.kind or config.kind
+        return EnginePoolingParams(kind, params.normalize, params.dimensions)
 
     def _check_dimensions(self, params: EnginePoolingParams, config=None) -> None:
         """`dimensions` the model allows, as the server checks them (a 400 there; here an
         InvalidParam naming the field) instead of a silently shorter or unchanged vector."""
         if params.dimensions is None:
             return
-        kind = getattr(params, "kind", None) or "last"  # (the size, not the kind, is read)
+        kind = getattr(params, "kind", None)
+        kind = kind if kind in KINDS else "last"  # (the size, not the kind, is read)
         config = config or embedding_config.resolve(self.model_path, kind, True, self.pooling)
         why = config.check_dimensions(params.dimensions)
         if why:
