@@ -121,6 +121,8 @@ class HfConfigOf:
             return gpt_oss.gguf_config(self.get, common, head_dim)
         if a in ("olmo2", "olmoe"):
             return self._olmo(common, head_dim)
+        if a in ("granite", "smollm3"):
+            return self._llama_like(common, head_dim)
         if a == "gemma3":
             return self._gemma3(common, head_dim, Gemma3TextConfig)
         if a == "gemma2":
@@ -145,6 +147,25 @@ class HfConfigOf:
             return self._experts(common, head_dim, MixtralConfig, Qwen3MoeConfig)
         cls = LlamaConfig if a == "llama" else Qwen3Config
         return cls(**common, head_dim=head_dim)
+
+    def _llama_like(self, common: dict, head_dim: int) -> Any:
+        """Granite (its factors as llama.cpp reads them: an absent attention scale is
+        1/sqrt(head size), an absent embedding or residual one none; the logits' required) or
+        SmolLM3 (llama.cpp's every fourth layer unrotated, as its config's default)."""
+        from transformers import GraniteConfig, SmolLM3Config
+
+        a = self.arch
+        if head_dim * common["num_attention_heads"] != common["hidden_size"]:
+            raise CheckpointError(f"{self.path.name}: {a} with a head size of {head_dim}")
+        if a == "smollm3":
+            return SmolLM3Config(**common, no_rope_layer_interval=4)
+        return GraniteConfig(
+            **common,
+            attention_multiplier=float(self.get("granite.attention.scale", 0.0) or head_dim**-0.5),
+            embedding_multiplier=float(self.get("granite.embedding_scale", 0.0) or 1.0),
+            residual_multiplier=float(self.get("granite.residual_scale", 0.0) or 1.0),
+            logits_scaling=float(self.get("granite.logit_scale")),
+        )
 
     def _experts(self, common: dict, head_dim: int, mixtral: Any, qwen: Any) -> Any:
         """A mixture of experts as llama.cpp reads its file: a "llama" with experts is Mixtral

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from core.config import CheckpointError
-from gpu.gguf_names import ARCHES, expert_name, hf_name, llama_unpermute_index
+from gpu.gguf_names import ARCHES, PERMUTED, expert_name, hf_name, llama_unpermute_index
 from gpu.gguf_config import DECODERS, RANK_HEAD, HfConfigOf
 from gpu.quant.formats import BY_GGML_TYPE
 from gpu.quant.tensor import BlockTensor
@@ -134,13 +134,13 @@ class GgufCheckpoint:
                 if self.arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
                     values = values - 1.0  # the file holds 1 + w; the loader adds the 1 again
                 value: Any = torch.from_numpy(values).reshape(list(reversed(dims)))
-                if self.arch == "llama" and target.endswith(("q_proj.weight", "k_proj.weight")):
+                if self.arch in PERMUTED and target.endswith(("q_proj.weight", "k_proj.weight")):
                     h = heads if "q_proj" in target else kv_heads
                     value = value[torch.from_numpy(llama_unpermute_index(value.shape[0], h))]
             else:
                 k, n = dims[0], int(np.prod(dims[1:]))
                 value = BlockTensor(raw.view(np.uint8).reshape(n, -1), fmt, (n, k))
-                if self.arch == "llama" and target.endswith(("q_proj.weight", "k_proj.weight")):
+                if self.arch in PERMUTED and target.endswith(("q_proj.weight", "k_proj.weight")):
                     h = heads if "q_proj" in target else kv_heads
                     value = value.take_rows(llama_unpermute_index(n, h))
             stack_bias = ".mlp.experts." in target and target.endswith(".bias")  # gpt-oss's

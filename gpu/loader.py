@@ -346,7 +346,9 @@ def load_model(
         load_weights(model, path, int4_scheme(path, config), text_only)
     model.prepare()
     model.rope = Rope(config, spec.head_dim, device, factors, spec.rotary_dim)
-    if any(layer.local_rope for layer in model.model.layers):
+    if spec.nope_layers:  # SmolLM3's layers without rotation: every angle 0
+        model.rope_local = Rope.unturned(spec.head_dim, device)
+    elif any(layer.local_rope for layer in model.model.layers):
         model.rope_local = Rope(
             config, spec.head_dim, device, None, spec.rotary_dim, "sliding_attention"
         )

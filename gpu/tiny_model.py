@@ -141,7 +141,8 @@ def build_tiny_model(
     window of `sliding_window` (8 unless given), `num_experts` of `intermediate_size`, random
     biases and sinks. OLMo 2, OLMo 3 (every `global_every`-th layer global, the others a window of
     `sliding_window`, 8 unless given) and OLMoE ("olmo2", "olmo3", "olmoe": `num_experts` of
-    `intermediate_size`): random norm weights."""
+    `intermediate_size`): random norm weights. Granite ("granite"): Granite 3's factors;
+    SmolLM3 ("smollm3"): every fourth layer unrotated."""
     import torch
     from transformers import (
         AutoModelForCausalLM,
@@ -304,6 +305,22 @@ def build_tiny_model(
             num_experts_per_tok=experts_per_token,
             norm_topk_prob=norm_topk_prob,
         )
+    elif arch == "granite":  # Llama's layer with Granite 3's four factors, far from 1 (the
+        # embeddings' smaller than its 12: at this initialization they would drown the blocks)
+        from transformers import GraniteConfig
+
+        config = GraniteConfig(
+            **common,
+            tie_word_embeddings=tie_word_embeddings is not False,
+            embedding_multiplier=2.5,
+            attention_multiplier=0.0625,
+            residual_multiplier=0.45,
+            logits_scaling=8.0,
+        )
+    elif arch == "smollm3":  # every fourth layer without rotation (no_rope_layer_interval)
+        from transformers import SmolLM3Config
+
+        config = SmolLM3Config(**common, tie_word_embeddings=tie_word_embeddings is not False)
     else:
         raise ValueError(f"unknown tiny architecture {arch!r}")
     torch.manual_seed(seed)

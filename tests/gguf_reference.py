@@ -35,7 +35,7 @@ def dequantized(path, hf_dir, out):
     import numpy as np
     from safetensors.torch import save_file
 
-    from gpu.gguf_names import expert_name, hf_name, llama_unpermute_index
+    from gpu.gguf_names import PERMUTED, expert_name, hf_name, llama_unpermute_index
 
     reader = gguf.GGUFReader(path)
     arch = reader.fields["general.architecture"].contents()
@@ -46,7 +46,7 @@ def dequantized(path, hf_dir, out):
         w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
         w = torch.from_numpy(w.reshape([int(d) for d in reversed(t.shape)]))
         name = hf_name(t.name, arch)
-        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+        if arch in PERMUTED and name.endswith(("q_proj.weight", "k_proj.weight")):
             n = heads if "q_proj" in name else kv_heads
             w = w[torch.from_numpy(llama_unpermute_index(w.shape[0], n))]
         if w.dim() == 3:

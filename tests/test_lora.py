@@ -37,12 +37,15 @@ from tests.test_correctness import POOLS, PROMPTS
         ("llama", "tight", "auto"),
         ("qwen3", "tight", "auto"),
         ("qwen3", "roomy", "modules"),
+        # Granite's residual factor is taken on O's and down's inputs: their adapters' too
+        ("granite", "roomy", "auto"),
     ],
 )
 def test_mixed_batch_matches_peft(arch, pool, forward, lora_models):
     """Every adapter and the base in one batch: each request's greedy tokens are PEFT's for
     its adapter, and so are its tokens' log-probs and top alternatives (to float32's
-    rounding), through the compiled CPU stack and layer by layer."""
+    rounding), through the compiled CPU stack and layer by layer (Granite: its factors' effect
+    on the adapters, and on the log-probs: the logits divided)."""
     base, adapters = lora_models(arch)
     loaded = engine(base, cpu_forward=forward, **POOLS[pool])
     core = loaded.core

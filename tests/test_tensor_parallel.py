@@ -72,6 +72,8 @@ CASES = [
     # Phi-3: Q/K/V and gate/up one tensor each in the checkpoint, cut into parts, then each
     # part split as Llama's is; a window of 8
     ("phi3", 2, {"sliding_window": 8}, {}),
+    # Granite: each rank's partial O and down products of its inputs times the residual factor
+    ("granite", 2, {}, TIGHT),
 ]
 
 

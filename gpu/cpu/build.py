@@ -74,6 +74,7 @@ HEADERS = [
         "activation.h",
         "quant_layout.h",
         "stack_gpt_oss.h",
+        "stack_lora.h",
         "stack_kv_scales.h",
     )
 ]

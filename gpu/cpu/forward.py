@@ -73,6 +73,11 @@ HANDLED: dict[str, tuple | None] = {
     "score_difference": None,
     "qk_norm_whole": None,  # OLMo's Q/K norms over all heads: weights of that width
     "post_norms_only": None,  # OLMo 2's first norms absent: empty (set_gemma's too)
+    # Granite's: o and the MLP's gated rows scaled before their products (set_residual_scale;
+    # unfit refuses it beside a mixture of experts), the logits divided after the call
+    "residual_scale": None,
+    "logits_scaling": None,
+    "nope_layers": None,  # SmolLM3's: the second rotation's layers (set_gemma), all angles 0
 }
 
 
@@ -106,6 +111,8 @@ def unfit(model, backend) -> str | None:
         if spec.mlp_bias and not (isinstance(mlp, SparseMoE) and mlp.swiglu is not None):
             return "an MLP bias"
         if isinstance(mlp, SparseMoE):
+            if spec.residual_scale != 1.0:
+                return "a residual factor on a mixture of experts"
             if sp.experts_of(mlp) is None:
                 return "experts not all in block formats on weir's kernels"
             if mlp.has_shared and sp.shared_of(mlp) is None:
@@ -196,8 +203,11 @@ class FusedStack:
             model.model.norm.weight.detach(),
             head[1] if head is not None else none,
         )
-        if spec.sandwich_norms or spec.layer_windows or spec.embed_scale != 1.0:
+        layered = spec.sandwich_norms or spec.layer_windows or spec.nope_layers
+        if layered or spec.embed_scale != 1.0:
             self._stack.set_gemma(*sp.gemma_of(model))
+        if spec.residual_scale != 1.0:
+            self._stack.set_residual_scale(spec.residual_scale)
         if spec.shared_expert_size:  # Qwen2-MoE's shared experts: bound once, like weights
             shared = [
                 sp.shared_of(layer.mlp) if getattr(layer.mlp, "has_shared", False) else None

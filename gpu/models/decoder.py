@@ -1,7 +1,8 @@
 """One decoder-only transformer that covers Llama, Mistral, Phi-3, Qwen2, Qwen3, Gemma 2 and 3
 (their layer's norms in gemma.py), OLMo 2 and 3 (gemma.py's layer without its first norms, Q/K norms
-over all heads), gpt-oss (gpt_oss.py) and the mixtures of experts Mixtral, Qwen3-MoE, Qwen2-MoE
-and OLMoE (moe.py), built on a backend.
+over all heads), Granite (Llama's layer with its factors), SmolLM3 (some layers unrotated),
+gpt-oss (gpt_oss.py) and the mixtures of experts Mixtral, Qwen3-MoE, Qwen2-MoE and OLMoE
+(moe.py), built on a backend.
 
 Module and parameter names follow the Hugging Face checkpoints, so weights load by name without
 a mapping. The model is built with one backend (gpu/backend.py), which every layer computes
@@ -55,6 +56,7 @@ class Attention(nn.Module):
         self.kv_applied = None
         self.sliding_window = window
         self.softcap = spec.attn_softcap  # Gemma 2's cap on the scores (0: none)
+        self.residual_scale = spec.residual_scale  # Granite's, on O's input (1: none)
         self.qkv_sizes = [spec.num_heads * d, spec.num_kv_heads * d, spec.num_kv_heads * d]
         self.o_width = h
         self.qkv = None  # Q/K/V as one product, when the backend fuses them
@@ -102,6 +104,8 @@ class Attention(nn.Module):
         o = o.reshape(t, -1)
         if scaled is not None:
             o = o * scaled.out_scale
+        if self.residual_scale != 1.0:
+            o = o * self.residual_scale
         residual = _plus_lora(b, o, lora, "o", residual, self.o_width)
         return _output(b, o, self.o, residual, norm)
 
@@ -117,6 +121,7 @@ class MLP(nn.Module):
         self.up_proj = Linear(backend, h, m, spec.mlp_bias)
         self.down_proj = Linear(backend, m, h, spec.mlp_bias)
         self.hidden_act = spec.hidden_act
+        self.residual_scale = spec.residual_scale  # Granite's, on down's input (1: none)
         self.widths = (2 * m, h)  # gate/up's outputs, down's
         self.gate_up = None  # the backend's gated form of gate and up
         self.down = None
@@ -133,6 +138,8 @@ class MLP(nn.Module):
         b = self.backend
         add = _plus_lora(b, x, lora, "gate_up", None, self.widths[0])
         h = b.gated(x, self.gate_up) if add is None else b.gated(x, self.gate_up, add)
+        if self.residual_scale != 1.0:
+            h = h * self.residual_scale
         residual = _plus_lora(b, h, lora, "down", residual, self.widths[1])
         return _output(b, h, self.down, residual, norm)
 
@@ -184,7 +191,9 @@ class DecoderLayer(nn.Module):
         if self.sandwich:
             self.pre_feedforward_layernorm = first(spec.hidden_size, spec.rms_norm_eps, backend)
             self.post_feedforward_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, backend)
-        self.local_rope = bool(spec.layer_windows) and window > 0  # its sliding layers' rotation
+        # its sliding layers' rotation (Gemma 3's, OLMo 3's), or none: SmolLM3's NoPE layers
+        # turn by the angle 0 (rope_local all zeros: Q and K as they are)
+        self.local_rope = (bool(spec.layer_windows) and window > 0) or index in spec.nope_layers
         self.tp = tp
 
     def forward(self, x, h, cos, sin, kv, meta, next_norm: RMSNorm, lora=None):
@@ -341,7 +350,10 @@ class DecoderForCausalLM(nn.Module):
         return self.score.weight.float() @ rows[-1].float()
 
     def soft_capped(self, logits: torch.Tensor) -> torch.Tensor:
-        """Gemma 2's final soft cap, as transformers applies it (the logits as they are else)."""
+        """Granite's divisor and Gemma 2's final soft cap, as transformers applies them (the
+        logits as they are else)."""
+        if self.spec.logits_scaling != 1.0:
+            logits = logits / self.spec.logits_scaling
         cap = self.spec.final_softcap
         if not cap:
             return logits

@@ -92,6 +92,17 @@ class Rope:
         # The table's rows are bitwise what the same arithmetic gives per step (tested).
         self._tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
+    @classmethod
+    def unturned(cls, head_dim: int, device: torch.device) -> Rope:
+        """A rotation by the angle 0 at every position (cos 1, sin 0: x as it is, exactly): the
+        NoPE layers' (SmolLM3's), through the same path as a second rotation's layers."""
+        rope = cls.__new__(cls)
+        rope.head_dim = head_dim
+        rope.inv_freq = rope._padded(torch.zeros(head_dim // 2, device=device))
+        rope.scaling = 1.0
+        rope._tables = {}
+        return rope
+
     def fit_context(self, max_model_len: int) -> None:
         """LongRoPE's factors for the context served: the long ones when it passes the
         pretrained length (llama.cpp's choice, by context size), else the short ones. Those

@@ -35,6 +35,11 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     "Olmo2ForCausalLM": {"qk_norm": True, "olmo": True},
     # OLMo 3: OLMo 2's layer, three sliding layers to a global one, each kind its own rotation
     "Olmo3ForCausalLM": {"qk_norm": True, "olmo": True},
+    # Granite (3.x): Llama's layer with four factors of its config (_granite): the embeddings',
+    # the attention's scale, each block's output before its residual add, the logits' divisor
+    "GraniteForCausalLM": {"qk_norm": False, "granite": True},
+    # SmolLM3: Llama's layer, every fourth (no_rope_layers) attending without rotation
+    "SmolLM3ForCausalLM": {"qk_norm": False, "smollm3": True},
     # OLMoE: Llama's layer with OLMo's Q/K norms over a mixture of experts of intermediate_size
     "OlmoeForCausalLM": {"qk_norm": True, "olmo": True, "moe": True},
 }
@@ -118,6 +123,13 @@ class ModelSpec:
     # before its blocks (`sandwich_norms` with the first two left out)
     qk_norm_whole: bool = False
     post_norms_only: bool = False
+    # Granite's: each block's output times `residual_scale` before its residual add (taken on
+    # the O and down products' inputs: the same, as neither has a bias), and the logits divided
+    # by `logits_scaling`
+    residual_scale: float = 1.0
+    logits_scaling: float = 1.0
+    # SmolLM3's layers that attend without rotating Q and K (NoPE)
+    nope_layers: tuple[int, ...] = ()
 
     @classmethod
     def from_hf_config(cls, config: Any) -> ModelSpec:
@@ -190,6 +202,10 @@ class ModelSpec:
                 window = int(config.sliding_window or 0)
                 types = config.layer_types
                 fields.update(layer_windows=tuple(window * (t != "full_attention") for t in types))
+        if extra.get("granite"):
+            fields.update(_granite(config, arch))
+        if extra.get("smollm3"):
+            fields.update(_smollm3(config, arch))
         return cls(**fields)
 
     def is_moe_layer(self, index: int) -> bool:
@@ -273,3 +289,33 @@ def _gemma(config: Any, arch: str) -> dict[str, Any]:
         # its positions are the model's own (a linear scaling's factor is inside them)
         max_position_embeddings=int(config.max_position_embeddings),
     )
+
+
+def _granite(config: Any, arch: str) -> dict[str, Any]:
+    """Granite's four factors (its config's multipliers; 1 where absent). Its biases are
+    refused: the residual factor is taken on the products' inputs, which holds without them
+    (no released Granite has any)."""
+    if getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False):
+        raise CheckpointError(f"{arch} with attention_bias or mlp_bias is not served")
+    scaling = float(getattr(config, "logits_scaling", 1.0) or 1.0)
+    return dict(
+        embed_scale=float(getattr(config, "embedding_multiplier", 1.0)),
+        attn_scale=float(getattr(config, "attention_multiplier", 0.0) or 0.0),
+        residual_scale=float(getattr(config, "residual_multiplier", 1.0)),
+        logits_scaling=scaling,
+    )
+
+
+def _smollm3(config: Any, arch: str) -> dict[str, Any]:
+    """SmolLM3's NoPE layers: those whose no_rope_layers flag is 0 (every fourth unless the
+    config lists them). Its optional sliding layers are refused (released ones have none)."""
+    if getattr(config, "use_sliding_window", False):
+        raise CheckpointError(f"{arch} with use_sliding_window is not served")
+    n = config.num_hidden_layers
+    flags = getattr(config, "no_rope_layers", None)
+    if flags is None:
+        every = int(getattr(config, "no_rope_layer_interval", 4) or 4)
+        flags = [int((i + 1) % every != 0) for i in range(n)]
+    if len(flags) != n:
+        raise CheckpointError(f"{arch}: no_rope_layers has {len(flags)} flags for {n} layers")
+    return dict(nope_layers=tuple(i for i, f in enumerate(flags) if not f))

@@ -22,7 +22,7 @@ import gguf
 import numpy as np
 
 from gpu.gguf_names import ARCHES as GGUF_ARCHES
-from gpu.gguf_names import gguf_name, llama_permute
+from gpu.gguf_names import PERMUTED, gguf_name, llama_permute
 from gpu.gguf_tokenizer import split_of
 from gpu.models.moe import checkpoint_name
 from gpu.quant.formats import FORMATS
@@ -114,7 +114,7 @@ def write_gguf(
             w.add_tensor("cls.output.weight", np.ascontiguousarray(t[yes_no]))
             if not tie:
                 continue  # the converter writes the head's two rows, not the LM head
-        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+        if arch in PERMUTED and name.endswith(("q_proj.weight", "k_proj.weight")):
             t = llama_permute(t, heads if "q_proj" in name else kv_heads)
         if arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
             t = t + 1.0  # Gemma's norms multiply by 1 + w: llama.cpp's converter stores that
@@ -217,6 +217,11 @@ def metadata_writer(out: Path, config: dict, tokenizer_dir: Path) -> tuple[gguf.
         _window_keys(w, config, local)
     if arch == "gemma2":
         _gemma2_keys(w, config, head_dim)
+    if arch == "granite":  # its four factors, as llama.cpp's converter names them
+        w.add_attention_scale(float(config["attention_multiplier"]))
+        w.add_embedding_scale(float(config["embedding_multiplier"]))
+        w.add_residual_scale(float(config["residual_multiplier"]))
+        w.add_logit_scale(float(config["logits_scaling"]))
     if arch == "phi3":  # as llama.cpp's converter writes Phi-3 (its factors are tensors)
         w.add_sliding_window(config.get("sliding_window") or 0)
         original = rope.get("original_max_position_embeddings")

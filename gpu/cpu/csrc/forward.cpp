@@ -14,6 +14,8 @@
 //   v -> cache; o = attention(q, cache (+ sinks)); x += o Wo^T (+ b); h = rms_norm(x);
 //   g = act(h G^T) * (h U^T);
 //   x += g Wd^T
+// (Granite: o and g times its residual factor before their products, which is the factor on
+// the blocks' outputs, neither product having a bias)
 // (a mixture of experts in place of the last three: moe.cpp, with Qwen2-MoE's shared expert
 // computed here: shared_expert), then out = rms_norm(x) with the
 // final norm, and, when asked, the LM head's logits of chosen
@@ -54,6 +56,12 @@ struct Timer {
 
 // Rows of `width` floats into their cache slots (rounded as torch's .to() rounds for a 16-bit
 // or FP8 cache); slot -1 writes nothing.
+// x[0, n) times f (Granite's residual factor on a block's last product's input; 1: nothing)
+void scale_rows(float* x, int64_t n, float f) {
+    if (f != 1.f)
+        for (int64_t i = 0; i < n; ++i) x[i] *= f;
+}
+
 template <typename C>
 void scatter_as(void* cache, const float* rows, int64_t row_stride, const int64_t* slots,
                 int64_t tokens, int64_t width) {
@@ -266,6 +274,7 @@ int decoder_forward(const DecoderModel& model, const DecoderStep& step) {
         if (rc != 0) return rc;
         if (L.out_scale != 0.f)
             for (int64_t i = 0; i < T * qw; ++i) o[i] *= L.out_scale;
+        scale_rows(o, T * qw, m->residual_scale);  // Granite's factor, on O's input
         timer.lap(kAttention);
         if (L.post_attn_norm) {  // Gemma 3: the block's output normalized, then added
             sandwich(L.o, o, T, qw, H, L.post_attn_norm, m->eps, x, block_out, block_normed, nt,
@@ -275,6 +284,7 @@ int decoder_forward(const DecoderModel& model, const DecoderStep& step) {
                 rms_norm_rope(x, T, 1, H, H, L.pre_ffn_norm, m->eps, nullptr, nullptr, h, nt);
             const float* mlp_in = L.pre_ffn_norm ? h : x;
             product(L.gate_up, mlp_in, T, H, int(m->act), nullptr, nullptr, 0, g, I, nt, spare);
+            scale_rows(g, T * I, m->residual_scale);
             timer.lap(kGateUp);
             sandwich(L.down, g, T, I, H, L.post_ffn_norm, m->eps, x, block_out, block_normed,
                      nt, spare);
@@ -301,6 +311,7 @@ int decoder_forward(const DecoderModel& model, const DecoderStep& step) {
             lora_add(L.lora[kLoraGateUp], h, T, H, lora, dgu, 2 * I, nt, /*assign=*/true))
             gu_add = dgu;
         product(L.gate_up, h, T, H, int(m->act), nullptr, gu_add, 2 * I, g, I, nt, spare);
+        scale_rows(g, T * I, m->residual_scale);
         timer.lap(kGateUp);
         if (lora && L.lora[kLoraDown].a) lora_add(L.lora[kLoraDown], g, T, I, lora, x, H, nt);
         product(L.down, g, T, I, 0, nullptr, x, H, x, H, nt, spare);

@@ -8,11 +8,13 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <tuple>
 #include <vector>
 
 #include "checks.h"
 #include "stack_gpt_oss.h"
+#include "stack_lora.h"
 #include "stack_kv_scales.h"
 #include "weir.h"
 
@@ -144,6 +146,7 @@ struct DecoderStack : torch::CustomClassHolder {
         }
         model.final_norm = keep_(final_norm);
         model.embed_scale = 1.f;
+        model.residual_scale = 1.f;
         model.embed = stack_weight(dims[8], embed, vocab, H, false, "embed", true);
         keep.push_back(embed);
         if (dims[9] >= 0) {
@@ -273,35 +276,19 @@ struct DecoderStack : torch::CustomClassHolder {
         model.attn_softcap = float(attn_softcap);
     }
 
+    // Granite's factor on each block's output (taken on the O and down products' inputs)
+    void set_residual_scale(double scale) {
+        TORCH_CHECK_VALUE(std::isfinite(scale), "residual_scale must be finite");
+        model.residual_scale = float(scale);
+    }
+
     // The adapters' slots (gpu/lora.py), bound once: per layer, for each product group in
     // weir.h's LoraGroupId order, [a, b, ranks, cols] (an empty a: no adapter modifies it).
     std::vector<std::vector<Tensor>> lora_tensors;
     int64_t lora_slots = 0;
 
     void set_lora(std::vector<std::vector<Tensor>> per_layer) {
-        TORCH_CHECK_VALUE(per_layer.size() == layers.size(), "lora: one entry per layer");
-        const int64_t H = model.hidden, qw = model.heads * model.head_dim;
-        const int64_t qkvw = qw + 2 * model.kv_heads * model.head_dim, I = model.intermediate;
-        const int64_t ks[weir::kLoraGroups] = {H, qw, H, I}, ns[weir::kLoraGroups] = {qkvw, H, 2 * I, H};
-        int64_t slots = 0;
-        for (size_t li = 0; li < per_layer.size(); ++li) {
-            const auto& L = per_layer[li];
-            TORCH_CHECK_VALUE(L.size() == 4 * weir::kLoraGroups, "lora: 16 tensors a layer");
-            for (int gi = 0; gi < weir::kLoraGroups; ++gi) {
-                if (!L[4 * gi].numel()) {
-                    layers[li].lora[gi] = weir::LoraGroup{};
-                    continue;
-                }
-                const weir::LoraGroup g =
-                    check_lora_group(L[4 * gi], L[4 * gi + 1], L[4 * gi + 2], L[4 * gi + 3]);
-                TORCH_CHECK_VALUE(g.k == ks[gi] && g.n == ns[gi], "lora: group ", gi, " is [",
-                                  g.k, " -> ", g.n, "], the layer's product [", ks[gi], " -> ",
-                                  ns[gi], "]");
-                TORCH_CHECK_VALUE(slots == 0 || g.slots == slots, "lora: one slot count");
-                slots = g.slots;
-                layers[li].lora[gi] = g;
-            }
-        }
+        const int64_t slots = bind_lora(layers, per_layer, model);
         lora_tensors = std::move(per_layer);
         lora_slots = slots;
     }
@@ -392,6 +379,7 @@ TORCH_LIBRARY_FRAGMENT(weir, m) {
         .def("run", &DecoderStack::run)
         .def("set_lora", &DecoderStack::set_lora)
         .def("set_gemma", &DecoderStack::set_gemma)
+        .def("set_residual_scale", &DecoderStack::set_residual_scale)
         .def("set_shared", &DecoderStack::set_shared)
         .def("set_gpt_oss", &DecoderStack::set_gpt_oss)
         .def("set_kv_scales", &DecoderStack::set_kv_scales);

@@ -342,6 +342,7 @@ struct DecoderModel {
     int64_t shared_intermediate;                       // so of its shared experts (0: none)
     float embed_scale;  // the embeddings' factor (Gemma's sqrt(hidden), rounded to float32)
     float attn_softcap;  // Gemma 2's cap on the attention scores (0: none)
+    float residual_scale;  // Granite's factor on each block's output (1: none)
     const float* final_norm;
     StackWeight embed;    // [vocab, hidden]: float32 rows (kWF32, not panels) or a packed WFormat
     StackWeight lm_head;  // [vocab, hidden], or data null: no logits here

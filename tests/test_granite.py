@@ -1,0 +1,89 @@
+"""Granite (GraniteForCausalLM, Granite 3.x): Llama's layer with four factors of its config, the
+embeddings' (embedding_multiplier), the attention's scale (attention_multiplier), each block's
+output before its residual add (residual_multiplier, taken on the O and down products' inputs)
+and the logits' divisor (logits_scaling), against transformers on the same random weights, in
+the one-call CPU stack, layer by layer and on the CUDA backend's kernels; from llama.cpp's
+"granite" GGUF files too (the factors as its converter names them)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from core.config import CheckpointError, EngineConfig
+from gpu.launch import load
+from gpu.models.spec import ModelSpec
+from tests.test_phi3 import assert_as_transformers, prompt, use_cuda_backend
+
+
+@pytest.fixture(scope="module")
+def granite(tmp_path_factory):
+    from gpu.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("granite") / "granite", "granite", num_layers=3)
+
+
+@pytest.mark.parametrize("backend", ["stack", "modules", "cuda-backend"])
+def test_granite_matches_transformers(granite, backend, monkeypatch):
+    """A 30-token prompt's logits (divided by 8) and six greedy tokens, each factor far from 1
+    (the embeddings times 2.5, the scores by 1/16, each block's output times 0.45)."""
+    config = {"stack": {}, "modules": {"cpu_forward": "modules"}}.get(backend)
+    if config is None:
+        config = use_cuda_backend(monkeypatch)
+    assert_as_transformers(granite, granite, prompt(30), **config)
+
+
+def test_the_spec_and_what_runs_it(granite):
+    config = _config(granite)
+    spec = ModelSpec.from_hf_config(config)
+    assert (spec.embed_scale, spec.attn_scale) == (2.5, 0.0625)
+    assert (spec.residual_scale, spec.logits_scaling) == (0.45, 8.0)
+    model = load(EngineConfig(model=str(granite), num_kv_blocks=16)).core.runner.model
+    assert model.stack is not None  # the one-call CPU stack runs it
+    config.attention_bias = True  # the factor on O's input would not hold beside its bias
+    with pytest.raises(CheckpointError, match="attention_bias"):
+        ModelSpec.from_hf_config(config)
+
+
+def test_a_gguf_file_serves_as_its_checkpoint(granite, tmp_path):
+    """As llama.cpp's converter writes Granite: "granite", Llama's Q/K row order, the factors
+    as granite.attention.scale, embedding_scale, residual_scale and logit_scale. In float32,
+    transformers' logits and greedy tokens."""
+    from gpu.gguf_file import GgufCheckpoint
+    from gpu.quant.gguf_write import uniform, write_gguf
+
+    path = write_gguf(granite, tmp_path / "granite.gguf", uniform("f32"))
+    ckpt = GgufCheckpoint(path)
+    assert ckpt.arch == "granite" and ckpt.get("granite.residual_scale") == pytest.approx(0.45)
+    config = ckpt.config()
+    assert config.architectures == ["GraniteForCausalLM"]
+    assert (config.embedding_multiplier, config.logits_scaling) == (2.5, 8.0)
+    assert_as_transformers(path, granite, prompt(30))
+
+
+def test_a_quantized_granite_file_against_its_dequantized_weights(granite, tmp_path):
+    """Granite in Q8_0 on weir's kernels: at each of the prompt's positions the token weir
+    ranks first is transformers' first, or within 0.1 of it in log-probability on average, on
+    the `gguf` package's dequantization of the same file."""
+    from transformers import AutoModelForCausalLM
+
+    from gpu.quant.gguf_write import uniform, write_gguf
+    from tests.gguf_reference import dequantized, prompt_choices
+
+    path = write_gguf(granite, tmp_path / "granite.gguf", uniform("q8_0"))
+    ref = dequantized(path, granite, tmp_path / "ref")
+    ids = prompt(30)
+    ours = torch.tensor(prompt_choices(path, ids))
+    model = AutoModelForCausalLM.from_pretrained(ref, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logprobs = torch.log_softmax(model(torch.tensor([ids])).logits[0, :-1].double(), -1)
+    agree = int((logprobs.argmax(-1) == ours).sum())
+    assert agree >= 0.8 * len(ours), (agree, len(ours))
+    gaps = logprobs.max(-1).values - logprobs[torch.arange(len(ours)), ours]
+    assert float(gaps.mean()) < 0.1, gaps
+
+
+def _config(path):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(path)
