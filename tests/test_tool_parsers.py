@@ -130,6 +130,28 @@ def test_phi4_mini_json():
     assert detect(phi4_template) == "phi4_mini_json"
 
 
+def test_granite():
+    """After <|tool_call|> (3.0 and later), <tool_call> (as vLLM reads 3.1's) or none: a JSON
+    list of calls; text before the marker is content, text alone is content."""
+    calls = [("get_weather", '{"city": "Zürich", "days": [1, 2]}'), ("now", "{}")]
+    listed = f'[{WEATHER}, {{"name": "now", "arguments": {{}}}}]'
+    assert whole("granite", f"<|tool_call|>{listed}") == ("", calls)
+    assert whole("granite", f" <|tool_call|> <tool_call>{listed}") == (" ", calls)
+    assert whole("granite", f"<tool_call>{listed}") == ("", calls)
+    assert whole("granite", f"\n{listed}") == ("", calls)  # the list alone, as vLLM reads it
+    assert whole("granite", f"Checking. <|tool_call|>{listed}") == ("Checking. ", calls)
+    for plain in ("It is sunny.", "[1] a footnote", "<|tool_call|>not json", "<b>bold</b>"):
+        assert whole("granite", plain) == (plain, [])
+    # streamed: the token, or the beginning of either marker, is held back until the list
+    assert streamed("granite", ["Hi <|tool", "_call|>", " <tool", "_call>", listed]) == (
+        "Hi ",
+        calls,
+    )
+    assert streamed("granite", ["<to", "day>"]) == ("<today>", [])
+    granite_template = "{{- '<|start_of_role|>assistant<|end_of_role|><|tool_call|>' }}"
+    assert detect(granite_template) == "granite"
+
+
 def test_auto_detects_from_the_template():
     assert detect("{% for t in tools %}<tool_call>{{ t | tojson }}</tool_call>{% endfor %}") == (
         "hermes"
@@ -160,6 +182,10 @@ FRAGMENTS = {
     "phi4_mini_json": [
         "functools", "[", '{"name": "a", "arguments": {"x": "é"}}', ", ", "]", "text ", "func",
         "tools", '{"k": [1, {"z": null}]}', ".partial", "{",
+    ],
+    "granite": [
+        "<|tool_call|>", "<tool_call>", "[", '{"name": "a", "arguments": {"x": "é"}}', ", ", "]",
+        "text ", "<|tool", "_call|>", "<tool", '{"k": [1, {"z": null}]}', " ", "{",
     ],
     "mistral": [
         "[TOOL_CALLS]", "[", '{"name": "a", "arguments": {"x": "é"}}', ", ", "]", "a[ARGS]",
@@ -207,6 +233,9 @@ BROKEN = [
     ("mistral", '[TOOL_CALLS][{"name": "a", "arguments": {}}] trailing text'),
     ("phi4_mini_json", 'functools[{"name": "a", "arguments": {}}] trailing text'),
     ("phi4_mini_json", 'functools[{"name": "a", "arguments": {"b": "c'),
+    ("granite", '<|tool_call|>[{"name": "a", "arguments": {}}] trailing text'),
+    ("granite", '<|tool_call|>[{"name": "a", "arguments": {"b": "c'),
+    ("granite", '[{"name": "a"}, 5]'),
     ("qwen3_coder", "<tool_call>\n<function=f>\n<parameter=a>\nhel"),
     ("pythonic", '[f(a="x")] Let me know if you need more.'),
     ("pythonic", '[f(a="x"), 5, g(x=1)]'),

@@ -14,6 +14,7 @@ import pytest
 from pydantic import BaseModel, Field
 
 from core.structured import Constraint
+from server.tool_parsers.granite import GraniteParser
 from server.tool_parsers.hermes import HermesParser
 from server.tool_parsers.llama3_json import Llama3JsonParser
 from server.tool_parsers.mistral import MistralParser
@@ -105,6 +106,9 @@ MARKUP = {  # each parser's call markup for one call
     ),
     Phi4MiniJsonParser: lambda name, args: (
         "functools" + json.dumps([{"name": name, "arguments": args}])
+    ),
+    GraniteParser: lambda name, args: (
+        "<|tool_call|>" + json.dumps([{"name": name, "arguments": args}])
     ),
     Llama3JsonParser: lambda name, args: json.dumps({"name": name, "parameters": args}),
     Qwen3CoderParser: lambda name, args: (

@@ -9,13 +9,14 @@ import json
 import pytest
 
 from core.structured import Constraint
+from server.tool_parsers.granite import GraniteParser
 from server.tool_parsers.hermes import HermesParser
 from server.tool_parsers.mistral import MistralParser
 from server.tool_parsers.qwen3_coder import Qwen3CoderParser
 from tests.test_tool_schemas import INVALID, MARKUP, SCHEMAS, TOOLS, VALID
 
 
-SPECIAL_MARKUP = ("[TOOL_CALLS]", "<tool_call>", "</tool_call>")
+SPECIAL_MARKUP = ("[TOOL_CALLS]", "<tool_call>", "</tool_call>", "<|tool_call|>")
 
 
 class SpecialProbe:
@@ -41,12 +42,15 @@ class SpecialProbe:
         return bool(ok) and not matcher.is_error() and matcher.is_accepting()
 
 
-@pytest.mark.parametrize("parser", [MistralParser, HermesParser, Qwen3CoderParser])
+@pytest.mark.parametrize(
+    "parser", [MistralParser, HermesParser, Qwen3CoderParser, GraniteParser]
+)
 def test_markup_that_is_a_special_token_is_written_as_that_token(model_dir, parser):
     """Where the tokenizer holds the markup as a special token (Mistral's [TOOL_CALLS]; some
-    Hermes models' <tool_call>), the grammars take that token and refuse the markup spelled
-    out in text tokens (what llguidance does with quoted text: it never matches a special
-    token), in an enforced call and in a strict tool's auto reply; text stays free."""
+    Hermes models' <tool_call>; Granite's <|tool_call|>), the grammars take that token and
+    refuse the markup spelled out in text tokens (what llguidance does with quoted text: it
+    never matches a special token), in an enforced call and in a strict tool's auto reply;
+    text stays free."""
     from server.tool_parsers.grammar import strict_only
 
     probe = SpecialProbe(model_dir, SPECIAL_MARKUP)

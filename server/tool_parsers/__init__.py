@@ -6,6 +6,7 @@ template's markup. Streaming is the difference between successive whole-text par
 from __future__ import annotations
 
 from server.tool_parsers.base import Call, Parsed, ToolParser
+from server.tool_parsers.granite import GraniteParser
 from server.tool_parsers.hermes import HermesParser
 from server.tool_parsers.llama3_json import Llama3JsonParser
 from server.tool_parsers.mistral import MistralParser
@@ -25,15 +26,18 @@ PARSERS: dict[str, type[ToolParser]] = {
         PythonicParser,
         OpenAIParser,
         Phi4MiniJsonParser,
+        GraniteParser,
     )
 }
 CHOICES = (*PARSERS, "auto")
 
 
-# Most specific markup first: harmony's (gpt-oss) special tokens, Qwen3-Coder's templates also
-# write <tool_call>, and pythonic templates may mention "parameters".
+# Most specific markup first: harmony's (gpt-oss) special tokens, Granite's <|tool_call|>,
+# Qwen3-Coder's templates also write <tool_call>, and pythonic templates may mention
+# "parameters".
 DETECT_ORDER = (
-    *("openai", "qwen3_coder", "hermes", "mistral", "phi4_mini_json", "pythonic", "llama3_json"),
+    *("openai", "granite", "qwen3_coder", "hermes", "mistral", "phi4_mini_json", "pythonic"),
+    "llama3_json",
 )
 
 
