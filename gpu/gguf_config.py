@@ -121,7 +121,7 @@ class HfConfigOf:
             return gpt_oss.gguf_config(self.get, common, head_dim)
         if a in ("olmo2", "olmoe"):
             return self._olmo(common, head_dim)
-        if a in ("granite", "smollm3"):
+        if a in ("granite", "granitemoe", "smollm3"):
             return self._llama_like(common, head_dim)
         if a == "gemma3":
             return self._gemma3(common, head_dim, Gemma3TextConfig)
@@ -150,21 +150,31 @@ class HfConfigOf:
 
     def _llama_like(self, common: dict, head_dim: int) -> Any:
         """Granite (its factors as llama.cpp reads them: an absent attention scale is
-        1/sqrt(head size), an absent embedding or residual one none; the logits' required) or
-        SmolLM3 (llama.cpp's every fourth layer unrotated, as its config's default)."""
-        from transformers import GraniteConfig, SmolLM3Config
+        1/sqrt(head size), an absent embedding or residual one none; the logits' required),
+        GraniteMoE (those over experts of feed_forward_length) or SmolLM3 (llama.cpp's every
+        fourth layer unrotated, as its config's default)."""
+        from transformers import GraniteConfig, GraniteMoeConfig, SmolLM3Config
 
         a = self.arch
         if head_dim * common["num_attention_heads"] != common["hidden_size"]:
             raise CheckpointError(f"{self.path.name}: {a} with a head size of {head_dim}")
         if a == "smollm3":
             return SmolLM3Config(**common, no_rope_layer_interval=4)
-        return GraniteConfig(
+        factors = dict(
+            attention_multiplier=float(self.get(f"{a}.attention.scale", 0.0) or head_dim**-0.5),
+            embedding_multiplier=float(self.get(f"{a}.embedding_scale", 0.0) or 1.0),
+            residual_multiplier=float(self.get(f"{a}.residual_scale", 0.0) or 1.0),
+            logits_scaling=float(self.get(f"{a}.logit_scale")),
+        )
+        if a == "granite":
+            return GraniteConfig(**common, **factors)
+        if self.get(f"{a}.expert_shared_feed_forward_length", 0):
+            raise CheckpointError(f"{self.path.name}: GraniteMoE's shared experts are not served")
+        return GraniteMoeConfig(
             **common,
-            attention_multiplier=float(self.get("granite.attention.scale", 0.0) or head_dim**-0.5),
-            embedding_multiplier=float(self.get("granite.embedding_scale", 0.0) or 1.0),
-            residual_multiplier=float(self.get("granite.residual_scale", 0.0) or 1.0),
-            logits_scaling=float(self.get("granite.logit_scale")),
+            **factors,
+            num_local_experts=int(self.get(f"{a}.expert_count")),
+            num_experts_per_tok=int(self.get(f"{a}.expert_used_count")),
         )
 
     def _experts(self, common: dict, head_dim: int, mixtral: Any, qwen: Any) -> Any:

@@ -19,6 +19,7 @@ ARCHES = {
     "olmo2": "Olmo2ForCausalLM",  # an "olmo2" file with a window is OLMo 3 (gpu/gguf_file.py)
     "olmoe": "OlmoeForCausalLM",
     "granite": "GraniteForCausalLM",
+    "granitemoe": "GraniteMoeForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
     # an encoder (gpu/models/encoder.py): BERT, or XLM-RoBERTa / RoBERTa by its vocabulary
     # (gpu/gguf_config.py `encoder`)
@@ -30,7 +31,7 @@ ARCHES = {
 # A "llama" file with experts is a Mixtral (llama.cpp's converter writes it so).
 # The architectures whose Q/K rows llama.cpp's converter reorders (its LlamaModel's and its
 # subclasses': llama_permute)
-PERMUTED = ("llama", "granite", "smollm3")
+PERMUTED = ("llama", "granite", "granitemoe", "smollm3")
 
 # HF module names (under model.layers.N.) -> GGUF's (under blk.N.)
 LAYER_NAMES = {

@@ -24,7 +24,7 @@ from gpu.gguf_file import GgufCheckpoint, is_gguf
 from gpu.hf_overrides import ScoreRows
 from gpu.models import gpt_oss
 from gpu.models.decoder import DecoderForCausalLM
-from gpu.models.moe import checkpoint_name
+from gpu.models.moe import STACKED, checkpoint_name, cut_stacked
 from gpu.models.partial_rope import reorder_heads, reordered
 from gpu.models.rope import Rope
 from gpu.models.spec import ModelSpec
@@ -265,8 +265,14 @@ def load_weights(model: DecoderForCausalLM, path: Path, int4=None, text_only: bo
                     if int4 is not None and int4.gathers(part, _dtype(f, stored)):
                         pending.setdefault(prefix, {})[part] = f.get_tensor(stored)
                         continue
-                    if gpt_oss.is_experts_tensor(name):  # gpt-oss's: one tensor a layer
-                        for part, value in experts.add(name, f.get_tensor(stored)):
+                    if gpt_oss.is_experts_tensor(name) or STACKED.match(name):
+                        # every expert in one tensor a layer (gpt-oss's, GraniteMoE's)
+                        value = f.get_tensor(stored)
+                        if STACKED.match(name):
+                            cut = [(p, v.contiguous()) for p, v in cut_stacked(name, value)]
+                        else:
+                            cut = experts.add(name, value)
+                        for part, value in cut:
                             targets.wants(part)  # raises for a layer the model does not have
                             if tp is not None:  # cut per expert, then each rank's share
                                 value = shard(part, value, model.spec, tp)

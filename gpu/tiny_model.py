@@ -141,8 +141,9 @@ def build_tiny_model(
     window of `sliding_window` (8 unless given), `num_experts` of `intermediate_size`, random
     biases and sinks. OLMo 2, OLMo 3 (every `global_every`-th layer global, the others a window of
     `sliding_window`, 8 unless given) and OLMoE ("olmo2", "olmo3", "olmoe": `num_experts` of
-    `intermediate_size`): random norm weights. Granite ("granite"): Granite 3's factors;
-    SmolLM3 ("smollm3"): every fourth layer unrotated."""
+    `intermediate_size`): random norm weights. Granite ("granite"): Granite 3's factors
+    (GraniteMoE, "granitemoe": over `num_experts`); SmolLM3 ("smollm3"): every fourth layer
+    unrotated."""
     import torch
     from transformers import (
         AutoModelForCausalLM,
@@ -316,6 +317,19 @@ def build_tiny_model(
             attention_multiplier=0.0625,
             residual_multiplier=0.45,
             logits_scaling=8.0,
+        )
+    elif arch == "granitemoe":  # Granite's factors (as "granite") over experts
+        from transformers import GraniteMoeConfig
+
+        config = GraniteMoeConfig(
+            **common,
+            tie_word_embeddings=tie_word_embeddings is not False,
+            embedding_multiplier=2.5,
+            attention_multiplier=0.0625,
+            residual_multiplier=0.45,
+            logits_scaling=8.0,
+            num_local_experts=num_experts,
+            num_experts_per_tok=experts_per_token,
         )
     elif arch == "smollm3":  # every fourth layer without rotation (no_rope_layer_interval)
         from transformers import SmolLM3Config

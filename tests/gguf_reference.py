@@ -28,7 +28,8 @@ def prompt_choices(path, ids: list[int], **config) -> list[int]:
 def dequantized(path, hf_dir, out):
     """A Hugging Face directory of `hf_dir`'s config holding the GGUF file's weights as the `gguf`
     package dequantizes them (experts unstacked, Llama's Q/K rows back in Hugging Face's order):
-    the reference a quantized file's serving is held to."""
+    the reference a quantized file's serving is held to. GraniteMoE's in its own names: its
+    experts stacked, gate and up joined (input_linear), its router `router.layer`."""
     import shutil
 
     import gguf
@@ -49,10 +50,23 @@ def dequantized(path, hf_dir, out):
         if arch in PERMUTED and name.endswith(("q_proj.weight", "k_proj.weight")):
             n = heads if "q_proj" in name else kv_heads
             w = w[torch.from_numpy(llama_unpermute_index(w.shape[0], n))]
-        if w.dim() == 3:
+        if arch == "granitemoe":  # GraniteMoE's names: its router, its experts stacked
+            name = name.replace(".mlp.gate.", ".block_sparse_moe.router.layer.")
+        if w.dim() == 3 and arch == "granitemoe":
+            state[name] = w.contiguous()  # (gate and up joined below)
+        elif w.dim() == 3:
             state.update({expert_name(name, e): w[e].contiguous() for e in range(w.shape[0])})
         else:
             state[name] = w.contiguous()
+    for gate in [n for n in state if n.endswith(".mlp.experts.gate_proj.weight")]:
+        if arch != "granitemoe":
+            break
+        layer = gate.removesuffix(".mlp.experts.gate_proj.weight")
+        up = state.pop(f"{layer}.mlp.experts.up_proj.weight")
+        joined = torch.cat([state.pop(gate), up], dim=1)
+        state[f"{layer}.block_sparse_moe.input_linear.weight"] = joined
+        down = state.pop(f"{layer}.mlp.experts.down_proj.weight")
+        state[f"{layer}.block_sparse_moe.output_linear.weight"] = down
     shutil.copytree(hf_dir, out, ignore=shutil.ignore_patterns("*.safetensors*"))
     save_file(state, str(out / "model.safetensors"))
     return out

@@ -1,4 +1,5 @@
-"""Granite (GraniteForCausalLM, Granite 3.x): Llama's layer with four factors of its config, the
+"""Granite (GraniteForCausalLM, Granite 3.x, and GraniteMoeForCausalLM, its mixtures of experts):
+Llama's layer with four factors of its config, the
 embeddings' (embedding_multiplier), the attention's scale (attention_multiplier), each block's
 output before its residual add (residual_multiplier, taken on the O and down products' inputs)
 and the logits' divisor (logits_scaling), against transformers on the same random weights, in
@@ -21,6 +22,38 @@ def granite(tmp_path_factory):
     from gpu.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("granite") / "granite", "granite", num_layers=3)
+
+
+@pytest.fixture(scope="module")
+def granitemoe(tmp_path_factory):
+    from tests.test_moe import moe
+
+    return moe(tmp_path_factory.mktemp("granitemoe") / "granitemoe", "granitemoe")
+
+
+@pytest.mark.parametrize("backend", ["modules", "cuda-backend"])
+def test_granitemoe_matches_transformers(granitemoe, backend, monkeypatch):
+    """GraniteMoE: the factors over 8 experts, 2 a token (the softmax of their logits), every
+    expert used by some token; its checkpoint's stacked experts (input_linear: gate's rows then
+    up's, output_linear) and router (router.layer) read as each expert's. (Float32 experts run
+    layer by layer; the one-call stack takes them in block formats: the Q8_0 test below.)"""
+    config = {"modules": {"cpu_forward": "modules"}}.get(backend)
+    if config is None:
+        config = use_cuda_backend(monkeypatch)
+    assert_as_transformers(granitemoe, granitemoe, prompt(30), **config)
+
+
+def test_a_granitemoe_gguf_file_serves_as_its_checkpoint(granitemoe, tmp_path):
+    """As llama.cpp's converter writes GraniteMoE: "granitemoe", input_linear cut into
+    ffn_gate_exps and ffn_up_exps, the factors under its own keys."""
+    from gpu.gguf_file import GgufCheckpoint
+    from gpu.quant.gguf_write import uniform, write_gguf
+
+    path = write_gguf(granitemoe, tmp_path / "granitemoe.gguf", uniform("f32"))
+    ckpt = GgufCheckpoint(path)
+    assert ckpt.arch == "granitemoe" and "blk.0.ffn_gate_exps.weight" in ckpt.tensors
+    assert ckpt.config().residual_multiplier == pytest.approx(0.45)
+    assert_as_transformers(path, granitemoe, prompt(30))
 
 
 @pytest.mark.parametrize("backend", ["stack", "modules", "cuda-backend"])
@@ -61,8 +94,10 @@ def test_a_gguf_file_serves_as_its_checkpoint(granite, tmp_path):
     assert_as_transformers(path, granite, prompt(30))
 
 
-def test_a_quantized_granite_file_against_its_dequantized_weights(granite, tmp_path):
-    """Granite in Q8_0 on weir's kernels: at each of the prompt's positions the token weir
+@pytest.mark.parametrize("arch", ["granite", "granitemoe"])
+def test_a_quantized_file_against_its_dequantized_weights(granite, granitemoe, arch, tmp_path):
+    """Granite and GraniteMoE in Q8_0 on weir's kernels, in the one-call stack (GraniteMoE's
+    factor on its routing weights there): at each of the prompt's positions the token weir
     ranks first is transformers' first, or within 0.1 of it in log-probability on average, on
     the `gguf` package's dequantization of the same file."""
     from transformers import AutoModelForCausalLM
@@ -70,8 +105,11 @@ def test_a_quantized_granite_file_against_its_dequantized_weights(granite, tmp_p
     from gpu.quant.gguf_write import uniform, write_gguf
     from tests.gguf_reference import dequantized, prompt_choices
 
-    path = write_gguf(granite, tmp_path / "granite.gguf", uniform("q8_0"))
-    ref = dequantized(path, granite, tmp_path / "ref")
+    hf = {"granite": granite, "granitemoe": granitemoe}[arch]
+    path = write_gguf(hf, tmp_path / f"{arch}.gguf", uniform("q8_0"))
+    model = load(EngineConfig(model=str(path), num_kv_blocks=16)).core.runner.model
+    assert model.stack is not None  # the one-call CPU stack runs it
+    ref = dequantized(path, hf, tmp_path / "ref")
     ids = prompt(30)
     ours = torch.tensor(prompt_choices(path, ids))
     model = AutoModelForCausalLM.from_pretrained(ref, dtype=torch.float32).eval()

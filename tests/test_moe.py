@@ -30,7 +30,8 @@ def moe(path, arch="qwen3_moe", **shape):
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("gate.weight") and p.shape[0] == shape["num_experts"]:
+            router = name.endswith(("gate.weight", "block_sparse_moe.router.weight"))
+            if router and p.shape[0] == shape["num_experts"]:
                 p.mul_(8.0)
     model.save_pretrained(path)
     return path

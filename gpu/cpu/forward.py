@@ -73,8 +73,8 @@ HANDLED: dict[str, tuple | None] = {
     "score_difference": None,
     "qk_norm_whole": None,  # OLMo's Q/K norms over all heads: weights of that width
     "post_norms_only": None,  # OLMo 2's first norms absent: empty (set_gemma's too)
-    # Granite's: o and the MLP's gated rows scaled before their products (set_residual_scale;
-    # unfit refuses it beside a mixture of experts), the logits divided after the call
+    # Granite's: o and the MLP's gated rows scaled before their products, a mixture's routing
+    # weights (set_residual_scale), the logits divided after the call
     "residual_scale": None,
     "logits_scaling": None,
     "nope_layers": None,  # SmolLM3's: the second rotation's layers (set_gemma), all angles 0
@@ -111,8 +111,6 @@ def unfit(model, backend) -> str | None:
         if spec.mlp_bias and not (isinstance(mlp, SparseMoE) and mlp.swiglu is not None):
             return "an MLP bias"
         if isinstance(mlp, SparseMoE):
-            if spec.residual_scale != 1.0:
-                return "a residual factor on a mixture of experts"
             if sp.experts_of(mlp) is None:
                 return "experts not all in block formats on weir's kernels"
             if mlp.has_shared and sp.shared_of(mlp) is None:

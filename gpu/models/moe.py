@@ -17,6 +17,8 @@ the routed experts' sum, as transformers adds it.
 
 Mixtral's checkpoints name the block `block_sparse_moe` and the experts' products w1 (gate), w3
 (up) and w2 (down); `checkpoint_name` reads them as Qwen3-MoE's, the names the modules load by.
+GraniteMoE's name it so too, with its router `router.layer` and each product's experts as one
+tensor a layer (`cut_stacked`). Its residual factor multiplies the routing weights.
 """
 
 from __future__ import annotations
@@ -31,10 +33,31 @@ from gpu.models.spec import ModelSpec
 
 _MIXTRAL = (
     (re.compile(r"\.block_sparse_moe\."), ".mlp."),
+    (re.compile(r"\.mlp\.router\.layer\."), ".mlp.gate."),  # GraniteMoE's router
     (re.compile(r"(\.experts\.\d+)\.w1\."), r"\1.gate_proj."),
     (re.compile(r"(\.experts\.\d+)\.w3\."), r"\1.up_proj."),
     (re.compile(r"(\.experts\.\d+)\.w2\."), r"\1.down_proj."),
 )
+
+
+# GraniteMoE's experts, one tensor a product a layer (after checkpoint_name): input_linear
+# [E, 2 inter, hidden] (gate's rows, then up's), output_linear [E, hidden, inter]
+STACKED = re.compile(r"^(.*\.mlp)\.(input_linear|output_linear)\.weight$")
+
+
+def cut_stacked(name: str, value) -> list[tuple[str, object]]:
+    """A STACKED tensor (torch or numpy) -> each expert's gate_proj, up_proj or down_proj
+    weight [out, in], named as the modules load them."""
+    prefix, kind = STACKED.match(name).groups()
+    parts = []
+    for e in range(value.shape[0]):
+        if kind == "output_linear":
+            parts.append((f"{prefix}.experts.{e}.down_proj.weight", value[e]))
+            continue
+        half = value.shape[1] // 2
+        parts.append((f"{prefix}.experts.{e}.gate_proj.weight", value[e, :half]))
+        parts.append((f"{prefix}.experts.{e}.up_proj.weight", value[e, half:]))
+    return parts
 
 
 def checkpoint_name(name: str) -> str:
@@ -62,6 +85,9 @@ class SparseMoE(nn.Module):
         self.gate = router
         self.experts = nn.ModuleList(experts)
         self.top_k, self.renormalize = spec.experts_per_token, spec.norm_topk_prob
+        # Granite's residual factor, on the routing weights (the sum's factor, as the experts
+        # and their sum are linear in them; 1: none)
+        self.weight_scale = spec.residual_scale
         self.router = None
         self.has_shared = shared is not None
         if shared is not None:
@@ -93,6 +119,8 @@ class SparseMoE(nn.Module):
         weights, chosen = probs.topk(self.top_k, dim=-1)
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.weight_scale != 1.0:
+            weights = weights * self.weight_scale
         return weights.to(x.dtype), chosen
 
     def forward(self, x, residual=None, norm=None, lora=None):

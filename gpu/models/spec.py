@@ -38,6 +38,9 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     # Granite (3.x): Llama's layer with four factors of its config (_granite): the embeddings',
     # the attention's scale, each block's output before its residual add, the logits' divisor
     "GraniteForCausalLM": {"qk_norm": False, "granite": True},
+    # Granite's MoE (3.0/3.1 1B-A400M, 3B-A800M): its factors over a mixture of experts of
+    # intermediate_size, the softmax of the chosen experts' logits (renormalized)
+    "GraniteMoeForCausalLM": {"qk_norm": False, "granite": True, "moe": True},
     # SmolLM3: Llama's layer, every fourth (no_rope_layers) attending without rotation
     "SmolLM3ForCausalLM": {"qk_norm": False, "smollm3": True},
     # OLMoE: Llama's layer with OLMo's Q/K norms over a mixture of experts of intermediate_size
@@ -222,7 +225,8 @@ def _moe(config: Any, arch: str) -> dict[str, Any]:
     if not 0 < k <= experts:
         raise CheckpointError(f"{arch} with {k} experts per token of {experts}")
     n = config.num_hidden_layers
-    if arch in ("MixtralForCausalLM", "GptOssForCausalLM"):  # the top k's softmax: renormalized
+    if arch in ("MixtralForCausalLM", "GptOssForCausalLM", "GraniteMoeForCausalLM"):
+        # the top k's softmax: renormalized
         size, norm, dense = config.intermediate_size, True, ()
     elif arch == "OlmoeForCausalLM":  # every layer sparse, its experts of intermediate_size
         size, norm, dense = config.intermediate_size, bool(config.norm_topk_prob), ()

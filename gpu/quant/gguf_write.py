@@ -24,7 +24,7 @@ import numpy as np
 from gpu.gguf_names import ARCHES as GGUF_ARCHES
 from gpu.gguf_names import PERMUTED, gguf_name, llama_permute
 from gpu.gguf_tokenizer import split_of
-from gpu.models.moe import checkpoint_name
+from gpu.models.moe import STACKED, checkpoint_name, cut_stacked
 from gpu.quant.formats import FORMATS
 from gpu.quant.quantize import quantize
 
@@ -152,6 +152,17 @@ def _rerank_keys(w: gguf.GGUFWriter, hf_dir: Path, template: str) -> list[int]:
     return ids
 
 
+def _cut(tensors: Iterator[tuple[str, np.ndarray]]) -> Iterator[tuple[str, np.ndarray]]:
+    """The tensors under the names weir loads by: Mixtral's read as Qwen3-MoE's, GraniteMoE's
+    stacked experts cut into each expert's (gpu/models/moe.py)."""
+    for name, t in tensors:
+        name = checkpoint_name(name)
+        if STACKED.match(name):
+            yield from cut_stacked(name, t)
+        else:
+            yield name, t
+
+
 def _stacked_experts(
     tensors: Iterator[tuple[str, np.ndarray]], count: int
 ) -> Iterator[tuple[str, np.ndarray]]:
@@ -159,8 +170,7 @@ def _stacked_experts(
     [experts, rows, columns] tensor (mlp.experts.gate_proj: gguf_names.py), as llama.cpp's
     converter stacks them; Mixtral's names read as Qwen3-MoE's (gpu/models/moe.py)."""
     held: dict[str, dict[int, np.ndarray]] = {}
-    for name, t in tensors:
-        name = checkpoint_name(name)
+    for name, t in _cut(tensors):
         found = re.fullmatch(r"(.*\.mlp\.experts\.)(\d+)\.(.*)", name)
         if found is None:
             yield name, t
@@ -217,7 +227,7 @@ def metadata_writer(out: Path, config: dict, tokenizer_dir: Path) -> tuple[gguf.
         _window_keys(w, config, local)
     if arch == "gemma2":
         _gemma2_keys(w, config, head_dim)
-    if arch == "granite":  # its four factors, as llama.cpp's converter names them
+    if arch in ("granite", "granitemoe"):  # its four factors, as llama.cpp's converter names them
         w.add_attention_scale(float(config["attention_multiplier"]))
         w.add_embedding_scale(float(config["embedding_multiplier"]))
         w.add_residual_scale(float(config["residual_multiplier"]))

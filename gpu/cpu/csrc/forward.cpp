@@ -302,7 +302,7 @@ int decoder_forward(const DecoderModel& model, const DecoderStep& step) {
             if (shared)
                 shared_expert(L, h, T, H, int(m->act), g, spare, block_out, block_normed, nt);
             moe_block(L, h, T, H, x, moe, int(m->act), nt, shared ? block_out : nullptr,
-                      block_normed);
+                      block_normed, m->residual_scale);
             timer.lap(kDown);
             continue;
         }

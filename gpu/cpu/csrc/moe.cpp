@@ -4,7 +4,8 @@
 //   logits = h Wr^T (+ b); p = softmax(logits) in float32; each token's top_k experts by p (best first,
 //   the lower expert on a tie), their p renormalized over the k when asked; the (token, choice)
 //   pairs ordered by expert (tokens in order within one); gate/up and down of every expert used
-//   in one wgemm_experts pass each; x[token] += sum over its choices, best first, of p * out
+//   in one wgemm_experts pass each (p times weight_scale: Granite's residual factor);
+//   x[token] += sum over its choices, best first, of p * out
 //   (plus, for Qwen2-MoE, sigmoid(its shared gate's logit) * the shared expert's out). gpt-oss's
 //   experts (plain_experts) as gpu/models/gpt_oss.py computes them: gate/up a plain product,
 //   its bias, the clamped SwiGLU, down and its bias.
@@ -61,7 +62,7 @@ void plain_experts(const DecoderLayer& L, const std::vector<WPart>& gate_up,
 
 void moe_block(const DecoderLayer& L, const float* h, int64_t T, int64_t H, float* x,
                const MoeScratch& s, int act, int64_t nt, const float* shared,
-               const float* shared_logit) {
+               const float* shared_logit, float weight_scale) {
     const int64_t E = L.experts, K = L.top_k, I = L.expert_intermediate;
     // the router's logits [T, E]
     if (L.router.format == kWF32)
@@ -97,6 +98,8 @@ void moe_block(const DecoderLayer& L, const float* h, int64_t T, int64_t H, floa
             for (int64_t j = 0; j < K; ++j) total += w[j];
             for (int64_t j = 0; j < K; ++j) w[j] /= total;
         }
+        if (weight_scale != 1.f)  // Granite's residual factor (the module path's order)
+            for (int64_t j = 0; j < K; ++j) w[j] *= weight_scale;
     }
     // the pairs by expert: counts become each expert's first row (a counting sort, stable)
     for (int64_t e = 0; e < E; ++e) s.counts[e + 1] += s.counts[e];

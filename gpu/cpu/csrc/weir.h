@@ -328,7 +328,7 @@ struct MoeScratch {
 // row of it weighted by the sigmoid of its `shared_logit`, before the sum reaches x.
 void moe_block(const DecoderLayer& L, const float* h, int64_t tokens, int64_t hidden, float* x,
                const MoeScratch& s, int act, int64_t num_threads, const float* shared = nullptr,
-               const float* shared_logit = nullptr);
+               const float* shared_logit = nullptr, float weight_scale = 1.f);
 
 struct DecoderModel {
     int64_t hidden, heads, kv_heads, head_dim, intermediate, num_layers;
