@@ -13,7 +13,16 @@ import tempfile
 import time
 from pathlib import Path
 
-SHAPE = dict(hidden_size=1024, num_layers=8, num_heads=16, num_kv_heads=4, intermediate_size=2816)
+# untied heads for every architecture (a float32 tied head is computed after the call, through
+# torch: Granite's and SmolLM3's default would measure that, not their layers)
+SHAPE = dict(
+    hidden_size=1024,
+    num_layers=8,
+    num_heads=16,
+    num_kv_heads=4,
+    intermediate_size=2816,
+    tie_word_embeddings=False,
+)
 TOKENS = 64
 
 
