@@ -60,7 +60,7 @@ def model() -> Path:
 
 
 def documents(n: int, seed: int = 0) -> list[str]:
-    from gpu.tiny_model import _WORDS
+    from gpu.tiny_tokenizer import _WORDS
 
     words = list(_WORDS)
     rng = random.Random(seed)

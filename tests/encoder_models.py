@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from gpu.tiny_model import corpus
+from gpu.tiny_tokenizer import corpus
 
 BERT_SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 XLMR_SPECIAL = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]
@@ -88,7 +88,7 @@ def modernbert_tokenizer(vocab_size: int = 600):
     """Byte-level BPE (as ModernBERT's, OLMo's) with BERT's special tokens and template."""
     from tokenizers import AddedToken
 
-    from gpu.tiny_model import train_tokenizer
+    from gpu.tiny_tokenizer import train_tokenizer
 
     base = train_tokenizer(vocab_size).backend_tokenizer
     base.add_special_tokens([AddedToken(t, normalized=False) for t in BERT_SPECIAL])

@@ -250,7 +250,7 @@ def test_a_bad_chat_template_is_refused_at_start(template, message):
 
 def test_templates_transformers_renders_pass_the_start_up_check():
     from server.chat import check_template
-    from gpu.tiny_model import CHATML
+    from gpu.tiny_tokenizer import CHATML
 
     check_template(CHATML)
     check_template(  # assistant-mask blocks and loop controls
