@@ -123,6 +123,11 @@ class HfConfigOf:
             return self._olmo(common, head_dim)
         if a in ("granite", "granitemoe", "smollm3"):
             return self._llama_like(common, head_dim)
+        if a == "glm4":  # Q/K/V biases where the file has them (GLM-4-0414's)
+            from transformers import Glm4Config
+
+            bias = "blk.0.attn_q.bias" in self.tensors
+            return Glm4Config(**common, head_dim=head_dim, attention_bias=bias)
         if a == "gemma3":
             return self._gemma3(common, head_dim, Gemma3TextConfig)
         if a == "gemma2":

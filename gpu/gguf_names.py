@@ -21,6 +21,7 @@ ARCHES = {
     "granite": "GraniteForCausalLM",
     "granitemoe": "GraniteMoeForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
+    "glm4": "Glm4ForCausalLM",  # (its Q/K rows as the checkpoint's: llama.cpp turns adjacent pairs)
     # an encoder (gpu/models/encoder.py): BERT, or XLM-RoBERTa / RoBERTa by its vocabulary
     # (gpu/gguf_config.py `encoder`)
     "bert": "BertModel",
@@ -71,6 +72,15 @@ _NAMES = {  # an architecture's layer names where they are not Llama's
     "phi3": {**LAYER_NAMES, **FUSED_NAMES, "mlp.up_proj": None, "mlp.gate_proj": None},
     "gemma2": {**LAYER_NAMES, **SANDWICH_NAMES},
     "gemma3": {**LAYER_NAMES, **SANDWICH_NAMES},
+    # GLM-4: Gemma's sandwich (gpu/models/glm.py), gate and up one tensor as Phi-3's
+    "glm4": {
+        **LAYER_NAMES,
+        **SANDWICH_NAMES,
+        **FUSED_NAMES,
+        "self_attn.qkv_proj": None,
+        "mlp.up_proj": None,
+        "mlp.gate_proj": None,
+    },
     # gpt-oss (gpu/models/gpt_oss.py): its norm before the mixture, its sinks (a vector per
     # layer, `attn_sinks.weight` in the file), each expert stack's biases [experts, rows]
     # OLMo 2 and 3: norms after attention and after the MLP, none before them

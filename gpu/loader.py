@@ -22,7 +22,7 @@ from gpu import hf_overrides, kv_scales
 from gpu.fused_weights import fused_parts, split_fused
 from gpu.gguf_file import GgufCheckpoint, is_gguf
 from gpu.hf_overrides import ScoreRows
-from gpu.models import gpt_oss
+from gpu.models import glm, gpt_oss
 from gpu.models.decoder import DecoderForCausalLM
 from gpu.models.moe import STACKED, checkpoint_name, cut_stacked
 from gpu.models.partial_rope import reorder_heads, reordered
@@ -160,14 +160,16 @@ class Targets:
 
     def place(self, name: str, value: Any) -> None:
         spec = self.model.spec
-        # A partial rotation (gpu/models/partial_rope.py). (An encoder's spec,
+        # A partial or interleaved rotation (gpu/models/partial_rope.py). (An encoder's spec,
         # gpu/models/encoder_spec.py, has no rotation and no Gemma norms.)
-        if getattr(spec, "rotary_dim", 0) and reordered(name):
+        interleaved = getattr(spec, "rope_interleaved", False)
+        if (getattr(spec, "rotary_dim", 0) or interleaved) and reordered(name):
             if not isinstance(value, torch.Tensor | BlockTensor):
                 raise CheckpointError(
                     f"{name}: a partial rotation over {type(value).__name__} weights is not served"
                 )
-            value = reorder_heads(value, spec.head_dim, spec.rotary_dim)
+            rotary = spec.rotary_dim or spec.head_dim
+            value = reorder_heads(value, spec.head_dim, rotary, interleaved)
         shape = tuple(value.shape)
         if name in self.modules:
             mod, kind, want = self.modules[name]
@@ -254,6 +256,8 @@ def load_weights(model: DecoderForCausalLM, path: Path, int4=None, text_only: bo
                     if name is None:
                         continue  # a multimodal checkpoint's other towers (gpu/text_of.py)
                     name = checkpoint_name(name)  # Mixtral's experts (gpu/models/moe.py)
+                    if spec.architecture == "Glm4ForCausalLM":  # its norms' own names
+                        name = glm.checkpoint_name(name)
                     if score is not None and name in ScoreRows.NAMES:
                         score.take(name, f.get_tensor(stored))
                         if name == "lm_head.weight":

@@ -77,7 +77,8 @@ def build_tiny_model(
     `sliding_window`, 8 unless given) and OLMoE ("olmo2", "olmo3", "olmoe": `num_experts` of
     `intermediate_size`): random norm weights. Granite ("granite"): Granite 3's factors
     (GraniteMoE, "granitemoe": over `num_experts`); SmolLM3 ("smollm3"): every fourth layer
-    unrotated."""
+    unrotated; GLM and GLM-4 ("glm", "glm4"): half of each head turned by adjacent pairs, random
+    Q/K/V biases and norm weights."""
     import torch
     from transformers import (
         AutoModelForCausalLM,
@@ -265,6 +266,16 @@ def build_tiny_model(
             num_local_experts=num_experts,
             num_experts_per_tok=experts_per_token,
         )
+    elif arch in ("glm", "glm4"):  # half of each head turned by adjacent pairs; Q/K/V biases
+        from transformers import Glm4Config, GlmConfig
+
+        config = (GlmConfig if arch == "glm" else Glm4Config)(
+            **common,
+            head_dim=head_dim or hidden_size // num_heads,
+            tie_word_embeddings=bool(tie_word_embeddings),
+            attention_bias=True,
+            partial_rotary_factor=0.5,
+        )
     elif arch == "smollm3":  # every fourth layer without rotation (no_rope_layer_interval)
         from transformers import SmolLM3Config
 
@@ -273,7 +284,7 @@ def build_tiny_model(
         raise ValueError(f"unknown tiny architecture {arch!r}")
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
-    if attention_bias or mlp_bias:  # drawn (they start at zero)
+    if attention_bias or mlp_bias or arch.startswith("glm"):  # drawn (they start at zero)
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if name.endswith("bias"):
@@ -285,8 +296,8 @@ def build_tiny_model(
                     p.normal_(0.0, 0.5)
                 elif ".experts." in name:
                     p.mul_(20.0)
-    if arch.startswith("olmo"):  # norm weights drawn (they start at one): a norm read at the
-        with torch.no_grad():  # wrong width or place shows
+    if arch.startswith(("olmo", "glm")):  # norm weights drawn (they start at one): a norm
+        with torch.no_grad():  # read at the wrong width or place shows
             for name, p in model.named_parameters():
                 if "norm" in name:
                     p.normal_(1.0, 0.3)

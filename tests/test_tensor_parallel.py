@@ -74,6 +74,8 @@ CASES = [
     ("phi3", 2, {"sliding_window": 8}, {}),
     # Granite: each rank's partial O and down products of its inputs times the residual factor
     ("granite", 2, {}, TIGHT),
+    # GLM-4: Q/K heads reordered for its adjacent pairs, then split by head; norms after blocks
+    ("glm4", 2, {"num_layers": 3}, {}),
 ]
 
 

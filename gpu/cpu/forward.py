@@ -78,6 +78,7 @@ HANDLED: dict[str, tuple | None] = {
     "residual_scale": None,
     "logits_scaling": None,
     "nope_layers": None,  # SmolLM3's: the second rotation's layers (set_gemma), all angles 0
+    "rope_interleaved": None,  # GLM's: its Q/K heads reordered at load (partial_rope.py)
 }
 
 

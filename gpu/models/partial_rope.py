@@ -7,7 +7,11 @@ elements are reordered at load, [rot 0..r/2, pass r..r+(D-r)/2, rot r/2..r, pass
 which puts every rotated pair D/2 apart and pairs passed elements with passed ones, whose
 frequency is 0 (cos 1, sin 0: rope.py pads the frequencies, and scales only the rotated
 elements). Attention reads q . k, which the same reordering of both leaves unchanged; values are
-not reordered."""
+not reordered.
+
+GLM's rotation pairs adjacent elements instead (2j with 2j + 1, at frequency j: GPT-J's
+interleaved form, over its first r elements); `interleaved` reorders its heads so too, [rot 0, 2,
+.., r-2, pass .., rot 1, 3, .., r-1, pass ..]."""
 
 from __future__ import annotations
 
@@ -19,11 +23,14 @@ import torch
 REORDERED = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.q_norm", "self_attn.k_norm")
 
 
-def head_order(head_dim: int, rotary_dim: int) -> np.ndarray:
-    """new[i] = old[order[i]] within a head."""
+def head_order(head_dim: int, rotary_dim: int, interleaved: bool = False) -> np.ndarray:
+    """new[i] = old[order[i]] within a head (`interleaved`: the rotated pairs adjacent)."""
     r, half, rest = rotary_dim // 2, head_dim // 2, (head_dim - rotary_dim) // 2
-    first = [*range(r), *range(rotary_dim, rotary_dim + rest)]
-    second = [*range(r, rotary_dim), *range(rotary_dim + rest, head_dim)]
+    pairs = (range(0, rotary_dim, 2), range(1, rotary_dim, 2)) if interleaved else None
+    if pairs is None:
+        pairs = (range(r), range(r, rotary_dim))
+    first = [*pairs[0], *range(rotary_dim, rotary_dim + rest)]
+    second = [*pairs[1], *range(rotary_dim + rest, head_dim)]
     assert len(first) == len(second) == half
     return np.array(first + second)
 
@@ -34,10 +41,10 @@ def reordered(name: str) -> bool:
     return stem.endswith(REORDERED)
 
 
-def reorder_heads(value: Any, head_dim: int, rotary_dim: int) -> Any:
+def reorder_heads(value: Any, head_dim: int, rotary_dim: int, interleaved: bool = False) -> Any:
     """A Q/K weight, bias or per-head norm weight with each head's elements reordered: a tensor
     or a GGUF BlockTensor (whole rows move; nothing requantized)."""
-    order = head_order(head_dim, rotary_dim)
+    order = head_order(head_dim, rotary_dim, interleaved)
     rows = value.shape[0]
     index = (np.arange(rows // head_dim)[:, None] * head_dim + order[None, :]).reshape(-1)
     if isinstance(value, torch.Tensor):

@@ -42,6 +42,11 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     # intermediate_size, the softmax of the chosen experts' logits (renormalized)
     "GraniteMoeForCausalLM": {"qk_norm": False, "granite": True, "moe": True},
     # SmolLM3: Llama's layer, every fourth (no_rope_layers) attending without rotation
+    # GLM (glm-4-9b-chat-hf, GLM-Edge): Llama's layer with Q/K/V biases, gate and up one tensor,
+    # half of each head turned by adjacent pairs; GLM-4 (0414) adds norms after both blocks
+    # (Gemma's sandwich, its own names: gpu/models/glm.py)
+    "GlmForCausalLM": {"qk_norm": False, "glm": True},
+    "Glm4ForCausalLM": {"qk_norm": False, "glm": True},
     "SmolLM3ForCausalLM": {"qk_norm": False, "smollm3": True},
     # OLMoE: Llama's layer with OLMo's Q/K norms over a mixture of experts of intermediate_size
     "OlmoeForCausalLM": {"qk_norm": True, "olmo": True, "moe": True},
@@ -57,7 +62,13 @@ CLASSIFIERS = {
 CLASSIFIERS["Gemma3TextForSequenceClassification"] = "Gemma3ForCausalLM"
 # Architectures whose O projection has no bias even where the config sets attention_bias (it
 # sets their Q/K/V biases alone)
-NO_O_BIAS = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Phi3ForCausalLM")
+NO_O_BIAS = (
+    "Qwen2ForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "Phi3ForCausalLM",
+    "GlmForCausalLM",
+    "Glm4ForCausalLM",
+)
 
 
 @dataclass(frozen=True)
@@ -133,6 +144,8 @@ class ModelSpec:
     logits_scaling: float = 1.0
     # SmolLM3's layers that attend without rotating Q and K (NoPE)
     nope_layers: tuple[int, ...] = ()
+    # GLM's rotation of adjacent pairs (served by reordering Q/K heads at load: partial_rope.py)
+    rope_interleaved: bool = False
 
     @classmethod
     def from_hf_config(cls, config: Any) -> ModelSpec:
@@ -209,6 +222,10 @@ class ModelSpec:
             fields.update(_granite(config, arch))
         if extra.get("smollm3"):
             fields.update(_smollm3(config, arch))
+        if extra.get("glm"):  # (a GGUF file holds its heads turned by halves already)
+            fields.update(rope_interleaved=not getattr(config, "weir_rope_halves", False))
+            if arch == "Glm4ForCausalLM":
+                fields.update(sandwich_norms=True)
         return cls(**fields)
 
     def is_moe_layer(self, index: int) -> bool:

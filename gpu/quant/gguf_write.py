@@ -24,6 +24,7 @@ import numpy as np
 from gpu.gguf_names import ARCHES as GGUF_ARCHES
 from gpu.gguf_names import PERMUTED, gguf_name, llama_permute
 from gpu.gguf_tokenizer import split_of
+from gpu.models import glm
 from gpu.models.moe import STACKED, checkpoint_name, cut_stacked
 from gpu.quant.formats import FORMATS
 from gpu.quant.quantize import quantize
@@ -96,6 +97,7 @@ def write_gguf(
     kv_heads = config.get("num_key_value_heads") or heads
     if tensors is None:
         tensors = _checkpoint(hf_dir)
+    tensors = _weir_names(tensors, arch)
     count = config.get("num_local_experts") or config.get("num_experts") or 0
     if count:
         tensors = _stacked_experts(tensors, count)
@@ -152,11 +154,15 @@ def _rerank_keys(w: gguf.GGUFWriter, hf_dir: Path, template: str) -> list[int]:
     return ids
 
 
-def _cut(tensors: Iterator[tuple[str, np.ndarray]]) -> Iterator[tuple[str, np.ndarray]]:
+def _weir_names(
+    tensors: Iterator[tuple[str, np.ndarray]], arch: str
+) -> Iterator[tuple[str, np.ndarray]]:
     """The tensors under the names weir loads by: Mixtral's read as Qwen3-MoE's, GraniteMoE's
-    stacked experts cut into each expert's (gpu/models/moe.py)."""
+    stacked experts cut into each expert's (gpu/models/moe.py), GLM-4's norms as Gemma's."""
     for name, t in tensors:
         name = checkpoint_name(name)
+        if arch == "glm4":
+            name = glm.checkpoint_name(name)
         if STACKED.match(name):
             yield from cut_stacked(name, t)
         else:
@@ -168,9 +174,9 @@ def _stacked_experts(
 ) -> Iterator[tuple[str, np.ndarray]]:
     """The checkpoint's tensors with each layer's experts of a product stacked into one
     [experts, rows, columns] tensor (mlp.experts.gate_proj: gguf_names.py), as llama.cpp's
-    converter stacks them; Mixtral's names read as Qwen3-MoE's (gpu/models/moe.py)."""
+    converter stacks them (the names already weir's: _weir_names)."""
     held: dict[str, dict[int, np.ndarray]] = {}
-    for name, t in _cut(tensors):
+    for name, t in tensors:
         found = re.fullmatch(r"(.*\.mlp\.experts\.)(\d+)\.(.*)", name)
         if found is None:
             yield name, t
