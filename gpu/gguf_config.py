@@ -123,10 +123,12 @@ class HfConfigOf:
             return self._olmo(common, head_dim)
         if a in ("granite", "granitemoe", "smollm3"):
             return self._llama_like(common, head_dim)
-        if a == "glm4":  # Q/K/V biases where the file has them (GLM-4-0414's)
-            from transformers import Glm4Config
+        if a in ("glm4", "ernie4_5"):  # Q/K/V biases where the file has them (GLM-4-0414's)
+            from transformers import Ernie4_5Config, Glm4Config
 
             bias = "blk.0.attn_q.bias" in self.tensors
+            if a == "ernie4_5":  # (its biases on every product)
+                return Ernie4_5Config(**common, head_dim=head_dim, use_bias=bias)
             return Glm4Config(**common, head_dim=head_dim, attention_bias=bias)
         if a == "gemma3":
             return self._gemma3(common, head_dim, Gemma3TextConfig)

@@ -22,6 +22,7 @@ ARCHES = {
     "granitemoe": "GraniteMoeForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
     "glm4": "Glm4ForCausalLM",  # (its Q/K rows as the checkpoint's: llama.cpp turns adjacent pairs)
+    "ernie4_5": "Ernie4_5ForCausalLM",  # (so too)
     # an encoder (gpu/models/encoder.py): BERT, or XLM-RoBERTa / RoBERTa by its vocabulary
     # (gpu/gguf_config.py `encoder`)
     "bert": "BertModel",

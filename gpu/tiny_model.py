@@ -78,7 +78,8 @@ def build_tiny_model(
     `intermediate_size`): random norm weights. Granite ("granite"): Granite 3's factors
     (GraniteMoE, "granitemoe": over `num_experts`); SmolLM3 ("smollm3"): every fourth layer
     unrotated; GLM and GLM-4 ("glm", "glm4"): half of each head turned by adjacent pairs, random
-    Q/K/V biases and norm weights."""
+    Q/K/V biases and norm weights; ERNIE 4.5 ("ernie4_5"): each head turned so, biases on every
+    product with `attention_bias`."""
     import torch
     from transformers import (
         AutoModelForCausalLM,
@@ -275,6 +276,15 @@ def build_tiny_model(
             tie_word_embeddings=bool(tie_word_embeddings),
             attention_bias=True,
             partial_rotary_factor=0.5,
+        )
+    elif arch == "ernie4_5":  # each head turned by adjacent pairs
+        from transformers import Ernie4_5Config
+
+        config = Ernie4_5Config(
+            **common,
+            head_dim=head_dim or hidden_size // num_heads,
+            tie_word_embeddings=tie_word_embeddings is not False,
+            use_bias=attention_bias,
         )
     elif arch == "smollm3":  # every fourth layer without rotation (no_rope_layer_interval)
         from transformers import SmolLM3Config

@@ -47,6 +47,9 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     # (Gemma's sandwich, its own names: gpu/models/glm.py)
     "GlmForCausalLM": {"qk_norm": False, "glm": True},
     "Glm4ForCausalLM": {"qk_norm": False, "glm": True},
+    # ERNIE 4.5 (dense: ERNIE-4.5-0.3B): Llama's layer, each head turned by adjacent pairs (as
+    # GLM's), `use_bias` on every product but the head
+    "Ernie4_5ForCausalLM": {"qk_norm": False, "glm": True, "ernie": True},
     "SmolLM3ForCausalLM": {"qk_norm": False, "smollm3": True},
     # OLMoE: Llama's layer with OLMo's Q/K norms over a mixture of experts of intermediate_size
     "OlmoeForCausalLM": {"qk_norm": True, "olmo": True, "moe": True},
@@ -222,10 +225,11 @@ class ModelSpec:
             fields.update(_granite(config, arch))
         if extra.get("smollm3"):
             fields.update(_smollm3(config, arch))
-        if extra.get("glm"):  # (a GGUF file holds its heads turned by halves already)
-            fields.update(rope_interleaved=not getattr(config, "weir_rope_halves", False))
-            if arch == "Glm4ForCausalLM":
-                fields.update(sandwich_norms=True)
+        if extra.get("glm"):  # (GLM-4's layer: Gemma's sandwich, its norm weights plain)
+            fields.update(rope_interleaved=True, sandwich_norms=arch == "Glm4ForCausalLM")
+        if extra.get("ernie"):
+            bias = bool(getattr(config, "use_bias", False))
+            fields.update(qkv_bias=bias, o_bias=bias, mlp_bias=bias)
         return cls(**fields)
 
     def is_moe_layer(self, index: int) -> bool:
