@@ -123,6 +123,8 @@ class HfConfigOf:
             return self._olmo(common, head_dim)
         if a in ("granite", "granitemoe", "smollm3"):
             return self._llama_like(common, head_dim)
+        if a == "mistral3":
+            return self._mistral3(common, head_dim)
         if a in ("glm4", "ernie4_5"):  # Q/K/V biases where the file has them (GLM-4-0414's)
             from transformers import Ernie4_5Config, Glm4Config
 
@@ -183,6 +185,30 @@ class HfConfigOf:
             num_local_experts=int(self.get(f"{a}.expert_count")),
             num_experts_per_tok=int(self.get(f"{a}.expert_used_count")),
         )
+
+    def _mistral3(self, common: dict, head_dim: int) -> Any:
+        """Ministral 3 as llama.cpp reads its file: its attention temperature's beta
+        (attention.temperature_scale) over YaRN's original context; YaRN's log multiplier as
+        transformers' mscale_all_dim against an mscale of 1 (Ministral 3's: both 1, no factor on
+        the rotation). Without a temperature it is Mistral 3's text model of Mistral Small: a
+        Mistral."""
+        from transformers import Ministral3Config, MistralConfig
+
+        beta = float(self.get("mistral3.attention.temperature_scale", 0.0) or 0.0)
+        if not beta:
+            common["architectures"] = ["MistralForCausalLM"]
+            return MistralConfig(**common, head_dim=head_dim)
+        rope = common["rope_parameters"]
+        if rope.get("rope_type") != "yarn":
+            raise CheckpointError(f"{self.path.name}: a temperature scale without YaRN")
+        rope.update(
+            beta_fast=float(self.get("mistral3.rope.scaling.yarn_beta_fast", 32.0)),
+            beta_slow=float(self.get("mistral3.rope.scaling.yarn_beta_slow", 1.0)),
+            mscale=1.0,
+            mscale_all_dim=float(self.get("mistral3.rope.scaling.yarn_log_multiplier", 1.0)),
+            llama_4_scaling_beta=beta,
+        )
+        return Ministral3Config(**common, head_dim=head_dim)
 
     def _experts(self, common: dict, head_dim: int, mixtral: Any, qwen: Any) -> Any:
         """A mixture of experts as llama.cpp reads its file: a "llama" with experts is Mixtral

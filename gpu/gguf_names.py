@@ -23,6 +23,9 @@ ARCHES = {
     "smollm3": "SmolLM3ForCausalLM",
     "glm4": "Glm4ForCausalLM",  # (its Q/K rows as the checkpoint's: llama.cpp turns adjacent pairs)
     "ernie4_5": "Ernie4_5ForCausalLM",  # (so too)
+    # Ministral 3, and Mistral 3's text model (a file without attention.temperature_scale: its
+    # Mistral Small 3.x, served as Mistral)
+    "mistral3": "Ministral3ForCausalLM",
     # an encoder (gpu/models/encoder.py): BERT, or XLM-RoBERTa / RoBERTa by its vocabulary
     # (gpu/gguf_config.py `encoder`)
     "bert": "BertModel",
@@ -33,7 +36,7 @@ ARCHES = {
 # A "llama" file with experts is a Mixtral (llama.cpp's converter writes it so).
 # The architectures whose Q/K rows llama.cpp's converter reorders (its LlamaModel's and its
 # subclasses': llama_permute)
-PERMUTED = ("llama", "granite", "granitemoe", "smollm3")
+PERMUTED = ("llama", "granite", "granitemoe", "smollm3", "mistral3")
 
 # HF module names (under model.layers.N.) -> GGUF's (under blk.N.)
 LAYER_NAMES = {

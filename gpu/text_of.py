@@ -1,16 +1,26 @@
-"""The text model of a multimodal checkpoint (Gemma 3's 4B-27B, `Gemma3ForConditionalGeneration`),
-served alone: its language model's config and weights, under the names of the text-only
-architecture; the vision tower and its projector are not loaded (weir takes no images: a request
-with one is refused), which start-up says once."""
+"""The text model of a multimodal checkpoint (Gemma 3's 4B-27B, `Gemma3ForConditionalGeneration`;
+Mistral 3's, `Mistral3ForConditionalGeneration`: Mistral Small 3.1 and 3.2, Magistral Small,
+Ministral 3), served alone: its language model's config and weights, under the names of the
+text-only architecture (by the text config's model_type); the vision tower and its projector are
+not loaded (weir takes no images: a request with one is refused), which start-up says once."""
 
 from __future__ import annotations
 
 import logging
 from typing import Any
 
+from core.config import CheckpointError
+
 log = logging.getLogger("weir")
 
-TEXT_OF = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+# multimodal architecture -> its text config's model_type -> the text-only architecture
+TEXT_OF = {
+    "Gemma3ForConditionalGeneration": {"gemma3_text": "Gemma3ForCausalLM"},
+    "Mistral3ForConditionalGeneration": {
+        "mistral": "MistralForCausalLM",
+        "ministral3": "Ministral3ForCausalLM",
+    },
+}
 # the language model's tensors, in the checkpoints' layout and in transformers 5's
 _RENAMED = (
     ("language_model.model.", "model."),
@@ -29,7 +39,13 @@ def text_config(config: Any) -> Any:
     if multimodal is None:
         return config
     text = config.text_config
-    text.architectures = [TEXT_OF[multimodal]]
+    kind = getattr(text, "model_type", None)
+    if kind not in TEXT_OF[multimodal]:
+        raise CheckpointError(
+            f"{multimodal} with a {kind!r} text model is not served; weir serves the text of "
+            f"{', '.join(TEXT_OF[multimodal])}"
+        )
+    text.architectures = [TEXT_OF[multimodal][kind]]
     text.weir_text_of = multimodal
     for shared in ("dtype", "quantization_config"):  # the checkpoint's, kept at its top
         if getattr(text, shared, None) is None and getattr(config, shared, None) is not None:

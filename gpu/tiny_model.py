@@ -79,7 +79,8 @@ def build_tiny_model(
     (GraniteMoE, "granitemoe": over `num_experts`); SmolLM3 ("smollm3"): every fourth layer
     unrotated; GLM and GLM-4 ("glm", "glm4"): half of each head turned by adjacent pairs, random
     Q/K/V biases and norm weights; ERNIE 4.5 ("ernie4_5"): each head turned so, biases on every
-    product with `attention_bias`."""
+    product with `attention_bias`; Ministral 3 ("ministral3"): YaRN from a context of 8, past
+    which its attention temperature rises."""
     import torch
     from transformers import (
         AutoModelForCausalLM,
@@ -276,6 +277,19 @@ def build_tiny_model(
             tie_word_embeddings=bool(tie_word_embeddings),
             attention_bias=True,
             partial_rotary_factor=0.5,
+        )
+    elif arch == "ministral3":  # YaRN over a pretrained context of 8 (the temperature past it)
+        from transformers import Ministral3Config
+
+        config = Ministral3Config(
+            **common,
+            head_dim=head_dim or hidden_size // num_heads,
+            tie_word_embeddings=bool(tie_word_embeddings),
+            rope_parameters={
+                "rope_type": "yarn", "rope_theta": 10000.0, "factor": 16.0,
+                "original_max_position_embeddings": 8, "beta_fast": 32.0, "beta_slow": 1.0,
+                "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.1,
+            },  # fmt: skip
         )
     elif arch == "ernie4_5":  # each head turned by adjacent pairs
         from transformers import Ernie4_5Config

@@ -22,6 +22,7 @@ from gpu.dist.parallel import TensorParallel, local_spec
 from gpu.models.gemma import sandwich_forward
 from gpu.models.layers import Embedding, Linear, RMSNorm
 from gpu.models.moe import SparseMoE
+from gpu.models.query_scale import QueryScale
 from gpu.models.rope import Rope
 from gpu.models.spec import ModelSpec
 
@@ -57,6 +58,7 @@ class Attention(nn.Module):
         self.sliding_window = window
         self.softcap = spec.attn_softcap  # Gemma 2's cap on the scores (0: none)
         self.residual_scale = spec.residual_scale  # Granite's, on O's input (1: none)
+        self.query_scale = None  # Ministral 3's (query_scale.py): the model's, set a step
         self.qkv_sizes = [spec.num_heads * d, spec.num_kv_heads * d, spec.num_kv_heads * d]
         self.o_width = h
         self.qkv = None  # Q/K/V as one product, when the backend fuses them
@@ -97,6 +99,8 @@ class Attention(nn.Module):
         scaled = self.kv_applied
         muls = None if scaled is None else (scaled.k_mul, scaled.v_mul)
         q = b.rope_store_kv(q, k, v, qw, kw, eps, cos, sin, kv, meta.slot_mapping, muls)
+        if self.query_scale is not None:
+            q = self.query_scale.apply(q)
         scale = self.scale if scaled is None else scaled.score_scale
         o = b.attention.forward(
             q, kv[0], kv[1], meta, scale, self.sliding_window, self.softcap, self.sinks
@@ -253,6 +257,13 @@ class DecoderForCausalLM(nn.Module):
         self._embed_factor: float | None = None  # spec.embed_scale in the embeddings' dtype
         self.stack = None  # the backend's whole-stack call, when it runs this model so
         self.lora = None  # gpu/lora.py LoraSlots: the adapters' slots, with --enable-lora
+        # Ministral 3's attention temperature: one per model, each step's factors, every
+        # layer's attention reading them
+        self.query_scale = None
+        if spec.query_scale_beta:
+            self.query_scale = QueryScale(spec.query_scale_beta, spec.query_scale_length)
+            for layer in self.model.layers:
+                layer.self_attn.query_scale = self.query_scale
 
     def prepare(self) -> None:
         """After loading: every weight in the backend's form; then the stack, if the backend
@@ -293,6 +304,8 @@ class DecoderForCausalLM(nn.Module):
     def hidden_states(self, input_ids, positions, kv_caches, meta, lora=None) -> torch.Tensor:
         """The final hidden states, layer by layer (what CUDA graphs capture)."""
         x = self.embed(input_ids)
+        if self.query_scale is not None:
+            self.query_scale.set(positions)
         cos, sin = self.rope.cos_sin(positions, x.dtype)
         local = self.rope_local.cos_sin(positions, x.dtype) if self.rope_local else (cos, sin)
         layers = self.model.layers

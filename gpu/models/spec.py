@@ -47,6 +47,9 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     # (Gemma's sandwich, its own names: gpu/models/glm.py)
     "GlmForCausalLM": {"qk_norm": False, "glm": True},
     "Glm4ForCausalLM": {"qk_norm": False, "glm": True},
+    # Ministral 3 (3B, 8B, 14B; Mistral 3's text model): Mistral's layer, YaRN, and Llama 4's
+    # attention temperature past the pretrained context (gpu/models/query_scale.py)
+    "Ministral3ForCausalLM": {"qk_norm": False, "ministral3": True},
     # ERNIE 4.5 (dense: ERNIE-4.5-0.3B): Llama's layer, each head turned by adjacent pairs (as
     # GLM's), `use_bias` on every product but the head
     "Ernie4_5ForCausalLM": {"qk_norm": False, "glm": True, "ernie": True},
@@ -149,6 +152,10 @@ class ModelSpec:
     nope_layers: tuple[int, ...] = ()
     # GLM's rotation of adjacent pairs (served by reordering Q/K heads at load: partial_rope.py)
     rope_interleaved: bool = False
+    # Ministral 3's attention temperature (gpu/models/query_scale.py): each rotated query times
+    # 1 + beta * log(1 + floor(position / length)) (beta 0: none)
+    query_scale_beta: float = 0.0
+    query_scale_length: int = 0
 
     @classmethod
     def from_hf_config(cls, config: Any) -> ModelSpec:
@@ -170,7 +177,12 @@ class ModelSpec:
         heads = config.num_attention_heads
         # Mistral's, Mixtral's and Phi-3's sliding window applies to every layer. (Qwen2's optional
         # per-layer window is off in released checkpoints and not supported.)
-        windowed = arch in ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM")
+        windowed = arch in (
+            "MistralForCausalLM",
+            "MixtralForCausalLM",
+            "Phi3ForCausalLM",
+            "Ministral3ForCausalLM",
+        )
         window = getattr(config, "sliding_window", None) if windowed else None
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         partial = rope_parameters(config).get(
@@ -227,6 +239,8 @@ class ModelSpec:
             fields.update(_smollm3(config, arch))
         if extra.get("glm"):  # (GLM-4's layer: Gemma's sandwich, its norm weights plain)
             fields.update(rope_interleaved=True, sandwich_norms=arch == "Glm4ForCausalLM")
+        if extra.get("ministral3"):
+            fields.update(_query_scale(config, arch))
         if extra.get("ernie"):
             bias = bool(getattr(config, "use_bias", False))
             fields.update(qkv_bias=bias, o_bias=bias, mlp_bias=bias)
@@ -344,3 +358,17 @@ def _smollm3(config: Any, arch: str) -> dict[str, Any]:
     if len(flags) != n:
         raise CheckpointError(f"{arch}: no_rope_layers has {len(flags)} flags for {n} layers")
     return dict(nope_layers=tuple(i for i, f in enumerate(flags) if not f))
+
+
+def _query_scale(config: Any, arch: str) -> dict[str, Any]:
+    """Ministral 3's attention temperature: its beta and the rotation's pretrained context."""
+    params = rope_parameters(config)
+    beta = float(params.get("llama_4_scaling_beta") or 0.0)
+    if not beta:
+        return {}
+    length = int(params.get("original_max_position_embeddings") or 0)
+    if length <= 0:
+        raise CheckpointError(
+            f"{arch}: llama_4_scaling_beta without original_max_position_embeddings"
+        )
+    return dict(query_scale_beta=beta, query_scale_length=length)

@@ -233,6 +233,11 @@ def metadata_writer(out: Path, config: dict, tokenizer_dir: Path) -> tuple[gguf.
         _window_keys(w, config, local)
     if arch == "gemma2":
         _gemma2_keys(w, config, head_dim)
+    if arch == "mistral3":  # Ministral 3's YaRN and temperature, as llama.cpp's converter writes
+        w.add_rope_scaling_yarn_beta_fast(float(rope["beta_fast"]))
+        w.add_rope_scaling_yarn_beta_slow(float(rope["beta_slow"]))
+        w.add_rope_scaling_yarn_log_mul(float(rope["mscale_all_dim"]))
+        w.add_attn_temperature_scale(float(rope["llama_4_scaling_beta"]))
     if arch in ("granite", "granitemoe"):  # its four factors, as llama.cpp's converter names them
         w.add_attention_scale(float(config["attention_multiplier"]))
         w.add_embedding_scale(float(config["embedding_multiplier"]))

@@ -254,6 +254,13 @@ int decoder_forward(const DecoderModel& model, const DecoderStep& step) {
             rms_norm_rope(qkv, T, m->heads, D, qkvw, L.q_norm, eps, c, sn, q, nt);
             rms_norm_rope(qkv + qw, T, m->kv_heads, D, qkvw, L.k_norm, eps, c, sn, k, nt);
         }
+        if (m->q_beta != 0.f)  // Ministral 3's temperature, as gpu/models/query_scale.py's
+            for (int64_t t = 0; t < T; ++t) {
+                const float blocks = std::floor(float(s->positions[t]) / float(m->q_length));
+                const float f = 1.f + m->q_beta * std::log(1.f + blocks);
+                if (f != 1.f)
+                    for (int64_t j = 0; j < qw; ++j) q[t * qw + j] *= f;
+            }
         timer.lap(kRope);
         if (L.k_mul != 0.f) {  // a checkpoint's FP8 KV scales: K and V as they are written
             for (int64_t i = 0; i < T * kvw; ++i) k[i] *= L.k_mul;

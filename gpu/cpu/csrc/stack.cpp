@@ -147,6 +147,8 @@ struct DecoderStack : torch::CustomClassHolder {
         model.final_norm = keep_(final_norm);
         model.embed_scale = 1.f;
         model.residual_scale = 1.f;
+        model.q_beta = 0.f;
+        model.q_length = 0;
         model.embed = stack_weight(dims[8], embed, vocab, H, false, "embed", true);
         keep.push_back(embed);
         if (dims[9] >= 0) {
@@ -276,10 +278,14 @@ struct DecoderStack : torch::CustomClassHolder {
         model.attn_softcap = float(attn_softcap);
     }
 
-    // Granite's factor on each block's output (taken on the O and down products' inputs)
-    void set_residual_scale(double scale) {
-        TORCH_CHECK_VALUE(std::isfinite(scale), "residual_scale must be finite");
-        model.residual_scale = float(scale);
+    // Granite's factor on each block's output (taken on the O and down products' inputs) and
+    // Ministral 3's attention temperature (its beta, 0: none, and length)
+    void set_scales(double residual, double q_beta, int64_t q_length) {
+        TORCH_CHECK_VALUE(std::isfinite(residual) && std::isfinite(q_beta), "scales: finite");
+        TORCH_CHECK_VALUE(q_beta == 0 || q_length > 0, "scales: q_length must be > 0");
+        model.residual_scale = float(residual);
+        model.q_beta = float(q_beta);
+        model.q_length = q_length;
     }
 
     // The adapters' slots (gpu/lora.py), bound once: per layer, for each product group in
@@ -379,7 +385,7 @@ TORCH_LIBRARY_FRAGMENT(weir, m) {
         .def("run", &DecoderStack::run)
         .def("set_lora", &DecoderStack::set_lora)
         .def("set_gemma", &DecoderStack::set_gemma)
-        .def("set_residual_scale", &DecoderStack::set_residual_scale)
+        .def("set_scales", &DecoderStack::set_scales)
         .def("set_shared", &DecoderStack::set_shared)
         .def("set_gpt_oss", &DecoderStack::set_gpt_oss)
         .def("set_kv_scales", &DecoderStack::set_kv_scales);

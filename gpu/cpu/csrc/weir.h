@@ -343,6 +343,10 @@ struct DecoderModel {
     float embed_scale;  // the embeddings' factor (Gemma's sqrt(hidden), rounded to float32)
     float attn_softcap;  // Gemma 2's cap on the attention scores (0: none)
     float residual_scale;  // Granite's factor on each block's output (1: none)
+    // Ministral 3's attention temperature: each rotated query times 1 + q_beta * log(1 +
+    // floor(position / q_length)) (q_beta 0: none)
+    float q_beta;
+    int64_t q_length;
     const float* final_norm;
     StackWeight embed;    // [vocab, hidden]: float32 rows (kWF32, not panels) or a packed WFormat
     StackWeight lm_head;  // [vocab, hidden], or data null: no logits here
