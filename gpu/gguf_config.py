@@ -125,6 +125,17 @@ class HfConfigOf:
             return self._llama_like(common, head_dim)
         if a == "mistral3":
             return self._mistral3(common, head_dim)
+        if a == "exaone4":  # sliding layers by the file's pattern (global ones unrotated)
+            from transformers import Exaone4Config
+
+            window = int(self.get("exaone4.attention.sliding_window", 0) or 0)
+            n = common["num_hidden_layers"]
+            pattern = self.get("exaone4.attention.sliding_window_pattern", [0] * n)
+            slides = sliding_layers(pattern, n) if window else [False] * n
+            kinds = ["sliding_attention" if s else "full_attention" for s in slides]
+            return Exaone4Config(
+                **common, head_dim=head_dim, sliding_window=window or None, layer_types=kinds
+            )
         if a in ("glm4", "ernie4_5"):  # Q/K/V biases where the file has them (GLM-4-0414's)
             from transformers import Ernie4_5Config, Glm4Config
 

@@ -26,6 +26,7 @@ ARCHES = {
     # Ministral 3, and Mistral 3's text model (a file without attention.temperature_scale: its
     # Mistral Small 3.x, served as Mistral)
     "mistral3": "Ministral3ForCausalLM",
+    "exaone4": "Exaone4ForCausalLM",
     # an encoder (gpu/models/encoder.py): BERT, or XLM-RoBERTa / RoBERTa by its vocabulary
     # (gpu/gguf_config.py `encoder`)
     "bert": "BertModel",
@@ -89,6 +90,12 @@ _NAMES = {  # an architecture's layer names where they are not Llama's
     # layer, `attn_sinks.weight` in the file), each expert stack's biases [experts, rows]
     # OLMo 2 and 3: norms after attention and after the MLP, none before them
     "olmo2": {
+        **LAYER_NAMES,
+        "input_layernorm": None,
+        "post_attention_layernorm": "post_attention_norm",
+        "post_feedforward_layernorm": "post_ffw_norm",
+    },
+    "exaone4": {  # OLMo 2's layer
         **LAYER_NAMES,
         "input_layernorm": None,
         "post_attention_layernorm": "post_attention_norm",

@@ -79,7 +79,9 @@ def build_tiny_model(
     (GraniteMoE, "granitemoe": over `num_experts`); SmolLM3 ("smollm3"): every fourth layer
     unrotated; GLM and GLM-4 ("glm", "glm4"): half of each head turned by adjacent pairs, random
     Q/K/V biases and norm weights; ERNIE 4.5 ("ernie4_5"): each head turned so, biases on every
-    product with `attention_bias`; Ministral 3 ("ministral3"): YaRN from a context of 8, past
+    product with `attention_bias`; EXAONE 4 ("exaone4"): OLMo 2's layer with per-head Q/K norms,
+    every `global_every`-th layer global and unrotated, the others a window of `sliding_window`
+    (8 unless given); Ministral 3 ("ministral3"): YaRN from a context of 8, past
     which its attention temperature rises."""
     import torch
     from transformers import (
@@ -278,6 +280,16 @@ def build_tiny_model(
             attention_bias=True,
             partial_rotary_factor=0.5,
         )
+    elif arch == "exaone4":  # every third layer global (unrotated), the others a window of 8
+        from transformers import Exaone4Config
+
+        config = Exaone4Config(
+            **common,
+            head_dim=head_dim or hidden_size // num_heads,
+            tie_word_embeddings=bool(tie_word_embeddings),
+            sliding_window=sliding_window or 8,
+            sliding_window_pattern=global_every,
+        )
     elif arch == "ministral3":  # YaRN over a pretrained context of 8 (the temperature past it)
         from transformers import Ministral3Config
 
@@ -320,7 +332,7 @@ def build_tiny_model(
                     p.normal_(0.0, 0.5)
                 elif ".experts." in name:
                     p.mul_(20.0)
-    if arch.startswith(("olmo", "glm")):  # norm weights drawn (they start at one): a norm
+    if arch.startswith(("olmo", "glm", "exaone")):  # norm weights drawn (they start at one): a norm
         with torch.no_grad():  # read at the wrong width or place shows
             for name, p in model.named_parameters():
                 if "norm" in name:

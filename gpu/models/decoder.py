@@ -195,9 +195,13 @@ class DecoderLayer(nn.Module):
         if self.sandwich:
             self.pre_feedforward_layernorm = first(spec.hidden_size, spec.rms_norm_eps, backend)
             self.post_feedforward_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, backend)
-        # its sliding layers' rotation (Gemma 3's, OLMo 3's), or none: SmolLM3's NoPE layers
-        # turn by the angle 0 (rope_local all zeros: Q and K as they are)
-        self.local_rope = (bool(spec.layer_windows) and window > 0) or index in spec.nope_layers
+        # its sliding layers' rotation (Gemma 3's, OLMo 3's), or none: SmolLM3's and EXAONE 4's
+        # NoPE layers turn by the angle 0 (rope_local all zeros: Q and K as they are; EXAONE's
+        # sliding layers turn with the model's one rotation)
+        if spec.nope_layers:
+            self.local_rope = index in spec.nope_layers
+        else:
+            self.local_rope = bool(spec.layer_windows) and window > 0
         self.tp = tp
 
     def forward(self, x, h, cos, sin, kv, meta, next_norm: RMSNorm, lora=None):

@@ -47,6 +47,9 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     # (Gemma's sandwich, its own names: gpu/models/glm.py)
     "GlmForCausalLM": {"qk_norm": False, "glm": True},
     "Glm4ForCausalLM": {"qk_norm": False, "glm": True},
+    # EXAONE 4.0: OLMo 2's layer (norms after the blocks only) with Q/K norms per head; sliding
+    # layers (layer_types) beside global ones that attend without rotation (_exaone4)
+    "Exaone4ForCausalLM": {"qk_norm": True, "exaone4": True},
     # Ministral 3 (3B, 8B, 14B; Mistral 3's text model): Mistral's layer, YaRN, and Llama 4's
     # attention temperature past the pretrained context (gpu/models/query_scale.py)
     "Ministral3ForCausalLM": {"qk_norm": False, "ministral3": True},
@@ -239,6 +242,8 @@ class ModelSpec:
             fields.update(_smollm3(config, arch))
         if extra.get("glm"):  # (GLM-4's layer: Gemma's sandwich, its norm weights plain)
             fields.update(rope_interleaved=True, sandwich_norms=arch == "Glm4ForCausalLM")
+        if extra.get("exaone4"):
+            fields.update(_exaone4(config))
         if extra.get("ministral3"):
             fields.update(_query_scale(config, arch))
         if extra.get("ernie"):
@@ -372,3 +377,18 @@ def _query_scale(config: Any, arch: str) -> dict[str, Any]:
             f"{arch}: llama_4_scaling_beta without original_max_position_embeddings"
         )
     return dict(query_scale_beta=beta, query_scale_length=length)
+
+
+def _exaone4(config: Any) -> dict[str, Any]:
+    """EXAONE 4.0's layer: norms after its blocks only, and, with a sliding window, its sliding
+    layers (layer_types) rotated and its global ones not (none slide without a window: every
+    layer global and rotated, as EXAONE-4.0-1.2B)."""
+    fields: dict[str, Any] = dict(post_norms_only=True, sandwich_norms=True)
+    window = int(getattr(config, "sliding_window", None) or 0)
+    if window:
+        types = config.layer_types
+        fields.update(
+            layer_windows=tuple(window * (t == "sliding_attention") for t in types),
+            nope_layers=tuple(i for i, t in enumerate(types) if t != "sliding_attention"),
+        )
+    return fields

@@ -229,6 +229,9 @@ def metadata_writer(out: Path, config: dict, tokenizer_dir: Path) -> tuple[gguf.
         w.add_rope_scaling_orig_ctx_len(int(rope["original_max_position_embeddings"]))
     if arch == "gemma3":
         _gemma3_keys(w, config, local, head_dim)
+    if arch == "exaone4" and config.get("sliding_window"):  # as llama.cpp's converter writes it
+        w.add_sliding_window(config["sliding_window"])
+        w.add_sliding_window_pattern([t == "sliding_attention" for t in config["layer_types"]])
     if arch == "olmo2" and config.get("sliding_window"):  # OLMo 3
         _window_keys(w, config, local)
     if arch == "gemma2":
