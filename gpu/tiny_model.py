@@ -303,6 +303,16 @@ def build_tiny_model(
                 "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.1,
             },  # fmt: skip
         )
+    elif arch == "helium":  # each head turned by adjacent pairs; Q/K/V and MLP biases drawn
+        from transformers import HeliumConfig
+
+        config = HeliumConfig(
+            **common,
+            head_dim=head_dim or hidden_size // num_heads,
+            tie_word_embeddings=bool(tie_word_embeddings),
+            attention_bias=True,
+            mlp_bias=mlp_bias,
+        )
     elif arch == "ernie4_5":  # each head turned by adjacent pairs
         from transformers import Ernie4_5Config
 
@@ -320,7 +330,7 @@ def build_tiny_model(
         raise ValueError(f"unknown tiny architecture {arch!r}")
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
-    if attention_bias or mlp_bias or arch.startswith("glm"):  # drawn (they start at zero)
+    if attention_bias or mlp_bias or arch.startswith(("glm", "helium")):  # drawn (from zero)
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if name.endswith("bias"):

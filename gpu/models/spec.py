@@ -53,6 +53,9 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     # Ministral 3 (3B, 8B, 14B; Mistral 3's text model): Mistral's layer, YaRN, and Llama 4's
     # attention temperature past the pretrained context (gpu/models/query_scale.py)
     "Ministral3ForCausalLM": {"qk_norm": False, "ministral3": True},
+    # Helium (kyutai's Helium-1 2B): Llama's layer with GLM's rotation of adjacent pairs, Q/K/V
+    # biases (attention_bias) and none on O
+    "HeliumForCausalLM": {"qk_norm": False, "glm": True},
     # ERNIE 4.5 (dense: ERNIE-4.5-0.3B): Llama's layer, each head turned by adjacent pairs (as
     # GLM's), `use_bias` on every product but the head
     "Ernie4_5ForCausalLM": {"qk_norm": False, "glm": True, "ernie": True},
@@ -77,6 +80,7 @@ NO_O_BIAS = (
     "Phi3ForCausalLM",
     "GlmForCausalLM",
     "Glm4ForCausalLM",
+    "HeliumForCausalLM",
 )
 
 

@@ -1,8 +1,9 @@
-"""ERNIE 4.5 (Ernie4_5ForCausalLM, as ERNIE-4.5-0.3B): Llama's layer with each head turned by
-adjacent pairs (GLM's rotation: its Q/K heads reordered at load, gpu/models/partial_rope.py) and
-`use_bias` on every product but the head, against transformers on the same random weights, in the
-one-call CPU stack, layer by layer and on the CUDA backend's kernels; from llama.cpp's "ernie4_5"
-GGUF files too, whose Q/K rows are the checkpoint's (llama.cpp turns adjacent pairs)."""
+"""Models that turn each whole head by adjacent pairs (GLM's rotation: Q/K heads reordered at load,
+gpu/models/partial_rope.py): ERNIE 4.5 (Ernie4_5ForCausalLM, as ERNIE-4.5-0.3B: `use_bias` on
+every product but the head) and Helium (HeliumForCausalLM, kyutai's Helium-1 2B: Q/K/V biases,
+none on O), against transformers on the same random weights, in the one-call CPU stack, layer by
+layer and on the CUDA backend's kernels; ERNIE from llama.cpp's "ernie4_5" GGUF files too, whose
+Q/K rows are the checkpoint's (llama.cpp turns adjacent pairs)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ def models(tmp_path_factory):
     return {
         "plain": build_tiny_model(root / "plain", "ernie4_5", num_layers=3),
         "biased": build_tiny_model(root / "biased", "ernie4_5", num_layers=2, attention_bias=True),
+        "helium": build_tiny_model(root / "helium", "helium", num_layers=2),
     }
 
 
@@ -34,6 +36,15 @@ def test_ernie_matches_transformers(models, backend, monkeypatch):
     if backend == "stack":
         model = load(EngineConfig(model=str(models["plain"]), num_kv_blocks=16)).core.runner.model
         assert model.stack is not None and model.spec.rope_interleaved
+
+
+@pytest.mark.parametrize("backend", ["stack", "modules"])
+def test_helium_matches_transformers(models, backend):
+    """Helium: GLM's rotation of whole heads, Q/K/V biases (drawn) and none on O."""
+    config = {"stack": {}, "modules": {"cpu_forward": "modules"}}[backend]
+    assert_as_transformers(models["helium"], models["helium"], prompt(30), **config)
+    model = load(EngineConfig(model=str(models["helium"]), num_kv_blocks=16)).core.runner.model
+    assert model.spec.qkv_bias and not model.spec.o_bias and model.stack is not None
 
 
 def test_biases_on_every_product(models):
