@@ -125,6 +125,11 @@ class HfConfigOf:
             return self._llama_like(common, head_dim)
         if a == "mistral3":
             return self._mistral3(common, head_dim)
+        if a == "hunyuan-dense":  # the file's base is the stretched one: a plain rotation
+            from transformers import HunYuanDenseV1Config
+
+            bias = "blk.0.attn_q.bias" in self.tensors
+            return HunYuanDenseV1Config(**common, head_dim=head_dim, attention_bias=bias)
         if a == "exaone4":  # sliding layers by the file's pattern (global ones unrotated)
             from transformers import Exaone4Config
 

@@ -27,6 +27,8 @@ ARCHES = {
     # Mistral Small 3.x, served as Mistral)
     "mistral3": "Ministral3ForCausalLM",
     "exaone4": "Exaone4ForCausalLM",
+    # (its Q/K rows as the checkpoint's; the rotation's base stretched by alpha already)
+    "hunyuan-dense": "HunYuanDenseV1ForCausalLM",
     # an encoder (gpu/models/encoder.py): BERT, or XLM-RoBERTa / RoBERTa by its vocabulary
     # (gpu/gguf_config.py `encoder`)
     "bert": "BertModel",

@@ -22,7 +22,7 @@ from gpu import hf_overrides, kv_scales
 from gpu.fused_weights import fused_parts, split_fused
 from gpu.gguf_file import GgufCheckpoint, is_gguf
 from gpu.hf_overrides import ScoreRows
-from gpu.models import glm, gpt_oss
+from gpu.models import glm, gpt_oss, hunyuan
 from gpu.models.decoder import DecoderForCausalLM
 from gpu.models.moe import STACKED, checkpoint_name, cut_stacked
 from gpu.models.partial_rope import reorder_heads, reordered
@@ -92,6 +92,13 @@ def load_config(
             raise CheckpointError(f"{path}: no readable config.json ({e})") from None
     config = hf_overrides.apply(config, overrides, Path(tokenizer) if tokenizer else path)
     return text_config(config)
+
+
+# architectures whose checkpoints name some tensors otherwise than weir's modules
+RENAMES = {
+    "Glm4ForCausalLM": glm.checkpoint_name,
+    "HunYuanDenseV1ForCausalLM": hunyuan.checkpoint_name,
+}
 
 
 def _remote_config(path: Path) -> Any:
@@ -256,8 +263,9 @@ def load_weights(model: DecoderForCausalLM, path: Path, int4=None, text_only: bo
                     if name is None:
                         continue  # a multimodal checkpoint's other towers (gpu/text_of.py)
                     name = checkpoint_name(name)  # Mixtral's experts (gpu/models/moe.py)
-                    if spec.architecture == "Glm4ForCausalLM":  # its norms' own names
-                        name = glm.checkpoint_name(name)
+                    rename = RENAMES.get(spec.architecture)  # norms under their own names
+                    if rename is not None:
+                        name = rename(name)
                     if score is not None and name in ScoreRows.NAMES:
                         score.take(name, f.get_tensor(stored))
                         if name == "lm_head.weight":

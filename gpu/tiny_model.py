@@ -12,6 +12,7 @@ import tempfile
 from pathlib import Path
 
 from gpu.cache import cache_dir
+from gpu.tiny_configs import tiny_config
 from gpu.tiny_tokenizer import train_tokenizer
 
 TINY_NAME = "weir-tiny"
@@ -84,20 +85,7 @@ def build_tiny_model(
     (8 unless given); Ministral 3 ("ministral3"): YaRN from a context of 8, past
     which its attention temperature rises."""
     import torch
-    from transformers import (
-        AutoModelForCausalLM,
-        Gemma2Config,
-        Gemma3TextConfig,
-        GenerationConfig,
-        LlamaConfig,
-        MistralConfig,
-        MixtralConfig,
-        Phi3Config,
-        Qwen2Config,
-        Qwen2MoeConfig,
-        Qwen3Config,
-        Qwen3MoeConfig,
-    )
+    from transformers import AutoModelForCausalLM, GenerationConfig
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -123,211 +111,29 @@ def build_tiny_model(
     )
     if rope_scaling is not None:
         common["rope_parameters"] = {"rope_theta": 10000.0, **rope_scaling}
-    if arch == "llama":
-        config = LlamaConfig(
-            **common,
-            tie_word_embeddings=bool(tie_word_embeddings),
-            mlp_bias=mlp_bias,
-            attention_bias=attention_bias,
-        )
-    elif arch == "mistral":
-        config = MistralConfig(
-            **common, tie_word_embeddings=bool(tie_word_embeddings), sliding_window=sliding_window
-        )
-    elif arch == "phi3":  # fused qkv_proj and gate_up_proj; original_max_position_embeddings
-        # as its configs carry it (LongRoPE's pretrained length)
-        config = Phi3Config(
-            **common,
-            tie_word_embeddings=bool(tie_word_embeddings),
-            sliding_window=sliding_window,
-            original_max_position_embeddings=(rope_scaling or {}).get(
-                "original_max_position_embeddings", max_position_embeddings
-            ),
-        )
-    elif arch == "gemma3":  # every third layer global, the others a window of sliding_window
-        config = Gemma3TextConfig(
-            **common,
-            head_dim=head_dim or hidden_size // num_heads,
-            tie_word_embeddings=tie_word_embeddings is not False,
-            sliding_window=sliding_window or 8,
-            layer_types=[
-                "full_attention" if (i + 1) % global_every == 0 else "sliding_attention"
-                for i in range(num_layers)
-            ],
-            query_pre_attn_scalar=query_pre_attn_scalar or 24,
-        )
-        config.architectures = ["Gemma3ForCausalLM"]
-    elif arch == "gemma2":  # every other layer global; scores and logits soft-capped
-        config = Gemma2Config(
-            **common,
-            head_dim=head_dim or hidden_size // num_heads,
-            tie_word_embeddings=tie_word_embeddings is not False,
-            sliding_window=sliding_window or 8,
-            layer_types=[
-                "full_attention" if (i + 1) % 2 == 0 else "sliding_attention"
-                for i in range(num_layers)
-            ],
-            query_pre_attn_scalar=query_pre_attn_scalar or 24,
-            attn_logit_softcapping=softcaps[0],
-            final_logit_softcapping=softcaps[1],
-        )
-    elif arch == "qwen2":
-        config = Qwen2Config(**common, tie_word_embeddings=tie_word_embeddings is not False)
-    elif arch == "qwen3":
-        config = Qwen3Config(
-            **common,
-            head_dim=head_dim or hidden_size // num_heads,
-            tie_word_embeddings=tie_word_embeddings is not False,
-        )
-    elif arch == "mixtral":
-        config = MixtralConfig(
-            **common,
-            tie_word_embeddings=bool(tie_word_embeddings),
-            sliding_window=sliding_window,
-            num_local_experts=num_experts,
-            num_experts_per_tok=experts_per_token,
-        )
-    elif arch == "qwen3_moe":  # the dense intermediate_size is unused: every layer sparse
-        config = Qwen3MoeConfig(
-            **common,
-            head_dim=head_dim or hidden_size // num_heads,
-            tie_word_embeddings=bool(tie_word_embeddings),
-            moe_intermediate_size=intermediate_size,
-            num_experts=num_experts,
-            num_experts_per_tok=experts_per_token,
-            norm_topk_prob=norm_topk_prob,
-        )
-    elif arch == "qwen2_moe":  # and its shared expert
-        config = Qwen2MoeConfig(
-            **common,
-            tie_word_embeddings=bool(tie_word_embeddings),
-            moe_intermediate_size=intermediate_size,
-            shared_expert_intermediate_size=shared_expert_size or 2 * intermediate_size,
-            num_experts=num_experts,
-            num_experts_per_tok=experts_per_token,
-            norm_topk_prob=norm_topk_prob,
-            mlp_only_layers=list(dense_layers),
-        )
-    elif arch == "gpt_oss":  # every other layer sliding; its default YaRN rotation
-        from transformers import GptOssConfig
-
-        config = GptOssConfig(
-            **common,
-            head_dim=head_dim or hidden_size // num_heads,
-            tie_word_embeddings=bool(tie_word_embeddings),
-            sliding_window=sliding_window or 8,
-            num_local_experts=num_experts,
-            num_experts_per_tok=experts_per_token,
-        )
-    elif arch == "olmo2":  # norms after the blocks only; Q/K norms over all heads
-        from transformers import Olmo2Config
-
-        config = Olmo2Config(**common, tie_word_embeddings=bool(tie_word_embeddings))
-    elif arch == "olmo3":  # OLMo 2's layer, every third layer global, the others a window
-        from transformers import Olmo3Config
-
-        config = Olmo3Config(
-            **common,
-            tie_word_embeddings=bool(tie_word_embeddings),
-            sliding_window=sliding_window or 8,
-            layer_types=[
-                "full_attention" if (i + 1) % global_every == 0 else "sliding_attention"
-                for i in range(num_layers)
-            ],
-        )
-    elif arch == "olmoe":  # OLMo's Q/K norms over experts of intermediate_size
-        from transformers import OlmoeConfig
-
-        config = OlmoeConfig(
-            **common,
-            tie_word_embeddings=bool(tie_word_embeddings),
-            num_experts=num_experts,
-            num_experts_per_tok=experts_per_token,
-            norm_topk_prob=norm_topk_prob,
-        )
-    elif arch == "granite":  # Llama's layer with Granite 3's four factors, far from 1 (the
-        # embeddings' smaller than its 12: at this initialization they would drown the blocks)
-        from transformers import GraniteConfig
-
-        config = GraniteConfig(
-            **common,
-            tie_word_embeddings=tie_word_embeddings is not False,
-            embedding_multiplier=2.5,
-            attention_multiplier=0.0625,
-            residual_multiplier=0.45,
-            logits_scaling=8.0,
-        )
-    elif arch == "granitemoe":  # Granite's factors (as "granite") over experts
-        from transformers import GraniteMoeConfig
-
-        config = GraniteMoeConfig(
-            **common,
-            tie_word_embeddings=tie_word_embeddings is not False,
-            embedding_multiplier=2.5,
-            attention_multiplier=0.0625,
-            residual_multiplier=0.45,
-            logits_scaling=8.0,
-            num_local_experts=num_experts,
-            num_experts_per_tok=experts_per_token,
-        )
-    elif arch in ("glm", "glm4"):  # half of each head turned by adjacent pairs; Q/K/V biases
-        from transformers import Glm4Config, GlmConfig
-
-        config = (GlmConfig if arch == "glm" else Glm4Config)(
-            **common,
-            head_dim=head_dim or hidden_size // num_heads,
-            tie_word_embeddings=bool(tie_word_embeddings),
-            attention_bias=True,
-            partial_rotary_factor=0.5,
-        )
-    elif arch == "exaone4":  # every third layer global (unrotated), the others a window of 8
-        from transformers import Exaone4Config
-
-        config = Exaone4Config(
-            **common,
-            head_dim=head_dim or hidden_size // num_heads,
-            tie_word_embeddings=bool(tie_word_embeddings),
-            sliding_window=sliding_window or 8,
-            sliding_window_pattern=global_every,
-        )
-    elif arch == "ministral3":  # YaRN over a pretrained context of 8 (the temperature past it)
-        from transformers import Ministral3Config
-
-        config = Ministral3Config(
-            **common,
-            head_dim=head_dim or hidden_size // num_heads,
-            tie_word_embeddings=bool(tie_word_embeddings),
-            rope_parameters={
-                "rope_type": "yarn", "rope_theta": 10000.0, "factor": 16.0,
-                "original_max_position_embeddings": 8, "beta_fast": 32.0, "beta_slow": 1.0,
-                "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.1,
-            },  # fmt: skip
-        )
-    elif arch == "helium":  # each head turned by adjacent pairs; Q/K/V and MLP biases drawn
-        from transformers import HeliumConfig
-
-        config = HeliumConfig(
-            **common,
-            head_dim=head_dim or hidden_size // num_heads,
-            tie_word_embeddings=bool(tie_word_embeddings),
-            attention_bias=True,
-            mlp_bias=mlp_bias,
-        )
-    elif arch == "ernie4_5":  # each head turned by adjacent pairs
-        from transformers import Ernie4_5Config
-
-        config = Ernie4_5Config(
-            **common,
-            head_dim=head_dim or hidden_size // num_heads,
-            tie_word_embeddings=tie_word_embeddings is not False,
-            use_bias=attention_bias,
-        )
-    elif arch == "smollm3":  # every fourth layer without rotation (no_rope_layer_interval)
-        from transformers import SmolLM3Config
-
-        config = SmolLM3Config(**common, tie_word_embeddings=tie_word_embeddings is not False)
-    else:
-        raise ValueError(f"unknown tiny architecture {arch!r}")
+    config = tiny_config(
+        arch,
+        common,
+        hidden_size=hidden_size,
+        num_heads=num_heads,
+        head_dim=head_dim,
+        tie_word_embeddings=tie_word_embeddings,
+        sliding_window=sliding_window,
+        global_every=global_every,
+        query_pre_attn_scalar=query_pre_attn_scalar,
+        num_experts=num_experts,
+        experts_per_token=experts_per_token,
+        norm_topk_prob=norm_topk_prob,
+        shared_expert_size=shared_expert_size,
+        softcaps=softcaps,
+        dense_layers=dense_layers,
+        intermediate_size=intermediate_size,
+        max_position_embeddings=max_position_embeddings,
+        rope_scaling=rope_scaling,
+        mlp_bias=mlp_bias,
+        attention_bias=attention_bias,
+        num_layers=num_layers,
+    )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
     if attention_bias or mlp_bias or arch.startswith(("glm", "helium")):  # drawn (from zero)
@@ -342,8 +148,8 @@ def build_tiny_model(
                     p.normal_(0.0, 0.5)
                 elif ".experts." in name:
                     p.mul_(20.0)
-    if arch.startswith(("olmo", "glm", "exaone")):  # norm weights drawn (they start at one): a norm
-        with torch.no_grad():  # read at the wrong width or place shows
+    if arch.startswith(("olmo", "glm", "exaone", "hunyuan")):  # norm weights drawn (they start
+        with torch.no_grad():  # at one): a norm read at the wrong width or place shows
             for name, p in model.named_parameters():
                 if "norm" in name:
                     p.normal_(1.0, 0.3)

@@ -74,13 +74,14 @@ HANDLED: dict[str, tuple | None] = {
     "qk_norm_whole": None,  # OLMo's Q/K norms over all heads: weights of that width
     "post_norms_only": None,  # OLMo 2's first norms absent: empty (set_gemma's too)
     # Granite's: o and the MLP's gated rows scaled before their products, a mixture's routing
-    # weights (set_scales), the logits divided after the call
+    # weights (set_extras), the logits divided after the call
     "residual_scale": None,
     "logits_scaling": None,
     "nope_layers": None,  # SmolLM3's: the second rotation's layers (set_gemma), all angles 0
     "rope_interleaved": None,  # GLM's: its Q/K heads reordered at load (partial_rope.py)
-    "query_scale_beta": None,  # Ministral 3's temperature (set_scales), from the positions
+    "query_scale_beta": None,  # Ministral 3's temperature (set_extras), from the positions
     "query_scale_length": None,
+    "qk_norm_after_rope": None,  # Hunyuan's (set_extras): turned, then normalized
 }
 
 
@@ -207,9 +208,9 @@ class FusedStack:
         layered = spec.sandwich_norms or spec.layer_windows or spec.nope_layers
         if layered or spec.embed_scale != 1.0:
             self._stack.set_gemma(*sp.gemma_of(model))
-        if spec.residual_scale != 1.0 or spec.query_scale_beta:
+        if spec.residual_scale != 1.0 or spec.query_scale_beta or spec.qk_norm_after_rope:
             beta, length = spec.query_scale_beta, spec.query_scale_length
-            self._stack.set_scales(spec.residual_scale, beta, length)
+            self._stack.set_extras(spec.residual_scale, beta, length, spec.qk_norm_after_rope)
         if spec.shared_expert_size:  # Qwen2-MoE's shared experts: bound once, like weights
             shared = [
                 sp.shared_of(layer.mlp) if getattr(layer.mlp, "has_shared", False) else None

@@ -49,6 +49,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(qn, spec.rms_norm_eps, backend)
             self.k_norm = RMSNorm(kn, spec.rms_norm_eps, backend)
         self.qk_norm = spec.qk_norm and not spec.qk_norm_whole  # per head, with the rotation
+        self.norm_after_rope = spec.qk_norm_after_rope  # Hunyuan's: rotated, then normalized
         self.qk_norm_whole = spec.qk_norm_whole
         self.scale = spec.attn_scale or d**-0.5
         # The checkpoint's FP8 KV cache scales [k, v] (gpu/kv_scales.py), and their use under
@@ -98,6 +99,11 @@ class Attention(nn.Module):
             qw, kw, eps = None, None, 0.0
         scaled = self.kv_applied
         muls = None if scaled is None else (scaled.k_mul, scaled.v_mul)
+        if self.norm_after_rope:  # rotated and normalized here, stored unturned (angle 0)
+            q = b.rms_norm(b.norm_rope(q, None, 0.0, cos, sin), qw, eps)
+            k = b.rms_norm(b.norm_rope(k, None, 0.0, cos, sin), kw, eps)
+            qw = kw = None
+            cos, sin = torch.ones_like(cos), torch.zeros_like(sin)
         q = b.rope_store_kv(q, k, v, qw, kw, eps, cos, sin, kv, meta.slot_mapping, muls)
         if self.query_scale is not None:
             q = self.query_scale.apply(q)

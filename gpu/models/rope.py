@@ -6,6 +6,8 @@ from typing import Any
 
 import torch
 
+from gpu.models.hunyuan import ntk_alpha_base
+
 
 def rope_parameters(config: Any, layer_type: str = "full_attention") -> dict[str, Any]:
     """The config's rope settings in one shape: newer configs carry `rope_parameters` (Gemma 3's
@@ -61,10 +63,11 @@ class Rope:
         another)."""
         params = rope_parameters(config, layer_type)
         rope_type = params.get("rope_type", "default")
-        if rope_type == "default":
+        stretched = ntk_alpha_base(params, head_dim)  # Hunyuan's NTK alpha: a fixed base
+        if rope_type == "default" or stretched is not None:
             dim = rotary_dim or head_dim
             arange = torch.arange(0, dim, 2, dtype=torch.int64).to(device=device, dtype=torch.float)
-            inv_freq = 1.0 / (params["rope_theta"] ** (arange / dim))
+            inv_freq = 1.0 / ((stretched or params["rope_theta"]) ** (arange / dim))
             scaling = 1.0
         else:
             from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS

@@ -53,6 +53,9 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     # Ministral 3 (3B, 8B, 14B; Mistral 3's text model): Mistral's layer, YaRN, and Llama 4's
     # attention temperature past the pretrained context (gpu/models/query_scale.py)
     "Ministral3ForCausalLM": {"qk_norm": False, "ministral3": True},
+    # Hunyuan's dense models: Llama's layer with Q/K norms per head after the rotation, NTK
+    # alpha's stretched base (gpu/models/hunyuan.py)
+    "HunYuanDenseV1ForCausalLM": {"qk_norm": True, "hunyuan": True},
     # Helium (kyutai's Helium-1 2B): Llama's layer with GLM's rotation of adjacent pairs, Q/K/V
     # biases (attention_bias) and none on O
     "HeliumForCausalLM": {"qk_norm": False, "glm": True},
@@ -163,6 +166,8 @@ class ModelSpec:
     # 1 + beta * log(1 + floor(position / length)) (beta 0: none)
     query_scale_beta: float = 0.0
     query_scale_length: int = 0
+    # Hunyuan's Q/K norms, taken after the rotation (gpu/models/hunyuan.py)
+    qk_norm_after_rope: bool = False
 
     @classmethod
     def from_hf_config(cls, config: Any) -> ModelSpec:
@@ -246,6 +251,8 @@ class ModelSpec:
             fields.update(_smollm3(config, arch))
         if extra.get("glm"):  # (GLM-4's layer: Gemma's sandwich, its norm weights plain)
             fields.update(rope_interleaved=True, sandwich_norms=arch == "Glm4ForCausalLM")
+        if extra.get("hunyuan"):
+            fields.update(qk_norm_after_rope=True)
         if extra.get("exaone4"):
             fields.update(_exaone4(config))
         if extra.get("ministral3"):

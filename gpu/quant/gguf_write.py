@@ -24,7 +24,7 @@ import numpy as np
 from gpu.gguf_names import ARCHES as GGUF_ARCHES
 from gpu.gguf_names import PERMUTED, gguf_name, llama_permute
 from gpu.gguf_tokenizer import split_of
-from gpu.models import glm
+from gpu.models import glm, hunyuan
 from gpu.models.moe import STACKED, checkpoint_name, cut_stacked
 from gpu.quant.formats import FORMATS
 from gpu.quant.quantize import quantize
@@ -163,6 +163,8 @@ def _weir_names(
         name = checkpoint_name(name)
         if arch == "glm4":
             name = glm.checkpoint_name(name)
+        if arch == "hunyuan-dense":
+            name = hunyuan.checkpoint_name(name)
         if STACKED.match(name):
             yield from cut_stacked(name, t)
         else:
@@ -200,15 +202,17 @@ def metadata_writer(out: Path, config: dict, tokenizer_dir: Path) -> tuple[gguf.
     if "full_attention" in rope:  # a rotation per layer type (Gemma 3, OLMo 3)
         local = rope.get("sliding_attention", local)
         rope = rope["full_attention"]
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
     kind = rope.get("rope_type", "default")
+    if hunyuan.ntk_alpha_base(rope, head_dim) is not None:
+        kind = "default"  # Hunyuan's NTK alpha: a plain rotation of a stretched base
     if config.get("rope_scaling") or kind not in (
         "default",
         "yarn",
         *["longrope"] * (arch == "phi3"),
     ):
         raise ValueError("gguf_write: rope scaling is not written but YaRN (and Phi-3's LongRoPE)")
-    heads = config["num_attention_heads"]
-    head_dim = config.get("head_dim") or config["hidden_size"] // heads
     w = gguf.GGUFWriter(str(out), arch)
     w.add_name(out.stem)
     w.add_context_length(config.get("max_position_embeddings", 4096))
@@ -220,7 +224,8 @@ def metadata_writer(out: Path, config: dict, tokenizer_dir: Path) -> tuple[gguf.
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
     w.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
-    w.add_rope_freq_base(float(rope.get("rope_theta") or config.get("rope_theta") or 10000.0))
+    base = float(rope.get("rope_theta") or config.get("rope_theta") or 10000.0)
+    w.add_rope_freq_base(hunyuan.ntk_alpha_base(rope, head_dim) or base)  # (Hunyuan's stretched)
     w.add_layer_norm_rms_eps(float(config["rms_norm_eps"]))
     w.add_vocab_size(config["vocab_size"])
     if kind == "yarn":  # as llama.cpp's converter writes it (llama.cpp derives the rest)

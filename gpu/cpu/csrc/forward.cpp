@@ -250,6 +250,11 @@ int decoder_forward(const DecoderModel& model, const DecoderStep& step) {
             rms_norm_rope(qkv + qw, T, 1, kvw, qkvw, L.k_norm, eps, nullptr, nullptr, k, nt);
             rms_norm_rope(q, T, m->heads, D, qw, nullptr, 0.f, c, sn, q, nt);
             rms_norm_rope(k, T, m->kv_heads, D, kvw, nullptr, 0.f, c, sn, k, nt);
+        } else if (m->norm_after_rope && L.q_norm) {  // Hunyuan's: turned, then normalized
+            rms_norm_rope(qkv, T, m->heads, D, qkvw, nullptr, 0.f, c, sn, q, nt);
+            rms_norm_rope(qkv + qw, T, m->kv_heads, D, qkvw, nullptr, 0.f, c, sn, k, nt);
+            rms_norm_rope(q, T, m->heads, D, qw, L.q_norm, eps, nullptr, nullptr, q, nt);
+            rms_norm_rope(k, T, m->kv_heads, D, kvw, L.k_norm, eps, nullptr, nullptr, k, nt);
         } else {
             rms_norm_rope(qkv, T, m->heads, D, qkvw, L.q_norm, eps, c, sn, q, nt);
             rms_norm_rope(qkv + qw, T, m->kv_heads, D, qkvw, L.k_norm, eps, c, sn, k, nt);

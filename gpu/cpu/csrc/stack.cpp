@@ -149,6 +149,7 @@ struct DecoderStack : torch::CustomClassHolder {
         model.residual_scale = 1.f;
         model.q_beta = 0.f;
         model.q_length = 0;
+        model.norm_after_rope = false;
         model.embed = stack_weight(dims[8], embed, vocab, H, false, "embed", true);
         keep.push_back(embed);
         if (dims[9] >= 0) {
@@ -278,14 +279,16 @@ struct DecoderStack : torch::CustomClassHolder {
         model.attn_softcap = float(attn_softcap);
     }
 
-    // Granite's factor on each block's output (taken on the O and down products' inputs) and
-    // Ministral 3's attention temperature (its beta, 0: none, and length)
-    void set_scales(double residual, double q_beta, int64_t q_length) {
-        TORCH_CHECK_VALUE(std::isfinite(residual) && std::isfinite(q_beta), "scales: finite");
-        TORCH_CHECK_VALUE(q_beta == 0 || q_length > 0, "scales: q_length must be > 0");
+    // Granite's factor on each block's output (taken on the O and down products' inputs),
+    // Ministral 3's attention temperature (its beta, 0: none, and length), Hunyuan's Q/K norms
+    // after the rotation
+    void set_extras(double residual, double q_beta, int64_t q_length, bool norm_after_rope) {
+        TORCH_CHECK_VALUE(std::isfinite(residual) && std::isfinite(q_beta), "extras: finite");
+        TORCH_CHECK_VALUE(q_beta == 0 || q_length > 0, "extras: q_length must be > 0");
         model.residual_scale = float(residual);
         model.q_beta = float(q_beta);
         model.q_length = q_length;
+        model.norm_after_rope = norm_after_rope;
     }
 
     // The adapters' slots (gpu/lora.py), bound once: per layer, for each product group in
@@ -385,7 +388,7 @@ TORCH_LIBRARY_FRAGMENT(weir, m) {
         .def("run", &DecoderStack::run)
         .def("set_lora", &DecoderStack::set_lora)
         .def("set_gemma", &DecoderStack::set_gemma)
-        .def("set_scales", &DecoderStack::set_scales)
+        .def("set_extras", &DecoderStack::set_extras)
         .def("set_shared", &DecoderStack::set_shared)
         .def("set_gpt_oss", &DecoderStack::set_gpt_oss)
         .def("set_kv_scales", &DecoderStack::set_kv_scales);

@@ -347,6 +347,7 @@ struct DecoderModel {
     // floor(position / q_length)) (q_beta 0: none)
     float q_beta;
     int64_t q_length;
+    bool norm_after_rope;  // Hunyuan's: Q and K rotated, then normalized per head
     const float* final_norm;
     StackWeight embed;    // [vocab, hidden]: float32 rows (kWF32, not panels) or a packed WFormat
     StackWeight lm_head;  // [vocab, hidden], or data null: no logits here
