@@ -11,7 +11,7 @@ import pytest
 
 from core.config import EngineConfig
 from gpu.launch import load
-from tests.test_phi3 import assert_as_transformers, prompt, use_cuda_backend
+from tests.test_phi3 import assert_as_transformers, backend_config, prompt
 
 
 @pytest.fixture(scope="module")
@@ -29,9 +29,7 @@ def models(tmp_path_factory):
 @pytest.mark.parametrize("backend", ["stack", "modules", "cuda-backend"])
 def test_ernie_matches_transformers(models, backend, monkeypatch):
     """A 30-token prompt's logits and six greedy tokens."""
-    config = {"stack": {}, "modules": {"cpu_forward": "modules"}}.get(backend)
-    if config is None:
-        config = use_cuda_backend(monkeypatch)
+    config = backend_config(backend, monkeypatch)
     assert_as_transformers(models["plain"], models["plain"], prompt(30), **config)
     if backend == "stack":
         model = load(EngineConfig(model=str(models["plain"]), num_kv_blocks=16)).core.runner.model

@@ -14,7 +14,7 @@ import pytest
 from core.config import EngineConfig
 from gpu.launch import load
 from gpu.models.spec import ModelSpec
-from tests.test_phi3 import assert_as_transformers, prompt, use_cuda_backend
+from tests.test_phi3 import assert_as_transformers, backend_config, prompt
 
 
 @pytest.fixture(scope="module")
@@ -37,9 +37,7 @@ def models(tmp_path_factory):
 @pytest.mark.parametrize("backend", ["stack", "modules", "cuda-backend"])
 def test_exaone4_matches_transformers(models, kind, backend, monkeypatch):
     """A 30-token prompt's logits and six greedy tokens (the hybrid past its window of 8)."""
-    config = {"stack": {}, "modules": {"cpu_forward": "modules"}}.get(backend)
-    if config is None:
-        config = use_cuda_backend(monkeypatch)
+    config = backend_config(backend, monkeypatch)
     assert_as_transformers(models[kind], models[kind], prompt(30), **config)
 
 

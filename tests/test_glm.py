@@ -13,7 +13,7 @@ from core.config import EngineConfig
 from gpu.launch import load
 from gpu.models.partial_rope import head_order
 from gpu.models.spec import ModelSpec
-from tests.test_phi3 import assert_as_transformers, prompt, use_cuda_backend
+from tests.test_phi3 import assert_as_transformers, backend_config, prompt
 
 
 @pytest.fixture(scope="module")
@@ -28,9 +28,7 @@ def models(tmp_path_factory):
 @pytest.mark.parametrize("backend", ["stack", "modules", "cuda-backend"])
 def test_glm_matches_transformers(models, arch, backend, monkeypatch):
     """A 30-token prompt's logits and six greedy tokens."""
-    config = {"stack": {}, "modules": {"cpu_forward": "modules"}}.get(backend)
-    if config is None:
-        config = use_cuda_backend(monkeypatch)
+    config = backend_config(backend, monkeypatch)
     assert_as_transformers(models[arch], models[arch], prompt(30), **config)
 
 

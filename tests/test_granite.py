@@ -9,12 +9,11 @@ the one-call CPU stack, layer by layer and on the CUDA backend's kernels; from l
 from __future__ import annotations
 
 import pytest
-import torch
 
 from core.config import CheckpointError, EngineConfig
 from gpu.launch import load
 from gpu.models.spec import ModelSpec
-from tests.test_phi3 import assert_as_transformers, prompt, use_cuda_backend
+from tests.test_phi3 import assert_as_transformers, backend_config, prompt
 
 
 @pytest.fixture(scope="module")
@@ -37,9 +36,7 @@ def test_granitemoe_matches_transformers(granitemoe, backend, monkeypatch):
     expert used by some token; its checkpoint's stacked experts (input_linear: gate's rows then
     up's, output_linear) and router (router.layer) read as each expert's. (Float32 experts run
     layer by layer; the one-call stack takes them in block formats: the Q8_0 test below.)"""
-    config = {"modules": {"cpu_forward": "modules"}}.get(backend)
-    if config is None:
-        config = use_cuda_backend(monkeypatch)
+    config = backend_config(backend, monkeypatch)
     assert_as_transformers(granitemoe, granitemoe, prompt(30), **config)
 
 
@@ -60,9 +57,7 @@ def test_a_granitemoe_gguf_file_serves_as_its_checkpoint(granitemoe, tmp_path):
 def test_granite_matches_transformers(granite, backend, monkeypatch):
     """A 30-token prompt's logits (divided by 8) and six greedy tokens, each factor far from 1
     (the embeddings times 2.5, the scores by 1/16, each block's output times 0.45)."""
-    config = {"stack": {}, "modules": {"cpu_forward": "modules"}}.get(backend)
-    if config is None:
-        config = use_cuda_backend(monkeypatch)
+    config = backend_config(backend, monkeypatch)
     assert_as_transformers(granite, granite, prompt(30), **config)
 
 
@@ -100,25 +95,14 @@ def test_a_quantized_file_against_its_dequantized_weights(granite, granitemoe, a
     factor on its routing weights there): at each of the prompt's positions the token weir
     ranks first is transformers' first, or within 0.1 of it in log-probability on average, on
     the `gguf` package's dequantization of the same file."""
-    from transformers import AutoModelForCausalLM
-
     from gpu.quant.gguf_write import uniform, write_gguf
-    from tests.gguf_reference import dequantized, prompt_choices
+    from tests.gguf_reference import assert_near_dequantized
 
     hf = {"granite": granite, "granitemoe": granitemoe}[arch]
     path = write_gguf(hf, tmp_path / f"{arch}.gguf", uniform("q8_0"))
     model = load(EngineConfig(model=str(path), num_kv_blocks=16)).core.runner.model
     assert model.stack is not None  # the one-call CPU stack runs it
-    ref = dequantized(path, hf, tmp_path / "ref")
-    ids = prompt(30)
-    ours = torch.tensor(prompt_choices(path, ids))
-    model = AutoModelForCausalLM.from_pretrained(ref, dtype=torch.float32).eval()
-    with torch.no_grad():
-        logprobs = torch.log_softmax(model(torch.tensor([ids])).logits[0, :-1].double(), -1)
-    agree = int((logprobs.argmax(-1) == ours).sum())
-    assert agree >= 0.8 * len(ours), (agree, len(ours))
-    gaps = logprobs.max(-1).values - logprobs[torch.arange(len(ours)), ours]
-    assert float(gaps.mean()) < 0.1, gaps
+    assert_near_dequantized(path, hf, tmp_path / "ref", prompt(30))
 
 
 def _config(path):

@@ -13,7 +13,7 @@ from core.config import EngineConfig
 from gpu.launch import load
 from gpu.models.hunyuan import checkpoint_name, ntk_alpha_base
 from gpu.models.spec import ModelSpec
-from tests.test_phi3 import assert_as_transformers, prompt, use_cuda_backend
+from tests.test_phi3 import assert_as_transformers, backend_config, prompt
 
 
 @pytest.fixture(scope="module")
@@ -26,9 +26,7 @@ def hunyuan(tmp_path_factory):
 @pytest.mark.parametrize("backend", ["stack", "modules", "cuda-backend"])
 def test_hunyuan_matches_transformers(hunyuan, backend, monkeypatch):
     """A 30-token prompt's logits and six greedy tokens."""
-    config = {"stack": {}, "modules": {"cpu_forward": "modules"}}.get(backend)
-    if config is None:
-        config = use_cuda_backend(monkeypatch)
+    config = backend_config(backend, monkeypatch)
     assert_as_transformers(hunyuan, hunyuan, prompt(30), **config)
     if backend == "stack":
         model = load(EngineConfig(model=str(hunyuan), num_kv_blocks=16)).core.runner.model

@@ -15,7 +15,7 @@ from core.config import CheckpointError, EngineConfig
 from gpu.launch import load
 from gpu.models.query_scale import QueryScale
 from gpu.models.spec import ModelSpec
-from tests.test_phi3 import assert_as_transformers, prompt, use_cuda_backend
+from tests.test_phi3 import assert_as_transformers, backend_config, prompt
 
 
 @pytest.fixture(scope="module")
@@ -30,9 +30,7 @@ def ministral3(tmp_path_factory):
 def test_ministral3_matches_transformers(ministral3, backend, monkeypatch):
     """A 30-token prompt's logits and six greedy tokens (positions 0..35: factors 1, then
     1 + 0.1 log 2 from 8, 1 + 0.1 log 3 from 16, ...)."""
-    config = {"stack": {}, "modules": {"cpu_forward": "modules"}}.get(backend)
-    if config is None:
-        config = use_cuda_backend(monkeypatch)
+    config = backend_config(backend, monkeypatch)
     assert_as_transformers(ministral3, ministral3, prompt(30), **config)
     if backend == "stack":
         model = load(EngineConfig(model=str(ministral3), num_kv_blocks=16)).core.runner.model

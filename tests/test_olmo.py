@@ -16,7 +16,7 @@ from core.config import CheckpointError, EngineConfig
 from gpu.launch import load
 from gpu.models.spec import ModelSpec
 from tests.test_moe import moe
-from tests.test_phi3 import assert_as_transformers, prompt, use_cuda_backend
+from tests.test_phi3 import assert_as_transformers, backend_config, prompt
 
 
 @pytest.fixture(scope="module")
@@ -46,9 +46,7 @@ def test_olmo_matches_transformers(models, arch, backend, monkeypatch):
     of 8, which turn with their own rotation; OLMoE: every expert used by some token, its top 2
     of 8 not renormalized), in the one-call CPU stack, layer by layer, and on
     the CUDA backend's kernels (Triton's interpreter)."""
-    config = {"stack": {}, "modules": {"cpu_forward": "modules"}}.get(backend)
-    if config is None:
-        config = use_cuda_backend(monkeypatch)
+    config = backend_config(backend, monkeypatch)
     assert_as_transformers(models[arch], models[arch], prompt(30), **config)
 
 
@@ -99,22 +97,11 @@ def test_a_quantized_olmo_file_against_its_dequantized_weights(models, tmp_path)
     do: at each of the prompt's positions the token weir ranks first is transformers' first,
     or within 0.1 of it in log-probability on average, on the `gguf` package's dequantization
     of the same file."""
-    from transformers import AutoModelForCausalLM
-
     from gpu.quant.gguf_write import uniform, write_gguf
-    from tests.gguf_reference import dequantized, prompt_choices
+    from tests.gguf_reference import assert_near_dequantized
 
     path = write_gguf(models["olmo3"], tmp_path / "olmo3.gguf", uniform("q8_0"))
-    ref = dequantized(path, models["olmo3"], tmp_path / "ref")
-    ids = prompt(30)
-    ours = torch.tensor(prompt_choices(path, ids))
-    model = AutoModelForCausalLM.from_pretrained(ref, dtype=torch.float32).eval()
-    with torch.no_grad():
-        logprobs = torch.log_softmax(model(torch.tensor([ids])).logits[0, :-1].double(), -1)
-    agree = int((logprobs.argmax(-1) == ours).sum())
-    assert agree >= 0.8 * len(ours), (agree, len(ours))
-    gaps = logprobs.max(-1).values - logprobs[torch.arange(len(ours)), ours]
-    assert float(gaps.mean()) < 0.1, gaps
+    assert_near_dequantized(path, models["olmo3"], tmp_path / "ref", prompt(30))
 
 
 def test_tensor_parallelism_is_refused_by_name(models):

@@ -66,6 +66,14 @@ def assert_as_transformers(path, hf, ids, **config) -> None:
     assert tokens == hf_tokens
 
 
+def backend_config(backend: str, monkeypatch) -> dict:
+    """The engine configuration of a test's backend: "stack" (the one-call CPU stack, where the
+    model fits it), "modules" (layer by layer) or "cuda-backend" (use_cuda_backend)."""
+    if backend == "cuda-backend":
+        return use_cuda_backend(monkeypatch)
+    return {"stack": {}, "modules": {"cpu_forward": "modules"}}[backend]
+
+
 def use_cuda_backend(monkeypatch) -> dict:
     """Models load on the CUDA backend's kernels: compiled, on the GPU, where there is one;
     else in Triton's interpreter on CPU tensors. Returns the configuration's device for it."""

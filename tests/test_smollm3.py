@@ -12,7 +12,7 @@ import pytest
 from core.config import CheckpointError, EngineConfig
 from gpu.launch import load
 from gpu.models.spec import ModelSpec
-from tests.test_phi3 import assert_as_transformers, prompt, use_cuda_backend
+from tests.test_phi3 import assert_as_transformers, backend_config, prompt
 
 
 @pytest.fixture(scope="module")
@@ -25,9 +25,7 @@ def smollm3(tmp_path_factory):
 @pytest.mark.parametrize("backend", ["stack", "modules", "cuda-backend"])
 def test_smollm3_matches_transformers(smollm3, backend, monkeypatch):
     """A 30-token prompt's logits and six greedy tokens, its fourth layer unrotated."""
-    config = {"stack": {}, "modules": {"cpu_forward": "modules"}}.get(backend)
-    if config is None:
-        config = use_cuda_backend(monkeypatch)
+    config = backend_config(backend, monkeypatch)
     assert_as_transformers(smollm3, smollm3, prompt(30), **config)
 
 
