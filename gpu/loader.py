@@ -22,7 +22,7 @@ from gpu import hf_overrides, kv_scales
 from gpu.fused_weights import fused_parts, split_fused
 from gpu.gguf_file import GgufCheckpoint, is_gguf
 from gpu.hf_overrides import ScoreRows
-from gpu.models import glm, gpt_oss, hunyuan
+from gpu.models import glm, gpt_oss, granite, hunyuan
 from gpu.models.decoder import DecoderForCausalLM
 from gpu.models.moe import STACKED, checkpoint_name, cut_stacked
 from gpu.models.partial_rope import reorder_heads, reordered
@@ -98,6 +98,7 @@ def load_config(
 RENAMES = {
     "Glm4ForCausalLM": glm.checkpoint_name,
     "HunYuanDenseV1ForCausalLM": hunyuan.checkpoint_name,
+    "GraniteMoeHybridForCausalLM": granite.checkpoint_name,
 }
 
 

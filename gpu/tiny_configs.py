@@ -254,6 +254,21 @@ def tiny_config(
             tie_word_embeddings=tie_word_embeddings is not False,
             use_bias=attention_bias,
         )
+    elif arch == "granite4":  # Granite 4.0's transformer-only shape (granite-4.0-micro's)
+        from transformers import GraniteMoeHybridConfig
+
+        config = GraniteMoeHybridConfig(
+            **common,
+            tie_word_embeddings=tie_word_embeddings is not False,
+            embedding_multiplier=2.5,
+            attention_multiplier=0.0625,
+            residual_multiplier=0.45,
+            logits_scaling=8.0,
+            num_local_experts=0,
+            shared_intermediate_size=intermediate_size,
+            position_embedding_type="rope",
+            layer_types=["attention"] * num_layers,
+        )
     elif arch == "smollm3":  # every fourth layer without rotation (no_rope_layer_interval)
         from transformers import SmolLM3Config
 

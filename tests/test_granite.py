@@ -1,4 +1,5 @@
-"""Granite (GraniteForCausalLM, Granite 3.x, and GraniteMoeForCausalLM, its mixtures of experts):
+"""Granite (GraniteForCausalLM, Granite 3.x; GraniteMoeForCausalLM, its mixtures of experts; and
+Granite 4.0's transformer-only GraniteMoeHybridForCausalLM):
 Llama's layer with four factors of its config, the
 embeddings' (embedding_multiplier), the attention's scale (attention_multiplier), each block's
 output before its residual add (residual_multiplier, taken on the O and down products' inputs)
@@ -51,6 +52,49 @@ def test_a_granitemoe_gguf_file_serves_as_its_checkpoint(granitemoe, tmp_path):
     assert ckpt.arch == "granitemoe" and "blk.0.ffn_gate_exps.weight" in ckpt.tensors
     assert ckpt.config().residual_multiplier == pytest.approx(0.45)
     assert_as_transformers(path, granitemoe, prompt(30))
+
+
+@pytest.fixture(scope="module")
+def granite4(tmp_path_factory):
+    """Granite 4.0's transformer-only shape, rotated, and the same weights unrotated
+    (position_embedding_type none)."""
+    import json
+    import shutil
+
+    from gpu.tiny_model import build_tiny_model
+
+    root = tmp_path_factory.mktemp("granite4")
+    rope = build_tiny_model(root / "rope", "granite4", num_layers=3)
+    nope = root / "nope"
+    shutil.copytree(rope, nope)
+    config = json.loads((nope / "config.json").read_text())
+    config["position_embedding_type"] = None
+    (nope / "config.json").write_text(json.dumps(config))
+    return {"rope": rope, "nope": nope}
+
+
+@pytest.mark.parametrize("kind", ["rope", "nope"])
+@pytest.mark.parametrize("backend", ["stack", "modules", "cuda-backend"])
+def test_granite4_matches_transformers(granite4, kind, backend, monkeypatch):
+    """GraniteMoeHybridForCausalLM with attention layers only and no experts (granite-4.0-micro,
+    -1b, -350m): Granite's factors, its MLP read from shared_mlp's fused input_linear and its
+    output_linear; with no position embedding, every layer unrotated."""
+    config = backend_config(backend, monkeypatch)
+    assert_as_transformers(granite4[kind], granite4[kind], prompt(30), **config)
+
+
+def test_granite4_with_mamba_layers_or_experts_is_refused_by_name(granite4):
+    config = _config(granite4["rope"])
+    spec = ModelSpec.from_hf_config(config)
+    assert spec.intermediate_size == 128 and spec.nope_layers == () and spec.residual_scale == 0.45
+    assert ModelSpec.from_hf_config(_config(granite4["nope"])).nope_layers == (0, 1, 2)
+    config.layer_types = ["full_attention", "linear_attention", "full_attention"]
+    with pytest.raises(CheckpointError, match="linear_attention"):
+        ModelSpec.from_hf_config(config)
+    config = _config(granite4["rope"])
+    config.num_local_experts = 4
+    with pytest.raises(CheckpointError, match="experts"):
+        ModelSpec.from_hf_config(config)
 
 
 @pytest.mark.parametrize("backend", ["stack", "modules", "cuda-backend"])

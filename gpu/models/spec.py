@@ -42,6 +42,9 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     # Granite's MoE (3.0/3.1 1B-A400M, 3B-A800M): its factors over a mixture of experts of
     # intermediate_size, the softmax of the chosen experts' logits (renormalized)
     "GraniteMoeForCausalLM": {"qk_norm": False, "granite": True, "moe": True},
+    # Granite 4.0's transformer-only models (granite-4.0-micro, -1b, -350m): Granite's layer,
+    # its MLP named shared_mlp (gpu/models/granite.py); Mamba layers and experts refused
+    "GraniteMoeHybridForCausalLM": {"qk_norm": False, "granite": True, "granite4": True},
     # SmolLM3: Llama's layer, every fourth (no_rope_layers) attending without rotation
     # GLM (glm-4-9b-chat-hf, GLM-Edge): Llama's layer with Q/K/V biases, gate and up one tensor,
     # half of each head turned by adjacent pairs; GLM-4 (0414) adds norms after both blocks
@@ -248,6 +251,8 @@ class ModelSpec:
                 fields.update(layer_windows=tuple(window * (t != "full_attention") for t in types))
         if extra.get("granite"):
             fields.update(families.granite(config, arch))
+        if extra.get("granite4"):
+            fields.update(families.granite4(config, arch))
         if extra.get("smollm3"):
             fields.update(families.smollm3(config, arch))
         if extra.get("glm"):  # (GLM-4's layer: Gemma's sandwich, its norm weights plain)

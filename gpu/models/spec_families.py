@@ -1,5 +1,5 @@
 """Each family's own ModelSpec fields (gpu/models/spec.py), read from its Hugging Face config:
-mixtures of experts, gpt-oss, Gemma 2 and 3, Granite, SmolLM3, Ministral 3's attention
+mixtures of experts, gpt-oss, Gemma 2 and 3, Granite 3 and 4, SmolLM3, Ministral 3's attention
 temperature and EXAONE 4's layer; what a family has that weir does not compute is refused here by
 name."""
 
@@ -147,4 +147,20 @@ def exaone4(config: Any) -> dict[str, Any]:
             layer_windows=tuple(window * (t == "sliding_attention") for t in types),
             nope_layers=tuple(i for i, t in enumerate(types) if t != "sliding_attention"),
         )
+    return fields
+
+
+def granite4(config: Any, arch: str) -> dict[str, Any]:
+    """Granite 4.0's transformer-only layers: its MLP of shared_intermediate_size, every layer
+    unrotated where its position_embedding_type is not "rope". Mamba layers and experts are
+    refused by name (weir has neither a Mamba layer nor an expert mixture beside a shared MLP)."""
+    kinds = set(getattr(config, "layer_types", None) or ["attention"])
+    others = kinds - {"attention", "full_attention"}  # (transformers 5's name for the first)
+    if others:  # Mamba's: "mamba", transformers 5's "linear_attention"
+        raise CheckpointError(f"{arch} with {sorted(others)} layers is not served")
+    if int(getattr(config, "num_local_experts", 0) or 0):
+        raise CheckpointError(f"{arch} with experts beside its shared MLP is not served")
+    fields: dict[str, Any] = dict(intermediate_size=int(config.shared_intermediate_size))
+    if getattr(config, "position_embedding_type", None) != "rope":
+        fields.update(nope_layers=tuple(range(config.num_hidden_layers)))
     return fields
