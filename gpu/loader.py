@@ -32,7 +32,7 @@ from gpu.quant.compressed import CompressedScheme
 from gpu.quant.fp8 import Fp8Scheme
 from gpu.quant.int4 import Int4Scheme
 from gpu.quant.tensor import BlockTensor
-from gpu.text_of import text_config, text_name
+from gpu.text_of import TEXT_OF, text_config, text_name
 from gpu.dist.parallel import TensorParallel, shard
 
 log = logging.getLogger("weir.loader")
@@ -91,7 +91,22 @@ def load_config(
         if config is None:
             raise CheckpointError(f"{path}: no readable config.json ({e})") from None
     config = hf_overrides.apply(config, overrides, Path(tokenizer) if tokenizer else path)
-    return text_config(config)
+    multimodal = any(a in TEXT_OF for a in getattr(config, "architectures", None) or [])
+    return text_config(config, _has_head(path) if multimodal else None)
+
+
+def _has_head(path: Path) -> bool | None:
+    """Whether the checkpoint's weights hold an LM head (from their files' headers; None where
+    there are none to read)."""
+    try:
+        files = weight_files(Path(path))
+    except (OSError, ValueError):
+        return None
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            if any(n.endswith("lm_head.weight") for n in f.keys()):
+                return True
+    return False
 
 
 # architectures whose checkpoints name some tensors otherwise than weir's modules

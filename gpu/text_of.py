@@ -20,6 +20,12 @@ TEXT_OF = {
         "mistral": "MistralForCausalLM",
         "ministral3": "Ministral3ForCausalLM",
     },
+    # Qwen2-VL's, Qwen2.5-VL's and Qwen3-VL's text models turn by their multimodal rotation
+    # (M-RoPE: a time, height and width position each over its own frequencies); a text token's
+    # three positions are one and the same, so over text it is Qwen2's and Qwen3's rotation
+    "Qwen2VLForConditionalGeneration": {"qwen2_vl_text": "Qwen2ForCausalLM"},
+    "Qwen2_5_VLForConditionalGeneration": {"qwen2_5_vl_text": "Qwen2ForCausalLM"},
+    "Qwen3VLForConditionalGeneration": {"qwen3_vl_text": "Qwen3ForCausalLM"},
 }
 # the language model's tensors, in the checkpoints' layout and in transformers 5's
 _RENAMED = (
@@ -28,12 +34,15 @@ _RENAMED = (
     ("language_model.lm_head.", "lm_head."),
 )
 _OTHER = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.")
-_OTHER += ("model.multi_modal_projector.",)
+_OTHER += ("model.multi_modal_projector.", "visual.", "model.visual.")
 
 
-def text_config(config: Any) -> Any:
+def text_config(config: Any, head: bool | None = None) -> Any:
     """`config`, or its text model's config when it is a multimodal checkpoint weir serves the
-    text of (marked `weir_text_of` for the loader)."""
+    text of (marked `weir_text_of` for the loader). `head`: whether the checkpoint holds an LM
+    head, which says whether its text model ties it to the embeddings (transformers 5 keeps that
+    flag at the multimodal config's top, whose default ties for some families whose released
+    files hold a head; None: the text config's own flag)."""
     archs = getattr(config, "architectures", None) or []
     multimodal = next((a for a in archs if a in TEXT_OF), None)
     if multimodal is None:
@@ -46,6 +55,8 @@ def text_config(config: Any) -> Any:
             f"{', '.join(TEXT_OF[multimodal])}"
         )
     text.architectures = [TEXT_OF[multimodal][kind]]
+    if head is not None:
+        text.tie_word_embeddings = not head
     text.weir_text_of = multimodal
     for shared in ("dtype", "quantization_config"):  # the checkpoint's, kept at its top
         if getattr(text, shared, None) is None and getattr(config, shared, None) is not None:
