@@ -159,7 +159,7 @@ class HfConfigOf:
                 sliding_window=window or None,
                 original_max_position_embeddings=self._original_context(),
             )
-        if a == "qwen2":
+        if a in ("qwen2", "qwen2vl"):
             if head_dim != hidden // heads:
                 raise CheckpointError(f"{self.path.name}: qwen2 with a head size of {head_dim}")
             return Qwen2Config(**common)

@@ -14,6 +14,10 @@ ARCHES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
+    # the text model of Qwen2-VL and Qwen2.5-VL, and of Qwen3-VL (llama.cpp's mmproj file holds
+    # the vision tower): over text their sectioned rotation is Qwen2's and Qwen3's
+    "qwen2vl": "Qwen2ForCausalLM",
+    "qwen3vl": "Qwen3ForCausalLM",
     "qwen2moe": "Qwen2MoeForCausalLM",
     "gpt-oss": "GptOssForCausalLM",
     "olmo2": "Olmo2ForCausalLM",  # an "olmo2" file with a window is OLMo 3 (gpu/gguf_file.py)

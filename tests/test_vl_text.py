@@ -75,3 +75,21 @@ def test_the_text_of_a_vision_language_checkpoint(tmp_path, kind, tie):
         )
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     assert tokens == out[0, len(ids) :].tolist()
+
+
+@pytest.mark.parametrize("arch,gguf_arch", [("qwen2", "qwen2vl"), ("qwen3", "qwen3vl")])
+def test_the_text_model_of_a_vision_language_gguf_file(tmp_path, arch, gguf_arch):
+    """llama.cpp's converter writes a vision-language model's text as "qwen2vl" or "qwen3vl"
+    (its tower in a separate mmproj file), its rotation's sections as metadata (checked against
+    its files: weir and llama-server give transformers' tokens on them): served as Qwen2's and
+    Qwen3's text model, transformers' logits and greedy tokens."""
+    from gpu.gguf_file import GgufCheckpoint
+    from gpu.quant.gguf_write import uniform, write_gguf
+    from gpu.tiny_model import build_tiny_model
+    from tests.test_phi3 import assert_as_transformers
+
+    hf = build_tiny_model(tmp_path / arch, arch, num_layers=2)
+    path = write_gguf(hf, tmp_path / f"{gguf_arch}.gguf", uniform("f32"), arch=gguf_arch)
+    ckpt = GgufCheckpoint(path)
+    assert ckpt.arch == gguf_arch and ckpt.get(f"{gguf_arch}.rope.dimension_sections")
+    assert_as_transformers(path, hf, prompt(30))

@@ -29,7 +29,9 @@ from gpu.models.moe import STACKED, checkpoint_name, cut_stacked
 from gpu.quant.formats import FORMATS
 from gpu.quant.quantize import quantize
 
-ARCHES = {v: k for k, v in GGUF_ARCHES.items()}  # HF class -> GGUF architecture
+ARCHES: dict[str, str] = {}  # HF class -> GGUF architecture (the first that serves it)
+for _gguf, _hf in GGUF_ARCHES.items():
+    ARCHES.setdefault(_hf, _gguf)
 ARCHES["MixtralForCausalLM"] = "llama"  # a Llama with experts, as llama.cpp writes it
 ARCHES["Olmo3ForCausalLM"] = "olmo2"  # OLMo 2 with a window, as llama.cpp writes it
 
@@ -78,6 +80,7 @@ def write_gguf(
     tensors: Iterator[tuple[str, np.ndarray]] | None = None,
     rerank: str | None = None,
     pooling: str | None = None,
+    arch: str | None = None,
 ) -> Path:
     """`hf_dir` (config.json, tokenizer.json and tokenizer_config.json, the weights) as a GGUF
     file at `out`. `tensors` replaces the checkpoint's weights (HF names, float32 arrays).
@@ -85,10 +88,12 @@ def write_gguf(
     (`tokenizer.chat_template.rerank`), the LM head's "yes" and "no" rows its head
     (`cls.output`, in place of the LM head), pooling_type rank. `pooling`: an embedding
     model's pooling_type (mean, cls or last), as the converter writes it from
-    sentence-transformers' files."""
+    sentence-transformers' files. `arch`: the file's architecture where not the config's own
+    (the text model of Qwen2-VL or Qwen3-VL, "qwen2vl" or "qwen3vl", its rotation's sections
+    written as llama.cpp's converter writes them)."""
     hf_dir, out = Path(hf_dir), Path(out)
     config = json.loads((hf_dir / "config.json").read_text())
-    w, arch = metadata_writer(out, config, hf_dir)
+    w, arch = metadata_writer(out, config, hf_dir, arch)
     yes_no = _rerank_keys(w, hf_dir, rerank) if rerank is not None else None
     if pooling is not None:
         kinds = {"mean": gguf.PoolingType.MEAN, "cls": gguf.PoolingType.CLS}
@@ -192,9 +197,11 @@ def _stacked_experts(
         raise ValueError(f"gguf_write: incomplete experts {sorted(held)[:3]}")
 
 
-def metadata_writer(out: Path, config: dict, tokenizer_dir: Path) -> tuple[gguf.GGUFWriter, str]:
+def metadata_writer(
+    out: Path, config: dict, tokenizer_dir: Path, arch: str | None = None
+) -> tuple[gguf.GGUFWriter, str]:
     """A writer with `config`'s metadata and `tokenizer_dir`'s tokenizer, no tensors yet."""
-    arch = ARCHES.get((config.get("architectures") or [""])[0])
+    arch = arch or ARCHES.get((config.get("architectures") or [""])[0])
     if arch is None:
         raise ValueError(f"gguf_write: no GGUF architecture for {config.get('architectures')}")
     rope = config.get("rope_parameters") or {}
@@ -241,6 +248,8 @@ def metadata_writer(out: Path, config: dict, tokenizer_dir: Path) -> tuple[gguf.
         _window_keys(w, config, local)
     if arch == "gemma2":
         _gemma2_keys(w, config, head_dim)
+    if arch in ("qwen2vl", "qwen3vl"):  # a vision-language model's sections (one over text)
+        w.add_rope_dimension_sections([head_dim // 8, head_dim * 3 // 16, head_dim * 3 // 16, 0])
     if arch == "mistral3":  # Ministral 3's YaRN and temperature, as llama.cpp's converter writes
         w.add_rope_scaling_yarn_beta_fast(float(rope["beta_fast"]))
         w.add_rope_scaling_yarn_beta_slow(float(rope["beta_slow"]))
