@@ -61,3 +61,4 @@ def test_a_gguf_file_serves_as_its_checkpoint(models, tmp_path):
     path = write_gguf(models["plain"], tmp_path / "ernie.gguf", uniform("f32"))
     assert GgufCheckpoint(path).arch == "ernie4_5"
     assert_as_transformers(path, models["plain"], prompt(30))
+

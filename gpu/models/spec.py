@@ -14,6 +14,9 @@ from gpu.models.rope import context_length, rope_parameters
 # and LongRoPE (rope.py).
 ARCHITECTURES: dict[str, dict[str, Any]] = {
     "LlamaForCausalLM": {"qk_norm": False},
+    # InternLM3 (internlm3-8b-instruct): Llama's model under its own name (transformers reads its
+    # config as Llama's, qkv_bias and bias as attention_bias and mlp_bias)
+    "InternLM3ForCausalLM": {"qk_norm": False},
     "MistralForCausalLM": {"qk_norm": False},
     "Phi3ForCausalLM": {"qk_norm": False},
     # Gemma 3 (text): norms before and after each block, weights as 1 + w, scaled embeddings,
