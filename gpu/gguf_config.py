@@ -10,6 +10,7 @@ from gguf import PoolingType
 
 from core.config import CheckpointError
 from gpu.gguf_encoder import ENCODER_ARCHES, encoder_config
+from gpu.gguf_families import FAMILIES, sliding_layers
 from gpu.gguf_names import ARCHES
 from gpu.models import gpt_oss
 
@@ -18,15 +19,6 @@ from gpu.models import gpt_oss
 RANK_HEAD = "cls.output.weight"
 # the GGUF architectures of decoders (the others, encoders: gpu/gguf_encoder.py)
 DECODERS = tuple(a for a in ARCHES if a not in ENCODER_ARCHES)
-
-
-def sliding_layers(pattern: int | list, n: int) -> list[bool]:
-    """Which of n layers slide, as llama.cpp reads `attention.sliding_window_pattern`: a flag
-    per layer, or a period (set_swa_pattern: every p-th layer global; 0 all sliding, 1 none)."""
-    if isinstance(pattern, list):
-        return [bool(p) for p in pattern]
-    p = int(pattern)
-    return [p == 0 or i % p < p - 1 for i in range(n)]
 
 
 class HfConfigOf:
@@ -110,7 +102,10 @@ class HfConfigOf:
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
             max_position_embeddings=int(self.get(f"{a}.context_length", 4096)),
-            rms_norm_eps=float(self.get(f"{a}.attention.layer_norm_rms_epsilon")),
+            rms_norm_eps=float(  # (Cohere's files: a layer norm's epsilon)
+                self.get(f"{a}.attention.layer_norm_rms_epsilon", None)
+                or self.get(f"{a}.attention.layer_norm_epsilon")
+            ),
             rope_parameters=self._rope(head_dim),
             tie_word_embeddings="output.weight" not in self.tensors,
             bos_token_id=self.get("tokenizer.ggml.bos_token_id", None),
@@ -121,33 +116,8 @@ class HfConfigOf:
             return gpt_oss.gguf_config(self.get, common, head_dim)
         if a in ("olmo2", "olmoe"):
             return self._olmo(common, head_dim)
-        if a in ("granite", "granitemoe", "smollm3"):
-            return self._llama_like(common, head_dim)
-        if a == "mistral3":
-            return self._mistral3(common, head_dim)
-        if a == "hunyuan-dense":  # the file's base is the stretched one: a plain rotation
-            from transformers import HunYuanDenseV1Config
-
-            bias = "blk.0.attn_q.bias" in self.tensors
-            return HunYuanDenseV1Config(**common, head_dim=head_dim, attention_bias=bias)
-        if a == "exaone4":  # sliding layers by the file's pattern (global ones unrotated)
-            from transformers import Exaone4Config
-
-            window = int(self.get("exaone4.attention.sliding_window", 0) or 0)
-            n = common["num_hidden_layers"]
-            pattern = self.get("exaone4.attention.sliding_window_pattern", [0] * n)
-            slides = sliding_layers(pattern, n) if window else [False] * n
-            kinds = ["sliding_attention" if s else "full_attention" for s in slides]
-            return Exaone4Config(
-                **common, head_dim=head_dim, sliding_window=window or None, layer_types=kinds
-            )
-        if a in ("glm4", "ernie4_5"):  # Q/K/V biases where the file has them (GLM-4-0414's)
-            from transformers import Ernie4_5Config, Glm4Config
-
-            bias = "blk.0.attn_q.bias" in self.tensors
-            if a == "ernie4_5":  # (its biases on every product)
-                return Ernie4_5Config(**common, head_dim=head_dim, use_bias=bias)
-            return Glm4Config(**common, head_dim=head_dim, attention_bias=bias)
+        if a in FAMILIES:  # the families of gpu/gguf_families.py
+            return FAMILIES[a](self, common, head_dim)
         if a == "gemma3":
             return self._gemma3(common, head_dim, Gemma3TextConfig)
         if a == "gemma2":
@@ -172,59 +142,6 @@ class HfConfigOf:
             return self._experts(common, head_dim, MixtralConfig, Qwen3MoeConfig)
         cls = LlamaConfig if a == "llama" else Qwen3Config
         return cls(**common, head_dim=head_dim)
-
-    def _llama_like(self, common: dict, head_dim: int) -> Any:
-        """Granite (its factors as llama.cpp reads them: an absent attention scale is
-        1/sqrt(head size), an absent embedding or residual one none; the logits' required),
-        GraniteMoE (those over experts of feed_forward_length) or SmolLM3 (llama.cpp's every
-        fourth layer unrotated, as its config's default)."""
-        from transformers import GraniteConfig, GraniteMoeConfig, SmolLM3Config
-
-        a = self.arch
-        if head_dim * common["num_attention_heads"] != common["hidden_size"]:
-            raise CheckpointError(f"{self.path.name}: {a} with a head size of {head_dim}")
-        if a == "smollm3":
-            return SmolLM3Config(**common, no_rope_layer_interval=4)
-        factors = dict(
-            attention_multiplier=float(self.get(f"{a}.attention.scale", 0.0) or head_dim**-0.5),
-            embedding_multiplier=float(self.get(f"{a}.embedding_scale", 0.0) or 1.0),
-            residual_multiplier=float(self.get(f"{a}.residual_scale", 0.0) or 1.0),
-            logits_scaling=float(self.get(f"{a}.logit_scale")),
-        )
-        if a == "granite":
-            return GraniteConfig(**common, **factors)
-        if self.get(f"{a}.expert_shared_feed_forward_length", 0):
-            raise CheckpointError(f"{self.path.name}: GraniteMoE's shared experts are not served")
-        return GraniteMoeConfig(
-            **common,
-            **factors,
-            num_local_experts=int(self.get(f"{a}.expert_count")),
-            num_experts_per_tok=int(self.get(f"{a}.expert_used_count")),
-        )
-
-    def _mistral3(self, common: dict, head_dim: int) -> Any:
-        """Ministral 3 as llama.cpp reads its file: its attention temperature's beta
-        (attention.temperature_scale) over YaRN's original context; YaRN's log multiplier as
-        transformers' mscale_all_dim against an mscale of 1 (Ministral 3's: both 1, no factor on
-        the rotation). Without a temperature it is Mistral 3's text model of Mistral Small: a
-        Mistral."""
-        from transformers import Ministral3Config, MistralConfig
-
-        beta = float(self.get("mistral3.attention.temperature_scale", 0.0) or 0.0)
-        if not beta:
-            common["architectures"] = ["MistralForCausalLM"]
-            return MistralConfig(**common, head_dim=head_dim)
-        rope = common["rope_parameters"]
-        if rope.get("rope_type") != "yarn":
-            raise CheckpointError(f"{self.path.name}: a temperature scale without YaRN")
-        rope.update(
-            beta_fast=float(self.get("mistral3.rope.scaling.yarn_beta_fast", 32.0)),
-            beta_slow=float(self.get("mistral3.rope.scaling.yarn_beta_slow", 1.0)),
-            mscale=1.0,
-            mscale_all_dim=float(self.get("mistral3.rope.scaling.yarn_log_multiplier", 1.0)),
-            llama_4_scaling_beta=beta,
-        )
-        return Ministral3Config(**common, head_dim=head_dim)
 
     def _experts(self, common: dict, head_dim: int, mixtral: Any, qwen: Any) -> Any:
         """A mixture of experts as llama.cpp reads its file: a "llama" with experts is Mixtral

@@ -31,6 +31,9 @@ ARCHES = {
     # Mistral Small 3.x, served as Mistral)
     "mistral3": "Ministral3ForCausalLM",
     "exaone4": "Exaone4ForCausalLM",
+    # Cohere's (its Q/K rows as the checkpoint's: llama.cpp turns adjacent pairs; one norm a layer)
+    "command-r": "CohereForCausalLM",
+    "cohere2": "Cohere2ForCausalLM",
     # (its Q/K rows as the checkpoint's; the rotation's base stretched by alpha already)
     "hunyuan-dense": "HunYuanDenseV1ForCausalLM",
     # an encoder (gpu/models/encoder.py): BERT, or XLM-RoBERTa / RoBERTa by its vocabulary

@@ -269,6 +269,21 @@ def tiny_config(
             position_embedding_type="rope",
             layer_types=["attention"] * num_layers,
         )
+    elif arch in ("cohere", "cohere2"):  # Cohere 2: every third layer global (unrotated)
+        from transformers import Cohere2Config, CohereConfig
+
+        extra = {} if arch == "cohere" else dict(sliding_window=sliding_window or 8)
+        if arch == "cohere2":
+            extra["layer_types"] = [
+                "full_attention" if (i + 1) % global_every == 0 else "sliding_attention"
+                for i in range(num_layers)
+            ]
+        config = (CohereConfig if arch == "cohere" else Cohere2Config)(
+            **common,
+            tie_word_embeddings=tie_word_embeddings is not False,
+            logit_scale=0.25,
+            **extra,
+        )
     elif arch == "smollm3":  # every fourth layer without rotation (no_rope_layer_interval)
         from transformers import SmolLM3Config
 

@@ -148,8 +148,9 @@ def build_tiny_model(
                     p.normal_(0.0, 0.5)
                 elif ".experts." in name:
                     p.mul_(20.0)
-    if arch.startswith(("olmo", "glm", "exaone", "hunyuan")):  # norm weights drawn (they start
-        with torch.no_grad():  # at one): a norm read at the wrong width or place shows
+    # norm weights drawn (they start at one): a norm read at the wrong width or place shows
+    if arch.startswith(("olmo", "glm", "exaone", "hunyuan", "cohere")):
+        with torch.no_grad():
             for name, p in model.named_parameters():
                 if "norm" in name:
                     p.normal_(1.0, 0.3)

@@ -127,7 +127,7 @@ def test_the_text_model_of_a_multimodal_gemma3_checkpoint(tmp_path):
 
 
 def test_a_gguf_files_sliding_pattern_reads_as_llama_cpps():
-    from gpu.gguf_config import sliding_layers
+    from gpu.gguf_families import sliding_layers
 
     assert sliding_layers(6, 7) == [True] * 5 + [False, True]  # every sixth layer global
     assert sliding_layers(0, 3) == [True] * 3 and sliding_layers(1, 3) == [False] * 3

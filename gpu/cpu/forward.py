@@ -82,6 +82,9 @@ HANDLED: dict[str, tuple | None] = {
     "query_scale_beta": None,  # Ministral 3's temperature (set_extras), from the positions
     "query_scale_length": None,
     "qk_norm_after_rope": None,  # Hunyuan's (set_extras): turned, then normalized
+    # Cohere's layer runs layer by layer (the stack has neither)
+    "layer_norm": (lambda v: not v, "mean-centred layer norms"),
+    "parallel_block": (lambda v: not v, "attention and MLP side by side"),
 }
 
 

@@ -20,7 +20,7 @@ from torch import nn
 from gpu.attention.backend import AttentionMetadata
 from gpu.dist.parallel import TensorParallel, local_spec
 from gpu.models.gemma import sandwich_forward
-from gpu.models.layers import Embedding, Linear, RMSNorm
+from gpu.models.layers import Embedding, LayerNorm, Linear, RMSNorm
 from gpu.models.moe import SparseMoE
 from gpu.models.query_scale import QueryScale
 from gpu.models.rope import Rope
@@ -194,9 +194,11 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(spec, backend, window)
         self.mlp = _mixture(spec, backend) if spec.is_moe_layer(index) else MLP(spec, backend)
         # OLMo 2 has no norms before its blocks: each an identity in the sandwich layer
-        first = nn.Identity if spec.post_norms_only else RMSNorm
+        first = nn.Identity if spec.post_norms_only else _norm_class(spec)
         self.input_layernorm = first(spec.hidden_size, spec.rms_norm_eps, backend)
-        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, backend)
+        self.parallel = spec.parallel_block  # Cohere's: both blocks on input_layernorm alone
+        if not self.parallel:
+            self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, backend)
         self.sandwich = spec.sandwich_norms  # Gemma 3's norms after the blocks (gemma.py)
         if self.sandwich:
             self.pre_feedforward_layernorm = first(spec.hidden_size, spec.rms_norm_eps, backend)
@@ -217,6 +219,10 @@ class DecoderLayer(nn.Module):
         adapters, or None."""
         if self.sandwich:
             return sandwich_forward(self, x, h, cos, sin, kv, meta, next_norm, lora)
+        if self.parallel:  # x + attention(h) + mlp(h), as transformers adds them
+            a = self.self_attn(h, cos, sin, kv, meta, None, lora=lora)
+            x = x + a + self.mlp(h, lora=lora)
+            return next_norm(x), x
         tp = self.tp
         if tp is None:
             h, x = self.self_attn(h, cos, sin, kv, meta, x, self.post_attention_layernorm, lora)
@@ -240,7 +246,12 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(
             DecoderLayer(spec, backend, tp, i) for i in range(spec.num_layers)
         )
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, backend)
+        self.norm = _norm_class(spec)(spec.hidden_size, spec.rms_norm_eps, backend)
+
+
+def _norm_class(spec: ModelSpec) -> type[nn.Module]:
+    """The layers' and the model's norm: RMSNorm, or Cohere's mean-centred layer norm."""
+    return LayerNorm if spec.layer_norm else RMSNorm
 
 
 class DecoderForCausalLM(nn.Module):

@@ -72,6 +72,19 @@ class Embedding(nn.Module):
         return self.backend.embed(input_ids, self.w)
 
 
+class LayerNorm(nn.Module):
+    """Cohere's layer norm: mean-centred, a weight and no bias (RMSNorm's interface)."""
+
+    def __init__(self, dim: int, eps: float, backend) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+        self.backend = backend
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.backend.layer_norm(x, self.weight, self.eps)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, backend) -> None:
         super().__init__()

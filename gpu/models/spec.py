@@ -14,6 +14,11 @@ from gpu.models.rope import context_length, rope_parameters
 # and LongRoPE (rope.py).
 ARCHITECTURES: dict[str, dict[str, Any]] = {
     "LlamaForCausalLM": {"qk_norm": False},
+    # Cohere (aya-expanse-8b, command-r: CohereForCausalLM) and Cohere 2 (command-r7b: its
+    # sliding layers rotated beside global ones that are not): attention and MLP side by side on
+    # one mean-centred layer norm, GLM's rotation of adjacent pairs, the logits scaled
+    "CohereForCausalLM": {"qk_norm": False, "cohere": True},
+    "Cohere2ForCausalLM": {"qk_norm": False, "cohere": True},
     # InternLM3 (internlm3-8b-instruct): Llama's model under its own name (transformers reads its
     # config as Llama's, qkv_bias and bias as attention_bias and mlp_bias)
     "InternLM3ForCausalLM": {"qk_norm": False},
@@ -175,6 +180,10 @@ class ModelSpec:
     query_scale_length: int = 0
     # Hunyuan's Q/K norms, taken after the rotation (gpu/models/hunyuan.py)
     qk_norm_after_rope: bool = False
+    # Cohere's layer: mean-centred layer norms (weight only) in place of RMSNorm, and attention
+    # and MLP both on the layer's one norm, their outputs added to the stream together
+    layer_norm: bool = False
+    parallel_block: bool = False
 
     @classmethod
     def from_hf_config(cls, config: Any) -> ModelSpec:
@@ -223,7 +232,7 @@ class ModelSpec:
             num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
             head_dim=head_dim,
             intermediate_size=config.intermediate_size,
-            rms_norm_eps=config.rms_norm_eps,
+            rms_norm_eps=getattr(config, "rms_norm_eps", None) or config.layer_norm_eps,
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False) or labels),
             qkv_bias=extra.get("qkv_bias", attention_bias),
             o_bias=attention_bias and arch not in NO_O_BIAS,
@@ -260,6 +269,8 @@ class ModelSpec:
             fields.update(families.smollm3(config, arch))
         if extra.get("glm"):  # (GLM-4's layer: Gemma's sandwich, its norm weights plain)
             fields.update(rope_interleaved=True, sandwich_norms=arch == "Glm4ForCausalLM")
+        if extra.get("cohere"):
+            fields.update(families.cohere(config, arch))
         if extra.get("hunyuan"):
             fields.update(qk_norm_after_rope=True)
         if extra.get("exaone4"):

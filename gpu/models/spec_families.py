@@ -164,3 +164,25 @@ def granite4(config: Any, arch: str) -> dict[str, Any]:
     if getattr(config, "position_embedding_type", None) != "rope":
         fields.update(nope_layers=tuple(range(config.num_hidden_layers)))
     return fields
+
+
+def cohere(config: Any, arch: str) -> dict[str, Any]:
+    """Cohere's layer (its layer norms, attention and MLP side by side, adjacent pairs turned,
+    the logits times logit_scale) and Cohere 2's windows: its sliding layers rotated, its global
+    ones not. Per-head Q/K layer norms (command-r-plus's use_qk_norm) are refused by name."""
+    if getattr(config, "use_qk_norm", False):
+        raise CheckpointError(f"{arch} with use_qk_norm is not served")
+    fields: dict[str, Any] = dict(
+        layer_norm=True,
+        parallel_block=True,
+        rope_interleaved=True,
+        logits_scaling=1.0 / float(config.logit_scale),
+    )
+    window = int(getattr(config, "sliding_window", None) or 0)
+    if arch == "Cohere2ForCausalLM" and window:
+        types = config.layer_types
+        fields.update(
+            layer_windows=tuple(window * (t == "sliding_attention") for t in types),
+            nope_layers=tuple(i for i, t in enumerate(types) if t != "sliding_attention"),
+        )
+    return fields

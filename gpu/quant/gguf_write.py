@@ -233,7 +233,13 @@ def metadata_writer(
     w.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
     base = float(rope.get("rope_theta") or config.get("rope_theta") or 10000.0)
     w.add_rope_freq_base(hunyuan.ntk_alpha_base(rope, head_dim) or base)  # (Hunyuan's stretched)
-    w.add_layer_norm_rms_eps(float(config["rms_norm_eps"]))
+    if arch in ("command-r", "cohere2"):  # Cohere's layer norm, its logits' factor, its window
+        w.add_layer_norm_eps(float(config["layer_norm_eps"]))
+        w.add_logit_scale(float(config["logit_scale"]))
+        if config.get("sliding_window"):
+            w.add_sliding_window(config["sliding_window"])
+    else:
+        w.add_layer_norm_rms_eps(float(config["rms_norm_eps"]))
     w.add_vocab_size(config["vocab_size"])
     if kind == "yarn":  # as llama.cpp's converter writes it (llama.cpp derives the rest)
         w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
