@@ -1,8 +1,9 @@
 """The HF configs of GGUF decoders whose files llama.cpp's converter writes with keys of their own
 (gpu/gguf_config.py reads the others): Granite and GraniteMoE (their four factors), SmolLM3,
 Ministral 3 (its attention temperature and YaRN), Hunyuan's dense models, EXAONE 4, GLM-4, ERNIE
-4.5 and Cohere's Command R and Cohere 2. Each reader takes the open file's HfConfigOf (`f`: its
-`get`, `tensors`, `arch` and `path`), the fields every decoder shares and the head size."""
+4.5, Seed-OSS and Cohere's Command R and Cohere 2. Each reader takes the open file's HfConfigOf
+(`f`: its `get`, `tensors`, `arch` and `path`), the fields every decoder shares and the head
+size."""
 
 from __future__ import annotations
 
@@ -101,6 +102,17 @@ def cohere(f: Any, common: dict, head_dim: int) -> Any:
     return _windowed(f, common, head_dim, "Cohere2Config", period=4)
 
 
+def seed_oss(f: Any, common: dict, head_dim: int) -> Any:
+    """Seed-OSS: Q/K/V biases and O's, each where the file has them."""
+    from transformers import SeedOssConfig
+
+    bias = "blk.0.attn_q.bias" in f.tensors
+    out = "blk.0.attn_output.bias" in f.tensors
+    return SeedOssConfig(
+        **common, head_dim=head_dim, attention_bias=bias, attention_out_bias=out
+    )
+
+
 def glm4(f: Any, common: dict, head_dim: int) -> Any:
     """GLM-4 and ERNIE 4.5: Q/K/V biases (ERNIE's: on every product) where the file has them."""
     from transformers import Ernie4_5Config, Glm4Config
@@ -135,6 +147,7 @@ FAMILIES = {
     "exaone4": exaone4,
     "glm4": glm4,
     "ernie4_5": glm4,
+    "seed_oss": seed_oss,
     "command-r": cohere,
     "cohere2": cohere,
 }

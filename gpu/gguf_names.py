@@ -32,6 +32,7 @@ ARCHES = {
     "mistral3": "Ministral3ForCausalLM",
     "exaone4": "Exaone4ForCausalLM",
     # Cohere's (its Q/K rows as the checkpoint's: llama.cpp turns adjacent pairs; one norm a layer)
+    "seed_oss": "SeedOssForCausalLM",  # (its Q/K rows as the checkpoint's)
     "command-r": "CohereForCausalLM",
     "cohere2": "Cohere2ForCausalLM",
     # (its Q/K rows as the checkpoint's; the rotation's base stretched by alpha already)
@@ -104,6 +105,8 @@ _NAMES = {  # an architecture's layer names where they are not Llama's
         "post_attention_layernorm": "post_attention_norm",
         "post_feedforward_layernorm": "post_ffw_norm",
     },
+    # Seed-OSS: its MLP's input norm under the name llama.cpp's converter maps it to
+    "seed_oss": {**LAYER_NAMES, "post_attention_layernorm": "post_attention_norm"},
     "exaone4": {  # OLMo 2's layer
         **LAYER_NAMES,
         "input_layernorm": None,

@@ -284,6 +284,16 @@ def tiny_config(
             logit_scale=0.25,
             **extra,
         )
+    elif arch == "seed_oss":  # Q/K/V biases, and O's apart (drawn by the caller)
+        from transformers import SeedOssConfig
+
+        config = SeedOssConfig(
+            **common,
+            head_dim=head_dim or hidden_size // num_heads,
+            tie_word_embeddings=bool(tie_word_embeddings),
+            attention_bias=True,
+            attention_out_bias=attention_bias,
+        )
     elif arch == "smollm3":  # every fourth layer without rotation (no_rope_layer_interval)
         from transformers import SmolLM3Config
 

@@ -136,7 +136,7 @@ def build_tiny_model(
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
-    if attention_bias or mlp_bias or arch.startswith(("glm", "helium")):  # drawn (from zero)
+    if attention_bias or mlp_bias or arch.startswith(("glm", "helium", "seed")):  # drawn
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if name.endswith("bias"):

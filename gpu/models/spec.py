@@ -19,6 +19,9 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     # one mean-centred layer norm, GLM's rotation of adjacent pairs, the logits scaled
     "CohereForCausalLM": {"qk_norm": False, "cohere": True},
     "Cohere2ForCausalLM": {"qk_norm": False, "cohere": True},
+    # Seed-OSS (Seed-OSS-36B): Llama's layer, Q/K/V biases (attention_bias) apart from O's
+    # (attention_out_bias)
+    "SeedOssForCausalLM": {"qk_norm": False, "seed_oss": True},
     # InternLM3 (internlm3-8b-instruct): Llama's model under its own name (transformers reads its
     # config as Llama's, qkv_bias and bias as attention_bias and mlp_bias)
     "InternLM3ForCausalLM": {"qk_norm": False},
@@ -269,6 +272,8 @@ class ModelSpec:
             fields.update(families.smollm3(config, arch))
         if extra.get("glm"):  # (GLM-4's layer: Gemma's sandwich, its norm weights plain)
             fields.update(rope_interleaved=True, sandwich_norms=arch == "Glm4ForCausalLM")
+        if extra.get("seed_oss"):
+            fields.update(o_bias=bool(getattr(config, "attention_out_bias", False)))
         if extra.get("cohere"):
             fields.update(families.cohere(config, arch))
         if extra.get("hunyuan"):
