@@ -72,19 +72,6 @@ class Embedding(nn.Module):
         return self.backend.embed(input_ids, self.w)
 
 
-class LayerNorm(nn.Module):
-    """Cohere's layer norm: mean-centred, a weight and no bias (RMSNorm's interface)."""
-
-    def __init__(self, dim: int, eps: float, backend) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-        self.backend = backend
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.backend.layer_norm(x, self.weight, self.eps)
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, backend) -> None:
         super().__init__()
@@ -94,3 +81,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.backend.rms_norm(x, self.weight, self.eps)
+
+
+class LayerNorm(RMSNorm):
+    """Cohere's layer norm: mean-centred, a weight and no bias (RMSNorm's weight and eps)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.backend.layer_norm(x, self.weight, self.eps)
