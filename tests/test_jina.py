@@ -20,6 +20,8 @@ from tests.jina_models import build_jina, jina_reference
 from weir import LLM
 
 TEXTS = ["the river runs to the sea", "a canyon is a deep valley made by water on stone", "x"]
+# [CLS] ... [SEP] over the tiny vocabulary of 600, the same every run
+FIXED_IDS = [[2, *range(200, 260, 7), 3], [2, *range(20, 400, 37), 3], [2, 1, 3]]
 
 
 @pytest.mark.parametrize(
@@ -104,7 +106,9 @@ def file_weights(path) -> dict[str, torch.Tensor]:
 def test_a_jina_bert_v2_file_equals_its_own_weights(tmp_path, fmt):
     """A GGUF file as llama.cpp's converter writes it ("jina-bert-v2"), its products in `fmt`
     (Q8_0 on weir's block kernels, int8 activations): within 2% of the definition on the
-    file's own weights (the `gguf` package's dequantization), F32 equal to it."""
+    file's own weights (the `gguf` package's dequantization), F32 equal to it. The inputs are
+    token ids, not texts: the tiny tokenizer's training breaks ties differently from run to run,
+    so a text's ids (and Q8_0's largest error over them, 0.009 to 0.024 seen) varied with it."""
     from tests.encoder_gguf import write_encoder_gguf
 
     path, _, config = build_jina(tmp_path / "folder", prefix="bert.")
@@ -112,7 +116,7 @@ def test_a_jina_bert_v2_file_equals_its_own_weights(tmp_path, fmt):
     t = file_weights(gguf_path)
     llm = LLM(str(gguf_path), max_model_len=256, device="cpu")
     assert fmt == "f32" or fmt in llm.engine.runner.model.backend.resident
-    for out in llm.encode(TEXTS, pooling_task="token_embed", use_tqdm=False):
+    for out in llm.encode(FIXED_IDS, pooling_task="token_embed", use_tqdm=False):
         want = F.normalize(jina_reference(t, config, out.prompt_token_ids), dim=-1).float()
         got = torch.tensor(out.outputs.data)
         assert (got - want).abs().max().item() < (1e-5 if fmt == "f32" else 0.02), fmt
