@@ -22,7 +22,7 @@ from gpu import hf_overrides, kv_scales
 from gpu.fused_weights import fused_parts, split_fused
 from gpu.gguf_file import GgufCheckpoint, is_gguf
 from gpu.hf_overrides import ScoreRows
-from gpu.models import glm, gpt_oss, granite, hunyuan
+from gpu.models import gpt_oss, renames
 from gpu.models.decoder import DecoderForCausalLM
 from gpu.models.moe import STACKED, checkpoint_name, cut_stacked
 from gpu.models.partial_rope import reorder_heads, reordered
@@ -107,14 +107,6 @@ def _has_head(path: Path) -> bool | None:
             if any(n.endswith("lm_head.weight") for n in f.keys()):
                 return True
     return False
-
-
-# architectures whose checkpoints name some tensors otherwise than weir's modules
-RENAMES = {
-    "Glm4ForCausalLM": glm.checkpoint_name,
-    "HunYuanDenseV1ForCausalLM": hunyuan.checkpoint_name,
-    "GraniteMoeHybridForCausalLM": granite.checkpoint_name,
-}
 
 
 def _remote_config(path: Path) -> Any:
@@ -279,9 +271,7 @@ def load_weights(model: DecoderForCausalLM, path: Path, int4=None, text_only: bo
                     if name is None:
                         continue  # a multimodal checkpoint's other towers (gpu/text_of.py)
                     name = checkpoint_name(name)  # Mixtral's experts (gpu/models/moe.py)
-                    rename = RENAMES.get(spec.architecture)  # norms under their own names
-                    if rename is not None:
-                        name = rename(name)
+                    name = renames.checkpoint_name(spec.architecture, name)  # (GLM-4's, ...)
                     if score is not None and name in ScoreRows.NAMES:
                         score.take(name, f.get_tensor(stored))
                         if name == "lm_head.weight":
