@@ -23,6 +23,9 @@ from weir.llm import LLM
 
 TEXTS = ["the river runs to the sea", "Über naïve café, don't stop!", "x", "  spaced   out  "]
 PAIR = ("where does the river go", "to the sea, at last")
+# [CLS] ... [SEP] over fixed ids: the tiny tokenizer's training breaks ties differently from run
+# to run, so a text's ids (and a block format's largest error over them) would vary with it
+FIXED_IDS = [[2, *range(200, 260, 7), 3], [2, *range(20, 400, 37), 3], [2, 1, 3]]
 
 
 @pytest.fixture(scope="module")
@@ -73,15 +76,16 @@ def reference(path, folder):
 def test_block_formats_against_the_files_own_weights(folders, fmt, tmp_path):
     """Products on weir's block kernels (int8 activations for Q8_0 and Q4_0): within 2% of
     transformers on the dequantized file, each vector; pooled from [CLS], the default of a file
-    that names no pooling."""
+    that names no pooling. Fixed token ids, not texts (FIXED_IDS)."""
     folder, _ = folders["bert"]
     path = write_encoder_gguf(folder, tmp_path / "m.gguf", fmt, pooling=False)
-    hf, tok = reference(path, folder), AutoTokenizer.from_pretrained(str(folder))
+    hf = reference(path, folder)
     llm = LLM(str(path), max_model_len=64, device="cpu")  # (weir's CPU kernels' formats)
     weights = llm.engine.runner.model.backend.resident
     assert fmt in weights  # kept in its format, not dequantized
-    for text, out in zip(TEXTS, llm.embed(TEXTS, use_tqdm=False)):
-        want = pooled(hf, tok, text, "cls")
+    for ids, out in zip(FIXED_IDS, llm.embed(FIXED_IDS, use_tqdm=False)):
+        with torch.no_grad():
+            want = F.normalize(hf(input_ids=torch.tensor([ids])).last_hidden_state[0, 0], dim=0)
         got = torch.tensor(out.outputs.embedding)
         assert F.cosine_similarity(got, want, dim=0).item() > 0.999
         assert (got - want).abs().max().item() < 0.02
