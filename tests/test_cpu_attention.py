@@ -251,6 +251,14 @@ def test_auto_picks_the_kernel_on_cpu_and_builds_it_once():
     assert cpu_build.build() == path and path.stat().st_mtime_ns == mtime  # cached, not rebuilt
 
 
+def test_every_header_is_in_the_build_key():
+    """The cache is keyed by the sources and the headers build.py names: a header left out would
+    serve a stale build after it changes."""
+    from gpu.cpu.build import CSRC, HEADERS
+
+    assert {p.name for p in CSRC.glob("*.h")} == {p.name for p in HEADERS}
+
+
 def test_a_compiler_error_is_reported(tmp_path, monkeypatch):
     # the broken source alone: the failure is reported without compiling the real ones first
     bad = tmp_path / "bad.cpp"

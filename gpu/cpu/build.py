@@ -68,14 +68,18 @@ HEADERS = [
     CSRC / n
     for n in (
         "weir.h",
+        "decoder.h",
         "attention_simd.h",
         "checks.h",
         "huge_pages.h",
         "activation.h",
         "quant_layout.h",
+        "gguf_blocks.h",
         "stack_gpt_oss.h",
         "stack_lora.h",
         "stack_kv_scales.h",
+        "stack_gemma.h",
+        "stack_shared.h",
     )
 ]
 # -ffast-math lets g++ vectorize exp (glibc's libmvec) and reassociate the dot products; it is

@@ -5,7 +5,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 
-#include "weir.h"
+#include "decoder.h"
 
 namespace weir_ops {
 

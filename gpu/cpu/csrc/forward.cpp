@@ -31,7 +31,7 @@
 
 #include "activation.h"
 #include "attention_simd.h"
-#include "weir.h"
+#include "decoder.h"
 
 namespace {
 

@@ -19,7 +19,7 @@
 #include <cstring>
 #include <vector>
 
-#include "weir.h"
+#include "decoder.h"
 
 namespace weir {
 

@@ -20,7 +20,7 @@
 
 #include "checks.h"
 #include "huge_pages.h"
-#include "weir.h"
+#include "decoder.h"
 
 namespace {
 

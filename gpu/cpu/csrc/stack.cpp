@@ -13,10 +13,12 @@
 #include <vector>
 
 #include "checks.h"
+#include "stack_gemma.h"
 #include "stack_gpt_oss.h"
 #include "stack_lora.h"
 #include "stack_kv_scales.h"
-#include "weir.h"
+#include "stack_shared.h"
+#include "decoder.h"
 
 using namespace weir_ops;
 
@@ -158,15 +160,6 @@ struct DecoderStack : torch::CustomClassHolder {
         }
     }
 
-    // A gated MLP's gate and up [n, k] each: one packed pair (format1 < 0), or gate then up.
-    static weir::StackLinear gated_pair(int64_t format0, const Tensor& t0, int64_t format1,
-                                        const Tensor& t1, int64_t n, int64_t k, const char* name) {
-        weir::StackLinear w{};
-        w.part[w.parts++] = stack_weight(format0, t0, n, k, format1 < 0, name);
-        if (format1 >= 0) w.part[w.parts++] = stack_weight(format1, t1, n, k, false, name);
-        return w;
-    }
-
     // Each mixture layer's experts, as wgemm_experts takes them (DecoderLayer points into it).
     std::vector<std::vector<weir::WPart>> expert_parts;
 
@@ -208,23 +201,11 @@ struct DecoderStack : torch::CustomClassHolder {
                     std::vector<std::vector<int64_t>> formats) {
         TORCH_CHECK_VALUE(per_layer.size() == layers.size() && formats.size() == layers.size(),
                           "shared: one entry per layer");
-        const int64_t H = model.hidden;
         for (size_t li = 0; li < layers.size(); ++li) {
-            const auto& L = per_layer[li];
-            const auto& F = formats[li];
-            if (L.empty()) continue;
-            auto& d = layers[li];
-            TORCH_CHECK_VALUE(L.size() == 4 && F.size() == 5, "shared: 4 tensors, 5 formats");
-            TORCH_CHECK_VALUE(d.experts > 0, "shared: an expert beside a mixture only");
-            const int64_t S = F[4];
-            TORCH_CHECK_VALUE(S > 0, "shared: intermediate ", S);
-            d.gate_up = gated_pair(F[0], L[0], F[1], L[1], S, H, "shared gate_up");
-            d.down.part[0] = stack_weight(F[2], L[2], H, S, false, "shared down");
-            d.down.parts = 1;
-            d.shared_gate = stack_weight(F[3], L[3], 1, H, false, "shared expert gate");
-            d.shared_intermediate = S;
-            for (const auto& t : L) keep.push_back(t);
-            model.shared_intermediate = std::max(model.shared_intermediate, S);
+            if (per_layer[li].empty()) continue;
+            bind_shared(layers[li], per_layer[li], formats[li], model.hidden, keep);
+            model.shared_intermediate =
+                std::max(model.shared_intermediate, layers[li].shared_intermediate);
         }
     }
 
@@ -255,26 +236,8 @@ struct DecoderStack : torch::CustomClassHolder {
         TORCH_CHECK_VALUE(norms.size() == layers.size() && windows.size() == layers.size() &&
                               local.size() == layers.size(),
                           "gemma: one entry per layer");
-        const int64_t H = model.hidden;
-        for (size_t li = 0; li < layers.size(); ++li) {
-            auto& d = layers[li];
-            const auto& N = norms[li];
-            TORCH_CHECK_VALUE(N.size() == 3, "gemma: three norms a layer");
-            TORCH_CHECK_VALUE(windows[li] >= 0 && (local[li] == 0 || local[li] == 1),
-                              "gemma: a window and a 0/1 flag a layer");
-            TORCH_CHECK_VALUE(!d.experts || !N[0].numel(), "gemma: norms after the blocks "
-                              "beside a mixture of experts");
-            if (N[0].numel()) {
-                for (int i = 0; i < 3; ++i)  // (OLMo 2's pre_feedforward_norm: none, empty)
-                    if (i != 1 || N[1].numel()) check_flat(N[i], at::kFloat, H, "gemma norm");
-                for (int i = 0; i < 3; ++i) keep.push_back(N[i]);
-                d.post_attn_norm = N[0].data_ptr<float>();
-                d.pre_ffn_norm = N[1].numel() ? N[1].data_ptr<float>() : nullptr;
-                d.post_ffn_norm = N[2].data_ptr<float>();
-            }
-            d.window = windows[li];
-            d.local_rope = int(local[li]);
-        }
+        for (size_t li = 0; li < layers.size(); ++li)
+            bind_gemma(layers[li], norms[li], windows[li], local[li], model.hidden, keep);
         model.embed_scale = float(embed_scale);
         model.attn_softcap = float(attn_softcap);
     }

@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "checks.h"
-#include "weir.h"
+#include "decoder.h"
 
 namespace weir_ops {
 

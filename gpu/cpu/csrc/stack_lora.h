@@ -6,7 +6,7 @@
 #include <vector>
 
 #include "checks.h"
-#include "weir.h"
+#include "decoder.h"
 
 namespace weir_ops {
 
