@@ -25,13 +25,12 @@ from gpu.hf_overrides import ScoreRows
 from gpu.models import gpt_oss, renames
 from gpu.models.decoder import DecoderForCausalLM
 from gpu.models.moe import STACKED, checkpoint_name, cut_stacked
-from gpu.models.partial_rope import reorder_heads, reordered
+from gpu.models.partial_rope import for_kernels
 from gpu.models.rope import Rope
 from gpu.models.spec import ModelSpec
 from gpu.quant.compressed import CompressedScheme
 from gpu.quant.fp8 import Fp8Scheme
 from gpu.quant.int4 import Int4Scheme
-from gpu.quant.tensor import BlockTensor
 from gpu.text_of import TEXT_OF, text_config, text_name
 from gpu.dist.parallel import TensorParallel, shard
 
@@ -177,14 +176,7 @@ class Targets:
         spec = self.model.spec
         # A partial or interleaved rotation (gpu/models/partial_rope.py). (An encoder's spec,
         # gpu/models/encoder_spec.py, has no rotation and no Gemma norms.)
-        interleaved = getattr(spec, "rope_interleaved", False)
-        if (getattr(spec, "rotary_dim", 0) or interleaved) and reordered(name):
-            if not isinstance(value, torch.Tensor | BlockTensor):
-                raise CheckpointError(
-                    f"{name}: a partial rotation over {type(value).__name__} weights is not served"
-                )
-            rotary = spec.rotary_dim or spec.head_dim
-            value = reorder_heads(value, spec.head_dim, rotary, interleaved)
+        value = for_kernels(spec, name, value)
         shape = tuple(value.shape)
         if name in self.modules:
             mod, kind, want = self.modules[name]

@@ -28,6 +28,7 @@ from typing import NamedTuple
 import torch
 
 from core.config import CheckpointError
+from gpu.models.partial_rope import for_kernels
 from core.lora import (
     FUSED,
     GROUPS,
@@ -259,10 +260,12 @@ class LoraSlots:
             else:
                 parts = [(fused, whole)]
             for module, t in parts:
+                name = f"model.layers.{layer}.{PARENT[module]}.{module}.weight"
+                if ab == "B":  # Q/K rows as the base's were reordered (a partial rotation)
+                    t = for_kernels(spec, name, t)
                 if tp is not None:
                     from gpu.dist.parallel import shard
 
-                    name = f"model.layers.{layer}.{PARENT[module]}.{module}.weight"
                     if (ab == "B") == (module in COLUMN_PARALLEL):
                         t = shard(name, t, spec, tp)
                 pairs.setdefault((layer, module), {})[ab] = t

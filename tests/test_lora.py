@@ -39,6 +39,9 @@ from tests.test_correctness import POOLS, PROMPTS
         ("qwen3", "roomy", "modules"),
         # Granite's residual factor is taken on O's and down's inputs: their adapters' too
         ("granite", "roomy", "auto"),
+        # Cohere's blocks side by side, both adding to the stream; its Q/K rows reordered
+        ("cohere", "roomy", "auto"),
+        ("cohere", "roomy", "modules"),
     ],
 )
 def test_mixed_batch_matches_peft(arch, pool, forward, lora_models):

@@ -20,6 +20,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from core.config import CheckpointError
+from gpu.quant.tensor import BlockTensor
+
 REORDERED = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.q_norm", "self_attn.k_norm")
 
 
@@ -39,6 +42,20 @@ def reordered(name: str) -> bool:
     """Whether a checkpoint tensor's rows (or a norm's elements) are Q or K head elements."""
     stem = name.rpartition(".")[0]
     return stem.endswith(REORDERED)
+
+
+def for_kernels(spec, name: str, value: Any) -> Any:
+    """A checkpoint's (or a LoRA adapter's B, named as its base weight) Q/K tensor as weir's
+    kernels rotate it: its heads reordered where the spec's rotation is partial or interleaved,
+    else `value` itself. (An encoder's spec has neither field.)"""
+    interleaved = getattr(spec, "rope_interleaved", False)
+    if not ((getattr(spec, "rotary_dim", 0) or interleaved) and reordered(name)):
+        return value
+    if not isinstance(value, torch.Tensor | BlockTensor):
+        raise CheckpointError(
+            f"{name}: a partial rotation over {type(value).__name__} weights is not served"
+        )
+    return reorder_heads(value, spec.head_dim, spec.rotary_dim or spec.head_dim, interleaved)
 
 
 def reorder_heads(value: Any, head_dim: int, rotary_dim: int, interleaved: bool = False) -> Any:
