@@ -2,9 +2,9 @@
 command-r7b): attention and MLP side by side on one mean-centred layer norm (weight, no bias),
 GLM's rotation of adjacent pairs, the logits times logit_scale; Cohere 2's sliding layers rotated
 beside global layers that are not. Against transformers on the same random weights (norm weights
-drawn), layer by layer (the one-call CPU stack has neither the layer norm nor the side-by-side
-block, and says so) and on the CUDA backend's kernels; from llama.cpp's "command-r" and
-"cohere2" GGUF files too. Tensor parallelism and per-head Q/K norms are refused by name."""
+drawn): in the one-call CPU stack, layer by layer and on the CUDA backend's kernels; from
+llama.cpp's "command-r" and "cohere2" GGUF files too (the stack's bits equal the modules':
+tests/test_cpu_forward.py). Tensor parallelism and per-head Q/K norms are refused by name."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def models(tmp_path_factory):
 
 
 @pytest.mark.parametrize("arch", ["cohere", "cohere2"])
-@pytest.mark.parametrize("backend", ["modules", "cuda-backend"])
+@pytest.mark.parametrize("backend", ["stack", "modules", "cuda-backend"])
 def test_cohere_matches_transformers(models, arch, backend, monkeypatch):
     """A 30-token prompt's logits (times 0.25) and six greedy tokens (Cohere 2 past its
     window)."""
@@ -46,7 +46,7 @@ def test_the_spec_and_what_runs_it(models):
     assert spec.layer_windows == (8, 8, 8, 0) and spec.nope_layers == (3,)
     assert spec.logits_scaling == 4.0
     model = load(EngineConfig(model=str(models["cohere"]), num_kv_blocks=16)).core.runner.model
-    assert model.stack is None  # layer by layer: the stack has no layer norm
+    assert model.stack is not None  # the one-call stack: its layer norm, its blocks side by side
     with pytest.raises(CheckpointError, match="side by side"):
         load(EngineConfig(model=str(models["cohere"]), tensor_parallel_size=2, num_kv_blocks=16))
     config.use_qk_norm = True

@@ -39,6 +39,10 @@ def load_both(path, **pool):
         # Gemma 3: norms after the blocks, scaled embeddings, its attention scale, sliding
         # layers (a window of 8) with their own rotation beside a global one
         ("gemma3", {"num_layers": 3, "sliding_window": 8}, "auto"),
+        # Cohere's layer norms and side-by-side blocks; Cohere 2's sliding layers beside a
+        # global one that is not rotated
+        ("cohere", {"num_layers": 2}, "auto"),
+        ("cohere2", {"num_layers": 4, "global_every": 4, "sliding_window": 8}, "auto"),
         # Q/K/V and O biases (Llama's attention_bias)
         ("llama", {"attention_bias": True}, "auto"),
         ("llama", {}, "bfloat16"),

@@ -1,4 +1,5 @@
-"""The compiled RMSNorm + rotary kernel (gpu/cpu/norm.py) against the torch ops it replaces."""
+"""The compiled RMSNorm + rotary kernel and Cohere's layer norm (gpu/cpu/norm.py) against the
+torch ops they replace."""
 
 from __future__ import annotations
 
@@ -36,6 +37,21 @@ def test_rms_norm_matches_torch(ops, tokens, dim):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("tokens", [0, 1, 5, 600])
+@pytest.mark.parametrize("dim", [64, 96, 768])
+def test_layer_norm_matches_torch_on_strided_rows(ops, tokens, dim):
+    """Rows of a wider tensor, off-centre (a mean of 5 to take away); the input untouched."""
+    torch.manual_seed(dim + tokens)
+    weight = torch.randn(dim)
+    wide = torch.randn(tokens, dim + 7) * 3 + 5
+    x = wide[:, :dim]
+    want = TORCH.layer_norm(x, weight, 1e-5)
+    got = ops.layer_norm(x, weight, 1e-5)
+    assert got.shape == x.shape and got.is_contiguous()
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(x, wide[:, :dim])
+
+
 @pytest.mark.parametrize("with_norm", [True, False])
 @pytest.mark.parametrize("tokens,heads,dim", [(1, 4, 64), (37, 12, 64), (300, 2, 128), (3, 1, 32)])
 def test_norm_rope_matches_torch_on_strided_views(ops, with_norm, tokens, heads, dim):
@@ -58,6 +74,10 @@ def test_rejects_what_it_cannot_run(ops):
         ops.rms_norm(x.double(), torch.ones(64, dtype=torch.double), 1e-6)
     with pytest.raises(ValueError, match="contiguous"):
         ops.rms_norm(torch.randn(64, 4).t(), torch.ones(64), 1e-6)
+    with pytest.raises(ValueError, match="contiguous"):
+        ops.layer_norm(torch.randn(64, 4).t(), torch.ones(64), 1e-6)
+    with pytest.raises(ValueError, match="weight"):
+        ops.layer_norm(x, torch.ones(63), 1e-6)
     cos, sin = rope_tables(4, 64)
     with pytest.raises(ValueError, match="cos/sin"):
         ops.norm_rope(x.view(4, 1, 64), None, 0.0, cos.t().contiguous().t(), sin)

@@ -256,6 +256,9 @@ class CpuBackend(OneDnnBackend):
     def rms_norm(self, x, weight, eps) -> torch.Tensor:
         return norm.rms_norm(x, weight, eps)
 
+    def layer_norm(self, x, weight, eps) -> torch.Tensor:
+        return norm.layer_norm(x, weight, eps)
+
     def norm_rope(self, x, weight, eps, cos, sin) -> torch.Tensor:
         return norm.norm_rope(x, weight, eps, cos, sin)
 

@@ -82,9 +82,9 @@ HANDLED: dict[str, tuple | None] = {
     "query_scale_beta": None,  # Ministral 3's temperature (set_extras), from the positions
     "query_scale_length": None,
     "qk_norm_after_rope": None,  # Hunyuan's (set_extras): turned, then normalized
-    # Cohere's layer runs layer by layer (the stack has neither)
-    "layer_norm": (lambda v: not v, "mean-centred layer norms"),
-    "parallel_block": (lambda v: not v, "attention and MLP side by side"),
+    # Cohere's (set_extras): mean-centred norms, attention and MLP side by side
+    "layer_norm": None,
+    "parallel_block": None,
 }
 
 
@@ -165,7 +165,7 @@ class FusedStack:
             per_layer.append(
                 [
                     sp.weight_of(layer.input_layernorm, none),
-                    layer.post_attention_layernorm.weight.detach(),
+                    sp.weight_of(getattr(layer, "post_attention_layernorm", None), none),
                     *(t for _, t, _ in qkv),
                     sp.bias_of(attn.qkv, none),
                     sp.weight_of(getattr(attn, "q_norm", None), none),
@@ -211,9 +211,16 @@ class FusedStack:
         layered = spec.sandwich_norms or spec.layer_windows or spec.nope_layers
         if layered or spec.embed_scale != 1.0:
             self._stack.set_gemma(*sp.gemma_of(model))
-        if spec.residual_scale != 1.0 or spec.query_scale_beta or spec.qk_norm_after_rope:
-            beta, length = spec.query_scale_beta, spec.query_scale_length
-            self._stack.set_extras(spec.residual_scale, beta, length, spec.qk_norm_after_rope)
+        scaled = (spec.residual_scale != 1.0, spec.query_scale_beta, spec.qk_norm_after_rope)
+        if any(scaled) or spec.layer_norm or spec.parallel_block:
+            self._stack.set_extras(
+                spec.residual_scale,
+                spec.query_scale_beta,
+                spec.query_scale_length,
+                spec.qk_norm_after_rope,
+                spec.layer_norm,
+                spec.parallel_block,
+            )
         if spec.shared_expert_size:  # Qwen2-MoE's shared experts: bound once, like weights
             shared = [
                 sp.shared_of(layer.mlp) if getattr(layer.mlp, "has_shared", False) else None

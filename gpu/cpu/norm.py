@@ -1,7 +1,7 @@
 """RMSNorm and rotary embedding through the compiled CPU kernel (gpu/cpu/csrc/norm_rope.cpp,
 torch.ops.weir.rms_norm_rope), float32: each row normalized (and, for Q and K, rotated) in one
 pass, instead of torch's ten element-wise ops. Qwen3's per-head Q/K norms are where it shows
-(figures: docs/benchmarks.md)."""
+(figures: docs/benchmarks.md). Cohere's mean-centred layer norm beside it."""
 
 from __future__ import annotations
 
@@ -22,6 +22,14 @@ def _check_rows(x: torch.Tensor) -> None:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     _check_rows(x)
     return cpu_build.load().rms_norm_rope(x, weight, eps, None, None)
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Cohere's mean-centred layer norm (weight, no bias) of each row of x [..., dim]: the
+    kernel the one-call stack runs too, so both paths give the same bits."""
+    _check_rows(x)
+    flat = x.reshape(-1, x.shape[-1])
+    return cpu_build.load().layer_norm(flat, weight.float(), eps).view(x.shape)
 
 
 def norm_rope(

@@ -219,9 +219,9 @@ class DecoderLayer(nn.Module):
         adapters, or None."""
         if self.sandwich:
             return sandwich_forward(self, x, h, cos, sin, kv, meta, next_norm, lora)
-        if self.parallel:  # x + attention(h) + mlp(h), as transformers adds them
-            a = self.self_attn(h, cos, sin, kv, meta, None, lora=lora)
-            x = x + a + self.mlp(h, lora=lora)
+        if self.parallel:  # x + attention(h) + mlp(h), added in transformers' order
+            x = self.self_attn(h, cos, sin, kv, meta, x, lora=lora)
+            x = self.mlp(h, x, lora=lora)  # (next_norm a layer norm: not fused into the add)
             return next_norm(x), x
         tp = self.tp
         if tp is None:

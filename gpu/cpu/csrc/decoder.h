@@ -123,6 +123,9 @@ struct DecoderModel {
     float q_beta;
     int64_t q_length;
     bool norm_after_rope;  // Hunyuan's: Q and K rotated, then normalized per head
+    // Cohere's: every norm (the layers' and the final one) mean-centred (layer_norm), and each
+    // layer's attention and MLP side by side on its input norm (post_norm unread: null)
+    bool layer_norm, parallel_block;
     const float* final_norm;
     StackWeight embed;    // [vocab, hidden]: float32 rows (kWF32, not panels) or a packed WFormat
     StackWeight lm_head;  // [vocab, hidden], or data null: no logits here

@@ -14,6 +14,8 @@
 //   v -> cache; o = attention(q, cache (+ sinks)); x += o Wo^T (+ b); h = rms_norm(x);
 //   g = act(h G^T) * (h U^T);
 //   x += g Wd^T
+// (Cohere: every norm mean-centred, and no second norm: the MLP reads h, and x gains both
+// blocks' outputs, attention's first, as transformers adds them)
 // (Granite: o and g times its residual factor before their products, which is the factor on
 // the blocks' outputs, neither product having a bias)
 // (a mixture of experts in place of the last three: moe.cpp, with Qwen2-MoE's shared expert
@@ -53,6 +55,13 @@ struct Timer {
         t0 = t1;
     }
 };
+
+// The model's norm of x [T, H] into out: RMSNorm, or Cohere's layer norm.
+void model_norm(const DecoderModel* m, const float* x, int64_t T, int64_t H, const float* weight,
+                float* out, int64_t nt) {
+    if (m->layer_norm) return weir::layer_norm(x, T, H, H, weight, m->eps, out, nt);
+    weir::rms_norm_rope(x, T, 1, H, H, weight, m->eps, nullptr, nullptr, out, nt);
+}
 
 // Rows of `width` floats into their cache slots (rounded as torch's .to() rounds for a 16-bit
 // or FP8 cache); slot -1 writes nothing.
@@ -232,8 +241,7 @@ int decoder_forward(const DecoderModel& model, const DecoderStep& step) {
     for (int64_t i = 0; i < m->num_layers; ++i) {
         const DecoderLayer& L = m->layers[i];
         const float* hin = L.input_norm ? h : x;  // OLMo 2: no norm before attention
-        if (L.input_norm)
-            rms_norm_rope(x, T, 1, H, H, L.input_norm, m->eps, nullptr, nullptr, h, nt);
+        if (L.input_norm) model_norm(m, x, T, H, L.input_norm, h, nt);
         timer.lap(kNorm);
         // Adapters' deltas: added to Q/K/V's output ((x W^T + b) + delta, as a residual would
         // be), into the residual stream before the O and down products add theirs, and as
@@ -306,8 +314,10 @@ int decoder_forward(const DecoderModel& model, const DecoderStep& step) {
         if (lora && L.lora[kLoraO].a) lora_add(L.lora[kLoraO], o, T, qw, lora, x, H, nt);
         product(L.o, o, T, qw, 0, L.o_bias, x, H, x, H, nt, spare);
         timer.lap(kOut);
-        rms_norm_rope(x, T, 1, H, H, L.post_norm, m->eps, nullptr, nullptr, h, nt);
-        timer.lap(kNorm);
+        if (!m->parallel_block) {  // (Cohere's MLP reads the input norm's h, as attention did)
+            model_norm(m, x, T, H, L.post_norm, h, nt);
+            timer.lap(kNorm);
+        }
         if (L.experts) {  // a mixture of experts in place of the MLP
             // Qwen2-MoE's shared expert, into the scratch Gemma's blocks would use
             const bool shared = L.shared_gate.data != nullptr;
@@ -329,7 +339,7 @@ int decoder_forward(const DecoderModel& model, const DecoderStep& step) {
         product(L.down, g, T, I, 0, nullptr, x, H, x, H, nt, spare);
         timer.lap(kDown);
     }
-    rms_norm_rope(x, T, 1, H, H, m->final_norm, m->eps, nullptr, nullptr, s->out, nt);
+    model_norm(m, x, T, H, m->final_norm, s->out, nt);
     timer.lap(kNorm);
     if (s->logits && m->lm_head.data && s->num_logits > 0) {
         const float* rows = s->out;

@@ -55,6 +55,18 @@ Tensor rms_norm_rope(const Tensor& x, const optional<Tensor>& weight, double eps
     return out;
 }
 
+Tensor layer_norm(const Tensor& x, const Tensor& weight, double eps) {
+    check_f32(x, "x");
+    TORCH_CHECK_VALUE(x.dim() == 2 && x.stride(-1) == 1 && x.stride(0) >= x.size(1),
+                      "x: needs [tokens, dim] with contiguous rows, got ", x.sizes());
+    check_flat(weight, at::kFloat, x.size(1), "weight");
+    Tensor out = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
+    if (x.numel() > 0)
+        weir::layer_norm(x.data_ptr<float>(), x.size(0), x.size(1), x.stride(0),
+                         weight.data_ptr<float>(), float(eps), out.data_ptr<float>(), threads());
+    return out;
+}
+
 // ---- packed products ----
 Tensor gemm_pack(const Tensor& w, const optional<Tensor>& w2) {
     check_f32(w, "w");
@@ -213,6 +225,7 @@ Tensor huge_zeros(c10::IntArrayRef sizes, c10::ScalarType dtype) {
 TORCH_LIBRARY(weir, m) {
     m.def("rms_norm_rope(Tensor x, Tensor? weight, float eps, Tensor? cos, Tensor? sin) -> Tensor",
           &rms_norm_rope);
+    m.def("layer_norm(Tensor x, Tensor weight, float eps) -> Tensor", &layer_norm);
     m.def("gemm_pack(Tensor w, Tensor? w2) -> Tensor", &gemm_pack);
     m.def("gemm(Tensor x, Tensor packed, int n, int gated, Tensor? bias, Tensor? residual) -> "
           "Tensor",

@@ -31,8 +31,8 @@ struct DecoderStack : torch::CustomClassHolder {
     Tensor k_cache;  // the first layer's, whose shape every layer's shares
 
     // layers: per layer [input_norm, post_norm, qkv0, qkv1, qkv2, qkv_bias, q_norm, k_norm, o,
-    // gate_up0, gate_up1, down, k_cache, v_cache] (empty tensors for absent parts, bias or Q/K
-    // norm); formats: per layer [qkv format and outputs x 3 (0 outputs: no part), o, gate_up0,
+    // gate_up0, gate_up1, down, k_cache, v_cache] (empty tensors for absent parts, bias, Q/K
+    // norm or Cohere's post_norm); formats: per layer [qkv format and outputs x 3 (0 outputs: no part), o, gate_up0,
     // gate_up1 (-1: none, gate_up0 is the packed pair), down]. A mixture of experts' layer
     // (gate_up0/1 and down empty) adds [router, E gated pairs, E downs] to its tensors and
     // [router format, E, top_k, flags (1: renormalize, 2: each gate/up a plain product, as
@@ -70,7 +70,8 @@ struct DecoderStack : torch::CustomClassHolder {
             TORCH_CHECK_VALUE(F.size() == size_t(E ? 15 + 2 * E : 10),
                               "each layer gives 10 format entries (a mixture: 15 + 2 experts)");
             if (L[0].numel()) check_flat(L[0], at::kFloat, H, "input_norm");  // OLMo 2: none
-            check_flat(L[1], at::kFloat, H, "post_norm");
+            if (L[1].numel()) check_flat(L[1], at::kFloat, H, "post_norm");
+            unnormed_mlp |= !L[1].numel();  // (Cohere's: its MLP reads the input norm)
             weir::DecoderLayer d{};
             int64_t qkv_n = 0;
             for (int i = 0; i < 3 && F[2 * i + 1] > 0; ++i) {
@@ -152,6 +153,8 @@ struct DecoderStack : torch::CustomClassHolder {
         model.q_beta = 0.f;
         model.q_length = 0;
         model.norm_after_rope = false;
+        model.layer_norm = false;
+        model.parallel_block = false;
         model.embed = stack_weight(dims[8], embed, vocab, H, false, "embed", true);
         keep.push_back(embed);
         if (dims[9] >= 0) {
@@ -244,14 +247,18 @@ struct DecoderStack : torch::CustomClassHolder {
 
     // Granite's factor on each block's output (taken on the O and down products' inputs),
     // Ministral 3's attention temperature (its beta, 0: none, and length), Hunyuan's Q/K norms
-    // after the rotation
-    void set_extras(double residual, double q_beta, int64_t q_length, bool norm_after_rope) {
+    // after the rotation, Cohere's layer norms and side-by-side blocks (no post_norm then)
+    bool unnormed_mlp = false;  // a layer bound without post_norm: set_extras' parallel first
+    void set_extras(double residual, double q_beta, int64_t q_length, bool norm_after_rope,
+                    bool layer_norm, bool parallel_block) {
         TORCH_CHECK_VALUE(std::isfinite(residual) && std::isfinite(q_beta), "extras: finite");
         TORCH_CHECK_VALUE(q_beta == 0 || q_length > 0, "extras: q_length must be > 0");
         model.residual_scale = float(residual);
         model.q_beta = float(q_beta);
         model.q_length = q_length;
         model.norm_after_rope = norm_after_rope;
+        model.layer_norm = layer_norm;
+        model.parallel_block = parallel_block;
     }
 
     // The adapters' slots (gpu/lora.py), bound once: per layer, for each product group in
@@ -277,6 +284,8 @@ struct DecoderStack : torch::CustomClassHolder {
                                    const optional<Tensor>& cos_local,
                                    const optional<Tensor>& sin_local) {
         TORCH_CHECK_VALUE(!unbound_plain, "experts of plain products: set_gpt_oss first");
+        TORCH_CHECK_VALUE(!unnormed_mlp || model.parallel_block,
+                          "a layer without post_norm: set_extras' parallel_block first");
         const int64_t T = input_ids.numel(), D = model.head_dim;
         check_flat(input_ids, at::kLong, T, "input_ids");
         check_flat(positions, at::kLong, T, "positions");
