@@ -4,7 +4,8 @@ GLM's rotation of adjacent pairs, the logits times logit_scale; Cohere 2's slidi
 beside global layers that are not. Against transformers on the same random weights (norm weights
 drawn): in the one-call CPU stack, layer by layer and on the CUDA backend's kernels; from
 llama.cpp's "command-r" and "cohere2" GGUF files too (the stack's bits equal the modules':
-tests/test_cpu_forward.py). Tensor parallelism and per-head Q/K norms are refused by name."""
+tests/test_cpu_forward.py; tensor parallelism: tests/test_tensor_parallel.py). Per-head Q/K
+norms are refused by name."""
 
 from __future__ import annotations
 
@@ -47,8 +48,6 @@ def test_the_spec_and_what_runs_it(models):
     assert spec.logits_scaling == 4.0
     model = load(EngineConfig(model=str(models["cohere"]), num_kv_blocks=16)).core.runner.model
     assert model.stack is not None  # the one-call stack: its layer norm, its blocks side by side
-    with pytest.raises(CheckpointError, match="side by side"):
-        load(EngineConfig(model=str(models["cohere"]), tensor_parallel_size=2, num_kv_blocks=16))
     config.use_qk_norm = True
     with pytest.raises(CheckpointError, match="use_qk_norm"):
         ModelSpec.from_hf_config(config)

@@ -76,6 +76,9 @@ CASES = [
     ("granite", 2, {}, TIGHT),
     # GLM-4: Q/K heads reordered for its adjacent pairs, then split by head; norms after blocks
     ("glm4", 2, {"num_layers": 3}, {}),
+    # Cohere: attention's and the MLP's partial sums in one all-reduce (rank 0's with the
+    # residual); its layer norms over the whole hidden state, on every rank
+    ("cohere", 2, {"num_layers": 2}, TIGHT),
 ]
 
 

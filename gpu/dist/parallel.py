@@ -74,11 +74,6 @@ def check(spec: ModelSpec, world_size: int) -> None:
             f"{spec.architecture} under tensor parallelism is not served: its Q/K norms span "
             "every head"
         )
-    if spec.parallel_block:  # Cohere's: attention and MLP summed before one all-reduce (not built)
-        raise CheckpointError(
-            f"{spec.architecture} under tensor parallelism is not served: its attention and MLP "
-            "run side by side"
-        )
     problems = []
     if spec.num_heads % world_size:
         problems.append(f"{spec.num_heads} attention heads")

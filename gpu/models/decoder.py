@@ -219,11 +219,14 @@ class DecoderLayer(nn.Module):
         adapters, or None."""
         if self.sandwich:
             return sandwich_forward(self, x, h, cos, sin, kv, meta, next_norm, lora)
-        if self.parallel:  # x + attention(h) + mlp(h), added in transformers' order
-            x = self.self_attn(h, cos, sin, kv, meta, x, lora=lora)
-            x = self.mlp(h, x, lora=lora)  # (next_norm a layer norm: not fused into the add)
-            return next_norm(x), x
         tp = self.tp
+        if self.parallel:  # x + attention(h) + mlp(h), added in transformers' order; under
+            # tensor parallelism both partial sums, rank 0's with the residual, in one all-reduce
+            first = tp is None or tp.rank == 0
+            x = self.self_attn(h, cos, sin, kv, meta, x if first else None, lora=lora)
+            x = self.mlp(h, x, lora=lora)  # (next_norm a layer norm: not fused into the add)
+            x = x if tp is None else tp.all_reduce(x)
+            return next_norm(x), x
         if tp is None:
             h, x = self.self_attn(h, cos, sin, kv, meta, x, self.post_attention_layernorm, lora)
             return self.mlp(h, x, next_norm, lora)
