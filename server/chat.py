@@ -15,9 +15,12 @@ def load_template(value: str | None) -> str | None:
     or for a template Jinja cannot parse (checked at start-up, not at every chat request)."""
     if value is None:
         return None
-    path = Path(value).expanduser()
-    if path.is_file():
-        text = path.read_text()
+    try:  # (a template longer than a file name may be: not a file, though is_file raises)
+        is_file = Path(value).expanduser().is_file()
+    except OSError:
+        is_file = False
+    if is_file:
+        text = Path(value).expanduser().read_text()
     elif "{" not in value:
         raise ValueError(f"--chat-template {value!r} is neither a file nor a template")
     else:

@@ -249,10 +249,14 @@ def test_a_bad_chat_template_is_refused_at_start(template, message):
 
 
 def test_templates_transformers_renders_pass_the_start_up_check():
-    from server.chat import check_template
     from gpu.tiny_tokenizer import CHATML
+    from server.chat import check_template, load_template
 
     check_template(CHATML)
+    # a template given inline, longer than a file name may be (it had failed the model's load:
+    # "File name too long", where is_file raises), is the template
+    long = "{{ bos_token }}" + "{# a comment #}" * 40 + "{{ messages[0].content }}"
+    assert load_template(long) == long
     check_template(  # assistant-mask blocks and loop controls
         "{% for m in messages %}{% if m.role == 'system' %}{% continue %}{% endif %}"
         "{% generation %}{{ m.content }}{% endgeneration %}{% endfor %}"
