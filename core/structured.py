@@ -48,6 +48,9 @@ class Constraint(msgspec.Struct, frozen=True, gc=False):
     # A thinking model reasons first, unconstrained: "open" when the prompt opened the think
     # block (the output is reasoning up to </think>), "optional" when the output may open one.
     think: str = ""
+    # The think block's markers as Lark: quoted text, or a special token written `<[id]>` (a
+    # model whose markers are special tokens: Magistral's, Command R7B's)
+    think_marks: tuple[str, str] = ('"<think>"', '"</think>"')
     # tool_choice auto with strict tools and a response format: `spec` (kind grammar) is the
     # Lark grammar of a reply that is either calls or `@answer`, the text this constraint
     # (response_format's) allows. Without a response format the text is free and unset here.
@@ -103,7 +106,7 @@ def grammar_text(c: Constraint) -> str:
     """The llguidance grammar for a constraint. Raises ValueError for input that is not even
     well-formed (a schema that is not JSON); the grammar's own errors come from `check`."""
     inner = _with_answer(c) if c.answer is not None else _inner_grammar(c)
-    return _after_think(inner, c.think) if c.think else inner
+    return _after_think(inner, c.think, c.think_marks) if c.think else inner
 
 
 def _grammars(text: str) -> dict[str, Any]:
@@ -124,17 +127,24 @@ def _with_answer(c: Constraint) -> str:
     return json.dumps({"grammars": [reply, *nested]})
 
 
-def _after_think(inner: str, think: str) -> str:
-    """The constraint's grammar behind a free think block (to the first </think>, then any
-    whitespace), as vLLM applies constraints once the reasoning has ended."""
+def _after_think(inner: str, think: str, marks: tuple[str, str]) -> str:
+    """The constraint's grammar behind a free think block (to the first end marker, then any
+    whitespace), as vLLM applies constraints once the reasoning has ended. A text end marker
+    stops a lazy body; one that holds a special token follows a greedy one (no text lexeme
+    takes a special token, and llguidance takes none as a stop)."""
     top = _grammars(inner)
     answer = top["grammars"][0]
     answer["name"] = name = answer.get("name") or "answer"
-    rules = 'body[stop="</think>"]: /(?s:.*)/\nws: /[ \\t\\r\\n]*/'
+    start, end = marks
+    if end.startswith('"') and "<[" not in end:
+        rules = f"body[stop={end}]: /(?s:.*)/\n"
+    else:
+        rules = f"body: text {end}\ntext: /(?s:.*)/\n"
+    rules += "ws: /[ \\t\\r\\n]*/"
     if think == "open":
         lark = f"start: body ws @{name}\n{rules}"
     elif think == "optional":
-        lark = f'start: think? @{name}\nthink: "<think>" body ws\n{rules}'
+        lark = f"start: think? @{name}\nthink: {start} body ws\n{rules}"
     else:
         raise ValueError(f"think must be open or optional, not {think!r}")
     return json.dumps({"grammars": [{"name": "main", "lark_grammar": lark}, *top["grammars"]]})

@@ -19,6 +19,7 @@ from server.reply import Reply
 from server.state import ServerState
 from server.usage import UsageCounter
 from server.tool_parsers import ToolParser
+from server.tool_parsers.grammar import literal
 
 
 @dataclass
@@ -65,15 +66,16 @@ async def prepare_chat(
     thinker = reasoning.PARSERS[st.reasoning_parser] if st.reasoning_parser else None
     call_parser, call_constraint, auto_calls = tools.tool_parser(st, req)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    think = ""
+    think, marks = "", None
     tail = prompt_text
     if thinker is not None:  # constraints hold once the reasoning has ended, as in vLLM
         tail = chat.generation_tail(st.tokenizer, template, prompt_text, req)
         reader = thinker(tail)
         think = "open" if reader.in_reasoning else "" if reader.thinking_off else "optional"
+        marks = (literal(thinker.start, st.special_ids), literal(thinker.end, st.special_ids))
     try:
         constraint = await structured.request_constraint(
-            st, req, call_constraint, think, given, auto_calls
+            st, req, call_constraint, think, given, auto_calls, marks
         )
     except APIError as e:
         if e.param != "tools":

@@ -167,10 +167,12 @@ async def request_constraint(
     think: str = "",
     given: tuple[Constraint, str] | None = None,
     auto_calls: Callable[[bool], str | None] | None = None,
+    think_marks: tuple[str, str] | None = None,
 ) -> Constraint | None:
     """The request's constraint, checked; `tool_constraint` is the one tool_choice required or
     a named function imposes, which cannot be combined with another. `think` ("open" or
-    "optional", for a thinking model) lets the reasoning run free before the constraint.
+    "optional", for a thinking model) lets the reasoning run free before the constraint, its
+    markers `think_marks` (Lark: the reasoning parser's, special tokens as tokens).
     `given` is one the route read from a field of its own (the Responses API's text.format).
     `auto_calls` (server/tools.py's AutoCalls) gives the grammar of strict tools' calls under
     tool_choice auto, beside free text or beside the answer another field constrains."""
@@ -197,4 +199,6 @@ async def request_constraint(
     c, field = found
     if think:
         c = msgspec.structs.replace(c, think=think)
+        if think_marks is not None:
+            c = msgspec.structs.replace(c, think_marks=think_marks)
     return await check(st, c, field)

@@ -162,6 +162,42 @@ def test_auto_detects_from_the_template():
         resolve("bogus", None)
 
 
+def test_command_r7b():
+    """Cohere's list of {tool_call_id, tool_name, parameters} between <|START_ACTION|> and
+    <|END_ACTION|>; the answer's and the plan's markers are no content."""
+    listed = (
+        '[{"tool_call_id": "0", "tool_name": "get_weather", "parameters": {"city": "Zürich"}},'
+        ' {"tool_call_id": "1", "tool_name": "plan", "parameters": {}}]'
+    )
+    calls = [("get_weather", '{"city": "Zürich"}'), ("plan", "{}")]
+    action = f"<|START_ACTION|>{listed}<|END_ACTION|>"
+    assert whole("command_r7b", action) == ("", calls)
+    plan = "<|START_THINKING|>I will look.<|END_THINKING|>"
+    assert whole("command_r7b", plan + action) == ("I will look.", calls)
+    answer = "<|START_RESPONSE|>It is sunny.<|END_RESPONSE|>"
+    assert whole("command_r7b", answer) == ("It is sunny.", [])
+    chunks = ["<|START_RES", "PONSE|>Hi", "<|START_ACT", "ION|>", listed, "<|END_ACTION|>"]
+    assert streamed("command_r7b", chunks) == ("Hi", calls)
+    assert detect("{{ '<|START_ACTION|>' + calls + '<|END_ACTION|>' }}") == "command_r7b"
+
+
+def test_a_chunk_ending_in_a_bracket_inside_the_list_does_not_close_it():
+    """A stream's chunk that ends on a `]` inside a string or a nested list is not the list's
+    end: the last call was marked complete there, and its arguments went out cut ({} or a
+    prefix), never corrected (found with Command R7B's random-model test)."""
+    cases = {
+        "granite": ("<|tool_call|>[", "]"),
+        "mistral": ("[TOOL_CALLS][", "]"),
+        "phi4_mini_json": ("functools[", "]"),
+    }
+    for name, (open_, close) in cases.items():
+        for head, tail in (('"x": "b]', '"}'), ('"k": [1]', ', "m": 2}')):
+            chunks = [f'{open_}{{"name": "a", "arguments": {{{head}', f"{tail}}}{close}"]
+            assert streamed(name, chunks) == whole(name, "".join(chunks)), (name, chunks)
+    chunks = ['<|START_ACTION|>[{"tool_name": "a", "parameters": {"x": "b]', '"}}]<|END_ACTION|>']
+    assert streamed("command_r7b", chunks) == ("", [("a", '{"x": "b]"}')])
+
+
 FRAGMENTS = {
     "hermes": [
         "<tool_call>", "</tool_call>", WEATHER, NESTED, '{"name": "f"', ', "arguments": {"a": ',
@@ -184,8 +220,15 @@ FRAGMENTS = {
         "tools", '{"k": [1, {"z": null}]}', ".partial", "{",
     ],
     "granite": [
-        "<|tool_call|>", "<tool_call>", "[", '{"name": "a", "arguments": {"x": "é"}}', ", ", "]",
+        '{"name": "b", "arguments": {"s": "x]', '"}}', "<|tool_call|>", "<tool_call>", "[",
+        '{"name": "a", "arguments": {"x": "é"}}', ", ", "]",
         "text ", "<|tool", "_call|>", "<tool", '{"k": [1, {"z": null}]}', " ", "{",
+    ],
+    "command_r7b": [
+        '{"tool_name": "c", "parameters": {"s": "x]', '"}}', "<|START_ACTION|>", "<|END_ACTION|>",
+        "[", "]", ", ", "<|START_RESPONSE|>", "text ",
+        '{"tool_call_id": "0", "tool_name": "a", "parameters": {"x": "é"}}', "<|END_RESPONSE|>",
+        '{"tool_name": "b", "parameters": {"k": [1, {"z": null}]}}', "<|START_", "<|", "{",
     ],
     "mistral": [
         "[TOOL_CALLS]", "[", '{"name": "a", "arguments": {"x": "é"}}', ", ", "]", "a[ARGS]",
@@ -236,6 +279,9 @@ BROKEN = [
     ("granite", '<|tool_call|>[{"name": "a", "arguments": {}}] trailing text'),
     ("granite", '<|tool_call|>[{"name": "a", "arguments": {"b": "c'),
     ("granite", '[{"name": "a"}, 5]'),
+    ("command_r7b", '<|START_ACTION|>[{"tool_name": "a", "parameters": {}}]<|END_ACTION|> more'),
+    ("command_r7b", '<|START_ACTION|>[{"tool_name": "a", "parameters": {"b": "c'),
+    ("command_r7b", '<|START_ACTION|>[{"name": "a", "arguments": {}}]<|END_ACTION|>'),
     ("qwen3_coder", "<tool_call>\n<function=f>\n<parameter=a>\nhel"),
     ("pythonic", '[f(a="x")] Let me know if you need more.'),
     ("pythonic", '[f(a="x"), 5, g(x=1)]'),

@@ -9,6 +9,7 @@ import json
 import pytest
 
 from core.structured import Constraint
+from server.tool_parsers.command_r7b import CommandR7BParser
 from server.tool_parsers.granite import GraniteParser
 from server.tool_parsers.hermes import HermesParser
 from server.tool_parsers.mistral import MistralParser
@@ -16,7 +17,10 @@ from server.tool_parsers.qwen3_coder import Qwen3CoderParser
 from tests.test_tool_schemas import INVALID, MARKUP, SCHEMAS, TOOLS, VALID
 
 
-SPECIAL_MARKUP = ("[TOOL_CALLS]", "<tool_call>", "</tool_call>", "<|tool_call|>")
+SPECIAL_MARKUP = (
+    *("[TOOL_CALLS]", "<tool_call>", "</tool_call>", "<|tool_call|>"),
+    *("<|START_ACTION|>", "<|END_ACTION|>"),
+)
 
 
 class SpecialProbe:
@@ -32,25 +36,26 @@ class SpecialProbe:
         self.special = {t: tok.convert_tokens_to_ids(t) for t in markup}
         self.grammars = Grammars(tok.backend_tokenizer.to_str(), len(tok), [tok.eos_token_id])
 
-    def takes(self, lark: str, text: str, spelled: bool = False) -> bool:
+    def takes(self, lark: str | Constraint, text: str, spelled: bool = False) -> bool:
         """`spelled`: the markup in ordinary text tokens, not as its special tokens."""
         ids = self.tok.encode(text, add_special_tokens=False, split_special_tokens=spelled)
         if not spelled:  # the tokenizer reads the markup as its special tokens
             assert all(self.special[m] in ids for m in self.markup if m in text), ids
-        matcher = self.grammars.start(Constraint("grammar", lark)).result()
+        c = lark if isinstance(lark, Constraint) else Constraint("grammar", lark)
+        matcher = self.grammars.start(c).result()
         ok = matcher.consume_tokens(ids)
         return bool(ok) and not matcher.is_error() and matcher.is_accepting()
 
 
 @pytest.mark.parametrize(
-    "parser", [MistralParser, HermesParser, Qwen3CoderParser, GraniteParser]
+    "parser", [MistralParser, HermesParser, Qwen3CoderParser, GraniteParser, CommandR7BParser]
 )
 def test_markup_that_is_a_special_token_is_written_as_that_token(model_dir, parser):
     """Where the tokenizer holds the markup as a special token (Mistral's [TOOL_CALLS]; some
-    Hermes models' <tool_call>; Granite's <|tool_call|>), the grammars take that token and
-    refuse the markup spelled out in text tokens (what llguidance does with quoted text: it
-    never matches a special token), in an enforced call and in a strict tool's auto reply;
-    text stays free."""
+    Hermes models' <tool_call>; Granite's <|tool_call|>; Command R7B's <|START_ACTION|>), the
+    grammars take that token and refuse the markup spelled out in text tokens (what llguidance
+    does with quoted text: it never matches a special token), in an enforced call and in a
+    strict tool's auto reply; text stays free."""
     from server.tool_parsers.grammar import strict_only
 
     probe = SpecialProbe(model_dir, SPECIAL_MARKUP)
@@ -103,3 +108,21 @@ def test_mistral_v11_calls_are_written_name_args_json(model_dir):
         ("place", VALID["place"]),
         ("grow_tree", VALID["grow_tree"]),
     ]
+
+
+@pytest.mark.parametrize("think", ["optional", "open"])
+def test_a_think_block_of_special_tokens_before_a_constraint(model_dir, think):
+    """A reasoning parser whose markers are special tokens (Command R7B's, Magistral's): the
+    constraint holds after the block those tokens open and close (core/structured.py
+    think_marks), not after Qwen's `<think>` text; the markers spelled in text tokens close
+    nothing."""
+    start, end = "<|START_THINKING|>", "<|END_THINKING|>"
+    probe = SpecialProbe(model_dir, (start, end))
+    marks = tuple(f"<[{probe.special[m]}]>" for m in (start, end))
+    lark = Constraint("choice", json.dumps(["ok"]), think=think, think_marks=marks)
+    opened = start if think == "optional" else ""
+    assert probe.takes(lark, f"{opened}a plan, with <think> in it{end} ok")
+    assert not probe.takes(lark, f"{opened}a plan{end} no")
+    assert not probe.takes(lark, f"{opened}a plan{end} ok", spelled=True)
+    if think == "optional":
+        assert probe.takes(lark, "ok") and not probe.takes(lark, "<think>a plan</think>ok")

@@ -6,6 +6,7 @@ template's markup. Streaming is the difference between successive whole-text par
 from __future__ import annotations
 
 from server.tool_parsers.base import Call, Parsed, ToolParser
+from server.tool_parsers.command_r7b import CommandR7BParser
 from server.tool_parsers.granite import GraniteParser
 from server.tool_parsers.hermes import HermesParser
 from server.tool_parsers.llama3_json import Llama3JsonParser
@@ -27,17 +28,18 @@ PARSERS: dict[str, type[ToolParser]] = {
         OpenAIParser,
         Phi4MiniJsonParser,
         GraniteParser,
+        CommandR7BParser,
     )
 }
 CHOICES = (*PARSERS, "auto")
 
 
-# Most specific markup first: harmony's (gpt-oss) special tokens, Granite's <|tool_call|>,
-# Qwen3-Coder's templates also write <tool_call>, and pythonic templates may mention
-# "parameters".
+# Most specific markup first: harmony's (gpt-oss) special tokens, Command R7B's
+# <|START_ACTION|>, Granite's <|tool_call|>, Qwen3-Coder's templates also write <tool_call>, and
+# pythonic templates may mention "parameters".
 DETECT_ORDER = (
-    *("openai", "granite", "qwen3_coder", "hermes", "mistral", "phi4_mini_json", "pythonic"),
-    "llama3_json",
+    *("openai", "command_r7b", "granite", "qwen3_coder", "hermes", "mistral", "phi4_mini_json"),
+    *("pythonic", "llama3_json"),
 )
 
 

@@ -178,13 +178,24 @@ def whole_call(text: str) -> Call | None:
     return call_from(whole_json(text.strip()), True)
 
 
+def closed_json(text: str) -> bool:
+    """Whether `text` begins with a whole JSON value: a list closed by its own bracket, not by
+    a `]` inside one of its strings or nested lists (a stream's chunk may end on either)."""
+    try:
+        _decoder.raw_decode(text.lstrip())
+    except (ValueError, RecursionError):
+        return False
+    return True
+
+
 def listed_calls(rest: str, final: bool) -> list[Call]:
     """The calls of a JSON list of call objects being written (`rest` begins with it): each
     item once it has a whole name; the last is complete only once the list is closed."""
     value = partial_json(rest)
     calls = []
+    closed = final or closed_json(rest)
     for j, item in enumerate(value if isinstance(value, list) else []):
-        done = final or j < len(value) - 1 or rest.rstrip().endswith("]")
+        done = closed or j < len(value) - 1
         call = call_from(item, done)
         if call is not None:
             calls.append(call)

@@ -48,10 +48,16 @@ def resolve_ref(schema: Any, root: dict[str, Any], depth: int = 0) -> Any:
     return resolve_ref(node, root, depth + 1)
 
 
-def call_schema(tools: list[dict[str, Any]], key: str = "arguments") -> dict[str, Any]:
-    """The JSON schema of one call object to any of `tools`: its name, and arguments that
-    validate against that tool's parameters (objects closed and whitespace bounded as for
-    response_format's schemas: core/structured.py).
+def call_schema(
+    tools: list[dict[str, Any]],
+    key: str = "arguments",
+    name_key: str = "name",
+    id_key: str | None = None,
+) -> dict[str, Any]:
+    """The JSON schema of one call object to any of `tools`: its name (under `name_key`), and
+    arguments (under `key`) that validate against that tool's parameters (objects closed and
+    whitespace bounded as for response_format's schemas: core/structured.py); with `id_key`,
+    a string id first (Command R7B's tool_call_id).
 
     Each tool's parameters sit whole under the call schema's `$defs` and are referenced from
     its `key` property, their own local references ("#/$defs/Item", "#/definitions/...",
@@ -65,14 +71,16 @@ def call_schema(tools: list[dict[str, Any]], key: str = "arguments") -> dict[str
         name = f"weir_tool_{i}"
         params = rebase_refs(fn.get("parameters") or {"type": "object"}, f"#/$defs/{name}")
         defs[name] = close_objects(params)
+        ids = {id_key: {"type": "string"}} if id_key else {}
         options.append(
             {
                 "type": "object",
                 "properties": {
-                    "name": {"const": fn["name"]},
+                    **ids,
+                    name_key: {"const": fn["name"]},
                     key: {"$ref": f"#/$defs/{name}"},
                 },
-                "required": ["name", key],
+                "required": [*ids, name_key, key],
                 "additionalProperties": False,
             }
         )
@@ -134,11 +142,13 @@ def text_or_calls(marker: str, answer: bool, special: Mapping[str, int]) -> str:
     return "start: TEXT | lead after\n" + text + f"lead[lazy]: /(?s:.*){mark}/\n"
 
 
-def _calls_rule(tools: list[dict[str, Any]], parallel: bool) -> str:
-    """The `calls` rule: a JSON list of call objects to `tools` (one unless `parallel`)."""
+def calls_rule(tools: list[dict[str, Any]], parallel: bool, **keys: str) -> str:
+    """The `calls` rule: a JSON list of call objects to `tools` (one unless `parallel`); `keys`:
+    call_schema's names of the object's members."""
     bound = {} if parallel else {"maxItems": 1}
     calls = lift_defs(
-        call_schema(tools), lambda one: {"type": "array", "items": one, "minItems": 1, **bound}
+        call_schema(tools, **keys),
+        lambda one: {"type": "array", "items": one, "minItems": 1, **bound},
     )
     return f"calls: {lark_json(calls)}"
 
@@ -147,7 +157,7 @@ def listed_grammar(
     marker: str, tools: list[dict[str, Any]], parallel: bool, special: Mapping[str, int]
 ) -> str:
     """The call grammar of `marker` then a JSON list of calls (Mistral's, Phi-4-mini's)."""
-    return f"start: {literal(marker, special)} calls\n" + _calls_rule(tools, parallel)
+    return f"start: {literal(marker, special)} calls\n" + calls_rule(tools, parallel)
 
 
 def listed_auto_grammar(
@@ -159,7 +169,7 @@ def listed_auto_grammar(
 ) -> str:
     """Text, then `marker` and the list of calls (as listed_grammar's)."""
     top = text_or_calls(marker, answer, special)
-    return top + "after: calls\n" + _calls_rule(tools, parallel)
+    return top + "after: calls\n" + calls_rule(tools, parallel)
 
 
 def strict_only(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
