@@ -47,8 +47,8 @@ def server(model_dir):
 
 
 def test_the_template_picks_both_parsers(server):
-    assert server.state.tool_parser == "command_r7b"
-    assert server.state.reasoning_parser == "command_r7b"
+    assert server.state.tool_parser == "command"
+    assert server.state.reasoning_parser == "command"
 
 
 def ids(server, *tokens: str) -> list[int]:

@@ -59,21 +59,21 @@ def test_mistral_splits_magistral_think_blocks():
     assert detect("{{ '[THINK]' + m.thinking + '[/THINK]' }}") == "mistral"
 
 
-def test_command_r7b_splits_its_plan_and_unwraps_its_answer():
+def test_command_splits_its_plan_and_unwraps_its_answer():
     """Cohere's Command R7B: the plan between its thinking markers, the answer's own
     <|START_RESPONSE|> / <|END_RESPONSE|> out of the content (special tokens, kept in the text);
     its action markup left in the content for the tool parser."""
     plan, answer = "<|START_THINKING|>I will look it up.<|END_THINKING|>", "It is 42."
     wrapped = f"<|START_RESPONSE|>{answer}<|END_RESPONSE|>"
-    assert split("command_r7b", plan + wrapped) == ("I will look it up.", answer)
-    assert split("command_r7b", wrapped) == (None, answer)
+    assert split("command", plan + wrapped) == ("I will look it up.", answer)
+    assert split("command", wrapped) == (None, answer)
     action = "<|START_ACTION|>[]<|END_ACTION|>"
-    assert split("command_r7b", plan + action) == ("I will look it up.", action)
+    assert split("command", plan + action) == ("I will look it up.", action)
     chunks = ["<|START_", "THINKING|>a<|END_", "THINKING|><|START_RES", "PONSE|>b<|END_"]
     chunks.append("RESPONSE|>")
-    assert stream("command_r7b", chunks) == ("a", "b")
-    assert PARSERS["command_r7b"].special_tokens
-    assert detect("{{ '<|START_THINKING|>' + plan + '<|END_THINKING|>' }}") == "command_r7b"
+    assert stream("command", chunks) == ("a", "b")
+    assert PARSERS["command"].special_tokens
+    assert detect("{{ '<|START_THINKING|>' + plan + '<|END_THINKING|>' }}") == "command"
 
 
 def test_auto_picks_from_the_template():

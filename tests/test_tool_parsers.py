@@ -162,7 +162,7 @@ def test_auto_detects_from_the_template():
         resolve("bogus", None)
 
 
-def test_command_r7b():
+def test_command():
     """Cohere's list of {tool_call_id, tool_name, parameters} between <|START_ACTION|> and
     <|END_ACTION|>; the answer's and the plan's markers are no content."""
     listed = (
@@ -171,14 +171,14 @@ def test_command_r7b():
     )
     calls = [("get_weather", '{"city": "Zürich"}'), ("plan", "{}")]
     action = f"<|START_ACTION|>{listed}<|END_ACTION|>"
-    assert whole("command_r7b", action) == ("", calls)
+    assert whole("command", action) == ("", calls)
     plan = "<|START_THINKING|>I will look.<|END_THINKING|>"
-    assert whole("command_r7b", plan + action) == ("I will look.", calls)
+    assert whole("command", plan + action) == ("I will look.", calls)
     answer = "<|START_RESPONSE|>It is sunny.<|END_RESPONSE|>"
-    assert whole("command_r7b", answer) == ("It is sunny.", [])
+    assert whole("command", answer) == ("It is sunny.", [])
     chunks = ["<|START_RES", "PONSE|>Hi", "<|START_ACT", "ION|>", listed, "<|END_ACTION|>"]
-    assert streamed("command_r7b", chunks) == ("Hi", calls)
-    assert detect("{{ '<|START_ACTION|>' + calls + '<|END_ACTION|>' }}") == "command_r7b"
+    assert streamed("command", chunks) == ("Hi", calls)
+    assert detect("{{ '<|START_ACTION|>' + calls + '<|END_ACTION|>' }}") == "command"
 
 
 def test_a_chunk_ending_in_a_bracket_inside_the_list_does_not_close_it():
@@ -195,7 +195,7 @@ def test_a_chunk_ending_in_a_bracket_inside_the_list_does_not_close_it():
             chunks = [f'{open_}{{"name": "a", "arguments": {{{head}', f"{tail}}}{close}"]
             assert streamed(name, chunks) == whole(name, "".join(chunks)), (name, chunks)
     chunks = ['<|START_ACTION|>[{"tool_name": "a", "parameters": {"x": "b]', '"}}]<|END_ACTION|>']
-    assert streamed("command_r7b", chunks) == ("", [("a", '{"x": "b]"}')])
+    assert streamed("command", chunks) == ("", [("a", '{"x": "b]"}')])
 
 
 FRAGMENTS = {
@@ -224,7 +224,7 @@ FRAGMENTS = {
         '{"name": "a", "arguments": {"x": "é"}}', ", ", "]",
         "text ", "<|tool", "_call|>", "<tool", '{"k": [1, {"z": null}]}', " ", "{",
     ],
-    "command_r7b": [
+    "command": [
         '{"tool_name": "c", "parameters": {"s": "x]', '"}}', "<|START_ACTION|>", "<|END_ACTION|>",
         "[", "]", ", ", "<|START_RESPONSE|>", "text ",
         '{"tool_call_id": "0", "tool_name": "a", "parameters": {"x": "é"}}', "<|END_RESPONSE|>",
@@ -279,9 +279,9 @@ BROKEN = [
     ("granite", '<|tool_call|>[{"name": "a", "arguments": {}}] trailing text'),
     ("granite", '<|tool_call|>[{"name": "a", "arguments": {"b": "c'),
     ("granite", '[{"name": "a"}, 5]'),
-    ("command_r7b", '<|START_ACTION|>[{"tool_name": "a", "parameters": {}}]<|END_ACTION|> more'),
-    ("command_r7b", '<|START_ACTION|>[{"tool_name": "a", "parameters": {"b": "c'),
-    ("command_r7b", '<|START_ACTION|>[{"name": "a", "arguments": {}}]<|END_ACTION|>'),
+    ("command", '<|START_ACTION|>[{"tool_name": "a", "parameters": {}}]<|END_ACTION|> more'),
+    ("command", '<|START_ACTION|>[{"tool_name": "a", "parameters": {"b": "c'),
+    ("command", '<|START_ACTION|>[{"name": "a", "arguments": {}}]<|END_ACTION|>'),
     ("qwen3_coder", "<tool_call>\n<function=f>\n<parameter=a>\nhel"),
     ("pythonic", '[f(a="x")] Let me know if you need more.'),
     ("pythonic", '[f(a="x"), 5, g(x=1)]'),

@@ -14,7 +14,7 @@ import pytest
 from pydantic import BaseModel, Field
 
 from core.structured import Constraint
-from server.tool_parsers.command_r7b import CommandR7BParser
+from server.tool_parsers.command import CommandParser
 from server.tool_parsers.granite import GraniteParser
 from server.tool_parsers.hermes import HermesParser
 from server.tool_parsers.llama3_json import Llama3JsonParser
@@ -111,7 +111,7 @@ MARKUP = {  # each parser's call markup for one call
     GraniteParser: lambda name, args: (
         "<|tool_call|>" + json.dumps([{"name": name, "arguments": args}])
     ),
-    CommandR7BParser: lambda name, args: (
+    CommandParser: lambda name, args: (
         "<|START_ACTION|>"
         + json.dumps([{"tool_call_id": "0", "tool_name": name, "parameters": args}])
         + "<|END_ACTION|>"

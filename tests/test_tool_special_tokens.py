@@ -9,7 +9,7 @@ import json
 import pytest
 
 from core.structured import Constraint
-from server.tool_parsers.command_r7b import CommandR7BParser
+from server.tool_parsers.command import CommandParser
 from server.tool_parsers.granite import GraniteParser
 from server.tool_parsers.hermes import HermesParser
 from server.tool_parsers.mistral import MistralParser
@@ -48,7 +48,7 @@ class SpecialProbe:
 
 
 @pytest.mark.parametrize(
-    "parser", [MistralParser, HermesParser, Qwen3CoderParser, GraniteParser, CommandR7BParser]
+    "parser", [MistralParser, HermesParser, Qwen3CoderParser, GraniteParser, CommandParser]
 )
 def test_markup_that_is_a_special_token_is_written_as_that_token(model_dir, parser):
     """Where the tokenizer holds the markup as a special token (Mistral's [TOOL_CALLS]; some

@@ -9,7 +9,7 @@ disagree, wherever the chunks happen to cut a marker."""
 
 from __future__ import annotations
 
-from server.reasoning.command_r7b import CommandR7BParser
+from server.reasoning.command import CommandReasoningParser
 from server.reasoning.deepseek_r1 import DeepSeekR1Parser
 from server.reasoning.harmony import HarmonyParser
 from server.reasoning.mistral import MistralParser
@@ -21,7 +21,7 @@ PARSERS: dict[str, type[ThinkParser]] = {
     "deepseek_r1": DeepSeekR1Parser,
     "openai_gptoss": HarmonyParser,  # vLLM's name for gpt-oss's harmony format
     "mistral": MistralParser,  # Magistral's [THINK] ... [/THINK]
-    "command_r7b": CommandR7BParser,  # Cohere's <|START_THINKING|> ... <|END_THINKING|>
+    "command": CommandReasoningParser,  # Cohere's <|START_THINKING|> ... <|END_THINKING|>
 }
 CHOICES = (*PARSERS, "auto")
 
@@ -31,7 +31,7 @@ def detect(template: str | None) -> str | None:
     if template and "<|channel|>" in template:  # harmony (gpt-oss)
         return "openai_gptoss"
     if template and "<|START_THINKING|>" in template and "<|END_THINKING|>" in template:
-        return "command_r7b"
+        return "command"
     if template and "<think>" in template and "</think>" in template:
         return "qwen3"
     if template and "[THINK]" in template and "[/THINK]" in template:

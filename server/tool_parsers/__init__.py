@@ -6,7 +6,7 @@ template's markup. Streaming is the difference between successive whole-text par
 from __future__ import annotations
 
 from server.tool_parsers.base import Call, Parsed, ToolParser
-from server.tool_parsers.command_r7b import CommandR7BParser
+from server.tool_parsers.command import CommandParser
 from server.tool_parsers.granite import GraniteParser
 from server.tool_parsers.hermes import HermesParser
 from server.tool_parsers.llama3_json import Llama3JsonParser
@@ -28,7 +28,7 @@ PARSERS: dict[str, type[ToolParser]] = {
         OpenAIParser,
         Phi4MiniJsonParser,
         GraniteParser,
-        CommandR7BParser,
+        CommandParser,
     )
 }
 CHOICES = (*PARSERS, "auto")
@@ -38,7 +38,7 @@ CHOICES = (*PARSERS, "auto")
 # <|START_ACTION|>, Granite's <|tool_call|>, Qwen3-Coder's templates also write <tool_call>, and
 # pythonic templates may mention "parameters".
 DETECT_ORDER = (
-    *("openai", "command_r7b", "granite", "qwen3_coder", "hermes", "mistral", "phi4_mini_json"),
+    *("openai", "command", "granite", "qwen3_coder", "hermes", "mistral", "phi4_mini_json"),
     *("pythonic", "llama3_json"),
 )
 

@@ -1,9 +1,10 @@
-"""Cohere's Command R7B calls (and Command A's; llama.cpp's "Command R7B" format): after its tool
-plan, `<|START_ACTION|>` and a JSON list of `{"tool_call_id", "tool_name", "parameters"}` objects,
-then `<|END_ACTION|>`. The markers are special tokens of its tokenizer, so the reply is read with
-special tokens kept: the answer's own `<|START_RESPONSE|>` / `<|END_RESPONSE|>` (and the tool
-plan's thinking markers, where no reasoning parser took them) are taken out of the content.
-Its chat template writes `<|START_ACTION|>`, which is how `auto` knows it."""
+"""Cohere's Command R7B and Command A calls (vLLM's `command`; llama.cpp's "Command R7B" format):
+after its tool plan, `<|START_ACTION|>` and a JSON list of `{"tool_call_id", "tool_name",
+"parameters"}` objects, then `<|END_ACTION|>`. The markers are special tokens of its tokenizer,
+so the reply is read with special tokens kept: the answer's own `<|START_RESPONSE|>` /
+`<|END_RESPONSE|>` (and the tool plan's thinking markers, where no reasoning parser took them)
+are taken out of the content. Its chat template writes `<|START_ACTION|>`, which is how `auto`
+knows it."""
 
 from __future__ import annotations
 
@@ -27,8 +28,8 @@ MARKUP = ("<|START_RESPONSE|>", "<|END_RESPONSE|>", "<|START_THINKING|>", "<|END
 KEYS = {"key": "parameters", "name_key": "tool_name", "id_key": "tool_call_id"}
 
 
-class CommandR7BParser(ToolParser):
-    name = "command_r7b"
+class CommandParser(ToolParser):
+    name = "command"
     markers = (START,)
 
     def parse(self, text: str, final: bool = False) -> Parsed:
