@@ -76,6 +76,23 @@ def test_command_splits_its_plan_and_unwraps_its_answer():
     assert detect("{{ '<|START_THINKING|>' + plan + '<|END_THINKING|>' }}") == "command"
 
 
+def test_granite_splits_its_thought_process_from_its_response():
+    """Granite 3.2's plain-text markers, "Here is" or "Here's" either side, held back while a
+    chunk may still be one; text that opens otherwise is all content."""
+    text = "Here is my thought process:\n2 × 21 🤔\nHere's my response:\nIt is 42."
+    assert split("granite", text) == ("\n2 × 21 🤔\n", "\nIt is 42.")
+    assert split("granite", "Here's my thought process: a Here is my response: b") == (" a ", " b")
+    assert split("granite", "Here is the answer: 42") == (None, "Here is the answer: 42")
+    assert split("granite", "Here is my thought process: cut") == (" cut", "")
+    chunks = ["Here", " is my thought", " process: a Here", "'s my", " response: b"]
+    assert stream("granite", chunks) == (" a ", " b")
+    assert stream("granite", ["Here", " is", " fine."]) == ("", "Here is fine.")
+    template = "Write your thoughts after 'Here is my thought process:' and write your " + (
+        "response after 'Here is my response:' for each user query."
+    )
+    assert detect(template) == "granite"
+
+
 def test_auto_picks_from_the_template():
     assert detect("{% if x %}<think>\n{{ r }}\n</think>{% endif %}") == "qwen3"
     assert detect("<|im_start|>{{ m.role }}") is None and resolve(None, "<think></think>") is None
@@ -97,6 +114,7 @@ PIECES = st.sampled_from(
     ["<think>", "</think>", "<", "</", "think", ">", "\n", "a", "é", "🤔", " answer ", "<th"]
     + ["[THINK]", "[/THINK]", "[", "[/", "THINK]"]
     + ["<|START_THINKING|>", "<|END_THINKING|>", "<|START_RESPONSE|>", "<|END_RESPONSE|>", "<|"]
+    + ["Here is my thought process:", "Here's my response:", "Here", " is my ", "response:"]
 )
 
 

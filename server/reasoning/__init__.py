@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from server.reasoning.command import CommandReasoningParser
 from server.reasoning.deepseek_r1 import DeepSeekR1Parser
+from server.reasoning.granite import ENDS, STARTS, GraniteParser
 from server.reasoning.harmony import HarmonyParser
 from server.reasoning.mistral import MistralParser
 from server.reasoning.qwen3 import Qwen3Parser
@@ -22,6 +23,7 @@ PARSERS: dict[str, type[ThinkParser]] = {
     "openai_gptoss": HarmonyParser,  # vLLM's name for gpt-oss's harmony format
     "mistral": MistralParser,  # Magistral's [THINK] ... [/THINK]
     "command": CommandReasoningParser,  # Cohere's <|START_THINKING|> ... <|END_THINKING|>
+    "granite": GraniteParser,  # Granite 3.2's "Here is my thought process:" ... its response
 }
 CHOICES = (*PARSERS, "auto")
 
@@ -32,6 +34,8 @@ def detect(template: str | None) -> str | None:
         return "openai_gptoss"
     if template and "<|START_THINKING|>" in template and "<|END_THINKING|>" in template:
         return "command"
+    if template and STARTS[0] in template and ENDS[0] in template:
+        return "granite"
     if template and "<think>" in template and "</think>" in template:
         return "qwen3"
     if template and "[THINK]" in template and "[/THINK]" in template:
