@@ -181,6 +181,24 @@ def test_command():
     assert detect("{{ '<|START_ACTION|>' + calls + '<|END_ACTION|>' }}") == "command"
 
 
+def test_internlm():
+    """InternLM's <|action_start|><|plugin|> {name, parameters} <|action_end|>, one or more,
+    text before them."""
+    call = '<|action_start|><|plugin|>\n{"name": "get_weather", "parameters": '
+    call += '{"city": "Zürich"}}'
+    text = f"Let me check.{call}<|action_end|>"
+    want = ("Let me check.", [("get_weather", '{"city": "Zürich"}')])
+    assert whole("internlm", text) == want
+    assert whole("internlm", text + call.replace("Zürich", "Oslo") + "<|action_end|>")[1] == [
+        ("get_weather", '{"city": "Zürich"}'),
+        ("get_weather", '{"city": "Oslo"}'),
+    ]
+    for cut in (20, 40, 60):  # within the markers, the name, the arguments
+        assert streamed("internlm", [text[:cut], text[cut:]]) == want, cut
+    template = "{% if m.name == 'plugin' %}<|im_start|>system name=<|plugin|>{% endif %}"
+    assert detect(template) == "internlm"
+
+
 def test_a_chunk_ending_in_a_bracket_inside_the_list_does_not_close_it():
     """A stream's chunk that ends on a `]` inside a string or a nested list is not the list's
     end: the last call was marked complete there, and its arguments went out cut ({} or a
@@ -223,6 +241,10 @@ FRAGMENTS = {
         '{"name": "b", "arguments": {"s": "x]', '"}}', "<|tool_call|>", "<tool_call>", "[",
         '{"name": "a", "arguments": {"x": "é"}}', ", ", "]",
         "text ", "<|tool", "_call|>", "<tool", '{"k": [1, {"z": null}]}', " ", "{",
+    ],
+    "internlm": [
+        "<|action_start|><|plugin|>", "<|action_end|>", '{"name": "f", "parameters": {"a": 1}}',
+        '{"name": "g"', ', "parameters": {"x": "é]', '"}}', "text ", "<|action_", "\n", "{",
     ],
     "command": [
         '{"tool_name": "c", "parameters": {"s": "x]', '"}}', "<|START_ACTION|>", "<|END_ACTION|>",
@@ -279,6 +301,8 @@ BROKEN = [
     ("granite", '<|tool_call|>[{"name": "a", "arguments": {}}] trailing text'),
     ("granite", '<|tool_call|>[{"name": "a", "arguments": {"b": "c'),
     ("granite", '[{"name": "a"}, 5]'),
+    ("internlm", '<|action_start|><|plugin|>{"name": "f", "parameters": {"a": "b'),
+    ("internlm", "<|action_start|><|plugin|>not json<|action_end|>"),
     ("command", '<|START_ACTION|>[{"tool_name": "a", "parameters": {}}]<|END_ACTION|> more'),
     ("command", '<|START_ACTION|>[{"tool_name": "a", "parameters": {"b": "c'),
     ("command", '<|START_ACTION|>[{"name": "a", "arguments": {}}]<|END_ACTION|>'),

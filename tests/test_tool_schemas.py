@@ -17,6 +17,7 @@ from core.structured import Constraint
 from server.tool_parsers.command import CommandParser
 from server.tool_parsers.granite import GraniteParser
 from server.tool_parsers.hermes import HermesParser
+from server.tool_parsers.internlm import InternLMParser
 from server.tool_parsers.llama3_json import Llama3JsonParser
 from server.tool_parsers.mistral import MistralParser
 from server.tool_parsers.phi4_mini import Phi4MiniJsonParser
@@ -115,6 +116,11 @@ MARKUP = {  # each parser's call markup for one call
         "<|START_ACTION|>"
         + json.dumps([{"tool_call_id": "0", "tool_name": name, "parameters": args}])
         + "<|END_ACTION|>"
+    ),
+    InternLMParser: lambda name, args: (
+        "<|action_start|><|plugin|>\n"
+        + json.dumps({"name": name, "parameters": args})
+        + "<|action_end|>"
     ),
     Llama3JsonParser: lambda name, args: json.dumps({"name": name, "parameters": args}),
     Qwen3CoderParser: lambda name, args: (

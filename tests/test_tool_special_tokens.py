@@ -12,6 +12,7 @@ from core.structured import Constraint
 from server.tool_parsers.command import CommandParser
 from server.tool_parsers.granite import GraniteParser
 from server.tool_parsers.hermes import HermesParser
+from server.tool_parsers.internlm import InternLMParser
 from server.tool_parsers.mistral import MistralParser
 from server.tool_parsers.qwen3_coder import Qwen3CoderParser
 from tests.test_tool_schemas import INVALID, MARKUP, SCHEMAS, TOOLS, VALID
@@ -19,7 +20,7 @@ from tests.test_tool_schemas import INVALID, MARKUP, SCHEMAS, TOOLS, VALID
 
 SPECIAL_MARKUP = (
     *("[TOOL_CALLS]", "<tool_call>", "</tool_call>", "<|tool_call|>"),
-    *("<|START_ACTION|>", "<|END_ACTION|>"),
+    *("<|START_ACTION|>", "<|END_ACTION|>", "<|action_start|>", "<|plugin|>", "<|action_end|>"),
 )
 
 
@@ -48,14 +49,15 @@ class SpecialProbe:
 
 
 @pytest.mark.parametrize(
-    "parser", [MistralParser, HermesParser, Qwen3CoderParser, GraniteParser, CommandParser]
+    "parser",
+    [MistralParser, HermesParser, Qwen3CoderParser, GraniteParser, CommandParser, InternLMParser],
 )
 def test_markup_that_is_a_special_token_is_written_as_that_token(model_dir, parser):
     """Where the tokenizer holds the markup as a special token (Mistral's [TOOL_CALLS]; some
-    Hermes models' <tool_call>; Granite's <|tool_call|>; Command R7B's <|START_ACTION|>), the
-    grammars take that token and refuse the markup spelled out in text tokens (what llguidance
-    does with quoted text: it never matches a special token), in an enforced call and in a
-    strict tool's auto reply; text stays free."""
+    Hermes models' <tool_call>; Granite's <|tool_call|>; Command R7B's <|START_ACTION|>;
+    InternLM's two, <|action_start|><|plugin|>), the grammars take that token and refuse the
+    markup spelled out in text tokens (what llguidance does with quoted text: it never matches
+    a special token), in an enforced call and in a strict tool's auto reply; text stays free."""
     from server.tool_parsers.grammar import strict_only
 
     probe = SpecialProbe(model_dir, SPECIAL_MARKUP)

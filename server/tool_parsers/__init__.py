@@ -9,6 +9,7 @@ from server.tool_parsers.base import Call, Parsed, ToolParser
 from server.tool_parsers.command import CommandParser
 from server.tool_parsers.granite import GraniteParser
 from server.tool_parsers.hermes import HermesParser
+from server.tool_parsers.internlm import InternLMParser
 from server.tool_parsers.llama3_json import Llama3JsonParser
 from server.tool_parsers.mistral import MistralParser
 from server.tool_parsers.openai import OpenAIParser
@@ -29,17 +30,18 @@ PARSERS: dict[str, type[ToolParser]] = {
         Phi4MiniJsonParser,
         GraniteParser,
         CommandParser,
+        InternLMParser,
     )
 }
 CHOICES = (*PARSERS, "auto")
 
 
 # Most specific markup first: harmony's (gpt-oss) special tokens, Command R7B's
-# <|START_ACTION|>, Granite's <|tool_call|>, Qwen3-Coder's templates also write <tool_call>, and
-# pythonic templates may mention "parameters".
+# <|START_ACTION|>, InternLM's <|plugin|>, Granite's <|tool_call|>, Qwen3-Coder's templates also
+# write <tool_call>, and pythonic templates may mention "parameters".
 DETECT_ORDER = (
-    *("openai", "command", "granite", "qwen3_coder", "hermes", "mistral", "phi4_mini_json"),
-    *("pythonic", "llama3_json"),
+    *("openai", "command", "internlm", "granite", "qwen3_coder", "hermes", "mistral"),
+    *("phi4_mini_json", "pythonic", "llama3_json"),
 )
 
 

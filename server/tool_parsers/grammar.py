@@ -130,14 +130,14 @@ def text_or_calls(marker: str, answer: bool, special: Mapping[str, int]) -> str:
     """The top of an auto_grammar for markup where `marker` opens the calls: the reply is
     text (any text that never writes `marker`), or text and then calls (the parser's rule
     `after`: what follows the marker). A lazy lexeme takes the text with the marker, ending
-    where the marker does; a marker that is a special token follows the text as that token.
-    With `answer` the text is the nested grammar @answer (a response format's) instead, and
-    calls open the reply."""
+    where the marker does; a marker that is (or opens with) a special token follows the text
+    as that token. With `answer` the text is the nested grammar @answer (a response format's)
+    instead, and calls open the reply."""
     if answer:
         return f"start: @answer | {literal(marker, special)} after\n"
     mark = re.escape(marker).replace("/", "\\/")
     text = f"TEXT: /(?s:.*)/ & ~/(?s:.*{mark}.*)/\n"
-    if marker in special:
+    if any(t and marker.startswith(t) for t in special):  # (InternLM's: two of them)
         return f"start: TEXT | TEXT? {literal(marker, special)} after\n" + text
     return "start: TEXT | lead after\n" + text + f"lead[lazy]: /(?s:.*){mark}/\n"
 

@@ -14,6 +14,8 @@ class HermesParser(ToolParser):
     name = "hermes"
     markers = ("<tool_call>",)
     open, close = "<tool_call>", "</tool_call>"
+    key = "arguments"  # the arguments' member in the call object a grammar writes
+    before_close = "\n"  # what an enforced call writes between its JSON and `close`
 
     def parse(self, text: str, final: bool = False) -> Parsed:
         """Text around the calls is content, but for whitespace alone after a call (what
@@ -61,16 +63,15 @@ class HermesParser(ToolParser):
 
     def call_grammar(self, tools: list[dict[str, Any]], parallel: bool) -> str:
         more = ' ("\\n" call)*' if parallel else ""
-        opened, closed = self.lit(self.open + "\n"), self.lit("\n" + self.close)
-        return (
-            f"start: call{more}\ncall: {opened} obj {closed}\nobj: {lark_json(call_schema(tools))}"
-        )
+        opened, closed = self.lit(self.open + "\n"), self.lit(self.before_close + self.close)
+        obj = lark_json(call_schema(tools, self.key))
+        return f"start: call{more}\ncall: {opened} obj {closed}\nobj: {obj}"
 
     def auto_grammar(self, tools: list[dict[str, Any]], parallel: bool, answer: bool) -> str:
-        closed = self.lit("\n" + self.close)
+        closed = self.lit(self.before_close + self.close)
         more = f" ({self.lit(chr(10) + self.open + chr(10))} obj {closed})*" if parallel else ""
         return (
             text_or_calls(self.open, answer, self.special)
             + f'after: "\\n" obj {closed}{more}\n'
-            + f"obj: {lark_json(call_schema(tools))}"
+            + f"obj: {lark_json(call_schema(tools, self.key))}"
         )
