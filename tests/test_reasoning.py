@@ -93,6 +93,20 @@ def test_granite_splits_its_thought_process_from_its_response():
     assert detect(template) == "granite"
 
 
+def test_hunyuan_unwraps_its_answer():
+    """Hunyuan's <think> block, then its answer wrapped in <answer>...</answer> (the line
+    breaks inside the wrapper are the wrapper's); its fast mode's empty block; an answer
+    without the wrapper is content as it is."""
+    text = "<think>\n2 × 21\n</think>\n<answer>\nIt is 42.\n</answer>"
+    assert split("hunyuan_a13b", text) == ("\n2 × 21\n", "It is 42.")
+    assert split("hunyuan_a13b", "<think>\n\n</think>\n<answer>\nHi\n</answer>") == ("\n\n", "Hi")
+    assert split("hunyuan_a13b", "Just text.") == (None, "Just text.")
+    assert split("hunyuan_a13b", "<think>a</think><answer>cut") == ("a", "cut")
+    chunks = ["<think>a</th", "ink>\n<ans", "wer>\nIt is", " 42.\n</ans", "wer>"]
+    assert stream("hunyuan_a13b", chunks) == ("a", "It is 42.")
+    assert detect("{{ '<think>' + r + '</think><answer>' + c + '</answer>' }}") == "hunyuan_a13b"
+
+
 def test_auto_picks_from_the_template():
     assert detect("{% if x %}<think>\n{{ r }}\n</think>{% endif %}") == "qwen3"
     assert detect("<|im_start|>{{ m.role }}") is None and resolve(None, "<think></think>") is None
@@ -115,6 +129,7 @@ PIECES = st.sampled_from(
     + ["[THINK]", "[/THINK]", "[", "[/", "THINK]"]
     + ["<|START_THINKING|>", "<|END_THINKING|>", "<|START_RESPONSE|>", "<|END_RESPONSE|>", "<|"]
     + ["Here is my thought process:", "Here's my response:", "Here", " is my ", "response:"]
+    + ["<answer>", "</answer>", "<ans", "wer>"]
 )
 
 

@@ -199,6 +199,18 @@ def test_internlm():
     assert detect(template) == "internlm"
 
 
+def test_hunyuan():
+    """Hunyuan's JSON list of {name, arguments} between <tool_calls> and </tool_calls>."""
+    listed = '[{"name": "get_weather", "arguments": {"city": "Zürich"}},'
+    listed += ' {"name": "t", "arguments": {}}]'
+    want = [("get_weather", '{"city": "Zürich"}'), ("t", "{}")]
+    text = f"Checking.<tool_calls>{listed}</tool_calls>"
+    assert whole("hunyuan_a13b", text) == ("Checking.", want)
+    assert streamed("hunyuan_a13b", [text[:14], text[14:40], text[40:]]) == ("Checking.", want)
+    assert detect("{{ '<tool_calls>' + calls + '</tool_calls>' }}") == "hunyuan_a13b"
+    assert detect("{{ '<tool_call>' + call + '</tool_call>' }}") == "hermes"
+
+
 def test_a_chunk_ending_in_a_bracket_inside_the_list_does_not_close_it():
     """A stream's chunk that ends on a `]` inside a string or a nested list is not the list's
     end: the last call was marked complete there, and its arguments went out cut ({} or a
@@ -245,6 +257,10 @@ FRAGMENTS = {
     "internlm": [
         "<|action_start|><|plugin|>", "<|action_end|>", '{"name": "f", "parameters": {"a": 1}}',
         '{"name": "g"', ', "parameters": {"x": "é]', '"}}', "text ", "<|action_", "\n", "{",
+    ],
+    "hunyuan_a13b": [
+        "<tool_calls>", "</tool_calls>", "[", "]", ", ", '{"name": "a", "arguments": {"x": "é"}}',
+        '{"name": "b", "arguments": {"s": "x]', '"}}', "text ", "<tool_", "calls>", "{",
     ],
     "command": [
         '{"tool_name": "c", "parameters": {"s": "x]', '"}}', "<|START_ACTION|>", "<|END_ACTION|>",
@@ -303,6 +319,8 @@ BROKEN = [
     ("granite", '[{"name": "a"}, 5]'),
     ("internlm", '<|action_start|><|plugin|>{"name": "f", "parameters": {"a": "b'),
     ("internlm", "<|action_start|><|plugin|>not json<|action_end|>"),
+    ("hunyuan_a13b", '<tool_calls>[{"name": "a", "arguments": {}}]</tool_calls> more'),
+    ("hunyuan_a13b", '<tool_calls>[{"name": "a", "arguments": {"b": "c'),
     ("command", '<|START_ACTION|>[{"tool_name": "a", "parameters": {}}]<|END_ACTION|> more'),
     ("command", '<|START_ACTION|>[{"tool_name": "a", "parameters": {"b": "c'),
     ("command", '<|START_ACTION|>[{"name": "a", "arguments": {}}]<|END_ACTION|>'),

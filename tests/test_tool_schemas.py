@@ -17,6 +17,7 @@ from core.structured import Constraint
 from server.tool_parsers.command import CommandParser
 from server.tool_parsers.granite import GraniteParser
 from server.tool_parsers.hermes import HermesParser
+from server.tool_parsers.hunyuan import HunyuanParser
 from server.tool_parsers.internlm import InternLMParser
 from server.tool_parsers.llama3_json import Llama3JsonParser
 from server.tool_parsers.mistral import MistralParser
@@ -116,6 +117,9 @@ MARKUP = {  # each parser's call markup for one call
         "<|START_ACTION|>"
         + json.dumps([{"tool_call_id": "0", "tool_name": name, "parameters": args}])
         + "<|END_ACTION|>"
+    ),
+    HunyuanParser: lambda name, args: (
+        "<tool_calls>" + json.dumps([{"name": name, "arguments": args}]) + "</tool_calls>"
     ),
     InternLMParser: lambda name, args: (
         "<|action_start|><|plugin|>\n"

@@ -13,6 +13,7 @@ from server.reasoning.command import CommandReasoningParser
 from server.reasoning.deepseek_r1 import DeepSeekR1Parser
 from server.reasoning.granite import ENDS, STARTS, GraniteParser
 from server.reasoning.harmony import HarmonyParser
+from server.reasoning.hunyuan import HunyuanParser
 from server.reasoning.mistral import MistralParser
 from server.reasoning.qwen3 import Qwen3Parser
 from server.reasoning.think import ReasoningStream, ThinkParser
@@ -24,6 +25,7 @@ PARSERS: dict[str, type[ThinkParser]] = {
     "mistral": MistralParser,  # Magistral's [THINK] ... [/THINK]
     "command": CommandReasoningParser,  # Cohere's <|START_THINKING|> ... <|END_THINKING|>
     "granite": GraniteParser,  # Granite 3.2's "Here is my thought process:" ... its response
+    "hunyuan_a13b": HunyuanParser,  # Hunyuan's <think> ... </think><answer> ... </answer>
 }
 CHOICES = (*PARSERS, "auto")
 
@@ -36,6 +38,8 @@ def detect(template: str | None) -> str | None:
         return "command"
     if template and STARTS[0] in template and ENDS[0] in template:
         return "granite"
+    if template and "<think>" in template and "<answer>" in template:
+        return "hunyuan_a13b"
     if template and "<think>" in template and "</think>" in template:
         return "qwen3"
     if template and "[THINK]" in template and "[/THINK]" in template:

@@ -9,6 +9,7 @@ from server.tool_parsers.base import Call, Parsed, ToolParser
 from server.tool_parsers.command import CommandParser
 from server.tool_parsers.granite import GraniteParser
 from server.tool_parsers.hermes import HermesParser
+from server.tool_parsers.hunyuan import HunyuanParser
 from server.tool_parsers.internlm import InternLMParser
 from server.tool_parsers.llama3_json import Llama3JsonParser
 from server.tool_parsers.mistral import MistralParser
@@ -31,16 +32,19 @@ PARSERS: dict[str, type[ToolParser]] = {
         GraniteParser,
         CommandParser,
         InternLMParser,
+        HunyuanParser,
     )
 }
 CHOICES = (*PARSERS, "auto")
 
 
 # Most specific markup first: harmony's (gpt-oss) special tokens, Command R7B's
-# <|START_ACTION|>, InternLM's <|plugin|>, Granite's <|tool_call|>, Qwen3-Coder's templates also
-# write <tool_call>, and pythonic templates may mention "parameters".
+# <|START_ACTION|>, InternLM's <|plugin|>, Granite's <|tool_call|>, Hunyuan's <tool_calls> (before
+# hermes' <tool_call>, which it contains), Qwen3-Coder's templates also write <tool_call>, and
+# pythonic templates may mention "parameters".
 DETECT_ORDER = (
-    *("openai", "command", "internlm", "granite", "qwen3_coder", "hermes", "mistral"),
+    *("openai", "command", "internlm", "granite", "hunyuan_a13b", "qwen3_coder", "hermes"),
+    "mistral",
     *("phi4_mini_json", "pythonic", "llama3_json"),
 )
 
