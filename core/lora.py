@@ -73,11 +73,13 @@ class LoraRef(msgspec.Struct, frozen=True, array_like=True, gc=False):
 
 class LoraBase(msgspec.Struct, frozen=True, gc=False):
     """The base model's shapes an adapter must fit: per target module (in, out); `sparse_layers`:
-    the layers whose MLP is a mixture of experts (an adapter modifies their attention only)."""
+    the layers whose MLP is a mixture of experts (an adapter modifies their attention only);
+    `ungated_mlp`: every layer's MLP is ungated (Arcee's: adapters on attention only)."""
 
     num_layers: int
     shapes: dict[str, tuple[int, int]]
     sparse_layers: tuple[int, ...] = ()
+    ungated_mlp: bool = False
 
     @classmethod
     def from_dims(
@@ -89,6 +91,7 @@ class LoraBase(msgspec.Struct, frozen=True, gc=False):
         head_dim: int,
         inter: int,
         sparse_layers: tuple[int, ...] = (),
+        ungated_mlp: bool = False,
     ) -> LoraBase:
         q, kv = heads * head_dim, kv_heads * head_dim
         return cls(
@@ -103,6 +106,7 @@ class LoraBase(msgspec.Struct, frozen=True, gc=False):
                 "down_proj": (inter, hidden),
             },
             tuple(sparse_layers),
+            ungated_mlp,
         )
 
 
@@ -282,6 +286,11 @@ def _check_tensors(
             raise LoraError(
                 f"LoRA adapter {name!r}: {key} modifies layer {layer}'s MLP, a mixture of "
                 "experts there: weir serves adapters on its attention only"
+            )
+        if PARENT[module] == "mlp" and base.ungated_mlp:
+            raise LoraError(
+                f"LoRA adapter {name!r}: {key} modifies an ungated MLP (up and down, no gate: "
+                "Arcee's): weir serves adapters on its attention only"
             )
         if meta.get("dtype") not in ("F32", "F16", "BF16"):
             raise LoraError(f"LoRA adapter {name!r}: {key} is {meta.get('dtype')}")

@@ -39,7 +39,7 @@ ACTIVATIONS = {
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
 }
 # after a plain product (an encoder's MLP: `linear_act`)
-PLAIN_ACTIVATIONS = {**ACTIVATIONS, "relu": F.relu}
+PLAIN_ACTIVATIONS = {**ACTIVATIONS, "relu": F.relu, "relu2": lambda x: F.relu(x).square()}
 
 
 class TorchBackend:

@@ -1,9 +1,9 @@
 """The HF configs of GGUF decoders whose files llama.cpp's converter writes with keys of their own
 (gpu/gguf_config.py reads the others): Granite and GraniteMoE (their four factors), SmolLM3,
 Ministral 3 (its attention temperature and YaRN), Hunyuan's dense models, EXAONE 4, GLM-4, ERNIE
-4.5, Seed-OSS and Cohere's Command R and Cohere 2. Each reader takes the open file's HfConfigOf
-(`f`: its `get`, `tensors`, `arch` and `path`), the fields every decoder shares and the head
-size."""
+4.5, Seed-OSS, Cohere's Command R and Cohere 2, and Arcee (its ungated MLP). Each reader takes
+the open file's HfConfigOf (`f`: its `get`, `tensors`, `arch` and `path`), the fields every
+decoder shares and the head size."""
 
 from __future__ import annotations
 
@@ -138,6 +138,14 @@ def _windowed(f: Any, common: dict, head_dim: int, cls: str, period: int = 0) ->
     )
 
 
+def arcee(f: Any, common: dict, head_dim: int) -> Any:
+    """Arcee (AFM-4.5B): a Llama file (its Q/K rows permuted as Llama's) whose MLP is ungated,
+    relu squared as llama.cpp computes it."""
+    from transformers import ArceeConfig
+
+    return ArceeConfig(**common, head_dim=head_dim, hidden_act="relu2")
+
+
 FAMILIES = {
     "granite": granite,
     "granitemoe": granite,
@@ -150,4 +158,5 @@ FAMILIES = {
     "seed_oss": seed_oss,
     "command-r": cohere,
     "cohere2": cohere,
+    "arcee": arcee,
 }

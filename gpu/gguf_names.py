@@ -37,6 +37,7 @@ ARCHES = {
     "cohere2": "Cohere2ForCausalLM",
     # (its Q/K rows as the checkpoint's; the rotation's base stretched by alpha already)
     "hunyuan-dense": "HunYuanDenseV1ForCausalLM",
+    "arcee": "ArceeForCausalLM",  # (Llama's file, ffn_up and ffn_down alone)
     # an encoder (gpu/models/encoder.py): BERT, or XLM-RoBERTa / RoBERTa by its vocabulary
     # (gpu/gguf_config.py `encoder`)
     "bert": "BertModel",
@@ -47,7 +48,7 @@ ARCHES = {
 # A "llama" file with experts is a Mixtral (llama.cpp's converter writes it so).
 # The architectures whose Q/K rows llama.cpp's converter reorders (its LlamaModel's and its
 # subclasses': llama_permute)
-PERMUTED = ("llama", "granite", "granitemoe", "smollm3", "mistral3")
+PERMUTED = ("llama", "granite", "granitemoe", "smollm3", "mistral3", "arcee")
 
 # HF module names (under model.layers.N.) -> GGUF's (under blk.N.)
 LAYER_NAMES = {

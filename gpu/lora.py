@@ -107,6 +107,7 @@ def base_of(spec) -> LoraBase:
         spec.head_dim,
         spec.intermediate_size,
         tuple(i for i in range(spec.num_layers) if spec.is_moe_layer(i)),
+        not spec.gated_mlp,
     )
 
 

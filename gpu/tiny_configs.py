@@ -298,6 +298,12 @@ def tiny_config(
         from transformers import SmolLM3Config
 
         config = SmolLM3Config(**common, tie_word_embeddings=tie_word_embeddings is not False)
+    elif arch == "arcee":  # Llama's layer, its MLP ungated: down(relu(up(x))^2)
+        from transformers import ArceeConfig
+
+        config = ArceeConfig(
+            **common, tie_word_embeddings=bool(tie_word_embeddings), mlp_bias=mlp_bias
+        )
     else:
         raise ValueError(f"unknown tiny architecture {arch!r}")
     return config

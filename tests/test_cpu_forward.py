@@ -42,6 +42,8 @@ def load_both(path, **pool):
         # Cohere's layer norms and side-by-side blocks; Cohere 2's sliding layers beside a
         # global one that is not rotated
         ("cohere", {"num_layers": 2}, "auto"),
+        # Arcee's ungated MLP: up's plain product, relu squared in the call
+        ("arcee", {"num_layers": 2}, "auto"),
         ("cohere2", {"num_layers": 4, "global_every": 4, "sliding_window": 8}, "auto"),
         # Q/K/V and O biases (Llama's attention_bias)
         ("llama", {"attention_bias": True}, "auto"),

@@ -79,6 +79,8 @@ CASES = [
     # Cohere: attention's and the MLP's partial sums in one all-reduce (rank 0's with the
     # residual); its layer norms over the whole hidden state, on every rank
     ("cohere", 2, {"num_layers": 2}, TIGHT),
+    # Arcee: its ungated MLP's up split by columns as gate/up are, down by rows
+    ("arcee", 2, {"num_layers": 2}, {}),
 ]
 
 

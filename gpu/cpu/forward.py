@@ -42,7 +42,10 @@ HANDLED: dict[str, tuple | None] = {
     "qkv_bias": None,
     "mlp_bias": None,  # gpt-oss's experts' (set_gpt_oss); unfit refuses any other
     "qk_norm": None,
-    "hidden_act": (lambda v: v in gemm.ACTIVATIONS, "an activation the kernel has not"),
+    "hidden_act": (
+        lambda v: v in gemm.ACTIVATIONS or v in sp.UNGATED,  # (UNGATED: an ungated MLP's)
+        "an activation the kernel has not",
+    ),
     "max_position_embeddings": None,
     "sliding_window": None,  # one window for every layer, or none
     "rotary_dim": None,  # a partial rotation: heads reordered at load, cos/sin tables padded
@@ -85,6 +88,9 @@ HANDLED: dict[str, tuple | None] = {
     # Cohere's (set_extras): mean-centred norms, attention and MLP side by side
     "layer_norm": None,
     "parallel_block": None,
+    # Arcee's ungated MLP (up's plain product, relu squared in the call); other activations of
+    # an ungated MLP run layer by layer (unfit)
+    "gated_mlp": None,
 }
 
 
@@ -122,6 +128,13 @@ def unfit(model, backend) -> str | None:
                 return "experts not all in block formats on weir's kernels"
             if mlp.has_shared and sp.shared_of(mlp) is None:
                 return "a shared expert not on weir's kernels, or of another activation"
+        elif not mlp.is_gated:
+            if spec.hidden_act not in sp.UNGATED:
+                return f"an ungated MLP of {spec.hidden_act}"
+            if sp.parts_of(mlp.up) is None or len(sp.parts_of(mlp.up)) != 1:
+                return "MLP products not on weir's kernels"
+            if sp.parts_of(mlp.down) is None:
+                return "MLP products not on weir's kernels"
         elif sp.gated_of(mlp.gate_up) is None or sp.parts_of(mlp.down) is None:
             return "MLP products not on weir's kernels"
     return None
@@ -156,7 +169,11 @@ class FusedStack:
             qkv = sp.parts_of(attn.qkv) + [(0, none, 0)] * (3 - len(sp.parts_of(attn.qkv)))
             ((o_fmt, o, _),) = sp.parts_of(attn.o)
             experts = sp.experts_of(layer.mlp) if isinstance(layer.mlp, SparseMoE) else None
-            if experts is None:
+            if experts is None and not layer.mlp.is_gated:  # up alone (-2), then the activation
+                ((u_fmt, up, _),) = sp.parts_of(layer.mlp.up)
+                gate_up, act = [(u_fmt, up), (-2, none)], sp.UNGATED[spec.hidden_act]
+                ((d_fmt, down, _),) = sp.parts_of(layer.mlp.down)
+            elif experts is None:
                 gate_up, act = sp.gated_of(layer.mlp.gate_up)
                 ((d_fmt, down, _),) = sp.parts_of(layer.mlp.down)
             else:  # the MLP's places empty; the experts after the caches

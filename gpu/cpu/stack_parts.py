@@ -52,6 +52,10 @@ def shared_of(moe: SparseMoE) -> tuple[list[torch.Tensor], list[int]] | None:
     return [t0, t1, d, gate[1]], formats
 
 
+# An ungated MLP's activations the call applies after up's product, by code (weir.h kRelu2)
+UNGATED = {"relu2": 4}
+
+
 def part_of(w) -> tuple[int, torch.Tensor, int] | None:
     """(format, packed tensor, outputs) of a plain weight on weir's kernels, else None."""
     if isinstance(w, gemm.GemmWeight):

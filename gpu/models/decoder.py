@@ -21,7 +21,7 @@ from gpu.attention.backend import AttentionMetadata
 from gpu.dist.parallel import TensorParallel, local_spec
 from gpu.models.gemma import sandwich_forward
 from gpu.models.layers import Embedding, LayerNorm, Linear, RMSNorm
-from gpu.models.moe import SparseMoE
+from gpu.models.mlp import MLP, block_output, mixture, plus_lora
 from gpu.models.query_scale import QueryScale
 from gpu.models.rope import Rope
 from gpu.models.spec import ModelSpec
@@ -80,7 +80,7 @@ class Attention(nn.Module):
         """residual + attention(x) (attention(x) alone when residual is None); with `norm`, the
         pair (norm(that), that). `lora`: the step's adapters (gpu/lora.py LoraLayer)."""
         b, t = self.backend, x.shape[0]
-        add = _plus_lora(b, x, lora, "qkv", None, sum(self.qkv_sizes))
+        add = plus_lora(b, x, lora, "qkv", None, sum(self.qkv_sizes))
         if self.qkv is not None:
             q, k, v = b.linear(x, self.qkv, add).split(self.qkv_sizes, dim=-1)
         elif add is None:
@@ -116,73 +116,8 @@ class Attention(nn.Module):
             o = o * scaled.out_scale
         if self.residual_scale != 1.0:
             o = o * self.residual_scale
-        residual = _plus_lora(b, o, lora, "o", residual, self.o_width)
-        return _output(b, o, self.o, residual, norm)
-
-
-class MLP(nn.Module):
-    """A gated MLP of `intermediate` (the model's intermediate_size unless given: an expert's)."""
-
-    def __init__(self, spec: ModelSpec, backend, intermediate: int = 0) -> None:
-        super().__init__()
-        h, m = spec.hidden_size, intermediate or spec.intermediate_size
-        self.backend = backend
-        self.gate_proj = Linear(backend, h, m, spec.mlp_bias)
-        self.up_proj = Linear(backend, h, m, spec.mlp_bias)
-        self.down_proj = Linear(backend, m, h, spec.mlp_bias)
-        self.hidden_act = spec.hidden_act
-        self.residual_scale = spec.residual_scale  # Granite's, on down's input (1: none)
-        self.widths = (2 * m, h)  # gate/up's outputs, down's
-        self.gate_up = None  # the backend's gated form of gate and up
-        self.down = None
-
-    def prepare(self) -> None:
-        self.gate_up, self.down = self.backend.prepare_mlp(
-            self.gate_proj.take(), self.up_proj.take(), self.down_proj.take(), self.hidden_act
-        )
-        del self.gate_proj, self.up_proj, self.down_proj
-
-    def forward(self, x, residual=None, norm=None, lora=None):
-        """mlp(x), plus residual when given; with `norm`, the pair (norm(that), that).
-        `lora`: the step's adapters (gpu/lora.py LoraLayer)."""
-        b = self.backend
-        add = _plus_lora(b, x, lora, "gate_up", None, self.widths[0])
-        h = b.gated(x, self.gate_up) if add is None else b.gated(x, self.gate_up, add)
-        if self.residual_scale != 1.0:
-            h = h * self.residual_scale
-        residual = _plus_lora(b, h, lora, "down", residual, self.widths[1])
-        return _output(b, h, self.down, residual, norm)
-
-
-def _plus_lora(backend, x, lora, group: str, base, width: int):
-    """What a product adds to its output with the step's adapters: `base` (a residual, or None)
-    plus each row's adapter's delta of `group` for the product's input x. Rows without an
-    adapter keep `base` as it is (zeros when None), so they compute what they would with no
-    adapter in the batch; without adapters in the step, `base` itself and no LoRA work."""
-    if lora is None:
-        return base
-    y = x.new_zeros(x.shape[0], width) if base is None else base.clone()
-    backend.lora_add(y, x, lora.groups[group], lora.batch)
-    return y
-
-
-def _output(backend, x, w, residual, norm: RMSNorm | None):
-    """A block's output product plus the residual; with `norm`, (norm(that), that) in one
-    backend call, which may fuse the residual add into the norm."""
-    if norm is None:
-        return backend.linear(x, w, residual)
-    return backend.linear_norm(x, w, residual, norm.weight, norm.eps)
-
-
-def _mixture(spec: ModelSpec, backend) -> SparseMoE:
-    """A mixture of experts (gpu/models/moe.py): its router and its experts, built here."""
-    router = Linear(backend, spec.hidden_size, spec.num_experts, spec.router_bias)
-    experts = [MLP(spec, backend, spec.moe_intermediate_size) for _ in range(spec.num_experts)]
-    shared = None
-    if spec.shared_expert_size:  # Qwen2-MoE's: an MLP and its gate (hidden -> one logit)
-        gate = Linear(backend, spec.hidden_size, 1, False)
-        shared = (MLP(spec, backend, spec.shared_expert_size), gate)
-    return SparseMoE(spec, backend, router, experts, shared)
+        residual = plus_lora(b, o, lora, "o", residual, self.o_width)
+        return block_output(b, o, self.o, residual, norm)
 
 
 class DecoderLayer(nn.Module):
@@ -192,7 +127,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         window = spec.layer_windows[index] if spec.layer_windows else spec.sliding_window
         self.self_attn = Attention(spec, backend, window)
-        self.mlp = _mixture(spec, backend) if spec.is_moe_layer(index) else MLP(spec, backend)
+        self.mlp = mixture(spec, backend) if spec.is_moe_layer(index) else MLP(spec, backend)
         # OLMo 2 has no norms before its blocks: each an identity in the sandwich layer
         first = nn.Identity if spec.post_norms_only else _norm_class(spec)
         self.input_layernorm = first(spec.hidden_size, spec.rms_norm_eps, backend)

@@ -125,7 +125,7 @@ class SparseMoE(nn.Module):
 
     def forward(self, x, residual=None, norm=None, lora=None):
         """moe(x), plus residual when given; with `norm`, the pair (norm(that), that) (the
-        signature of decoder.MLP's forward). `lora` is not read: an adapter modifies a
+        signature of mlp.MLP's forward). `lora` is not read: an adapter modifies a
         mixture's attention only (core/lora.py refuses one on its experts or router)."""
         b = self.backend
         weights, chosen = self.route(x)

@@ -25,6 +25,8 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     # InternLM3 (internlm3-8b-instruct): Llama's model under its own name (transformers reads its
     # config as Llama's, qkv_bias and bias as attention_bias and mlp_bias)
     "InternLM3ForCausalLM": {"qk_norm": False},
+    # Arcee (AFM-4.5B): Llama's layer with an ungated MLP, down(relu(up(x))^2)
+    "ArceeForCausalLM": {"qk_norm": False, "ungated": True},
     "MistralForCausalLM": {"qk_norm": False},
     "Phi3ForCausalLM": {"qk_norm": False},
     # Gemma 3 (text): norms before and after each block, weights as 1 + w, scaled embeddings,
@@ -187,6 +189,8 @@ class ModelSpec:
     # and MLP both on the layer's one norm, their outputs added to the stream together
     layer_norm: bool = False
     parallel_block: bool = False
+    # An ungated MLP (Arcee's): down(act(up(x))), no gate product
+    gated_mlp: bool = True
 
     @classmethod
     def from_hf_config(cls, config: Any) -> ModelSpec:
@@ -282,6 +286,8 @@ class ModelSpec:
             fields.update(families.exaone4(config))
         if extra.get("ministral3"):
             fields.update(families.query_scale(config, arch))
+        if extra.get("ungated"):
+            fields.update(gated_mlp=False)
         if extra.get("ernie"):
             bias = bool(getattr(config, "use_bias", False))
             fields.update(qkv_bias=bias, o_bias=bias, mlp_bias=bias)

@@ -42,6 +42,7 @@ struct DecoderLayer {
     const float* o_bias;  // [hidden] or null
     const float* sinks;   // gpt-oss's: a logit per head in each softmax's sum [heads], or null
     StackLinear gate_up;  // the gated pair [intermediate, hidden] x 2 (or gate, up)
+    bool plain_up;        // an ungated MLP (Arcee's): gate_up is up's plain product, act after it
     StackLinear down;     // [hidden, intermediate]
     void* k_cache;        // [blocks, block_size, kv_heads, head_dim], of DecoderModel::cache_dtype
     void* v_cache;
@@ -109,7 +110,7 @@ struct DecoderModel {
     int64_t hidden, heads, kv_heads, head_dim, intermediate, num_layers;
     int64_t block_size, sliding_window;
     float eps, scale;
-    int64_t act;          // the Gated code of the MLP's activation
+    int64_t act;          // the Gated code of the MLP's activation (kRelu2: ungated MLPs only)
     int64_t cache_dtype;  // the K/V cache's DType
     const DecoderLayer* layers;
     int64_t moe_experts, moe_top_k, moe_intermediate;  // the largest of its layers' (0: none;

@@ -71,6 +71,15 @@ void scale_rows(float* x, int64_t n, float f) {
         for (int64_t i = 0; i < n; ++i) x[i] *= f;
 }
 
+// x[0, n) through an ungated MLP's activation (the module path's: torch's relu then square)
+void activate_rows(float* x, int64_t n, int act) {
+    if (act == weir::kRelu2) {
+        for (int64_t i = 0; i < n; ++i) x[i] = x[i] > 0.f ? x[i] * x[i] : 0.f;
+        return;
+    }
+    for (int64_t i = 0; i < n; ++i) x[i] = weir::activate(act, x[i]);
+}
+
 template <typename C>
 void scatter_as(void* cache, const float* rows, int64_t row_stride, const int64_t* slots,
                 int64_t tokens, int64_t width) {
@@ -332,7 +341,9 @@ int decoder_forward(const DecoderModel& model, const DecoderStep& step) {
         if (lora && L.lora[kLoraGateUp].a &&
             lora_add(L.lora[kLoraGateUp], h, T, H, lora, dgu, 2 * I, nt, /*assign=*/true))
             gu_add = dgu;
-        product(L.gate_up, h, T, H, int(m->act), nullptr, gu_add, 2 * I, g, I, nt, spare);
+        product(L.gate_up, h, T, H, L.plain_up ? 0 : int(m->act), nullptr, gu_add, 2 * I, g, I,
+                nt, spare);
+        if (L.plain_up) activate_rows(g, T * I, int(m->act));  // (Arcee's ungated MLP)
         scale_rows(g, T * I, m->residual_scale);
         timer.lap(kGateUp);
         if (lora && L.lora[kLoraDown].a) lora_add(L.lora[kLoraDown], g, T, I, lora, x, H, nt);

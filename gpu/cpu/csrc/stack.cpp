@@ -33,7 +33,8 @@ struct DecoderStack : torch::CustomClassHolder {
     // layers: per layer [input_norm, post_norm, qkv0, qkv1, qkv2, qkv_bias, q_norm, k_norm, o,
     // gate_up0, gate_up1, down, k_cache, v_cache] (empty tensors for absent parts, bias, Q/K
     // norm or Cohere's post_norm); formats: per layer [qkv format and outputs x 3 (0 outputs: no part), o, gate_up0,
-    // gate_up1 (-1: none, gate_up0 is the packed pair), down]. A mixture of experts' layer
+    // gate_up1 (-1: none, gate_up0 is the packed pair; -2: gate_up0 is an ungated MLP's up),
+    // down]. A mixture of experts' layer
     // (gate_up0/1 and down empty) adds [router, E gated pairs, E downs] to its tensors and
     // [router format, E, top_k, flags (1: renormalize, 2: each gate/up a plain product, as
     // gpt-oss's), expert intermediate, E pair formats, E down formats] to its formats. dims: [hidden, heads, kv_heads,
@@ -51,7 +52,7 @@ struct DecoderStack : torch::CustomClassHolder {
         TORCH_CHECK_VALUE(H > 0 && heads > 0 && kv > 0 && D > 0 && I > 0 && heads % kv == 0 &&
                               D % 2 == 0 && vocab > 0,
                           "dims: bad shape ", c10::IntArrayRef(dims));
-        TORCH_CHECK_VALUE(dims[6] >= weir::kSilu && dims[6] <= weir::kGeluTanh, "act: 1 to 3");
+        TORCH_CHECK_VALUE(dims[6] >= weir::kSilu && dims[6] <= weir::kRelu2, "act: 1 to 4");
         const int64_t qw = heads * D, kvw = kv * D;
         auto keep_ = [&](const Tensor& t) -> const float* {
             keep.push_back(t);
@@ -91,8 +92,14 @@ struct DecoderStack : torch::CustomClassHolder {
             d.o.part[0] = stack_weight(F[6], L[8], H, qw, false, "o");
             d.o.parts = 1;
             if (E) {
+                TORCH_CHECK_VALUE(dims[6] != weir::kRelu2, "act 4 (relu2): ungated MLPs only");
                 bind_experts(d, L, F, H, li);
+            } else if (F[8] == -2) {  // an ungated MLP: up's plain product in gate_up0
+                d.gate_up.part[0] = stack_weight(F[7], L[9], I, H, false, "up");
+                d.gate_up.parts = 1;
+                d.plain_up = true;
             } else {
+                TORCH_CHECK_VALUE(dims[6] != weir::kRelu2, "act 4 (relu2): ungated MLPs only");
                 d.gate_up = gated_pair(F[7], L[9], F[8], L[10], I, H, "gate_up");
                 if (F[8] >= 0) keep.push_back(L[10]);
             }

@@ -81,6 +81,9 @@ void layer_norm(const float* x, int64_t rows, int64_t dim, int64_t stride, const
 // ---- matrix products on packed weights (gemm.cpp) ----
 // Activations of a gated pair: the gated code of gemm and pack.
 enum Gated : int { kPlain = 0, kSilu = 1, kGelu = 2, kGeluTanh = 3 };
+// relu(v)^2: an ungated MLP's activation (Arcee's), applied by the stack after a plain product
+// (forward.cpp), never a gated pair's
+constexpr int kRelu2 = 4;
 
 // The packed size in floats of an [n, k] weight (of a gated pair: n = the width of each half).
 int64_t gemm_packed_size(int64_t n, int64_t k, bool gated);
