@@ -165,14 +165,16 @@ class TorchBackend:
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
         return weight * x.to(dtype)
 
-    def layer_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        """Cohere's: each row less its mean, over its deviation, times weight (float32 inside,
-        as transformers computes it)."""
+    def layer_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Cohere's: each row less its mean, over its deviation, times weight (plus bias:
+        Nemotron's) (float32 inside, as transformers computes it)."""
         dtype = x.dtype
         x = x.float()
         centred = x - x.mean(-1, keepdim=True)
-        x = centred * torch.rsqrt(centred.pow(2).mean(-1, keepdim=True) + eps)
-        return (weight.float() * x).to(dtype)
+        x = weight.float() * (centred * torch.rsqrt(centred.pow(2).mean(-1, keepdim=True) + eps))
+        return (x if bias is None else x + bias.float()).to(dtype)
 
     def norm_rope(
         self,

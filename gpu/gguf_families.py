@@ -1,9 +1,9 @@
 """The HF configs of GGUF decoders whose files llama.cpp's converter writes with keys of their own
 (gpu/gguf_config.py reads the others): Granite and GraniteMoE (their four factors), SmolLM3,
 Ministral 3 (its attention temperature and YaRN), Hunyuan's dense models, EXAONE 4, GLM-4, ERNIE
-4.5, Seed-OSS, Cohere's Command R and Cohere 2, and Arcee (its ungated MLP). Each reader takes
-the open file's HfConfigOf (`f`: its `get`, `tensors`, `arch` and `path`), the fields every
-decoder shares and the head size."""
+4.5, Seed-OSS, Cohere's Command R and Cohere 2, Arcee (its ungated MLP) and Nemotron. Each
+reader takes the open file's HfConfigOf (`f`: its `get`, `tensors`, `arch` and `path`), the
+fields every decoder shares and the head size."""
 
 from __future__ import annotations
 
@@ -146,6 +146,15 @@ def arcee(f: Any, common: dict, head_dim: int) -> Any:
     return ArceeConfig(**common, head_dim=head_dim, hidden_act="relu2")
 
 
+def nemotron(f: Any, common: dict, head_dim: int) -> Any:
+    """Nemotron: its layer norms' epsilon (layer_norm_epsilon), an ungated MLP of relu squared,
+    part of each head rotated (rope.dimension_count)."""
+    from transformers import NemotronConfig
+
+    eps = common["rms_norm_eps"]
+    return NemotronConfig(**common, head_dim=head_dim, norm_eps=eps, hidden_act="relu2")
+
+
 FAMILIES = {
     "granite": granite,
     "granitemoe": granite,
@@ -159,4 +168,5 @@ FAMILIES = {
     "command-r": cohere,
     "cohere2": cohere,
     "arcee": arcee,
+    "nemotron": nemotron,
 }

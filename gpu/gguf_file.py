@@ -131,7 +131,7 @@ class GgufCheckpoint:
                 raise CheckpointError(f"{self.path.name}: vector {name} in {fmt.name}")
             if len(dims) == 1 or fmt.name == "f32" or target.endswith("bias"):  # float32
                 values = gguf.quants.dequantize(raw, t.tensor_type).astype(np.float32)
-                if self.arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
+                if self.arch in ("gemma2", "gemma3", "nemotron") and name.endswith("norm.weight"):
                     values = values - 1.0  # the file holds 1 + w; the loader adds the 1 again
                 value: Any = torch.from_numpy(values).reshape(list(reversed(dims)))
                 if self.arch in PERMUTED and target.endswith(("q_proj.weight", "k_proj.weight")):

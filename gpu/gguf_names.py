@@ -38,6 +38,8 @@ ARCHES = {
     # (its Q/K rows as the checkpoint's; the rotation's base stretched by alpha already)
     "hunyuan-dense": "HunYuanDenseV1ForCausalLM",
     "arcee": "ArceeForCausalLM",  # (Llama's file, ffn_up and ffn_down alone)
+    # (its Q/K rows as the checkpoint's: llama.cpp turns halves; its norms' 1 + w and biases)
+    "nemotron": "NemotronForCausalLM",
     # an encoder (gpu/models/encoder.py): BERT, or XLM-RoBERTa / RoBERTa by its vocabulary
     # (gpu/gguf_config.py `encoder`)
     "bert": "BertModel",

@@ -304,6 +304,16 @@ def tiny_config(
         config = ArceeConfig(
             **common, tie_word_embeddings=bool(tie_word_embeddings), mlp_bias=mlp_bias
         )
+    elif arch == "nemotron":  # Arcee's ungated MLP, layer norms 1 + w with a bias, half a head
+        from transformers import NemotronConfig  # rotated (norms drawn by the caller)
+
+        rope = {"rope_theta": 10000.0, "partial_rotary_factor": 0.5, "rope_type": "default"}
+        config = NemotronConfig(
+            **{**common, "rope_parameters": rope},
+            head_dim=head_dim or hidden_size // num_heads,
+            tie_word_embeddings=bool(tie_word_embeddings),
+            norm_eps=1e-5,
+        )
     else:
         raise ValueError(f"unknown tiny architecture {arch!r}")
     return config

@@ -149,7 +149,7 @@ def build_tiny_model(
                 elif ".experts." in name:
                     p.mul_(20.0)
     # norm weights drawn (they start at one): a norm read at the wrong width or place shows
-    if arch.startswith(("olmo", "glm", "exaone", "hunyuan", "cohere")):
+    if arch.startswith(("olmo", "glm", "exaone", "hunyuan", "cohere", "nemotron")):
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if "norm" in name:

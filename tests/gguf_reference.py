@@ -29,7 +29,8 @@ def dequantized(path, hf_dir, out):
     """A Hugging Face directory of `hf_dir`'s config holding the GGUF file's weights as the `gguf`
     package dequantizes them (experts unstacked, Llama's Q/K rows back in Hugging Face's order):
     the reference a quantized file's serving is held to. GraniteMoE's in its own names: its
-    experts stacked, gate and up joined (input_linear), its router `router.layer`."""
+    experts stacked, gate and up joined (input_linear), its router `router.layer`; Gemma's and
+    Nemotron's norm weights less the 1 the file adds."""
     import shutil
 
     import gguf
@@ -50,6 +51,8 @@ def dequantized(path, hf_dir, out):
         if arch in PERMUTED and name.endswith(("q_proj.weight", "k_proj.weight")):
             n = heads if "q_proj" in name else kv_heads
             w = w[torch.from_numpy(llama_unpermute_index(w.shape[0], n))]
+        if arch in ("gemma2", "gemma3", "nemotron") and name.endswith("norm.weight"):
+            w = w - 1.0  # the file holds 1 + w (llama.cpp's converter adds the 1)
         if arch == "granitemoe":  # GraniteMoE's names: its router, its experts stacked
             name = name.replace(".mlp.gate.", ".block_sparse_moe.router.layer.")
         if w.dim() == 3 and arch == "granitemoe":

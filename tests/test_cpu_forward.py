@@ -44,6 +44,8 @@ def load_both(path, **pool):
         ("cohere", {"num_layers": 2}, "auto"),
         # Arcee's ungated MLP: up's plain product, relu squared in the call
         ("arcee", {"num_layers": 2}, "auto"),
+        # Nemotron's layer norms with their biases over Arcee's MLP, half of each head rotated
+        ("nemotron", {"num_layers": 2}, "auto"),
         ("cohere2", {"num_layers": 4, "global_every": 4, "sliding_window": 8}, "auto"),
         # Q/K/V and O biases (Llama's attention_bias)
         ("llama", {"attention_bias": True}, "auto"),

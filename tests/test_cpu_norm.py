@@ -45,10 +45,11 @@ def test_layer_norm_matches_torch_on_strided_rows(ops, tokens, dim):
     weight = torch.randn(dim)
     wide = torch.randn(tokens, dim + 7) * 3 + 5
     x = wide[:, :dim]
-    want = TORCH.layer_norm(x, weight, 1e-5)
-    got = ops.layer_norm(x, weight, 1e-5)
-    assert got.shape == x.shape and got.is_contiguous()
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    for bias in (None, torch.randn(dim)):  # (Cohere's: none; Nemotron's)
+        want = TORCH.layer_norm(x, weight, 1e-5, bias)
+        got = ops.layer_norm(x, weight, 1e-5, bias)
+        assert got.shape == x.shape and got.is_contiguous()
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert torch.equal(x, wide[:, :dim])
 
 

@@ -81,6 +81,8 @@ CASES = [
     ("cohere", 2, {"num_layers": 2}, TIGHT),
     # Arcee: its ungated MLP's up split by columns as gate/up are, down by rows
     ("arcee", 2, {"num_layers": 2}, {}),
+    # Nemotron: its layer norms' biases on every rank, half of each head rotated
+    ("nemotron", 2, {"num_layers": 2}, TIGHT),
 ]
 
 

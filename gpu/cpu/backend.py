@@ -256,8 +256,8 @@ class CpuBackend(OneDnnBackend):
     def rms_norm(self, x, weight, eps) -> torch.Tensor:
         return norm.rms_norm(x, weight, eps)
 
-    def layer_norm(self, x, weight, eps) -> torch.Tensor:
-        return norm.layer_norm(x, weight, eps)
+    def layer_norm(self, x, weight, eps, bias=None) -> torch.Tensor:
+        return norm.layer_norm(x, weight, eps, bias)
 
     def norm_rope(self, x, weight, eps, cos, sin) -> torch.Tensor:
         return norm.norm_rope(x, weight, eps, cos, sin)

@@ -91,6 +91,7 @@ HANDLED: dict[str, tuple | None] = {
     # Arcee's ungated MLP (up's plain product, relu squared in the call); other activations of
     # an ungated MLP run layer by layer (unfit)
     "gated_mlp": None,
+    "norm_bias": None,  # Nemotron's layer norms' biases (set_norm_bias)
 }
 
 
@@ -238,6 +239,13 @@ class FusedStack:
                 spec.layer_norm,
                 spec.parallel_block,
             )
+        if spec.norm_bias:  # Nemotron's layer norms' biases
+
+            def bias(norm) -> torch.Tensor:
+                return none if getattr(norm, "bias", None) is None else norm.bias.detach()
+
+            per = [[bias(x.input_layernorm), bias(x.post_attention_layernorm)] for x in layers]
+            self._stack.set_norm_bias(per, bias(model.model.norm))
         if spec.shared_expert_size:  # Qwen2-MoE's shared experts: bound once, like weights
             shared = [
                 sp.shared_of(layer.mlp) if getattr(layer.mlp, "has_shared", False) else None

@@ -24,12 +24,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return cpu_build.load().rms_norm_rope(x, weight, eps, None, None)
 
 
-def layer_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Cohere's mean-centred layer norm (weight, no bias) of each row of x [..., dim]: the
-    kernel the one-call stack runs too, so both paths give the same bits."""
+def layer_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """A mean-centred layer norm (Cohere's: a weight; Nemotron's: and a bias) of each row of x
+    [..., dim]: the kernel the one-call stack runs too, so both paths give the same bits."""
     _check_rows(x)
     flat = x.reshape(-1, x.shape[-1])
-    return cpu_build.load().layer_norm(flat, weight.float(), eps).view(x.shape)
+    b = None if bias is None else bias.detach().float()
+    return cpu_build.load().layer_norm(flat, weight.float(), eps, b).view(x.shape)
 
 
 def norm_rope(

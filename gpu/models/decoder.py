@@ -12,6 +12,7 @@ fused, ...) and asks the backend whether it runs the whole layer stack in one ca
 
 from __future__ import annotations
 
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
@@ -133,7 +134,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = first(spec.hidden_size, spec.rms_norm_eps, backend)
         self.parallel = spec.parallel_block  # Cohere's: both blocks on input_layernorm alone
         if not self.parallel:
-            self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, backend)
+            norm = _norm_class(spec)  # (Nemotron's second norm: a layer norm too)
+            self.post_attention_layernorm = norm(spec.hidden_size, spec.rms_norm_eps, backend)
         self.sandwich = spec.sandwich_norms  # Gemma 3's norms after the blocks (gemma.py)
         if self.sandwich:
             self.pre_feedforward_layernorm = first(spec.hidden_size, spec.rms_norm_eps, backend)
@@ -187,9 +189,10 @@ class DecoderModel(nn.Module):
         self.norm = _norm_class(spec)(spec.hidden_size, spec.rms_norm_eps, backend)
 
 
-def _norm_class(spec: ModelSpec) -> type[nn.Module]:
-    """The layers' and the model's norm: RMSNorm, or Cohere's mean-centred layer norm."""
-    return LayerNorm if spec.layer_norm else RMSNorm
+def _norm_class(spec: ModelSpec):
+    """The layers' and the model's norm: RMSNorm, or a mean-centred layer norm (Cohere's;
+    Nemotron's with a bias)."""
+    return partial(LayerNorm, bias=spec.norm_bias) if spec.layer_norm else RMSNorm
 
 
 class DecoderForCausalLM(nn.Module):

@@ -84,7 +84,12 @@ class RMSNorm(nn.Module):
 
 
 class LayerNorm(RMSNorm):
-    """Cohere's layer norm: mean-centred, a weight and no bias (RMSNorm's weight and eps)."""
+    """A mean-centred layer norm: Cohere's, a weight and no bias (RMSNorm's weight and eps), or
+    Nemotron's, with a bias too."""
+
+    def __init__(self, dim: int, eps: float, backend, bias: bool = False) -> None:
+        super().__init__(dim, eps, backend)
+        self.bias = nn.Parameter(torch.zeros(dim)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.backend.layer_norm(x, self.weight, self.eps)
+        return self.backend.layer_norm(x, self.weight, self.eps, self.bias)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from torch import nn
 
 from gpu.backend import PLAIN_ACTIVATIONS
-from gpu.models.layers import Linear, RMSNorm
+from gpu.models.layers import LayerNorm, Linear, RMSNorm
 from gpu.models.moe import SparseMoE
 from gpu.models.spec import ModelSpec
 
@@ -26,9 +26,12 @@ def plus_lora(backend, x, lora, group: str, base, width: int):
 
 def block_output(backend, x, w, residual, norm: RMSNorm | None):
     """A block's output product plus the residual; with `norm`, (norm(that), that) in one
-    backend call, which may fuse the residual add into the norm."""
+    backend call, which may fuse the residual add into the RMSNorm (a layer norm after it)."""
     if norm is None:
         return backend.linear(x, w, residual)
+    if isinstance(norm, LayerNorm):
+        y = backend.linear(x, w, residual)
+        return norm(y), y
     return backend.linear_norm(x, w, residual, norm.weight, norm.eps)
 
 

@@ -27,6 +27,9 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     "InternLM3ForCausalLM": {"qk_norm": False},
     # Arcee (AFM-4.5B): Llama's layer with an ungated MLP, down(relu(up(x))^2)
     "ArceeForCausalLM": {"qk_norm": False, "ungated": True},
+    # Nemotron (Nemotron-Mini-4B, Minitron): Arcee's ungated MLP under layer norms with a bias
+    # whose weights are stored as w where 1 + w multiplies, half of each head rotated
+    "NemotronForCausalLM": {"qk_norm": False, "ungated": True, "nemotron": True},
     "MistralForCausalLM": {"qk_norm": False},
     "Phi3ForCausalLM": {"qk_norm": False},
     # Gemma 3 (text): norms before and after each block, weights as 1 + w, scaled embeddings,
@@ -191,6 +194,8 @@ class ModelSpec:
     parallel_block: bool = False
     # An ungated MLP (Arcee's): down(act(up(x))), no gate product
     gated_mlp: bool = True
+    # the layer norms' bias (Nemotron's)
+    norm_bias: bool = False
 
     @classmethod
     def from_hf_config(cls, config: Any) -> ModelSpec:
@@ -239,7 +244,11 @@ class ModelSpec:
             num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
             head_dim=head_dim,
             intermediate_size=config.intermediate_size,
-            rms_norm_eps=getattr(config, "rms_norm_eps", None) or config.layer_norm_eps,
+            rms_norm_eps=(  # (Nemotron's: norm_eps)
+                getattr(config, "rms_norm_eps", None)
+                or getattr(config, "layer_norm_eps", None)
+                or config.norm_eps
+            ),
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False) or labels),
             qkv_bias=extra.get("qkv_bias", attention_bias),
             o_bias=attention_bias and arch not in NO_O_BIAS,
@@ -288,6 +297,9 @@ class ModelSpec:
             fields.update(families.query_scale(config, arch))
         if extra.get("ungated"):
             fields.update(gated_mlp=False)
+        if extra.get("nemotron"):  # LayerNorm1P: weight 1 + w, and a bias
+            eps = float(config.norm_eps)
+            fields.update(layer_norm=True, norm_bias=True, norm_plus_one=True, rms_norm_eps=eps)
         if extra.get("ernie"):
             bias = bool(getattr(config, "use_bias", False))
             fields.update(qkv_bias=bias, o_bias=bias, mlp_bias=bias)

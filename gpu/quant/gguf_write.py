@@ -123,8 +123,8 @@ def write_gguf(
                 continue  # the converter writes the head's two rows, not the LM head
         if arch in PERMUTED and name.endswith(("q_proj.weight", "k_proj.weight")):
             t = llama_permute(t, heads if "q_proj" in name else kv_heads)
-        if arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
-            t = t + 1.0  # Gemma's norms multiply by 1 + w: llama.cpp's converter stores that
+        if arch in ("gemma2", "gemma3", "nemotron") and name.endswith("norm.weight"):
+            t = t + 1.0  # Gemma's (Nemotron's) norms multiply by 1 + w: llama.cpp stores that
         gname = gguf_name(name, arch)
         fmt = formats(gname, t.shape)
         fmt = "f32" if t.ndim == 1 else fitting(fmt, t.shape[-1])
@@ -238,6 +238,8 @@ def metadata_writer(
         w.add_logit_scale(float(config["logit_scale"]))
         if config.get("sliding_window"):
             w.add_sliding_window(config["sliding_window"])
+    elif arch == "nemotron":  # its layer norms' epsilon
+        w.add_layer_norm_eps(float(config["norm_eps"]))
     else:
         w.add_layer_norm_rms_eps(float(config["rms_norm_eps"]))
     w.add_vocab_size(config["vocab_size"])

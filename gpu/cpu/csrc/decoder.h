@@ -33,6 +33,8 @@ enum LoraGroupId : int { kLoraQkv = 0, kLoraO = 1, kLoraGateUp = 2, kLoraDown = 
 struct DecoderLayer {
     const float* input_norm;  // [hidden]
     const float* post_norm;   // [hidden]
+    const float* input_norm_bias;  // a layer norm's bias [hidden] (Nemotron's), or null
+    const float* post_norm_bias;
     StackLinear qkv;          // [q + 2 kv outputs, hidden]
     const float* qkv_bias;    // or null
     const float* q_norm;      // [head_dim] or null (no Q/K norm); qk_whole: [heads * head_dim]
@@ -128,6 +130,7 @@ struct DecoderModel {
     // layer's attention and MLP side by side on its input norm (post_norm unread: null)
     bool layer_norm, parallel_block;
     const float* final_norm;
+    const float* final_norm_bias;  // a layer norm's bias, or null
     StackWeight embed;    // [vocab, hidden]: float32 rows (kWF32, not panels) or a packed WFormat
     StackWeight lm_head;  // [vocab, hidden], or data null: no logits here
 };

@@ -56,10 +56,11 @@ struct Timer {
     }
 };
 
-// The model's norm of x [T, H] into out: RMSNorm, or Cohere's layer norm.
+// The model's norm of x [T, H] into out: RMSNorm, or a layer norm (Cohere's; Nemotron's, with
+// a bias).
 void model_norm(const DecoderModel* m, const float* x, int64_t T, int64_t H, const float* weight,
-                float* out, int64_t nt) {
-    if (m->layer_norm) return weir::layer_norm(x, T, H, H, weight, m->eps, out, nt);
+                const float* bias, float* out, int64_t nt) {
+    if (m->layer_norm) return weir::layer_norm(x, T, H, H, weight, bias, m->eps, out, nt);
     weir::rms_norm_rope(x, T, 1, H, H, weight, m->eps, nullptr, nullptr, out, nt);
 }
 
@@ -250,7 +251,7 @@ int decoder_forward(const DecoderModel& model, const DecoderStep& step) {
     for (int64_t i = 0; i < m->num_layers; ++i) {
         const DecoderLayer& L = m->layers[i];
         const float* hin = L.input_norm ? h : x;  // OLMo 2: no norm before attention
-        if (L.input_norm) model_norm(m, x, T, H, L.input_norm, h, nt);
+        if (L.input_norm) model_norm(m, x, T, H, L.input_norm, L.input_norm_bias, h, nt);
         timer.lap(kNorm);
         // Adapters' deltas: added to Q/K/V's output ((x W^T + b) + delta, as a residual would
         // be), into the residual stream before the O and down products add theirs, and as
@@ -324,7 +325,7 @@ int decoder_forward(const DecoderModel& model, const DecoderStep& step) {
         product(L.o, o, T, qw, 0, L.o_bias, x, H, x, H, nt, spare);
         timer.lap(kOut);
         if (!m->parallel_block) {  // (Cohere's MLP reads the input norm's h, as attention did)
-            model_norm(m, x, T, H, L.post_norm, h, nt);
+            model_norm(m, x, T, H, L.post_norm, L.post_norm_bias, h, nt);
             timer.lap(kNorm);
         }
         if (L.experts) {  // a mixture of experts in place of the MLP
@@ -350,7 +351,7 @@ int decoder_forward(const DecoderModel& model, const DecoderStep& step) {
         product(L.down, g, T, I, 0, nullptr, x, H, x, H, nt, spare);
         timer.lap(kDown);
     }
-    model_norm(m, x, T, H, m->final_norm, s->out, nt);
+    model_norm(m, x, T, H, m->final_norm, m->final_norm_bias, s->out, nt);
     timer.lap(kNorm);
     if (s->logits && m->lm_head.data && s->num_logits > 0) {
         const float* rows = s->out;

@@ -55,7 +55,7 @@ void rms_norm_rope(const float* x, int64_t tokens, int64_t heads, int64_t dim,
 }
 
 void layer_norm(const float* x, int64_t rows, int64_t dim, int64_t stride, const float* weight,
-                float eps, float* out, int64_t num_threads) {
+                const float* bias, float eps, float* out, int64_t num_threads) {
     const int64_t chunk = std::max<int64_t>(1, 16384 / dim);
     const int64_t tasks = (rows + chunk - 1) / chunk;
     parallel_for(tasks, rows * dim > 32768 ? num_threads : 1, [&](int64_t task) {
@@ -72,6 +72,9 @@ void layer_norm(const float* x, int64_t rows, int64_t dim, int64_t stride, const
             const float inv = 1.f / std::sqrt(ss / float(dim) + eps);
 #pragma omp simd
             for (int64_t d = 0; d < dim; ++d) dst[d] = weight[d] * ((src[d] - mean) * inv);
+            if (bias)
+#pragma omp simd
+                for (int64_t d = 0; d < dim; ++d) dst[d] += bias[d];
         }
     });
 }

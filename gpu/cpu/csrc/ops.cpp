@@ -55,15 +55,17 @@ Tensor rms_norm_rope(const Tensor& x, const optional<Tensor>& weight, double eps
     return out;
 }
 
-Tensor layer_norm(const Tensor& x, const Tensor& weight, double eps) {
+Tensor layer_norm(const Tensor& x, const Tensor& weight, double eps, const optional<Tensor>& bias) {
     check_f32(x, "x");
     TORCH_CHECK_VALUE(x.dim() == 2 && x.stride(-1) == 1 && x.stride(0) >= x.size(1),
                       "x: needs [tokens, dim] with contiguous rows, got ", x.sizes());
     check_flat(weight, at::kFloat, x.size(1), "weight");
+    if (bias) check_flat(*bias, at::kFloat, x.size(1), "bias");
     Tensor out = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
     if (x.numel() > 0)
         weir::layer_norm(x.data_ptr<float>(), x.size(0), x.size(1), x.stride(0),
-                         weight.data_ptr<float>(), float(eps), out.data_ptr<float>(), threads());
+                         weight.data_ptr<float>(), bias ? bias->data_ptr<float>() : nullptr,
+                         float(eps), out.data_ptr<float>(), threads());
     return out;
 }
 
@@ -225,7 +227,8 @@ Tensor huge_zeros(c10::IntArrayRef sizes, c10::ScalarType dtype) {
 TORCH_LIBRARY(weir, m) {
     m.def("rms_norm_rope(Tensor x, Tensor? weight, float eps, Tensor? cos, Tensor? sin) -> Tensor",
           &rms_norm_rope);
-    m.def("layer_norm(Tensor x, Tensor weight, float eps) -> Tensor", &layer_norm);
+    m.def("layer_norm(Tensor x, Tensor weight, float eps, Tensor? bias=None) -> Tensor",
+          &layer_norm);
     m.def("gemm_pack(Tensor w, Tensor? w2) -> Tensor", &gemm_pack);
     m.def("gemm(Tensor x, Tensor packed, int n, int gated, Tensor? bias, Tensor? residual) -> "
           "Tensor",

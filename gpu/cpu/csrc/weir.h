@@ -72,11 +72,11 @@ void rms_norm_rope(const float* x, int64_t tokens, int64_t heads, int64_t dim,
                    int64_t token_stride, const float* weight, float eps, const float* cos,
                    const float* sin, float* out, int64_t num_threads);
 
-// Cohere's layer norm: each of `rows` rows of `dim` floats (row r at x + r * stride) less its
-// mean, over the root of its variance plus eps, times weight [dim] (no bias); out: contiguous
-// [rows, dim].
+// A layer norm: each of `rows` rows of `dim` floats (row r at x + r * stride) less its mean,
+// over the root of its variance plus eps, times weight [dim], plus bias [dim] (null: none,
+// Cohere's); out: contiguous [rows, dim].
 void layer_norm(const float* x, int64_t rows, int64_t dim, int64_t stride, const float* weight,
-                float eps, float* out, int64_t num_threads);
+                const float* bias, float eps, float* out, int64_t num_threads);
 
 // ---- matrix products on packed weights (gemm.cpp) ----
 // Activations of a gated pair: the gated code of gemm and pack.
