@@ -96,6 +96,10 @@ class TorchBackend:
         """act(x W^T + b), `act` one of PLAIN_ACTIVATIONS (an encoder's MLP)."""
         return PLAIN_ACTIVATIONS[act](self.linear(x, w))
 
+    def ungated(self, x: torch.Tensor, w: Any, act: str) -> torch.Tensor:
+        """An ungated MLP's first half, act(x W^T + b) (Arcee's, StarCoder2's)."""
+        return self.linear_act(x, w, act)
+
     def prepare_mlp(self, gate, up, down, act: str) -> tuple[Any, Any]:
         """A gated MLP's (weight, bias) pairs, gate and up [intermediate, hidden] and down
         [hidden, intermediate]: (its gated form, for `gated`; down's form, for `linear`)."""

@@ -1,9 +1,9 @@
 """The HF configs of GGUF decoders whose files llama.cpp's converter writes with keys of their own
 (gpu/gguf_config.py reads the others): Granite and GraniteMoE (their four factors), SmolLM3,
 Ministral 3 (its attention temperature and YaRN), Hunyuan's dense models, EXAONE 4, GLM-4, ERNIE
-4.5, Seed-OSS, Cohere's Command R and Cohere 2, Arcee (its ungated MLP) and Nemotron. Each
-reader takes the open file's HfConfigOf (`f`: its `get`, `tensors`, `arch` and `path`), the
-fields every decoder shares and the head size."""
+4.5, Seed-OSS, Cohere's Command R and Cohere 2, Arcee (its ungated MLP), Nemotron and
+StarCoder2. Each reader takes the open file's HfConfigOf (`f`: its `get`, `tensors`, `arch` and
+`path`), the fields every decoder shares and the head size."""
 
 from __future__ import annotations
 
@@ -155,6 +155,15 @@ def nemotron(f: Any, common: dict, head_dim: int) -> Any:
     return NemotronConfig(**common, head_dim=head_dim, norm_eps=eps, hidden_act="relu2")
 
 
+def starcoder2(f: Any, common: dict, head_dim: int) -> Any:
+    """StarCoder2: its layer norms' epsilon, biases on its products where the file has them,
+    and no window (llama.cpp attends to the whole context; its converter writes none)."""
+    from transformers import Starcoder2Config
+
+    eps, bias = common["rms_norm_eps"], "blk.0.attn_q.bias" in f.tensors
+    return Starcoder2Config(**common, norm_epsilon=eps, use_bias=bias, sliding_window=None)
+
+
 FAMILIES = {
     "granite": granite,
     "granitemoe": granite,
@@ -169,4 +178,5 @@ FAMILIES = {
     "cohere2": cohere,
     "arcee": arcee,
     "nemotron": nemotron,
+    "starcoder2": starcoder2,
 }

@@ -40,6 +40,7 @@ ARCHES = {
     "arcee": "ArceeForCausalLM",  # (Llama's file, ffn_up and ffn_down alone)
     # (its Q/K rows as the checkpoint's: llama.cpp turns halves; its norms' 1 + w and biases)
     "nemotron": "NemotronForCausalLM",
+    "starcoder2": "Starcoder2ForCausalLM",  # (its Q/K rows as the checkpoint's; no window)
     # an encoder (gpu/models/encoder.py): BERT, or XLM-RoBERTa / RoBERTa by its vocabulary
     # (gpu/gguf_config.py `encoder`)
     "bert": "BertModel",

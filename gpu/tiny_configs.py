@@ -304,6 +304,16 @@ def tiny_config(
         config = ArceeConfig(
             **common, tie_word_embeddings=bool(tie_word_embeddings), mlp_bias=mlp_bias
         )
+    elif arch == "starcoder2":  # layer norms with a bias, biases on every product (drawn by the
+        from transformers import Starcoder2Config  # caller), an ungated MLP, one window
+
+        config = Starcoder2Config(
+            **common,
+            tie_word_embeddings=tie_word_embeddings is not False,
+            sliding_window=sliding_window,
+            use_bias=True,
+            norm_epsilon=1e-5,
+        )
     elif arch == "nemotron":  # Arcee's ungated MLP, layer norms 1 + w with a bias, half a head
         from transformers import NemotronConfig  # rotated (norms drawn by the caller)
 

@@ -30,7 +30,7 @@ def dequantized(path, hf_dir, out):
     package dequantizes them (experts unstacked, Llama's Q/K rows back in Hugging Face's order):
     the reference a quantized file's serving is held to. GraniteMoE's in its own names: its
     experts stacked, gate and up joined (input_linear), its router `router.layer`; Gemma's and
-    Nemotron's norm weights less the 1 the file adds."""
+    Nemotron's norm weights less the 1 the file adds; StarCoder2's MLP as c_fc and c_proj."""
     import shutil
 
     import gguf
@@ -53,6 +53,9 @@ def dequantized(path, hf_dir, out):
             w = w[torch.from_numpy(llama_unpermute_index(w.shape[0], n))]
         if arch in ("gemma2", "gemma3", "nemotron") and name.endswith("norm.weight"):
             w = w - 1.0  # the file holds 1 + w (llama.cpp's converter adds the 1)
+        if arch == "starcoder2":  # its MLP's own names
+            name = name.replace(".mlp.up_proj.", ".mlp.c_fc.")
+            name = name.replace(".mlp.down_proj.", ".mlp.c_proj.")
         if arch == "granitemoe":  # GraniteMoE's names: its router, its experts stacked
             name = name.replace(".mlp.gate.", ".block_sparse_moe.router.layer.")
         if w.dim() == 3 and arch == "granitemoe":
@@ -85,7 +88,11 @@ def assert_near_dequantized(path, hf_dir, out, ids: list[int]) -> None:
 
     ref = dequantized(path, hf_dir, out)
     ours = torch.tensor(prompt_choices(path, ids))
-    model = AutoModelForCausalLM.from_pretrained(ref, dtype=torch.float32).eval()
+    model, info = AutoModelForCausalLM.from_pretrained(
+        ref, dtype=torch.float32, output_loading_info=True
+    )
+    assert not info["missing_keys"], info["missing_keys"]  # (else the reference is random)
+    model.eval()
     with torch.no_grad():
         logprobs = torch.log_softmax(model(torch.tensor([ids])).logits[0, :-1].double(), -1)
     agree = int((logprobs.argmax(-1) == ours).sum())

@@ -46,6 +46,8 @@ def load_both(path, **pool):
         ("arcee", {"num_layers": 2}, "auto"),
         # Nemotron's layer norms with their biases over Arcee's MLP, half of each head rotated
         ("nemotron", {"num_layers": 2}, "auto"),
+        # StarCoder2: layer norms with biases, an ungated gelu MLP with biases, a window of 8
+        ("starcoder2", {"num_layers": 2, "sliding_window": 8}, "auto"),
         ("cohere2", {"num_layers": 4, "global_every": 4, "sliding_window": 8}, "auto"),
         # Q/K/V and O biases (Llama's attention_bias)
         ("llama", {"attention_bias": True}, "auto"),

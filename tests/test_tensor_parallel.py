@@ -83,6 +83,8 @@ CASES = [
     ("arcee", 2, {"num_layers": 2}, {}),
     # Nemotron: its layer norms' biases on every rank, half of each head rotated
     ("nemotron", 2, {"num_layers": 2}, TIGHT),
+    # StarCoder2: its up and down biases split with their rows and added once, a window of 8
+    ("starcoder2", 2, {"num_layers": 2, "sliding_window": 8}, {}),
 ]
 
 

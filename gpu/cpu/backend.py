@@ -21,6 +21,7 @@ from gpu.backend import ACTIVATIONS, TorchBackend
 from gpu.cpu import gemm, norm, onednn, quant, sample
 from gpu.cpu import build as cpu_build
 from gpu.cpu.prepared import GatedPair, Stacked
+from gpu.cpu.stack_parts import UNGATED
 from gpu.quant.formats import FORMATS
 from gpu.quant.quantize import quantize
 from gpu.quant.fp8 import Fp8Tensor
@@ -255,6 +256,15 @@ class CpuBackend(OneDnnBackend):
     # ---- norms and rotation ----
     def rms_norm(self, x, weight, eps) -> torch.Tensor:
         return norm.rms_norm(x, weight, eps)
+
+    def ungated(self, x, w, act) -> torch.Tensor:
+        """On weir's kernels, the activation is the compiled loop the one-call stack runs."""
+        code = UNGATED.get(act)
+        if code is None or not isinstance(w, gemm.GemmWeight | quant.QuantWeight):
+            return super().ungated(x, w, act)
+        y = self.linear(x, w)
+        cpu_build.load().activate_(y, code)
+        return y
 
     def layer_norm(self, x, weight, eps, bias=None) -> torch.Tensor:
         return norm.layer_norm(x, weight, eps, bias)

@@ -80,6 +80,7 @@ HEADERS = [
         "stack_kv_scales.h",
         "stack_gemma.h",
         "stack_shared.h",
+        "stack_bias.h",
     )
 ]
 # -ffast-math lets g++ vectorize exp (glibc's libmvec) and reassociate the dot products; it is

@@ -122,8 +122,9 @@ def unfit(model, backend) -> str | None:
             return "attention products not on weir's kernels"
         if getattr(attn.o, "bias", None) is not None and spec.sandwich_norms:
             return "an output projection bias beside norms after the blocks"
-        if spec.mlp_bias and not (isinstance(mlp, SparseMoE) and mlp.swiglu is not None):
-            return "an MLP bias"
+        gpt_oss = isinstance(mlp, SparseMoE) and mlp.swiglu is not None
+        if spec.mlp_bias and not gpt_oss and getattr(mlp, "is_gated", True):
+            return "an MLP bias"  # (gpt-oss's experts' and an ungated MLP's are bound)
         if isinstance(mlp, SparseMoE):
             if sp.experts_of(mlp) is None:
                 return "experts not all in block formats on weir's kernels"
@@ -238,6 +239,10 @@ class FusedStack:
                 spec.qk_norm_after_rope,
                 spec.layer_norm,
                 spec.parallel_block,
+            )
+        if spec.mlp_bias and not spec.gated_mlp:  # StarCoder2's MLP biases
+            self._stack.set_mlp_bias(
+                [[sp.bias_of(x.mlp.up, none), sp.bias_of(x.mlp.down, none)] for x in layers]
             )
         if spec.norm_bias:  # Nemotron's layer norms' biases
 

@@ -52,8 +52,9 @@ def shared_of(moe: SparseMoE) -> tuple[list[torch.Tensor], list[int]] | None:
     return [t0, t1, d, gate[1]], formats
 
 
-# An ungated MLP's activations the call applies after up's product, by code (weir.h kRelu2)
-UNGATED = {"relu2": 4}
+# An ungated MLP's activations the call applies after up's product, by code (weir.h Gated and
+# kRelu2; the module path runs the same loop: backend.ungated)
+UNGATED = {"silu": 1, "gelu": 2, "gelu_pytorch_tanh": 3, "relu2": 4}
 
 
 def part_of(w) -> tuple[int, torch.Tensor, int] | None:

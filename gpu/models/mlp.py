@@ -74,7 +74,7 @@ class MLP(nn.Module):
         `lora`: the step's adapters (gpu/lora.py LoraLayer)."""
         b = self.backend
         if not self.is_gated:  # (adapters are refused for it: gpu/lora.py)
-            h = b.linear_act(x, self.up, self.hidden_act)
+            h = b.ungated(x, self.up, self.hidden_act)
             return block_output(b, h, self.down, residual, norm)
         add = plus_lora(b, x, lora, "gate_up", None, self.widths[0])
         h = b.gated(x, self.gate_up) if add is None else b.gated(x, self.gate_up, add)

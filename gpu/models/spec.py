@@ -30,6 +30,9 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     # Nemotron (Nemotron-Mini-4B, Minitron): Arcee's ungated MLP under layer norms with a bias
     # whose weights are stored as w where 1 + w multiplies, half of each head rotated
     "NemotronForCausalLM": {"qk_norm": False, "ungated": True, "nemotron": True},
+    # StarCoder2 (3B, 7B, 15B): layer norms with a bias, an ungated MLP (c_fc, c_proj:
+    # gpu/models/renames.py), biases on every product (use_bias), one window for every layer
+    "Starcoder2ForCausalLM": {"qk_norm": False, "ungated": True, "starcoder2": True},
     "MistralForCausalLM": {"qk_norm": False},
     "Phi3ForCausalLM": {"qk_norm": False},
     # Gemma 3 (text): norms before and after each block, weights as 1 + w, scaled embeddings,
@@ -222,6 +225,7 @@ class ModelSpec:
             "MixtralForCausalLM",
             "Phi3ForCausalLM",
             "Ministral3ForCausalLM",
+            "Starcoder2ForCausalLM",
         )
         window = getattr(config, "sliding_window", None) if windowed else None
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
@@ -244,9 +248,10 @@ class ModelSpec:
             num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
             head_dim=head_dim,
             intermediate_size=config.intermediate_size,
-            rms_norm_eps=(  # (Nemotron's: norm_eps)
+            rms_norm_eps=(  # (Nemotron's: norm_eps; StarCoder2's: norm_epsilon)
                 getattr(config, "rms_norm_eps", None)
                 or getattr(config, "layer_norm_eps", None)
+                or getattr(config, "norm_epsilon", None)
                 or config.norm_eps
             ),
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False) or labels),
@@ -297,6 +302,11 @@ class ModelSpec:
             fields.update(families.query_scale(config, arch))
         if extra.get("ungated"):
             fields.update(gated_mlp=False)
+        if extra.get("starcoder2"):
+            bias = bool(getattr(config, "use_bias", True))
+            eps = float(config.norm_epsilon)
+            fields.update(layer_norm=True, norm_bias=True, rms_norm_eps=eps)
+            fields.update(qkv_bias=bias, o_bias=bias, mlp_bias=bias)
         if extra.get("nemotron"):  # LayerNorm1P: weight 1 + w, and a bias
             eps = float(config.norm_eps)
             fields.update(layer_norm=True, norm_bias=True, norm_plus_one=True, rms_norm_eps=eps)

@@ -24,7 +24,7 @@ import numpy as np
 from gpu.gguf_names import ARCHES as GGUF_ARCHES
 from gpu.gguf_names import PERMUTED, gguf_name, llama_permute
 from gpu.gguf_tokenizer import split_of
-from gpu.models import glm, hunyuan
+from gpu.models import glm, hunyuan, renames
 from gpu.models.moe import STACKED, checkpoint_name, cut_stacked
 from gpu.quant.formats import FORMATS
 from gpu.quant.quantize import quantize
@@ -170,6 +170,8 @@ def _weir_names(
             name = glm.checkpoint_name(name)
         if arch == "hunyuan-dense":
             name = hunyuan.checkpoint_name(name)
+        if arch == "starcoder2":  # (its c_fc and c_proj: ffn_up and ffn_down)
+            name = renames.starcoder2(name)
         if STACKED.match(name):
             yield from cut_stacked(name, t)
         else:
@@ -240,6 +242,8 @@ def metadata_writer(
             w.add_sliding_window(config["sliding_window"])
     elif arch == "nemotron":  # its layer norms' epsilon
         w.add_layer_norm_eps(float(config["norm_eps"]))
+    elif arch == "starcoder2":  # (its window is not written: llama.cpp attends to all of it)
+        w.add_layer_norm_eps(float(config["norm_epsilon"]))
     else:
         w.add_layer_norm_rms_eps(float(config["rms_norm_eps"]))
     w.add_vocab_size(config["vocab_size"])

@@ -45,6 +45,8 @@ struct DecoderLayer {
     const float* sinks;   // gpt-oss's: a logit per head in each softmax's sum [heads], or null
     StackLinear gate_up;  // the gated pair [intermediate, hidden] x 2 (or gate, up)
     bool plain_up;        // an ungated MLP (Arcee's): gate_up is up's plain product, act after it
+    const float* up_bias;    // an ungated MLP's biases (StarCoder2's): [intermediate], or null
+    const float* down_bias;  // [hidden], or null
     StackLinear down;     // [hidden, intermediate]
     void* k_cache;        // [blocks, block_size, kv_heads, head_dim], of DecoderModel::cache_dtype
     void* v_cache;

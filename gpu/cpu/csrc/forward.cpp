@@ -72,15 +72,6 @@ void scale_rows(float* x, int64_t n, float f) {
         for (int64_t i = 0; i < n; ++i) x[i] *= f;
 }
 
-// x[0, n) through an ungated MLP's activation (the module path's: torch's relu then square)
-void activate_rows(float* x, int64_t n, int act) {
-    if (act == weir::kRelu2) {
-        for (int64_t i = 0; i < n; ++i) x[i] = x[i] > 0.f ? x[i] * x[i] : 0.f;
-        return;
-    }
-    for (int64_t i = 0; i < n; ++i) x[i] = weir::activate(act, x[i]);
-}
-
 template <typename C>
 void scatter_as(void* cache, const float* rows, int64_t row_stride, const int64_t* slots,
                 int64_t tokens, int64_t width) {
@@ -342,13 +333,13 @@ int decoder_forward(const DecoderModel& model, const DecoderStep& step) {
         if (lora && L.lora[kLoraGateUp].a &&
             lora_add(L.lora[kLoraGateUp], h, T, H, lora, dgu, 2 * I, nt, /*assign=*/true))
             gu_add = dgu;
-        product(L.gate_up, h, T, H, L.plain_up ? 0 : int(m->act), nullptr, gu_add, 2 * I, g, I,
+        product(L.gate_up, h, T, H, L.plain_up ? 0 : int(m->act), L.up_bias, gu_add, 2 * I, g, I,
                 nt, spare);
-        if (L.plain_up) activate_rows(g, T * I, int(m->act));  // (Arcee's ungated MLP)
+        if (L.plain_up) activate_rows(g, T * I, int(m->act), nt);  // (an ungated MLP)
         scale_rows(g, T * I, m->residual_scale);
         timer.lap(kGateUp);
         if (lora && L.lora[kLoraDown].a) lora_add(L.lora[kLoraDown], g, T, I, lora, x, H, nt);
-        product(L.down, g, T, I, 0, nullptr, x, H, x, H, nt, spare);
+        product(L.down, g, T, I, 0, L.down_bias, x, H, x, H, nt, spare);
         timer.lap(kDown);
     }
     model_norm(m, x, T, H, m->final_norm, m->final_norm_bias, s->out, nt);
@@ -371,6 +362,19 @@ int decoder_forward(const DecoderModel& model, const DecoderStep& step) {
         timer.lap(kLogits);
     }
     return 0;
+}
+
+void activate_rows(float* x, int64_t n, int act, int64_t num_threads) {
+    const int64_t chunk = 16384, tasks = (n + chunk - 1) / chunk;
+    parallel_for(tasks, n > 2 * chunk ? num_threads : 1, [&](int64_t task) {
+        float* p = x + task * chunk;
+        const int64_t len = std::min(chunk, n - task * chunk);
+        if (act == kRelu2) {
+            for (int64_t i = 0; i < len; ++i) p[i] = p[i] > 0.f ? p[i] * p[i] : 0.f;
+            return;
+        }
+        for (int64_t i = 0; i < len; ++i) p[i] = activate(act, p[i]);
+    });
 }
 
 void round_to_cache(const float* src, int64_t n, int cache_dtype, void* dst) {

@@ -69,6 +69,14 @@ Tensor layer_norm(const Tensor& x, const Tensor& weight, double eps, const optio
     return out;
 }
 
+// An ungated MLP's activation in place (weir.h activate_rows)
+void activate_(Tensor& x, int64_t act) {
+    check_f32(x, "x");
+    TORCH_CHECK_VALUE(x.is_contiguous(), "x: needs a contiguous tensor");
+    TORCH_CHECK_VALUE(act >= weir::kSilu && act <= weir::kRelu2, "act: 1 to 4");
+    weir::activate_rows(x.data_ptr<float>(), x.numel(), int(act), threads());
+}
+
 // ---- packed products ----
 Tensor gemm_pack(const Tensor& w, const optional<Tensor>& w2) {
     check_f32(w, "w");
@@ -229,6 +237,7 @@ TORCH_LIBRARY(weir, m) {
           &rms_norm_rope);
     m.def("layer_norm(Tensor x, Tensor weight, float eps, Tensor? bias=None) -> Tensor",
           &layer_norm);
+    m.def("activate_(Tensor(a!) x, int act) -> ()", &activate_);
     m.def("gemm_pack(Tensor w, Tensor? w2) -> Tensor", &gemm_pack);
     m.def("gemm(Tensor x, Tensor packed, int n, int gated, Tensor? bias, Tensor? residual) -> "
           "Tensor",

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "checks.h"
+#include "stack_bias.h"
 #include "stack_gemma.h"
 #include "stack_gpt_oss.h"
 #include "stack_lora.h"
@@ -252,23 +253,13 @@ struct DecoderStack : torch::CustomClassHolder {
         model.attn_softcap = float(attn_softcap);
     }
 
-    // A layer norm's biases (Nemotron's), bound once: per layer [input_norm, post_norm] (empty:
-    // none) and the final norm's (empty: none).
+    // A layer norm's biases (Nemotron's, StarCoder2's) and an ungated MLP's (StarCoder2's), bound
+    // once (stack_bias.h).
     void set_norm_bias(std::vector<std::vector<Tensor>> per_layer, Tensor final_bias) {
-        TORCH_CHECK_VALUE(per_layer.size() == layers.size(), "norm bias: one entry per layer");
-        const int64_t H = model.hidden;
-        auto bind = [&](const Tensor& t) -> const float* {
-            if (!t.numel()) return nullptr;
-            check_flat(t, at::kFloat, H, "norm bias");
-            keep.push_back(t);
-            return t.data_ptr<float>();
-        };
-        for (size_t li = 0; li < layers.size(); ++li) {
-            TORCH_CHECK_VALUE(per_layer[li].size() == 2, "norm bias: two a layer");
-            layers[li].input_norm_bias = bind(per_layer[li][0]);
-            layers[li].post_norm_bias = bind(per_layer[li][1]);
-        }
-        model.final_norm_bias = bind(final_bias);
+        bind_norm_bias(layers, per_layer, final_bias, model, keep);
+    }
+    void set_mlp_bias(std::vector<std::vector<Tensor>> per_layer) {
+        bind_mlp_bias(layers, per_layer, model, keep);
     }
 
     // Granite's factor on each block's output (taken on the O and down products' inputs),
@@ -388,6 +379,7 @@ TORCH_LIBRARY_FRAGMENT(weir, m) {
         .def("set_gemma", &DecoderStack::set_gemma)
         .def("set_extras", &DecoderStack::set_extras)
         .def("set_norm_bias", &DecoderStack::set_norm_bias)
+        .def("set_mlp_bias", &DecoderStack::set_mlp_bias)
         .def("set_shared", &DecoderStack::set_shared)
         .def("set_gpt_oss", &DecoderStack::set_gpt_oss)
         .def("set_kv_scales", &DecoderStack::set_kv_scales);

@@ -85,6 +85,11 @@ enum Gated : int { kPlain = 0, kSilu = 1, kGelu = 2, kGeluTanh = 3 };
 // (forward.cpp), never a gated pair's
 constexpr int kRelu2 = 4;
 
+// x[0, n) through an ungated MLP's activation `act` (kSilu .. kRelu2), in place: the one
+// compiled loop both the layer stack and the module path (torch.ops.weir.activate_) run, so
+// they give the same bits.
+void activate_rows(float* x, int64_t n, int act, int64_t num_threads);
+
 // The packed size in floats of an [n, k] weight (of a gated pair: n = the width of each half).
 int64_t gemm_packed_size(int64_t n, int64_t k, bool gated);
 
