@@ -1,8 +1,8 @@
 """The HF configs of GGUF decoders whose files llama.cpp's converter writes with keys of their own
 (gpu/gguf_config.py reads the others): Granite and GraniteMoE (their four factors), SmolLM3,
 Ministral 3 (its attention temperature and YaRN), Hunyuan's dense models, EXAONE 4, GLM-4, ERNIE
-4.5, Seed-OSS, Cohere's Command R and Cohere 2, Arcee (its ungated MLP), Nemotron and
-StarCoder2. Each reader takes the open file's HfConfigOf (`f`: its `get`, `tensors`, `arch` and
+4.5, Seed-OSS, Cohere's Command R and Cohere 2, Arcee (its ungated MLP), Nemotron, StarCoder2
+and Phi-2. Each reader takes the open file's HfConfigOf (`f`: its `get`, `tensors`, `arch` and
 `path`), the fields every decoder shares and the head size."""
 
 from __future__ import annotations
@@ -164,6 +164,13 @@ def starcoder2(f: Any, common: dict, head_dim: int) -> Any:
     return Starcoder2Config(**common, norm_epsilon=eps, use_bias=bias, sliding_window=None)
 
 
+def phi2(f: Any, common: dict, head_dim: int) -> Any:
+    """Phi-2: its layer norm's epsilon, part of each head rotated (rope.dimension_count)."""
+    from transformers import PhiConfig
+
+    return PhiConfig(**common, layer_norm_eps=common["rms_norm_eps"], hidden_act="gelu_new")
+
+
 FAMILIES = {
     "granite": granite,
     "granitemoe": granite,
@@ -179,4 +186,5 @@ FAMILIES = {
     "arcee": arcee,
     "nemotron": nemotron,
     "starcoder2": starcoder2,
+    "phi2": phi2,
 }

@@ -41,6 +41,7 @@ ARCHES = {
     # (its Q/K rows as the checkpoint's: llama.cpp turns halves; its norms' 1 + w and biases)
     "nemotron": "NemotronForCausalLM",
     "starcoder2": "Starcoder2ForCausalLM",  # (its Q/K rows as the checkpoint's; no window)
+    "phi2": "PhiForCausalLM",  # (so too; its LM head's bias: output.bias)
     # an encoder (gpu/models/encoder.py): BERT, or XLM-RoBERTa / RoBERTa by its vocabulary
     # (gpu/gguf_config.py `encoder`)
     "bert": "BertModel",

@@ -314,6 +314,15 @@ def tiny_config(
             use_bias=True,
             norm_epsilon=1e-5,
         )
+    elif arch == "phi":  # Phi-2: side by side on a layer norm with a bias, biases everywhere
+        from transformers import PhiConfig  # (drawn by the caller), 0.4 of each head rotated
+
+        rope = {"rope_theta": 10000.0, "partial_rotary_factor": 0.4, "rope_type": "default"}
+        config = PhiConfig(
+            **{**common, "rope_parameters": rope, "num_key_value_heads": num_heads},
+            tie_word_embeddings=bool(tie_word_embeddings),
+            layer_norm_eps=1e-5,
+        )
     elif arch == "nemotron":  # Arcee's ungated MLP, layer norms 1 + w with a bias, half a head
         from transformers import NemotronConfig  # rotated (norms drawn by the caller)
 

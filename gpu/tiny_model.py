@@ -136,7 +136,8 @@ def build_tiny_model(
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
-    if attention_bias or mlp_bias or arch.startswith(("glm", "helium", "seed", "starcoder")):
+    drawn = arch.startswith(("glm", "helium", "seed", "starcoder")) or arch == "phi"
+    if attention_bias or mlp_bias or drawn:
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if name.endswith("bias"):
@@ -149,7 +150,8 @@ def build_tiny_model(
                 elif ".experts." in name:
                     p.mul_(20.0)
     # norm weights drawn (they start at one): a norm read at the wrong width or place shows
-    if arch.startswith(("olmo", "glm", "exaone", "hunyuan", "cohere", "nemotron", "starcoder")):
+    norm_drawn = ("olmo", "glm", "exaone", "hunyuan", "cohere", "nemotron", "starcoder")
+    if arch.startswith(norm_drawn) or arch == "phi":
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if "norm" in name:

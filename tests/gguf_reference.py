@@ -25,12 +25,24 @@ def prompt_choices(path, ids: list[int], **config) -> list[int]:
     return [plp[i].top_ids[0] for i in range(1, len(ids))]
 
 
+# the architectures whose checkpoints name tensors otherwise than weir (gpu/models/renames.py)
+OWN_NAMES = {
+    "starcoder2": ((".mlp.up_proj.", ".mlp.c_fc."), (".mlp.down_proj.", ".mlp.c_proj.")),
+    "phi2": (
+        (".self_attn.o_proj.", ".self_attn.dense."),
+        (".mlp.up_proj.", ".mlp.fc1."),
+        (".mlp.down_proj.", ".mlp.fc2."),
+        ("model.norm.", "model.final_layernorm."),
+    ),
+}
+
+
 def dequantized(path, hf_dir, out):
     """A Hugging Face directory of `hf_dir`'s config holding the GGUF file's weights as the `gguf`
     package dequantizes them (experts unstacked, Llama's Q/K rows back in Hugging Face's order):
     the reference a quantized file's serving is held to. GraniteMoE's in its own names: its
     experts stacked, gate and up joined (input_linear), its router `router.layer`; Gemma's and
-    Nemotron's norm weights less the 1 the file adds; StarCoder2's MLP as c_fc and c_proj."""
+    Nemotron's norm weights less the 1 the file adds; StarCoder2's and Phi-2's own names."""
     import shutil
 
     import gguf
@@ -53,9 +65,8 @@ def dequantized(path, hf_dir, out):
             w = w[torch.from_numpy(llama_unpermute_index(w.shape[0], n))]
         if arch in ("gemma2", "gemma3", "nemotron") and name.endswith("norm.weight"):
             w = w - 1.0  # the file holds 1 + w (llama.cpp's converter adds the 1)
-        if arch == "starcoder2":  # its MLP's own names
-            name = name.replace(".mlp.up_proj.", ".mlp.c_fc.")
-            name = name.replace(".mlp.down_proj.", ".mlp.c_proj.")
+        for weirs, own in OWN_NAMES.get(arch, ()):  # (StarCoder2's MLP, Phi-2's)
+            name = name.replace(weirs, own)
         if arch == "granitemoe":  # GraniteMoE's names: its router, its experts stacked
             name = name.replace(".mlp.gate.", ".block_sparse_moe.router.layer.")
         if w.dim() == 3 and arch == "granitemoe":

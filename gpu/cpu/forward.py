@@ -92,6 +92,7 @@ HANDLED: dict[str, tuple | None] = {
     # an ungated MLP run layer by layer (unfit)
     "gated_mlp": None,
     "norm_bias": None,  # Nemotron's layer norms' biases (set_norm_bias)
+    "head_bias": None,  # a biased LM head (Phi-2's) is computed after the call, through torch
 }
 
 
@@ -249,7 +250,8 @@ class FusedStack:
             def bias(norm) -> torch.Tensor:
                 return none if getattr(norm, "bias", None) is None else norm.bias.detach()
 
-            per = [[bias(x.input_layernorm), bias(x.post_attention_layernorm)] for x in layers]
+            post = [getattr(x, "post_attention_layernorm", None) for x in layers]  # (Phi-2: none)
+            per = [[bias(x.input_layernorm), bias(p)] for x, p in zip(layers, post)]
             self._stack.set_norm_bias(per, bias(model.model.norm))
         if spec.shared_expert_size:  # Qwen2-MoE's shared experts: bound once, like weights
             shared = [

@@ -74,6 +74,10 @@ def check(spec: ModelSpec, world_size: int) -> None:
             f"{spec.architecture} under tensor parallelism is not served: its Q/K norms span "
             "every head"
         )
+    if spec.head_bias:  # (Phi-2's: its rows would split with the vocabulary's)
+        raise CheckpointError(
+            f"{spec.architecture} under tensor parallelism is not served: its LM head has a bias"
+        )
     problems = []
     if spec.num_heads % world_size:
         problems.append(f"{spec.num_heads} attention heads")

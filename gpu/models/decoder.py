@@ -210,7 +210,7 @@ class DecoderForCausalLM(nn.Module):
         local = self.local_spec
         self.model = DecoderModel(local, backend, self.tp)
         if not spec.tie_word_embeddings:
-            self.lm_head = Linear(backend, local.hidden_size, local.vocab_size, False)
+            self.lm_head = Linear(backend, local.hidden_size, local.vocab_size, spec.head_bias)
         # A sequence classifier's head (its checkpoint's `score`), whole on every rank
         labels = spec.num_labels
         self.score = nn.Linear(spec.hidden_size, labels, False) if labels else None

@@ -1,7 +1,7 @@
 """The architectures whose checkpoints name some tensors otherwise than weir's modules, and how
 the loader reads each name (gpu/loader.py): GLM-4's norms, Hunyuan's Q/K norms, Granite 4's
-shared_mlp, StarCoder2's MLP. (Mixtral's and GraniteMoE's experts are gpu/models/moe.py's
-checkpoint_name, read for every architecture.)"""
+shared_mlp, StarCoder2's MLP, Phi-2's products and final norm. (Mixtral's and GraniteMoE's
+experts are gpu/models/moe.py's checkpoint_name, read for every architecture.)"""
 
 from __future__ import annotations
 
@@ -12,11 +12,19 @@ def starcoder2(name: str) -> str:
     return name.replace(".mlp.c_fc.", ".mlp.up_proj.").replace(".mlp.c_proj.", ".mlp.down_proj.")
 
 
+def phi(name: str) -> str:
+    """Phi-2's: dense, fc1, fc2 and final_layernorm, weir's o_proj, up, down and norm."""
+    name = name.replace(".self_attn.dense.", ".self_attn.o_proj.")
+    name = name.replace(".mlp.fc1.", ".mlp.up_proj.").replace(".mlp.fc2.", ".mlp.down_proj.")
+    return name.replace("model.final_layernorm.", "model.norm.")
+
+
 RENAMES = {
     "Glm4ForCausalLM": glm.checkpoint_name,
     "HunYuanDenseV1ForCausalLM": hunyuan.checkpoint_name,
     "GraniteMoeHybridForCausalLM": granite.checkpoint_name,
     "Starcoder2ForCausalLM": starcoder2,
+    "PhiForCausalLM": phi,
 }
 
 

@@ -33,6 +33,10 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     # StarCoder2 (3B, 7B, 15B): layer norms with a bias, an ungated MLP (c_fc, c_proj:
     # gpu/models/renames.py), biases on every product (use_bias), one window for every layer
     "Starcoder2ForCausalLM": {"qk_norm": False, "ungated": True, "starcoder2": True},
+    # Phi-2 and Phi-1.5 (PhiForCausalLM): attention and an ungated gelu MLP side by side on one
+    # layer norm with a bias (as Cohere's), biases on every product and on the LM head, part of
+    # each head rotated; dense, fc1, fc2 and final_layernorm by their names (renames.py)
+    "PhiForCausalLM": {"qk_norm": False, "ungated": True, "phi": True},
     "MistralForCausalLM": {"qk_norm": False},
     "Phi3ForCausalLM": {"qk_norm": False},
     # Gemma 3 (text): norms before and after each block, weights as 1 + w, scaled embeddings,
@@ -199,6 +203,8 @@ class ModelSpec:
     gated_mlp: bool = True
     # the layer norms' bias (Nemotron's)
     norm_bias: bool = False
+    # the LM head's bias (Phi-2's)
+    head_bias: bool = False
 
     @classmethod
     def from_hf_config(cls, config: Any) -> ModelSpec:
@@ -307,6 +313,13 @@ class ModelSpec:
             eps = float(config.norm_epsilon)
             fields.update(layer_norm=True, norm_bias=True, rms_norm_eps=eps)
             fields.update(qkv_bias=bias, o_bias=bias, mlp_bias=bias)
+        if extra.get("phi"):  # (gelu_new is gelu's tanh form)
+            if getattr(config, "qk_layernorm", False):
+                raise CheckpointError(f"{arch} with qk_layernorm is not served")
+            fields.update(layer_norm=True, norm_bias=True, parallel_block=True, head_bias=True)
+            fields.update(qkv_bias=True, o_bias=True, mlp_bias=True)
+            if fields["hidden_act"] == "gelu_new":
+                fields.update(hidden_act="gelu_pytorch_tanh")
         if extra.get("nemotron"):  # LayerNorm1P: weight 1 + w, and a bias
             eps = float(config.norm_eps)
             fields.update(layer_norm=True, norm_bias=True, norm_plus_one=True, rms_norm_eps=eps)

@@ -172,6 +172,8 @@ def _weir_names(
             name = hunyuan.checkpoint_name(name)
         if arch == "starcoder2":  # (its c_fc and c_proj: ffn_up and ffn_down)
             name = renames.starcoder2(name)
+        if arch == "phi2":  # (its dense, fc1, fc2 and final_layernorm)
+            name = renames.phi(name)
         if STACKED.match(name):
             yield from cut_stacked(name, t)
         else:
@@ -235,17 +237,18 @@ def metadata_writer(
     w.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
     base = float(rope.get("rope_theta") or config.get("rope_theta") or 10000.0)
     w.add_rope_freq_base(hunyuan.ntk_alpha_base(rope, head_dim) or base)  # (Hunyuan's stretched)
-    if arch in ("command-r", "cohere2"):  # Cohere's layer norm, its logits' factor, its window
-        w.add_layer_norm_eps(float(config["layer_norm_eps"]))
+    # a layer norm's epsilon, by its config's key (StarCoder2's window is not written: llama.cpp
+    # attends to the whole context)
+    eps = {"command-r": "layer_norm_eps", "cohere2": "layer_norm_eps", "phi2": "layer_norm_eps"}
+    eps |= {"nemotron": "norm_eps", "starcoder2": "norm_epsilon"}
+    if arch in eps:
+        w.add_layer_norm_eps(float(config[eps[arch]]))
+    else:
+        w.add_layer_norm_rms_eps(float(config["rms_norm_eps"]))
+    if arch in ("command-r", "cohere2"):  # Cohere's logits' factor, its window
         w.add_logit_scale(float(config["logit_scale"]))
         if config.get("sliding_window"):
             w.add_sliding_window(config["sliding_window"])
-    elif arch == "nemotron":  # its layer norms' epsilon
-        w.add_layer_norm_eps(float(config["norm_eps"]))
-    elif arch == "starcoder2":  # (its window is not written: llama.cpp attends to all of it)
-        w.add_layer_norm_eps(float(config["norm_epsilon"]))
-    else:
-        w.add_layer_norm_rms_eps(float(config["rms_norm_eps"]))
     w.add_vocab_size(config["vocab_size"])
     if kind == "yarn":  # as llama.cpp's converter writes it (llama.cpp derives the rest)
         w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
