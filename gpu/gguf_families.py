@@ -1,9 +1,9 @@
 """The HF configs of GGUF decoders whose files llama.cpp's converter writes with keys of their own
 (gpu/gguf_config.py reads the others): Granite and GraniteMoE (their four factors), SmolLM3,
 Ministral 3 (its attention temperature and YaRN), Hunyuan's dense models, EXAONE 4, GLM-4, ERNIE
-4.5, Seed-OSS, Cohere's Command R and Cohere 2, Arcee (its ungated MLP), Nemotron, StarCoder2
-and Phi-2. Each reader takes the open file's HfConfigOf (`f`: its `get`, `tensors`, `arch` and
-`path`), the fields every decoder shares and the head size."""
+4.5, Seed-OSS, Cohere's Command R and Cohere 2, Arcee (its ungated MLP), Nemotron, StarCoder2,
+Phi-2 and Gemma 1. Each reader takes the open file's HfConfigOf (`f`: its `get`, `tensors`,
+`arch` and `path`), the fields every decoder shares and the head size."""
 
 from __future__ import annotations
 
@@ -171,6 +171,15 @@ def phi2(f: Any, common: dict, head_dim: int) -> Any:
     return PhiConfig(**common, layer_norm_eps=common["rms_norm_eps"], hidden_act="gelu_new")
 
 
+def gemma(f: Any, common: dict, head_dim: int) -> Any:
+    """Gemma 1: its head size (256 at 2B and 7B, not hidden / heads) and gelu's tanh form, as
+    llama.cpp computes it (its norms' 1 + w: gpu/gguf_file.py)."""
+    from transformers import GemmaConfig
+
+    act = "gelu_pytorch_tanh"
+    return GemmaConfig(**common, head_dim=head_dim, hidden_act=act, hidden_activation=act)
+
+
 FAMILIES = {
     "granite": granite,
     "granitemoe": granite,
@@ -187,4 +196,5 @@ FAMILIES = {
     "nemotron": nemotron,
     "starcoder2": starcoder2,
     "phi2": phi2,
+    "gemma": gemma,
 }

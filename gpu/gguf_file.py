@@ -25,6 +25,9 @@ from gpu.gguf_config import DECODERS, RANK_HEAD, HfConfigOf
 from gpu.quant.formats import BY_GGML_TYPE
 from gpu.quant.tensor import BlockTensor
 
+# the files whose norm weights llama.cpp's converter stores as 1 + w (the loader adds the 1)
+GEMMA_NORMS = ("gemma", "gemma2", "gemma3", "nemotron")
+
 log = logging.getLogger("weir.gguf")
 
 SERVED_TYPES = (
@@ -131,7 +134,7 @@ class GgufCheckpoint:
                 raise CheckpointError(f"{self.path.name}: vector {name} in {fmt.name}")
             if len(dims) == 1 or fmt.name == "f32" or target.endswith("bias"):  # float32
                 values = gguf.quants.dequantize(raw, t.tensor_type).astype(np.float32)
-                if self.arch in ("gemma2", "gemma3", "nemotron") and name.endswith("norm.weight"):
+                if self.arch in GEMMA_NORMS and name.endswith("norm.weight"):
                     values = values - 1.0  # the file holds 1 + w; the loader adds the 1 again
                 value: Any = torch.from_numpy(values).reshape(list(reversed(dims)))
                 if self.arch in PERMUTED and target.endswith(("q_proj.weight", "k_proj.weight")):

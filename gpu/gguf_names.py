@@ -7,6 +7,7 @@ import numpy as np
 
 # The GGUF architectures weir serves -> the Hugging Face class (gpu/models/spec.py ARCHITECTURES)
 ARCHES = {
+    "gemma": "GemmaForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
     "llama": "LlamaForCausalLM",

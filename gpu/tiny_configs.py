@@ -314,6 +314,15 @@ def tiny_config(
             use_bias=True,
             norm_epsilon=1e-5,
         )
+    elif arch == "gemma":  # Gemma 1: Llama's layer, Gemma's norms, scaled embeddings, its gate
+        from transformers import GemmaConfig
+
+        config = GemmaConfig(
+            **common,
+            head_dim=head_dim or hidden_size // num_heads,
+            tie_word_embeddings=tie_word_embeddings is not False,
+            hidden_act="gelu_pytorch_tanh",
+        )
     elif arch == "phi":  # Phi-2: side by side on a layer norm with a bias, biases everywhere
         from transformers import PhiConfig  # (drawn by the caller), 0.4 of each head rotated
 

@@ -151,7 +151,7 @@ def build_tiny_model(
                     p.mul_(20.0)
     # norm weights drawn (they start at one): a norm read at the wrong width or place shows
     norm_drawn = ("olmo", "glm", "exaone", "hunyuan", "cohere", "nemotron", "starcoder")
-    if arch.startswith(norm_drawn) or arch == "phi":
+    if arch.startswith(norm_drawn) or arch in ("phi", "gemma"):
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if "norm" in name:

@@ -63,7 +63,7 @@ def dequantized(path, hf_dir, out):
         if arch in PERMUTED and name.endswith(("q_proj.weight", "k_proj.weight")):
             n = heads if "q_proj" in name else kv_heads
             w = w[torch.from_numpy(llama_unpermute_index(w.shape[0], n))]
-        if arch in ("gemma2", "gemma3", "nemotron") and name.endswith("norm.weight"):
+        if arch in ("gemma", "gemma2", "gemma3", "nemotron") and name.endswith("norm.weight"):
             w = w - 1.0  # the file holds 1 + w (llama.cpp's converter adds the 1)
         for weirs, own in OWN_NAMES.get(arch, ()):  # (StarCoder2's MLP, Phi-2's)
             name = name.replace(weirs, own)

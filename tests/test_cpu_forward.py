@@ -50,6 +50,8 @@ def load_both(path, **pool):
         ("starcoder2", {"num_layers": 2, "sliding_window": 8}, "auto"),
         # Phi-2: side by side on a layer norm with a bias, its MLP's and head's biases
         ("phi", {"num_layers": 2, "intermediate_size": 256}, "auto"),
+        # Gemma 1: Gemma's norms and scaled embeddings in Llama's layer, its own head size
+        ("gemma", {"num_layers": 2, "head_dim": 32}, "auto"),
         ("cohere2", {"num_layers": 4, "global_every": 4, "sliding_window": 8}, "auto"),
         # Q/K/V and O biases (Llama's attention_bias)
         ("llama", {"attention_bias": True}, "auto"),

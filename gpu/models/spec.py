@@ -42,6 +42,9 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     # Gemma 3 (text): norms before and after each block, weights as 1 + w, scaled embeddings,
     # its own attention scale, sliding layers with their own rotation (gpu/models/gemma.py)
     "Gemma3ForCausalLM": {"qk_norm": True, "gemma": True},
+    # Gemma (1: gemma-2b/7b, CodeGemma): Llama's layer with Gemma's norms (1 + w), scaled
+    # embeddings and its gelu (tanh) gate
+    "GemmaForCausalLM": {"qk_norm": False, "gemma1": True},
     # Gemma 2: Gemma 3's layer without Q/K norms, its attention scores and logits soft-capped
     "Gemma2ForCausalLM": {"qk_norm": False, "gemma": True},
     "Qwen2ForCausalLM": {"qk_norm": False, "qkv_bias": True},
@@ -275,6 +278,10 @@ class ModelSpec:
         )
         if extra.get("gemma"):
             fields.update(families.gemma(config, arch))
+        if extra.get("gemma1"):
+            act = getattr(config, "hidden_activation", None) or config.hidden_act
+            fields.update(embed_scale=float(config.hidden_size) ** 0.5, norm_plus_one=True)
+            fields.update(hidden_act=act)
         if extra.get("moe"):
             fields.update(families.moe(config, arch))
         if extra.get("gpt_oss"):

@@ -123,7 +123,7 @@ def write_gguf(
                 continue  # the converter writes the head's two rows, not the LM head
         if arch in PERMUTED and name.endswith(("q_proj.weight", "k_proj.weight")):
             t = llama_permute(t, heads if "q_proj" in name else kv_heads)
-        if arch in ("gemma2", "gemma3", "nemotron") and name.endswith("norm.weight"):
+        if arch in ("gemma", "gemma2", "gemma3", "nemotron") and name.endswith("norm.weight"):
             t = t + 1.0  # Gemma's (Nemotron's) norms multiply by 1 + w: llama.cpp stores that
         gname = gguf_name(name, arch)
         fmt = formats(gname, t.shape)
