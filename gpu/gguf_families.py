@@ -2,8 +2,8 @@
 (gpu/gguf_config.py reads the others): Granite and GraniteMoE (their four factors), SmolLM3,
 Ministral 3 (its attention temperature and YaRN), Hunyuan's dense models, EXAONE 4, GLM-4, ERNIE
 4.5, Seed-OSS, Cohere's Command R and Cohere 2, Arcee (its ungated MLP), Nemotron, StarCoder2,
-Phi-2 and Gemma 1. Each reader takes the open file's HfConfigOf (`f`: its `get`, `tensors`,
-`arch` and `path`), the fields every decoder shares and the head size."""
+Phi-2, Gemma 1 and StableLM. Each reader takes the open file's HfConfigOf (`f`: its `get`,
+`tensors`, `arch` and `path`), the fields every decoder shares and the head size."""
 
 from __future__ import annotations
 
@@ -180,6 +180,21 @@ def gemma(f: Any, common: dict, head_dim: int) -> Any:
     return GemmaConfig(**common, head_dim=head_dim, hidden_act=act, hidden_activation=act)
 
 
+def stablelm(f: Any, common: dict, head_dim: int) -> Any:
+    """StableLM: its layer norms' epsilon, Q/K/V biases where the file has them, both blocks on
+    one norm where it says so (use_parallel_residual), part of each head rotated."""
+    from transformers import StableLmConfig
+
+    if "blk.0.attn_q_norm.weight" in f.tensors:
+        raise CheckpointError(f"{f.path.name}: StableLM with Q/K layer norms is not served")
+    return StableLmConfig(
+        **common,
+        layer_norm_eps=common["rms_norm_eps"],
+        use_qkv_bias="blk.0.attn_q.bias" in f.tensors,
+        use_parallel_residual=bool(f.get(f"{f.arch}.use_parallel_residual", False)),
+    )
+
+
 FAMILIES = {
     "granite": granite,
     "granitemoe": granite,
@@ -197,4 +212,5 @@ FAMILIES = {
     "starcoder2": starcoder2,
     "phi2": phi2,
     "gemma": gemma,
+    "stablelm": stablelm,
 }

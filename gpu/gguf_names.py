@@ -43,6 +43,7 @@ ARCHES = {
     "nemotron": "NemotronForCausalLM",
     "starcoder2": "Starcoder2ForCausalLM",  # (its Q/K rows as the checkpoint's; no window)
     "phi2": "PhiForCausalLM",  # (so too; its LM head's bias: output.bias)
+    "stablelm": "StableLmForCausalLM",  # (its Q/K rows as the checkpoint's)
     # an encoder (gpu/models/encoder.py): BERT, or XLM-RoBERTa / RoBERTa by its vocabulary
     # (gpu/gguf_config.py `encoder`)
     "bert": "BertModel",

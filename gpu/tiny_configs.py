@@ -323,6 +323,17 @@ def tiny_config(
             tie_word_embeddings=tie_word_embeddings is not False,
             hidden_act="gelu_pytorch_tanh",
         )
+    elif arch == "stablelm":  # layer norms with a bias, a quarter of each head rotated, Q/K/V
+        from transformers import StableLmConfig  # biases (drawn by the caller); `global_every`
+        # 1: attention and MLP side by side (use_parallel_residual)
+
+        config = StableLmConfig(
+            **common,
+            tie_word_embeddings=bool(tie_word_embeddings),
+            use_qkv_bias=True,
+            use_parallel_residual=global_every == 1,
+            layer_norm_eps=1e-5,
+        )
     elif arch == "phi":  # Phi-2: side by side on a layer norm with a bias, biases everywhere
         from transformers import PhiConfig  # (drawn by the caller), 0.4 of each head rotated
 

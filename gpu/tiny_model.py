@@ -136,7 +136,7 @@ def build_tiny_model(
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
-    drawn = arch.startswith(("glm", "helium", "seed", "starcoder")) or arch == "phi"
+    drawn = arch.startswith(("glm", "helium", "seed", "starcoder", "stablelm")) or arch == "phi"
     if attention_bias or mlp_bias or drawn:
         with torch.no_grad():
             for name, p in model.named_parameters():
@@ -150,7 +150,7 @@ def build_tiny_model(
                 elif ".experts." in name:
                     p.mul_(20.0)
     # norm weights drawn (they start at one): a norm read at the wrong width or place shows
-    norm_drawn = ("olmo", "glm", "exaone", "hunyuan", "cohere", "nemotron", "starcoder")
+    norm_drawn = ("olmo", "glm", "exaone", "hunyuan", "cohere", "nemotron", "starcoder", "stablelm")
     if arch.startswith(norm_drawn) or arch in ("phi", "gemma"):
         with torch.no_grad():
             for name, p in model.named_parameters():

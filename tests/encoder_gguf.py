@@ -147,7 +147,7 @@ def write_modernbert_gguf(hf_dir: str | Path, out: str | Path, fmt: str = "f32")
     from safetensors.numpy import load_file
 
     from gpu.gguf_names import MODERNBERT_LAYER, MODERNBERT_TOP
-    from gpu.quant.gguf_write import write_tokenizer
+    from gpu.quant.gguf_tokens import write_tokenizer
     from server.embedding_config import sentence_transformers_pooling
 
     hf_dir, out = Path(hf_dir), Path(out)

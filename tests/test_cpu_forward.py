@@ -52,6 +52,8 @@ def load_both(path, **pool):
         ("phi", {"num_layers": 2, "intermediate_size": 256}, "auto"),
         # Gemma 1: Gemma's norms and scaled embeddings in Llama's layer, its own head size
         ("gemma", {"num_layers": 2, "head_dim": 32}, "auto"),
+        # StableLM: layer norms with a bias, a quarter of each head rotated, Q/K/V biases
+        ("stablelm", {"num_layers": 2, "global_every": 0}, "auto"),
         ("cohere2", {"num_layers": 4, "global_every": 4, "sliding_window": 8}, "auto"),
         # Q/K/V and O biases (Llama's attention_bias)
         ("llama", {"attention_bias": True}, "auto"),

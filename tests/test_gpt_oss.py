@@ -244,7 +244,7 @@ def write_gpt_oss_gguf(hf_dir, out) -> dict:
     import gguf
     from safetensors.torch import load_file
 
-    from gpu.quant.gguf_write import write_tokenizer
+    from gpu.quant.gguf_tokens import write_tokenizer
 
     config = json.loads((hf_dir / "config.json").read_text())
     w = gguf.GGUFWriter(str(out), "gpt-oss")

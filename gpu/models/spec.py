@@ -37,6 +37,10 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     # layer norm with a bias (as Cohere's), biases on every product and on the LM head, part of
     # each head rotated; dense, fc1, fc2 and final_layernorm by their names (renames.py)
     "PhiForCausalLM": {"qk_norm": False, "ungated": True, "phi": True},
+    # StableLM (stablelm-2-1_6b, stablelm-zephyr-3b, stablelm-3b-4e1t): Llama's layer under layer
+    # norms with a bias, a quarter of each head rotated, Q/K/V biases where use_qkv_bias, both
+    # blocks on one norm where use_parallel_residual
+    "StableLmForCausalLM": {"qk_norm": False, "stablelm": True},
     "MistralForCausalLM": {"qk_norm": False},
     "Phi3ForCausalLM": {"qk_norm": False},
     # Gemma 3 (text): norms before and after each block, weights as 1 + w, scaled embeddings,
@@ -327,6 +331,12 @@ class ModelSpec:
             fields.update(qkv_bias=True, o_bias=True, mlp_bias=True)
             if fields["hidden_act"] == "gelu_new":
                 fields.update(hidden_act="gelu_pytorch_tanh")
+        if extra.get("stablelm"):
+            if getattr(config, "qk_layernorm", False):
+                raise CheckpointError(f"{arch} with qk_layernorm is not served")
+            parallel = bool(getattr(config, "use_parallel_residual", False))
+            fields.update(layer_norm=True, norm_bias=True, parallel_block=parallel)
+            fields.update(qkv_bias=bool(getattr(config, "use_qkv_bias", False)), o_bias=False)
         if extra.get("nemotron"):  # LayerNorm1P: weight 1 + w, and a bias
             eps = float(config.norm_eps)
             fields.update(layer_norm=True, norm_bias=True, norm_plus_one=True, rms_norm_eps=eps)

@@ -23,10 +23,10 @@ import numpy as np
 
 from gpu.gguf_names import ARCHES as GGUF_ARCHES
 from gpu.gguf_names import PERMUTED, gguf_name, llama_permute
-from gpu.gguf_tokenizer import split_of
 from gpu.models import glm, hunyuan, renames
 from gpu.models.moe import STACKED, checkpoint_name, cut_stacked
 from gpu.quant.formats import FORMATS
+from gpu.quant.gguf_tokens import write_tokenizer
 from gpu.quant.quantize import quantize
 
 ARCHES: dict[str, str] = {}  # HF class -> GGUF architecture (the first that serves it)
@@ -239,12 +239,14 @@ def metadata_writer(
     w.add_rope_freq_base(hunyuan.ntk_alpha_base(rope, head_dim) or base)  # (Hunyuan's stretched)
     # a layer norm's epsilon, by its config's key (StarCoder2's window is not written: llama.cpp
     # attends to the whole context)
-    eps = {"command-r": "layer_norm_eps", "cohere2": "layer_norm_eps", "phi2": "layer_norm_eps"}
+    eps = dict.fromkeys(("command-r", "cohere2", "phi2", "stablelm"), "layer_norm_eps")
     eps |= {"nemotron": "norm_eps", "starcoder2": "norm_epsilon"}
     if arch in eps:
         w.add_layer_norm_eps(float(config[eps[arch]]))
     else:
         w.add_layer_norm_rms_eps(float(config["rms_norm_eps"]))
+    if arch == "stablelm":
+        w.add_parallel_residual(bool(config.get("use_parallel_residual")))
     if arch in ("command-r", "cohere2"):  # Cohere's logits' factor, its window
         w.add_logit_scale(float(config["logit_scale"]))
         if config.get("sliding_window"):
@@ -348,53 +350,3 @@ def _checkpoint(hf_dir: Path) -> Iterator[tuple[str, np.ndarray]]:
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
                 yield name, f.get_tensor(name).float().numpy()
-
-
-def write_tokenizer(w: gguf.GGUFWriter, hf_dir: Path, config: dict, bert: bool = False) -> None:
-    """`hf_dir`'s byte-level BPE tokenizer as `tokenizer.ggml.*` entries; `bert`: its [CLS] and
-    [SEP] written as BOS and EOS, both added, as llama.cpp's converter writes ModernBERT's."""
-    tok = json.loads((hf_dir / "tokenizer.json").read_text())
-    if tok["model"]["type"] != "BPE":
-        raise ValueError("gguf_write: only BPE tokenizers are written")
-    vocab = dict(tok["model"]["vocab"])
-    special = {a["content"]: a["id"] for a in tok.get("added_tokens", [])}
-    added = {a["content"] for a in tok.get("added_tokens", []) if not a.get("special")}
-    vocab.update(special)
-    size = config["vocab_size"]
-    tokens = [f"[PAD{i}]" for i in range(size)]
-    types = [gguf.TokenType.UNUSED] * size
-    for text, i in vocab.items():
-        if i < size:
-            tokens[i] = text
-            types[i] = (
-                gguf.TokenType.USER_DEFINED
-                if text in added
-                else gguf.TokenType.CONTROL
-                if text in special
-                else gguf.TokenType.NORMAL
-            )
-    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre(split_of(tok["pre_tokenizer"]))
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(merges)
-    tcfg = json.loads((hf_dir / "tokenizer_config.json").read_text())
-    for key, add in (
-        ("sep_token" if bert else "eos_token", w.add_eos_token_id),
-        ("pad_token", w.add_pad_token_id),
-        ("cls_token" if bert else "bos_token", w.add_bos_token_id),
-    ):
-        value = tcfg.get(key)
-        value = value.get("content") if isinstance(value, dict) else value
-        if value in vocab:
-            add(vocab[value])
-    w.add_add_bos_token(bert)
-    if bert:
-        w.add_add_eos_token(True)
-    template = tcfg.get("chat_template")
-    jinja = hf_dir / "chat_template.jinja"
-    if not template and jinja.exists():
-        template = jinja.read_text()
-    if template:
-        w.add_chat_template(template)
