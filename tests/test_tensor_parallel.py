@@ -85,6 +85,10 @@ CASES = [
     ("nemotron", 2, {"num_layers": 2}, TIGHT),
     # StarCoder2: its up and down biases split with their rows and added once, a window of 8
     ("starcoder2", 2, {"num_layers": 2, "sliding_window": 8}, {}),
+    # StableLM side by side: one all-reduce a layer over its norms' biases, Q/K/V biases split
+    ("stablelm", 2, {"num_layers": 2, "global_every": 1}, TIGHT),
+    # Gemma 1: its head size (32, not hidden / heads) split by head, 1 + w norms
+    ("gemma", 2, {"num_layers": 2, "head_dim": 32}, {}),
 ]
 
 
