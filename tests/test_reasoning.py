@@ -104,6 +104,8 @@ def test_hunyuan_unwraps_its_answer():
     assert split("hunyuan_a13b", "<think>a</think><answer>cut") == ("a", "cut")
     chunks = ["<think>a</th", "ink>\n<ans", "wer>\nIt is", " 42.\n</ans", "wer>"]
     assert stream("hunyuan_a13b", chunks) == ("a", "It is 42.")
+    # a close without the line break before it is held back too (found by the property test)
+    assert stream("hunyuan_a13b", ["<answer><", "/answer>"]) == ("", "")
     assert detect("{{ '<think>' + r + '</think><answer>' + c + '</answer>' }}") == "hunyuan_a13b"
 
 

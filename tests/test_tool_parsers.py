@@ -246,7 +246,8 @@ FRAGMENTS = {
         "</parameter>", "<parameter=b>", "é x", "text ", "<tool", "\n", "<function=",
     ],
     "phi4_mini_json": [
-        "functools", "[", '{"name": "a", "arguments": {"x": "é"}}', ", ", "]", "text ", "func",
+        '{"name": "b", "arguments": {"s": "x]', '"}}', "functools", "[",
+        '{"name": "a", "arguments": {"x": "é"}}', ", ", "]", "text ", "func",
         "tools", '{"k": [1, {"z": null}]}', ".partial", "{",
     ],
     "granite": [
@@ -269,7 +270,8 @@ FRAGMENTS = {
         '{"tool_name": "b", "parameters": {"k": [1, {"z": null}]}}', "<|START_", "<|", "{",
     ],
     "mistral": [
-        "[TOOL_CALLS]", "[", '{"name": "a", "arguments": {"x": "é"}}', ", ", "]", "a[ARGS]",
+        '{"name": "b", "arguments": {"s": "x]', '"}}', "[TOOL_CALLS]", "[",
+        '{"name": "a", "arguments": {"x": "é"}}', ", ", "]", "a[ARGS]",
         '{"k": [1, {"z": null}]}', "text ", "[TOOL", "_CALLS]", "{",
     ],
 }  # fmt: skip

@@ -36,4 +36,4 @@ def unwrap(content: str, final: bool) -> str:
         return body[:-1] if body.endswith("\n") else body
     if final:
         return body
-    return body[: len(body) - held(body, "\n" + CLOSE)]
+    return body[: len(body) - max(held(body, "\n" + CLOSE), held(body, CLOSE))]
