@@ -334,6 +334,15 @@ def tiny_config(
             use_parallel_residual=global_every == 1,
             layer_norm_eps=1e-5,
         )
+    elif arch == "apertus":  # Llama's layer with Q/K norms, an ungated MLP of xIELU (its
+        from transformers import ApertusConfig  # parameters drawn by the caller)
+
+        config = ApertusConfig(
+            **common,
+            tie_word_embeddings=bool(tie_word_embeddings),
+            dtype="float32",
+            rope_parameters={"rope_theta": 10000.0, "rope_type": "default"},
+        )
     elif arch == "phi":  # Phi-2: side by side on a layer norm with a bias, biases everywhere
         from transformers import PhiConfig  # (drawn by the caller), 0.4 of each head rotated
 

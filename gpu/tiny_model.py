@@ -156,6 +156,11 @@ def build_tiny_model(
             for name, p in model.named_parameters():
                 if "norm" in name:
                     p.normal_(1.0, 0.3)
+    if arch == "apertus":  # each layer's xIELU parameters drawn (they start alike)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if ".act_fn." in name:
+                    p.add_(torch.randn_like(p) * 0.3)
     if zero_padding_rows:
         with torch.no_grad():
             model.get_output_embeddings().weight[len(tokenizer) :] = 0

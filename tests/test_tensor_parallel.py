@@ -89,6 +89,8 @@ CASES = [
     ("stablelm", 2, {"num_layers": 2, "global_every": 1}, TIGHT),
     # Gemma 1: its head size (32, not hidden / heads) split by head, 1 + w norms
     ("gemma", 2, {"num_layers": 2, "head_dim": 32}, {}),
+    # Apertus: each layer's xIELU parameters whole on every rank, Q/K norms per head
+    ("apertus", 2, {"num_layers": 2}, {}),
 ]
 
 

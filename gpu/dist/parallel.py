@@ -151,8 +151,8 @@ def shard(name: str, full: Any, spec: ModelSpec, tp: TensorParallel) -> torch.Te
         kind = "down" if ".down_proj." in name else "expert"
     elif ".mlp.shared_expert." in name:  # so is a shared expert (its gate is replicated)
         kind = "down" if name.endswith(".down_proj.weight") else "shared"
-    if kind is None or tp.world_size == 1:
-        return full[:] if hasattr(full, "get_shape") else full
+    if kind is None or tp.world_size == 1:  # (a scalar, Apertus's xIELU beta: [...], not [:])
+        return full[...] if hasattr(full, "get_shape") else full
     w, r = tp.world_size, tp.rank
     if isinstance(full, Fp8Tensor):  # FP8 weights: their rows' scales go with the rows
         return _shard_fp8(full, kind, spec, tp)

@@ -4,6 +4,8 @@ a block's output product with its residual add (and the norm after it)."""
 
 from __future__ import annotations
 
+import torch
+import torch.nn.functional as F
 from torch import nn
 
 from gpu.backend import PLAIN_ACTIVATIONS
@@ -51,6 +53,8 @@ class MLP(nn.Module):
         self.hidden_act = spec.hidden_act
         self.residual_scale = spec.residual_scale  # Granite's, on down's input (1: none)
         self.widths = (2 * m if self.is_gated else m, h)  # gate/up's outputs, down's
+        if self.hidden_act == "xielu":  # Apertus's: the layer's own four parameters
+            self.act_fn = XIELU()
         self.gate_up = None  # the backend's gated form of gate and up
         self.up = None  # an ungated MLP's product
         self.down = None
@@ -58,7 +62,7 @@ class MLP(nn.Module):
     def prepare(self) -> None:
         b = self.backend
         if not self.is_gated:
-            if self.hidden_act not in PLAIN_ACTIVATIONS:
+            if self.hidden_act not in PLAIN_ACTIVATIONS and self.hidden_act != "xielu":
                 raise ValueError(f"unsupported activation {self.hidden_act!r}")
             self.up = b.prepare_linear(*self.up_proj.take())
             self.down = b.prepare_linear(*self.down_proj.take())
@@ -74,7 +78,10 @@ class MLP(nn.Module):
         `lora`: the step's adapters (gpu/lora.py LoraLayer)."""
         b = self.backend
         if not self.is_gated:  # (adapters are refused for it: gpu/lora.py)
-            h = b.ungated(x, self.up, self.hidden_act)
+            if self.hidden_act == "xielu":
+                h = self.act_fn(b.linear(x, self.up))
+            else:
+                h = b.ungated(x, self.up, self.hidden_act)
             return block_output(b, h, self.down, residual, norm)
         add = plus_lora(b, x, lora, "gate_up", None, self.widths[0])
         h = b.gated(x, self.gate_up) if add is None else b.gated(x, self.gate_up, add)
@@ -93,3 +100,24 @@ def mixture(spec: ModelSpec, backend) -> SparseMoE:
         gate = Linear(backend, spec.hidden_size, 1, False)
         shared = (MLP(spec, backend, spec.shared_expert_size), gate)
     return SparseMoE(spec, backend, router, experts, shared)
+
+
+class XIELU(nn.Module):
+    """xIELU (Apertus's activation), with the parameters its checkpoint stores per layer:
+    x > 0: softplus(alpha_p) x^2 + beta x; else (expm1(min(x, eps)) - x) alpha_n' + beta x with
+    alpha_n' = beta + softplus(alpha_n); computed in float32, as transformers computes it for a
+    float32 model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.alpha_p = nn.Parameter(torch.zeros(1))
+        self.alpha_n = nn.Parameter(torch.zeros(1))
+        self.beta = nn.Parameter(torch.zeros(()))
+        self.eps = nn.Parameter(torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        p = [t.to(x.dtype) for t in (self.alpha_p, self.alpha_n, self.beta, self.eps)]
+        alpha_p, beta = F.softplus(p[0]), p[2]
+        alpha_n = beta + F.softplus(p[1])
+        negative = (torch.expm1(torch.minimum(x, p[3])) - x) * alpha_n + beta * x
+        return torch.where(x > 0, alpha_p * x * x + beta * x, negative)

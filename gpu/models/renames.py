@@ -1,7 +1,7 @@
 """The architectures whose checkpoints name some tensors otherwise than weir's modules, and how
 the loader reads each name (gpu/loader.py): GLM-4's norms, Hunyuan's Q/K norms, Granite 4's
-shared_mlp, StarCoder2's MLP, Phi-2's products and final norm. (Mixtral's and GraniteMoE's
-experts are gpu/models/moe.py's checkpoint_name, read for every architecture.)"""
+shared_mlp, StarCoder2's MLP, Phi-2's products and final norm, Apertus's norms. (Mixtral's and
+GraniteMoE's experts are gpu/models/moe.py's checkpoint_name, read for every architecture.)"""
 
 from __future__ import annotations
 
@@ -19,12 +19,20 @@ def phi(name: str) -> str:
     return name.replace("model.final_layernorm.", "model.norm.")
 
 
+def apertus(name: str) -> str:
+    """Apertus's norms: attention_layernorm and feedforward_layernorm, weir's input and
+    post-attention norms."""
+    name = name.replace(".attention_layernorm.", ".input_layernorm.")
+    return name.replace(".feedforward_layernorm.", ".post_attention_layernorm.")
+
+
 RENAMES = {
     "Glm4ForCausalLM": glm.checkpoint_name,
     "HunYuanDenseV1ForCausalLM": hunyuan.checkpoint_name,
     "GraniteMoeHybridForCausalLM": granite.checkpoint_name,
     "Starcoder2ForCausalLM": starcoder2,
     "PhiForCausalLM": phi,
+    "ApertusForCausalLM": apertus,
 }
 
 

@@ -41,6 +41,9 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     # norms with a bias, a quarter of each head rotated, Q/K/V biases where use_qkv_bias, both
     # blocks on one norm where use_parallel_residual
     "StableLmForCausalLM": {"qk_norm": False, "stablelm": True},
+    # Apertus (Apertus-8B, -70B): Llama's layer with Q/K norms, its norms by their own names
+    # (renames.py) and an ungated MLP of xIELU, each layer's four parameters its own (mlp.py)
+    "ApertusForCausalLM": {"qk_norm": True, "ungated": True},
     "MistralForCausalLM": {"qk_norm": False},
     "Phi3ForCausalLM": {"qk_norm": False},
     # Gemma 3 (text): norms before and after each block, weights as 1 + w, scaled embeddings,

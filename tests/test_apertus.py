@@ -1,0 +1,38 @@
+"""Apertus (ApertusForCausalLM: Apertus-8B, -70B): Llama's layer with Q/K norms, its norms under
+their own names (attention_layernorm, feedforward_layernorm) and an ungated MLP of xIELU whose
+four parameters are each layer's own (drawn here). Against transformers on the same random
+weights, layer by layer (the one-call stack has no xIELU and says so), on the CUDA backend's
+kernels and over tensor-parallel ranks."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.test_phi3 import assert_as_transformers, backend_config, prompt
+
+
+@pytest.fixture(scope="module")
+def apertus(tmp_path_factory):
+    from gpu.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("apertus") / "ap", "apertus", num_layers=2)
+
+
+@pytest.mark.parametrize("backend", ["modules", "cuda-backend"])
+def test_apertus_matches_transformers(apertus, backend, monkeypatch):
+    config = backend_config(backend, monkeypatch)
+    assert_as_transformers(apertus, apertus, prompt(30), **config)
+
+
+def test_the_stack_says_why_not(apertus, caplog):
+    import logging
+
+    from core.config import EngineConfig
+    from gpu.launch import load
+
+    with caplog.at_level(logging.INFO, logger="weir.cpu"):
+        model = load(EngineConfig(model=str(apertus), num_kv_blocks=16)).core.runner.model
+    assert model.stack is None
+    assert any("an activation the kernel has not" in m for m in caplog.messages)
+    layer = model.model.layers[0].mlp
+    assert layer.act_fn.alpha_p.item() != model.model.layers[1].mlp.act_fn.alpha_p.item()
