@@ -2,7 +2,7 @@
 (gpu/gguf_config.py reads the others): Granite and GraniteMoE (their four factors), SmolLM3,
 Ministral 3 (its attention temperature and YaRN), Hunyuan's dense models, EXAONE 4, GLM-4, ERNIE
 4.5, Seed-OSS, Cohere's Command R and Cohere 2, Arcee (its ungated MLP), Nemotron, StarCoder2,
-Phi-2, Gemma 1 and StableLM. Each reader takes the open file's HfConfigOf (`f`: its `get`,
+Phi-2, Gemma 1, StableLM and Apertus. Each reader takes the open file's HfConfigOf (`f`: its `get`,
 `tensors`, `arch` and `path`), the fields every decoder shares and the head size."""
 
 from __future__ import annotations
@@ -195,6 +195,14 @@ def stablelm(f: Any, common: dict, head_dim: int) -> Any:
     )
 
 
+def apertus(f: Any, common: dict, head_dim: int) -> Any:
+    """Apertus: Q/K norms, its head size, an ungated MLP of xIELU (whose parameters the file
+    holds as metadata: gpu/gguf_file.py)."""
+    from transformers import ApertusConfig
+
+    return ApertusConfig(**common, head_dim=head_dim, hidden_act="xielu")
+
+
 FAMILIES = {
     "granite": granite,
     "granitemoe": granite,
@@ -213,4 +221,5 @@ FAMILIES = {
     "phi2": phi2,
     "gemma": gemma,
     "stablelm": stablelm,
+    "apertus": apertus,
 }

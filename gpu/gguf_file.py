@@ -153,6 +153,21 @@ class GgufCheckpoint:
                 yield target, value[None]  # Qwen2-MoE's shared gate: one row of the hidden size
             else:
                 yield target, value
+        if self.arch == "apertus":  # its xIELU parameters: metadata, a value a layer
+            yield from self._xielu()
+
+    def _xielu(self) -> Iterator[tuple[str, Any]]:
+        """Apertus's xIELU parameters as its checkpoint holds them (llama.cpp's converter writes
+        each as an array of a value a layer, `xielu.*` with no architecture prefix, as stored:
+        before the softplus)."""
+        n = int(self.get(f"{self.arch}.block_count"))
+        for key, shape in (("alpha_p", [1]), ("alpha_n", [1]), ("beta", []), ("eps", [])):
+            values = np.asarray(self.get(f"xielu.{key}"), np.float32).reshape(-1)
+            if values.size != n:
+                raise CheckpointError(f"{self.path.name}: xielu.{key} of {values.size}, not {n}")
+            for i in range(n):
+                value = torch.tensor(values[i], dtype=torch.float32).reshape(shape)
+                yield f"model.layers.{i}.mlp.act_fn.{key}", value
 
     # ---- tokenizer ----
     def tokenizer(self) -> Any:

@@ -44,6 +44,8 @@ ARCHES = {
     "starcoder2": "Starcoder2ForCausalLM",  # (its Q/K rows as the checkpoint's; no window)
     "phi2": "PhiForCausalLM",  # (so too; its LM head's bias: output.bias)
     "stablelm": "StableLmForCausalLM",  # (its Q/K rows as the checkpoint's)
+    # (so too; its xIELU's parameters as metadata arrays: gpu/gguf_file.py)
+    "apertus": "ApertusForCausalLM",
     # an encoder (gpu/models/encoder.py): BERT, or XLM-RoBERTa / RoBERTa by its vocabulary
     # (gpu/gguf_config.py `encoder`)
     "bert": "BertModel",

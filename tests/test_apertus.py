@@ -2,7 +2,9 @@
 their own names (attention_layernorm, feedforward_layernorm) and an ungated MLP of xIELU whose
 four parameters are each layer's own (drawn here). Against transformers on the same random
 weights, layer by layer (the one-call stack has no xIELU and says so), on the CUDA backend's
-kernels and over tensor-parallel ranks."""
+kernels and over tensor-parallel ranks; from an "apertus" GGUF file too, its xIELU parameters as
+metadata (`xielu.*`, a value a layer) as llama.cpp's converter writes them (checked against its
+converter and llama-server)."""
 
 from __future__ import annotations
 
@@ -36,3 +38,14 @@ def test_the_stack_says_why_not(apertus, caplog):
     assert any("an activation the kernel has not" in m for m in caplog.messages)
     layer = model.model.layers[0].mlp
     assert layer.act_fn.alpha_p.item() != model.model.layers[1].mlp.act_fn.alpha_p.item()
+
+
+def test_a_gguf_file_serves_as_its_checkpoint(apertus, tmp_path):
+    import gguf
+
+    from gpu.quant.gguf_write import uniform, write_gguf
+
+    path = write_gguf(apertus, tmp_path / "apertus.gguf", uniform("f32"))
+    fields = gguf.GGUFReader(path).fields
+    assert len(fields["xielu.alpha_p"].contents()) == 2  # a value a layer
+    assert_as_transformers(path, apertus, prompt(30))

@@ -23,7 +23,7 @@ import numpy as np
 
 from gpu.gguf_names import ARCHES as GGUF_ARCHES
 from gpu.gguf_names import PERMUTED, gguf_name, llama_permute
-from gpu.models import glm, hunyuan, renames
+from gpu.models import hunyuan, renames
 from gpu.models.moe import STACKED, checkpoint_name, cut_stacked
 from gpu.quant.formats import FORMATS
 from gpu.quant.gguf_tokens import write_tokenizer
@@ -113,8 +113,13 @@ def write_gguf(
             factors = np.array(rope[f"{kind}_factor"], np.float32)
             w.add_tensor(f"rope_factors_{kind}.weight", factors)
     head = "model.embed_tokens.weight" if tie else "lm_head.weight"
+    xielu: dict[str, dict[int, float]] = {}  # Apertus's: metadata arrays, as llama.cpp writes
     for name, t in tensors:
         if name.endswith("rotary_emb.inv_freq") or (tie and name == "lm_head.weight"):
+            continue
+        if ".mlp.act_fn." in name:
+            value = float(np.asarray(t).reshape(-1)[0])
+            xielu.setdefault(name.rpartition(".")[2], {})[int(name.split(".")[2])] = value
             continue
         t = np.ascontiguousarray(t, dtype=np.float32)
         if yes_no is not None and name == head:
@@ -138,6 +143,8 @@ def write_gguf(
             data = data.reshape(*t.shape[:-1], data.shape[-1])
             qtype = gguf.GGMLQuantizationType(f.ggml_type)
             w.add_tensor(gname, data, raw_shape=data.shape, raw_dtype=qtype)
+    for key, values in xielu.items():
+        w.add_array(f"xielu.{key}", [values[i] for i in sorted(values)])  # (no arch prefix)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -163,17 +170,12 @@ def _weir_names(
     tensors: Iterator[tuple[str, np.ndarray]], arch: str
 ) -> Iterator[tuple[str, np.ndarray]]:
     """The tensors under the names weir loads by: Mixtral's read as Qwen3-MoE's, GraniteMoE's
-    stacked experts cut into each expert's (gpu/models/moe.py), GLM-4's norms as Gemma's."""
+    stacked experts cut into each expert's (gpu/models/moe.py), the families' own names read as
+    weir's (gpu/models/renames.py: GLM-4's norms as Gemma's, ...)."""
     for name, t in tensors:
         name = checkpoint_name(name)
-        if arch == "glm4":
-            name = glm.checkpoint_name(name)
-        if arch == "hunyuan-dense":
-            name = hunyuan.checkpoint_name(name)
-        if arch == "starcoder2":  # (its c_fc and c_proj: ffn_up and ffn_down)
-            name = renames.starcoder2(name)
-        if arch == "phi2":  # (its dense, fc1, fc2 and final_layernorm)
-            name = renames.phi(name)
+        # (GLM-4's norms, Hunyuan's Q/K norms, StarCoder2's, Phi-2's and Apertus's names)
+        name = renames.checkpoint_name(GGUF_ARCHES.get(arch, ""), name)
         if STACKED.match(name):
             yield from cut_stacked(name, t)
         else:
