@@ -96,8 +96,11 @@ class TorchBackend:
         """act(x W^T + b), `act` one of PLAIN_ACTIVATIONS (an encoder's MLP)."""
         return PLAIN_ACTIVATIONS[act](self.linear(x, w))
 
-    def ungated(self, x: torch.Tensor, w: Any, act: str) -> torch.Tensor:
-        """An ungated MLP's first half, act(x W^T + b) (Arcee's, StarCoder2's)."""
+    def ungated(self, x: torch.Tensor, w: Any, act: str, fn=None) -> torch.Tensor:
+        """An ungated MLP's first half, act(x W^T + b) (Arcee's, StarCoder2's); `fn`: an
+        activation with parameters of its own (Apertus's xIELU: gpu/models/mlp.py XIELU)."""
+        if fn is not None:
+            return fn(self.linear(x, w))
         return self.linear_act(x, w, act)
 
     def prepare_mlp(self, gate, up, down, act: str) -> tuple[Any, Any]:

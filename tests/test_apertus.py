@@ -1,8 +1,9 @@
 """Apertus (ApertusForCausalLM: Apertus-8B, -70B): Llama's layer with Q/K norms, its norms under
 their own names (attention_layernorm, feedforward_layernorm) and an ungated MLP of xIELU whose
 four parameters are each layer's own (drawn here). Against transformers on the same random
-weights, layer by layer (the one-call stack has no xIELU and says so), on the CUDA backend's
-kernels and over tensor-parallel ranks; from an "apertus" GGUF file too, its xIELU parameters as
+weights: in the one-call CPU stack (xIELU's constants in the call, bitwise the module path's:
+tests/test_cpu_forward.py), layer by layer, on the CUDA backend's kernels and over
+tensor-parallel ranks; from an "apertus" GGUF file too, its xIELU parameters as
 metadata (`xielu.*`, a value a layer) as llama.cpp's converter writes them (checked against its
 converter and llama-server)."""
 
@@ -20,24 +21,20 @@ def apertus(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("apertus") / "ap", "apertus", num_layers=2)
 
 
-@pytest.mark.parametrize("backend", ["modules", "cuda-backend"])
+@pytest.mark.parametrize("backend", ["stack", "modules", "cuda-backend"])
 def test_apertus_matches_transformers(apertus, backend, monkeypatch):
     config = backend_config(backend, monkeypatch)
     assert_as_transformers(apertus, apertus, prompt(30), **config)
 
 
-def test_the_stack_says_why_not(apertus, caplog):
-    import logging
-
+def test_each_layer_keeps_its_own_parameters_in_the_stack(apertus):
     from core.config import EngineConfig
     from gpu.launch import load
 
-    with caplog.at_level(logging.INFO, logger="weir.cpu"):
-        model = load(EngineConfig(model=str(apertus), num_kv_blocks=16)).core.runner.model
-    assert model.stack is None
-    assert any("an activation the kernel has not" in m for m in caplog.messages)
-    layer = model.model.layers[0].mlp
-    assert layer.act_fn.alpha_p.item() != model.model.layers[1].mlp.act_fn.alpha_p.item()
+    model = load(EngineConfig(model=str(apertus), num_kv_blocks=16)).core.runner.model
+    assert model.stack is not None
+    first, second = (layer.mlp.act_fn.constants() for layer in model.model.layers)
+    assert first != second and len(first) == 4
 
 
 def test_a_gguf_file_serves_as_its_checkpoint(apertus, tmp_path):

@@ -257,13 +257,14 @@ class CpuBackend(OneDnnBackend):
     def rms_norm(self, x, weight, eps) -> torch.Tensor:
         return norm.rms_norm(x, weight, eps)
 
-    def ungated(self, x, w, act) -> torch.Tensor:
-        """On weir's kernels, the activation is the compiled loop the one-call stack runs."""
+    def ungated(self, x, w, act, fn=None) -> torch.Tensor:
+        """On weir's kernels, the activation is the compiled loop the one-call stack runs (with
+        xIELU's constants: `fn.constants()`)."""
         code = UNGATED.get(act)
         if code is None or not isinstance(w, gemm.GemmWeight | quant.QuantWeight):
-            return super().ungated(x, w, act)
+            return super().ungated(x, w, act, fn)
         y = self.linear(x, w)
-        cpu_build.load().activate_(y, code)
+        cpu_build.load().activate_(y, code, fn.constants() if fn is not None else [])
         return y
 
     def layer_norm(self, x, weight, eps, bias=None) -> torch.Tensor:

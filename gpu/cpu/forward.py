@@ -245,6 +245,8 @@ class FusedStack:
             self._stack.set_mlp_bias(
                 [[sp.bias_of(x.mlp.up, none), sp.bias_of(x.mlp.down, none)] for x in layers]
             )
+        if spec.hidden_act == "xielu":  # Apertus's: each layer's activation constants
+            self._stack.set_xielu([x.mlp.act_fn.constants() for x in layers])
         if spec.norm_bias:  # Nemotron's layer norms' biases
 
             def bias(norm) -> torch.Tensor:

@@ -54,7 +54,7 @@ def shared_of(moe: SparseMoE) -> tuple[list[torch.Tensor], list[int]] | None:
 
 # An ungated MLP's activations the call applies after up's product, by code (weir.h Gated and
 # kRelu2; the module path runs the same loop: backend.ungated)
-UNGATED = {"silu": 1, "gelu": 2, "gelu_pytorch_tanh": 3, "relu2": 4}
+UNGATED = {"silu": 1, "gelu": 2, "gelu_pytorch_tanh": 3, "relu2": 4, "xielu": 5}
 
 
 def part_of(w) -> tuple[int, torch.Tensor, int] | None:

@@ -78,10 +78,7 @@ class MLP(nn.Module):
         `lora`: the step's adapters (gpu/lora.py LoraLayer)."""
         b = self.backend
         if not self.is_gated:  # (adapters are refused for it: gpu/lora.py)
-            if self.hidden_act == "xielu":
-                h = self.act_fn(b.linear(x, self.up))
-            else:
-                h = b.ungated(x, self.up, self.hidden_act)
+            h = b.ungated(x, self.up, self.hidden_act, getattr(self, "act_fn", None))
             return block_output(b, h, self.down, residual, norm)
         add = plus_lora(b, x, lora, "gate_up", None, self.widths[0])
         h = b.gated(x, self.gate_up) if add is None else b.gated(x, self.gate_up, add)
@@ -114,6 +111,14 @@ class XIELU(nn.Module):
         self.alpha_n = nn.Parameter(torch.zeros(1))
         self.beta = nn.Parameter(torch.zeros(()))
         self.eps = nn.Parameter(torch.zeros(()))
+
+    def constants(self) -> list[float]:
+        """[softplus(alpha_p), beta + softplus(alpha_n), beta, eps] in float32 (the compiled
+        activation's: weir.h kXielu)."""
+        with torch.no_grad():
+            p = [t.float().reshape(()) for t in (self.alpha_p, self.alpha_n, self.beta, self.eps)]
+            values = (F.softplus(p[0]), p[2] + F.softplus(p[1]), p[2], p[3])
+            return [float(v) for v in values]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         p = [t.to(x.dtype) for t in (self.alpha_p, self.alpha_n, self.beta, self.eps)]

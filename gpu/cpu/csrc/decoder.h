@@ -47,6 +47,7 @@ struct DecoderLayer {
     bool plain_up;        // an ungated MLP (Arcee's): gate_up is up's plain product, act after it
     const float* up_bias;    // an ungated MLP's biases (StarCoder2's): [intermediate], or null
     const float* down_bias;  // [hidden], or null
+    float xielu[4];          // an ungated MLP's xIELU constants (Apertus's; weir.h kXielu)
     StackLinear down;     // [hidden, intermediate]
     void* k_cache;        // [blocks, block_size, kv_heads, head_dim], of DecoderModel::cache_dtype
     void* v_cache;

@@ -335,7 +335,7 @@ int decoder_forward(const DecoderModel& model, const DecoderStep& step) {
             gu_add = dgu;
         product(L.gate_up, h, T, H, L.plain_up ? 0 : int(m->act), L.up_bias, gu_add, 2 * I, g, I,
                 nt, spare);
-        if (L.plain_up) activate_rows(g, T * I, int(m->act), nt);  // (an ungated MLP)
+        if (L.plain_up) activate_rows(g, T * I, int(m->act), L.xielu, nt);  // (an ungated MLP)
         scale_rows(g, T * I, m->residual_scale);
         timer.lap(kGateUp);
         if (lora && L.lora[kLoraDown].a) lora_add(L.lora[kLoraDown], g, T, I, lora, x, H, nt);
@@ -364,11 +364,19 @@ int decoder_forward(const DecoderModel& model, const DecoderStep& step) {
     return 0;
 }
 
-void activate_rows(float* x, int64_t n, int act, int64_t num_threads) {
+void activate_rows(float* x, int64_t n, int act, const float* params, int64_t num_threads) {
     const int64_t chunk = 16384, tasks = (n + chunk - 1) / chunk;
     parallel_for(tasks, n > 2 * chunk ? num_threads : 1, [&](int64_t task) {
         float* p = x + task * chunk;
         const int64_t len = std::min(chunk, n - task * chunk);
+        if (act == kXielu) {
+            const float ap = params[0], an = params[1], b = params[2], eps = params[3];
+            for (int64_t i = 0; i < len; ++i) {
+                const float v = p[i], below = (std::expm1(std::min(v, eps)) - v) * an + b * v;
+                p[i] = v > 0.f ? ap * v * v + b * v : below;
+            }
+            return;
+        }
         if (act == kRelu2) {
             for (int64_t i = 0; i < len; ++i) p[i] = p[i] > 0.f ? p[i] * p[i] : 0.f;
             return;

@@ -69,12 +69,15 @@ Tensor layer_norm(const Tensor& x, const Tensor& weight, double eps, const optio
     return out;
 }
 
-// An ungated MLP's activation in place (weir.h activate_rows)
-void activate_(Tensor& x, int64_t act) {
+// An ungated MLP's activation in place (weir.h activate_rows; xIELU's four constants in params)
+void activate_(Tensor& x, int64_t act, std::vector<double> params) {
     check_f32(x, "x");
     TORCH_CHECK_VALUE(x.is_contiguous(), "x: needs a contiguous tensor");
-    TORCH_CHECK_VALUE(act >= weir::kSilu && act <= weir::kRelu2, "act: 1 to 4");
-    weir::activate_rows(x.data_ptr<float>(), x.numel(), int(act), threads());
+    TORCH_CHECK_VALUE(act >= weir::kSilu && act <= weir::kXielu, "act: 1 to 5");
+    TORCH_CHECK_VALUE(act != weir::kXielu || params.size() == 4, "xielu: four constants");
+    float p[4] = {};
+    for (size_t i = 0; i < params.size() && i < 4; ++i) p[i] = float(params[i]);
+    weir::activate_rows(x.data_ptr<float>(), x.numel(), int(act), p, threads());
 }
 
 // ---- packed products ----
@@ -237,7 +240,7 @@ TORCH_LIBRARY(weir, m) {
           &rms_norm_rope);
     m.def("layer_norm(Tensor x, Tensor weight, float eps, Tensor? bias=None) -> Tensor",
           &layer_norm);
-    m.def("activate_(Tensor(a!) x, int act) -> ()", &activate_);
+    m.def("activate_(Tensor(a!) x, int act, float[] params=[]) -> ()", &activate_);
     m.def("gemm_pack(Tensor w, Tensor? w2) -> Tensor", &gemm_pack);
     m.def("gemm(Tensor x, Tensor packed, int n, int gated, Tensor? bias, Tensor? residual) -> "
           "Tensor",

@@ -53,7 +53,7 @@ struct DecoderStack : torch::CustomClassHolder {
         TORCH_CHECK_VALUE(H > 0 && heads > 0 && kv > 0 && D > 0 && I > 0 && heads % kv == 0 &&
                               D % 2 == 0 && vocab > 0,
                           "dims: bad shape ", c10::IntArrayRef(dims));
-        TORCH_CHECK_VALUE(dims[6] >= weir::kSilu && dims[6] <= weir::kRelu2, "act: 1 to 4");
+        TORCH_CHECK_VALUE(dims[6] >= weir::kSilu && dims[6] <= weir::kXielu, "act: 1 to 5");
         const int64_t qw = heads * D, kvw = kv * D;
         auto keep_ = [&](const Tensor& t) -> const float* {
             keep.push_back(t);
@@ -93,14 +93,14 @@ struct DecoderStack : torch::CustomClassHolder {
             d.o.part[0] = stack_weight(F[6], L[8], H, qw, false, "o");
             d.o.parts = 1;
             if (E) {
-                TORCH_CHECK_VALUE(dims[6] != weir::kRelu2, "act 4 (relu2): ungated MLPs only");
+                TORCH_CHECK_VALUE(dims[6] < weir::kRelu2, "act 4, 5: ungated MLPs only");
                 bind_experts(d, L, F, H, li);
             } else if (F[8] == -2) {  // an ungated MLP: up's plain product in gate_up0
                 d.gate_up.part[0] = stack_weight(F[7], L[9], I, H, false, "up");
                 d.gate_up.parts = 1;
                 d.plain_up = true;
             } else {
-                TORCH_CHECK_VALUE(dims[6] != weir::kRelu2, "act 4 (relu2): ungated MLPs only");
+                TORCH_CHECK_VALUE(dims[6] < weir::kRelu2, "act 4, 5: ungated MLPs only");
                 d.gate_up = gated_pair(F[7], L[9], F[8], L[10], I, H, "gate_up");
                 if (F[8] >= 0) keep.push_back(L[10]);
             }
@@ -261,6 +261,15 @@ struct DecoderStack : torch::CustomClassHolder {
     void set_mlp_bias(std::vector<std::vector<Tensor>> per_layer) {
         bind_mlp_bias(layers, per_layer, model, keep);
     }
+    // xIELU's constants (Apertus's), per layer four (weir.h kXielu).
+    void set_xielu(std::vector<std::vector<double>> per_layer) {
+        TORCH_CHECK_VALUE(per_layer.size() == layers.size(), "xielu: one entry per layer");
+        for (size_t li = 0; li < layers.size(); ++li) {
+            TORCH_CHECK_VALUE(per_layer[li].size() == 4 && layers[li].plain_up,
+                              "xielu: four constants, an ungated MLP's");
+            for (int i = 0; i < 4; ++i) layers[li].xielu[i] = float(per_layer[li][i]);
+        }
+    }
 
     // Granite's factor on each block's output (taken on the O and down products' inputs),
     // Ministral 3's attention temperature (its beta, 0: none, and length), Hunyuan's Q/K norms
@@ -380,6 +389,7 @@ TORCH_LIBRARY_FRAGMENT(weir, m) {
         .def("set_extras", &DecoderStack::set_extras)
         .def("set_norm_bias", &DecoderStack::set_norm_bias)
         .def("set_mlp_bias", &DecoderStack::set_mlp_bias)
+        .def("set_xielu", &DecoderStack::set_xielu)
         .def("set_shared", &DecoderStack::set_shared)
         .def("set_gpt_oss", &DecoderStack::set_gpt_oss)
         .def("set_kv_scales", &DecoderStack::set_kv_scales);

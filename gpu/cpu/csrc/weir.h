@@ -84,11 +84,14 @@ enum Gated : int { kPlain = 0, kSilu = 1, kGelu = 2, kGeluTanh = 3 };
 // relu(v)^2: an ungated MLP's activation (Arcee's), applied by the stack after a plain product
 // (forward.cpp), never a gated pair's
 constexpr int kRelu2 = 4;
+// xIELU (Apertus's), its four per-layer constants [softplus(alpha_p), beta + softplus(alpha_n),
+// beta, eps]: v > 0 ? a_p v^2 + beta v : (expm1(min(v, eps)) - v) a_n + beta v
+constexpr int kXielu = 5;
 
-// x[0, n) through an ungated MLP's activation `act` (kSilu .. kRelu2), in place: the one
-// compiled loop both the layer stack and the module path (torch.ops.weir.activate_) run, so
-// they give the same bits.
-void activate_rows(float* x, int64_t n, int act, int64_t num_threads);
+// x[0, n) through an ungated MLP's activation `act` (kSilu .. kXielu; `params`: xIELU's four
+// constants, else unread), in place: the one compiled loop both the layer stack and the module
+// path (torch.ops.weir.activate_) run, so they give the same bits.
+void activate_rows(float* x, int64_t n, int act, const float* params, int64_t num_threads);
 
 // The packed size in floats of an [n, k] weight (of a gated pair: n = the width of each half).
 int64_t gemm_packed_size(int64_t n, int64_t k, bool gated);
