@@ -34,6 +34,10 @@ OWN_NAMES = {
         (".mlp.down_proj.", ".mlp.fc2."),
         ("model.norm.", "model.final_layernorm."),
     ),
+    "apertus": (
+        (".input_layernorm.", ".attention_layernorm."),
+        (".post_attention_layernorm.", ".feedforward_layernorm."),
+    ),
 }
 
 
@@ -75,6 +79,10 @@ def dequantized(path, hf_dir, out):
             state.update({expert_name(name, e): w[e].contiguous() for e in range(w.shape[0])})
         else:
             state[name] = w.contiguous()
+    if arch == "apertus":  # its xIELU parameters: the file's metadata, a value a layer
+        for key, shape in (("alpha_p", [1]), ("alpha_n", [1]), ("beta", []), ("eps", [])):
+            for i, v in enumerate(reader.fields[f"xielu.{key}"].contents()):
+                state[f"model.layers.{i}.mlp.act_fn.{key}"] = torch.tensor(v).reshape(shape)
     for gate in [n for n in state if n.endswith(".mlp.experts.gate_proj.weight")]:
         if arch != "granitemoe":
             break

@@ -37,12 +37,18 @@ def test_each_layer_keeps_its_own_parameters_in_the_stack(apertus):
     assert first != second and len(first) == 4
 
 
-def test_a_gguf_file_serves_as_its_checkpoint(apertus, tmp_path):
+@pytest.mark.parametrize("fmt", ["f32", "q8_0"])
+def test_a_gguf_file_serves_as_its_checkpoint(apertus, fmt, tmp_path):
     import gguf
 
     from gpu.quant.gguf_write import uniform, write_gguf
 
-    path = write_gguf(apertus, tmp_path / "apertus.gguf", uniform("f32"))
+    path = write_gguf(apertus, tmp_path / "apertus.gguf", uniform(fmt))
     fields = gguf.GGUFReader(path).fields
     assert len(fields["xielu.alpha_p"].contents()) == 2  # a value a layer
-    assert_as_transformers(path, apertus, prompt(30))
+    if fmt == "f32":
+        assert_as_transformers(path, apertus, prompt(30))
+    else:  # against transformers on the `gguf` package's dequantization of the file
+        from tests.gguf_reference import assert_near_dequantized
+
+        assert_near_dequantized(path, apertus, tmp_path / "ref", prompt(30))
