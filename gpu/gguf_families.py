@@ -2,8 +2,8 @@
 (gpu/gguf_config.py reads the others): Granite and GraniteMoE (their four factors), SmolLM3,
 Ministral 3 (its attention temperature and YaRN), Hunyuan's dense models, EXAONE 4, GLM-4, ERNIE
 4.5, Seed-OSS, Cohere's Command R and Cohere 2, Arcee (its ungated MLP), Nemotron, StarCoder2,
-Phi-2, Gemma 1, StableLM and Apertus. Each reader takes the open file's HfConfigOf (`f`: its `get`,
-`tensors`, `arch` and `path`), the fields every decoder shares and the head size."""
+Phi-2, Gemma 1, StableLM, Apertus and OLMo 1. Each reader takes the open file's HfConfigOf (`f`:
+its `get`, `tensors`, `arch` and `path`), the fields every decoder shares and the head size."""
 
 from __future__ import annotations
 
@@ -203,6 +203,14 @@ def apertus(f: Any, common: dict, head_dim: int) -> Any:
     return ApertusConfig(**common, head_dim=head_dim, hidden_act="xielu")
 
 
+def olmo(f: Any, common: dict, head_dim: int) -> Any:
+    """OLMo 1: layer norms without weights (their epsilon fixed), Q/K/V clamped where the file
+    says (attention.clamp_kqv)."""
+    from transformers import OlmoConfig
+
+    return OlmoConfig(**common, clip_qkv=f.get(f"{f.arch}.attention.clamp_kqv", None))
+
+
 FAMILIES = {
     "granite": granite,
     "granitemoe": granite,
@@ -222,4 +230,5 @@ FAMILIES = {
     "gemma": gemma,
     "stablelm": stablelm,
     "apertus": apertus,
+    "olmo": olmo,
 }

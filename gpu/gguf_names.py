@@ -46,6 +46,7 @@ ARCHES = {
     "stablelm": "StableLmForCausalLM",  # (its Q/K rows as the checkpoint's)
     # (so too; its xIELU's parameters as metadata arrays: gpu/gguf_file.py)
     "apertus": "ApertusForCausalLM",
+    "olmo": "OlmoForCausalLM",  # (no norm tensors: its norms have no weights)
     # an encoder (gpu/models/encoder.py): BERT, or XLM-RoBERTa / RoBERTa by its vocabulary
     # (gpu/gguf_config.py `encoder`)
     "bert": "BertModel",
@@ -56,7 +57,7 @@ ARCHES = {
 # A "llama" file with experts is a Mixtral (llama.cpp's converter writes it so).
 # The architectures whose Q/K rows llama.cpp's converter reorders (its LlamaModel's and its
 # subclasses': llama_permute)
-PERMUTED = ("llama", "granite", "granitemoe", "smollm3", "mistral3", "arcee")
+PERMUTED = ("llama", "granite", "granitemoe", "smollm3", "mistral3", "arcee", "olmo")
 
 # HF module names (under model.layers.N.) -> GGUF's (under blk.N.)
 LAYER_NAMES = {

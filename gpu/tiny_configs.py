@@ -343,6 +343,10 @@ def tiny_config(
             dtype="float32",
             rope_parameters={"rope_theta": 10000.0, "rope_type": "default"},
         )
+    elif arch == "olmo":  # OLMo 1: layer norms without weights, Q/K/V clipped at 0.5 (where
+        from transformers import OlmoConfig  # the tiny model's products reach past it)
+
+        config = OlmoConfig(**common, tie_word_embeddings=bool(tie_word_embeddings), clip_qkv=0.5)
     elif arch == "phi":  # Phi-2: side by side on a layer norm with a bias, biases everywhere
         from transformers import PhiConfig  # (drawn by the caller), 0.4 of each head rotated
 

@@ -56,6 +56,8 @@ def load_both(path, **pool):
         ("stablelm", {"num_layers": 2, "global_every": 0}, "auto"),
         # Apertus: an ungated MLP of xIELU, each layer's constants its own; Q/K norms
         ("apertus", {"num_layers": 2}, "auto"),
+        # OLMo 1: weightless layer norms, Q/K/V clipped
+        ("olmo", {"num_layers": 2}, "auto"),
         ("cohere2", {"num_layers": 4, "global_every": 4, "sliding_window": 8}, "auto"),
         # Q/K/V and O biases (Llama's attention_bias)
         ("llama", {"attention_bias": True}, "auto"),

@@ -91,6 +91,8 @@ CASES = [
     ("gemma", 2, {"num_layers": 2, "head_dim": 32}, {}),
     # Apertus: each layer's xIELU parameters whole on every rank, Q/K norms per head
     ("apertus", 2, {"num_layers": 2}, {}),
+    # OLMo 1: each rank's Q/K/V rows clipped, its weightless norms on every rank
+    ("olmo", 2, {"num_layers": 2}, {}),
 ]
 
 

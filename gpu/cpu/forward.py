@@ -93,6 +93,8 @@ HANDLED: dict[str, tuple | None] = {
     "gated_mlp": None,
     "norm_bias": None,  # Nemotron's layer norms' biases (set_norm_bias)
     "head_bias": None,  # a biased LM head (Phi-2's) is computed after the call, through torch
+    "norm_weightless": None,  # OLMo's layer norms: weights of ones (a buffer), bound as any
+    "qkv_clip": None,  # OLMo's clip_qkv (set_extras)
 }
 
 
@@ -232,7 +234,7 @@ class FusedStack:
         if layered or spec.embed_scale != 1.0:
             self._stack.set_gemma(*sp.gemma_of(model))
         scaled = (spec.residual_scale != 1.0, spec.query_scale_beta, spec.qk_norm_after_rope)
-        if any(scaled) or spec.layer_norm or spec.parallel_block:
+        if any(scaled) or spec.layer_norm or spec.parallel_block or spec.qkv_clip:
             self._stack.set_extras(
                 spec.residual_scale,
                 spec.query_scale_beta,
@@ -240,6 +242,7 @@ class FusedStack:
                 spec.qk_norm_after_rope,
                 spec.layer_norm,
                 spec.parallel_block,
+                spec.qkv_clip,
             )
         if spec.mlp_bias and not spec.gated_mlp:  # StarCoder2's MLP biases
             self._stack.set_mlp_bias(

@@ -60,6 +60,7 @@ class Attention(nn.Module):
         self.sliding_window = window
         self.softcap = spec.attn_softcap  # Gemma 2's cap on the scores (0: none)
         self.residual_scale = spec.residual_scale  # Granite's, on O's input (1: none)
+        self.qkv_clip = spec.qkv_clip
         self.query_scale = None  # Ministral 3's (query_scale.py): the model's, set a step
         self.qkv_sizes = [spec.num_heads * d, spec.num_kv_heads * d, spec.num_kv_heads * d]
         self.o_width = h
@@ -89,6 +90,8 @@ class Attention(nn.Module):
         else:
             qa, ka, va = add.split(self.qkv_sizes, dim=-1)
             q, k, v = self.q_proj(x, qa), self.k_proj(x, ka), self.v_proj(x, va)
+        if self.qkv_clip:  # OLMo's clip_qkv
+            q, k, v = (t.clamp(-self.qkv_clip, self.qkv_clip) for t in (q, k, v))
         if self.qk_norm_whole:  # OLMo's: all heads normalized together, before the split
             q, k = self.q_norm(q.contiguous()), self.k_norm(k.contiguous())
         q = q.view(t, self.num_heads, self.head_dim)
@@ -192,7 +195,9 @@ class DecoderModel(nn.Module):
 def _norm_class(spec: ModelSpec):
     """The layers' and the model's norm: RMSNorm, or a mean-centred layer norm (Cohere's;
     Nemotron's with a bias)."""
-    return partial(LayerNorm, bias=spec.norm_bias) if spec.layer_norm else RMSNorm
+    if not spec.layer_norm:
+        return RMSNorm
+    return partial(LayerNorm, bias=spec.norm_bias, weightless=spec.norm_weightless)
 
 
 class DecoderForCausalLM(nn.Module):
@@ -231,6 +236,9 @@ class DecoderForCausalLM(nn.Module):
         """After loading: every weight in the backend's form; then the stack, if the backend
         runs this model as one call (it logs why not)."""
         self.model.embed_tokens.prepare()
+        for norm in self.modules():  # (OLMo's weightless layer norms: their ones)
+            if isinstance(norm, LayerNorm):
+                norm.prepare()
         for layer in self.model.layers:
             layer.self_attn.prepare()
             layer.mlp.prepare()

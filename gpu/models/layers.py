@@ -84,12 +84,24 @@ class RMSNorm(nn.Module):
 
 
 class LayerNorm(RMSNorm):
-    """A mean-centred layer norm: Cohere's, a weight and no bias (RMSNorm's weight and eps), or
-    Nemotron's, with a bias too."""
+    """A mean-centred layer norm: Cohere's, a weight and no bias (RMSNorm's weight and eps),
+    Nemotron's, with a bias too, or OLMo's, with neither (`weightless`: ones)."""
 
-    def __init__(self, dim: int, eps: float, backend, bias: bool = False) -> None:
+    def __init__(
+        self, dim: int, eps: float, backend, bias: bool = False, weightless: bool = False
+    ) -> None:
         super().__init__(dim, eps, backend)
         self.bias = nn.Parameter(torch.zeros(dim)) if bias else None
+        self.weightless = weightless
+        if weightless:  # OLMo's: no weight in the checkpoint, ones in its place (`prepare`)
+            del self.weight
+            self.register_buffer("weight", torch.ones(dim), persistent=False)
+
+    def prepare(self) -> None:
+        """After loading: a weightless norm's ones (the model is built without initializing)."""
+        if self.weightless:
+            with torch.no_grad():
+                self.weight.fill_(1.0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.backend.layer_norm(x, self.weight, self.eps, self.bias)

@@ -44,6 +44,9 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     # Apertus (Apertus-8B, -70B): Llama's layer with Q/K norms, its norms by their own names
     # (renames.py) and an ungated MLP of xIELU, each layer's four parameters its own (mlp.py)
     "ApertusForCausalLM": {"qk_norm": True, "ungated": True},
+    # OLMo (1: OLMo-1B/7B, 0424, 0724): Llama's layer under layer norms without weights, Q/K/V
+    # clamped after their products (clip_qkv)
+    "OlmoForCausalLM": {"qk_norm": False, "olmo1": True},
     "MistralForCausalLM": {"qk_norm": False},
     "Phi3ForCausalLM": {"qk_norm": False},
     # Gemma 3 (text): norms before and after each block, weights as 1 + w, scaled embeddings,
@@ -215,6 +218,9 @@ class ModelSpec:
     norm_bias: bool = False
     # the LM head's bias (Phi-2's)
     head_bias: bool = False
+    # OLMo's: layer norms without weights (nor bias), and Q/K/V clamped to [-clip, clip] (0: no)
+    norm_weightless: bool = False
+    qkv_clip: float = 0.0
 
     @classmethod
     def from_hf_config(cls, config: Any) -> ModelSpec:
@@ -268,7 +274,8 @@ class ModelSpec:
                 getattr(config, "rms_norm_eps", None)
                 or getattr(config, "layer_norm_eps", None)
                 or getattr(config, "norm_epsilon", None)
-                or config.norm_eps
+                or getattr(config, "norm_eps", None)
+                or 1e-5  # (OLMo's layer norm: a fixed epsilon)
             ),
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False) or labels),
             qkv_bias=extra.get("qkv_bias", attention_bias),
@@ -340,6 +347,9 @@ class ModelSpec:
             parallel = bool(getattr(config, "use_parallel_residual", False))
             fields.update(layer_norm=True, norm_bias=True, parallel_block=parallel)
             fields.update(qkv_bias=bool(getattr(config, "use_qkv_bias", False)), o_bias=False)
+        if extra.get("olmo1"):
+            clip = float(getattr(config, "clip_qkv", None) or 0.0)
+            fields.update(layer_norm=True, norm_weightless=True, qkv_clip=clip, rms_norm_eps=1e-5)
         if extra.get("nemotron"):  # LayerNorm1P: weight 1 + w, and a bias
             eps = float(config.norm_eps)
             fields.update(layer_norm=True, norm_bias=True, norm_plus_one=True, rms_norm_eps=eps)

@@ -245,6 +245,10 @@ def metadata_writer(
     eps |= {"nemotron": "norm_eps", "starcoder2": "norm_epsilon"}
     if arch in eps:
         w.add_layer_norm_eps(float(config[eps[arch]]))
+    elif arch == "olmo":  # (its layer norms' epsilon is fixed) and its clip_qkv
+        w.add_layer_norm_eps(1e-5)
+        if config.get("clip_qkv"):
+            w.add_clamp_kqv(float(config["clip_qkv"]))
     else:
         w.add_layer_norm_rms_eps(float(config["rms_norm_eps"]))
     if arch == "stablelm":

@@ -132,6 +132,7 @@ struct DecoderModel {
     // Cohere's: every norm (the layers' and the final one) mean-centred (layer_norm), and each
     // layer's attention and MLP side by side on its input norm (post_norm unread: null)
     bool layer_norm, parallel_block;
+    float qkv_clip;  // OLMo's: Q, K and V clamped to [-clip, clip] after their product (0: none)
     const float* final_norm;
     const float* final_norm_bias;  // a layer norm's bias, or null
     StackWeight embed;    // [vocab, hidden]: float32 rows (kWF32, not panels) or a packed WFormat

@@ -3,26 +3,24 @@
 // K/V cache may be float32, 16-bit or FP8 (--kv-cache-dtype).
 //
 // The same kernels the modules call one by one (norm_rope.cpp, gemm.cpp, quant.cpp,
-// attention.cpp), called in the same order on the same buffers, so the result is bitwise
-// the module path's (tests/test_cpu_forward.py; a mixture of experts' routing aside, moe.cpp);
-// what goes is the interpreter between them: a
-// dozen torch ops and kernel calls per layer, which at one stream cost as much as the layer's
-// arithmetic. K and V are written into the paged cache here too.
+// attention.cpp), called in the same order on the same buffers, so the result is bitwise the
+// module path's (tests/test_cpu_forward.py; a mixture of experts' routing aside, moe.cpp); what
+// goes is the interpreter between them: a dozen torch ops and kernel calls per layer, which at
+// one stream cost as much as the layer's arithmetic. K and V are written into the cache here too.
 //
 // Per layer, x the residual stream [tokens, hidden], updated in place:
 //   h = rms_norm(x); qkv = h Wqkv^T (+ b); q = rope(norm(q)); k = rope(norm(k)) -> cache;
 //   v -> cache; o = attention(q, cache (+ sinks)); x += o Wo^T (+ b); h = rms_norm(x);
-//   g = act(h G^T) * (h U^T);
-//   x += g Wd^T
+//   g = act(h G^T) * (h U^T) (an ungated MLP: act(h U^T + b)); x += g Wd^T (+ b)
 // (Cohere: every norm mean-centred, and no second norm: the MLP reads h, and x gains both
-// blocks' outputs, attention's first, as transformers adds them)
+// blocks' outputs, attention's first, as transformers adds them; OLMo: Q/K/V clipped)
 // (Granite: o and g times its residual factor before their products, which is the factor on
 // the blocks' outputs, neither product having a bias)
 // (a mixture of experts in place of the last three: moe.cpp, with Qwen2-MoE's shared expert
-// computed here: shared_expert), then out = rms_norm(x) with the
-// final norm, and, when asked, the LM head's logits of chosen
-// rows of out: here rather than as a call of its own after the return, when weir's pool threads
-// have gone back to sleep and the caller did most of that product alone, at one core's rate.
+// computed here: shared_expert), then out = rms_norm(x) with the final norm, and, when asked,
+// the LM head's logits of chosen rows of out: here rather than as a call of its own after the
+// return, when weir's pool threads have gone back to sleep and the caller did most of that
+// product alone, at one core's rate.
 
 #include <algorithm>
 #include <chrono>
@@ -250,6 +248,9 @@ int decoder_forward(const DecoderModel& model, const DecoderStep& step) {
         // modifies gate or up); rows without an adapter add nothing.
         product(L.qkv, hin, T, H, 0, L.qkv_bias, nullptr, 0, qkv, qkvw, nt, spare);
         if (lora && L.lora[kLoraQkv].a) lora_add(L.lora[kLoraQkv], hin, T, H, lora, qkv, qkvw, nt);
+        const float clip = m->qkv_clip;  // OLMo's clip_qkv (0: none)
+        if (clip > 0.f)
+            for (int64_t i = 0; i < T * qkvw; ++i) qkv[i] = std::clamp(qkv[i], -clip, clip);
         timer.lap(kQkv);
         const float eps = L.q_norm ? m->eps : 0.f;
         const float* c = L.local_rope && local ? cos_l : cos;

@@ -276,7 +276,9 @@ struct DecoderStack : torch::CustomClassHolder {
     // after the rotation, Cohere's layer norms and side-by-side blocks (no post_norm then)
     bool unnormed_mlp = false;  // a layer bound without post_norm: set_extras' parallel first
     void set_extras(double residual, double q_beta, int64_t q_length, bool norm_after_rope,
-                    bool layer_norm, bool parallel_block) {
+                    bool layer_norm, bool parallel_block, double qkv_clip) {
+        TORCH_CHECK_VALUE(qkv_clip >= 0, "extras: qkv_clip must be >= 0");
+        model.qkv_clip = float(qkv_clip);
         TORCH_CHECK_VALUE(std::isfinite(residual) && std::isfinite(q_beta), "extras: finite");
         TORCH_CHECK_VALUE(q_beta == 0 || q_length > 0, "extras: q_length must be > 0");
         model.residual_scale = float(residual);
