@@ -53,8 +53,8 @@ class MLP(nn.Module):
         self.hidden_act = spec.hidden_act
         self.residual_scale = spec.residual_scale  # Granite's, on down's input (1: none)
         self.widths = (2 * m if self.is_gated else m, h)  # gate/up's outputs, down's
-        if self.hidden_act == "xielu":  # Apertus's: the layer's own four parameters
-            self.act_fn = XIELU()
+        # Apertus's xIELU: the layer's own four parameters (None: an activation without any)
+        self.act_fn = XIELU() if self.hidden_act == "xielu" else None
         self.gate_up = None  # the backend's gated form of gate and up
         self.up = None  # an ungated MLP's product
         self.down = None
@@ -77,11 +77,11 @@ class MLP(nn.Module):
         """mlp(x), plus residual when given; with `norm`, the pair (norm(that), that).
         `lora`: the step's adapters (gpu/lora.py LoraLayer)."""
         b = self.backend
-        if not self.is_gated:  # (adapters are refused for it: gpu/lora.py)
-            h = b.ungated(x, self.up, self.hidden_act, getattr(self, "act_fn", None))
-            return block_output(b, h, self.down, residual, norm)
-        add = plus_lora(b, x, lora, "gate_up", None, self.widths[0])
-        h = b.gated(x, self.gate_up) if add is None else b.gated(x, self.gate_up, add)
+        if not self.is_gated:  # (adapters on it are refused: gpu/lora.py)
+            h = b.ungated(x, self.up, self.hidden_act, self.act_fn)
+        else:
+            add = plus_lora(b, x, lora, "gate_up", None, self.widths[0])
+            h = b.gated(x, self.gate_up) if add is None else b.gated(x, self.gate_up, add)
         if self.residual_scale != 1.0:
             h = h * self.residual_scale
         residual = plus_lora(b, h, lora, "down", residual, self.widths[1])
